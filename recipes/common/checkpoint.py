@@ -1,0 +1,42 @@
+"""Atomic checkpoint folders: a crash during a save never leaves a half-written checkpoint behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["write_folder_atomically"]
+
+
+def write_folder_atomically(write: Callable[[Path], None], destination: str | os.PathLike) -> Path:
+    """Calls ``write(staging_folder)`` then swaps the staging folder in as ``destination``.
+
+    The staging folder lives beside ``destination`` (same file system, so the final ``rename`` is atomic). An existing
+    ``destination`` is moved aside first and deleted only once the new folder is in place, so at every instant either
+    the old or the new complete folder exists under a name a reader can find.
+    """
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.staging.", dir=destination.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would make the checkpoint private to this user
+    try:
+        write(staging)
+        for file in staging.rglob("*"):
+            if file.is_file():
+                with open(file, "rb") as handle:
+                    os.fsync(handle.fileno())
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    previous = None
+    if destination.exists():
+        previous = destination.with_name(f".{destination.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        destination.rename(previous)
+    staging.rename(destination)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+    return destination

@@ -1,0 +1,75 @@
+"""Metric logging for the recipes, chosen with ``logger=none|csv|wandb``.
+
+Every logger takes namespaced metric dicts (``train/loss``, ``rollout/reward_mean``...) with a step. ``csv`` appends
+to ``metrics.csv`` in the run folder (readable without any service); ``wandb`` also writes there and logs to
+Weights & Biases with project/group/name/mode from the config (``mode: offline`` works with no account). Use it as a
+context manager, or call ``close()`` in a ``finally``: Hydra multirun jobs share one process, and a run left open
+would swallow the next job's metrics.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["MetricLogger", "make_logger"]
+
+
+class MetricLogger:
+    """Writes metrics to ``<run_dir>/metrics.csv`` (unless ``kind == "none"``) and to wandb when ``kind == "wandb"``."""
+
+    def __init__(self, kind: str, run_dir: Path, *, wandb_settings: DictConfig | None = None, config=None) -> None:
+        if kind not in ("none", "csv", "wandb"):
+            raise ValueError(f"MetricLogger: kind must be 'none', 'csv' or 'wandb', got {kind!r}.")
+        self.kind = kind
+        self.history: list[dict[str, float]] = []
+        self._csv_path = Path(run_dir) / "metrics.csv" if kind != "none" else None
+        self._columns: list[str] | None = None
+        self._wandb_run = None
+        if kind == "wandb":
+            import wandb
+
+            self._wandb_run = wandb.init(
+                project=wandb_settings.project,
+                group=wandb_settings.group,
+                name=wandb_settings.name,
+                mode=wandb_settings.mode,
+                dir=str(run_dir),
+                config=OmegaConf.to_container(config, resolve=True) if config is not None else None,
+                reinit="finish_previous",
+            )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.history.append(row)
+        if self._csv_path is not None:
+            if self._columns is None:
+                self._columns = list(row)
+                write_header = not self._csv_path.exists()
+            else:
+                write_header = False
+            with open(self._csv_path, "a", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=self._columns, extrasaction="ignore")
+                if write_header:
+                    writer.writeheader()
+                writer.writerow(row)
+        if self._wandb_run is not None:
+            self._wandb_run.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> MetricLogger:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def make_logger(logger_cfg: DictConfig, run_dir: Path, *, config=None) -> MetricLogger:
+    """The logger a ``logger=`` config node asks for."""
+    return MetricLogger(logger_cfg.kind, run_dir, wandb_settings=logger_cfg.get("wandb"), config=config)

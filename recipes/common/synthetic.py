@@ -1,0 +1,130 @@
+"""The synthetic task: product reviews whose sentiment an oracle can count.
+
+Prompts ask for a review of a product; a response is a short review built from a small word list. The oracle scores
+a response by the balance of positive and negative adjectives among all the adjectives it uses, in [-1, 1], so the
+task has a ground truth that (a) labels preference pairs, (b) measures a GRPO policy's true quality independently of
+the learned reward model and (c) makes learning testable. Everything here is offline and deterministic given a seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+
+__all__ = [
+    "NEGATIVE_WORDS",
+    "NEUTRAL_WORDS",
+    "POSITIVE_WORDS",
+    "PRODUCTS",
+    "OracleLabeler",
+    "make_prompts",
+    "make_review",
+    "make_sft_conversations",
+    "oracle_score",
+]
+
+PRODUCTS = ("phone", "laptop", "camera", "kettle", "bike", "lamp", "chair", "watch", "radio", "bag", "desk", "mug")
+POSITIVE_WORDS = ("great", "good", "excellent", "lovely", "perfect", "nice", "superb", "solid")
+NEGATIVE_WORDS = ("bad", "poor", "awful", "broken", "terrible", "ugly", "flimsy", "cheap")
+NEUTRAL_WORDS = ("big", "small", "red", "new", "heavy", "light", "plain", "round")
+
+_PROMPT_TEMPLATES = ("Write a review of the {}.", "Review the {}.", "What do you think of the {}?")
+_SUBJECTS = ("the {}", "it", "the price", "the color", "the design", "the box")
+_VERBS = ("is", "looks", "feels", "seems")
+_ADVERBS = ("", "very ", "really ", "quite ")
+_POSITIVE, _NEGATIVE, _NEUTRAL = set(POSITIVE_WORDS), set(NEGATIVE_WORDS), set(NEUTRAL_WORDS)
+_WORD = re.compile(r"[a-z]+")
+
+
+def make_prompts(num_prompts: int, *, seed: int) -> list[str]:
+    """Returns ``num_prompts`` review requests drawn with ``random.Random(seed)``.
+
+    Examples:
+        >>> make_prompts(2, seed=0)
+        ['Review the chair.', 'Write a review of the bike.']
+    """
+    rng = random.Random(seed)
+    return [rng.choice(_PROMPT_TEMPLATES).format(rng.choice(PRODUCTS)) for _ in range(num_prompts)]
+
+
+def make_review(product: str, rng: random.Random, *, sentiment: float | None = None) -> str:
+    """Builds one review of ``product``; ``sentiment`` in [-1, 1] biases its adjectives (random when None)."""
+    if sentiment is None:
+        sentiment = rng.uniform(-1.0, 1.0)
+    clauses = []
+    for _ in range(rng.randint(2, 4)):
+        if rng.random() < 0.25:
+            adjective = rng.choice(NEUTRAL_WORDS)
+        elif rng.random() < (1.0 + sentiment) / 2.0:
+            adjective = rng.choice(POSITIVE_WORDS)
+        else:
+            adjective = rng.choice(NEGATIVE_WORDS)
+        subject = rng.choice(_SUBJECTS).format(product)
+        clauses.append(f"{subject} {rng.choice(_VERBS)} {rng.choice(_ADVERBS)}{adjective}")
+    return " and ".join(clauses) + "."
+
+
+def make_sft_conversations(num_conversations: int, *, seed: int) -> list[list[dict[str, str]]]:
+    """Prompt/review conversations of mixed sentiment, the corpus the tiny policy is pretrained on."""
+    rng = random.Random(seed)
+    conversations = []
+    for prompt in make_prompts(num_conversations, seed=seed):
+        product = next(p for p in PRODUCTS if p in prompt)
+        review = make_review(product, rng)
+        conversations.append([{"role": "user", "content": prompt}, {"role": "assistant", "content": review}])
+    return conversations
+
+
+def oracle_score(response: str) -> float:
+    """Ground-truth quality of a response: (positive - negative adjectives) / all adjectives, in [-1, 1].
+
+    A response without any adjective of the task scores 0.
+
+    Examples:
+        >>> oracle_score("the phone is great and it looks ugly and the box is red.")
+        0.0
+        >>> oracle_score("it is very good and the price seems nice.")
+        1.0
+    """
+    words = _WORD.findall(response.lower())
+    positive = sum(w in _POSITIVE for w in words)
+    negative = sum(w in _NEGATIVE for w in words)
+    neutral = sum(w in _NEUTRAL for w in words)
+    total = positive + negative + neutral
+    return (positive - negative) / total if total else 0.0
+
+
+class OracleLabeler:
+    """Turns several responses to one prompt into preference pairs ranked by :func:`oracle_score`.
+
+    The labeler of the preference stage is application specific; this is the synthetic task's. Pairs whose scores
+    differ by less than ``min_margin`` are dropped, never labelled at random.
+
+    Args:
+        max_pairs_per_prompt: at most this many pairs per prompt (best vs worst first, then the next ones inwards).
+        min_margin: the smallest oracle-score difference that makes a pair.
+
+    Examples:
+        >>> labeler = OracleLabeler(max_pairs_per_prompt=1)
+        >>> labeler("Review the mug.", ["it is bad.", "it is good.", "it is red."])
+        [{'chosen': 'it is good.', 'rejected': 'it is bad.', 'margin': 2.0}]
+    """
+
+    def __init__(self, *, max_pairs_per_prompt: int = 1, min_margin: float = 1e-6) -> None:
+        if max_pairs_per_prompt < 1:
+            raise ValueError(f"OracleLabeler: max_pairs_per_prompt must be >= 1, got {max_pairs_per_prompt}.")
+        self.max_pairs_per_prompt = max_pairs_per_prompt
+        self.min_margin = min_margin
+
+    def __call__(self, prompt: str, responses: Sequence[str]) -> list[dict[str, object]]:
+        ranked = sorted(((oracle_score(r), r) for r in responses), key=lambda pair: pair[0], reverse=True)
+        pairs = []
+        for i in range(min(self.max_pairs_per_prompt, len(ranked) // 2)):
+            (best_score, best), (worst_score, worst) = ranked[i], ranked[-1 - i]
+            if best_score - worst_score >= self.min_margin and best != worst:
+                pairs.append({"chosen": best, "rejected": worst, "margin": best_score - worst_score})
+        return pairs
+
+    def __repr__(self) -> str:
+        return f"OracleLabeler(max_pairs_per_prompt={self.max_pairs_per_prompt}, min_margin={self.min_margin})"

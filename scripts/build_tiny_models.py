@@ -1,0 +1,185 @@
+"""Builds the tiny model kit, offline and deterministically: a tokenizer, a policy and a reward-model base.
+
+    python scripts/build_tiny_models.py                 # writes tiny/policy and tiny/reward_base
+    python scripts/build_tiny_models.py --out /tmp/kit --pretrain-steps 50
+
+Each output folder is a standard Hugging Face checkpoint (config, safetensors weights, tokenizer), loaded with
+``from_pretrained(folder)``: exactly the code path a hub id takes. The tokenizer is a byte-level BPE trained on the
+synthetic task's corpus, with a ChatML chat template (the one TorchRL falls back to, with ``{% generation %}`` tags
+for assistant masks), its own pad token distinct from EOS. The policy, a Qwen2 causal LM of about 0.1M parameters, is
+pretrained briefly on reviews of mixed sentiment so that it writes on-distribution text; the reward base is a Qwen2
+sequence classifier (num_labels=1) initialised from that policy's backbone, ready for
+``recipes/reward_trainer_from_buffer.py``. The trained tiny reward model (tiny/reward_model) is that recipe's output:
+``--train-reward-model`` runs it after the build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from recipes.common.checkpoint import write_folder_atomically
+from recipes.common.synthetic import make_sft_conversations
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Qwen's special tokens: pad <|endoftext|> distinct from EOS <|im_end|>; AutoTokenizer then loads this as a
+# Qwen2Tokenizer (from config.model_type) with nothing added.
+PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
+# ChatML, as TorchRL's `chatml_format`: TorchRL renders and parses histories with it, trl with the tokenizer's own.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}{% generation %}{{ message['content'] }}{% endgeneration %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer(corpus: list[str], *, vocab_size: int) -> PreTrainedTokenizerFast:
+    """Trains a byte-level BPE on ``corpus`` and wraps it as a standard HF fast tokenizer."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, EOS, IM_START],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token=PAD, eos_token=EOS, padding_side="left")
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.model_max_length = 256
+    return tokenizer
+
+
+def build_policy(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def pretrain(model: Qwen2ForCausalLM, tokenizer, corpus: list[str], *, steps: int, batch_size: int, lr: float):
+    """Next-token pretraining on the corpus, padding excluded from the loss. Returns (first, last) loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    generator = torch.Generator().manual_seed(0)
+    tokenizer.padding_side = "right"
+    losses = []
+    model.train()
+    for _ in range(steps):
+        rows = torch.randint(len(corpus), (batch_size,), generator=generator).tolist()
+        batch = tokenizer([corpus[i] for i in rows], return_tensors="pt", padding=True)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    tokenizer.padding_side = "left"
+    model.eval()
+    return losses[0], sum(losses[-20:]) / len(losses[-20:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "tiny", help="folder that receives the checkpoints")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-conversations", type=int, default=4000)
+    parser.add_argument("--vocab-size", type=int, default=600)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--pretrain-steps", type=int, default=600)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--train-reward-model",
+        action="store_true",
+        help="then run recipes/reward_trainer_from_buffer.py and store its model as <out>/reward_model",
+    )
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    conversations = make_sft_conversations(args.num_conversations, seed=args.seed)
+    tokenizer = build_tokenizer(
+        [f"{m['role']}\n{m['content']}" for c in conversations for m in c], vocab_size=args.vocab_size
+    )
+    corpus = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+
+    policy = build_policy(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers)
+    first, last = pretrain(policy, tokenizer, corpus, steps=args.pretrain_steps, batch_size=args.batch_size, lr=args.lr)
+    policy.generation_config = GenerationConfig(
+        do_sample=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=48
+    )
+    n_params = sum(p.numel() for p in policy.parameters())
+    print(f"policy: {n_params / 1e6:.2f}M parameters, pretraining loss {first:.2f} -> {last:.2f}")
+
+    def save_policy(folder: Path) -> None:
+        policy.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    write_folder_atomically(save_policy, args.out / "policy")
+
+    def save_reward_base(folder: Path) -> None:
+        torch.manual_seed(args.seed)  # the score head's initialisation
+        reward_base = AutoModelForSequenceClassification.from_pretrained(args.out / "policy", num_labels=1)
+        reward_base.config.pad_token_id = tokenizer.pad_token_id
+        reward_base.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    write_folder_atomically(save_reward_base, args.out / "reward_base")
+    print(f"wrote {args.out / 'policy'} and {args.out / 'reward_base'} in {time.perf_counter() - start:.0f}s")
+
+    if args.train_reward_model:
+        with tempfile.TemporaryDirectory() as run_dir:
+            command = [
+                sys.executable,
+                str(REPO_ROOT / "recipes" / "reward_trainer_from_buffer.py"),
+                f"model.name_or_path={args.out / 'policy'}",
+                f"reward_model.name_or_path={args.out / 'reward_base'}",
+                f"hydra.run.dir={run_dir}",
+            ]
+            subprocess.run(command, check=True)
+            write_folder_atomically(
+                lambda folder: shutil.copytree(Path(run_dir) / "model", folder, dirs_exist_ok=True),
+                args.out / "reward_model",
+            )
+        print(f"wrote {args.out / 'reward_model'}")
+
+
+if __name__ == "__main__":
+    main()

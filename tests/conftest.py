@@ -1,0 +1,71 @@
+"""Shared fixtures: the shipped tiny model kit, offline HF settings, Hydra state, and GPU skipping."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach the hub: everything loads from local folders exactly as a hub id would.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The shipped tiny kit: ``policy``, ``reward_base`` and ``reward_model`` checkpoint folders."""
+    return REPO_ROOT / "tiny"
+
+
+@pytest.fixture(autouse=True)
+def _clear_hydra():
+    """Each test composes its own config: no GlobalHydra state leaks between tests."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+@pytest.fixture
+def compose_config():
+    """``compose_config("grpo_torchrl_rm", ["key=value", ...])`` -> the composed DictConfig, in-process.
+
+    ``hydra:`` interpolations are resolved as for a run (return_hydra_config), so the output dir can be overridden
+    with ``hydra.run.dir=<tmp_path>``.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    import recipes.common.config  # noqa: F401  (registers ${project_root:})
+
+    def _compose(config_name: str, overrides: list[str] | None = None):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=overrides or [], return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            return cfg
+
+    return _compose

@@ -1,0 +1,184 @@
+"""The recipes' shared building blocks: synthetic task, data sources, model loading, checkpoints, logging."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from recipes.common.checkpoint import write_folder_atomically
+from recipes.common.config import ConfigError
+from recipes.common.data import load_preference_pairs, load_prompts
+from recipes.common.logging import MetricLogger
+from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
+from recipes.common.synthetic import OracleLabeler, make_prompts, make_sft_conversations, oracle_score
+
+
+def _node(**values):
+    return OmegaConf.create(values)
+
+
+def _file_node(path, eval_path=None):
+    return _node(
+        source="file",
+        path=str(path),
+        eval_path=eval_path,
+        prompt_column="prompt",
+        chosen_column="chosen",
+        rejected_column="rejected",
+    )
+
+
+class TestSyntheticTask:
+    def test_oracle_counts_sentiment_among_adjectives(self):
+        assert oracle_score("it is great and the box is awful and the color is red.") == 0.0
+        assert oracle_score("it is great and it looks nice.") == 1.0
+        assert oracle_score("it is broken.") == -1.0
+        assert oracle_score("it is great and it looks red.") == 0.5
+        assert oracle_score("") == 0.0
+
+    def test_prompts_are_deterministic_and_seed_dependent(self):
+        assert make_prompts(20, seed=3) == make_prompts(20, seed=3)
+        assert make_prompts(20, seed=3) != make_prompts(20, seed=4)
+
+    def test_corpus_has_mixed_sentiment(self):
+        reviews = [c[1]["content"] for c in make_sft_conversations(400, seed=0)]
+        scores = torch.tensor([oracle_score(r) for r in reviews])
+        assert abs(scores.mean().item()) < 0.15
+        assert (scores > 0.5).any() and (scores < -0.5).any()
+
+    def test_labeler_ranks_by_oracle_and_drops_ties(self):
+        labeler = OracleLabeler(max_pairs_per_prompt=2)
+        pairs = labeler("Review the mug.", ["it is bad.", "it is good.", "it is red.", "it is great and red."])
+        assert pairs[0] == {"chosen": "it is good.", "rejected": "it is bad.", "margin": 2.0}
+        assert pairs[1] == {"chosen": "it is great and red.", "rejected": "it is red.", "margin": 0.5}
+        assert labeler("Review the mug.", ["it is good.", "it is nice.", "it is red and great."])[0]["margin"] == 0.5
+        # Ties are dropped, never labelled at random.
+        assert labeler("Review the mug.", ["it is red.", "it is new."]) == []
+        assert labeler("Review the mug.", ["it is good.", "it is nice."]) == []
+
+
+class TestDataSources:
+    def test_prompts_from_jsonl(self, tmp_path):
+        path = tmp_path / "prompts.jsonl"
+        rows = [{"prompt": "Review the mug."}, {"prompt": [{"role": "user", "content": "Review the lamp."}]}]
+        path.write_text("\n".join(json.dumps(r) for r in rows[:1]) + "\n")
+        assert load_prompts(_file_node(path), "train") == ["Review the mug."]
+        assert load_prompts(_file_node(path), "eval") == []
+
+    def test_conversational_pairs_from_parquet(self, tmp_path):
+        import datasets
+
+        conversation = lambda text: [{"role": "user", "content": "Review it."}, {"role": "assistant", "content": text}]
+        table = datasets.Dataset.from_list(
+            [{"chosen": conversation("it is good."), "rejected": conversation("it is bad.")}]
+        )
+        table.to_parquet(tmp_path / "pairs.parquet")
+        pairs = load_preference_pairs(_file_node(tmp_path / "pairs.parquet"), "train")
+        assert pairs == [{"chosen": conversation("it is good."), "rejected": conversation("it is bad.")}]
+
+    def test_missing_columns_are_listed(self, tmp_path):
+        path = tmp_path / "pairs.jsonl"
+        path.write_text(json.dumps({"prompt": "p", "good": "a", "bad": "b"}) + "\n")
+        with pytest.raises(ConfigError, match=r"lacks column\(s\) \['chosen', 'rejected'\].*Found columns"):
+            load_preference_pairs(_file_node(path), "train")
+
+    def test_missing_file_is_named(self, tmp_path):
+        with pytest.raises(ConfigError, match="no such file"):
+            load_prompts(_file_node(tmp_path / "absent.jsonl"), "train")
+
+    def test_hf_dataset_from_disk(self, tmp_path):
+        import datasets
+
+        datasets.DatasetDict(
+            {
+                "train": datasets.Dataset.from_dict({"prompt": ["a", "b"]}),
+                "test": datasets.Dataset.from_dict({"prompt": ["c"]}),
+            }
+        ).save_to_disk(tmp_path / "ds")
+        node = _node(
+            source="hf", name_or_path=str(tmp_path / "ds"), split="train", eval_split="test", prompt_column="prompt"
+        )
+        assert load_prompts(node, "train") == ["a", "b"]
+        assert load_prompts(node, "eval") == ["c"]
+        node.eval_split = "validation"
+        with pytest.raises(ConfigError, match="has splits \\['test', 'train'\\]"):
+            load_prompts(node, "eval")
+
+
+class TestModels:
+    def test_tiny_kit_loads_like_a_hub_checkpoint(self, tiny_dir):
+        node = _node(name_or_path=str(tiny_dir / "policy"), tokenizer_name_or_path=None, trust_remote_code=False)
+        tokenizer = load_tokenizer(node, padding_side="left")
+        assert tokenizer.pad_token_id != tokenizer.eos_token_id
+        policy = load_causal_lm(node, device="cpu", dtype="float32")
+        assert policy.config.vocab_size == len(tokenizer)
+        reward_node = _node(
+            name_or_path=str(tiny_dir / "reward_base"), tokenizer_name_or_path=None, trust_remote_code=False
+        )
+        reward_model = load_reward_model(reward_node, device="cpu", dtype="bfloat16")
+        assert reward_model.config.pad_token_id == tokenizer.pad_token_id
+        assert reward_model.dtype == torch.bfloat16
+
+    def test_missing_local_checkpoint_fails_before_loading(self, tmp_path):
+        node = _node(name_or_path=str(tmp_path / "absent"), tokenizer_name_or_path=None, trust_remote_code=False)
+        with pytest.raises(ConfigError, match="model.name_or_path=.*no such model folder.*build_tiny_models"):
+            validate_model_node(node, key="model")
+        validate_model_node(_node(name_or_path="Qwen/Qwen2.5-0.5B", tokenizer_name_or_path=None), key="model")
+
+    def test_pad_equal_to_eos_is_refused(self, tiny_dir, tmp_path):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy")
+        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.save_pretrained(tmp_path)
+        node = _node(name_or_path=str(tmp_path), tokenizer_name_or_path=None, trust_remote_code=False)
+        with pytest.raises(ConfigError, match="no pad token distinct from EOS"):
+            load_tokenizer(node, padding_side="left")
+
+
+class TestCheckpoint:
+    def test_failed_write_keeps_the_previous_folder(self, tmp_path):
+        destination = tmp_path / "latest"
+        write_folder_atomically(lambda folder: (folder / "state.txt").write_text("step 1"), destination)
+
+        def crash(folder):
+            (folder / "state.txt").write_text("half")
+            raise RuntimeError("disk full")
+
+        with pytest.raises(RuntimeError, match="disk full"):
+            write_folder_atomically(crash, destination)
+        assert (destination / "state.txt").read_text() == "step 1"
+        assert [p.name for p in tmp_path.iterdir()] == ["latest"]  # no staging folder left behind
+        write_folder_atomically(lambda folder: (folder / "state.txt").write_text("step 2"), destination)
+        assert (destination / "state.txt").read_text() == "step 2"
+
+
+def test_csv_logger_appends_rows(tmp_path):
+    with MetricLogger("csv", tmp_path) as logger:
+        logger.log({"train/loss": 1.5}, step=1)
+        logger.log({"train/loss": 0.5}, step=2)
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert lines == ["step,train/loss", "1,1.5", "2,0.5"]
+
+
+def test_build_script_writes_loadable_checkpoints(tmp_path, repo_root):
+    command = [
+        sys.executable,
+        str(repo_root / "scripts" / "build_tiny_models.py"),
+        f"--out={tmp_path}",
+        "--num-conversations=200",
+        "--pretrain-steps=5",
+    ]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "policy")
+    assert tokenizer.chat_template is not None and tokenizer.pad_token != tokenizer.eos_token
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "policy").config.vocab_size == len(tokenizer)
+    reward_base = AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward_base")
+    assert reward_base.config.num_labels == 1 and reward_base.config.pad_token_id == tokenizer.pad_token_id
