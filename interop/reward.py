@@ -1,0 +1,635 @@
+"""Hugging Face reward models inside TorchRL: a TensorDict module and an env transform.
+
+Public classes:
+
+- :class:`HFRewardModelWrapper`: scores the sequences of a tensordict with a Hugging Face sequence-classification
+  reward model (for instance one trained by ``trl.RewardTrainer``) and writes one float32 reward per sample. It takes
+  the same calls as ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper`` and adds what real LLM rollouts need:
+  ragged (unpadded) batches, the reward model's own tokenizer (plain text or chat ``History``), micro-batching,
+  truncation, device and dtype handling.
+- :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores every step with such a module and writes the
+  reward at ``("next", "reward")`` with the env's reward-spec shape (``batch + (1, 1)`` for LLM chat envs), which is
+  what ``MCAdvantage`` and ``GRPOLoss`` read.
+
+Dependencies: ``torch``, ``tensordict`` and ``torchrl``. ``transformers`` is never imported here: the wrapper only
+calls the model and tokenizer objects it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from tensordict import NestedKey, TensorDictBase, is_tensor_collection
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import unravel_key
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import Transform
+
+__all__ = ["HFRewardModelWrapper", "RewardModelTransform"]
+
+
+def _flatten(values: Any) -> list:
+    """Flattens the nested lists that multi-dimensional lazy stacks return into one flat list."""
+    if not isinstance(values, (list, tuple)):
+        return [values]
+    if values and not isinstance(values[0], (list, tuple)):  # already flat: lazy stacks nest uniformly
+        return list(values)
+    out = []
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            out.extend(_flatten(value))
+        else:
+            out.append(value)
+    return out
+
+
+def _strings(value: Any, numel: int, key: NestedKey) -> list[str]:
+    """Reads one string per sample from what ``td.get`` returned for a text key."""
+    if isinstance(value, str):
+        texts = [value] * numel
+    elif hasattr(value, "tolist"):
+        texts = _flatten(value.tolist())
+    elif isinstance(value, (list, tuple)):
+        texts = _flatten(list(value))
+    else:
+        texts = [value]
+    if len(texts) == 1 and numel != 1:
+        texts = texts * numel
+    if len(texts) != numel or not all(isinstance(text, str) for text in texts):
+        raise TypeError(
+            f"HFRewardModelWrapper: expected one string per sample at text_key {key!r} ({numel} samples), "
+            f"found {type(value).__name__} with {len(texts)} entries. Point text_key at the text to score "
+            f"(e.g. ('text', 'full') written by TorchRL's LLM wrappers)."
+        )
+    return texts
+
+
+def _unbind_leading(value: Any, ndims: int) -> list:
+    """Splits the first ``ndims`` dims of a (possibly lazily stacked) tensordict-like into a flat list of items."""
+    if ndims == 0:
+        return [value]
+    items = list(value.unbind(0))
+    if ndims == 1:
+        return items
+    return [leaf for item in items for leaf in _unbind_leading(item, ndims - 1)]
+
+
+def _messages(history: Any) -> list[dict]:
+    """Turns one conversation (a 1-D torchrl ``History``) into the list of message dicts trl's datasets hold."""
+    messages = []
+    for message in history.tolist(tolist_first=True):
+        if message.get("role") == "<none>":  # torchrl's placeholder for ragged stacks, not a message
+            continue
+        out = {"role": message["role"], "content": message["content"]}
+        for optional in ("tool_calls", "tool_responses"):
+            if message.get(optional) is not None:
+                out[optional] = message[optional]
+        messages.append(out)
+    return messages
+
+
+class HFRewardModelWrapper(TensorDictModuleBase):
+    """A Hugging Face reward model as a TensorDict module: sequences in, one float32 reward per sample out.
+
+    A drop-in replacement for ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper`` (same positional and keyword
+    arguments, same defaults, same output), correct on real LLM rollouts:
+
+    - **Ragged batches.** TorchRL's LLM wrappers with ``pad_output=False`` store one tensor per sample, of its own
+      length (a lazy stack). The wrapper reads them as a list and pads each (micro-)batch itself, on the side given by
+      ``padding_side`` with the reward model's pad id (``model.config.pad_token_id``, else ``tokenizer.pad_token_id``,
+      else 0) and a matching attention mask. An already padded ``[B, T]`` tensor is passed to the model unchanged.
+    - **The reward model's own tokenizer.** With ``tokenizer`` the wrapper scores text rather than the policy's token
+      ids: the string at ``text_key``, or, with ``history_key``, the torchrl ``History`` conversation rendered with the
+      tokenizer's own chat template. It tokenizes exactly as ``trl.RewardTrainer`` (trl 1.16) did when it trained the
+      model, so a prompt + response gets the score the model learned for it: plain text gets the EOS string appended
+      when it does not already end with it and is tokenized with special tokens; a conversation is tokenized with
+      ``tokenizer.apply_chat_template(messages, tokenize=True)`` (no generation prompt).
+    - **Memory.** ``micro_batch_size`` scores the batch in chunks, each padded to its own longest sequence;
+      ``max_length`` truncates each sequence (keeping its start, or its end when the tokenizer's
+      ``truncation_side`` is ``"left"``).
+    - **Device and dtype.** Inputs go to the model's device; rewards come back float32 on the tensordict's device
+      (or the input tensors' device when the tensordict has none), whatever the model's dtype.
+
+    The model's output may be an object or mapping with ``logits`` (HF ``SequenceClassifierOutput``) or ``rewards``,
+    or a bare tensor, of shape ``[N]`` or ``[N, 1]`` for ``N`` sequences. A tensordict with several batch dimensions
+    is scored as a flat batch and the reward takes the tensordict's batch shape.
+
+    Args:
+        model (nn.Module): the reward model, e.g. ``AutoModelForSequenceClassification(..., num_labels=1)``; its
+            ``forward`` takes ``input_ids`` and (unless ``attention_mask_key=None`` in token mode)
+            ``attention_mask``.
+
+    Keyword Args:
+        token_key (NestedKey): token ids to score when no ``tokenizer`` is given. Defaults to ``("tokens", "full")``,
+            the layout of TorchRL's ``TransformersWrapper``.
+        attention_mask_key (NestedKey or None): attention mask read with the token ids; ``None`` reads none and
+            calls the model without one. Defaults to ``("masks", "all_attention_mask")``.
+        reward_key (NestedKey): where the reward (shape: the tensordict's batch shape) is written. Defaults to
+            ``"reward"``.
+        inference_mode (bool): if ``True`` the model runs under ``torch.no_grad()``: no autograd graph is built and
+            the reward is an ordinary tensor that later autograd code may use (unlike ``torch.inference_mode``
+            tensors). Defaults to ``False`` (gradients flow into the model).
+        tokenizer: the reward model's tokenizer (a ``transformers`` tokenizer). When given, text or a conversation is
+            scored instead of ``token_key``. Defaults to ``None``.
+        text_key (NestedKey): the text scored when ``tokenizer`` is given and ``history_key`` is ``None``. Defaults
+            to ``("text", "full")`` (prompt + response as the policy saw it).
+        history_key (NestedKey or None): a torchrl ``History`` (one conversation per sample) to render with the
+            tokenizer's chat template; requires ``tokenizer``. In a ``ChatEnv`` step the conversation including the
+            new response is at ``("history", "full")``. Defaults to ``None``.
+        micro_batch_size (int or None): largest number of sequences sent through the model at once. Defaults to
+            ``None`` (the whole batch).
+        max_length (int or None): truncate each sequence to this many tokens. ``trl.RewardTrainer`` drops longer
+            pairs at training time instead, so scores of truncated sequences are outside what the model was
+            trained on. Defaults to ``None``.
+        padding_side (str): ``"right"`` or ``"left"``, where ragged sequences are padded. Defaults to ``"right"``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from interop import HFRewardModelWrapper
+        >>> class SumRewardModel(torch.nn.Module):
+        ...     def forward(self, input_ids, attention_mask=None):
+        ...         return (input_ids * attention_mask).sum(-1, keepdim=True).float()
+        >>> wrapper = HFRewardModelWrapper(SumRewardModel(), inference_mode=True)
+        >>> td = TensorDict(
+        ...     {
+        ...         "tokens": {"full": torch.tensor([[1, 2, 3], [4, 5, 0]])},
+        ...         "masks": {"all_attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])},
+        ...     },
+        ...     batch_size=[2],
+        ... )
+        >>> wrapper(td)["reward"]
+        tensor([6., 9.])
+        >>> # ragged rollouts (``TransformersWrapper(pad_output=False)``) are lazy stacks of different lengths
+        >>> from tensordict import lazy_stack
+        >>> ragged = lazy_stack(
+        ...     [
+        ...         TensorDict({"tokens": {"full": torch.tensor([1, 2, 3])},
+        ...                     "masks": {"all_attention_mask": torch.ones(3, dtype=torch.bool)}}),
+        ...         TensorDict({"tokens": {"full": torch.tensor([4, 5])},
+        ...                     "masks": {"all_attention_mask": torch.ones(2, dtype=torch.bool)}}),
+        ...     ]
+        ... )
+        >>> wrapper(ragged)["reward"]
+        tensor([6., 9.])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        token_key: NestedKey = ("tokens", "full"),
+        attention_mask_key: NestedKey | None = ("masks", "all_attention_mask"),
+        reward_key: NestedKey = "reward",
+        inference_mode: bool = False,
+        tokenizer: Any = None,
+        text_key: NestedKey = ("text", "full"),
+        history_key: NestedKey | None = None,
+        micro_batch_size: int | None = None,
+        max_length: int | None = None,
+        padding_side: Literal["right", "left"] = "right",
+    ) -> None:
+        if not callable(model):
+            raise TypeError(f"HFRewardModelWrapper: model must be a callable nn.Module, got {type(model).__name__}.")
+        if history_key is not None and tokenizer is None:
+            raise ValueError(
+                "HFRewardModelWrapper: history_key needs the reward model's tokenizer to render the conversation "
+                "with its chat template; pass tokenizer=<the reward model's tokenizer>."
+            )
+        if tokenizer is not None and getattr(tokenizer, "eos_token", None) is None and history_key is None:
+            raise ValueError(
+                "HFRewardModelWrapper: the tokenizer has no eos_token, but text is scored as trl.RewardTrainer "
+                "trained on it (EOS appended). Set tokenizer.eos_token to the one used in training."
+            )
+        if history_key is not None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "HFRewardModelWrapper: history_key is set but the tokenizer has no chat_template; set "
+                "tokenizer.chat_template to the template the reward model was trained with."
+            )
+        for name, value in (("micro_batch_size", micro_batch_size), ("max_length", max_length)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"HFRewardModelWrapper: {name} must be a positive int or None, got {value!r}.")
+        if padding_side not in ("right", "left"):
+            raise ValueError(f"HFRewardModelWrapper: padding_side must be 'right' or 'left', got {padding_side!r}.")
+
+        config = getattr(model, "config", None)
+        model_pad = getattr(config, "pad_token_id", None) if config is not None else None
+        tokenizer_pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        if model_pad is not None and tokenizer_pad is not None and model_pad != tokenizer_pad:
+            raise ValueError(
+                f"HFRewardModelWrapper: model.config.pad_token_id ({model_pad}) differs from tokenizer.pad_token_id "
+                f"({tokenizer_pad}); sequence-classification heads score the last token that is not the model's pad "
+                "id, so both must agree (trl.RewardTrainer sets model.config.pad_token_id = tokenizer.pad_token_id)."
+            )
+
+        super().__init__()
+        if tokenizer is None:
+            mode = "tokens"
+            in_keys = [token_key] if attention_mask_key is None else [token_key, attention_mask_key]
+        elif history_key is None:
+            mode = "text"
+            in_keys = [text_key]
+        else:
+            mode = "history"
+            in_keys = [history_key]
+        self.in_keys = in_keys
+        self.out_keys = [reward_key]
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.token_key = token_key
+        self.attention_mask_key = attention_mask_key
+        self.reward_key = reward_key
+        self.text_key = text_key
+        self.history_key = history_key
+        self.inference_mode = inference_mode
+        self.micro_batch_size = micro_batch_size
+        self.max_length = max_length
+        self.padding_side = padding_side
+        self._mode = mode
+        self._pad_token_id = model_pad if model_pad is not None else tokenizer_pad
+
+    # ------------------------------------------------------------------ reading the inputs
+
+    def _get(self, tensordict: TensorDictBase, key: NestedKey, what: str, **kwargs) -> Any:
+        value = tensordict.get(key, None, **kwargs)
+        if value is None:
+            raise KeyError(
+                f"HFRewardModelWrapper: {what} {key!r} not found in the input TensorDict (keys: "
+                f"{sorted(map(str, tensordict.keys(True, True)))}). Pass {what}=<the key holding it>."
+            )
+        return value
+
+    def _read_tokens(self, tensordict: TensorDictBase):
+        """Token ids (and mask) as one padded ``[N, T]`` tensor when the input is dense, else as per-sample lists."""
+        ids = self._get(tensordict, self.token_key, "token_key", as_list=True)
+        mask = None
+        if self.attention_mask_key is not None:
+            mask = self._get(tensordict, self.attention_mask_key, "attention_mask_key", as_list=True)
+        if isinstance(ids, torch.Tensor) and (mask is None or isinstance(mask, torch.Tensor)):
+            if ids.ndim == 1:  # a single unbatched sequence
+                ids = ids.unsqueeze(0)
+                mask = mask.unsqueeze(0) if mask is not None else None
+            ids = ids.reshape(-1, ids.shape[-1])
+            if mask is not None:
+                mask = mask.reshape(-1, mask.shape[-1])
+            return ids, mask
+        ids = list(ids.reshape(-1, ids.shape[-1]).unbind(0)) if isinstance(ids, torch.Tensor) else _flatten(ids)
+        if mask is not None:
+            if isinstance(mask, torch.Tensor):
+                mask = list(mask.reshape(-1, mask.shape[-1]).unbind(0))
+            else:
+                mask = _flatten(mask)
+            for i, (seq, seq_mask) in enumerate(zip(ids, mask, strict=True)):
+                if seq.shape != seq_mask.shape:
+                    raise ValueError(
+                        f"HFRewardModelWrapper: sample {i} has {tuple(seq.shape)} token ids at {self.token_key!r} "
+                        f"but an attention mask of shape {tuple(seq_mask.shape)} at {self.attention_mask_key!r}."
+                    )
+        return ids, mask
+
+    def _tokenize(self, tensordict: TensorDictBase, numel: int) -> list[list[int]]:
+        """Token ids of the text or conversations, tokenized as ``trl.RewardTrainer`` tokenized its training data."""
+        tokenizer = self.tokenizer
+        if self._mode == "text":
+            texts = _strings(self._get(tensordict, self.text_key, "text_key"), numel, self.text_key)
+            eos = tokenizer.eos_token
+            texts = [text if text.endswith(eos) else text + eos for text in texts]
+            return list(tokenizer(texts)["input_ids"])
+        history = self._get(tensordict, self.history_key, "history_key")
+        if not is_tensor_collection(history):
+            raise TypeError(
+                f"HFRewardModelWrapper: history_key {self.history_key!r} holds {type(history).__name__}, expected a "
+                "torchrl.data.llm.History with one conversation per sample."
+            )
+        conversations = _unbind_leading(history, tensordict.batch_dims)
+        if len(conversations) != numel:
+            raise ValueError(
+                f"HFRewardModelWrapper: history_key {self.history_key!r} holds {len(conversations)} conversations "
+                f"for {numel} samples; expected a History of shape [*batch, n_messages]."
+            )
+        messages = [_messages(conversation) for conversation in conversations]
+        encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
+        return [list(ids) for ids in encoded["input_ids"]]
+
+    # ------------------------------------------------------------------ scoring
+
+    def _truncate(self, seq, seq_mask):
+        if self.max_length is None or len(seq) <= self.max_length:
+            return seq, seq_mask
+        keep_end = getattr(self.tokenizer, "truncation_side", "right") == "left"
+        window = slice(-self.max_length, None) if keep_end else slice(0, self.max_length)
+        return seq[window], (seq_mask[window] if seq_mask is not None else None)
+
+    def _pad(self, seqs: list, masks: list | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+        pad_id = self._pad_token_id if self._pad_token_id is not None else 0
+        right = self.padding_side == "right"
+        lengths = [len(seq) for seq in seqs]
+        longest = max(lengths)
+        if isinstance(seqs[0], list):  # tokenizer output: pad in Python, then a single tensor copy
+            rows = [
+                seq + [pad_id] * (longest - len(seq)) if right else [pad_id] * (longest - len(seq)) + seq
+                for seq in seqs
+            ]
+            ids = torch.tensor(rows)
+        else:
+            ids = pad_sequence(seqs, batch_first=True, padding_value=pad_id, padding_side=self.padding_side)
+        if masks is not None and bool(torch.cat(masks).all()):  # the usual case (pad_output=False): no padding yet
+            masks = None
+        if masks is None:  # real tokens only: the mask follows from the lengths
+            positions = torch.arange(longest)
+            lengths = torch.tensor(lengths).unsqueeze(-1)
+            mask = positions < lengths if right else positions >= longest - lengths
+        else:
+            mask = pad_sequence(masks, batch_first=True, padding_value=0, padding_side=self.padding_side)
+        return ids.to(device, non_blocking=True), mask.to(device=device, dtype=torch.long, non_blocking=True)
+
+    def _call_model(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.model(input_ids=ids) if mask is None else self.model(input_ids=ids, attention_mask=mask)
+        if isinstance(out, torch.Tensor):
+            rewards = out
+        elif hasattr(out, "logits"):
+            rewards = out.logits
+        elif hasattr(out, "rewards"):
+            rewards = out.rewards
+        elif isinstance(out, dict) and ("logits" in out or "rewards" in out):
+            rewards = out["logits"] if "logits" in out else out["rewards"]
+        else:
+            raise RuntimeError(
+                "HFRewardModelWrapper: could not extract a reward from the model output of type "
+                f"{type(out).__name__}; the model must return a tensor or an output with 'logits' or 'rewards' "
+                "(e.g. AutoModelForSequenceClassification with num_labels=1)."
+            )
+        n = ids.shape[0]
+        if rewards.shape == (n, 1):
+            rewards = rewards.squeeze(-1)
+        elif rewards.shape != (n,):
+            raise RuntimeError(
+                f"HFRewardModelWrapper: expected one scalar reward per sequence, of shape ({n},) or ({n}, 1), got "
+                f"{tuple(rewards.shape)}. A classification head with several labels needs num_labels=1."
+            )
+        return rewards.float()
+
+    def _model_device(self) -> torch.device | None:
+        param = next(iter(self.model.parameters()), None) if isinstance(self.model, nn.Module) else None
+        return param.device if param is not None else None
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Scores the sequences of ``tensordict`` and writes the reward at ``reward_key``.
+
+        Args:
+            tensordict (TensorDictBase): holds the keys listed in :attr:`in_keys`.
+
+        Returns:
+            the same tensordict, with a float32 reward of shape ``tensordict.batch_size`` at ``reward_key``.
+        """
+        batch_size = tensordict.batch_size
+        numel = batch_size.numel()
+        if numel == 0:
+            raise ValueError(
+                f"HFRewardModelWrapper: nothing to score, the TensorDict has batch size {tuple(batch_size)}."
+            )
+        model_device = self._model_device()
+        out_device = tensordict.device
+
+        if self._mode == "tokens":
+            ids, mask = self._read_tokens(tensordict)
+            if out_device is None:
+                out_device = ids.device if isinstance(ids, torch.Tensor) else ids[0].device
+            if isinstance(ids, torch.Tensor) and (self.max_length is None or ids.shape[-1] <= self.max_length):
+                chunks = self._dense_chunks(ids, mask, model_device)
+            else:
+                if isinstance(ids, torch.Tensor):  # dense but too long: truncate per sample
+                    ids = list(ids.unbind(0))
+                    mask = list(mask.unbind(0)) if mask is not None else None
+                chunks = self._ragged_chunks(ids, mask, model_device, pass_mask=self.attention_mask_key is not None)
+        else:
+            seqs = self._tokenize(tensordict, numel)
+            chunks = self._ragged_chunks(seqs, None, model_device, pass_mask=True)
+
+        grad_context = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
+        with grad_context:
+            rewards = [self._call_model(chunk_ids, chunk_mask) for chunk_ids, chunk_mask in chunks]
+        reward = rewards[0] if len(rewards) == 1 else torch.cat(rewards)
+        if reward.shape[0] != numel:
+            raise RuntimeError(
+                f"HFRewardModelWrapper: scored {reward.shape[0]} sequences for a TensorDict of batch size "
+                f"{tuple(batch_size)}; {self.in_keys[0]!r} must hold one sequence per sample."
+            )
+        if out_device is None:
+            out_device = torch.device("cpu")
+        tensordict.set(self.reward_key, reward.to(out_device).reshape(batch_size))
+        return tensordict
+
+    def _dense_chunks(self, ids, mask, device):
+        size = self.micro_batch_size or ids.shape[0]
+        for start in range(0, ids.shape[0], size):
+            chunk_ids = ids[start : start + size]
+            chunk_mask = mask[start : start + size] if mask is not None else None
+            if device is not None:
+                chunk_ids = chunk_ids.to(device, non_blocking=True)
+                chunk_mask = chunk_mask.to(device, non_blocking=True) if chunk_mask is not None else None
+            yield chunk_ids, chunk_mask
+
+    def _ragged_chunks(self, seqs, masks, device, *, pass_mask: bool):
+        size = self.micro_batch_size or len(seqs)
+        for start in range(0, len(seqs), size):
+            chunk = seqs[start : start + size]
+            chunk_masks = masks[start : start + size] if masks is not None else [None] * len(chunk)
+            pairs = [self._truncate(seq, seq_mask) for seq, seq_mask in zip(chunk, chunk_masks, strict=True)]
+            chunk = [seq for seq, _ in pairs]
+            chunk_masks = [seq_mask for _, seq_mask in pairs] if masks is not None else None
+            if device is None:
+                device = chunk[0].device if isinstance(chunk[0], torch.Tensor) else torch.device("cpu")
+            chunk_ids, chunk_mask = self._pad(chunk, chunk_masks, device)
+            yield chunk_ids, (chunk_mask if pass_mask else None)
+
+    def __repr__(self) -> str:
+        if self._mode == "tokens":
+            source = f"token_key={self.token_key!r}, attention_mask_key={self.attention_mask_key!r}"
+        elif self._mode == "text":
+            source = f"tokenizer={type(self.tokenizer).__name__}, text_key={self.text_key!r}"
+        else:
+            source = f"tokenizer={type(self.tokenizer).__name__}, history_key={self.history_key!r}"
+        return (
+            f"{type(self).__name__}(model={type(self.model).__name__}, {source}, reward_key={self.reward_key!r}, "
+            f"inference_mode={self.inference_mode}, micro_batch_size={self.micro_batch_size}, "
+            f"max_length={self.max_length}, padding_side={self.padding_side!r})"
+        )
+
+
+class RewardModelTransform(Transform):
+    """Scores each env step with a reward module and writes the reward with the env's reward-spec shape.
+
+    ``ChatEnv`` declares no reward; appending this transform declares one (``Unbounded``, float32, shape
+    ``env.batch_size + reward_shape``, ``(1, 1)`` by default as TorchRL's LLM reward transforms do) and fills it at
+    every step. The result is what ``MCAdvantage(grpo_size=G)`` (reads ``("next", "reward")``) and ``GRPOLoss``
+    (needs ``advantage.ndim == 3``) expect, with no reshaping in between.
+
+    At each step the reward module reads the tensordict of time ``t`` (``read_from="root"``), which holds the policy's
+    output: ``("tokens", "full")``, ``("masks", "all_attention_mask")``, ``("text", "full")`` and ``("history",
+    "full")`` (prompt + new response) with TorchRL's LLM wrappers. With ``read_from="next"`` it reads the env's step
+    output instead; in ``ChatEnv`` history mode the whole conversation is then at ``("history", "prompt")`` (the
+    prompt of the next turn). The module runs under ``torch.no_grad()``: an env reward is data, not a graph.
+
+    The module scores a selection of the keys it declares in ``in_keys``, so its own output key (``"reward"`` for
+    :class:`HFRewardModelWrapper`) never leaks into the rollout; the transform then writes the reward at
+    ``("next", reward_key)``.
+
+    Args:
+        reward_module (TensorDictModuleBase): a module with ``in_keys`` and exactly one ``out_keys`` entry holding
+            one reward per sample, typically :class:`HFRewardModelWrapper`.
+
+    Keyword Args:
+        reward_key (NestedKey): the reward entry of the env, written under ``"next"``. Defaults to ``"reward"``.
+        read_from (str): ``"root"`` (the step's input tensordict, with the policy's output) or ``"next"`` (the env's
+            step output). Defaults to ``"root"``.
+        reward_shape (tuple of int): trailing shape of the reward after the env's batch dims. Defaults to ``(1, 1)``
+            (TorchRL's LLM convention, required by ``GRPOLoss``); use ``(1,)`` for classic envs.
+        accumulate (bool): add the score to a reward already present at ``("next", reward_key)`` (for instance a
+            rule-based reward from an earlier transform) instead of overwriting it. Defaults to ``False``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from interop import HFRewardModelWrapper, RewardModelTransform
+        >>> class LengthRewardModel(torch.nn.Module):
+        ...     def forward(self, input_ids, attention_mask):
+        ...         return attention_mask.sum(-1).float()
+        >>> transform = RewardModelTransform(HFRewardModelWrapper(LengthRewardModel()))
+        >>> transform
+        RewardModelTransform(reward_module=HFRewardModelWrapper, reward_key='reward', read_from='root', ...)
+        >>> # outside an env (e.g. on stored transitions) forward() writes ("next", reward_key)
+        >>> td = TensorDict(
+        ...     {"tokens": {"full": torch.ones(2, 4, dtype=torch.long)},
+        ...      "masks": {"all_attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])}},
+        ...     batch_size=[2],
+        ... )
+        >>> transform(td)["next", "reward"].view(-1)
+        tensor([4., 2.])
+        >>> transform(td)["next", "reward"].shape
+        torch.Size([2, 1, 1])
+
+        In an LLM chat env (``ChatEnv``) with TorchRL's ``TransformersWrapper`` policy::
+
+            env = ChatEnv.from_dataloader(dataloader=..., repeats=G, batch_size=(G,), tokenizer=policy_tokenizer)
+            env = env.append_transform(StepCounter(max_steps=1))
+            env = env.append_transform(
+                RewardModelTransform(
+                    HFRewardModelWrapper(rm, tokenizer=rm_tokenizer, history_key=("history", "full"))
+                )
+            )
+            env.full_reward_spec["reward"].shape  # torch.Size([G, 1, 1])
+    """
+
+    def __init__(
+        self,
+        reward_module: TensorDictModuleBase,
+        *,
+        reward_key: NestedKey = "reward",
+        read_from: Literal["root", "next"] = "root",
+        reward_shape: Sequence[int] = (1, 1),
+        accumulate: bool = False,
+    ) -> None:
+        if not callable(reward_module):
+            raise TypeError(
+                f"RewardModelTransform: reward_module must be a TensorDict module, got {type(reward_module).__name__}."
+            )
+        module_out_keys = list(getattr(reward_module, "out_keys", None) or [])
+        if len(module_out_keys) != 1:
+            raise ValueError(
+                "RewardModelTransform: reward_module must declare exactly one out_key (the reward), got "
+                f"{module_out_keys!r}. Wrap it so it writes a single reward entry."
+            )
+        if read_from not in ("root", "next"):
+            raise ValueError(f"RewardModelTransform: read_from must be 'root' or 'next', got {read_from!r}.")
+        reward_shape = tuple(int(s) for s in reward_shape)
+        if any(s <= 0 for s in reward_shape) or int(torch.Size(reward_shape).numel()) != 1:
+            raise ValueError(
+                f"RewardModelTransform: reward_shape must hold one element per sample (e.g. (1, 1) or (1,)), got "
+                f"{reward_shape!r}."
+            )
+        super().__init__(in_keys=[], out_keys=[unravel_key(reward_key)])
+        self.reward_module = reward_module
+        self.reward_key = unravel_key(reward_key)
+        self.read_from = read_from
+        self.reward_shape = reward_shape
+        self.accumulate = accumulate
+        self._module_reward_key = unravel_key(module_out_keys[0])
+        self._reward_tuple = self.reward_key if isinstance(self.reward_key, tuple) else (self.reward_key,)
+
+    def _score(self, source: TensorDictBase) -> torch.Tensor:
+        in_keys = list(getattr(self.reward_module, "in_keys", None) or [])
+        scratch = source.select(*in_keys, strict=False) if in_keys else source.copy()
+        with torch.no_grad():
+            scored = self.reward_module(scratch)
+        if scored is None:
+            scored = scratch
+        reward = scored.get(self._module_reward_key, None)
+        if reward is None:
+            raise KeyError(
+                f"RewardModelTransform: the reward module wrote no {self._module_reward_key!r} entry; check its "
+                "out_keys."
+            )
+        if reward.numel() != source.batch_size.numel():
+            raise RuntimeError(
+                f"RewardModelTransform: the reward module returned {reward.numel()} rewards for a batch of "
+                f"{tuple(source.batch_size)}; it must return one reward per sample."
+            )
+        return reward
+
+    def _write(self, tensordict: TensorDictBase, key: tuple, reward: torch.Tensor, shape: torch.Size) -> None:
+        reward = reward.to(torch.float32).reshape(shape)
+        if tensordict.device is not None:
+            reward = reward.to(tensordict.device)
+        if self.accumulate:
+            previous = tensordict.get(key, None)
+            if previous is not None:
+                reward = previous.reshape(shape).to(reward) + reward
+        tensordict.set(key, reward)
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        source = tensordict if self.read_from == "root" else next_tensordict
+        shape = torch.Size(next_tensordict.batch_size) + self.reward_shape
+        self._write(next_tensordict, self._reward_tuple, self._score(source), shape)
+        return next_tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Scores stored transitions outside an env: reads as in a step and writes ``("next", reward_key)``.
+
+        Args:
+            tensordict (TensorDictBase): transitions holding the reward module's inputs at the root (or under
+                ``"next"`` with ``read_from="next"``).
+
+        Returns:
+            the same tensordict with the reward at ``("next", reward_key)``, shape ``batch + reward_shape``.
+        """
+        if self.read_from == "root":
+            source = tensordict
+        else:
+            source = tensordict.get("next", None)
+            if source is None:
+                raise KeyError("RewardModelTransform: read_from='next' but the tensordict has no 'next' entry.")
+        shape = torch.Size(tensordict.batch_size) + self.reward_shape
+        self._write(tensordict, ("next", *self._reward_tuple), self._score(source), shape)
+        return tensordict
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        """Declares the reward entry: ``Unbounded`` float32 of shape ``batch + reward_shape``."""
+        if self.reward_key in reward_spec.keys(True, True):
+            return reward_spec
+        reward_spec[self.reward_key] = Unbounded(
+            shape=reward_spec.shape + self.reward_shape, dtype=torch.float32, device=reward_spec.device
+        )
+        return reward_spec
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(reward_module={type(self.reward_module).__name__}, reward_key={self.reward_key!r}, "
+            f"read_from={self.read_from!r}, reward_shape={self.reward_shape}, accumulate={self.accumulate})"
+        )

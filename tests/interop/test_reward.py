@@ -1,0 +1,640 @@
+"""Tests of :class:`interop.HFRewardModelWrapper` (and the env-free part of :class:`interop.RewardModelTransform`).
+
+Everything runs offline on tiny models built here: tokenizers are trained in memory and saved to a temporary folder,
+reward models are random or trained for a few steps by ``trl.RewardTrainer``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import tensordict
+import torch
+from tensordict import TensorDict, lazy_stack
+from tensordict.nn import TensorDictModuleBase
+
+tensordict.set_list_to_stack(True).set()
+
+from interop.reward import HFRewardModelWrapper, RewardModelTransform  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = "what is the answer question good great fine bad awful poor two plus four hello world".split()
+
+
+def build_tokenizer(folder, corpus, vocab_size):
+    """A byte-level BPE tokenizer with ChatML, pad distinct from EOS, saved and reloaded from ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|pad|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<|pad|>", eos_token="<|im_end|>")
+    tok.chat_template = CHATML
+    tok.save_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def qwen2_config(tok, **kwargs):
+    return transformers.Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        **kwargs,
+    )
+
+
+def reward_model(tok, seed=0):
+    torch.manual_seed(seed)
+    return transformers.Qwen2ForSequenceClassification(qwen2_config(tok, num_labels=1)).eval()
+
+
+def score_alone(model, ids):
+    """The model's score of one sequence, no padding at all."""
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(ids).view(1, -1)).logits.view(()).float()
+
+
+def ragged_tokens(seqs):
+    """The layout of ``TransformersWrapper(pad_output=False)``: a lazy stack of per-sample tensors of their length."""
+    return lazy_stack(
+        [
+            TensorDict(
+                {
+                    "tokens": {"full": torch.as_tensor(s)},
+                    "masks": {"all_attention_mask": torch.ones(len(s), dtype=bool)},
+                }
+            )
+            for s in seqs
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def rm_tok(tmp_path_factory):
+    corpus = [" ".join(WORDS)] * 20 + ["The quick brown fox jumps over the lazy dog, twice."] * 5
+    return build_tokenizer(tmp_path_factory.mktemp("rm_tok"), corpus, vocab_size=280)
+
+
+@pytest.fixture(scope="module")
+def policy_tok(tmp_path_factory):
+    # another vocabulary (other merges, more ids): the policy's ids mean nothing to the reward model
+    corpus = ["Hello world, what is two plus two? It is four. Lorem ipsum dolor sit amet 0123456789."] * 20
+    return build_tokenizer(tmp_path_factory.mktemp("policy_tok"), corpus, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def rm(rm_tok):
+    return reward_model(rm_tok)
+
+
+# ---------------------------------------------------------------- tutorial parity
+
+
+class ToyRewardModel(torch.nn.Linear):
+    """The stand-in reward model of TorchRL's TRL-interoperability tutorial (Linear over the token ids)."""
+
+    def __init__(self, seq_len):
+        super().__init__(seq_len, 1, bias=False)
+
+    def forward(self, input_ids, attention_mask=None):
+        x = input_ids.float()
+        if attention_mask is not None:
+            x = x * attention_mask.float()
+
+        class _Out:
+            pass
+
+        out = _Out()
+        out.logits = super().forward(x)
+        return out
+
+
+def _tutorial_batch(b, seq_len, nested=True):
+    if nested:
+        return TensorDict(
+            {
+                "tokens": TensorDict({"full": torch.randint(0, 1000, (b, seq_len))}, batch_size=[b]),
+                "masks": TensorDict({"all_attention_mask": torch.ones(b, seq_len, dtype=torch.long)}, batch_size=[b]),
+            },
+            batch_size=[b],
+        )
+    return TensorDict(
+        {
+            "input_ids": torch.randint(0, 1000, (b, seq_len)),
+            "attention_mask": torch.ones(b, seq_len, dtype=torch.long),
+        },
+        batch_size=[b],
+    )
+
+
+def test_tutorial_part2_default_and_custom_keys():
+    """TorchRL tutorial, part 2 (steps 2-4), with only the import changed; values equal the reference's."""
+    from torchrl.modules.llm.trl_interop import HFRewardModelWrapper as ReferenceWrapper
+
+    seq_len, b = 16, 4
+    toy = ToyRewardModel(seq_len)
+    reward_fn = HFRewardModelWrapper(
+        toy,
+        token_key=("tokens", "full"),
+        attention_mask_key=("masks", "all_attention_mask"),
+        reward_key="reward",
+        inference_mode=True,
+    )
+    assert ("tokens", "full") in reward_fn.in_keys
+    assert "reward" in reward_fn.out_keys
+
+    td = _tutorial_batch(b, seq_len)
+    result = reward_fn(td)
+    assert result is td
+    assert result["reward"].shape == torch.Size([b])
+    assert result["reward"].dtype == torch.float32
+    reference = ReferenceWrapper(toy, inference_mode=True)(td.clone().exclude("reward"))["reward"]
+    torch.testing.assert_close(result["reward"], reference)
+
+    reward_fn_custom = HFRewardModelWrapper(
+        toy,
+        token_key="input_ids",
+        attention_mask_key="attention_mask",
+        reward_key=("reward", "value"),
+        inference_mode=True,
+    )
+    td2 = _tutorial_batch(b, seq_len, nested=False)
+    result2 = reward_fn_custom(td2)
+    assert result2.get(("reward", "value")).shape == torch.Size([b])
+    torch.testing.assert_close(
+        result2.get(("reward", "value")),
+        toy(td2["input_ids"], td2["attention_mask"]).logits.squeeze(-1).detach(),
+    )
+
+    # part 4, step 3: the canonical TorchRL layout, scored with the defaults
+    reward_fn_e2e = HFRewardModelWrapper(toy, reward_key="reward", inference_mode=True)
+    scored = reward_fn_e2e(_tutorial_batch(4, seq_len))
+    assert scored["reward"].shape == torch.Size([4]) and scored["reward"].dtype == torch.float32
+
+
+def test_tutorial_part3_composition_with_dataset():
+    """TorchRL tutorial, part 3: buffer -> dataset -> re-batched TensorDict -> reward wrapper."""
+    from torchrl.data import ListStorage, ReplayBuffer
+
+    from interop import TorchRLBufferDataset
+
+    seq_len = 16
+    rb_rt = ReplayBuffer(storage=ListStorage(max_size=200), batch_size=8)
+    for _ in range(20):
+        rb_rt.add(
+            TensorDict(
+                {
+                    "tokens": TensorDict({"full": torch.randint(0, 1000, (seq_len,))}, batch_size=[]),
+                    "masks": TensorDict({"all_attention_mask": torch.ones(seq_len, dtype=torch.long)}, batch_size=[]),
+                },
+                batch_size=[],
+            )
+        )
+    ds_rt = TorchRLBufferDataset(rb_rt, batch_size=8, keys=[("tokens", "full"), ("masks", "all_attention_mask")])
+    samples_rt = list(ds_rt)
+    batch_ids = torch.stack([s["tokens.full"] for s in samples_rt])
+    batch_mask = torch.stack([s["masks.all_attention_mask"] for s in samples_rt])
+    td_rt = TensorDict(
+        {
+            "tokens": TensorDict({"full": batch_ids}, batch_size=[8]),
+            "masks": TensorDict({"all_attention_mask": batch_mask}, batch_size=[8]),
+        },
+        batch_size=[8],
+    )
+    toy = ToyRewardModel(seq_len)
+    result_rt = HFRewardModelWrapper(toy, inference_mode=True)(td_rt)
+    assert result_rt["reward"].shape == torch.Size([8])
+    torch.testing.assert_close(result_rt["reward"], toy(batch_ids, batch_mask).logits.squeeze(-1).detach())
+
+
+# ---------------------------------------------------------------- ragged batches
+
+
+def test_ragged_rollout_from_transformers_wrapper(rm_tok):
+    """A real ``TransformersWrapper(pad_output=False)`` rollout: the reference crashes, ours scores each sample as if
+    it were alone."""
+    from torchrl.data.llm import History
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.modules.llm.policies import ChatHistory
+    from torchrl.modules.llm.trl_interop import HFRewardModelWrapper as ReferenceWrapper
+
+    torch.manual_seed(1)
+    policy = transformers.Qwen2ForCausalLM(qwen2_config(rm_tok)).eval()
+    with torch.no_grad():  # make EOS likely so that generations stop at different lengths
+        policy.lm_head.weight[rm_tok.eos_token_id] = torch.randn(32) * 2
+    rm_tok.padding_side = "left"  # generation needs left padding; scoring does not use the tokenizer here
+    generator = TransformersWrapper(
+        policy,
+        tokenizer=rm_tok,
+        input_mode="history",
+        generate=True,
+        pad_output=False,
+        generate_kwargs={"max_new_tokens": 10, "do_sample": True},
+    )
+    prompts = History.from_chats([[{"role": "user", "content": f"what is {i} plus two?"}] for i in range(6)])
+    rollout = generator(TensorDict(history=ChatHistory(prompt=prompts), batch_size=(6,)))
+    seqs = rollout.get(("tokens", "full"), as_list=True)
+    assert len({len(s) for s in seqs}) > 1, "precondition: the rollout must be ragged"
+
+    with pytest.raises(RuntimeError, match="Failed to stack"):
+        ReferenceWrapper(reward_model(rm_tok), inference_mode=True)(rollout)
+
+    model = reward_model(rm_tok)
+    reward = HFRewardModelWrapper(model, inference_mode=True)(rollout)["reward"]
+    assert reward.shape == (6,) and reward.dtype == torch.float32
+    torch.testing.assert_close(reward, torch.stack([score_alone(model, s) for s in seqs]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_ragged_padding_side_invariance_rope(rm, padding_side):
+    """Qwen2 (RoPE) scores do not depend on the padding side: both equal the unpadded per-sample score."""
+    seqs = [[5, 17, 30, 2], [8, 9, 2], [40, 41, 42, 43, 44, 45, 2], [7, 2]]
+    td = ragged_tokens(seqs)
+    reward = HFRewardModelWrapper(rm, inference_mode=True, padding_side=padding_side)(td)["reward"]
+    torch.testing.assert_close(reward, torch.stack([score_alone(rm, s) for s in seqs]), atol=1e-5, rtol=1e-5)
+
+
+def test_ragged_padding_uses_model_pad_id_and_mask(rm_tok):
+    """The padded batch the model receives: the model's pad id on the chosen side, a mask of the real tokens."""
+    seen = {}
+
+    class Recorder(torch.nn.Module):
+        config = transformers.PretrainedConfig(pad_token_id=rm_tok.pad_token_id)
+
+        def forward(self, input_ids, attention_mask):
+            seen["ids"], seen["mask"] = input_ids, attention_mask
+            return attention_mask.sum(-1, keepdim=True).float()
+
+    td = ragged_tokens([[5, 6, 7], [8]])
+    reward = HFRewardModelWrapper(Recorder())(td)["reward"]
+    pad = rm_tok.pad_token_id
+    assert seen["ids"].tolist() == [[5, 6, 7], [8, pad, pad]]
+    assert seen["mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert reward.tolist() == [3.0, 1.0]
+    HFRewardModelWrapper(Recorder(), padding_side="left")(td)
+    assert seen["ids"].tolist() == [[5, 6, 7], [pad, pad, 8]]
+    assert seen["mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_multi_dim_batch(rm):
+    """A ``[2, 3]`` tensordict is scored as 6 sequences and the reward takes the ``[2, 3]`` shape."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, 200, (2, 3, 7))
+    td = TensorDict({"tokens": {"full": ids}, "masks": {"all_attention_mask": torch.ones(2, 3, 7)}}, batch_size=[2, 3])
+    reward = HFRewardModelWrapper(rm, inference_mode=True)(td)["reward"]
+    assert reward.shape == (2, 3)
+    torch.testing.assert_close(reward[1, 2], score_alone(rm, ids[1, 2]), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- tokenizer mismatch
+
+
+def test_tokenizer_mismatch_scores_text_with_reward_tokenizer(rm, rm_tok, policy_tok):
+    texts = ["what is two plus two? four", "hello world, the answer is good"]
+    policy_ids = [torch.tensor(policy_tok(t)["input_ids"] + [len(policy_tok) - 1]) for t in texts]
+    td = lazy_stack(
+        [
+            TensorDict(
+                {
+                    "text": {"full": t},
+                    "tokens": {"full": ids},
+                    "masks": {"all_attention_mask": torch.ones(len(ids), dtype=bool)},
+                }
+            )
+            for t, ids in zip(texts, policy_ids, strict=True)
+        ]
+    )
+    # the policy's ids index past the reward model's embedding table: feeding them is an error, not a score
+    assert max(int(ids.max()) for ids in policy_ids) >= rm.config.vocab_size
+    with pytest.raises(IndexError):
+        HFRewardModelWrapper(rm, inference_mode=True)(td.copy())
+
+    wrapper = HFRewardModelWrapper(rm, tokenizer=rm_tok, inference_mode=True)
+    assert wrapper.in_keys == [("text", "full")]
+    reward = wrapper(td)["reward"]
+    # the manual score: RewardTrainer's plain-text convention, EOS string appended, tokenized with special tokens
+    manual = torch.stack([score_alone(rm, rm_tok(t + rm_tok.eos_token)["input_ids"]) for t in texts])
+    torch.testing.assert_close(reward, manual, atol=1e-5, rtol=1e-5)
+
+    # a text already ending with EOS is not given a second one
+    td_eos = TensorDict({"text": {"full": [t + rm_tok.eos_token for t in texts]}}, batch_size=[2])
+    torch.testing.assert_close(wrapper(td_eos)["reward"], manual, atol=1e-5, rtol=1e-5)
+
+
+def test_history_rendering_with_reward_chat_template(rm, rm_tok):
+    """``history_key`` renders each conversation with the reward tokenizer's own template; ragged stacks and
+    torchrl's ``"<none>"`` placeholder messages are handled."""
+    from torchrl.data.llm import History
+
+    chats = [
+        [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "four"}],
+        [
+            {"role": "system", "content": "be good"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hello world"},
+        ],
+    ]
+    history = History.from_chats(chats)
+    td = TensorDict({"history": {"full": history}}, batch_size=[2])
+    wrapper = HFRewardModelWrapper(rm, tokenizer=rm_tok, history_key=("history", "full"), inference_mode=True)
+    reward = wrapper(td)["reward"]
+    manual = torch.stack(
+        [score_alone(rm, rm_tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"]) for c in chats]
+    )
+    torch.testing.assert_close(reward, manual, atol=1e-5, rtol=1e-5)
+
+    padded = History(
+        role=["user", "assistant", "<none>"], content=["what is two plus two?", "four", ""], batch_size=(3,)
+    )
+    td_none = TensorDict({"history": {"full": lazy_stack([padded, history[1]])}}, batch_size=[2])
+    torch.testing.assert_close(wrapper(td_none)["reward"], manual, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- RewardTrainer
+
+
+def _train_with_reward_trainer(tok, rows, tmp_path):
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    model = reward_model(tok, seed=0)
+    args = RewardConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        activation_checkpointing=False,
+        disable_tqdm=True,
+    )
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses[-1] < losses[0], f"RewardTrainer did not learn: {losses}"
+    return trainer.model.eval(), trainer.train_dataset
+
+
+def _preference_rows(conversational):
+    rng = random.Random(0)
+    rows = []
+    for i in range(24):
+        prompt, good, bad = f"what is the answer {i}?", rng.choice(["good", "great"]), rng.choice(["bad", "awful"])
+        if conversational:
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": prompt}],
+                    "chosen": [{"role": "assistant", "content": f"the answer is {good}"}],
+                    "rejected": [{"role": "assistant", "content": f"the answer is {bad}"}],
+                }
+            )
+        else:
+            rows.append({"prompt": prompt, "chosen": f" the answer is {good}", "rejected": f" the answer is {bad}"})
+    return rows
+
+
+def test_reward_trainer_equality_plain_text(rm_tok, tmp_path):
+    """Text scored by the wrapper gets exactly the score of the ids RewardTrainer trained on."""
+    rows = _preference_rows(conversational=False)
+    model, processed = _train_with_reward_trainer(rm_tok, rows, tmp_path)
+    n = 8
+    texts = [r["prompt"] + r["chosen"] for r in rows[:n]] + [r["prompt"] + r["rejected"] for r in rows[:n]]
+    trained_ids = list(processed["chosen_ids"][:n]) + list(processed["rejected_ids"][:n])
+    td = TensorDict({"text": {"full": texts}}, batch_size=[2 * n])
+    reward = HFRewardModelWrapper(model, tokenizer=rm_tok, inference_mode=True)(td)["reward"]
+    expected = torch.stack([score_alone(model, ids) for ids in trained_ids])
+    torch.testing.assert_close(reward, expected, atol=1e-5, rtol=1e-5)
+    assert (reward[:n] > reward[n:]).float().mean() > 0.5  # it learned the preference
+
+
+def test_reward_trainer_equality_conversational(rm_tok, tmp_path):
+    """A torchrl History scored through ``history_key`` gets the score of RewardTrainer's chat-template ids."""
+    from torchrl.data.llm import History
+
+    rows = _preference_rows(conversational=True)
+    model, processed = _train_with_reward_trainer(rm_tok, rows, tmp_path)
+    n = 8
+    chats = [r["prompt"] + r["chosen"] for r in rows[:n]] + [r["prompt"] + r["rejected"] for r in rows[:n]]
+    trained_ids = list(processed["chosen_ids"][:n]) + list(processed["rejected_ids"][:n])
+    td = TensorDict({"history": {"full": History.from_chats(chats)}}, batch_size=[2 * n])
+    wrapper = HFRewardModelWrapper(model, tokenizer=rm_tok, history_key=("history", "full"), inference_mode=True)
+    reward = wrapper(td)["reward"]
+    expected = torch.stack([score_alone(model, ids) for ids in trained_ids])
+    torch.testing.assert_close(reward, expected, atol=1e-5, rtol=1e-5)
+    assert (reward[:n] > reward[n:]).float().mean() > 0.5
+
+
+# ---------------------------------------------------------------- memory, dtype
+
+
+def _batch_recorder(model):
+    shapes = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    return shapes
+
+
+def test_micro_batching_equals_one_shot(rm_tok):
+    model = reward_model(rm_tok)
+    shapes = _batch_recorder(model)
+    seqs = [list(range(3, 3 + n)) + [rm_tok.eos_token_id] for n in (4, 9, 2, 7, 5)]
+    one_shot = HFRewardModelWrapper(model, inference_mode=True)(ragged_tokens(seqs))["reward"]
+    assert [s[0] for s in shapes] == [5]
+    shapes.clear()
+    chunked = HFRewardModelWrapper(model, inference_mode=True, micro_batch_size=2)(ragged_tokens(seqs))["reward"]
+    # chunks of at most 2, each padded to its own longest sequence
+    assert [tuple(s) for s in shapes] == [(2, 10), (2, 8), (1, 6)]
+    torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=1e-5)
+    # dense input too
+    dense = TensorDict({"tokens": {"full": torch.randint(3, 200, (5, 6))}}, batch_size=[5])
+    full = HFRewardModelWrapper(model, attention_mask_key=None, inference_mode=True)(dense.clone())["reward"]
+    part = HFRewardModelWrapper(model, attention_mask_key=None, inference_mode=True, micro_batch_size=3)(dense)
+    torch.testing.assert_close(part["reward"], full, atol=1e-5, rtol=1e-5)
+
+
+def test_max_length_truncation(rm, rm_tok):
+    shapes = _batch_recorder(rm)
+    seqs = [list(range(3, 15)), list(range(20, 25))]
+    reward = HFRewardModelWrapper(rm, inference_mode=True, max_length=8)(ragged_tokens(seqs))["reward"]
+    assert shapes[-1][-1] == 8
+    torch.testing.assert_close(reward, torch.stack([score_alone(rm, s[:8]) for s in seqs]), atol=1e-5, rtol=1e-5)
+    # dense input longer than max_length is truncated too
+    dense = TensorDict({"tokens": {"full": torch.tensor([list(range(3, 15))])}}, batch_size=[1])
+    out = HFRewardModelWrapper(rm, attention_mask_key=None, inference_mode=True, max_length=8)(dense)["reward"]
+    torch.testing.assert_close(out, score_alone(rm, list(range(3, 11))).view(1), atol=1e-5, rtol=1e-5)
+    # with a tokenizer, its truncation_side decides which end is kept
+    text = "what is the answer question good great fine bad awful poor two plus four"
+    ids = rm_tok(text + rm_tok.eos_token)["input_ids"]
+    assert len(ids) > 6
+    rm_tok.truncation_side = "left"
+    try:
+        wrapper = HFRewardModelWrapper(rm, tokenizer=rm_tok, inference_mode=True, max_length=6)
+        out = wrapper(TensorDict({"text": {"full": [text]}}, batch_size=[1]))["reward"]
+    finally:
+        rm_tok.truncation_side = "right"
+    torch.testing.assert_close(out, score_alone(rm, ids[-6:]).view(1), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_model_gives_float32_reward(rm_tok):
+    model32 = reward_model(rm_tok)
+    model16 = reward_model(rm_tok).to(torch.bfloat16)
+    seqs = [[5, 6, 7, 2], [8, 9, 2]]
+    r16 = HFRewardModelWrapper(model16, inference_mode=True)(ragged_tokens(seqs))["reward"]
+    r32 = HFRewardModelWrapper(model32, inference_mode=True)(ragged_tokens(seqs))["reward"]
+    assert r16.dtype == torch.float32
+    torch.testing.assert_close(r16, r32, atol=0.05, rtol=0.05)
+
+
+def test_inference_mode_and_gradients(rm_tok):
+    model = reward_model(rm_tok)
+    seqs = [[5, 6, 7, 2], [8, 9, 2]]
+    reward = HFRewardModelWrapper(model, inference_mode=True)(ragged_tokens(seqs))["reward"]
+    assert reward.grad_fn is None and not reward.requires_grad
+    # an ordinary tensor (torch.no_grad, not torch.inference_mode): later autograd code may use it
+    weight = torch.ones(2, requires_grad=True)
+    (weight * reward).sum().backward()
+    torch.testing.assert_close(weight.grad, reward)
+
+    reward = HFRewardModelWrapper(model)(ragged_tokens(seqs))["reward"]
+    assert reward.grad_fn is not None
+    reward.sum().backward()
+    assert model.score.weight.grad is not None and model.score.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inputs_follow_model_device_rewards_follow_tensordict(rm_tok):
+    model = reward_model(rm_tok).to("cuda")
+    seqs = [[5, 6, 7, 2], [8, 9, 2]]
+    reward = HFRewardModelWrapper(model, inference_mode=True)(ragged_tokens(seqs))["reward"]
+    assert reward.device.type == "cpu"
+    expected = torch.stack([score_alone(model, torch.tensor(s, device="cuda")).cpu() for s in seqs])
+    torch.testing.assert_close(reward, expected, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- errors, repr
+
+
+def test_errors(rm, rm_tok):
+    wrapper = HFRewardModelWrapper(rm)
+    with pytest.raises(KeyError, match="HFRewardModelWrapper: token_key"):
+        wrapper(TensorDict({"masks": {"all_attention_mask": torch.ones(2, 3)}}, batch_size=[2]))
+    with pytest.raises(KeyError, match="HFRewardModelWrapper: attention_mask_key"):
+        wrapper(TensorDict({"tokens": {"full": torch.ones(2, 3, dtype=torch.long)}}, batch_size=[2]))
+    with pytest.raises(KeyError, match="HFRewardModelWrapper: text_key"):
+        HFRewardModelWrapper(rm, tokenizer=rm_tok)(TensorDict({}, batch_size=[2]))
+
+    with pytest.raises(ValueError, match="HFRewardModelWrapper: nothing to score"):
+        wrapper(TensorDict({"tokens": {"full": torch.ones(0, 3, dtype=torch.long)}}, batch_size=[0]))
+    mismatched = lazy_stack(
+        [
+            TensorDict(
+                {"tokens": {"full": torch.ones(3, dtype=torch.long)}, "masks": {"all_attention_mask": torch.ones(2)}}
+            ),
+            TensorDict(
+                {"tokens": {"full": torch.ones(2, dtype=torch.long)}, "masks": {"all_attention_mask": torch.ones(2)}}
+            ),
+        ]
+    )
+    with pytest.raises(ValueError, match=r"HFRewardModelWrapper: sample 0 has \(3,\) token ids"):
+        wrapper(mismatched)
+
+    class TwoLabels(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return torch.zeros(input_ids.shape[0], 2)
+
+    with pytest.raises(RuntimeError, match=r"HFRewardModelWrapper: expected one scalar reward.*num_labels=1"):
+        HFRewardModelWrapper(TwoLabels(), attention_mask_key=None)(
+            TensorDict({"tokens": {"full": torch.ones(2, 3, dtype=torch.long)}}, batch_size=[2])
+        )
+
+    class NoReward(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return {"hidden": input_ids}
+
+    with pytest.raises(RuntimeError, match="HFRewardModelWrapper: could not extract a reward"):
+        HFRewardModelWrapper(NoReward(), attention_mask_key=None)(
+            TensorDict({"tokens": {"full": torch.ones(2, 3, dtype=torch.long)}}, batch_size=[2])
+        )
+    with pytest.raises(ValueError, match="HFRewardModelWrapper: history_key needs the reward model's tokenizer"):
+        HFRewardModelWrapper(rm, history_key=("history", "full"))
+    other_pad = reward_model(rm_tok)
+    other_pad.config.pad_token_id = rm_tok.eos_token_id
+    with pytest.raises(ValueError, match=r"HFRewardModelWrapper: model.config.pad_token_id .* differs"):
+        HFRewardModelWrapper(other_pad, tokenizer=rm_tok)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="HFRewardModelWrapper: micro_batch_size"):
+            HFRewardModelWrapper(rm, micro_batch_size=bad)
+    with pytest.raises(ValueError, match="HFRewardModelWrapper: padding_side"):
+        HFRewardModelWrapper(rm, padding_side="middle")
+    with pytest.raises(TypeError, match="HFRewardModelWrapper: history_key"):
+        HFRewardModelWrapper(rm, tokenizer=rm_tok, history_key="history")(
+            TensorDict({"history": torch.zeros(2, 3)}, batch_size=[2])
+        )
+
+
+def test_repr_and_module_api(rm, rm_tok):
+    wrapper = HFRewardModelWrapper(rm, tokenizer=rm_tok, micro_batch_size=4)
+    assert isinstance(wrapper, TensorDictModuleBase)
+    text = repr(wrapper)
+    assert text.startswith("HFRewardModelWrapper(model=Qwen2ForSequenceClassification")
+    assert "text_key=('text', 'full')" in text and "micro_batch_size=4" in text
+    # the reward model is a registered submodule: .parameters() / .to() reach it
+    assert sum(p.numel() for p in wrapper.parameters()) == sum(p.numel() for p in rm.parameters())
+
+
+# ---------------------------------------------------------------- transform, no env
+
+
+def test_transform_forward_on_stored_transitions(rm):
+    seqs = [[5, 6, 7, 2], [8, 9, 2], [10, 2]]
+    td = ragged_tokens(seqs)
+    transform = RewardModelTransform(HFRewardModelWrapper(rm))
+    out = transform(td)
+    reward = out.get(("next", "reward"))
+    assert reward.shape == (3, 1, 1) and reward.dtype == torch.float32
+    torch.testing.assert_close(reward.view(-1), torch.stack([score_alone(rm, s) for s in seqs]), atol=1e-5, rtol=1e-5)
+    assert "reward" not in out.keys()  # the module's own output stays out of the transitions
+    # accumulate adds to an existing reward
+    acc = RewardModelTransform(HFRewardModelWrapper(rm), accumulate=True, reward_shape=(1,))
+    td2 = ragged_tokens(seqs)
+    td2.set(("next", "reward"), torch.ones(3, 1))
+    torch.testing.assert_close(acc(td2).get(("next", "reward")).view(-1), reward.view(-1) + 1, atol=1e-5, rtol=1e-5)
+
+
+def test_transform_errors(rm):
+    class TwoOut(TensorDictModuleBase):
+        in_keys, out_keys = ["a"], ["r1", "r2"]
+
+        def forward(self, td):
+            return td
+
+    with pytest.raises(ValueError, match="RewardModelTransform: reward_module must declare exactly one out_key"):
+        RewardModelTransform(TwoOut())
+    with pytest.raises(ValueError, match="RewardModelTransform: read_from"):
+        RewardModelTransform(HFRewardModelWrapper(rm), read_from="elsewhere")
+    with pytest.raises(ValueError, match="RewardModelTransform: reward_shape"):
+        RewardModelTransform(HFRewardModelWrapper(rm), reward_shape=(2,))
