@@ -19,47 +19,9 @@ tensordict.set_list_to_stack(True).set()
 from interop.reward import HFRewardModelWrapper, RewardModelTransform  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
+from _tiny_models import build_tokenizer, qwen2_config  # noqa: E402
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
-    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 WORDS = "what is the answer question good great fine bad awful poor two plus four hello world".split()
-
-
-def build_tokenizer(folder, corpus, vocab_size):
-    """A byte-level BPE tokenizer with ChatML, pad distinct from EOS, saved and reloaded from ``folder``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    raw.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=["<|pad|>", "<|im_start|>", "<|im_end|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<|pad|>", eos_token="<|im_end|>")
-    tok.chat_template = CHATML
-    tok.save_pretrained(folder)
-    return transformers.AutoTokenizer.from_pretrained(folder)
-
-
-def qwen2_config(tok, **kwargs):
-    return transformers.Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        **kwargs,
-    )
 
 
 def reward_model(tok, seed=0):
