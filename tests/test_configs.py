@@ -23,12 +23,32 @@ GROUP_OPTIONS = sorted(
     if group.is_dir()
     for option in group.glob("*.yaml")
 )
+
+
+def _groups_in_defaults(root: str) -> set[str]:
+    """The groups a root config selects (``- model: tiny``, ``- optional sweep: null``...), Hydra's own included."""
+    defaults = OmegaConf.load(CONF_DIR / f"{root}.yaml").get("defaults", [])
+    names = {
+        str(next(iter(entry))).removeprefix("optional ").lstrip("/") for entry in defaults if hasattr(entry, "keys")
+    }
+    return names | {"hydra/launcher"}
+
+
+# Each root with each option of each group it selects (a group of the other recipe is not this root's choice).
+COMBINATIONS = [
+    (root, group, option)
+    for root in ROOT_CONFIGS
+    for group, option in GROUP_OPTIONS
+    if group in _groups_in_defaults(root)
+]
 # Options that only make sense with a value the user must give (a path): composed with a placeholder.
 REQUIRED_OVERRIDES = {("data", "file"): ["data.path=/nonexistent.jsonl"], ("data", "hf"): ["data.name_or_path=x"]}
 
 
 def test_repository_has_both_root_configs():
     assert {"grpo_torchrl_rm", "reward_trainer_from_buffer"} <= set(ROOT_CONFIGS)
+    # Every option of every group is composed with at least one root.
+    assert {(group, option) for _, group, option in COMBINATIONS} == set(GROUP_OPTIONS)
 
 
 def _group_override(group: str, option: str) -> str:
@@ -60,8 +80,7 @@ def _check_targets(cfg: DictConfig) -> None:
         assert accepts_kwargs or not unknown, f"{path}: {target} takes no {unknown}"
 
 
-@pytest.mark.parametrize("root", ROOT_CONFIGS)
-@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS)
+@pytest.mark.parametrize(("root", "group", "option"), COMBINATIONS)
 def test_every_option_composes(compose_config, root, group, option):
     overrides = [_group_override(group, option), *REQUIRED_OVERRIDES.get((group, option), [])]
     cfg = compose_config(root, overrides)

@@ -1,0 +1,619 @@
+"""Reward-model training from a TorchRL preference buffer with trl's ``RewardTrainer``, end to end.
+
+1. Pairs. ``data=synthetic``: the policy (``model=``, TorchRL's ``TransformersWrapper``) samples several responses per
+   prompt in single-turn ``ChatEnv`` rollouts (``recipes.common.rollout``, as the GRPO recipe does), and the labeler
+   (``labeler._target_``, the synthetic oracle by default) turns them into chosen/rejected pairs, dropping ties.
+   ``data=file|hf``: pairs in trl's preference formats (explicit or implicit prompt, text or conversational).
+   Held-out pairs (eval prompts, the eval split or a held-out fraction) never enter the buffer.
+2. Buffer. The pairs are tokenized once for the reward model, with trl's own convention (trl then skips its
+   tokenization), into a TorchRL ``ReplayBuffer``: ``buffer=lazy_tensor`` in memory, or ``buffer=memmap`` on disk
+   next to the labelled text, which a later run reuses with ``buffer.load_from`` (no generation, no labelling).
+3. Training. ``RewardTrainer`` (``RewardConfig`` from ``train:``) reads the buffer through
+   ``interop.TorchRLBufferDataset(...).as_hf_dataset()``: one draw without replacement per epoch.
+4. Evaluation of the saved model, reloaded with ``from_pretrained`` and scored through
+   ``interop.HFRewardModelWrapper(tokenizer=...)`` as the GRPO recipe scores: pairwise accuracy and margin on the
+   held-out pairs and, on the synthetic task, the Spearman correlation of its scores with the oracle's.
+
+    python recipes/reward_trainer_from_buffer.py
+    python recipes/reward_trainer_from_buffer.py -m seed=0,1,2 train.learning_rate=1e-3,3e-3
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from recipes.common import rollout
+from recipes.common.checkpoint import write_folder_atomically
+from recipes.common.config import ConfigError
+from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
+from recipes.common.logging import MetricLogger
+from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
+
+STORAGES = ("lazy_tensor", "memmap")
+# A labelled-data folder (buffer.path / buffer.load_from)
+TRAIN_PAIRS_FILE, EVAL_PAIRS_FILE, EVAL_RESPONSES_FILE = "pairs.jsonl", "eval_pairs.jsonl", "eval_responses.jsonl"
+STORAGE_FOLDER, META_FILE = "storage", "meta.json"
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks that run before any model, tokenizer or dataset loads."""
+    max_steps = (
+        None if "max_steps" not in cfg.train or OmegaConf.is_missing(cfg.train, "max_steps") else cfg.train.max_steps
+    )
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps <= 0:
+        raise ConfigError(
+            f"train.max_steps={max_steps!r}: RewardTrainer reads the buffer "
+            "as a stream (an IterableDataset with no length), so the number of optimizer steps must be given. Set "
+            "train.max_steps=<positive int>, e.g. train.max_steps=300."
+        )
+    if cfg.buffer.storage not in STORAGES:
+        raise ConfigError(f"buffer.storage={cfg.buffer.storage!r}: expected one of {STORAGES} (buffer=memmap ...).")
+    if cfg.buffer.storage == "memmap" and cfg.buffer.path is None:
+        raise ConfigError("buffer=memmap needs buffer.path, the folder its pairs are written to.")
+    if cfg.buffer.load_from is not None:
+        folder = Path(cfg.buffer.load_from).expanduser()
+        if not (folder / META_FILE).is_file():
+            raise ConfigError(
+                f"buffer.load_from={str(folder)!r} is not a saved preference buffer (no {META_FILE} in it). Point it "
+                "at the buffer folder of an earlier run made with buffer=memmap (<run dir>/buffer)."
+            )
+    elif cfg.data.source == "synthetic":
+        validate_model_node(cfg.model, key="model")
+        if cfg.generation.responses_per_prompt < 2:
+            raise ConfigError(
+                f"generation.responses_per_prompt={cfg.generation.responses_per_prompt}: a preference pair needs two "
+                "responses to the same prompt; use 2 or more."
+            )
+    elif cfg.margin_in_loss:
+        raise ConfigError(
+            f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."
+        )
+    if not 0.0 < cfg.eval.holdout_fraction < 1.0:
+        raise ConfigError(f"eval.holdout_fraction={cfg.eval.holdout_fraction}: expected a fraction in (0, 1).")
+    validate_model_node(cfg.reward_model, key="reward_model")
+
+
+# ---------------------------------------------------------------------------------------------------- pairs
+
+
+@dataclass
+class LabelledPairs:
+    """The labelled data of a run: training pairs (for the buffer), held-out pairs and scored held-out responses.
+
+    A pair is ``{"prompt", "chosen", "rejected"}`` (+ ``"margin"``), every field text or, when ``conversational``, a
+    list of ``{"role", "content"}`` messages; an implicit prompt is an empty prompt. ``eval_responses`` (synthetic
+    task only) are ``{"prompt", "response", "oracle"}``.
+    """
+
+    train: list[dict]
+    eval: list[dict]
+    conversational: bool
+    eval_responses: list[dict] = field(default_factory=list)
+
+    @property
+    def has_margin(self) -> bool:
+        return bool(self.train) and all("margin" in pair for pair in self.train)
+
+
+def make_policy(cfg: DictConfig):
+    """The sampling policy (TorchRL's ``TransformersWrapper`` in generate mode) and its tokenizer."""
+    tokenizer = load_tokenizer(cfg.model, padding_side="left")  # the wrapper generates with left padding
+    model = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval()
+    return rollout.make_policy(model, tokenizer, generation=cfg.generation.generate_kwargs), tokenizer
+
+
+def generate_responses(cfg: DictConfig, policy, tokenizer, prompts: list) -> list[tuple[list[dict], list[str]]]:
+    """``responses_per_prompt`` sampled responses to each prompt, by single-turn rollouts of TorchRL's ``ChatEnv``.
+
+    Returns ``(prompt messages, response texts)`` per prompt, the prompt as the rollout's own history holds it.
+    """
+    group, per_reset = cfg.generation.responses_per_prompt, cfg.generation.prompts_per_batch
+    results = []
+    for start in range(0, len(prompts), per_reset):
+        count = min(per_reset, len(prompts) - start)
+        loader = rollout.make_prompt_dataloader(prompts, seed=cfg.seed, start=start, shuffle=False)
+        env = rollout.make_chat_env(loader, tokenizer=tokenizer, group_size=group, num_prompts=count)
+        with torch.no_grad():
+            out = policy(env.reset())
+        texts = rollout.response_texts(out, tokenizer)
+        histories = out.get(("history", "prompt")).tolist()
+        for i in range(count):  # each prompt's copies are contiguous
+            messages = [{"role": m["role"], "content": m["content"]} for m in histories[i * group]]
+            results.append((messages, texts[i * group : (i + 1) * group]))
+    return results
+
+
+def label_responses(labeler, generated: list, oracle=None) -> tuple[list[dict], list[dict]]:
+    """Conversational preference pairs from the labeler, and (with an oracle) every response with its score."""
+    pairs, scored = [], []
+    for messages, candidates in generated:
+        for pair in labeler(messages[-1]["content"], candidates):
+            labelled = {
+                "prompt": messages,
+                "chosen": [{"role": "assistant", "content": pair["chosen"]}],
+                "rejected": [{"role": "assistant", "content": pair["rejected"]}],
+            }
+            if "margin" in pair:
+                labelled["margin"] = float(pair["margin"])
+            pairs.append(labelled)
+        if oracle is not None:
+            scored.extend({"prompt": messages, "response": r, "oracle": float(oracle(r))} for r in candidates)
+    return pairs, scored
+
+
+def normalize_pairs(raw: list[dict], *, what: str) -> tuple[list[dict], bool]:
+    """Pairs from a dataset in one format (all text or all conversational), with an empty prompt when implicit."""
+    pairs, formats = [], set()
+    for i, row in enumerate(raw):
+        try:
+            fields = {name: prompt_text(row[name]) for name in ("chosen", "rejected")}
+            prompt = prompt_text(row["prompt"]) if row.get("prompt") is not None else None
+        except ConfigError as err:
+            raise ConfigError(f"{what} pair {i}: {err}") from err
+        conversational = isinstance(fields["chosen"], list)
+        if isinstance(fields["rejected"], list) != conversational or (
+            prompt is not None and isinstance(prompt, list) != conversational
+        ):
+            raise ConfigError(f"{what} pair {i} mixes text and message lists in prompt/chosen/rejected.")
+        formats.add(conversational)
+        fields["prompt"] = prompt if prompt is not None else ([] if conversational else "")
+        pairs.append(fields)
+    if len(formats) > 1:
+        raise ConfigError(f"The {what} pairs mix text and conversational rows; convert them to one format.")
+    return pairs, formats == {True}
+
+
+def make_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
+    """Generated and labelled pairs (``data=synthetic``) or pairs read from a file / HF dataset."""
+    if cfg.data.source == "synthetic":
+        policy, tokenizer = make_policy(cfg)
+        labeler = hydra.utils.instantiate(cfg.labeler)
+        oracle = hydra.utils.instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
+        labelled = {}
+        for split in ("train", "eval"):
+            generated = generate_responses(cfg, policy, tokenizer, load_prompts(cfg.data, split))
+            labelled[split] = label_responses(labeler, generated, oracle if split == "eval" else None)
+        return LabelledPairs(
+            train=labelled["train"][0],
+            eval=labelled["eval"][0],
+            eval_responses=labelled["eval"][1],
+            conversational=True,
+        )
+    train, conversational = normalize_pairs(load_preference_pairs(cfg.data, "train"), what="train")
+    raw_eval = load_preference_pairs(cfg.data, "eval")
+    if raw_eval:
+        eval_pairs, eval_conversational = normalize_pairs(raw_eval, what="eval")
+        if eval_conversational != conversational:
+            raise ConfigError("The train and eval pairs have different formats (text vs conversational).")
+    else:  # no eval split: hold out a fraction, drawn with the run's seed
+        order = list(range(len(train)))
+        random.Random(cfg.seed).shuffle(order)
+        held_out = set(order[: max(1, round(cfg.eval.holdout_fraction * len(train)))])
+        eval_pairs = [p for i, p in enumerate(train) if i in held_out]
+        train = [p for i, p in enumerate(train) if i not in held_out]
+    return LabelledPairs(train=train, eval=eval_pairs, conversational=conversational)
+
+
+# ---------------------------------------------------------------------------------------------------- buffer
+
+
+def _key(node) -> str | tuple[str, ...]:
+    return tuple(node) if isinstance(node, (list, tuple, ListConfig)) else str(node)
+
+
+def _key_name(key) -> str:
+    """The column name ``TorchRLBufferDataset`` gives a key (nested keys dot-joined)."""
+    return ".".join(key) if isinstance(key, tuple) else key
+
+
+def tokenize_pairs(tokenizer, pairs: list[dict], *, conversational: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of each pair's chosen and rejected sequence, as ``trl.RewardTrainer`` (1.16) tokenizes them.
+
+    Conversational: ``apply_chat_template(prompt + completion, tokenize=True)``. Text: ``prompt + completion`` with
+    the EOS string appended when missing, tokenized with special tokens. ``interop.HFRewardModelWrapper(tokenizer=)``
+    scores text and conversations the same way, so a trained model is scored on the sequences it learned.
+    """
+    sides = []
+    for side in ("chosen", "rejected"):
+        if conversational:
+            conversations = [pair["prompt"] + pair[side] for pair in pairs]
+            ids = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True)["input_ids"]
+        else:
+            eos = tokenizer.eos_token
+            texts = [pair["prompt"] + pair[side] for pair in pairs]
+            ids = tokenizer([t if t.endswith(eos) else t + eos for t in texts])["input_ids"]
+        sides.append([list(seq) for seq in ids])
+    return sides[0], sides[1]
+
+
+def pairs_to_tensordict(pairs: list[dict], tokenizer, keys: DictConfig, *, conversational: bool):
+    """What the trainer reads of each pair, as one TensorDict: right-padded token ids, their lengths, the margin.
+
+    The text stays out of the buffer: indexing strings (non-tensor stacks) costs ~0.2 s per thousand pairs drawn,
+    as much as several optimizer steps of a small model, and torchrl's memmap storage cannot hold them.
+    """
+    from tensordict import TensorDict
+
+    chosen_ids, rejected_ids = tokenize_pairs(tokenizer, pairs, conversational=conversational)
+    width = max(len(seq) for seq in chosen_ids + rejected_ids)
+    pad = tokenizer.pad_token_id
+    td = TensorDict(batch_size=[len(pairs)])
+    for side, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+        td.set(_key(keys[f"{side}_tokens"]), torch.tensor([seq + [pad] * (width - len(seq)) for seq in ids]))
+        td.set(_key(keys[f"{side}_length"]), torch.tensor([len(seq) for seq in ids]))
+    if all("margin" in pair for pair in pairs):
+        td.set(_key(keys.margin), torch.tensor([pair["margin"] for pair in pairs], dtype=torch.float32))
+    return td
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def save_labelled_pairs(folder: str | os.PathLike, labelled: LabelledPairs, pairs_td) -> Path:
+    """Writes a run's labelled data atomically, for a later run's ``buffer.load_from``.
+
+    ``pairs.jsonl`` / ``eval_pairs.jsonl`` / ``eval_responses.jsonl`` hold the text (re-tokenized by a run with another
+    reward model), ``storage/`` the buffer's tensors as a tensordict memmap (what ``buffer=memmap`` samples from).
+    """
+
+    def write(staging: Path) -> None:
+        _write_jsonl(staging / TRAIN_PAIRS_FILE, labelled.train)
+        _write_jsonl(staging / EVAL_PAIRS_FILE, labelled.eval)
+        _write_jsonl(staging / EVAL_RESPONSES_FILE, labelled.eval_responses)
+        pairs_td.memmap(staging / STORAGE_FOLDER)
+        meta = {"conversational": labelled.conversational, "num_pairs": len(labelled.train)}
+        (staging / META_FILE).write_text(json.dumps(meta, indent=2))
+
+    return write_folder_atomically(write, folder)
+
+
+def load_labelled_pairs(folder: str | os.PathLike) -> LabelledPairs:
+    """The labelled pairs of a folder written by :func:`save_labelled_pairs`: no generation, no labelling."""
+    folder = Path(folder).expanduser()
+    meta = json.loads((folder / META_FILE).read_text())
+    return LabelledPairs(
+        train=_read_jsonl(folder / TRAIN_PAIRS_FILE),
+        eval=_read_jsonl(folder / EVAL_PAIRS_FILE),
+        eval_responses=_read_jsonl(folder / EVAL_RESPONSES_FILE),
+        conversational=meta["conversational"],
+    )
+
+
+def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int):
+    """A ReplayBuffer over the pairs: copied into a LazyTensorStorage, or (memmap) sampled in place from disk."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorStorage
+
+    sampler = hydra.utils.instantiate(buffer_cfg.sampler)
+    if buffer_cfg.storage == "memmap":  # pairs_td is the memory-mapped storage folder itself
+        return ReplayBuffer(storage=TensorStorage(pairs_td), sampler=sampler, batch_size=batch_size)
+    buffer = ReplayBuffer(storage=LazyTensorStorage(pairs_td.batch_size[0]), sampler=sampler, batch_size=batch_size)
+    buffer.extend(pairs_td)
+    return buffer
+
+
+def make_train_dataset(buffer, keys: DictConfig, *, samples_per_epoch: int, with_margin: bool):
+    """The buffer as the ``datasets.IterableDataset`` RewardTrainer reads: trl's ``chosen_ids``/``rejected_ids``.
+
+    Each pass draws ``samples_per_epoch`` pairs in one ``buffer.sample`` (without replacement: no pair twice in an
+    epoch, so none twice in a step), then strips the storage's padding so that trl pads each batch to its own longest.
+    """
+    import datasets
+
+    from interop import TorchRLBufferDataset
+
+    read = [keys.chosen_tokens, keys.chosen_length, keys.rejected_tokens, keys.rejected_length]
+    read += [keys.margin] if with_margin else []
+    stream = TorchRLBufferDataset(buffer, samples_per_epoch, keys=[_key(k) for k in read], num_batches=1)
+    stream = stream.as_hf_dataset()
+    names = {field: _key_name(_key(node)) for field, node in keys.items()}  # columns as the stream names them
+
+    def to_trl_columns(batch: dict) -> dict:
+        out = {
+            f"{side}_ids": [ids[:n] for ids, n in zip(batch[names[f"{side}_tokens"]], batch[names[f"{side}_length"]])]
+            for side in ("chosen", "rejected")
+        }
+        if with_margin:
+            out["margin"] = batch[names["margin"]]
+        return out
+
+    features = {
+        "chosen_ids": datasets.List(datasets.Value("int64")),
+        "rejected_ids": datasets.List(datasets.Value("int64")),
+    }
+    if with_margin:
+        features["margin"] = datasets.Value("float32")
+    return stream.map(
+        to_trl_columns, batched=True, remove_columns=stream.column_names, features=datasets.Features(features)
+    )
+
+
+def make_eval_dataset(tokenizer, labelled: LabelledPairs, *, with_margin: bool):
+    """The held-out pairs, tokenized, as the finite ``datasets.Dataset`` trl evaluates during training."""
+    import datasets
+
+    chosen_ids, rejected_ids = tokenize_pairs(tokenizer, labelled.eval, conversational=labelled.conversational)
+    columns = {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
+    if with_margin:
+        columns["margin"] = [pair["margin"] for pair in labelled.eval]
+    return datasets.Dataset.from_dict(columns)
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+def make_report_to(cfg: DictConfig) -> list[str]:
+    """``report_to`` for trl from the logger group: wandb settings travel through wandb's environment variables."""
+    if cfg.logger.kind != "wandb":
+        return []
+    settings = cfg.logger.wandb
+    for variable, value in (
+        ("WANDB_PROJECT", settings.project),
+        ("WANDB_RUN_GROUP", settings.group),
+        ("WANDB_NAME", settings.name),
+        ("WANDB_MODE", settings.mode),
+        ("WANDB_DIR", cfg.output_dir),
+    ):
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = str(value)
+    return ["wandb"]
+
+
+def make_reward_config(cfg: DictConfig):
+    """``trl.RewardConfig`` from ``train:``, with the device, logging and run name this run decides."""
+    report_to = make_report_to(cfg)
+    return hydra.utils.instantiate(
+        cfg.train,
+        _convert_="all",  # trl/transformers check for plain lists and dicts
+        use_cpu=cfg.device == "cpu",
+        report_to=report_to or "none",
+        run_name=cfg.logger.wandb.name if report_to else None,
+    )
+
+
+def make_metrics_callback(logger: MetricLogger):
+    """A TrainerCallback writing trl's training logs to ``logger`` as ``train/...`` metrics.
+
+    trl's periodic eval logs and end-of-training figures have other columns than metrics.csv (whose columns are those
+    of its first row): they are in ``trainer_log.json`` and ``summary.json``.
+    """
+    from transformers import TrainerCallback
+
+    class MetricLoggerCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            if "loss" in logs:
+                metrics = {
+                    f"train/{name}": value
+                    for name, value in logs.items()
+                    if isinstance(value, (int, float)) and not isinstance(value, bool)
+                }
+                logger.log(metrics, step=state.global_step)
+
+    return MetricLoggerCallback()
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+
+def _average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Ranks from 0, ties sharing their average rank (what Spearman's coefficient needs)."""
+    ordered, order = values.double().sort()
+    _, inverse, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0)
+    ranks = torch.empty_like(ordered)
+    ranks[order] = ((ends - counts + ends - 1).double() / 2.0)[inverse]
+    return ranks
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Spearman's rank correlation (Pearson correlation of average ranks); nan when either side is constant."""
+    rx, ry = _average_ranks(x), _average_ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denominator = (rx.square().sum() * ry.square().sum()).sqrt()
+    return float((rx * ry).sum() / denominator) if denominator > 0 else float("nan")
+
+
+def score_sequences(model, tokenizer, sequences: list, eval_cfg: DictConfig, *, conversational: bool) -> torch.Tensor:
+    """Reward of each sequence (a message list or a text) through ``interop.HFRewardModelWrapper(tokenizer=...)``."""
+    from tensordict import NonTensorStack, TensorDict
+    from torchrl.data.llm import History
+
+    from interop import HFRewardModelWrapper
+
+    history_key, text_key = _key(eval_cfg.history_key), _key(eval_cfg.text_key)
+    scorer = HFRewardModelWrapper(
+        model,
+        tokenizer=tokenizer,
+        history_key=history_key if conversational else None,
+        text_key=text_key,
+        reward_key=_key(eval_cfg.reward_key),
+        inference_mode=True,
+        micro_batch_size=eval_cfg.micro_batch_size,
+    )
+    td = TensorDict(batch_size=[len(sequences)])
+    if conversational:
+        td.set(history_key, History.from_chats(sequences))
+    else:
+        td.set(text_key, NonTensorStack.from_list(sequences))
+    return scorer(td).get(_key(eval_cfg.reward_key))
+
+
+def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) -> dict[str, float]:
+    """Pairwise accuracy and mean reward margin on the held-out pairs; Spearman vs the oracle when it is known."""
+    model.eval()
+    conversational = labelled.conversational
+    scores = {
+        side: score_sequences(
+            model, tokenizer, [p["prompt"] + p[side] for p in labelled.eval], eval_cfg, conversational=conversational
+        )
+        for side in ("chosen", "rejected")
+    }
+    metrics = {
+        "eval/accuracy": float((scores["chosen"] > scores["rejected"]).float().mean()),
+        "eval/margin_mean": float((scores["chosen"] - scores["rejected"]).mean()),
+        "eval/num_pairs": len(labelled.eval),
+    }
+    if labelled.eval_responses:
+        responses = [r["prompt"] + [{"role": "assistant", "content": r["response"]}] for r in labelled.eval_responses]
+        rewards = score_sequences(model, tokenizer, responses, eval_cfg, conversational=True)
+        metrics["eval/spearman"] = spearman(rewards, torch.tensor([r["oracle"] for r in labelled.eval_responses]))
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------- recipe
+
+
+def make_training_stream(cfg: DictConfig, labelled: LabelledPairs, tokenizer) -> tuple[object, dict]:
+    """Tokenizes the training pairs into the buffer (persisted when ``buffer.path`` is set) and opens it for trl.
+
+    Returns the ``datasets.IterableDataset`` and facts about it for the summary.
+    """
+    from tensordict import TensorDict
+
+    keys = cfg.buffer.pair_keys
+    step_pairs = cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps
+    if len(labelled.train) < step_pairs:
+        raise ConfigError(
+            f"Only {len(labelled.train)} training pairs, fewer than one optimizer step takes "
+            f"(train.per_device_train_batch_size * train.gradient_accumulation_steps = {step_pairs}). Lower the batch "
+            "size or add data (more prompts, generation.responses_per_prompt, labeler.max_pairs_per_prompt)."
+        )
+    pairs_td = pairs_to_tensordict(labelled.train, tokenizer, keys, conversational=labelled.conversational)
+    if cfg.buffer.path is not None:
+        folder = save_labelled_pairs(cfg.buffer.path, labelled, pairs_td)
+        if cfg.buffer.storage == "memmap":
+            pairs_td = TensorDict.load_memmap(folder / STORAGE_FOLDER)
+    longest = torch.maximum(pairs_td.get(_key(keys.chosen_length)), pairs_td.get(_key(keys.rejected_length)))
+    too_long = int((longest > cfg.train.max_length).sum()) if cfg.train.max_length is not None else 0
+    # Whole optimizer steps per epoch, so that no step mixes the end of one epoch with the start of the next.
+    samples_per_epoch = len(labelled.train) // step_pairs * step_pairs
+    buffer = make_preference_buffer(cfg.buffer, pairs_td, batch_size=samples_per_epoch)
+    stream = make_train_dataset(buffer, keys, samples_per_epoch=samples_per_epoch, with_margin=cfg.margin_in_loss)
+    return stream, {"train/num_pairs": len(labelled.train), "train/pairs_over_max_length": too_long}
+
+
+def save_reward_model(model, tokenizer, folder: str | os.PathLike) -> Path:
+    """``save_pretrained`` of the model (safetensors) and its tokenizer, swapped in atomically."""
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+
+    return write_folder_atomically(write, folder)
+
+
+def train(cfg: DictConfig) -> dict:
+    """Runs the preference stage end to end and returns the summary written to ``<output_dir>/summary.json``."""
+    start = time.perf_counter()
+    validate(cfg)
+    from tensordict import set_list_to_stack
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+    from trl import RewardTrainer
+
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    set_list_to_stack(True).set()  # TorchRL's LLM wrappers keep lists of strings as non-tensor stacks
+    set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    OmegaConf.save(resolved, output_dir / "config.yaml", resolve=True)
+
+    tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+    if cfg.buffer.load_from is not None:
+        labelled = load_labelled_pairs(cfg.buffer.load_from)
+    else:
+        labelled = make_labelled_pairs(cfg)
+    if cfg.margin_in_loss and not labelled.has_margin:
+        raise ConfigError("margin_in_loss=true, but the pairs carry no margin; set margin_in_loss=false.")
+    if not labelled.eval:
+        raise ConfigError("No held-out pairs to evaluate on: add eval prompts, an eval split or more pairs.")
+    _write_jsonl(output_dir / EVAL_PAIRS_FILE, labelled.eval)
+    train_dataset, facts = make_training_stream(cfg, labelled, tokenizer)
+    labelling_s = time.perf_counter() - start
+
+    model = load_reward_model(cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id)
+    args = make_reward_config(cfg)
+    eval_dataset = None
+    if args.eval_strategy != "no":  # trl's own periodic evaluation on the held-out pairs
+        eval_dataset = make_eval_dataset(tokenizer, labelled, with_margin=cfg.margin_in_loss)
+    metric_logger = MetricLogger("csv" if cfg.logger.kind != "none" else "none", output_dir)
+    try:
+        trainer = RewardTrainer(
+            model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            callbacks=[make_metrics_callback(metric_logger)] if cfg.logger.kind != "none" else None,
+        )
+        train_start = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - train_start
+        if trainer.state.global_step == 0:
+            raise RuntimeError(
+                f"RewardTrainer made no optimizer step: {facts['train/pairs_over_max_length']} of "
+                f"{facts['train/num_pairs']} training pairs are longer than train.max_length={cfg.train.max_length} "
+                "tokens, and trl drops such pairs. Raise train.max_length (or shorten the data)."
+            )
+        (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        model_dir = save_reward_model(trainer.model, tokenizer, output_dir / "model")
+        # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
+        saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).to(cfg.device)
+        metrics = evaluate(saved, AutoTokenizer.from_pretrained(model_dir), labelled, cfg.eval)
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
+        summary = {
+            **metrics,
+            "train/steps": trainer.state.global_step,
+            "train/loss_first": losses[0],
+            "train/loss_last": losses[-1],
+            **facts,
+            "train/steps_per_s": trainer.state.global_step / train_s,
+            "time/pairs_s": labelling_s,
+            "time/train_s": train_s,
+            "wall_time_s": time.perf_counter() - start,
+        }
+        if "wandb" in args.report_to:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.run.log(metrics, step=trainer.state.global_step)
+                wandb.run.summary.update(summary)
+    finally:
+        metric_logger.close()
+        if "wandb" in args.report_to:
+            import wandb
+
+            wandb.finish()  # Hydra multirun jobs share this process: never leave a run open for the next one
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="reward_trainer_from_buffer")
+def main(cfg: DictConfig) -> float:
+    summary = train(cfg)
+    print(json.dumps(summary, indent=2))
+    return summary[cfg.metric]
+
+
+if __name__ == "__main__":
+    main()
