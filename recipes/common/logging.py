@@ -26,7 +26,7 @@ class MetricLogger:
         self.kind = kind
         self.history: list[dict[str, float]] = []
         self._csv_path = Path(run_dir) / "metrics.csv" if kind != "none" else None
-        self._columns: list[str] | None = None
+        self._columns: list[str] | None = None  # the CSV header, the union of every metric logged so far
         self._wandb_run = None
         if kind == "wandb":
             import wandb
@@ -45,18 +45,33 @@ class MetricLogger:
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self.history.append(row)
         if self._csv_path is not None:
-            if self._columns is None:
-                self._columns = list(row)
-                write_header = not self._csv_path.exists()
-            else:
-                write_header = False
-            with open(self._csv_path, "a", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=self._columns, extrasaction="ignore")
-                if write_header:
-                    writer.writeheader()
-                writer.writerow(row)
+            self._append_csv(row)
         if self._wandb_run is not None:
             self._wandb_run.log(metrics, step=step)
+
+    def _append_csv(self, row: dict[str, float]) -> None:
+        new_columns = [k for k in row if k not in (self._columns or [])]
+        if self._columns is None and self._csv_path.exists():
+            # Resuming a run: keep appending under the header already on disk.
+            with open(self._csv_path, newline="") as handle:
+                self._columns = next(csv.reader(handle), [])
+            new_columns = [k for k in row if k not in self._columns]
+        if new_columns or self._columns is None:
+            # A metric first seen now (an eval every N steps, say): rewrite the file under the union of the columns,
+            # so no value is dropped and every row stays aligned with the header.
+            previous = []
+            if self._csv_path.exists():
+                with open(self._csv_path, newline="") as handle:
+                    previous = list(csv.DictReader(handle))
+            self._columns = [*(self._columns or []), *new_columns]
+            with open(self._csv_path, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=self._columns)
+                writer.writeheader()
+                writer.writerows(previous)
+                writer.writerow(row)
+            return
+        with open(self._csv_path, "a", newline="") as handle:
+            csv.DictWriter(handle, fieldnames=self._columns).writerow(row)
 
     def close(self) -> None:
         if self._wandb_run is not None:

@@ -162,8 +162,12 @@ def test_csv_logger_appends_rows(tmp_path):
     with MetricLogger("csv", tmp_path) as logger:
         logger.log({"train/loss": 1.5}, step=1)
         logger.log({"train/loss": 0.5}, step=2)
+        logger.log({"train/loss": 0.25, "eval/accuracy": 0.75}, step=3)  # a metric first seen later
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
-    assert lines == ["step,train/loss", "1,1.5", "2,0.5"]
+    assert lines == ["step,train/loss,eval/accuracy", "1,1.5,", "2,0.5,", "3,0.25,0.75"]
+    # A resumed run appends under the existing header.
+    MetricLogger("csv", tmp_path).log({"train/loss": 0.125}, step=4)
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[-1] == "4,0.125,"
 
 
 def test_build_script_writes_loadable_checkpoints(tmp_path, repo_root):
