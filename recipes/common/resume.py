@@ -1,0 +1,148 @@
+"""Training checkpoints a run can resume from: the model as a Hugging Face folder, the rest as a weights-only file.
+
+A checkpoint is a folder ``<root>/step_<N>`` written atomically (``write_folder_atomically``): either it is complete
+or it does not exist under that name, so a run killed at any instant (even ``SIGKILL`` during a save) leaves the
+previous checkpoint as the latest. It holds:
+
+- ``model/``: ``save_pretrained`` of the model and its tokenizer (safetensors), loadable by ``from_pretrained`` like
+  any hub checkpoint;
+- ``training_state.pt``: the optimizer state, the step, RNG states and whatever small state the recipe adds (only
+  tensors, numbers, strings, lists and dicts, so that it loads with ``torch.load(weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes.common.checkpoint import write_folder_atomically
+
+__all__ = [
+    "MODEL_FOLDER",
+    "STATE_FILE",
+    "capture_rng_state",
+    "checkpoint_folder",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_training_state",
+    "restore_rng_state",
+    "save_checkpoint",
+    "truncate_metrics_csv",
+]
+
+MODEL_FOLDER = "model"
+STATE_FILE = "training_state.pt"
+_STEP_FOLDER = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_folder(root: str | Path, step: int) -> Path:
+    """``<root>/step_<step>``, zero-padded so folders sort by step."""
+    return Path(root) / f"step_{step:07d}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as ``(step, folder)``, oldest first (staging folders are hidden)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        match = _STEP_FOLDER.match(folder.name)
+        if match and (folder / STATE_FILE).is_file():
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint with the highest step under ``root``, or None."""
+    checkpoints = list_checkpoints(root)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python's and torch's RNG states (CUDA too when present), in a weights-only-loadable form."""
+    version, internal, gauss = random.getstate()
+    state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Puts back what :func:`capture_rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model,
+    tokenizer,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep_last: int | None = None,
+) -> Path:
+    """Writes ``<root>/step_<step>`` atomically, then deletes all but the ``keep_last`` newest checkpoints.
+
+    Args:
+        root: the folder holding the run's checkpoints.
+        step: the number of optimizer steps done.
+
+    Keyword Args:
+        model: a ``transformers`` model (``save_pretrained``).
+        tokenizer: its tokenizer, saved beside it.
+        optimizer: its state is saved.
+        state: extra training state (numbers, strings, tensors, lists, dicts); the RNG states and ``step`` are added.
+        keep_last: how many checkpoints to keep; ``None`` keeps all.
+    """
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder / MODEL_FOLDER, safe_serialization=True)
+        tokenizer.save_pretrained(folder / MODEL_FOLDER)
+        payload = {**state, "step": step, "optimizer": optimizer.state_dict(), "rng": capture_rng_state()}
+        torch.save(payload, folder / STATE_FILE)
+
+    folder = write_folder_atomically(write, checkpoint_folder(root, step))
+    if keep_last is not None:
+        for _, old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def load_training_state(folder: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The ``training_state.pt`` of a checkpoint folder, loaded with ``weights_only=True``."""
+    return torch.load(Path(folder) / STATE_FILE, map_location=map_location, weights_only=True)
+
+
+def truncate_metrics_csv(path: str | Path, last_step: int) -> None:
+    """Drops the rows of ``metrics.csv`` logged after ``last_step``, so a resumed run's rows follow on without repeats.
+
+    Rows written between the last checkpoint and a crash are recomputed by the resumed run.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, newline="") as handle:
+        rows = list(csv.reader(handle))
+    if not rows:
+        return
+    header, body = rows[0], rows[1:]
+    step_column = header.index("step")
+    kept = [row for row in body if row and int(float(row[step_column])) <= last_step]
+    staging = path.with_name(f".{path.name}.tmp")
+    with open(staging, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(kept)
+    staging.replace(path)

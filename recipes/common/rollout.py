@@ -1,0 +1,413 @@
+"""TorchRL rollout building blocks shared by the recipes: prompts -> ``ChatEnv`` -> ``TransformersWrapper`` -> rewards.
+
+A single-turn LLM rollout, the TorchRL way (what ``recipes/grpo_torchrl_rm.py`` collects, and what a reward-model
+recipe can use to sample candidate responses)::
+
+    set_list_to_stack(True).set()                      # TorchRL's LLM stack needs it, once per process
+    loader = make_prompt_dataloader(prompts, seed=0)   # endless, reshuffled, resumable {"query": [prompt], ...}
+    env = make_chat_env(loader, tokenizer=tok, group_size=G, num_prompts=P, transforms=[reward_transform])
+    policy = make_policy(model, tok, generation={"max_new_tokens": 32, "temperature": 1.0, "do_sample": True})
+    rollout = policy(env.reset())                      # P prompts x G responses, prompts grouped contiguously
+    scorer = make_log_prob_scorer(model, tok)
+    RecomputeLogProbs(scorer)(rollout)                 # ("log_probs", "full") as the loss must see them
+
+Public functions and classes:
+
+- :func:`make_prompt_dataloader`: a ``DataLoader`` yielding ``{"query": [prompt], "prompt_index": ...}`` forever,
+  reshuffled each pass over the prompts from a seed, starting at any position (a resumed run continues the stream).
+- :func:`make_chat_env`: a single-turn ``ChatEnv`` (history mode) fed by that loader, ``group_size`` copies of each
+  prompt, ``num_prompts`` prompts per reset, with extra transforms (rewards) appended.
+- :func:`make_policy`: ``TransformersWrapper`` in generate mode; generation settings come from a config mapping.
+- :func:`make_log_prob_scorer` and :class:`RecomputeLogProbs`: log-probs of the sampled sequences recomputed by a
+  non-generating wrapper. TorchRL 0.14.1's wrapper in generate mode leaves ``("log_probs", "full")`` empty and zeroes
+  the first response log-prob, so the old (behaviour) and reference log-probs that ``GRPOLoss`` reads are recomputed.
+- :func:`response_texts`: the decoded responses of a rollout, special tokens removed.
+- Reward terms, TensorDict modules with one reward per sample that ``interop.RewardModelTransform(term,
+  accumulate=True)`` adds to the reward model's score: :class:`LengthPenalty`, :class:`TextScoreReward`.
+
+Dependencies: torch, tensordict, torchrl, and the ``transformers`` objects the caller passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+from tensordict import NestedKey, TensorDictBase, lazy_stack, list_to_stack
+from tensordict.nn import TensorDictModuleBase
+from torch.utils.data import DataLoader, Sampler
+
+__all__ = [
+    "EndlessShuffleSampler",
+    "LengthPenalty",
+    "RecomputeLogProbs",
+    "TextScoreReward",
+    "make_chat_env",
+    "make_log_prob_scorer",
+    "make_policy",
+    "make_prompt_dataloader",
+    "response_texts",
+]
+
+
+def _require_list_to_stack(what: str) -> None:
+    if not list_to_stack():
+        raise RuntimeError(
+            f"{what}: TorchRL's LLM stack needs `tensordict.set_list_to_stack(True).set()` (or LIST_TO_STACK=1); "
+            "call it once at the start of the program."
+        )
+
+
+class EndlessShuffleSampler(Sampler[int]):
+    """Indices of ``num_items`` items forever: pass ``k`` is ``randperm(num_items)`` seeded with ``seed + k``.
+
+    The stream is a pure function of ``(seed, position)``, so ``start=position`` resumes it exactly where a run
+    stopped, whatever happened to the process.
+
+    Args:
+        num_items: how many items there are.
+
+    Keyword Args:
+        seed: seed of the first pass's permutation.
+        start: position in the endless stream of the first index yielded.
+        shuffle: ``False`` yields ``0, 1, ..., num_items - 1`` over and over.
+    """
+
+    def __init__(self, num_items: int, *, seed: int, start: int = 0, shuffle: bool = True) -> None:
+        if num_items < 1:
+            raise ValueError(f"EndlessShuffleSampler: there must be at least one item, got num_items={num_items}.")
+        if start < 0:
+            raise ValueError(f"EndlessShuffleSampler: start must be >= 0, got {start}.")
+        self.num_items = num_items
+        self.seed = seed
+        self.start = start
+        self.shuffle = shuffle
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_items))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_items, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, offset = divmod(self.start, self.num_items)
+        while True:
+            yield from self._order(epoch)[offset:]
+            epoch, offset = epoch + 1, 0
+
+
+def _to_query(prompt):
+    """A dataloader item as ``ChatEnv`` reads it: text stays text, a message list becomes a torchrl ``History``."""
+    if isinstance(prompt, str):
+        return prompt
+    from torchrl.data.llm import History
+
+    return History.from_chats([list(prompt)])[0]
+
+
+def _collate_queries(batch: list[tuple[int, object]]) -> dict:
+    # ChatEnv reads "query"; "prompt_index" rides along into every step, a group id MCAdvantage can read whatever
+    # the prompt's type (it groups by strings or tensors, not by chat histories).
+    return {
+        "query": [_to_query(prompt) for _, prompt in batch],
+        "prompt_index": torch.tensor([index for index, _ in batch]),
+    }
+
+
+def make_prompt_dataloader(prompts: Sequence, *, seed: int, start: int = 0, shuffle: bool = True) -> DataLoader:
+    """An endless ``DataLoader`` of ``{"query": [prompt], "prompt_index": tensor([i])}`` batches of size 1.
+
+    ``ChatEnv`` reads ``"query"``; ``"prompt_index"`` (the prompt's position in ``prompts``) is carried into every
+    step of the env, where ``MCAdvantage(prompt_key="prompt_index")`` groups the responses by it.
+
+    Args:
+        prompts: prompt texts, or conversations as lists of ``{"role", "content"}`` messages (as
+            ``recipes.common.data.load_prompts`` returns them).
+
+    Keyword Args:
+        seed: seed of the shuffling (see :class:`EndlessShuffleSampler`).
+        start: how many prompts of the endless stream to skip (a resumed run passes the number already used).
+        shuffle: ``False`` walks the prompts in order.
+    """
+    if len(prompts) == 0:
+        raise ValueError("make_prompt_dataloader: no prompts; check the data= config (e.g. data.path).")
+    sampler = EndlessShuffleSampler(len(prompts), seed=seed, start=start, shuffle=shuffle)
+    # num_workers=0: importing torchrl switches multiprocessing to spawn, and the prompts are tiny to read anyway.
+    return DataLoader(
+        list(enumerate(prompts)), batch_size=1, sampler=sampler, collate_fn=_collate_queries, num_workers=0
+    )
+
+
+def make_chat_env(
+    dataloader: DataLoader,
+    *,
+    tokenizer,
+    group_size: int,
+    num_prompts: int = 1,
+    system_prompt: str | None = None,
+    transforms: Sequence = (),
+):
+    """A single-turn chat env: each reset draws ``num_prompts`` prompts and repeats each ``group_size`` times.
+
+    The batch is ``(num_prompts * group_size,)`` with each prompt's copies contiguous and sharing the loader's
+    ``"prompt_index"``, which is what GRPO groups (``MCAdvantage(prompt_key="prompt_index")``) need; a
+    ``StepCounter(max_steps=1)`` ends every dialog after one response, so every step is a finished trajectory.
+    ``ChatEnv`` declares no reward: a reward transform (e.g. ``interop.RewardModelTransform``) in ``transforms`` adds
+    it.
+
+    Args:
+        dataloader: yields ``{"query": [prompt], ...}`` batches of size 1 (see :func:`make_prompt_dataloader`).
+
+    Keyword Args:
+        tokenizer: the policy's tokenizer (its chat template renders the prompts).
+        group_size: responses per prompt.
+        num_prompts: prompts per reset.
+        system_prompt: optional system message put before every prompt.
+        transforms: env transforms appended in order after the step counter.
+    """
+    _require_list_to_stack("make_chat_env")
+    from torchrl.envs import StepCounter
+    from torchrl.envs.llm import ChatEnv
+
+    if group_size < 1 or num_prompts < 1:
+        raise ValueError(
+            f"make_chat_env: group_size and num_prompts must be >= 1, got group_size={group_size}, "
+            f"num_prompts={num_prompts}."
+        )
+    env = ChatEnv.from_dataloader(
+        dataloader=dataloader,
+        repeats=group_size,
+        batch_size=(group_size * num_prompts,),
+        tokenizer=tokenizer,
+        input_mode="history",
+        system_prompt=system_prompt,
+    )
+    env = env.append_transform(StepCounter(max_steps=1))
+    for transform in transforms:
+        env = env.append_transform(transform)
+    return env
+
+
+def make_policy(model, tokenizer, *, generation: Mapping, device=None):
+    """The sampling policy: ``TransformersWrapper`` in generate mode over chat histories.
+
+    Outputs ragged (``pad_output=False``) ``("tokens", "prompt"|"response"|"full")``, ``("masks",
+    "all_attention_mask")``, ``("text", ...)`` and ``("history", ...)``. Its log-probs are not what a loss needs
+    (see :class:`RecomputeLogProbs`), so none are returned unless ``generation`` asks with ``return_log_probs``.
+
+    Args:
+        model: a ``transformers`` causal LM.
+        tokenizer: its tokenizer, with left padding and a pad token distinct from EOS (TorchRL masks the response
+            with ``tokens != pad``, which would drop a generated EOS equal to the pad).
+
+    Keyword Args:
+        generation: keyword arguments of ``model.generate`` (``max_new_tokens``, ``temperature``, ``top_p``,
+            ``do_sample``...), for instance a config node; ``return_log_probs`` (bool) is read apart.
+        device: where the wrapper puts the model inputs; ``None`` leaves them where they are.
+    """
+    from torchrl.modules.llm import TransformersWrapper
+
+    _check_tokenizer(tokenizer, "make_policy")
+    generate_kwargs = {str(k): v for k, v in dict(generation).items()}
+    return_log_probs = bool(generate_kwargs.pop("return_log_probs", False))
+    return TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="history",
+        generate=True,
+        return_log_probs=return_log_probs,
+        pad_output=False,
+        generate_kwargs=generate_kwargs,
+        device=device,
+    )
+
+
+def make_log_prob_scorer(model, tokenizer, *, device=None):
+    """A non-generating ``TransformersWrapper`` that scores the token sequences at ``("tokens", "full")``.
+
+    It writes ``("log_probs", "full")``: the log-prob of every token given the ones before it (0 for the first),
+    one tensor per sample. It is also the actor ``GRPOLoss`` needs: in ``tokens`` mode it reads the sampled tokens
+    as they are, where a ``history``-mode learner would re-tokenize the text and could disagree with them.
+
+    Args:
+        model: the causal LM to score with (the policy, or the frozen reference).
+        tokenizer: its tokenizer (for the pad id).
+
+    Keyword Args:
+        device: where the wrapper puts the model inputs.
+    """
+    from torchrl.modules.llm import TransformersWrapper
+
+    _check_tokenizer(tokenizer, "make_log_prob_scorer")
+    return TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        input_key=("tokens", "full"),
+        generate=False,
+        return_log_probs=True,
+        pad_output=False,
+        device=device,
+    )
+
+
+def _check_tokenizer(tokenizer, what: str) -> None:
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"{what}: the tokenizer needs a pad token distinct from EOS (pad={tokenizer.pad_token!r}, "
+            f"eos={tokenizer.eos_token!r}); TorchRL masks responses with tokens != pad and would drop the EOS."
+        )
+    if tokenizer.padding_side != "left":
+        raise ValueError(f"{what}: generation needs left padding; set tokenizer.padding_side = 'left'.")
+
+
+class RecomputeLogProbs:
+    """Writes the log-probs a scorer gives the sampled sequences into a rollout, in place, without gradients.
+
+    Used as the collector's ``postproc``: with the policy's own scorer it fills ``("log_probs", "full")`` (the old
+    log-probs of the importance ratio); with the frozen reference model's scorer and
+    ``out_key=("next", "ref_log_probs", "full")`` it fills what ``GRPOLoss`` reads for its KL term.
+
+    Args:
+        scorer: a wrapper from :func:`make_log_prob_scorer`.
+
+    Keyword Args:
+        out_key: where the per-sample log-probs go.
+        micro_batch_size: sequences per forward pass; ``None`` scores the whole batch at once.
+    """
+
+    def __init__(
+        self, scorer, *, out_key: NestedKey = ("log_probs", "full"), micro_batch_size: int | None = None
+    ) -> None:
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"RecomputeLogProbs: micro_batch_size must be >= 1 or None, got {micro_batch_size}.")
+        self.scorer = scorer
+        self.out_key = out_key
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def __call__(self, rollout: TensorDictBase) -> TensorDictBase:
+        if rollout.ndim != 1:
+            raise ValueError(
+                f"RecomputeLogProbs: expected a flat batch of sequences, got batch size {tuple(rollout.batch_size)}; "
+                "flatten it first (LLMCollector does when it writes to a replay buffer)."
+            )
+        samples = list(rollout.unbind(0))
+        size = self.micro_batch_size or len(samples)
+        log_probs = []
+        for start in range(0, len(samples), size):
+            inputs = lazy_stack(
+                [s.select(("tokens", "full"), ("masks", "all_attention_mask")) for s in samples[start : start + size]]
+            )
+            scored = self.scorer(inputs)
+            log_probs.extend(scored.get(("log_probs", "full"), as_list=True))
+        # Ragged lazy stacks only take per-sample writes.
+        for sample, value in zip(samples, log_probs, strict=True):
+            sample.set(self.out_key, value.detach())
+        return rollout
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(out_key={self.out_key!r}, micro_batch_size={self.micro_batch_size})"
+
+
+def response_texts(rollout: TensorDictBase, tokenizer) -> list[str]:
+    """The responses of a rollout as plain text: ``("tokens", "response")`` decoded without special tokens."""
+    tokens = rollout.reshape(-1).get(("tokens", "response"), as_list=True)
+    return tokenizer.batch_decode(tokens, skip_special_tokens=True)
+
+
+class LengthPenalty(TensorDictModuleBase):
+    """Reward term ``-coefficient * max(0, response_tokens - free_tokens)``: discourages rambling responses.
+
+    Keyword Args:
+        coefficient: penalty per token beyond ``free_tokens``.
+        free_tokens: response length that costs nothing.
+        tokens_key: the response token ids (ragged or padded; padding must be the tokenizer's pad id, and
+            ``pad_token_id`` set to exclude it).
+        pad_token_id: id not counted as a token; ``None`` counts every position.
+        reward_key: the entry written, one float per sample.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import lazy_stack, TensorDict
+        >>> td = lazy_stack([TensorDict({"tokens": {"response": torch.ones(n, dtype=torch.long)}}) for n in (3, 12)])
+        >>> LengthPenalty(coefficient=0.5, free_tokens=10)(td)["length_penalty"]
+        tensor([ 0., -1.])
+    """
+
+    def __init__(
+        self,
+        *,
+        coefficient: float,
+        free_tokens: int = 0,
+        tokens_key: NestedKey = ("tokens", "response"),
+        pad_token_id: int | None = None,
+        reward_key: NestedKey = "length_penalty",
+    ) -> None:
+        super().__init__()
+        self.coefficient = coefficient
+        self.free_tokens = free_tokens
+        self.tokens_key = tokens_key
+        self.pad_token_id = pad_token_id
+        self.in_keys = [tokens_key]
+        self.out_keys = [reward_key]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        flat = tensordict.reshape(-1)
+        tokens = flat.get(self.tokens_key, as_list=True)
+        lengths = torch.tensor(
+            [float(t.numel() if self.pad_token_id is None else (t != self.pad_token_id).sum()) for t in tokens]
+        )
+        penalty = 0.0 - self.coefficient * (lengths - self.free_tokens).clamp_min(0.0)  # 0.0 - x: no -0.0
+        tensordict.set(self.out_keys[0], penalty.reshape(tensordict.batch_size))
+        return tensordict
+
+
+class TextScoreReward(TensorDictModuleBase):
+    """Reward term ``weight * score(response_text)`` from any text scorer (a rule, a verifier, the task's oracle).
+
+    Args:
+        score: ``callable(str) -> float``, e.g. ``recipes.common.synthetic.oracle_score``.
+
+    Keyword Args:
+        weight: multiplies the score.
+        text_key: the response text (TorchRL's wrappers write ``("text", "response")``, special tokens included).
+        strip: substrings removed from the text before scoring (e.g. the EOS string).
+        reward_key: the entry written, one float per sample.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({"text": {"response": ["it is good.", "it is bad."]}}, batch_size=[2])
+        >>> TextScoreReward(len, weight=2.0)(td)["text_score"]
+        tensor([22., 20.])
+    """
+
+    def __init__(
+        self,
+        score: Callable[[str], float],
+        *,
+        weight: float = 1.0,
+        text_key: NestedKey = ("text", "response"),
+        strip: Sequence[str] = (),
+        reward_key: NestedKey = "text_score",
+    ) -> None:
+        super().__init__()
+        if not callable(score):
+            raise TypeError(f"TextScoreReward: score must be callable(str) -> float, got {type(score).__name__}.")
+        self.score = score
+        self.weight = weight
+        self.text_key = text_key
+        self.strip = tuple(strip)
+        self.in_keys = [text_key]
+        self.out_keys = [reward_key]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        texts = tensordict.reshape(-1).get(self.text_key)
+        texts = [texts] if isinstance(texts, str) else texts.tolist()  # a NonTensorStack of one string per sample
+        values = []
+        for text in texts:
+            for piece in self.strip:
+                text = text.replace(piece, "")
+            values.append(self.weight * float(self.score(text)))
+        tensordict.set(self.out_keys[0], torch.tensor(values).reshape(tensordict.batch_size))
+        return tensordict

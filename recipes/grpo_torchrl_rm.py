@@ -1,0 +1,449 @@
+"""GRPO built from TorchRL components, rewarded by a Hugging Face reward model through ``interop``.
+
+    python recipes/grpo_torchrl_rm.py                                     # tiny policy + tiny RM, ~1 min on 2 CPUs
+    python recipes/grpo_torchrl_rm.py -m optimizer.lr=1e-3,2e-3,4e-3      # a sweep: main() returns cfg.metric
+
+Each step: a ``ChatEnv`` fed by the prompt dataloader resets to ``responses_per_step / group_size`` prompts, each
+repeated ``group_size`` times; the ``TransformersWrapper`` policy samples one response per copy; the env's
+``interop.RewardModelTransform`` scores every conversation with the reward model (plus optional reward terms); the
+``LLMCollector``'s post-processing recomputes the old log-probs (and the frozen reference's) with a non-generating
+wrapper, and writes the step into a ``ReplayBuffer`` whose ``MCAdvantage`` transform normalises the rewards within
+each prompt's group; ``GRPOLoss`` then updates the policy over mini-batches with AdamW and gradient clipping. Metrics
+go to the configured logger, checkpoints to ``<output_dir>/checkpoints``, the final figures to ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tensordict import set_list_to_stack
+from tqdm.auto import tqdm
+
+from recipes.common.config import ConfigError
+from recipes.common.data import load_prompts
+from recipes.common.logging import make_logger
+from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
+from recipes.common.resume import (
+    MODEL_FOLDER,
+    latest_checkpoint,
+    load_training_state,
+    restore_rng_state,
+    save_checkpoint,
+    truncate_metrics_csv,
+)
+from recipes.common.rollout import (
+    RecomputeLogProbs,
+    make_chat_env,
+    make_log_prob_scorer,
+    make_policy,
+    make_prompt_dataloader,
+    response_texts,
+)
+
+REWARD_INPUTS = ("history", "text", "tokens")
+SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
+BUFFER_KEYS = (
+    "prompt_index",
+    ("tokens", "prompt"),
+    ("tokens", "response"),
+    ("tokens", "full"),
+    ("masks", "all_attention_mask"),
+    ("log_probs", "full"),
+    ("next", "ref_log_probs", "full"),
+    ("next", "reward"),
+    ("next", "done"),
+)
+
+
+# ----------------------------------------------------------------------------------------------------- validation
+
+
+def _checkpoint_root(cfg: DictConfig) -> Path:
+    return Path(cfg.output_dir) / "checkpoints"
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks that need nothing loaded; each message says what to change."""
+    group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
+    if group < 2:
+        raise ConfigError(
+            f"rollout.group_size={group}: GRPO normalises each reward against the other responses to the same prompt, "
+            "so a group needs at least 2 responses; set rollout.group_size >= 2."
+        )
+    if per_step < group or per_step % group:
+        raise ConfigError(
+            f"rollout.responses_per_step={per_step} is not a multiple of rollout.group_size={group}: every prompt "
+            f"gets a full group. Use a multiple, e.g. rollout.responses_per_step={max(1, per_step // group) * group}."
+        )
+    mini = cfg.train.mini_batch_size
+    if mini < 1 or per_step % mini:
+        raise ConfigError(
+            f"train.mini_batch_size={mini} does not divide rollout.responses_per_step={per_step}; each step's "
+            "responses are split into equal mini-batches. Pick a divisor (e.g. train.mini_batch_size="
+            f"{per_step // 2 if per_step % 2 == 0 else per_step})."
+        )
+    for key in ("train.steps", "train.epochs_per_step"):
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 1.")
+    every = cfg.checkpoint.every_n_steps
+    if every is not None and every < 1:
+        raise ConfigError(f"checkpoint.every_n_steps={every} must be >= 1, or null to save only at the end.")
+    if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all.")
+    if cfg.summary.window < 1:
+        raise ConfigError(f"summary.window={cfg.summary.window} must be >= 1.")
+    generation = cfg.rollout.generation
+    if generation.max_new_tokens < 1:
+        raise ConfigError(f"rollout.generation.max_new_tokens={generation.max_new_tokens} must be >= 1.")
+    if generation.do_sample and generation.temperature <= 0:
+        raise ConfigError(
+            f"rollout.generation.temperature={generation.temperature} must be > 0 when sampling; GRPO needs diverse "
+            "responses within a group."
+        )
+    if cfg.reward.input not in REWARD_INPUTS:
+        raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
+    if cfg.loss.aggregation not in ("token_mean", "prompt_mean"):
+        raise ConfigError(f"loss.aggregation={cfg.loss.aggregation!r}: expected 'token_mean' or 'prompt_mean'.")
+    if cfg.loss.kl_to_ref_coeff is not None and cfg.loss.kl_to_ref_coeff < 0:
+        raise ConfigError(f"loss.kl_to_ref_coeff={cfg.loss.kl_to_ref_coeff} must be >= 0 (or null: no reference).")
+    if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device!r} but CUDA is not available here; use device=cpu.")
+    metric = str(cfg.metric)
+    known = {f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")}
+    known |= {"steps", "wall_time_s", "generated_tokens", "tokens_per_s", "setup_time_s"}
+    if metric not in known:
+        raise ConfigError(f"metric={metric!r} is not a summary.json entry; use one of {sorted(known)}.")
+    if "oracle" in metric and cfg.data.oracle is None:
+        raise ConfigError(
+            f"metric={metric!r} needs an oracle, but data.oracle is null for data.source={cfg.data.source!r}; "
+            "use metric=rollout/reward_mean_last."
+        )
+    validate_model_node(cfg.model, key="model")
+    validate_model_node(cfg.reward_model, key="reward_model")
+    if cfg.data.source == "file" and not Path(str(cfg.data.path)).expanduser().exists():
+        raise ConfigError(
+            f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
+            f"{cfg.data.prompt_column!r} column of prompts."
+        )
+    has_checkpoint = latest_checkpoint(_checkpoint_root(cfg)) is not None
+    if cfg.resume and not has_checkpoint:
+        raise ConfigError(
+            f"resume=true but {_checkpoint_root(cfg)} holds no checkpoint. Point the run at the folder of the run to "
+            "continue (hydra.run.dir=<that folder>, or output_dir=<that folder> when calling train()), or drop "
+            "resume=true to start afresh."
+        )
+    if not cfg.resume and has_checkpoint:
+        raise ConfigError(
+            f"{_checkpoint_root(cfg)} already holds checkpoints of an earlier run: pass resume=true to continue it, "
+            "or choose another output folder (hydra.run.dir=...)."
+        )
+
+
+# ----------------------------------------------------------------------------------------------------- factories
+
+
+@dataclass
+class Models:
+    """What the run loads: the policy and its tokenizer, the reward model and its own, the frozen reference."""
+
+    tokenizer: Any
+    policy: Any
+    reward_tokenizer: Any
+    reward_model: Any
+    reference: Any | None
+
+
+def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
+    """The policy comes from the checkpoint when resuming; the reference is always the initial policy."""
+    policy_node = cfg.model
+    if resume_from is not None:
+        policy_node = OmegaConf.merge(
+            cfg.model, {"name_or_path": str(resume_from / MODEL_FOLDER), "tokenizer_name_or_path": None}
+        )
+    reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+    reference = None
+    if cfg.loss.kl_to_ref_coeff:
+        reference = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
+    return Models(
+        tokenizer=load_tokenizer(policy_node, padding_side="left"),
+        # eval(): GRPO's importance ratios compare forward passes that must not differ by dropout.
+        policy=load_causal_lm(policy_node, device=cfg.device, dtype=cfg.dtype).eval(),
+        reward_tokenizer=reward_tokenizer,
+        reward_model=load_reward_model(
+            cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
+        ).eval(),
+        reference=reference,
+    )
+
+
+def make_reward_transforms(cfg: DictConfig, reward_model, reward_tokenizer, policy_tokenizer) -> list:
+    """``RewardModelTransform`` over the reward model, then one accumulating transform per extra reward term."""
+    from interop import HFRewardModelWrapper, RewardModelTransform
+
+    keys = {name: tuple(key) for name, key in cfg.reward.read_keys.items()}
+    common = {
+        "inference_mode": True,
+        "micro_batch_size": cfg.reward.micro_batch_size,
+        "max_length": cfg.reward.max_length,
+    }
+    if cfg.reward.input == "tokens":
+        if reward_tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+            raise ConfigError(
+                "reward.input=tokens feeds the policy's token ids to the reward model, but the two tokenizers differ "
+                f"({cfg.model.name_or_path} vs {cfg.reward_model.name_or_path}); use reward.input=history or text."
+            )
+        wrapper = HFRewardModelWrapper(
+            reward_model, token_key=keys["tokens"], attention_mask_key=keys["attention_mask"], **common
+        )
+    elif cfg.reward.input == "text":
+        wrapper = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, text_key=keys["text"], **common)
+    else:
+        wrapper = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, history_key=keys["history"], **common)
+    transforms = [RewardModelTransform(wrapper)]
+    for term in cfg.reward.terms.values():
+        transforms.append(RewardModelTransform(instantiate(term), accumulate=True))
+    return transforms
+
+
+def make_replay_buffer(cfg: DictConfig):
+    """One step's responses, with group-normalised advantages written by ``MCAdvantage`` as they come in."""
+    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+    from torchrl.objectives.llm import MCAdvantage
+
+    buffer = ReplayBuffer(
+        storage=LazyStackStorage(cfg.rollout.responses_per_step),
+        sampler=SamplerWithoutReplacement(),
+        batch_size=cfg.train.mini_batch_size,
+    )
+    buffer.append_transform(MCAdvantage(grpo_size=cfg.rollout.group_size, prompt_key="prompt_index"))
+    return buffer
+
+
+def make_collector(cfg: DictConfig, models: Models, buffer, *, actor, start_step: int):
+    """``LLMCollector`` over the prompt env; each batch gets its log-probs recomputed, then goes into ``buffer``."""
+    from torchrl.collectors.llm import LLMCollector
+
+    group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
+    # The prompt stream is a function of the step (each step draws per_step / group prompts): resuming continues it.
+    loader = make_prompt_dataloader(
+        load_prompts(cfg.data, "train"), seed=cfg.seed, start=start_step * (per_step // group)
+    )
+    env = make_chat_env(
+        loader,
+        tokenizer=models.tokenizer,
+        group_size=group,
+        num_prompts=per_step // group,
+        system_prompt=cfg.rollout.system_prompt,
+        transforms=make_reward_transforms(cfg, models.reward_model, models.reward_tokenizer, models.tokenizer),
+    )
+    micro = cfg.rollout.log_prob_micro_batch_size
+    recomputes = [RecomputeLogProbs(actor, micro_batch_size=micro)]
+    if models.reference is not None:
+        reference = make_log_prob_scorer(models.reference, models.tokenizer, device=cfg.device)
+        recomputes.append(
+            RecomputeLogProbs(reference, out_key=("next", "ref_log_probs", "full"), micro_batch_size=micro)
+        )
+
+    def postproc(rollout):
+        for recompute in recomputes:
+            recompute(rollout)
+        # Only what the loss, MCAdvantage and the metrics read goes to the buffer: copying the chat histories and
+        # texts through the buffer's transforms would cost more than the tiny model's forward passes.
+        return rollout.select(*BUFFER_KEYS, strict=False)
+
+    return LLMCollector(
+        env,
+        policy=make_policy(models.policy, models.tokenizer, generation=cfg.rollout.generation, device=cfg.device),
+        dialog_turns_per_batch=per_step,
+        total_dialog_turns=max(cfg.train.steps - start_step, 1) * per_step,
+        replay_buffer=buffer,
+        postproc=postproc,
+    )
+
+
+def make_loss(cfg: DictConfig, actor):
+    from torchrl.objectives.llm import GRPOLoss
+
+    return GRPOLoss(
+        actor,
+        clip_epsilon=cfg.loss.clip_epsilon,
+        entropy_bonus=True,  # also what reports train/entropy; its weight in the loss is entropy_coeff
+        entropy_coeff=cfg.loss.entropy_coeff,
+        kl_to_ref_coeff=cfg.loss.kl_to_ref_coeff or None,
+        aggregation=cfg.loss.aggregation,
+        masking_strategy="sft",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- training
+
+
+def rollout_metrics(data, tokenizer, oracle) -> tuple[dict[str, float], int]:
+    """Reward, oracle and length statistics of one step's responses, and how many tokens were generated."""
+    reward = data.get(("next", "reward")).reshape(-1).float()
+    lengths = [t.numel() for t in data.get(("tokens", "response"), as_list=True)]
+    metrics = {"rollout/reward_mean": reward.mean().item(), "rollout/reward_std": reward.std().item()}
+    if oracle is not None:
+        metrics["rollout/oracle_mean"] = sum(oracle(t) for t in response_texts(data, tokenizer)) / len(lengths)
+    metrics["rollout/response_length"] = sum(lengths) / len(lengths)
+    return metrics, sum(lengths)
+
+
+def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) -> dict[str, float]:
+    """``train.epochs_per_step`` passes over the buffer in mini-batches; returns the updates' mean diagnostics."""
+    sums: dict[str, float] = {}
+    updates = 0
+    for _ in range(cfg.train.epochs_per_step):
+        for _ in range(cfg.rollout.responses_per_step // cfg.train.mini_batch_size):
+            out = loss_module(buffer.sample())
+            loss = sum(value for key, value in out.items() if key.startswith("loss_") and value is not None)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.train.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            updates += 1
+            values = {"train/loss": loss, "train/clip_fraction": out.clip_fraction, "train/entropy": out.entropy}
+            if out.kl_to_ref is not None:
+                values["train/kl_to_ref"] = out.kl_to_ref
+            values["train/grad_norm"] = grad_norm
+            for key, value in values.items():
+                sums[key] = sums.get(key, 0.0) + float(value.detach().mean())
+    return {key: total / updates for key, total in sums.items()}
+
+
+def summarize(history: list[dict], *, window: int, wall_time: float, tokens: int, rollout_time: float) -> dict:
+    """``wall_time_s``: the training steps' time over every invocation (setup apart); ``tokens_per_s``: generated
+    tokens per second of rollout (generation, reward, log-prob recomputation)."""
+    summary = {
+        "steps": len(history),
+        "wall_time_s": wall_time,
+        "generated_tokens": tokens,
+        "tokens_per_s": tokens / max(rollout_time, 1e-9),
+    }
+    for name in SUMMARY_SERIES:
+        values = [row[name] for row in history if name in row]
+        if values:
+            # The first step samples from the initial policy: the starting point. The end is averaged for stability.
+            summary[f"{name}_first"] = values[0]
+            summary[f"{name}_last"] = sum(values[-window:]) / len(values[-window:])
+    return summary
+
+
+def train(cfg: DictConfig) -> dict:
+    """Runs (or resumes) GRPO as configured and returns the summary also written to ``summary.json``."""
+    setup_start = time.perf_counter()
+    validate(cfg)
+    set_list_to_stack(True).set()
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    run_config = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # hydra's own node is not ours
+    (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(run_config, resolve=True))
+    checkpoint_root = _checkpoint_root(cfg)
+    resume_from = latest_checkpoint(checkpoint_root) if cfg.resume else None
+    state = load_training_state(resume_from) if resume_from is not None else None
+    start_step = state["step"] if state is not None else 0
+
+    models = load_models(cfg, resume_from=resume_from)
+    oracle = instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
+    # One non-generating wrapper over the policy both recomputes the old log-probs and is GRPOLoss's actor.
+    actor = make_log_prob_scorer(models.policy, models.tokenizer, device=cfg.device)
+    buffer = make_replay_buffer(cfg)
+    collector = make_collector(cfg, models, buffer, actor=actor, start_step=start_step)
+    loss_module = make_loss(cfg, actor)
+    parameters = list(models.policy.parameters())  # a list: clipped at every update, not a spent generator
+    optimizer = instantiate(cfg.optimizer)(parameters)
+
+    progress = {"history": [], "wall_time_s": 0.0, "tokens_total": 0, "rollout_time_s": 0.0}
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        progress = {key: state[key] for key in progress}
+        restore_rng_state(state["rng"])
+        truncate_metrics_csv(output_dir / "metrics.csv", start_step)
+    else:
+        # Seeded once everything is built, so that the run depends on the seed and not on what loading drew.
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+    history = progress["history"]
+
+    logger = make_logger(cfg.logger, output_dir, config=run_config)
+    setup_time = time.perf_counter() - setup_start
+    bar = tqdm(total=cfg.train.steps, initial=start_step, desc="GRPO", unit="step", disable=not cfg.progress_bar)
+    try:
+        batches = iter(collector)
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            step_start = time.perf_counter()
+            next(batches)  # generates, scores, recomputes log-probs and fills the buffer
+            rollout_time = time.perf_counter() - step_start
+            metrics, tokens = rollout_metrics(buffer[:], models.tokenizer, oracle)
+            metrics.update(optimize(cfg, loss_module, optimizer, buffer, parameters))
+            buffer.empty()
+
+            step_time = time.perf_counter() - step_start
+            metrics["perf/tokens_per_s"] = tokens / rollout_time
+            metrics["perf/rollout_time_s"] = rollout_time
+            metrics["perf/step_time_s"] = step_time
+            if not all(math.isfinite(v) for v in metrics.values()):
+                raise FloatingPointError(f"Non-finite metrics at step {step}: {metrics}; lower optimizer.lr.")
+            history.append(metrics)
+            progress["wall_time_s"] += step_time
+            progress["tokens_total"] += tokens
+            progress["rollout_time_s"] += rollout_time
+            logger.log(metrics, step=step)
+            shown = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
+            if "rollout/oracle_mean" in metrics:
+                shown["oracle"] = f"{metrics['rollout/oracle_mean']:.3f}"
+            bar.set_postfix(shown)
+            bar.update(1)
+
+            every = cfg.checkpoint.every_n_steps
+            if step == cfg.train.steps or (every is not None and step % every == 0):
+                save_checkpoint(
+                    checkpoint_root,
+                    step,
+                    model=models.policy,
+                    tokenizer=models.tokenizer,
+                    optimizer=optimizer,
+                    state=progress,
+                    keep_last=cfg.checkpoint.keep_last,
+                )
+    finally:
+        bar.close()
+        logger.close()
+        collector.shutdown()
+
+    summary = summarize(
+        history,
+        window=cfg.summary.window,
+        wall_time=progress["wall_time_s"],
+        tokens=progress["tokens_total"],
+        rollout_time=progress["rollout_time_s"],
+    )
+    summary["setup_time_s"] = setup_time
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="grpo_torchrl_rm")
+def main(cfg: DictConfig) -> float:
+    # TorchRL 0.14.1's own internals trigger these; there is nothing a user of the recipe can do about them.
+    warnings.filterwarnings("ignore", message="size_average and reduce args will be deprecated")
+    warnings.filterwarnings("ignore", message="The env passed to LLMCollector is missing transforms")
+    summary = train(cfg)
+    return summary[cfg.metric]
+
+
+if __name__ == "__main__":
+    main()

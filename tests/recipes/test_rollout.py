@@ -1,0 +1,171 @@
+"""TorchRL rollout building blocks (recipes/common/rollout.py) on the shipped tiny policy: prompts, env, sampling,
+recomputed log-probs, reward terms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tensordict import TensorDict, lazy_stack, set_list_to_stack
+
+from recipes.common.rollout import (
+    EndlessShuffleSampler,
+    LengthPenalty,
+    RecomputeLogProbs,
+    TextScoreReward,
+    make_chat_env,
+    make_log_prob_scorer,
+    make_policy,
+    make_prompt_dataloader,
+    response_texts,
+)
+from recipes.common.synthetic import oracle_score
+
+GENERATION = OmegaConf.create({"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "do_sample": True})
+
+
+@pytest.fixture(autouse=True)
+def _list_to_stack():
+    with set_list_to_stack(True):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy")
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").eval()
+    return model, tokenizer
+
+
+class TestPromptStream:
+    def test_each_pass_is_a_permutation_and_passes_differ(self):
+        stream = iter(EndlessShuffleSampler(10, seed=3))
+        first, second = [next(stream) for _ in range(10)], [next(stream) for _ in range(10)]
+        assert sorted(first) == sorted(second) == list(range(10))
+        assert first != second
+
+    def test_start_resumes_the_same_stream(self):
+        full = iter(EndlessShuffleSampler(7, seed=5))
+        expected = [next(full) for _ in range(30)][13:]
+        resumed = iter(EndlessShuffleSampler(7, seed=5, start=13))
+        assert [next(resumed) for _ in range(17)] == expected
+
+    def test_dataloader_yields_queries_one_prompt_at_a_time(self):
+        loader = make_prompt_dataloader(["a", "b", "c"], seed=0, shuffle=False, start=2)
+        batches = iter(loader)
+        drawn = [next(batches) for _ in range(4)]
+        assert [batch["query"] for batch in drawn] == [["c"], ["a"], ["b"], ["c"]]
+        assert [batch["prompt_index"].tolist() for batch in drawn] == [[2], [0], [1], [2]]
+
+    def test_no_prompts_is_an_error(self):
+        with pytest.raises(ValueError, match="no prompts"):
+            make_prompt_dataloader([], seed=0)
+
+
+class TestChatEnv:
+    def test_reset_groups_copies_of_each_prompt_contiguously(self, tiny_policy):
+        _, tokenizer = tiny_policy
+        loader = make_prompt_dataloader(["Review the mug.", "Review the lamp."], seed=0, shuffle=False)
+        env = make_chat_env(loader, tokenizer=tokenizer, group_size=3, num_prompts=2)
+        assert env.batch_size == torch.Size([6])
+        reset = env.reset()
+        assert reset["query"] == ["Review the mug."] * 3 + ["Review the lamp."] * 3
+        assert reset["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]  # the group id MCAdvantage reads
+        # The next reset draws the next prompts of the stream.
+        assert env.reset()["query"] == ["Review the mug."] * 3 + ["Review the lamp."] * 3
+
+    def test_conversational_prompts_become_histories(self, tiny_policy):
+        _, tokenizer = tiny_policy
+        conversation = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Review the mug."}]
+        env = make_chat_env(make_prompt_dataloader([conversation], seed=0), tokenizer=tokenizer, group_size=2)
+        prompt = env.reset()["history", "prompt"]
+        assert prompt.role == [["system", "user"], ["system", "user"]]
+        assert prompt.content[0] == ["Be kind.", "Review the mug."]
+
+    def test_tokenizer_with_pad_equal_to_eos_is_refused(self, tiny_policy):
+        import copy
+
+        model, tokenizer = tiny_policy
+        broken = copy.deepcopy(tokenizer)
+        broken.pad_token = broken.eos_token
+        with pytest.raises(ValueError, match="pad token distinct from EOS"):
+            make_policy(model, broken, generation=GENERATION)
+
+
+class TestSamplingAndLogProbs:
+    @pytest.fixture(scope="class")
+    def rollout(self, tiny_policy):
+        model, tokenizer = tiny_policy
+        with set_list_to_stack(True):
+            torch.manual_seed(0)
+            loader = make_prompt_dataloader(["Review the mug.", "What do you think of the bike?"], seed=0)
+            env = make_chat_env(loader, tokenizer=tokenizer, group_size=2, num_prompts=2)
+            policy = make_policy(model, tokenizer, generation={**GENERATION, "return_log_probs": True})
+            return policy(env.reset())
+
+    def test_generation_settings_come_from_the_config_node(self, tiny_policy, rollout):
+        _, tokenizer = tiny_policy
+        lengths = [t.numel() for t in rollout.get(("tokens", "response"), as_list=True)]
+        assert max(lengths) <= GENERATION.max_new_tokens and min(lengths) >= 1
+        texts = response_texts(rollout, tokenizer)
+        assert len(texts) == 4 and all(isinstance(t, str) and "<|im_end|>" not in t for t in texts)
+
+    def test_recomputed_log_probs_match_a_manual_forward(self, tiny_policy, rollout):
+        model, tokenizer = tiny_policy
+        RecomputeLogProbs(make_log_prob_scorer(model, tokenizer), micro_batch_size=3)(rollout)
+        full = rollout.get(("tokens", "full"), as_list=True)
+        recomputed = rollout.get(("log_probs", "full"), as_list=True)
+        generated = rollout.get(("log_probs", "response"), as_list=True)
+        prompts = rollout.get(("tokens", "prompt"), as_list=True)
+        for tokens, log_probs, gen_log_probs, prompt in zip(full, recomputed, generated, prompts, strict=True):
+            assert log_probs.shape == tokens.shape
+            with torch.no_grad():
+                logits = model(input_ids=tokens[None]).logits[0]
+            manual = logits[:-1].log_softmax(-1).gather(-1, tokens[1:, None]).squeeze(-1)
+            torch.testing.assert_close(log_probs[1:], manual, atol=1e-4, rtol=1e-4)
+            assert log_probs[0] == 0  # nothing predicts the first token
+            # TorchRL 0.14.1's generate mode zeroes the first response log-prob: why the recipe recomputes them.
+            response = log_probs[prompt.numel() :]
+            assert gen_log_probs[0] == 0 and response[0] < 0
+            torch.testing.assert_close(gen_log_probs[1:], response[1:], atol=1e-4, rtol=1e-4)
+
+    def test_reference_log_probs_go_where_the_loss_reads_them(self, tiny_policy, rollout):
+        model, tokenizer = tiny_policy
+        RecomputeLogProbs(make_log_prob_scorer(model, tokenizer), out_key=("next", "ref_log_probs", "full"))(rollout)
+        ref = rollout.get(("next", "ref_log_probs", "full"), as_list=True)
+        assert [r.numel() for r in ref] == [t.numel() for t in rollout.get(("tokens", "full"), as_list=True)]
+
+
+class TestRewardTerms:
+    def test_length_penalty_counts_tokens_beyond_the_free_ones(self):
+        td = lazy_stack([TensorDict({"tokens": {"response": torch.tensor([5, 6, 0, 0])}}) for _ in range(2)])
+        out = LengthPenalty(coefficient=0.5, free_tokens=1, pad_token_id=0)(td)
+        assert out["length_penalty"].tolist() == [-0.5, -0.5]
+
+    def test_terms_add_to_the_reward_model_score_in_the_env(self, tiny_policy):
+        from interop import HFRewardModelWrapper, RewardModelTransform
+
+        model, tokenizer = tiny_policy
+
+        class ConstantRewardModel(torch.nn.Module):
+            def forward(self, input_ids, attention_mask=None):
+                return torch.full((input_ids.shape[0], 1), 2.0)
+
+        transforms = [
+            RewardModelTransform(HFRewardModelWrapper(ConstantRewardModel(), inference_mode=True)),
+            RewardModelTransform(TextScoreReward(oracle_score, weight=10.0), accumulate=True),
+            RewardModelTransform(LengthPenalty(coefficient=0.1), accumulate=True),
+        ]
+        loader = make_prompt_dataloader(["Review the mug."], seed=0)
+        env = make_chat_env(loader, tokenizer=tokenizer, group_size=4, transforms=transforms)
+        assert env.full_reward_spec["reward"].shape == torch.Size([4, 1, 1])
+        policy = make_policy(model, tokenizer, generation=GENERATION)
+        torch.manual_seed(1)
+        step = env.step(policy(env.reset()))
+        texts = step.get(("text", "response")).tolist()
+        lengths = [t.numel() for t in step.get(("tokens", "response"), as_list=True)]
+        expected = [2.0 + 10.0 * oracle_score(t) - 0.1 * n for t, n in zip(texts, lengths, strict=True)]
+        torch.testing.assert_close(step["next", "reward"].reshape(-1), torch.tensor(expected))
