@@ -103,3 +103,10 @@ def test_unknown_group_option_names_the_choices(compose_config, root):
         compose_config(root, ["model=no_such_model"])
     message = str(error.value)
     assert "no_such_model" in message and "tiny" in message  # Hydra lists the available options
+
+
+@pytest.mark.parametrize("root", ROOT_CONFIGS)
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local", "slurm_gpu"])
+def test_launcher_plugins_compose(compose_config, root, launcher):
+    cfg = compose_config(root, [f"hydra/launcher={launcher}"])
+    assert "launcher" in cfg.hydra.launcher._target_.lower()
