@@ -2,6 +2,7 @@
 
     python recipes/grpo_torchrl_rm.py                                     # tiny policy + tiny RM, ~1 min on 2 CPUs
     python recipes/grpo_torchrl_rm.py -m optimizer.lr=1e-3,2e-3,4e-3      # a sweep: main() returns cfg.metric
+    torchrun --standalone --nproc_per_node 2 recipes/grpo_torchrl_rm.py hydra.run.dir=outputs/ddp  # data-parallel
 
 Each step: a ``ChatEnv`` fed by the prompt dataloader resets to ``responses_per_step / group_size`` prompts, each
 repeated ``group_size`` times; the ``TransformersWrapper`` policy samples one response per copy; the env's
@@ -10,12 +11,22 @@ repeated ``group_size`` times; the ``TransformersWrapper`` policy samples one re
 wrapper, and writes the step into a ``ReplayBuffer`` whose ``MCAdvantage`` transform normalises the rewards within
 each prompt's group; ``GRPOLoss`` then updates the policy over mini-batches with AdamW and gradient clipping. Metrics
 go to the configured logger, checkpoints to ``<output_dir>/checkpoints``, the final figures to ``summary.json``.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) every process joins one process group (gloo on CPU,
+nccl on CUDA, each process on ``cuda:<LOCAL_RANK>``) and collects its own ``responses_per_step`` responses: the
+prompt stream is dealt out between the processes and each samples with its own seed (``seed + rank``). The loss runs
+through a ``DistributedDataParallel`` wrapper of the policy, so every update applies the gradients averaged over all
+processes and the weights stay identical everywhere; metrics are averaged over the processes before rank 0 alone
+logs them, saves checkpoints and writes ``summary.json``. Every process gets the same ``hydra.run.dir`` (rank 0's
+output folder is used by all, but pass one explicitly so that Hydra does not create a folder per process).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import os
 import random
 import time
 import warnings
@@ -32,10 +43,11 @@ from tqdm.auto import tqdm
 
 from recipes.common.config import ConfigError
 from recipes.common.data import load_prompts
-from recipes.common.logging import make_logger
+from recipes.common.logging import MetricLogger, make_logger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.resume import (
     MODEL_FOLDER,
+    capture_rng_state,
     latest_checkpoint,
     load_training_state,
     restore_rng_state,
@@ -52,6 +64,8 @@ from recipes.common.rollout import (
 )
 
 REWARD_INPUTS = ("history", "text", "tokens")
+BACKENDS = ("auto", "gloo", "nccl")
+RANK_WEIGHTS_FOLDER = "rank_weights"
 SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
 BUFFER_KEYS = (
     "prompt_index",
@@ -119,6 +133,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"loss.kl_to_ref_coeff={cfg.loss.kl_to_ref_coeff} must be >= 0 (or null: no reference).")
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={cfg.device!r} but CUDA is not available here; use device=cpu.")
+    _validate_distributed(cfg)
     metric = str(cfg.metric)
     known = {f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")}
     known |= {"steps", "wall_time_s", "generated_tokens", "tokens_per_s", "setup_time_s"}
@@ -148,6 +163,147 @@ def validate(cfg: DictConfig) -> None:
             f"{_checkpoint_root(cfg)} already holds checkpoints of an earlier run: pass resume=true to continue it, "
             "or choose another output folder (hydra.run.dir=...)."
         )
+
+
+def _validate_distributed(cfg: DictConfig) -> None:
+    backend = cfg.distributed.backend
+    if backend not in BACKENDS:
+        raise ConfigError(f"distributed.backend={backend!r}: expected one of {list(BACKENDS)}.")
+    on_cuda = str(cfg.device).startswith("cuda")
+    if backend == "nccl" and not on_cuda:
+        raise ConfigError(f"distributed.backend=nccl needs device=cuda (got device={cfg.device!r}); use gloo or auto.")
+    if "WORLD_SIZE" not in os.environ or not on_cuda:
+        return
+    local_rank, world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size > 1 and str(cfg.device) != "cuda":
+        raise ConfigError(
+            f"device={cfg.device!r} under torchrun with {world_size} processes: use device=cuda, each process then "
+            "takes cuda:<LOCAL_RANK>."
+        )
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} CUDA devices; start at most that "
+            "many processes per node (torchrun --nproc_per_node)."
+        )
+
+
+# ----------------------------------------------------------------------------------------------------- distributed
+
+
+@dataclass
+class DataParallel:
+    """Where this process stands among the data-parallel processes; a plain run is rank 0 of 1, not ``active``.
+
+    ``active``: a process group is in use (under torchrun, even with one process); ``owns_group``: ``train`` created
+    it and destroys it; ``comm_device``: where tensors go for collectives (nccl only moves CUDA tensors).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    active: bool = False
+    owns_group: bool = False
+    comm_device: str = "cpu"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` of every rank concatenated in rank order (each rank passes the same shape)."""
+        if not self.active:
+            return values
+        local = values.to(self.comm_device)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, local)
+        return torch.cat(parts).to(values.device)
+
+    def gather_objects(self, obj: Any) -> list:
+        if not self.active:
+            return [obj]
+        gathered = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
+    def mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Every metric averaged over the ranks (all ranks hold the same keys)."""
+        if not self.active or self.world_size == 1:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=self.comm_device)
+        torch.distributed.all_reduce(values)  # SUM: gloo has no AVG
+        return {key: value / self.world_size for key, value in zip(keys, values.tolist(), strict=True)}
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.active:
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def close(self) -> None:
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def setup_data_parallel(cfg: DictConfig) -> DataParallel:
+    """Joins the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), or one already set up
+    by the caller; without either, the run is a single process."""
+    import torch.distributed as dist
+
+    on_cuda = str(cfg.device).startswith("cuda")
+    if dist.is_available() and dist.is_initialized():
+        comm_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return DataParallel(dist.get_rank(), dist.get_world_size(), active=True, comm_device=comm_device)
+    if "WORLD_SIZE" not in os.environ:
+        return DataParallel()
+    backend = cfg.distributed.backend
+    if backend == "auto":
+        backend = "nccl" if on_cuda else "gloo"
+    if on_cuda:
+        # From here on "cuda" (the config's device) means this process's own GPU.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=backend)
+    comm_device = "cuda" if backend == "nccl" else "cpu"
+    return DataParallel(dist.get_rank(), dist.get_world_size(), active=True, owns_group=True, comm_device=comm_device)
+
+
+def make_data_parallel_policy(model, data_parallel: DataParallel, *, device: str):
+    """The policy as the loss must see it: wrapped in ``DistributedDataParallel`` (which also copies rank 0's weights
+    to every rank) so that each backward pass averages the gradients over the ranks; the model itself otherwise."""
+    if not data_parallel.active:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.cuda.current_device()] if str(device).startswith("cuda") else None
+    # The policy's buffers are constants (rotary frequencies): syncing them at each forward would put a collective
+    # into every log-prob recomputation for nothing. Newer torch names the option forward_sync_buffers.
+    options = inspect.signature(DistributedDataParallel).parameters
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in options else {"broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
+
+
+def check_ranks_in_sync(model, data_parallel: DataParallel) -> None:
+    """Raises on every rank if the ranks' weights differ (each update must have applied the same gradients)."""
+    if not data_parallel.active or data_parallel.world_size == 1:
+        return
+    fingerprint = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    gathered = data_parallel.gather(fingerprint).reshape(data_parallel.world_size, -1)
+    if not torch.equal(gathered, gathered[:1].expand_as(gathered)):
+        raise RuntimeError(
+            "The policy's weights differ between the data-parallel ranks; the gradient all-reduce did not keep them "
+            "in sync. Check that every rank runs the same config and code."
+        )
+
+
+def save_rank_weights(model, folder: Path, rank: int) -> None:
+    """``<folder>/rank_<rank>.safetensors``: this rank's policy weights (a debugging aid: compare the ranks)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {name: p.detach().cpu().clone() for name, p in model.named_parameters()}, folder / f"rank_{rank}.safetensors"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- factories
@@ -230,14 +386,23 @@ def make_replay_buffer(cfg: DictConfig):
     return buffer
 
 
-def make_collector(cfg: DictConfig, models: Models, buffer, *, actor, start_step: int):
-    """``LLMCollector`` over the prompt env; each batch gets its log-probs recomputed, then goes into ``buffer``."""
+def make_collector(
+    cfg: DictConfig, models: Models, buffer, *, actor, start_step: int, num_replicas: int = 1, rank: int = 0
+):
+    """``LLMCollector`` over the prompt env; each batch gets its log-probs recomputed, then goes into ``buffer``.
+
+    With ``num_replicas`` data-parallel processes, each draws its own prompts from the one shared stream."""
     from torchrl.collectors.llm import LLMCollector
 
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
-    # The prompt stream is a function of the step (each step draws per_step / group prompts): resuming continues it.
+    # The prompt stream is a function of the step (each step draws per_step / group prompts per process): resuming
+    # continues it.
     loader = make_prompt_dataloader(
-        load_prompts(cfg.data, "train"), seed=cfg.seed, start=start_step * (per_step // group)
+        load_prompts(cfg.data, "train"),
+        seed=cfg.seed,
+        start=start_step * (per_step // group) * num_replicas,
+        num_replicas=num_replicas,
+        rank=rank,
     )
     env = make_chat_env(
         loader,
@@ -289,15 +454,31 @@ def make_loss(cfg: DictConfig, actor):
 # ----------------------------------------------------------------------------------------------------- training
 
 
-def rollout_metrics(data, tokenizer, oracle) -> tuple[dict[str, float], int]:
-    """Reward, oracle and length statistics of one step's responses, and how many tokens were generated."""
-    reward = data.get(("next", "reward")).reshape(-1).float()
-    lengths = [t.numel() for t in data.get(("tokens", "response"), as_list=True)]
-    metrics = {"rollout/reward_mean": reward.mean().item(), "rollout/reward_std": reward.std().item()}
+def rollout_metrics(data, tokenizer, oracle, *, gather=None) -> tuple[dict[str, float], int]:
+    """Reward, oracle and length statistics of one step's responses, and how many tokens were generated.
+
+    ``gather`` (``DataParallel.gather``) pools the per-response values of every data-parallel rank first, so that
+    the figures are those of the whole step's responses."""
+    values = {
+        "reward": data.get(("next", "reward")).reshape(-1).float(),
+        "length": torch.tensor(
+            [float(t.numel()) for t in data.get(("tokens", "response"), as_list=True)], dtype=torch.float64
+        ),
+    }
     if oracle is not None:
-        metrics["rollout/oracle_mean"] = sum(oracle(t) for t in response_texts(data, tokenizer)) / len(lengths)
-    metrics["rollout/response_length"] = sum(lengths) / len(lengths)
-    return metrics, sum(lengths)
+        values["oracle"] = torch.tensor(
+            [float(oracle(t)) for t in response_texts(data, tokenizer)], dtype=torch.float64
+        )
+    if gather is not None:
+        values = {key: gather(value) for key, value in values.items()}
+    metrics = {
+        "rollout/reward_mean": values["reward"].mean().item(),
+        "rollout/reward_std": values["reward"].std().item(),
+    }
+    if oracle is not None:
+        metrics["rollout/oracle_mean"] = values["oracle"].mean().item()
+    metrics["rollout/response_length"] = values["length"].mean().item()
+    return metrics, int(values["length"].sum().item())
 
 
 def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) -> dict[str, float]:
@@ -341,27 +522,70 @@ def summarize(history: list[dict], *, window: int, wall_time: float, tokens: int
 
 
 def train(cfg: DictConfig) -> dict:
-    """Runs (or resumes) GRPO as configured and returns the summary also written to ``summary.json``."""
+    """Runs (or resumes) GRPO as configured and returns the summary also written to ``summary.json``.
+
+    Under torchrun every process calls it; each returns the same summary (metrics are averaged over the processes),
+    and rank 0 alone writes the run folder."""
     setup_start = time.perf_counter()
     validate(cfg)
+    data_parallel = setup_data_parallel(cfg)
+    try:
+        return _train(cfg, data_parallel, setup_start=setup_start)
+    finally:
+        data_parallel.close()
+
+
+def _restore_rng(cfg: DictConfig, state: dict, data_parallel: DataParallel, start_step: int) -> None:
+    saved = state.get("rng_by_rank", [state["rng"]])
+    if len(saved) == data_parallel.world_size:
+        restore_rng_state(saved[data_parallel.rank])
+        return
+    # Another number of processes than the run that saved: the prompt stream continues exactly, the sampling noise
+    # cannot, so each rank starts a fresh seed of its own.
+    if data_parallel.is_main:
+        warnings.warn(
+            f"Resuming a run of {len(saved)} process(es) with {data_parallel.world_size}: the prompts continue where "
+            "they stopped, but the sampling does not replay what an uninterrupted run would have drawn.",
+            stacklevel=2,
+        )
+    seed = cfg.seed + data_parallel.rank + start_step * data_parallel.world_size
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) -> dict:
     set_list_to_stack(True).set()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    # Every process writes to rank 0's folder, even where Hydra gave each its own (a timestamped default).
+    output_dir = Path(data_parallel.broadcast_object(str(cfg.output_dir)))
+    is_main = data_parallel.is_main
     run_config = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # hydra's own node is not ours
-    (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(run_config, resolve=True))
-    checkpoint_root = _checkpoint_root(cfg)
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(run_config, resolve=True))
+    checkpoint_root = output_dir / "checkpoints"
     resume_from = latest_checkpoint(checkpoint_root) if cfg.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None
     start_step = state["step"] if state is not None else 0
 
     models = load_models(cfg, resume_from=resume_from)
     oracle = instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
-    # One non-generating wrapper over the policy both recomputes the old log-probs and is GRPOLoss's actor.
-    actor = make_log_prob_scorer(models.policy, models.tokenizer, device=cfg.device)
+    # One non-generating wrapper over the policy both recomputes the old log-probs and is GRPOLoss's actor; it goes
+    # through the DDP wrapper, so the loss's backward averages the gradients over the ranks. The sampling policy
+    # uses the bare model: same weights, and generation needs no gradient.
+    trained = make_data_parallel_policy(models.policy, data_parallel, device=cfg.device)
+    actor = make_log_prob_scorer(trained, models.tokenizer, device=cfg.device)
     buffer = make_replay_buffer(cfg)
-    collector = make_collector(cfg, models, buffer, actor=actor, start_step=start_step)
+    collector = make_collector(
+        cfg,
+        models,
+        buffer,
+        actor=actor,
+        start_step=start_step,
+        num_replicas=data_parallel.world_size,
+        rank=data_parallel.rank,
+    )
     loss_module = make_loss(cfg, actor)
     parameters = list(models.policy.parameters())  # a list: clipped at every update, not a spent generator
     optimizer = instantiate(cfg.optimizer)(parameters)
@@ -370,37 +594,42 @@ def train(cfg: DictConfig) -> dict:
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         progress = {key: state[key] for key in progress}
-        restore_rng_state(state["rng"])
-        truncate_metrics_csv(output_dir / "metrics.csv", start_step)
+        _restore_rng(cfg, state, data_parallel, start_step)
+        if is_main:
+            truncate_metrics_csv(output_dir / "metrics.csv", start_step)
     else:
-        # Seeded once everything is built, so that the run depends on the seed and not on what loading drew.
-        random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
+        # Seeded once everything is built, so that the run depends on the seed and not on what loading drew; each
+        # rank samples its own responses.
+        random.seed(cfg.seed + data_parallel.rank)
+        torch.manual_seed(cfg.seed + data_parallel.rank)
     history = progress["history"]
 
-    logger = make_logger(cfg.logger, output_dir, config=run_config)
+    logger = make_logger(cfg.logger, output_dir, config=run_config) if is_main else MetricLogger("none", output_dir)
     setup_time = time.perf_counter() - setup_start
-    bar = tqdm(total=cfg.train.steps, initial=start_step, desc="GRPO", unit="step", disable=not cfg.progress_bar)
+    show_bar = cfg.progress_bar and is_main
+    bar = tqdm(total=cfg.train.steps, initial=start_step, desc="GRPO", unit="step", disable=not show_bar)
+    gather = data_parallel.gather if data_parallel.active else None
     try:
         batches = iter(collector)
         for step in range(start_step + 1, cfg.train.steps + 1):
             step_start = time.perf_counter()
             next(batches)  # generates, scores, recomputes log-probs and fills the buffer
             rollout_time = time.perf_counter() - step_start
-            metrics, tokens = rollout_metrics(buffer[:], models.tokenizer, oracle)
-            metrics.update(optimize(cfg, loss_module, optimizer, buffer, parameters))
+            metrics, tokens = rollout_metrics(buffer[:], models.tokenizer, oracle, gather=gather)
+            updates = optimize(cfg, loss_module, optimizer, buffer, parameters)
             buffer.empty()
 
             step_time = time.perf_counter() - step_start
-            metrics["perf/tokens_per_s"] = tokens / rollout_time
-            metrics["perf/rollout_time_s"] = rollout_time
-            metrics["perf/step_time_s"] = step_time
+            # Each rank's own diagnostics and times, averaged; the rollout figures above are already global.
+            updates.update({"perf/rollout_time_s": rollout_time, "perf/step_time_s": step_time})
+            metrics.update(data_parallel.mean(updates))
+            metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
             if not all(math.isfinite(v) for v in metrics.values()):
                 raise FloatingPointError(f"Non-finite metrics at step {step}: {metrics}; lower optimizer.lr.")
             history.append(metrics)
-            progress["wall_time_s"] += step_time
+            progress["wall_time_s"] += metrics["perf/step_time_s"]
             progress["tokens_total"] += tokens
-            progress["rollout_time_s"] += rollout_time
+            progress["rollout_time_s"] += metrics["perf/rollout_time_s"]
             logger.log(metrics, step=step)
             shown = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
             if "rollout/oracle_mean" in metrics:
@@ -410,15 +639,21 @@ def train(cfg: DictConfig) -> dict:
 
             every = cfg.checkpoint.every_n_steps
             if step == cfg.train.steps or (every is not None and step % every == 0):
-                save_checkpoint(
-                    checkpoint_root,
-                    step,
-                    model=models.policy,
-                    tokenizer=models.tokenizer,
-                    optimizer=optimizer,
-                    state=progress,
-                    keep_last=cfg.checkpoint.keep_last,
-                )
+                check_ranks_in_sync(models.policy, data_parallel)
+                # Every rank's RNG state, so that a resumed run samples as this one would have.
+                rng_by_rank = data_parallel.gather_objects(capture_rng_state())
+                if is_main:
+                    save_checkpoint(
+                        checkpoint_root,
+                        step,
+                        model=models.policy,
+                        tokenizer=models.tokenizer,
+                        optimizer=optimizer,
+                        state={**progress, "rng_by_rank": rng_by_rank},
+                        keep_last=cfg.checkpoint.keep_last,
+                    )
+        if cfg.distributed.save_rank_weights:
+            save_rank_weights(models.policy, output_dir / RANK_WEIGHTS_FOLDER, data_parallel.rank)
     finally:
         bar.close()
         logger.close()
@@ -432,7 +667,9 @@ def train(cfg: DictConfig) -> dict:
         rollout_time=progress["rollout_time_s"],
     )
     summary["setup_time_s"] = setup_time
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["world_size"] = data_parallel.world_size
+    if is_main:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 

@@ -14,7 +14,8 @@ recipe can use to sample candidate responses)::
 Public functions and classes:
 
 - :func:`make_prompt_dataloader`: a ``DataLoader`` yielding ``{"query": [prompt], "prompt_index": ...}`` forever,
-  reshuffled each pass over the prompts from a seed, starting at any position (a resumed run continues the stream).
+  reshuffled each pass over the prompts from a seed, starting at any position (a resumed run continues the stream),
+  dealt out between data-parallel processes (``num_replicas``, ``rank``).
 - :func:`make_chat_env`: a single-turn ``ChatEnv`` (history mode) fed by that loader, ``group_size`` copies of each
   prompt, ``num_prompts`` prompts per reset, with extra transforms (rewards) appended.
 - :func:`make_policy`: ``TransformersWrapper`` in generate mode; generation settings come from a config mapping.
@@ -30,6 +31,7 @@ Dependencies: torch, tensordict, torchrl, and the ``transformers`` objects the c
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -62,26 +64,46 @@ class EndlessShuffleSampler(Sampler[int]):
     """Indices of ``num_items`` items forever: pass ``k`` is ``randperm(num_items)`` seeded with ``seed + k``.
 
     The stream is a pure function of ``(seed, position)``, so ``start=position`` resumes it exactly where a run
-    stopped, whatever happened to the process.
+    stopped, whatever happened to the process. Data-parallel replicas share the one stream and deal it out: replica
+    ``rank`` of ``num_replicas`` takes positions ``start + rank``, ``start + rank + num_replicas``..., so no two
+    replicas draw the same position and the replicas together consume the stream as a single process would.
 
     Args:
         num_items: how many items there are.
 
     Keyword Args:
         seed: seed of the first pass's permutation.
-        start: position in the endless stream of the first index yielded.
+        start: position in the (shared) endless stream where the replicas start dealing.
         shuffle: ``False`` yields ``0, 1, ..., num_items - 1`` over and over.
+        num_replicas: how many data-parallel replicas share the stream.
+        rank: which of them this sampler serves, in ``[0, num_replicas)``.
     """
 
-    def __init__(self, num_items: int, *, seed: int, start: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        num_items: int,
+        *,
+        seed: int,
+        start: int = 0,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
         if num_items < 1:
             raise ValueError(f"EndlessShuffleSampler: there must be at least one item, got num_items={num_items}.")
         if start < 0:
             raise ValueError(f"EndlessShuffleSampler: start must be >= 0, got {start}.")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"EndlessShuffleSampler: need num_replicas >= 1 and 0 <= rank < num_replicas, got "
+                f"num_replicas={num_replicas}, rank={rank}."
+            )
         self.num_items = num_items
         self.seed = seed
         self.start = start
         self.shuffle = shuffle
+        self.num_replicas = num_replicas
+        self.rank = rank
 
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -89,11 +111,14 @@ class EndlessShuffleSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.num_items, generator=generator).tolist()
 
-    def __iter__(self) -> Iterator[int]:
+    def _stream(self) -> Iterator[int]:
         epoch, offset = divmod(self.start, self.num_items)
         while True:
             yield from self._order(epoch)[offset:]
             epoch, offset = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._stream(), self.rank, None, self.num_replicas)
 
 
 def _to_query(prompt):
@@ -114,7 +139,15 @@ def _collate_queries(batch: list[tuple[int, object]]) -> dict:
     }
 
 
-def make_prompt_dataloader(prompts: Sequence, *, seed: int, start: int = 0, shuffle: bool = True) -> DataLoader:
+def make_prompt_dataloader(
+    prompts: Sequence,
+    *,
+    seed: int,
+    start: int = 0,
+    shuffle: bool = True,
+    num_replicas: int = 1,
+    rank: int = 0,
+) -> DataLoader:
     """An endless ``DataLoader`` of ``{"query": [prompt], "prompt_index": tensor([i])}`` batches of size 1.
 
     ``ChatEnv`` reads ``"query"``; ``"prompt_index"`` (the prompt's position in ``prompts``) is carried into every
@@ -126,12 +159,17 @@ def make_prompt_dataloader(prompts: Sequence, *, seed: int, start: int = 0, shuf
 
     Keyword Args:
         seed: seed of the shuffling (see :class:`EndlessShuffleSampler`).
-        start: how many prompts of the endless stream to skip (a resumed run passes the number already used).
+        start: how many prompts of the endless stream to skip (a resumed run passes the number already used, by all
+            replicas together).
         shuffle: ``False`` walks the prompts in order.
+        num_replicas: data-parallel processes sharing the stream; each gets its own prompts.
+        rank: this process's rank among them.
     """
     if len(prompts) == 0:
         raise ValueError("make_prompt_dataloader: no prompts; check the data= config (e.g. data.path).")
-    sampler = EndlessShuffleSampler(len(prompts), seed=seed, start=start, shuffle=shuffle)
+    sampler = EndlessShuffleSampler(
+        len(prompts), seed=seed, start=start, shuffle=shuffle, num_replicas=num_replicas, rank=rank
+    )
     # num_workers=0: importing torchrl switches multiprocessing to spawn, and the prompts are tiny to read anyway.
     return DataLoader(
         list(enumerate(prompts)), batch_size=1, sampler=sampler, collate_fn=_collate_queries, num_workers=0

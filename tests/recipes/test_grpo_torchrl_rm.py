@@ -64,6 +64,8 @@ class TestValidation:
             (["rollout.generation.temperature=0"], "temperature=0"),
             (["metric=eval/accuracy"], "metric='eval/accuracy' is not a summary.json entry"),
             (["resume=true"], "holds no checkpoint"),
+            (["distributed.backend=mpi"], "distributed.backend='mpi'"),
+            (["distributed.backend=nccl"], "distributed.backend=nccl needs device=cuda"),
             (
                 ["data=file", "data.path=/nonexistent/prompts.jsonl", "metric=rollout/reward_mean_last"],
                 "data.path='/nonexistent/prompts.jsonl': no such file",
@@ -346,6 +348,23 @@ def test_a_run_as_a_user_starts_it(tmp_path):
     assert summary["steps"] == 2
     assert (tmp_path / "metrics.csv").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_0000002"
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16_steps_train_the_policy(compose_config, tmp_path):
+    """``device=cuda dtype=bfloat16``: the whole loop runs on the GPU in bf16 and the saved policy moved."""
+    from transformers import AutoModelForCausalLM
+
+    overrides = [*SMALL, f"output_dir={tmp_path}", "device=cuda", "dtype=bfloat16", "train.steps=3"]
+    cfg = compose_config("grpo_torchrl_rm", overrides)
+    summary = recipe.train(cfg)
+    assert summary["steps"] == 3 and summary["generated_tokens"] > 0
+    rows = _read_metrics(tmp_path)
+    assert all(torch.isfinite(torch.tensor(row[k])).item() for row in rows for k in row), rows
+    trained = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "checkpoints") / MODEL_FOLDER)
+    assert trained.dtype == torch.bfloat16
+    initial = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.bfloat16)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters(), strict=True))
 
 
 @pytest.mark.slow

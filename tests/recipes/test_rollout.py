@@ -53,6 +53,27 @@ class TestPromptStream:
         resumed = iter(EndlessShuffleSampler(7, seed=5, start=13))
         assert [next(resumed) for _ in range(17)] == expected
 
+    @pytest.mark.parametrize("start", [0, 5])
+    def test_replicas_deal_out_the_one_stream(self, start):
+        """Data-parallel ranks draw disjoint positions of the shared stream and together consume it in order."""
+        single = iter(EndlessShuffleSampler(6, seed=2, start=start))
+        expected = [next(single) for _ in range(12)]
+        ranks = [iter(EndlessShuffleSampler(6, seed=2, start=start, num_replicas=3, rank=r)) for r in range(3)]
+        dealt = [[next(stream) for _ in range(4)] for stream in ranks]
+        assert [dealt[r][i] for i in range(4) for r in range(3)] == expected
+        assert dealt[0] != dealt[1] != dealt[2]
+
+    def test_dataloader_deals_prompts_between_ranks(self):
+        prompts = ["a", "b", "c", "d"]
+        loaders = [iter(make_prompt_dataloader(prompts, seed=0, shuffle=False, num_replicas=2, rank=r)) for r in (0, 1)]
+        assert [next(loaders[0])["query"] for _ in range(3)] == [["a"], ["c"], ["a"]]
+        assert [next(loaders[1])["query"] for _ in range(3)] == [["b"], ["d"], ["b"]]
+
+    @pytest.mark.parametrize(("num_replicas", "rank"), [(0, 0), (2, 2), (2, -1)])
+    def test_bad_replica_settings_are_refused(self, num_replicas, rank):
+        with pytest.raises(ValueError, match="EndlessShuffleSampler: need num_replicas >= 1"):
+            EndlessShuffleSampler(4, seed=0, num_replicas=num_replicas, rank=rank)
+
     def test_dataloader_yields_queries_one_prompt_at_a_time(self):
         loader = make_prompt_dataloader(["a", "b", "c"], seed=0, shuffle=False, start=2)
         batches = iter(loader)
