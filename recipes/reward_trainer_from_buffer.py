@@ -14,8 +14,16 @@
    ``interop.HFRewardModelWrapper(tokenizer=...)`` as the GRPO recipe scores: pairwise accuracy and margin on the
    held-out pairs and, on the synthetic task, the Spearman correlation of its scores with the oracle's.
 
+Several processes (``accelerate launch`` / ``torchrun``): the main process makes the labelled pairs and hands them to
+the others; every process fills the same buffer, whose sampler draws from its own generator seeded with ``seed``, so
+all processes see one stream of pairs and accelerate gives each its own slice of every step (trl reads iterable
+datasets with ``dispatch_batches=False``): no pair twice in an optimizer step, which takes
+``per_device_train_batch_size * gradient_accumulation_steps * processes`` pairs. Only the main process writes the
+buffer folder, the model, metrics and ``summary.json``, and evaluates.
+
     python recipes/reward_trainer_from_buffer.py
     python recipes/reward_trainer_from_buffer.py -m seed=0,1,2 train.learning_rate=1e-3,3e-3
+    accelerate launch --multi_gpu --num_processes 2 recipes/reward_trainer_from_buffer.py hydra.run.dir=outputs/rm2
 """
 
 from __future__ import annotations
@@ -296,14 +304,24 @@ def load_labelled_pairs(folder: str | os.PathLike) -> LabelledPairs:
     )
 
 
-def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int):
-    """A ReplayBuffer over the pairs: copied into a LazyTensorStorage, or (memmap) sampled in place from disk."""
+def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int, seed: int):
+    """A ReplayBuffer over the pairs: copied into a LazyTensorStorage, or (memmap) sampled in place from the tensordict.
+
+    The sampler draws from the buffer's own generator, seeded with ``seed``: its draws depend on nothing else the
+    process does with torch's global RNG (generation, dropout), so every process of a multi-process run draws the same
+    stream and takes its own slice of it.
+    """
     from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorStorage
 
     sampler = hydra.utils.instantiate(buffer_cfg.sampler)
+    generator = torch.Generator().manual_seed(seed)
     if buffer_cfg.storage == "memmap":  # pairs_td is the memory-mapped storage folder itself
-        return ReplayBuffer(storage=TensorStorage(pairs_td), sampler=sampler, batch_size=batch_size)
-    buffer = ReplayBuffer(storage=LazyTensorStorage(pairs_td.batch_size[0]), sampler=sampler, batch_size=batch_size)
+        return ReplayBuffer(
+            storage=TensorStorage(pairs_td), sampler=sampler, batch_size=batch_size, generator=generator
+        )
+    buffer = ReplayBuffer(
+        storage=LazyTensorStorage(pairs_td.batch_size[0]), sampler=sampler, batch_size=batch_size, generator=generator
+    )
     buffer.extend(pairs_td)
     return buffer
 
@@ -411,6 +429,23 @@ def make_metrics_callback(logger: MetricLogger):
     return MetricLoggerCallback()
 
 
+def make_batch_recorder(collator, path: Path):
+    """trl's collator, writing first the pairs of each micro-batch it collates to ``path`` (``record_batches``).
+
+    One JSON line per micro-batch, in the order the process trains on them: ``[[chosen_ids, rejected_ids], ...]``.
+    The dataloader prefetches: the last line of a run may be a batch that was collated and never trained on.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+
+    def record_and_collate(examples: list[dict]) -> dict:
+        with open(path, "a") as handle:
+            handle.write(json.dumps([[e["chosen_ids"], e["rejected_ids"]] for e in examples]) + "\n")
+        return collator(examples)
+
+    return record_and_collate
+
+
 # ---------------------------------------------------------------------------------------------------- evaluation
 
 
@@ -482,33 +517,85 @@ def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) ->
 # ---------------------------------------------------------------------------------------------------- recipe
 
 
-def make_training_stream(cfg: DictConfig, labelled: LabelledPairs, tokenizer) -> tuple[object, dict]:
+def make_training_stream(
+    cfg: DictConfig, labelled: LabelledPairs, tokenizer, *, num_processes: int = 1, persist: bool = True
+) -> tuple[object, dict]:
     """Tokenizes the training pairs into the buffer (persisted when ``buffer.path`` is set) and opens it for trl.
+
+    Every process of a multi-process run opens the same stream; accelerate hands each its slice of every batch.
+    ``persist=False`` (the other processes) keeps the pairs in memory, so they never wait on the main process's disk.
 
     Returns the ``datasets.IterableDataset`` and facts about it for the summary.
     """
     from tensordict import TensorDict
 
     keys = cfg.buffer.pair_keys
-    step_pairs = cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps
+    step_pairs = cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps * num_processes
     if len(labelled.train) < step_pairs:
         raise ConfigError(
             f"Only {len(labelled.train)} training pairs, fewer than one optimizer step takes "
-            f"(train.per_device_train_batch_size * train.gradient_accumulation_steps = {step_pairs}). Lower the batch "
-            "size or add data (more prompts, generation.responses_per_prompt, labeler.max_pairs_per_prompt)."
+            "(train.per_device_train_batch_size * train.gradient_accumulation_steps * processes = "
+            f"{cfg.train.per_device_train_batch_size} * {cfg.train.gradient_accumulation_steps} * {num_processes} = "
+            f"{step_pairs}). Lower the batch size, use fewer processes or add data (more prompts, "
+            "generation.responses_per_prompt, labeler.max_pairs_per_prompt)."
         )
     pairs_td = pairs_to_tensordict(labelled.train, tokenizer, keys, conversational=labelled.conversational)
-    if cfg.buffer.path is not None:
+    if cfg.buffer.path is not None and persist:
         folder = save_labelled_pairs(cfg.buffer.path, labelled, pairs_td)
         if cfg.buffer.storage == "memmap":
             pairs_td = TensorDict.load_memmap(folder / STORAGE_FOLDER)
     longest = torch.maximum(pairs_td.get(_key(keys.chosen_length)), pairs_td.get(_key(keys.rejected_length)))
     too_long = int((longest > cfg.train.max_length).sum()) if cfg.train.max_length is not None else 0
-    # Whole optimizer steps per epoch, so that no step mixes the end of one epoch with the start of the next.
+    # Whole optimizer steps per epoch, so that no step mixes the end of one epoch with the start of the next (and
+    # accelerate never pads a short last batch with pairs from the start of the epoch).
     samples_per_epoch = len(labelled.train) // step_pairs * step_pairs
-    buffer = make_preference_buffer(cfg.buffer, pairs_td, batch_size=samples_per_epoch)
+    buffer = make_preference_buffer(cfg.buffer, pairs_td, batch_size=samples_per_epoch, seed=cfg.seed)
     stream = make_train_dataset(buffer, keys, samples_per_epoch=samples_per_epoch, with_margin=cfg.margin_in_loss)
-    return stream, {"train/num_pairs": len(labelled.train), "train/pairs_over_max_length": too_long}
+    facts = {
+        "train/num_pairs": len(labelled.train),
+        "train/pairs_over_max_length": too_long,
+        "train/num_processes": num_processes,
+        "train/pairs_per_step": step_pairs,
+    }
+    return stream, facts
+
+
+def share_labelled_pairs(cfg: DictConfig, state) -> LabelledPairs:
+    """The run's labelled pairs on every process: the main process makes (or loads) them, the others receive them.
+
+    Generation samples: processes generating for themselves would agree only as far as their devices compute alike.
+    The others wait in the broadcast, up to ``train.ddp_timeout`` seconds. ``state`` is accelerate's ``PartialState``.
+    """
+
+    def own() -> LabelledPairs:
+        if cfg.buffer.load_from is not None:
+            return load_labelled_pairs(cfg.buffer.load_from)
+        return make_labelled_pairs(cfg)
+
+    if state.num_processes == 1:
+        return own()
+    from accelerate.utils import broadcast_object_list
+
+    # A failure on the main process ends the launch: torchrun (behind accelerate launch) stops the waiting processes.
+    payload = [own() if state.is_main_process else None]
+    broadcast_object_list(payload)
+    return payload[0]
+
+
+def agree_on_output_dir(cfg: DictConfig, args, state) -> None:
+    """Every process writes where the main process does.
+
+    Hydra names each process's run folder from its own clock (``outputs/<date>/<time>``), so the processes of one
+    launch may disagree by a second; per-process files (``record_batches``, trl's RNG states in checkpoints) follow the
+    main process's folder.
+    """
+    if state.num_processes == 1:
+        return
+    from accelerate.utils import broadcast_object_list
+
+    folders = [str(cfg.output_dir), args.output_dir]
+    broadcast_object_list(folders)
+    cfg.output_dir, args.output_dir = folders
 
 
 def save_reward_model(model, tokenizer, folder: str | os.PathLike) -> Path:
@@ -522,49 +609,71 @@ def save_reward_model(model, tokenizer, folder: str | os.PathLike) -> Path:
 
 
 def train(cfg: DictConfig) -> dict:
-    """Runs the preference stage end to end and returns the summary written to ``<output_dir>/summary.json``."""
+    """Runs the preference stage end to end and returns the summary written to ``<output_dir>/summary.json``.
+
+    Under ``accelerate launch`` / ``torchrun`` every process calls it and gets the same summary back.
+    """
     start = time.perf_counter()
     validate(cfg)
+    from accelerate import PartialState
     from tensordict import set_list_to_stack
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
     from trl import RewardTrainer
+    from trl.trainer.reward_trainer import DataCollatorForPreference
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     set_list_to_stack(True).set()  # TorchRL's LLM wrappers keep lists of strings as non-tensor stacks
     set_seed(cfg.seed)
+    # Building trl's config sets up the processes (torch.distributed under a launcher, gloo on CPU, nccl on GPU).
+    args = make_reward_config(cfg)
+    state = PartialState()
+    agree_on_output_dir(cfg, args, state)
+    main_process = state.is_main_process
     output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    resolved = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
-    OmegaConf.save(resolved, output_dir / "config.yaml", resolve=True)
+    if main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        resolved = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+        OmegaConf.save(resolved, output_dir / "config.yaml", resolve=True)
 
     tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
-    if cfg.buffer.load_from is not None:
-        labelled = load_labelled_pairs(cfg.buffer.load_from)
-    else:
-        labelled = make_labelled_pairs(cfg)
+    labelled = share_labelled_pairs(cfg, state)
     if cfg.margin_in_loss and not labelled.has_margin:
         raise ConfigError("margin_in_loss=true, but the pairs carry no margin; set margin_in_loss=false.")
     if not labelled.eval:
         raise ConfigError("No held-out pairs to evaluate on: add eval prompts, an eval split or more pairs.")
-    _write_jsonl(output_dir / EVAL_PAIRS_FILE, labelled.eval)
-    train_dataset, facts = make_training_stream(cfg, labelled, tokenizer)
+    if main_process:
+        _write_jsonl(output_dir / EVAL_PAIRS_FILE, labelled.eval)
+    train_dataset, facts = make_training_stream(
+        cfg, labelled, tokenizer, num_processes=state.num_processes, persist=main_process
+    )
     labelling_s = time.perf_counter() - start
 
-    model = load_reward_model(cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id)
-    args = make_reward_config(cfg)
+    # args.device: this process's own device (cuda:<local rank> under a launcher).
+    model = load_reward_model(
+        cfg.reward_model, device=args.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id
+    )
     eval_dataset = None
     if args.eval_strategy != "no":  # trl's own periodic evaluation on the held-out pairs
         eval_dataset = make_eval_dataset(tokenizer, labelled, with_margin=cfg.margin_in_loss)
-    metric_logger = MetricLogger("csv" if cfg.logger.kind != "none" else "none", output_dir)
+    collator = None
+    if cfg.record_batches:
+        collator = make_batch_recorder(
+            DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of),
+            output_dir / "batches" / f"rank{state.process_index}.jsonl",
+        )
+    logs = main_process and cfg.logger.kind != "none"
+    metric_logger = MetricLogger("csv" if logs else "none", output_dir)
+    summary = None
     try:
         trainer = RewardTrainer(
             model,
             args=args,
+            data_collator=collator,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
-            callbacks=[make_metrics_callback(metric_logger)] if cfg.logger.kind != "none" else None,
+            callbacks=[make_metrics_callback(metric_logger)] if logs else None,
         )
         train_start = time.perf_counter()
         trainer.train()
@@ -575,43 +684,54 @@ def train(cfg: DictConfig) -> dict:
                 f"{facts['train/num_pairs']} training pairs are longer than train.max_length={cfg.train.max_length} "
                 "tokens, and trl drops such pairs. Raise train.max_length (or shorten the data)."
             )
-        (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        model_dir = save_reward_model(trainer.model, tokenizer, output_dir / "model")
-        # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
-        saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).to(cfg.device)
-        metrics = evaluate(saved, AutoTokenizer.from_pretrained(model_dir), labelled, cfg.eval)
-        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
-        summary = {
-            **metrics,
-            "train/steps": trainer.state.global_step,
-            "train/loss_first": losses[0],
-            "train/loss_last": losses[-1],
-            **facts,
-            "train/steps_per_s": trainer.state.global_step / train_s,
-            "time/pairs_s": labelling_s,
-            "time/train_s": train_s,
-            "wall_time_s": time.perf_counter() - start,
-        }
-        if "wandb" in args.report_to:
-            import wandb
+        if main_process:
+            (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+            model_dir = save_reward_model(trainer.model, tokenizer, output_dir / "model")
+            # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
+            saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
+            metrics = evaluate(saved.to(args.device), AutoTokenizer.from_pretrained(model_dir), labelled, cfg.eval)
+            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
+            summary = {
+                **metrics,
+                "train/steps": trainer.state.global_step,
+                "train/loss_first": losses[0],
+                "train/loss_last": losses[-1],
+                **facts,
+                "train/steps_per_s": trainer.state.global_step / train_s,
+                "time/pairs_s": labelling_s,
+                "time/train_s": train_s,
+                "wall_time_s": time.perf_counter() - start,
+            }
+            if "wandb" in args.report_to:
+                import wandb
 
-            if wandb.run is not None:
-                wandb.run.log(metrics, step=trainer.state.global_step)
-                wandb.run.summary.update(summary)
+                if wandb.run is not None:
+                    wandb.run.log(metrics, step=trainer.state.global_step)
+                    wandb.run.summary.update(summary)
     finally:
         metric_logger.close()
         if "wandb" in args.report_to:
             import wandb
 
             wandb.finish()  # Hydra multirun jobs share this process: never leave a run open for the next one
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if state.num_processes > 1:  # the others wait while the main process saves and evaluates
+        from accelerate.utils import broadcast_object_list
+
+        shared = [summary]
+        broadcast_object_list(shared)
+        summary = shared[0]
+    if main_process:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="reward_trainer_from_buffer")
 def main(cfg: DictConfig) -> float:
+    from accelerate import PartialState
+
     summary = train(cfg)
-    print(json.dumps(summary, indent=2))
+    if PartialState().is_main_process:
+        print(json.dumps(summary, indent=2))
     return summary[cfg.metric]
 
 

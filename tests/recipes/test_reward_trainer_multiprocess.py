@@ -1,0 +1,283 @@
+"""recipes/reward_trainer_from_buffer.py in two CPU processes (gloo), started as a user starts them.
+
+``accelerate launch --multi_gpu --num_processes 2`` runs the recipe (accelerate 1.x starts a single process for
+``--cpu``; ``--multi_gpu`` is its torchrun launcher, and the recipe's ``device=cpu`` makes the group gloo). The recipe's
+``record_batches`` shows what each process trained on. ``torchrun`` runs ``interop.TorchRLBufferDataset`` over the
+recipe's buffer, where the dataset deals its draws between the ranks itself.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+SMALL = ["data.num_train_prompts=48", "data.num_eval_prompts=12", "train.logging_steps=2"]
+
+
+def _free_port() -> int:
+    # Other tests (and other runs on this machine) start process groups too: never rely on the default port.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(repo_root: Path, launcher: list[str], script: str, *arguments: str, timeout: int = 600):
+    result = subprocess.run(
+        [sys.executable, "-m", *launcher, script, *arguments],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def _accelerate_launch(repo_root: Path, *overrides: str):
+    launcher = ["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher += ["--main_process_port", str(_free_port())]
+    return _launch(repo_root, launcher, "recipes/reward_trainer_from_buffer.py", *overrides)
+
+
+def _stored_pairs(buffer_folder: Path) -> Counter:
+    """Every training pair of a run, as (chosen ids, rejected ids) without padding, from the buffer it wrote."""
+    from tensordict import TensorDict
+
+    storage = TensorDict.load_memmap(buffer_folder / "storage")
+    chosen, rejected = storage.get(("tokens", "chosen")), storage.get(("tokens", "rejected"))
+    chosen_length, rejected_length = storage.get(("length", "chosen")), storage.get(("length", "rejected"))
+    return Counter(
+        (tuple(chosen[i, : chosen_length[i]].tolist()), tuple(rejected[i, : rejected_length[i]].tolist()))
+        for i in range(storage.batch_size[0])
+    )
+
+
+def _recorded_batches(run_dir: Path, rank: int) -> list[list[tuple]]:
+    lines = (run_dir / "batches" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [[(tuple(chosen), tuple(rejected)) for chosen, rejected in json.loads(line)] for line in lines]
+
+
+def test_two_processes_split_every_step_of_the_single_process_run(compose_config, repo_root, tmp_path):
+    """Two processes of 4 pairs draw, between them, the very 8 pairs one process of 8 trains on at each step: no pair
+    twice in a step, the same gradients (averaged by DDP) and the same model up to float rounding."""
+    import recipes.reward_trainer_from_buffer as recipe
+
+    steps, two, one = 12, tmp_path / "two0", tmp_path / "one"  # 78 pairs: 9 steps of 8, then a new epoch
+    result = _accelerate_launch(
+        repo_root,
+        *SMALL,
+        f"train.max_steps={steps}",
+        "train.per_device_train_batch_size=4",
+        "record_batches=true",
+        "buffer=memmap",
+        "logger=csv",
+        # Each process's own Hydra folder (as clocks a second apart give): rank 1 must follow the main process's.
+        f"hydra.run.dir={tmp_path}/two${{oc.env:RANK}}",
+    )
+    assert sorted(p.name for p in (tmp_path / "two1").iterdir()) == [".hydra", "reward_trainer_from_buffer.log"]
+
+    # One summary, printed once and written once by the main process; one model folder.
+    summary = json.loads((two / "summary.json").read_text())
+    assert result.stdout.count('"eval/accuracy"') == 1
+    assert summary["train/steps"] == steps and summary["train/num_processes"] == 2
+    assert summary["train/pairs_per_step"] == 2 * 4
+    assert 0.0 <= summary["eval/accuracy"] <= 1.0 and summary["eval/num_pairs"] > 0
+    # Everything in the run folder: one of each output (no per-process copies, no staging folder of a second writer).
+    assert sorted(p.name for p in two.iterdir()) == [
+        ".hydra",
+        "batches",
+        "buffer",
+        "config.yaml",
+        "eval_pairs.jsonl",
+        "metrics.csv",
+        "model",
+        "reward_trainer_from_buffer.log",
+        "summary.json",
+        "trainer",  # trl's own output_dir (train.output_dir), empty with save_strategy=no
+        "trainer_log.json",
+    ]
+    assert sorted(p.name for p in (two / "model").iterdir() if p.suffix in (".safetensors", ".json")) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    header, *rows = (two / "metrics.csv").read_text().splitlines()
+    assert "train/loss" in header.split(",") and len(rows) == 1 + steps // 2  # first step, then every 2 steps
+
+    # The same pairs (the two-process run's buffer) in one process of 8 pairs a step.
+    single = recipe.train(
+        compose_config(
+            "reward_trainer_from_buffer",
+            [
+                *SMALL,
+                f"train.max_steps={steps}",
+                "train.per_device_train_batch_size=8",
+                "record_batches=true",
+                f"buffer.load_from={two / 'buffer'}",
+                f"output_dir={one}",
+            ],
+        )
+    )
+
+    data = _stored_pairs(two / "buffer")
+    assert sum(data.values()) == summary["train/num_pairs"] == single["train/num_pairs"]
+    alone = _recorded_batches(one, 0)[:steps]
+    per_rank = [_recorded_batches(two, rank)[:steps] for rank in range(2)]
+    assert [len(batches) for batches in (alone, *per_rank)] == [steps] * 3
+    for step in range(steps):
+        shares = [per_rank[rank][step] for rank in range(2)]
+        assert [len(share) for share in shares] == [4, 4]
+        assert shares[0] + shares[1] == alone[step]  # rank 0 the first half of the step's pairs, rank 1 the second
+        used = Counter(alone[step])
+        assert all(count <= data[pair] for pair, count in used.items()), f"a pair used twice in step {step}"
+    # An epoch is whole steps: it visits each stored pair at most once, and the next epoch draws anew.
+    steps_per_epoch = summary["train/num_pairs"] // 8
+    assert steps_per_epoch < steps
+    epoch = Counter(pair for step in range(steps_per_epoch) for pair in alone[step])
+    assert sum(epoch.values()) == 8 * steps_per_epoch and all(count <= data[pair] for pair, count in epoch.items())
+
+    # DDP averages the two halves' gradients: the very training of the single process.
+    def logged(run_dir: Path) -> list[float]:
+        history = json.loads((run_dir / "trainer_log.json").read_text())
+        return [entry["loss"] for entry in history if "loss" in entry]
+
+    assert len(logged(two)) == 1 + steps // 2
+    torch.testing.assert_close(logged(two), logged(one), rtol=1e-4, atol=1e-5)
+    from safetensors.torch import load_file
+
+    weights = [load_file(run / "model" / "model.safetensors") for run in (two, one)]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-4, atol=1e-5, msg=name)
+    start = load_file(repo_root / "tiny" / "reward_base" / "model.safetensors")
+    assert any(not torch.equal(start[name], weights[0][name]) for name in start)  # and it did train
+    assert summary["eval/accuracy"] == single["eval/accuracy"]
+
+
+def _labelled(n: int):
+    import recipes.reward_trainer_from_buffer as recipe
+    from recipes.common.synthetic import make_prompts
+
+    pairs = [
+        {
+            "prompt": [{"role": "user", "content": prompt}],
+            "chosen": [{"role": "assistant", "content": f"great {i}"}],
+            "rejected": [{"role": "assistant", "content": f"awful {i}"}],
+        }
+        for i, prompt in enumerate(make_prompts(n, seed=0))
+    ]
+    return recipe.LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
+
+
+def test_every_process_opens_the_same_stream_whatever_its_global_rng(compose_config, tiny_dir, tmp_path):
+    """accelerate slices one stream between the processes: it must not depend on what else each process drew."""
+    from transformers import AutoTokenizer
+
+    import recipes.reward_trainer_from_buffer as recipe
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
+    cfg = compose_config(
+        "reward_trainer_from_buffer", ["train.per_device_train_batch_size=4", f"output_dir={tmp_path}"]
+    )
+    labelled = _labelled(37)
+    epochs = []
+    for rank in range(2):
+        stream, facts = recipe.make_training_stream(cfg, labelled, tokenizer, num_processes=2, persist=rank == 0)
+        torch.manual_seed(100 + rank)  # as if generation, dropout... had used the global RNG differently
+        epochs.append([[row["chosen_ids"] for row in stream] for _ in range(2)])
+    assert facts["train/pairs_per_step"] == 8 and facts["train/num_processes"] == 2
+    assert epochs[0] == epochs[1]
+    assert [len(epoch) for epoch in epochs[0]] == [32, 32]  # whole steps of 2 x 4 pairs: 4 of the 37 left out
+    assert epochs[0][0] != epochs[0][1]  # a new draw each epoch
+
+
+def test_too_few_pairs_for_one_step_of_all_processes_names_the_fix(compose_config, tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    import recipes.reward_trainer_from_buffer as recipe
+    from recipes.common.config import ConfigError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
+    cfg = compose_config(
+        "reward_trainer_from_buffer", ["train.per_device_train_batch_size=8", f"output_dir={tmp_path}"]
+    )
+    labelled = _labelled(20)
+    recipe.make_training_stream(cfg, labelled, tokenizer, num_processes=2)  # 16 pairs a step: fits
+    with pytest.raises(ConfigError, match=r"Only 20 training pairs.*8 \* 1 \* 4 = 32.*fewer processes"):
+        recipe.make_training_stream(cfg, labelled, tokenizer, num_processes=4)
+
+
+_DATASET_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+
+    import torch
+    from accelerate import PartialState
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from torch.utils.data import DataLoader
+
+    import recipes.reward_trainer_from_buffer as recipe
+    from interop import TorchRLBufferDataset
+
+    state = PartialState(cpu=True)  # the group torchrun's environment describes (gloo on CPU)
+    torch.manual_seed(0)  # ranks seeded alike, as transformers' Trainer seeds them
+    buffer_cfg = OmegaConf.load("conf/buffer/lazy_tensor.yaml")
+    pairs = TensorDict({"pair": torch.arange(64)}, batch_size=[64])
+    buffer = recipe.make_preference_buffer(buffer_cfg, pairs, batch_size=8, seed=0)
+    dataset = TorchRLBufferDataset(buffer, batch_size=8, num_batches=8, keys=["pair"])
+    drawn = [[int(p) for p in batch["pair"]] for batch in DataLoader(dataset, batch_size=8)]
+    with open(f"{sys.argv[1]}/rank{state.process_index}.json", "w") as handle:
+        json.dump({"world": state.num_processes, "backend": state.backend, "batches": drawn}, handle)
+    """
+)
+
+
+def test_buffer_dataset_deals_its_draws_between_torchrun_ranks(repo_root, tmp_path):
+    """interop.TorchRLBufferDataset under a real process group: each rank draws its own batches of one stream."""
+    script = tmp_path / "draw.py"
+    script.write_text(_DATASET_SCRIPT)
+    launcher = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    _launch(repo_root, launcher, str(script), str(tmp_path), timeout=300)
+
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [(r["world"], r["backend"]) for r in ranks] == [(2, "gloo"), (2, "gloo")]
+    assert [len(r["batches"]) for r in ranks] == [4, 4]  # 8 draws dealt round-robin
+    drawn = [pair for r in ranks for batch in r["batches"] for pair in batch]
+    assert sorted(drawn) == list(range(64))  # without replacement: one epoch, split, nothing drawn twice
+
+
+@pytest.mark.slow
+def test_two_processes_match_the_single_process_run(compose_config, repo_root, tmp_path):
+    """Same pairs, same steps: two processes (twice the pairs per step) rank the held-out pairs as well as one."""
+    import recipes.reward_trainer_from_buffer as recipe
+
+    steps = ["train.max_steps=60"]
+    single = recipe.train(
+        compose_config("reward_trainer_from_buffer", [*steps, "buffer=memmap", f"output_dir={tmp_path / 'one'}"])
+    )
+    _accelerate_launch(
+        repo_root, *steps, f"buffer.load_from={tmp_path / 'one' / 'buffer'}", f"hydra.run.dir={tmp_path / 'two'}"
+    )
+    double = json.loads((tmp_path / "two" / "summary.json").read_text())
+
+    assert (
+        double["train/num_pairs"] == single["train/num_pairs"] and double["eval/num_pairs"] == single["eval/num_pairs"]
+    )
+    assert single["eval/accuracy"] >= 0.9
+    assert double["eval/accuracy"] >= single["eval/accuracy"] - 0.05
+    assert double["eval/spearman"] >= single["eval/spearman"] - 0.05
+    assert (
+        torch.isfinite(torch.tensor(double["train/loss_last"]))
+        and double["train/loss_last"] < double["train/loss_first"]
+    )
