@@ -1,7 +1,7 @@
 """Draws a run's learning curves (reward, oracle score, KL to the reference) from its metrics.csv to a PNG.
 
-    python scripts/plot_run.py outputs/2026-11-29/12-00-00            # writes <run dir>/curves.png
-    python scripts/plot_run.py <run dir> --out curves.png --metrics rollout/reward_mean train/loss
+python scripts/plot_run.py outputs/2026-11-29/12-00-00            # writes <run dir>/curves.png
+python scripts/plot_run.py <run dir> --out curves.png --metrics rollout/reward_mean train/loss
 """
 
 from __future__ import annotations
