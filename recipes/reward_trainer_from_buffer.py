@@ -634,7 +634,7 @@ def train(cfg: DictConfig) -> dict:
     if main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
-        OmegaConf.save(resolved, output_dir / "config.yaml", resolve=True)
+        OmegaConf.save(resolved, output_dir / "resolved_config.yaml", resolve=True)
 
     tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
     labelled = share_labelled_pairs(cfg, state)

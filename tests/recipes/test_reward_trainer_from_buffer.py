@@ -65,7 +65,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
     assert 0.0 <= summary["eval/accuracy"] <= 1.0 and -1.0 <= summary["eval/spearman"] <= 1.0
     assert summary["wall_time_s"] > 0 and summary["train/num_pairs"] >= 8
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
-    assert "train" in (tmp_path / "config.yaml").read_text()
+    assert "train" in (tmp_path / "resolved_config.yaml").read_text()
     header, *rows = (tmp_path / "metrics.csv").read_text().splitlines()
     assert "train/loss" in header.split(",") and len(rows) >= 3  # first step, then every 2 steps
 

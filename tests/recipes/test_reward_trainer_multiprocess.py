@@ -96,10 +96,10 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
         ".hydra",
         "batches",
         "buffer",
-        "config.yaml",
         "eval_pairs.jsonl",
         "metrics.csv",
         "model",
+        "resolved_config.yaml",
         "reward_trainer_from_buffer.log",
         "summary.json",
         "trainer",  # trl's own output_dir (train.output_dir), empty with save_strategy=no

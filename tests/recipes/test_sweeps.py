@@ -1,0 +1,60 @@
+"""Hydra multirun of each recipe as a user types it: one folder, one summary and one finished wandb run per job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+GRPO_SMALL = [
+    "reward_model=tiny_base",
+    "rollout.group_size=2",
+    "rollout.responses_per_step=4",
+    "rollout.generation.max_new_tokens=8",
+    "train.mini_batch_size=2",
+    "train.steps=2",
+    "progress_bar=false",
+]
+REWARD_SMALL = ["data.num_train_prompts=48", "data.num_eval_prompts=12", "train.max_steps=4"]
+RECIPES = {"grpo_torchrl_rm": GRPO_SMALL, "reward_trainer_from_buffer": REWARD_SMALL}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_two_job_multirun_writes_one_summary_per_job(recipe, tmp_path, repo_root):
+    sweep_dir = tmp_path / "sweep"
+    command = [
+        sys.executable,
+        str(repo_root / "recipes" / f"{recipe}.py"),
+        "-m",
+        "seed=0,1",
+        *RECIPES[recipe],
+        "logger=wandb",
+        "logger.wandb.mode=offline",
+        "logger.wandb.group=test-sweep",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true"}
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+
+    summaries = {job: json.loads((sweep_dir / job / "summary.json").read_text()) for job in ("0", "1")}
+    for job, summary in summaries.items():
+        overrides = (sweep_dir / job / ".hydra" / "overrides.yaml").read_text()
+        assert f"seed={job}" in overrides
+        metric = (sweep_dir / job / "resolved_config.yaml").read_text().split("\nmetric: ", 1)[1].split("\n", 1)[0]
+        assert isinstance(summary[metric], float)
+    # Each job is its own wandb run, finished before the next job starts in the same process.
+    runs = sorted(sweep_dir.rglob("offline-run-*"))
+    assert len(runs) == 2, runs
+    assert {run.relative_to(sweep_dir).parts[0] for run in runs} == {"0", "1"}
+
+    report = subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "sweep_report.py"), str(sweep_dir)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert "seed=0" in report.stdout and "seed=1" in report.stdout
