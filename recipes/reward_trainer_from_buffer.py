@@ -665,6 +665,12 @@ def train(cfg: DictConfig) -> dict:
     logs = main_process and cfg.logger.kind != "none"
     metric_logger = MetricLogger("csv" if logs else "none", output_dir)
     summary = None
+    if main_process and "wandb" in args.report_to:
+        import wandb
+
+        # Start the run here, in this job's folder: transformers' callback adopts an active run, and left to itself
+        # it would reuse the first job's folder for every job of a multirun (wandb reads WANDB_DIR once a process).
+        wandb.init(dir=str(output_dir), reinit="finish_previous")
     try:
         trainer = RewardTrainer(
             model,
