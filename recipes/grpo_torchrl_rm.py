@@ -423,7 +423,7 @@ def train(cfg: DictConfig) -> dict:
 
 
 def _restore_rng(cfg: DictConfig, state: dict, data_parallel: DataParallel, start_step: int) -> None:
-    saved = state.get("rng_by_rank", [state["rng"]])
+    saved = state["rng_by_rank"]
     if len(saved) == data_parallel.world_size:
         restore_rng_state(saved[data_parallel.rank])
         return

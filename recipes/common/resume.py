@@ -103,14 +103,15 @@ def save_checkpoint(
         model: a ``transformers`` model (``save_pretrained``).
         tokenizer: its tokenizer, saved beside it.
         optimizer: its state is saved.
-        state: extra training state (numbers, strings, tensors, lists, dicts); the RNG states and ``step`` are added.
+        state: extra training state (numbers, strings, tensors, lists, dicts; the caller's RNG states among them,
+            e.g. every rank's :func:`capture_rng_state`); ``step`` is added.
         keep_last: how many checkpoints to keep; ``None`` keeps all.
     """
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder / MODEL_FOLDER, safe_serialization=True)
         tokenizer.save_pretrained(folder / MODEL_FOLDER)
-        payload = {**state, "step": step, "optimizer": optimizer.state_dict(), "rng": capture_rng_state()}
+        payload = {**state, "step": step, "optimizer": optimizer.state_dict()}
         torch.save(payload, folder / STATE_FILE)
 
     folder = write_folder_atomically(write, checkpoint_folder(root, step))
