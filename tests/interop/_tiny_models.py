@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import transformers
 
 CHATML = (
@@ -43,3 +44,22 @@ def qwen2_config(tok, **kwargs):
         eos_token_id=tok.eos_token_id,
         **kwargs,
     )
+
+
+class ToyRewardModel(torch.nn.Linear):
+    """The stand-in reward model of TorchRL's TRL-interoperability tutorial (Linear over the token ids)."""
+
+    def __init__(self, seq_len):
+        super().__init__(seq_len, 1, bias=False)
+
+    def forward(self, input_ids, attention_mask=None):
+        x = input_ids.float()
+        if attention_mask is not None:
+            x = x * attention_mask.float()
+
+        class _Out:
+            pass
+
+        out = _Out()
+        out.logits = super().forward(x)
+        return out

@@ -18,6 +18,7 @@ from functools import partial
 
 import pytest
 import torch
+from _tiny_models import ToyRewardModel
 from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack, set_list_to_stack
 from torch.utils.data import DataLoader
 from torchrl.data import (
@@ -148,22 +149,6 @@ def test_torchrl_tutorial_dataset_examples_pass_unchanged():
     assert "masks.all_attention_mask" in nested_sample
 
     # Part 3: sample through the dataset, re-batch by hand, score with the reward wrapper.
-    class ToyRewardModel(torch.nn.Linear):
-        def __init__(self):
-            super().__init__(seq_len, 1, bias=False)
-
-        def forward(self, input_ids, attention_mask=None):
-            x = input_ids.float()
-            if attention_mask is not None:
-                x = x * attention_mask.float()
-
-            class _Out:
-                pass
-
-            out = _Out()
-            out.logits = super().forward(x)
-            return out
-
     ds_rt = TorchRLBufferDataset(rb_nested, batch_size=8, keys=[("tokens", "full"), ("masks", "all_attention_mask")])
     samples_rt = list(ds_rt)
     batch_ids = torch.stack([s["tokens.full"] for s in samples_rt])
@@ -175,7 +160,7 @@ def test_torchrl_tutorial_dataset_examples_pass_unchanged():
         },
         batch_size=[8],
     )
-    result_rt = HFRewardModelWrapper(ToyRewardModel(), inference_mode=True)(td_rt)
+    result_rt = HFRewardModelWrapper(ToyRewardModel(seq_len), inference_mode=True)(td_rt)
     assert result_rt["reward"].shape == torch.Size([8])
 
     # Part 4: a preference buffer exposed to trl.

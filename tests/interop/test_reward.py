@@ -19,7 +19,7 @@ tensordict.set_list_to_stack(True).set()
 from interop.reward import HFRewardModelWrapper, RewardModelTransform  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
-from _tiny_models import build_tokenizer, qwen2_config  # noqa: E402
+from _tiny_models import ToyRewardModel, build_tokenizer, qwen2_config  # noqa: E402
 
 WORDS = "what is the answer question good great fine bad awful poor two plus four hello world".split()
 
@@ -69,25 +69,6 @@ def rm(rm_tok):
 
 
 # ---------------------------------------------------------------- tutorial parity
-
-
-class ToyRewardModel(torch.nn.Linear):
-    """The stand-in reward model of TorchRL's TRL-interoperability tutorial (Linear over the token ids)."""
-
-    def __init__(self, seq_len):
-        super().__init__(seq_len, 1, bias=False)
-
-    def forward(self, input_ids, attention_mask=None):
-        x = input_ids.float()
-        if attention_mask is not None:
-            x = x * attention_mask.float()
-
-        class _Out:
-            pass
-
-        out = _Out()
-        out.logits = super().forward(x)
-        return out
 
 
 def _tutorial_batch(b, seq_len, nested=True):

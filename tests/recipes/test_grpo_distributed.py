@@ -12,20 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _small_runs import GRPO_SMALL
 
 from recipes.common.resume import MODEL_FOLDER, list_checkpoints
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Per process: 2 prompts x 2 responses of at most 8 tokens per step, scored by the untrained reward base.
-SMALL = [
-    "reward_model=tiny_base",
-    "rollout.group_size=2",
-    "rollout.responses_per_step=4",
-    "rollout.generation.max_new_tokens=8",
-    "train.mini_batch_size=2",
-    "progress_bar=false",
-    "logger=csv",
-]
+SMALL = [*GRPO_SMALL, "logger=csv"]
 
 
 def _torchrun(num_processes: int, overrides: list[str], run_dir: Path) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _small_runs import GRPO_SMALL
 from tensordict import set_list_to_stack
 
 import recipes.grpo_torchrl_rm as recipe
@@ -21,18 +22,7 @@ from recipes.common.config import ConfigError
 from recipes.common.resume import MODEL_FOLDER, latest_checkpoint, list_checkpoints, load_training_state
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# A run small enough for a test: 2 prompts x 2 responses of at most 8 tokens per step, the untrained reward base.
-SMALL = [
-    "reward_model=tiny_base",
-    "rollout.group_size=2",
-    "rollout.responses_per_step=4",
-    "rollout.generation.max_new_tokens=8",
-    "train.mini_batch_size=2",
-    "train.steps=2",
-    "checkpoint.every_n_steps=1",
-    "progress_bar=false",
-    "logger=csv",
-]
+SMALL = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", "logger=csv"]
 
 
 def _read_metrics(run_dir: Path) -> list[dict[str, float]]:

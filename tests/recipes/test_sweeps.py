@@ -8,18 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from _small_runs import GRPO_SMALL
 
-GRPO_SMALL = [
-    "reward_model=tiny_base",
-    "rollout.group_size=2",
-    "rollout.responses_per_step=4",
-    "rollout.generation.max_new_tokens=8",
-    "train.mini_batch_size=2",
-    "train.steps=2",
-    "progress_bar=false",
-]
 REWARD_SMALL = ["data.num_train_prompts=48", "data.num_eval_prompts=12", "train.max_steps=4"]
-RECIPES = {"grpo_torchrl_rm": GRPO_SMALL, "reward_trainer_from_buffer": REWARD_SMALL}
+RECIPES = {"grpo_torchrl_rm": [*GRPO_SMALL, "train.steps=2"], "reward_trainer_from_buffer": REWARD_SMALL}
 
 
 @pytest.mark.slow
