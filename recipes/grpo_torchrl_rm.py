@@ -7,10 +7,12 @@
 Each step: a ``ChatEnv`` fed by the prompt dataloader resets to ``responses_per_step / group_size`` prompts, each
 repeated ``group_size`` times; the ``TransformersWrapper`` policy samples one response per copy; the env's
 ``interop.RewardModelTransform`` scores every conversation with the reward model (plus optional reward terms); the
-``LLMCollector``'s post-processing recomputes the old log-probs (and the frozen reference's) with a non-generating
-wrapper, and writes the step into a ``ReplayBuffer`` whose ``MCAdvantage`` transform normalises the rewards within
-each prompt's group; ``GRPOLoss`` then updates the policy over mini-batches with AdamW and gradient clipping. Metrics
-go to the configured logger, checkpoints to ``<output_dir>/checkpoints``, the final figures to ``summary.json``.
+``LLMCollector``'s post-processing pads the ragged responses into dense ``[B, T]`` tensors (one padding, rather than
+TorchRL's per-sample unpadding and re-padding in every forward pass), recomputes the old log-probs (and the frozen
+reference's) with a non-generating wrapper, and writes the step into a ``ReplayBuffer`` whose ``MCAdvantage``
+transform normalises the rewards within each prompt's group; ``GRPOLoss`` then updates the policy over mini-batches
+with AdamW and gradient clipping. Metrics go to the configured logger, checkpoints to ``<output_dir>/checkpoints``,
+the final figures to ``summary.json``.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) every process joins one process group (gloo on CPU,
 nccl on CUDA, each process on ``cuda:<LOCAL_RANK>``) and collects its own ``responses_per_step`` responses: the
@@ -66,24 +68,15 @@ from recipes.common.rollout import (
     make_log_prob_scorer,
     make_policy,
     make_prompt_dataloader,
-    response_texts,
+    pad_rollout,
 )
 
 REWARD_INPUTS = ("history", "text", "tokens")
 BACKENDS = ("auto", "gloo", "nccl")
 RANK_WEIGHTS_FOLDER = "rank_weights"
 SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
-BUFFER_KEYS = (
-    "prompt_index",
-    ("tokens", "prompt"),
-    ("tokens", "response"),
-    ("tokens", "full"),
-    ("masks", "all_attention_mask"),
-    ("log_probs", "full"),
-    ("next", "ref_log_probs", "full"),
-    ("next", "reward"),
-    ("next", "done"),
-)
+# What the replay buffer keeps of a rollout besides its padded tokens and recomputed log-probs.
+CARRIED_KEYS = ("prompt_index", ("next", "reward"), ("next", "done"))
 
 
 # ----------------------------------------------------------------------------------------------------- validation
@@ -302,17 +295,21 @@ def make_collector(
     micro = cfg.rollout.log_prob_micro_batch_size
     recomputes = [RecomputeLogProbs(actor, micro_batch_size=micro)]
     if models.reference is not None:
-        reference = make_log_prob_scorer(models.reference, models.tokenizer, device=cfg.device)
+        reference = make_log_prob_scorer(models.reference, models.tokenizer, device=cfg.device, padded=True)
         recomputes.append(
             RecomputeLogProbs(reference, out_key=("next", "ref_log_probs", "full"), micro_batch_size=micro)
         )
 
+    pad_token_id = models.tokenizer.pad_token_id
+
     def postproc(rollout):
+        # Only what the loss, MCAdvantage and the metrics read goes on, as dense [B, T] tensors: the ragged
+        # per-sample tensors, chat histories and texts would cost more to move around than the forward passes.
+        batch = pad_rollout(rollout, pad_token_id=pad_token_id)
+        batch.update(rollout.select(*CARRIED_KEYS).to_tensordict())
         for recompute in recomputes:
-            recompute(rollout)
-        # Only what the loss, MCAdvantage and the metrics read goes to the buffer: copying the chat histories and
-        # texts through the buffer's transforms would cost more than the tiny model's forward passes.
-        return rollout.select(*BUFFER_KEYS, strict=False)
+            recompute(batch)
+        return batch
 
     return LLMCollector(
         env,
@@ -346,16 +343,16 @@ def rollout_metrics(data, tokenizer, oracle, *, gather=None) -> tuple[dict[str, 
 
     ``gather`` (``DataParallel.gather``) pools the per-response values of every data-parallel rank first, so that
     the figures are those of the whole step's responses."""
+    # Padded rows (pad_rollout): a response is what the attention mask keeps after the prompt columns.
+    response_mask = data["masks", "all_attention_mask"][:, data["tokens", "prompt"].shape[-1] :]
     values = {
         "reward": data.get(("next", "reward")).reshape(-1).float(),
-        "length": torch.tensor(
-            [float(t.numel()) for t in data.get(("tokens", "response"), as_list=True)], dtype=torch.float64
-        ),
+        "length": response_mask.sum(-1).double(),
     }
     if oracle is not None:
-        values["oracle"] = torch.tensor(
-            [float(oracle(t)) for t in response_texts(data, tokenizer)], dtype=torch.float64
-        )
+        responses = [row[mask] for row, mask in zip(data["tokens", "response"], response_mask, strict=True)]
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        values["oracle"] = torch.tensor([float(oracle(t)) for t in texts], dtype=torch.float64)
     if gather is not None:
         values = {key: gather(value) for key, value in values.items()}
     metrics = {
@@ -374,7 +371,9 @@ def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) 
     updates = 0
     for _ in range(cfg.train.epochs_per_step):
         for _ in range(cfg.rollout.responses_per_step // cfg.train.mini_batch_size):
-            out = loss_module(buffer.sample())
+            # LazyStackStorage hands out a lazy stack of samples: stacked once here, the loss's logits are not split
+            # into per-sample tensors and re-stacked (whose backward copies the whole gradient once per sample).
+            out = loss_module(buffer.sample().contiguous())
             loss = sum(value for key, value in out.items() if key.startswith("loss_") and value is not None)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.train.max_grad_norm)
@@ -462,7 +461,7 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     # through the DDP wrapper, so the loss's backward averages the gradients over the ranks. The sampling policy
     # uses the bare model: same weights, and generation needs no gradient.
     trained = make_data_parallel_policy(models.policy, data_parallel, device=cfg.device)
-    actor = make_log_prob_scorer(trained, models.tokenizer, device=cfg.device)
+    actor = make_log_prob_scorer(trained, models.tokenizer, device=cfg.device, padded=True)
     buffer = make_replay_buffer(cfg)
     collector = make_collector(
         cfg,

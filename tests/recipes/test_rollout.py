@@ -17,6 +17,7 @@ from recipes.common.rollout import (
     make_log_prob_scorer,
     make_policy,
     make_prompt_dataloader,
+    pad_rollout,
     response_texts,
 )
 from recipes.common.synthetic import oracle_score
@@ -116,16 +117,22 @@ class TestChatEnv:
             make_policy(model, broken, generation=GENERATION)
 
 
+def _sample_two_prompts(tiny_policy, *, group_size: int, seed: int, generation):
+    """One ragged rollout of the tiny policy: two prompts, ``group_size`` responses each."""
+    model, tokenizer = tiny_policy
+    with set_list_to_stack(True):
+        torch.manual_seed(seed)
+        loader = make_prompt_dataloader(["Review the mug.", "What do you think of the bike?"], seed=0)
+        env = make_chat_env(loader, tokenizer=tokenizer, group_size=group_size, num_prompts=2)
+        return make_policy(model, tokenizer, generation=generation)(env.reset())
+
+
 class TestSamplingAndLogProbs:
     @pytest.fixture(scope="class")
     def rollout(self, tiny_policy):
-        model, tokenizer = tiny_policy
-        with set_list_to_stack(True):
-            torch.manual_seed(0)
-            loader = make_prompt_dataloader(["Review the mug.", "What do you think of the bike?"], seed=0)
-            env = make_chat_env(loader, tokenizer=tokenizer, group_size=2, num_prompts=2)
-            policy = make_policy(model, tokenizer, generation={**GENERATION, "return_log_probs": True})
-            return policy(env.reset())
+        return _sample_two_prompts(
+            tiny_policy, group_size=2, seed=0, generation={**GENERATION, "return_log_probs": True}
+        )
 
     def test_generation_settings_come_from_the_config_node(self, tiny_policy, rollout):
         _, tokenizer = tiny_policy
@@ -158,6 +165,83 @@ class TestSamplingAndLogProbs:
         RecomputeLogProbs(make_log_prob_scorer(model, tokenizer), out_key=("next", "ref_log_probs", "full"))(rollout)
         ref = rollout.get(("next", "ref_log_probs", "full"), as_list=True)
         assert [r.numel() for r in ref] == [t.numel() for t in rollout.get(("tokens", "full"), as_list=True)]
+
+
+class TestPaddedBatches:
+    """``pad_rollout`` + ``make_log_prob_scorer(padded=True)``: what the GRPO recipe trains on, the same numbers as the
+    ragged per-sample layout the policy samples in."""
+
+    @pytest.fixture(scope="class")
+    def rollout(self, tiny_policy):
+        return _sample_two_prompts(tiny_policy, group_size=3, seed=3, generation=GENERATION)
+
+    def test_every_response_starts_after_the_longest_prompt(self, tiny_policy, rollout):
+        _, tokenizer = tiny_policy
+        padded = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
+        prompts = rollout.get(("tokens", "prompt"), as_list=True)
+        responses = rollout.get(("tokens", "response"), as_list=True)
+        assert len({p.numel() for p in prompts}) > 1 and len({r.numel() for r in responses}) > 1  # really ragged
+        width = max(p.numel() for p in prompts)
+        full, mask = padded["tokens", "full"], padded["masks", "all_attention_mask"]
+        assert full.shape == (6, width + max(r.numel() for r in responses)) and mask.dtype == torch.bool
+        for row, row_mask, prompt, response in zip(full, mask, prompts, responses, strict=True):
+            assert torch.equal(row[row_mask], torch.cat([prompt, response]))
+            assert torch.equal(row[width : width + response.numel()], response)
+            assert row_mask[width:].sum() == response.numel() and row_mask[:width].sum() == prompt.numel()
+            assert (row[~row_mask] == tokenizer.pad_token_id).all()
+
+    @pytest.mark.parametrize("micro_batch_size", [None, 4])
+    def test_padded_log_probs_equal_the_per_sample_ones(self, tiny_policy, rollout, micro_batch_size):
+        model, tokenizer = tiny_policy
+        ragged = RecomputeLogProbs(make_log_prob_scorer(model, tokenizer))(rollout.copy())
+        padded = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
+        scorer = make_log_prob_scorer(model, tokenizer, padded=True)
+        RecomputeLogProbs(scorer, micro_batch_size=micro_batch_size)(padded)
+        log_probs, mask = padded["log_probs", "full"], padded["masks", "all_attention_mask"]
+        assert log_probs.shape == mask.shape
+        for row, row_mask, expected in zip(
+            log_probs, mask, ragged.get(("log_probs", "full"), as_list=True), strict=True
+        ):
+            torch.testing.assert_close(row[row_mask], expected, atol=1e-5, rtol=1e-5)
+
+    def test_grpo_loss_and_gradients_match_the_ragged_layout(self, tiny_policy, rollout):
+        """The recipe's padded training batch is a faster layout, not another objective."""
+        from torchrl.objectives.llm import GRPOLoss
+
+        model, tokenizer = tiny_policy
+        pad_id = tokenizer.pad_token_id
+        advantage = torch.linspace(-1.0, 1.0, 6).reshape(6, 1, 1)  # as MCAdvantage writes it
+        ragged = rollout.copy()
+        ragged_scorer = make_log_prob_scorer(model, tokenizer)
+        RecomputeLogProbs(ragged_scorer)(ragged)
+        RecomputeLogProbs(ragged_scorer, out_key=("next", "ref_log_probs", "full"))(ragged)
+        for sample, value in zip(ragged.unbind(0), advantage, strict=True):
+            sample.set("advantage", value)
+        # An older policy, so that the ratios differ from 1 and some get clipped.
+        with torch.no_grad():
+            for sample in ragged.unbind(0):
+                sample.set(("log_probs", "full"), sample.get(("log_probs", "full")) * 1.3)
+        padded = pad_rollout(rollout, pad_token_id=pad_id)
+        padded_scorer = make_log_prob_scorer(model, tokenizer, padded=True)
+        RecomputeLogProbs(padded_scorer, out_key=("next", "ref_log_probs", "full"))(padded)
+        padded.set(("log_probs", "full"), padded.get(("next", "ref_log_probs", "full")) * 1.3)
+        padded.set("advantage", advantage)
+
+        results = []
+        for scorer, batch in ((ragged_scorer, ragged), (padded_scorer, padded)):
+            loss = GRPOLoss(scorer, kl_to_ref_coeff=0.1, entropy_bonus=True, entropy_coeff=0.01, masking_strategy="sft")
+            out = loss(batch)
+            model.zero_grad()
+            (out.loss_objective + out.loss_entropy + out.loss_kl_to_ref).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            results.append((out, grads))
+        (ragged_out, ragged_grads), (padded_out, padded_grads) = results
+        model.zero_grad()
+        assert ragged_out.clip_fraction > 0
+        for name in ("loss_objective", "loss_entropy", "loss_kl_to_ref", "clip_fraction", "kl_to_ref", "entropy"):
+            torch.testing.assert_close(padded_out.get(name), ragged_out.get(name), atol=1e-5, rtol=1e-4, msg=name)
+        for got, expected in zip(padded_grads, ragged_grads, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
 class TestRewardTerms:
