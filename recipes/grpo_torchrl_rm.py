@@ -52,6 +52,7 @@ from recipes.common.distributed import (
     setup_data_parallel,
 )
 from recipes.common.logging import MetricLogger, make_logger
+from recipes.common.losses import OnPolicyGRPOLoss
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.resume import (
     MODEL_FOLDER,
@@ -293,7 +294,8 @@ def make_collector(
         transforms=make_reward_transforms(cfg, models.reward_model, models.reward_tokenizer, models.tokenizer),
     )
     micro = cfg.rollout.log_prob_micro_batch_size
-    recomputes = [RecomputeLogProbs(actor, micro_batch_size=micro)]
+    # On-policy, the old log-probs would equal the loss's own: OnPolicyGRPOLoss takes those, saving a forward pass.
+    recomputes = [] if is_on_policy(cfg) else [RecomputeLogProbs(actor, micro_batch_size=micro)]
     if models.reference is not None:
         reference = make_log_prob_scorer(models.reference, models.tokenizer, device=cfg.device, padded=True)
         recomputes.append(
@@ -321,10 +323,14 @@ def make_collector(
     )
 
 
-def make_loss(cfg: DictConfig, actor):
-    from torchrl.objectives.llm import GRPOLoss
+def is_on_policy(cfg: DictConfig) -> bool:
+    """One update per step: the responses train the very policy that sampled them, old log-probs = current ones."""
+    return cfg.train.epochs_per_step == 1 and cfg.train.mini_batch_size == cfg.rollout.responses_per_step
 
-    return GRPOLoss(
+
+def make_loss(cfg: DictConfig, actor):
+    # GRPOLoss, except that a batch without old log-probs (is_on_policy: none are recomputed) takes the current ones.
+    return OnPolicyGRPOLoss(
         actor,
         clip_epsilon=cfg.loss.clip_epsilon,
         entropy_bonus=True,  # also what reports train/entropy; its weight in the loss is entropy_coeff

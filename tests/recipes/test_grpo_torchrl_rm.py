@@ -155,6 +155,27 @@ def test_every_update_clips_the_gradients_of_all_parameters(compose_config, tmp_
     assert clipped == [(num_parameters, 0.5)] * 2  # 4 responses in mini-batches of 2: two updates
 
 
+OLD, REF = ("log_probs", "full"), ("next", "ref_log_probs", "full")
+
+
+@pytest.mark.parametrize(("mini_batch_size", "recomputed"), [(4, [REF]), (2, [OLD, REF])])
+def test_old_log_probs_are_recomputed_only_off_policy(
+    compose_config, tmp_path, monkeypatch, mini_batch_size, recomputed
+):
+    """One update per step (4 responses, one mini-batch of 4) needs no old log-probs; two updates do."""
+    built = []
+
+    class RecordingRecompute(recipe.RecomputeLogProbs):
+        def __init__(self, scorer, **kwargs):
+            super().__init__(scorer, **kwargs)
+            built.append(self.out_key)
+
+    monkeypatch.setattr(recipe, "RecomputeLogProbs", RecordingRecompute)
+    overrides = [f"output_dir={tmp_path}", "train.steps=1", f"train.mini_batch_size={mini_batch_size}"]
+    recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides]))
+    assert built == recomputed
+
+
 def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
     """A run killed between checkpoints resumes from the latest one and ends as if never interrupted."""
     run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"

@@ -244,6 +244,64 @@ class TestPaddedBatches:
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
+class TestOnPolicyGRPOLoss:
+    """One update per step: the recipe does not recompute the old log-probs, ``OnPolicyGRPOLoss`` takes the current."""
+
+    @pytest.fixture(scope="class")
+    def batch(self, tiny_policy):
+        model, tokenizer = tiny_policy
+        rollout = _sample_two_prompts(tiny_policy, group_size=3, seed=5, generation=GENERATION)
+        batch = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
+        scorer = make_log_prob_scorer(model, tokenizer, padded=True)
+        RecomputeLogProbs(scorer, out_key=("next", "ref_log_probs", "full"))(batch)
+        batch.set("advantage", torch.linspace(-1.0, 1.0, 6).reshape(6, 1, 1))
+        return batch
+
+    @staticmethod
+    def _loss_and_gradients(loss_class, tiny_policy, batch):
+        model, tokenizer = tiny_policy
+        scorer = make_log_prob_scorer(model, tokenizer, padded=True)
+        loss = loss_class(scorer, kl_to_ref_coeff=0.1, entropy_bonus=True, entropy_coeff=0.01, masking_strategy="sft")
+        model.zero_grad()
+        out = loss(batch)
+        (out.loss_objective + out.loss_entropy + out.loss_kl_to_ref).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        return out, grads
+
+    def _assert_same(self, got, expected):
+        (got_out, got_grads), (expected_out, expected_grads) = got, expected
+        for name in ("loss_objective", "loss_entropy", "loss_kl_to_ref", "clip_fraction", "kl_to_ref", "entropy"):
+            torch.testing.assert_close(got_out.get(name), expected_out.get(name), atol=1e-6, rtol=1e-5, msg=name)
+        for got_grad, expected_grad in zip(got_grads, expected_grads, strict=True):
+            torch.testing.assert_close(got_grad, expected_grad, atol=1e-6, rtol=1e-5)
+
+    def test_without_old_log_probs_it_trains_as_grpo_with_recomputed_ones(self, tiny_policy, batch):
+        from torchrl.objectives.llm import GRPOLoss
+
+        from recipes.common.losses import OnPolicyGRPOLoss
+
+        model, tokenizer = tiny_policy
+        recomputed = batch.clone()
+        RecomputeLogProbs(make_log_prob_scorer(model, tokenizer, padded=True))(recomputed)
+        expected = self._loss_and_gradients(GRPOLoss, tiny_policy, recomputed)
+        on_policy = self._loss_and_gradients(OnPolicyGRPOLoss, tiny_policy, batch)
+        self._assert_same(on_policy, expected)
+        assert on_policy[0].clip_fraction == 0  # the ratio is exactly 1
+        assert ("log_probs", "full") not in batch.keys(True)  # the caller's batch is left as it was
+
+    def test_with_old_log_probs_it_is_grpo_loss(self, tiny_policy, batch):
+        from torchrl.objectives.llm import GRPOLoss
+
+        from recipes.common.losses import OnPolicyGRPOLoss
+
+        off_policy = batch.clone()
+        off_policy.set(("log_probs", "full"), batch.get(("next", "ref_log_probs", "full")) * 1.3)
+        expected = self._loss_and_gradients(GRPOLoss, tiny_policy, off_policy)
+        assert expected[0].clip_fraction > 0
+        self._assert_same(self._loss_and_gradients(OnPolicyGRPOLoss, tiny_policy, off_policy), expected)
+
+
 class TestRewardTerms:
     def test_length_penalty_counts_tokens_beyond_the_free_ones(self):
         td = lazy_stack([TensorDict({"tokens": {"response": torch.tensor([5, 6, 0, 0])}}) for _ in range(2)])
