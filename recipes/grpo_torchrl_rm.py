@@ -9,10 +9,10 @@ repeated ``group_size`` times; the ``TransformersWrapper`` policy samples one re
 ``interop.RewardModelTransform`` scores every conversation with the reward model (plus optional reward terms); the
 ``LLMCollector``'s post-processing pads the ragged responses into dense ``[B, T]`` tensors (one padding, rather than
 TorchRL's per-sample unpadding and re-padding in every forward pass), recomputes the old log-probs (and the frozen
-reference's) with a non-generating wrapper, and writes the step into a ``ReplayBuffer`` whose ``MCAdvantage``
-transform normalises the rewards within each prompt's group; ``GRPOLoss`` then updates the policy over mini-batches
-with AdamW and gradient clipping. Metrics go to the configured logger, checkpoints to ``<output_dir>/checkpoints``,
-the final figures to ``summary.json``.
+reference's) with a non-generating wrapper, normalises the rewards within each prompt's group with ``MCAdvantage``,
+and writes the step into a ``ReplayBuffer`` (``LazyStackStorage``); ``GRPOLoss`` then updates the policy over
+mini-batches with AdamW and gradient clipping. Metrics go to the configured logger, checkpoints to
+``<output_dir>/checkpoints``, the final figures to ``summary.json``.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) every process joins one process group (gloo on CPU,
 nccl on CUDA, each process on ``cuda:<LOCAL_RANK>``) and collects its own ``responses_per_step`` responses: the
@@ -52,7 +52,7 @@ from recipes.common.distributed import (
     setup_data_parallel,
 )
 from recipes.common.logging import MetricLogger, make_logger
-from recipes.common.losses import OnPolicyGRPOLoss
+from recipes.common.losses import GroupAdvantage, OnPolicyGRPOLoss
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.resume import (
     MODEL_FOLDER,
@@ -254,17 +254,14 @@ def make_reward_transforms(cfg: DictConfig, reward_model, reward_tokenizer, poli
 
 
 def make_replay_buffer(cfg: DictConfig):
-    """One step's responses, with group-normalised advantages written by ``MCAdvantage`` as they come in."""
+    """One step's responses (with their advantages), handed out in mini-batches without replacement."""
     from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
-    from torchrl.objectives.llm import MCAdvantage
 
-    buffer = ReplayBuffer(
+    return ReplayBuffer(
         storage=LazyStackStorage(cfg.rollout.responses_per_step),
         sampler=SamplerWithoutReplacement(),
         batch_size=cfg.train.mini_batch_size,
     )
-    buffer.append_transform(MCAdvantage(grpo_size=cfg.rollout.group_size, prompt_key="prompt_index"))
-    return buffer
 
 
 def make_collector(
@@ -303,12 +300,15 @@ def make_collector(
         )
 
     pad_token_id = models.tokenizer.pad_token_id
+    # MCAdvantage normalises each reward within its prompt's group (each step holds whole groups).
+    advantage = GroupAdvantage(group, prompt_key="prompt_index")
 
     def postproc(rollout):
-        # Only what the loss, MCAdvantage and the metrics read goes on, as dense [B, T] tensors: the ragged
-        # per-sample tensors, chat histories and texts would cost more to move around than the forward passes.
+        # Only what the loss and the metrics read goes on, as dense [B, T] tensors: the ragged per-sample tensors,
+        # chat histories and texts would cost more to move around than the forward passes.
         batch = pad_rollout(rollout, pad_token_id=pad_token_id)
         batch.update(rollout.select(*CARRIED_KEYS).to_tensordict())
+        advantage(batch)
         for recompute in recomputes:
             recompute(batch)
         return batch
