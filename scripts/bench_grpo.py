@@ -3,6 +3,9 @@
     python scripts/bench_grpo.py                     # recipe defaults (G=8, 64 responses x 32 tokens), 5 rounds
     python scripts/bench_grpo.py --quick             # tiny smoke configuration (about half a minute on 2 cores)
     python scripts/bench_grpo.py --rounds 7 --steps 8 --updates-per-step 2 rollout.generation.max_new_tokens=48
+    # bigger models, built offline (speed only: the reward head is untrained):
+    python scripts/build_tiny_models.py --out /tmp/h512 --hidden-size 512 --num-layers 6 --pretrain-steps 20
+    python scripts/bench_grpo.py model.name_or_path=/tmp/h512/policy reward_model.name_or_path=/tmp/h512/reward_base
 
 Both sides run the same job, read from ONE composed recipe config (``conf/grpo_torchrl_rm.yaml`` plus the overrides
 given on the command line): the same policy (``model.name_or_path``), reward model (``reward_model.name_or_path``,
@@ -20,13 +23,17 @@ settings, gradient clipping, a constant learning rate, float32 and the same torc
   ``on_step_end``; its generated tokens are its completion masks summed (completion tokens up to and including EOS,
   as the recipe counts them).
 
-One optimizer step per generation batch by default on both sides (``--updates-per-step 1`` sets the recipe's
-``train.mini_batch_size`` to ``rollout.responses_per_step``; the recipe's own default, 2 updates of 32, is
-``--updates-per-step 2``). Rounds alternate the sides (ours then trl, trl then ours, ...) with fresh models every run,
-so machine load hits both alike; round 0 warms up imports and caches and is not counted. Figures are medians over
+Every response is ``max_new_tokens`` long on both sides by default (``min_new_tokens`` = ``max_new_tokens``): both
+then do the same work, and the tokens per second compare speed rather than how long the responses of two differently
+seeded runs happen to grow (``--natural-length`` lets them end at EOS). One optimizer step per generation batch by
+default on both sides (``--updates-per-step 1`` sets the recipe's ``train.mini_batch_size`` to
+``rollout.responses_per_step``; the recipe's own default, 2 updates of 32, is ``--updates-per-step 2``); both then
+skip recomputing the old log-probs, which equal the current ones. Rounds alternate the sides (ours then trl, trl
+then ours, ...) with fresh models every run, so machine load hits both alike; round 0 warms up imports and caches and
+is not counted. Figures are medians over
 rounds: generated tokens per second of training (generation, scoring and updates together), seconds per optimizer
-step, and tokens per second of the rollout phase alone (ours: generation, reward, old and reference log-probs; trl:
-``_generate_and_score_completions``). Target: ours at least as fast as trl.
+step, and tokens per second of the rollout phase alone (ours: generation, reward, advantages, reference (and old)
+log-probs; trl: ``_generate_and_score_completions``). Target: ours at least as fast as trl.
 """
 
 from __future__ import annotations
@@ -117,6 +124,12 @@ def run_ours(cfg) -> Run:
     )
 
 
+def extra_generation_kwargs(cfg) -> dict:
+    """Generation settings of the recipe config that ``GRPOConfig`` has no field for (``min_new_tokens``...)."""
+    known = {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "return_log_probs"}
+    return {str(k): v for k, v in cfg.rollout.generation.items() if k not in known}
+
+
 def top_k(cfg) -> int:
     from omegaconf import OmegaConf
 
@@ -150,6 +163,7 @@ def make_trl_config(cfg, *, output_dir: str):
         temperature=generation.temperature,
         top_p=generation.top_p,
         top_k=top_k(cfg),
+        generation_kwargs=extra_generation_kwargs(cfg) or None,
         max_steps=cfg.train.steps * updates_per_generation * cfg.train.epochs_per_step,
         learning_rate=cfg.optimizer.lr,
         lr_scheduler_type="constant",
@@ -252,6 +266,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="optimizer steps per generation batch, on both sides (the recipe's own default is 2)",
     )
     parser.add_argument(
+        "--natural-length",
+        action="store_true",
+        help="let responses end at EOS (default: every response is max_new_tokens long on both sides, so that both "
+        "do the same work whatever their runs learn)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="recipe config overrides for both sides, e.g. rollout.group_size=4"
     )
     args = parser.parse_args(argv)
@@ -304,7 +324,11 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
                 f"bench_grpo: --updates-per-step {args.updates_per_step} does not divide rollout.responses_per_step="
                 f"{per_step}."
             )
-        return compose_config([*overrides, f"train.mini_batch_size={per_step // args.updates_per_step}"])
+        overrides.append(f"train.mini_batch_size={per_step // args.updates_per_step}")
+        if not args.natural_length:
+            # Every response max_new_tokens long on both sides: the same work, whatever the two runs learn.
+            overrides.append(f"+rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}")
+        return compose_config(overrides)
 
     cfg = config_for(0, "ours")
     if cfg.num_threads is not None:
@@ -316,7 +340,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
         f"  group {cfg.rollout.group_size}, {cfg.rollout.responses_per_step} responses per generation batch, "
         f"{args.updates_per_step} optimizer step(s) of {cfg.train.mini_batch_size} per batch, max_new_tokens "
         f"{cfg.rollout.generation.max_new_tokens}, temperature {cfg.rollout.generation.temperature}, top_p "
-        f"{cfg.rollout.generation.top_p}, top_k {top_k(cfg)}\n"
+        f"{cfg.rollout.generation.top_p}, top_k {top_k(cfg)}, "
+        f"{'responses end at EOS' if args.natural_length else 'every response max_new_tokens long'}\n"
         f"  KL coefficient (trl beta) {cfg.loss.kl_to_ref_coeff}, clip {cfg.loss.clip_epsilon}, lr "
         f"{cfg.optimizer.lr}, {cfg.device} {cfg.dtype}, torch threads {torch.get_num_threads()}",
         flush=True,
