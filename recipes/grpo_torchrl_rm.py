@@ -118,6 +118,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.summary.window < 1:
         raise ConfigError(f"summary.window={cfg.summary.window} must be >= 1.")
     generation = cfg.rollout.generation
+    _validate_generation_keys(generation)
     if generation.max_new_tokens < 1:
         raise ConfigError(f"rollout.generation.max_new_tokens={generation.max_new_tokens} must be >= 1.")
     if generation.do_sample and generation.temperature <= 0:
@@ -163,6 +164,18 @@ def validate(cfg: DictConfig) -> None:
             f"{_checkpoint_root(cfg)} already holds checkpoints of an earlier run: pass resume=true to continue it, "
             "or choose another output folder (hydra.run.dir=...)."
         )
+
+
+def _validate_generation_keys(generation: DictConfig) -> None:
+    from transformers import GenerationConfig
+
+    defaults = GenerationConfig()
+    for key in generation:
+        if key != "return_log_probs" and not hasattr(defaults, str(key)):
+            raise ConfigError(
+                f"rollout.generation.{key}: not a generation setting (a transformers GenerationConfig field); check "
+                "the spelling (max_new_tokens, temperature, top_p, top_k, min_new_tokens...)."
+            )
 
 
 def _validate_distributed(cfg: DictConfig) -> None:

@@ -246,15 +246,26 @@ def make_policy(model, tokenizer, *, generation: Mapping, device=None):
 
     Keyword Args:
         generation: keyword arguments of ``model.generate`` (``max_new_tokens``, ``temperature``, ``top_p``,
-            ``do_sample``...), for instance a config node; ``return_log_probs`` (bool) is read apart.
+            ``do_sample``, ``min_new_tokens``, ``min_p``... any ``transformers.GenerationConfig`` field), for instance a
+            config node; ``return_log_probs`` (bool) is read apart.
         device: where the wrapper puts the model inputs; ``None`` leaves them where they are.
+
+    Raises:
+        ValueError: a ``generation`` key that is no ``GenerationConfig`` field (a typo would otherwise go unnoticed).
     """
     from torchrl.modules.llm import TransformersWrapper
+    from transformers import GenerationConfig
 
     _check_tokenizer(tokenizer, "make_policy")
     generate_kwargs = {str(k): v for k, v in dict(generation).items()}
     return_log_probs = bool(generate_kwargs.pop("return_log_probs", False))
-    return TransformersWrapper(
+    unknown = sorted(key for key in generate_kwargs if not hasattr(GenerationConfig(), key))
+    if unknown:
+        raise ValueError(
+            f"make_policy: {unknown} are not generation settings (transformers.GenerationConfig fields); check the "
+            "spelling (e.g. max_new_tokens, temperature, top_p, top_k, min_new_tokens)."
+        )
+    policy = TransformersWrapper(
         model,
         tokenizer=tokenizer,
         input_mode="history",
@@ -264,6 +275,11 @@ def make_policy(model, tokenizer, *, generation: Mapping, device=None):
         generate_kwargs=generate_kwargs,
         device=device,
     )
+    # TorchRL 0.14.1 passes only its own short list of settings on to generate() and silently drops the others
+    # (min_new_tokens, min_p, typical_p...); generate() reads the ones it kept from this dict at every call.
+    for key, value in generate_kwargs.items():
+        policy.generate_kwargs.setdefault(key, value)
+    return policy
 
 
 def make_log_prob_scorer(model, tokenizer, *, device=None, padded: bool = False):

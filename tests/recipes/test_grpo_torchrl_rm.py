@@ -52,6 +52,7 @@ class TestValidation:
             (["reward_model.name_or_path=/nonexistent/rm"], "reward_model.name_or_path='/nonexistent/rm'"),
             (["reward.input=logits"], "reward.input='logits'"),
             (["rollout.generation.temperature=0"], "temperature=0"),
+            (["+rollout.generation.max_new_token=8"], "rollout.generation.max_new_token: not a generation setting"),
             (["metric=eval/accuracy"], "metric='eval/accuracy' is not a summary.json entry"),
             (["resume=true"], "holds no checkpoint"),
             (["distributed.backend=mpi"], "distributed.backend='mpi'"),

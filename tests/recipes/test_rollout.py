@@ -141,6 +141,21 @@ class TestSamplingAndLogProbs:
         texts = response_texts(rollout, tokenizer)
         assert len(texts) == 4 and all(isinstance(t, str) and "<|im_end|>" not in t for t in texts)
 
+    def test_settings_torchrl_does_not_know_still_reach_generate(self, tiny_policy):
+        """TorchRL 0.14.1's wrapper drops min_new_tokens (and other GenerationConfig fields); make_policy does not."""
+        natural = _sample_two_prompts(
+            tiny_policy, group_size=4, seed=0, generation={**GENERATION, "max_new_tokens": 40}
+        )
+        assert min(t.numel() for t in natural.get(("tokens", "response"), as_list=True)) < 40  # EOS comes earlier
+        generation = {**GENERATION, "max_new_tokens": 40, "min_new_tokens": 40}
+        forced = _sample_two_prompts(tiny_policy, group_size=4, seed=0, generation=generation)
+        assert [t.numel() for t in forced.get(("tokens", "response"), as_list=True)] == [40] * 8
+
+    def test_a_misspelt_generation_setting_is_refused(self, tiny_policy):
+        model, tokenizer = tiny_policy
+        with pytest.raises(ValueError, match=r"\['max_new_token'\] are not generation settings"):
+            make_policy(model, tokenizer, generation={"max_new_token": 8, "do_sample": True})
+
     def test_recomputed_log_probs_match_a_manual_forward(self, tiny_policy, rollout):
         model, tokenizer = tiny_policy
         RecomputeLogProbs(make_log_prob_scorer(model, tokenizer), micro_batch_size=3)(rollout)
