@@ -384,6 +384,16 @@ def rollout_metrics(data, tokenizer, oracle, *, gather=None) -> tuple[dict[str, 
     return metrics, int(values["length"].sum().item())
 
 
+def training_loss(out, *, entropy_coeff: float) -> torch.Tensor:
+    """The sum of ``GRPOLoss``'s ``loss_*`` terms, without the entropy term when its coefficient is 0.
+
+    That term is then ``0 * entropy``: nothing to the loss, but its backward would run through a softmax over the whole
+    vocabulary at every position of the batch (``entropy_bonus=True`` stays on for the ``train/entropy`` metric)."""
+    skipped = set() if entropy_coeff else {"loss_entropy"}
+    terms = [value for key, value in out.items() if key.startswith("loss_") and key not in skipped]
+    return sum(value for value in terms if value is not None)
+
+
 def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) -> dict[str, float]:
     """``train.epochs_per_step`` passes over the buffer in mini-batches; returns the updates' mean diagnostics."""
     sums: dict[str, float] = {}
@@ -393,7 +403,7 @@ def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) 
             # LazyStackStorage hands out a lazy stack of samples: stacked once here, the loss's logits are not split
             # into per-sample tensors and re-stacked (whose backward copies the whole gradient once per sample).
             out = loss_module(buffer.sample().contiguous())
-            loss = sum(value for key, value in out.items() if key.startswith("loss_") and value is not None)
+            loss = training_loss(out, entropy_coeff=cfg.loss.entropy_coeff)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.train.max_grad_norm)
             optimizer.step()

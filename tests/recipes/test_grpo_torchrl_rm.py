@@ -156,6 +156,22 @@ def test_every_update_clips_the_gradients_of_all_parameters(compose_config, tmp_
     assert clipped == [(num_parameters, 0.5)] * 2  # 4 responses in mini-batches of 2: two updates
 
 
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.01])
+def test_the_entropy_term_is_backpropagated_only_when_it_weighs(entropy_coeff):
+    from tensordict import TensorDict
+
+    objective, entropy = torch.tensor(2.0, requires_grad=True), torch.tensor(3.0, requires_grad=True)
+    out = TensorDict({"loss_objective": objective * 1.0, "loss_entropy": -entropy_coeff * entropy, "entropy": entropy})
+    loss = recipe.training_loss(out, entropy_coeff=entropy_coeff)
+    loss.backward()
+    assert float(loss) == pytest.approx(2.0 - entropy_coeff * 3.0)
+    assert objective.grad == 1.0
+    if entropy_coeff:
+        assert entropy.grad == pytest.approx(-entropy_coeff)
+    else:
+        assert entropy.grad is None  # never reached by the backward pass
+
+
 OLD, REF = ("log_probs", "full"), ("next", "ref_log_probs", "full")
 
 
