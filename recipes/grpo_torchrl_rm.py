@@ -8,11 +8,12 @@ Each step: a ``ChatEnv`` fed by the prompt dataloader resets to ``responses_per_
 repeated ``group_size`` times; the ``TransformersWrapper`` policy samples one response per copy; the env's
 ``interop.RewardModelTransform`` scores every conversation with the reward model (plus optional reward terms); the
 ``LLMCollector``'s post-processing pads the ragged responses into dense ``[B, T]`` tensors (one padding, rather than
-TorchRL's per-sample unpadding and re-padding in every forward pass), recomputes the old log-probs (and the frozen
-reference's) with a non-generating wrapper, normalises the rewards within each prompt's group with ``MCAdvantage``,
-and writes the step into a ``ReplayBuffer`` (``LazyStackStorage``); ``GRPOLoss`` then updates the policy over
-mini-batches with AdamW and gradient clipping. Metrics go to the configured logger, checkpoints to
-``<output_dir>/checkpoints``, the final figures to ``summary.json``.
+TorchRL's per-sample unpadding and re-padding in every forward pass), recomputes the frozen reference's log-probs
+(and the old ones, unless each step is a single on-policy update) with a non-generating wrapper, normalises the
+rewards within each prompt's group with ``MCAdvantage``, and writes the step into a ``ReplayBuffer``
+(``LazyStackStorage``); ``GRPOLoss`` then updates the policy over mini-batches with AdamW and gradient clipping.
+Metrics go to the configured logger, checkpoints to ``<output_dir>/checkpoints``, the final figures to
+``summary.json``.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) every process joins one process group (gloo on CPU,
 nccl on CUDA, each process on ``cuda:<LOCAL_RANK>``) and collects its own ``responses_per_step`` responses: the
@@ -52,7 +53,6 @@ from recipes.common.distributed import (
     setup_data_parallel,
 )
 from recipes.common.logging import MetricLogger, make_logger
-from recipes.common.losses import GroupAdvantage, OnPolicyGRPOLoss
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.resume import (
     MODEL_FOLDER,
@@ -314,6 +314,8 @@ def make_collector(
 
     pad_token_id = models.tokenizer.pad_token_id
     # MCAdvantage normalises each reward within its prompt's group (each step holds whole groups).
+    from recipes.common.losses import GroupAdvantage
+
     advantage = GroupAdvantage(group, prompt_key="prompt_index")
 
     def postproc(rollout):
@@ -342,6 +344,8 @@ def is_on_policy(cfg: DictConfig) -> bool:
 
 
 def make_loss(cfg: DictConfig, actor):
+    from recipes.common.losses import OnPolicyGRPOLoss
+
     # GRPOLoss, except that a batch without old log-probs (is_on_policy: none are recomputed) takes the current ones.
     return OnPolicyGRPOLoss(
         actor,
