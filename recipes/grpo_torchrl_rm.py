@@ -70,6 +70,7 @@ from recipes.common.rollout import (
     make_policy,
     make_prompt_dataloader,
     pad_rollout,
+    unknown_generation_settings,
 )
 
 REWARD_INPUTS = ("history", "text", "tokens")
@@ -167,15 +168,12 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _validate_generation_keys(generation: DictConfig) -> None:
-    from transformers import GenerationConfig
-
-    defaults = GenerationConfig()
-    for key in generation:
-        if key != "return_log_probs" and not hasattr(defaults, str(key)):
-            raise ConfigError(
-                f"rollout.generation.{key}: not a generation setting (a transformers GenerationConfig field); check "
-                "the spelling (max_new_tokens, temperature, top_p, top_k, min_new_tokens...)."
-            )
+    unknown = unknown_generation_settings(generation)
+    if unknown:
+        raise ConfigError(
+            f"rollout.generation.{unknown[0]}: not a generation setting (a transformers GenerationConfig field); "
+            "check the spelling (max_new_tokens, temperature, top_p, top_k, min_new_tokens...)."
+        )
 
 
 def _validate_distributed(cfg: DictConfig) -> None:
@@ -280,10 +278,13 @@ def make_replay_buffer(cfg: DictConfig):
 def make_collector(
     cfg: DictConfig, models: Models, buffer, *, actor, start_step: int, num_replicas: int = 1, rank: int = 0
 ):
-    """``LLMCollector`` over the prompt env; each batch gets its log-probs recomputed, then goes into ``buffer``.
+    """``LLMCollector`` over the prompt env; each batch is padded, gets its advantages and log-probs, then goes into
+    ``buffer``.
 
     With ``num_replicas`` data-parallel processes, each draws its own prompts from the one shared stream."""
     from torchrl.collectors.llm import LLMCollector
+
+    from recipes.common.losses import GroupAdvantage
 
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
     # The prompt stream is a function of the step (each step draws per_step / group prompts per process): resuming
@@ -314,8 +315,6 @@ def make_collector(
 
     pad_token_id = models.tokenizer.pad_token_id
     # MCAdvantage normalises each reward within its prompt's group (each step holds whole groups).
-    from recipes.common.losses import GroupAdvantage
-
     advantage = GroupAdvantage(group, prompt_key="prompt_index")
 
     def postproc(rollout):

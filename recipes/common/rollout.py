@@ -55,6 +55,7 @@ __all__ = [
     "make_prompt_dataloader",
     "pad_rollout",
     "response_texts",
+    "unknown_generation_settings",
 ]
 
 
@@ -232,6 +233,19 @@ def make_chat_env(
     return env
 
 
+def unknown_generation_settings(generation: Mapping) -> list[str]:
+    """The keys of ``generation`` that are neither ``transformers.GenerationConfig`` fields nor ``return_log_probs``.
+
+    Examples:
+        >>> unknown_generation_settings({"max_new_tokens": 8, "min_new_tokens": 8, "max_new_token": 8})
+        ['max_new_token']
+    """
+    from transformers import GenerationConfig
+
+    fields = GenerationConfig()
+    return sorted(str(key) for key in generation if key != "return_log_probs" and not hasattr(fields, str(key)))
+
+
 def make_policy(model, tokenizer, *, generation: Mapping, device=None):
     """The sampling policy: ``TransformersWrapper`` in generate mode over chat histories.
 
@@ -254,12 +268,11 @@ def make_policy(model, tokenizer, *, generation: Mapping, device=None):
         ValueError: a ``generation`` key that is no ``GenerationConfig`` field (a typo would otherwise go unnoticed).
     """
     from torchrl.modules.llm import TransformersWrapper
-    from transformers import GenerationConfig
 
     _check_tokenizer(tokenizer, "make_policy")
     generate_kwargs = {str(k): v for k, v in dict(generation).items()}
     return_log_probs = bool(generate_kwargs.pop("return_log_probs", False))
-    unknown = sorted(key for key in generate_kwargs if not hasattr(GenerationConfig(), key))
+    unknown = unknown_generation_settings(generate_kwargs)
     if unknown:
         raise ValueError(
             f"make_policy: {unknown} are not generation settings (transformers.GenerationConfig fields); check the "

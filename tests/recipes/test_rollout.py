@@ -127,6 +127,17 @@ def _sample_two_prompts(tiny_policy, *, group_size: int, seed: int, generation):
         return make_policy(model, tokenizer, generation=generation)(env.reset())
 
 
+def _grpo_loss_and_gradients(loss_class, scorer, batch):
+    """One GRPO loss (KL and entropy terms on) over ``batch`` and the gradients it gives the scorer's model."""
+    loss = loss_class(scorer, kl_to_ref_coeff=0.1, entropy_bonus=True, entropy_coeff=0.01, masking_strategy="sft")
+    scorer.model.zero_grad()
+    out = loss(batch)
+    (out.loss_objective + out.loss_entropy + out.loss_kl_to_ref).backward()
+    grads = [p.grad.clone() for p in scorer.model.parameters()]
+    scorer.model.zero_grad()
+    return out, grads
+
+
 class TestSamplingAndLogProbs:
     @pytest.fixture(scope="class")
     def rollout(self, tiny_policy):
@@ -242,16 +253,8 @@ class TestPaddedBatches:
         padded.set(("log_probs", "full"), padded.get(("next", "ref_log_probs", "full")) * 1.3)
         padded.set("advantage", advantage)
 
-        results = []
-        for scorer, batch in ((ragged_scorer, ragged), (padded_scorer, padded)):
-            loss = GRPOLoss(scorer, kl_to_ref_coeff=0.1, entropy_bonus=True, entropy_coeff=0.01, masking_strategy="sft")
-            out = loss(batch)
-            model.zero_grad()
-            (out.loss_objective + out.loss_entropy + out.loss_kl_to_ref).backward()
-            grads = [p.grad.clone() for p in model.parameters()]
-            results.append((out, grads))
-        (ragged_out, ragged_grads), (padded_out, padded_grads) = results
-        model.zero_grad()
+        ragged_out, ragged_grads = _grpo_loss_and_gradients(GRPOLoss, ragged_scorer, ragged)
+        padded_out, padded_grads = _grpo_loss_and_gradients(GRPOLoss, padded_scorer, padded)
         assert ragged_out.clip_fraction > 0
         for name in ("loss_objective", "loss_entropy", "loss_kl_to_ref", "clip_fraction", "kl_to_ref", "entropy"):
             torch.testing.assert_close(padded_out.get(name), ragged_out.get(name), atol=1e-5, rtol=1e-4, msg=name)
@@ -275,14 +278,7 @@ class TestOnPolicyGRPOLoss:
     @staticmethod
     def _loss_and_gradients(loss_class, tiny_policy, batch):
         model, tokenizer = tiny_policy
-        scorer = make_log_prob_scorer(model, tokenizer, padded=True)
-        loss = loss_class(scorer, kl_to_ref_coeff=0.1, entropy_bonus=True, entropy_coeff=0.01, masking_strategy="sft")
-        model.zero_grad()
-        out = loss(batch)
-        (out.loss_objective + out.loss_entropy + out.loss_kl_to_ref).backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        return out, grads
+        return _grpo_loss_and_gradients(loss_class, make_log_prob_scorer(model, tokenizer, padded=True), batch)
 
     def _assert_same(self, got, expected):
         (got_out, got_grads), (expected_out, expected_grads) = got, expected
