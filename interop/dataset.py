@@ -36,6 +36,7 @@ from tensordict import (
     TensorDictBase,
     is_tensor_collection,
 )
+from tensordict.utils import unravel_key
 from torch.utils.data import IterableDataset, get_worker_info
 from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.storages import ListStorage
@@ -75,12 +76,6 @@ def _key_name(key: NestedKey) -> str:
 
 def _names_of(keys: Sequence[NestedKey]) -> list[str]:
     return [_key_name(key) for key in keys]
-
-
-def _normalize_key(key: NestedKey) -> NestedKey:
-    if isinstance(key, tuple) and len(key) == 1:
-        return key[0]
-    return key
 
 
 def _distributed_rank_world() -> tuple[int, int]:
@@ -132,27 +127,24 @@ class _MissingKey(KeyError):
 
 
 def _ragged_column(tensors: list[torch.Tensor], device: torch.device | None) -> Sequence[torch.Tensor]:
-    """One tensor per sample, of its own shape, moved to ``device`` in one concatenation and one transfer."""
+    """One tensor per sample, of its own shape, moved to ``device`` in one concatenation and one transfer (``None``:
+    the tensors themselves, as ``rb.sample()`` on a lazy-stack storage returns them)."""
+    if device is None:
+        return tensors
     try:
         if tensors[0].ndim == 0:
-            flat = torch.stack(tensors)
-            return (flat if device is None else flat.to(device)).unbind(0)
+            return torch.stack(tensors).to(device).unbind(0)
         try:
             # Ragged along the first dimension only (token sequences): one concatenation, split back by length.
             flat = torch.cat(tensors)
             sizes = list(map(len, tensors))
         except RuntimeError:
             # Ragged along later dimensions too: flatten each sample, split by size, restore its shape.
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            if device is not None:
-                flat = flat.to(device)
-            parts = flat.split([t.numel() for t in tensors])
+            parts = torch.cat([t.reshape(-1) for t in tensors]).to(device).split([t.numel() for t in tensors])
             return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
     except TypeError as err:  # not all tensors: the key holds something else in some sample
         raise _MissingKey() from err
-    if device is not None:
-        flat = flat.to(device)
-    return flat.split(sizes)
+    return flat.to(device).split(sizes)
 
 
 def _non_tensor_value(value: Any) -> Any:
@@ -212,9 +204,7 @@ def _read_column(
         if isinstance(first, torch.Tensor):
             if python:
                 return [v.tolist() for v in values]
-            # Without a device the stored tensors themselves are yielded, as ``rb.sample()`` on a lazy-stack storage
-            # returns them; moving them goes through one concatenation and one transfer instead of one per sample.
-            return values if device is None else _ragged_column(values, device)
+            return _ragged_column(values, device)
         return [_non_tensor_value(v) if _is_non_tensor(type(v)) else v for v in values]
     value = batch.get(key, as_list=True)
     if isinstance(value, torch.Tensor):
@@ -391,7 +381,7 @@ class TorchRLBufferDataset(IterableDataset):
                     raise TypeError(
                         f"TorchRLBufferDataset: each key must be a str or a tuple of str, got {key!r} in keys={keys!r}."
                     )
-            keys = [_normalize_key(key) for key in keys]
+            keys = [unravel_key(key) for key in keys]
         if device is not None:
             try:
                 device = torch.device(device)
@@ -437,7 +427,7 @@ class TorchRLBufferDataset(IterableDataset):
         rank, world = _distributed_rank_world()
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        return self._samples(shard_ids=(rank * workers + worker,), num_shards=world * workers, python=False)
+        return self._samples(shard=rank * workers + worker, num_shards=world * workers, python=False)
 
     def __repr__(self) -> str:
         rb = self._replay_buffer
@@ -513,7 +503,7 @@ class TorchRLBufferDataset(IterableDataset):
         return datasets.IterableDataset.from_generator(_HFGenerator(self), features=features)
 
     def _hf_examples(self) -> Iterator[dict[str, Any]]:
-        yield from self._samples(shard_ids=(0,), num_shards=1, python=True)
+        yield from self._samples(shard=0, num_shards=1, python=True)
 
     def _infer_features(self, datasets: Any) -> Any:
         rb = self._replay_buffer
@@ -560,15 +550,13 @@ class TorchRLBufferDataset(IterableDataset):
         base = info.seed - info.id if info is not None else torch.initial_seed()
         return (base * 0x9E3779B97F4A7C15 + self._iterations) & _SEED_MASK
 
-    def _batches(self, shard_ids: Sequence[int], num_shards: int) -> Iterator[TensorDictBase]:
+    def _batches(self, shard: int, num_shards: int) -> Iterator[TensorDictBase]:
+        """Consumer ``shard`` of ``num_shards`` (ranks x workers) takes every ``num_shards``-th batch of one stream."""
         rb = self._replay_buffer
-        mine = {s for s in shard_ids if 0 <= s < num_shards}
-        if not mine:
-            return
         if len(rb) == 0:
             raise RuntimeError("TorchRLBufferDataset: the replay buffer is empty; add data before iterating.")
         bound = self._num_batches
-        if len(mine) == num_shards:
+        if num_shards == 1:
             # The only consumer: plain draws from the buffer's own RNG, exactly as the buffer samples itself.
             drawn = 0
             while bound is None or drawn < bound:
@@ -581,7 +569,7 @@ class TorchRLBufferDataset(IterableDataset):
         index = 0
         while bound is None or index < bound:
             with _sampling_with(rb, generator):
-                if index % num_shards in mine:
+                if index % num_shards == shard:
                     batch = rb.sample(self._batch_size)
                 else:
                     # Another consumer's batch: advance the common stream without fetching any data.
@@ -620,7 +608,7 @@ class TorchRLBufferDataset(IterableDataset):
                     continue
                 if warn:
                     self._warn_missing(key, warned, f"is not in the sampled batch (its keys: {_names_of(leaves)})")
-        return keys, [_key_name(key) for key in keys]
+        return keys, _names_of(keys)
 
     @staticmethod
     def _warn_missing(key: NestedKey, warned: set, why: str) -> None:
@@ -629,12 +617,12 @@ class TorchRLBufferDataset(IterableDataset):
         warned.add(key)
         warnings.warn(f"TorchRLBufferDataset: key {key!r} {why}; skipping it.", stacklevel=4)
 
-    def _samples(self, *, shard_ids: Sequence[int], num_shards: int, python: bool) -> Iterator[dict[str, Any]]:
+    def _samples(self, *, shard: int, num_shards: int, python: bool) -> Iterator[dict[str, Any]]:
         self._iterations += 1
         warned: set = set()
         device = None if python else self._device
         dense_keys = None  # a dense batch's keys are fixed by its storage: resolved once per iterator
-        for batch in self._batches(shard_ids, num_shards):
+        for batch in self._batches(shard, num_shards):
             samples = _lazy_samples(batch)
             if samples is not None:
                 resolved = self._resolve_keys(samples[0], warned)

@@ -218,8 +218,8 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             raise ValueError(f"HFRewardModelWrapper: padding_side must be 'right' or 'left', got {padding_side!r}.")
 
         config = getattr(model, "config", None)
-        model_pad = getattr(config, "pad_token_id", None) if config is not None else None
-        tokenizer_pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        model_pad = getattr(config, "pad_token_id", None)
+        tokenizer_pad = getattr(tokenizer, "pad_token_id", None)
         if model_pad is not None and tokenizer_pad is not None and model_pad != tokenizer_pad:
             raise ValueError(
                 f"HFRewardModelWrapper: model.config.pad_token_id ({model_pad}) differs from tokenizer.pad_token_id "
@@ -319,11 +319,16 @@ class HFRewardModelWrapper(TensorDictModuleBase):
 
     # ------------------------------------------------------------------ scoring
 
+    @property
+    def _truncation_window(self) -> slice:
+        """The ``max_length`` tokens kept: the first ones, or the last with a tokenizer that truncates on the left."""
+        keep_end = getattr(self.tokenizer, "truncation_side", "right") == "left"
+        return slice(-self.max_length, None) if keep_end else slice(0, self.max_length)
+
     def _truncate(self, seq, seq_mask):
         if self.max_length is None or len(seq) <= self.max_length:
             return seq, seq_mask
-        keep_end = getattr(self.tokenizer, "truncation_side", "right") == "left"
-        window = slice(-self.max_length, None) if keep_end else slice(0, self.max_length)
+        window = self._truncation_window
         return seq[window], (seq_mask[window] if seq_mask is not None else None)
 
     def _pad(self, seqs: list, masks: list | None, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,12 +406,13 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             ids, mask = self._read_tokens(tensordict)
             if out_device is None:
                 out_device = ids.device if isinstance(ids, torch.Tensor) else ids[0].device
-            if isinstance(ids, torch.Tensor) and (self.max_length is None or ids.shape[-1] <= self.max_length):
+            if isinstance(ids, torch.Tensor):
+                if self.max_length is not None and ids.shape[-1] > self.max_length:
+                    # Every row has the same length: truncating each one is truncating the columns.
+                    ids = ids[..., self._truncation_window]
+                    mask = mask[..., self._truncation_window] if mask is not None else None
                 chunks = self._dense_chunks(ids, mask, model_device)
             else:
-                if isinstance(ids, torch.Tensor):  # dense but too long: truncate per sample
-                    ids = list(ids.unbind(0))
-                    mask = list(mask.unbind(0)) if mask is not None else None
                 chunks = self._ragged_chunks(ids, mask, model_device, pass_mask=self.attention_mask_key is not None)
         else:
             seqs = self._tokenize(tensordict, numel)

@@ -12,9 +12,9 @@ contender alike):
 on a ``LazyTensorStorage``, a ``ListStorage`` and ragged rollouts in a ``LazyStackStorage`` (where the reference
 crashes; ours is compared with itself on the same data padded to equal length). The data look like LLM rollouts:
 ``("tokens", "full")`` int64 tokens, ``("masks", "all_attention_mask")`` booleans, a float ``reward`` and, with
-``--text``, the prompt text (strings make ``sample()`` itself several times slower). With ``interop/reward.py``
-present, a last section times ``HFRewardModelWrapper`` against calling the model directly on the same padded batch,
-and TorchRL's reference wrapper.
+``--text``, the prompt text (strings make ``sample()`` itself several times slower). A last section times
+``HFRewardModelWrapper`` against calling the model directly on the same padded batch, and TorchRL's reference
+wrapper.
 
 Targets (issue 3): ours >= 4x reference and >= 1/3 of ``sample()`` on LazyTensorStorage, >= 1.5x reference on
 ListStorage, ragged >= 0.5x ours on the padded data; reward-wrapper overhead <= 5%. ``ours/get+unbind`` near 1
@@ -41,7 +41,7 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ListStorage, ReplayBuffer
 from torchrl.modules.llm.trl_interop import TorchRLBufferDataset as ReferenceDataset
 
-from interop import TorchRLBufferDataset
+from interop import HFRewardModelWrapper, TorchRLBufferDataset
 
 # Whether samples carry their prompt text (set by --text). Strings make the storage's own sample() several times
 # slower (tensordict indexes non-tensor stacks item by item), so they are off by default, as in the issue's figures.
@@ -88,10 +88,11 @@ def padded(rollouts: list[TensorDict], length: int) -> TensorDict:
 def make_buffers(num: int, length: int) -> dict[str, ReplayBuffer]:
     dense = make_rollouts(num, length, ragged=False)
     ragged = make_rollouts(num, length, ragged=True, seed=1)
+    dense_batch = padded(dense, length)
     lazy_tensor = ReplayBuffer(storage=LazyTensorStorage(num))
-    lazy_tensor.extend(padded(dense, length))
+    lazy_tensor.extend(dense_batch)
     list_storage = ReplayBuffer(storage=ListStorage(num))
-    list_storage.extend(padded(dense, length))
+    list_storage.extend(dense_batch)
     ragged_lazy = ReplayBuffer(storage=LazyStackStorage(num))
     ragged_lazy.extend(lazy_stack(ragged))
     ragged_padded = ReplayBuffer(storage=LazyTensorStorage(num))
@@ -168,21 +169,23 @@ def measure(contenders: dict[str, Callable[[], int]], repeats: int) -> dict[str,
 def bench_datasets(num: int, length: int, batch: int, batches: int, repeats: int) -> list[tuple[str, str]]:
     buffers = make_buffers(num, length)
     contenders: dict[str, Callable[[], int]] = {}
+    reference_errors = {}
     for name, rb in buffers.items():
         contenders[f"{name} | sample()"] = sample_loop(rb, batch, batches)
         if "ragged" not in name:
             contenders[f"{name} | get+unbind"] = unbind_loop(rb, batch, batches)
         contenders[f"{name} | ours"] = dataset_loop(TorchRLBufferDataset, rb, batch, batches)
-        if crashes(ReferenceDataset, rb, batch) is None:
+        reference_errors[name] = crashes(ReferenceDataset, rb, batch)
+        if reference_errors[name] is None:
             contenders[f"{name} | reference"] = dataset_loop(ReferenceDataset, rb, batch, batches)
     med = measure(contenders, repeats)
 
     rows = []
-    for name, rb in buffers.items():
+    for name in buffers:
         ceiling, ours = med[f"{name} | sample()"], med[f"{name} | ours"]
         reference = med.get(f"{name} | reference")
         if reference is None:
-            ref_txt, ratio = f"crash ({crashes(ReferenceDataset, rb, batch)})", "-"
+            ref_txt, ratio = f"crash ({reference_errors[name]})", "-"
         else:
             ref_txt, ratio = f"{reference:>10,.0f}", f"{ours / reference:.2f}x"
         floor = med.get(f"{name} | get+unbind")
@@ -223,11 +226,6 @@ def bench_datasets(num: int, length: int, batch: int, batches: int, repeats: int
 
 def bench_reward(batch: int, length: int, repeats: int) -> list[tuple[str, str]]:
     """HFRewardModelWrapper overhead over calling the model directly on the same padded batch."""
-    try:
-        from interop import HFRewardModelWrapper
-    except ImportError as err:
-        print(f"\nreward wrapper: skipped ({err})")
-        return []
     from torchrl.modules.llm.trl_interop import HFRewardModelWrapper as ReferenceWrapper
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
