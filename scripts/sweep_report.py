@@ -3,7 +3,8 @@
     python scripts/sweep_report.py multirun/2026-11-29/12-00-00
     python scripts/sweep_report.py <multirun dir> --metric eval/accuracy
 
-Each job folder holds `summary.json` and `.hydra/overrides.yaml` (the setting that distinguishes it). Prints a
+Each job folder holds `summary.json`, `resolved_config.yaml` (whose `metric` ranks the jobs unless `--metric` is given)
+and `.hydra/overrides.yaml` (the setting that distinguishes it). Prints a
 Markdown table (one row per job, sorted by the metric), writes it to `<multirun dir>/report.md` and draws the final
 metric per setting to `<multirun dir>/report.png`, so a sweep can be read without wandb.
 """
@@ -40,11 +41,14 @@ def collect(multirun_dir: Path) -> list[dict]:
     return sorted(jobs, key=lambda job: [int(p) if p.isdigit() else p for p in Path(job["job"]).parts])
 
 
-def default_metric(jobs: list[dict]) -> str:
-    """The metric the recipe's ``main()`` returned (recorded as ``metric`` in summary.json), else the first number."""
+def default_metric(jobs: list[dict], multirun_dir: Path) -> str:
+    """The metric the recipe's ``main()`` returned (``metric`` in the job's resolved_config.yaml), else the first
+    number of its summary."""
     summary = jobs[0]["summary"]
-    if isinstance(summary.get("metric"), str) and summary["metric"] in summary:
-        return summary["metric"]
+    config_path = multirun_dir / jobs[0]["job"] / "resolved_config.yaml"
+    metric = yaml.safe_load(config_path.read_text()).get("metric") if config_path.exists() else None
+    if metric in summary:
+        return metric
     return next(k for k, v in summary.items() if isinstance(v, (int, float)))
 
 
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--columns", nargs="*", default=["wall_time_s"], help="extra summary keys in the table")
     args = parser.parse_args(argv)
     jobs = collect(args.multirun_dir)
-    metric = args.metric or default_metric(jobs)
+    metric = args.metric or default_metric(jobs, args.multirun_dir)
     table = to_markdown(jobs, metric, args.columns)
     print(table)
     (args.multirun_dir / "report.md").write_text(table + "\n")
