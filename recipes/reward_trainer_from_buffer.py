@@ -39,10 +39,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.common import rollout
 from recipes.common.checkpoint import write_folder_atomically
 from recipes.common.config import ConfigError
 from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
+from recipes.common.distributed import setup_data_parallel
 from recipes.common.logging import MetricLogger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 
@@ -114,6 +114,8 @@ class LabelledPairs:
 
 def make_policy(cfg: DictConfig):
     """The sampling policy (TorchRL's ``TransformersWrapper`` in generate mode) and its tokenizer."""
+    from recipes.common import rollout  # TorchRL's LLM stack: loaded only by the runs that generate
+
     tokenizer = load_tokenizer(cfg.model, padding_side="left")  # the wrapper generates with left padding
     model = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval()
     return rollout.make_policy(model, tokenizer, generation=cfg.generation.generate_kwargs), tokenizer
@@ -124,6 +126,8 @@ def generate_responses(cfg: DictConfig, policy, tokenizer, prompts: list) -> lis
 
     Returns ``(prompt messages, response texts)`` per prompt, the prompt as the rollout's own history holds it.
     """
+    from recipes.common import rollout
+
     group, per_reset = cfg.generation.responses_per_prompt, cfg.generation.prompts_per_batch
     results = []
     for start in range(0, len(prompts), per_reset):
@@ -315,7 +319,7 @@ def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int,
 
     sampler = hydra.utils.instantiate(buffer_cfg.sampler)
     generator = torch.Generator().manual_seed(seed)
-    if buffer_cfg.storage == "memmap":  # pairs_td is the memory-mapped storage folder itself
+    if buffer_cfg.storage == "memmap":  # sampled in place: the memory-mapped folder on the main process
         return ReplayBuffer(
             storage=TensorStorage(pairs_td), sampler=sampler, batch_size=batch_size, generator=generator
         )
@@ -560,42 +564,11 @@ def make_training_stream(
     return stream, facts
 
 
-def share_labelled_pairs(cfg: DictConfig, state) -> LabelledPairs:
-    """The run's labelled pairs on every process: the main process makes (or loads) them, the others receive them.
-
-    Generation samples: processes generating for themselves would agree only as far as their devices compute alike.
-    The others wait in the broadcast, up to ``train.ddp_timeout`` seconds. ``state`` is accelerate's ``PartialState``.
-    """
-
-    def own() -> LabelledPairs:
-        if cfg.buffer.load_from is not None:
-            return load_labelled_pairs(cfg.buffer.load_from)
-        return make_labelled_pairs(cfg)
-
-    if state.num_processes == 1:
-        return own()
-    from accelerate.utils import broadcast_object_list
-
-    # A failure on the main process ends the launch: torchrun (behind accelerate launch) stops the waiting processes.
-    payload = [own() if state.is_main_process else None]
-    broadcast_object_list(payload)
-    return payload[0]
-
-
-def agree_on_output_dir(cfg: DictConfig, args, state) -> None:
-    """Every process writes where the main process does.
-
-    Hydra names each process's run folder from its own clock (``outputs/<date>/<time>``), so the processes of one
-    launch may disagree by a second; per-process files (``record_batches``, trl's RNG states in checkpoints) follow the
-    main process's folder.
-    """
-    if state.num_processes == 1:
-        return
-    from accelerate.utils import broadcast_object_list
-
-    folders = [str(cfg.output_dir), args.output_dir]
-    broadcast_object_list(folders)
-    cfg.output_dir, args.output_dir = folders
+def make_or_load_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
+    """The run's labelled pairs: loaded from ``buffer.load_from``, or made from ``data=``."""
+    if cfg.buffer.load_from is not None:
+        return load_labelled_pairs(cfg.buffer.load_from)
+    return make_labelled_pairs(cfg)
 
 
 def save_reward_model(model, tokenizer, folder: str | os.PathLike) -> Path:
@@ -615,7 +588,6 @@ def train(cfg: DictConfig) -> dict:
     """
     start = time.perf_counter()
     validate(cfg)
-    from accelerate import PartialState
     from tensordict import set_list_to_stack
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
     from trl import RewardTrainer
@@ -625,11 +597,14 @@ def train(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.num_threads)
     set_list_to_stack(True).set()  # TorchRL's LLM wrappers keep lists of strings as non-tensor stacks
     set_seed(cfg.seed)
-    # Building trl's config sets up the processes (torch.distributed under a launcher, gloo on CPU, nccl on GPU).
+    # Building trl's config sets up the processes (torch.distributed under a launcher, gloo on CPU, nccl on GPU);
+    # setup_data_parallel adopts that process group.
     args = make_reward_config(cfg)
-    state = PartialState()
-    agree_on_output_dir(cfg, args, state)
-    main_process = state.is_main_process
+    data_parallel = setup_data_parallel(device=str(args.device), backend="auto")
+    # Hydra names each process's run folder from its own clock, so the processes of one launch may disagree by a
+    # second: every process writes where the main process does (record_batches, trl's RNG states in checkpoints).
+    cfg.output_dir, args.output_dir = data_parallel.broadcast_object([str(cfg.output_dir), args.output_dir])
+    main_process = data_parallel.is_main
     output_dir = Path(cfg.output_dir)
     if main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -637,7 +612,10 @@ def train(cfg: DictConfig) -> dict:
         OmegaConf.save(resolved, output_dir / "resolved_config.yaml", resolve=True)
 
     tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
-    labelled = share_labelled_pairs(cfg, state)
+    # The main process makes (or loads) the pairs, the others receive them (waiting up to train.ddp_timeout seconds):
+    # processes generating for themselves would agree only as far as their devices compute alike. A failure on the
+    # main process ends the launch (torchrun stops the waiting processes).
+    labelled = data_parallel.broadcast_object(make_or_load_labelled_pairs(cfg) if main_process else None)
     if cfg.margin_in_loss and not labelled.has_margin:
         raise ConfigError("margin_in_loss=true, but the pairs carry no margin; set margin_in_loss=false.")
     if not labelled.eval:
@@ -645,7 +623,7 @@ def train(cfg: DictConfig) -> dict:
     if main_process:
         _write_jsonl(output_dir / EVAL_PAIRS_FILE, labelled.eval)
     train_dataset, facts = make_training_stream(
-        cfg, labelled, tokenizer, num_processes=state.num_processes, persist=main_process
+        cfg, labelled, tokenizer, num_processes=data_parallel.world_size, persist=main_process
     )
     labelling_s = time.perf_counter() - start
 
@@ -660,7 +638,7 @@ def train(cfg: DictConfig) -> dict:
     if cfg.record_batches:
         collator = make_batch_recorder(
             DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of),
-            output_dir / "batches" / f"rank{state.process_index}.jsonl",
+            output_dir / "batches" / f"rank{data_parallel.rank}.jsonl",
         )
     logs = main_process and cfg.logger.kind != "none"
     metric_logger = MetricLogger("csv" if logs else "none", output_dir)
@@ -720,12 +698,8 @@ def train(cfg: DictConfig) -> dict:
             import wandb
 
             wandb.finish()  # Hydra multirun jobs share this process: never leave a run open for the next one
-    if state.num_processes > 1:  # the others wait while the main process saves and evaluates
-        from accelerate.utils import broadcast_object_list
-
-        shared = [summary]
-        broadcast_object_list(shared)
-        summary = shared[0]
+    summary = data_parallel.broadcast_object(summary)  # the others wait while the main process saves and evaluates
+    data_parallel.close()  # a no-op for the launcher's own process group
     if main_process:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -24,7 +24,6 @@ class MetricLogger:
         if kind not in ("none", "csv", "wandb"):
             raise ValueError(f"MetricLogger: kind must be 'none', 'csv' or 'wandb', got {kind!r}.")
         self.kind = kind
-        self.history: list[dict[str, float]] = []
         self._csv_path = Path(run_dir) / "metrics.csv" if kind != "none" else None
         self._columns: list[str] | None = None  # the CSV header, the union of every metric logged so far
         self._wandb_run = None
@@ -43,7 +42,6 @@ class MetricLogger:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        self.history.append(row)
         if self._csv_path is not None:
             self._append_csv(row)
         if self._wandb_run is not None:
