@@ -28,6 +28,7 @@ buffer folder, the model, metrics and ``summary.json``, and evaluates.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -39,7 +40,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.common.checkpoint import write_folder_atomically
+from recipes.common.checkpoint import save_model_folder, write_folder_atomically
 from recipes.common.config import ConfigError
 from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
 from recipes.common.distributed import setup_data_parallel
@@ -571,16 +572,6 @@ def make_or_load_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
     return make_labelled_pairs(cfg)
 
 
-def save_reward_model(model, tokenizer, folder: str | os.PathLike) -> Path:
-    """``save_pretrained`` of the model (safetensors) and its tokenizer, swapped in atomically."""
-
-    def write(staging: Path) -> None:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-
-    return write_folder_atomically(write, folder)
-
-
 def train(cfg: DictConfig) -> dict:
     """Runs the preference stage end to end and returns the summary written to ``<output_dir>/summary.json``.
 
@@ -670,7 +661,9 @@ def train(cfg: DictConfig) -> dict:
             )
         if main_process:
             (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-            model_dir = save_reward_model(trainer.model, tokenizer, output_dir / "model")
+            model_dir = write_folder_atomically(
+                functools.partial(save_model_folder, trainer.model, tokenizer), output_dir / "model"
+            )
             # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
             saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
             metrics = evaluate(saved.to(args.device), AutoTokenizer.from_pretrained(model_dir), labelled, cfg.eval)

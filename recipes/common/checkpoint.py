@@ -8,7 +8,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_folder_atomically"]
+__all__ = ["save_model_folder", "write_folder_atomically"]
+
+
+def save_model_folder(model, tokenizer, folder: str | os.PathLike) -> None:
+    """``save_pretrained`` of a ``transformers`` model (safetensors) and its tokenizer into one folder, loadable with
+    ``from_pretrained`` as a hub id is."""
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
 
 
 def write_folder_atomically(write: Callable[[Path], None], destination: str | os.PathLike) -> Path:

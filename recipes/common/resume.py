@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from recipes.common.checkpoint import write_folder_atomically
+from recipes.common.checkpoint import save_model_folder, write_folder_atomically
 
 __all__ = [
     "MODEL_FOLDER",
@@ -109,8 +109,7 @@ def save_checkpoint(
     """
 
     def write(folder: Path) -> None:
-        model.save_pretrained(folder / MODEL_FOLDER, safe_serialization=True)
-        tokenizer.save_pretrained(folder / MODEL_FOLDER)
+        save_model_folder(model, tokenizer, folder / MODEL_FOLDER)
         payload = {**state, "step": step, "optimizer": optimizer.state_dict()}
         torch.save(payload, folder / STATE_FILE)
 
