@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import set_list_to_stack
 from tqdm.auto import tqdm
 
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, run_config, write_run_config
 from recipes.common.data import load_prompts
 from recipes.common.distributed import (
     DataParallel,
@@ -478,10 +478,8 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     # Every process writes to rank 0's folder, even where Hydra gave each its own (a timestamped default).
     output_dir = Path(data_parallel.broadcast_object(str(cfg.output_dir)))
     is_main = data_parallel.is_main
-    run_config = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # hydra's own node is not ours
     if is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(run_config, resolve=True))
+        write_run_config(cfg, output_dir)
     checkpoint_root = output_dir / "checkpoints"
     resume_from = latest_checkpoint(checkpoint_root) if cfg.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None
@@ -522,7 +520,9 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
         torch.manual_seed(cfg.seed + data_parallel.rank)
     history = progress["history"]
 
-    logger = make_logger(cfg.logger, output_dir, config=run_config) if is_main else MetricLogger("none", output_dir)
+    logger = (
+        make_logger(cfg.logger, output_dir, config=run_config(cfg)) if is_main else MetricLogger("none", output_dir)
+    )
     setup_time = time.perf_counter() - setup_start
     show_bar = cfg.progress_bar and is_main
     bar = tqdm(total=cfg.train.steps, initial=start_step, desc="GRPO", unit="step", disable=not show_bar)

@@ -41,7 +41,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, write_run_config
 from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
 from recipes.common.distributed import setup_data_parallel
 from recipes.common.logging import MetricLogger
@@ -598,9 +598,7 @@ def train(cfg: DictConfig) -> dict:
     main_process = data_parallel.is_main
     output_dir = Path(cfg.output_dir)
     if main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        resolved = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
-        OmegaConf.save(resolved, output_dir / "resolved_config.yaml", resolve=True)
+        write_run_config(cfg, output_dir)
 
     tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
     # The main process makes (or loads) the pairs, the others receive them (waiting up to train.ddp_timeout seconds):

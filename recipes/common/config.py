@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["PROJECT_ROOT", "ConfigError", "check_local_path", "register_resolvers"]
+__all__ = ["PROJECT_ROOT", "ConfigError", "check_local_path", "register_resolvers", "run_config", "write_run_config"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +32,18 @@ def check_local_path(value: str, *, key: str, what: str) -> None:
             f"{key}={value!r}: no such {what} folder. Pass an existing local folder or a hub id; for the built-in "
             f"tiny models run `python scripts/build_tiny_models.py` (they ship in tiny/)."
         )
+
+
+def run_config(cfg: DictConfig) -> DictConfig:
+    """The run's own settings: the composed config without Hydra's ``hydra`` node."""
+    return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+
+
+def write_run_config(cfg: DictConfig, output_dir: Path) -> None:
+    """Creates ``output_dir`` and writes ``resolved_config.yaml`` there: the run's settings, interpolations resolved
+    (what ``scripts/sweep_report.py`` reads the ranking metric from)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(run_config(cfg), output_dir / "resolved_config.yaml", resolve=True)
 
 
 register_resolvers()
