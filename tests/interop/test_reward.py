@@ -6,6 +6,7 @@ reward models are random or trained for a few steps by ``trl.RewardTrainer``.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -184,10 +185,11 @@ def test_ragged_rollout_from_transformers_wrapper(rm_tok):
     policy = transformers.Qwen2ForCausalLM(qwen2_config(rm_tok)).eval()
     with torch.no_grad():  # make EOS likely so that generations stop at different lengths
         policy.lm_head.weight[rm_tok.eos_token_id] = torch.randn(32) * 2
-    rm_tok.padding_side = "left"  # generation needs left padding; scoring does not use the tokenizer here
+    left_tok = copy.deepcopy(rm_tok)  # generation needs left padding (the module's tokenizer stays as it is)
+    left_tok.padding_side = "left"
     generator = TransformersWrapper(
         policy,
-        tokenizer=rm_tok,
+        tokenizer=left_tok,
         input_mode="history",
         generate=True,
         pad_output=False,
@@ -392,15 +394,23 @@ def test_reward_trainer_equality_conversational(rm_tok, tmp_path):
 # ---------------------------------------------------------------- memory, dtype
 
 
-def _batch_recorder(model):
-    shapes = []
-    model.register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape), with_kwargs=True
-    )
-    return shapes
+@pytest.fixture
+def _batch_recorder():
+    """``shapes = _batch_recorder(model)``: the input_ids shape of every forward call of ``model`` during the test."""
+    handles = []
+
+    def record(model):
+        shapes = []
+        hook = lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape)
+        handles.append(model.register_forward_pre_hook(hook, with_kwargs=True))
+        return shapes
+
+    yield record
+    for handle in handles:  # the module-scoped model must not keep recording into later tests
+        handle.remove()
 
 
-def test_micro_batching_equals_one_shot(rm_tok):
+def test_micro_batching_equals_one_shot(rm_tok, _batch_recorder):
     model = reward_model(rm_tok)
     shapes = _batch_recorder(model)
     seqs = [list(range(3, 3 + n)) + [rm_tok.eos_token_id] for n in (4, 9, 2, 7, 5)]
@@ -418,7 +428,7 @@ def test_micro_batching_equals_one_shot(rm_tok):
     torch.testing.assert_close(part["reward"], full, atol=1e-5, rtol=1e-5)
 
 
-def test_max_length_truncation(rm, rm_tok):
+def test_max_length_truncation(rm, rm_tok, _batch_recorder):
     shapes = _batch_recorder(rm)
     seqs = [list(range(3, 15)), list(range(20, 25))]
     reward = HFRewardModelWrapper(rm, inference_mode=True, max_length=8)(ragged_tokens(seqs))["reward"]

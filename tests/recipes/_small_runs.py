@@ -1,5 +1,14 @@
-"""Overrides that make a GRPO run small enough for a test: 2 prompts x 2 responses of at most 8 tokens per step,
-scored by the untrained reward base (per process, under torchrun)."""
+"""What the recipe tests share: overrides that make runs small enough for a test, and reading a run's metrics."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# A GRPO run: 2 prompts x 2 responses of at most 8 tokens per step, scored by the untrained reward base (per process,
+# under torchrun).
 
 GRPO_SMALL = [
     "reward_model=tiny_base",
@@ -9,3 +18,12 @@ GRPO_SMALL = [
     "train.mini_batch_size=2",
     "progress_bar=false",
 ]
+
+# A reward-model run: 60 prompts, logging every 2 steps.
+REWARD_SMALL = ["data.num_train_prompts=48", "data.num_eval_prompts=12", "train.logging_steps=2"]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The rows of a run's ``metrics.csv`` as numbers."""
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]

@@ -3,7 +3,6 @@ and a resumed data-parallel run replays the uninterrupted one. The CUDA variant 
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -12,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _small_runs import GRPO_SMALL
+from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
 from recipes.common.resume import MODEL_FOLDER, list_checkpoints
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL = [*GRPO_SMALL, "logger=csv"]
 
 
@@ -36,11 +34,6 @@ def _torchrun(num_processes: int, overrides: list[str], run_dir: Path) -> subpro
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result
-
-
-def _read_metrics(run_dir: Path) -> list[dict[str, float]]:
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
 
 
 def _load_rank_weights(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -69,7 +62,7 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     # Rank 0 alone wrote the run: one summary, one metrics row per step, one checkpoint set holding those weights.
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
-    rows = _read_metrics(tmp_path)
+    rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1.0, 2.0, 3.0]
     assert [step for step, _ in list_checkpoints(tmp_path / "checkpoints")] == [2, 3]
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step_0000003" / MODEL_FOLDER)
@@ -100,7 +93,7 @@ def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(tmp_path):
     _torchrun(2, [*overrides, "train.steps=4", "resume=true"], run_dir)
     _torchrun(2, [*overrides, "train.steps=4"], reference_dir)
 
-    resumed, uninterrupted = _read_metrics(run_dir), _read_metrics(reference_dir)
+    resumed, uninterrupted = read_metrics(run_dir), read_metrics(reference_dir)
     assert [row["step"] for row in resumed] == [1.0, 2.0, 3.0, 4.0]
     for a, b in zip(resumed, uninterrupted, strict=True):
         for key in ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss"):

@@ -3,7 +3,6 @@ model with its own tokenizer, and a run as a user starts it."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
@@ -14,20 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _small_runs import GRPO_SMALL
+from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 from tensordict import set_list_to_stack
 
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.config import ConfigError
 from recipes.common.resume import MODEL_FOLDER, latest_checkpoint, list_checkpoints, load_training_state
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", "logger=csv"]
-
-
-def _read_metrics(run_dir: Path) -> list[dict[str, float]]:
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
 
 
 class TestValidation:
@@ -96,7 +89,7 @@ def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert "group_size: 2" in (tmp_path / "resolved_config.yaml").read_text()
 
-    rows = _read_metrics(tmp_path)
+    rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1.0, 2.0]
     for name in (
         "rollout/reward_mean",
@@ -204,7 +197,7 @@ def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and process.poll() is None:
             metrics = run_dir / "metrics.csv"
-            if metrics.exists() and any(row["step"] == 4.0 for row in _read_metrics(metrics.parent)):
+            if metrics.exists() and any(row["step"] == 4.0 for row in read_metrics(metrics.parent)):
                 break
             time.sleep(0.02)
         assert process.poll() is None, process.stderr.read().decode()[-3000:]
@@ -213,19 +206,19 @@ def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
-    logged_before_kill = max(row["step"] for row in _read_metrics(run_dir))
+    logged_before_kill = max(row["step"] for row in read_metrics(run_dir))
     assert latest_checkpoint(run_dir / "checkpoints").name == "step_0000003"
     assert 4 <= logged_before_kill < 6  # killed between the checkpoints of steps 3 and 6
 
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={run_dir}", "resume=true"]))
-    rows = _read_metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert summary["steps"] == 7
     assert [row["step"] for row in rows] == [float(s) for s in range(1, 8)]  # no step twice, none missing
     assert [step for step, _ in list_checkpoints(run_dir / "checkpoints")] == [3, 6, 7]
 
     # Same data stream, RNG, optimizer and weights: the resumed run's metrics are the uninterrupted run's.
     recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={reference_dir}"]))
-    for resumed, uninterrupted in zip(rows, _read_metrics(reference_dir), strict=True):
+    for resumed, uninterrupted in zip(rows, read_metrics(reference_dir), strict=True):
         for key in ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss"):
             assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-4, abs=1e-5), (resumed["step"], key)
 
@@ -387,7 +380,7 @@ def test_cuda_bfloat16_steps_train_the_policy(compose_config, tmp_path):
     cfg = compose_config("grpo_torchrl_rm", overrides)
     summary = recipe.train(cfg)
     assert summary["steps"] == 3 and summary["generated_tokens"] > 0
-    rows = _read_metrics(tmp_path)
+    rows = read_metrics(tmp_path)
     assert all(torch.isfinite(torch.tensor(row[k])).item() for row in rows for k in row), rows
     trained = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "checkpoints") / MODEL_FOLDER)
     assert trained.dtype == torch.bfloat16

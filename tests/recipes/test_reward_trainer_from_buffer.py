@@ -10,19 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from _small_runs import REWARD_SMALL
 
 import recipes.reward_trainer_from_buffer as recipe
 from recipes.common.config import ConfigError
 from recipes.common.synthetic import PRODUCTS, make_review
 
 # A run small enough for a test: 60 prompts, a few steps of 8 pairs.
-SMALL = [
-    "data.num_train_prompts=48",
-    "data.num_eval_prompts=12",
-    "train.max_steps=6",
-    "train.per_device_train_batch_size=8",
-    "train.logging_steps=2",
-]
+SMALL = [*REWARD_SMALL, "train.max_steps=6", "train.per_device_train_batch_size=8"]
 
 
 def _write_pairs(path: Path, n: int, *, seed: int, conversational: bool = True, columns=("chosen", "rejected")):

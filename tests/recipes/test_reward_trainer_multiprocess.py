@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _small_runs import REWARD_SMALL
 
-SMALL = ["data.num_train_prompts=48", "data.num_eval_prompts=12", "train.logging_steps=2"]
+SMALL = REWARD_SMALL
 
 
 def _free_port() -> int:

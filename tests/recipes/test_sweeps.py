@@ -8,10 +8,12 @@ import subprocess
 import sys
 
 import pytest
-from _small_runs import GRPO_SMALL
+from _small_runs import GRPO_SMALL, REWARD_SMALL
 
-REWARD_SMALL = ["data.num_train_prompts=48", "data.num_eval_prompts=12", "train.max_steps=4"]
-RECIPES = {"grpo_torchrl_rm": [*GRPO_SMALL, "train.steps=2"], "reward_trainer_from_buffer": REWARD_SMALL}
+RECIPES = {
+    "grpo_torchrl_rm": [*GRPO_SMALL, "train.steps=2"],
+    "reward_trainer_from_buffer": [*REWARD_SMALL, "train.max_steps=4"],
+}
 
 
 @pytest.mark.slow
