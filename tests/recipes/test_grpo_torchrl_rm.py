@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
+from _tiny_models import build_tokenizer, qwen2_config
 from tensordict import set_list_to_stack
 
 import recipes.grpo_torchrl_rm as recipe
@@ -223,64 +224,53 @@ def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
             assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-4, abs=1e-5), (resumed["step"], key)
 
 
-def _build_other_reward_model(folder: Path) -> None:
+@pytest.fixture(scope="module")
+def other_rm_dir(tmp_path_factory) -> Path:
     """A reward model with a tokenizer of its own: other vocabulary, other pad id, other chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForSequenceClassification
+    from transformers import Qwen2ForSequenceClassification
 
     from recipes.common.synthetic import make_sft_conversations
 
+    folder = tmp_path_factory.mktemp("other_rm")
     corpus = [m["content"] for c in make_sft_conversations(300, seed=7) for m in c]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    special = ["<eos>", "<pad>", "<u>", "<a>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=350, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(corpus, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>")
-    tokenizer.chat_template = (
-        "{% for m in messages %}{{ '<u>' if m['role'] == 'user' else '<a>' }}{{ m['content'] }}<eos>{% endfor %}"
+    tokenizer = build_tokenizer(
+        folder,
+        corpus,
+        350,
+        special_tokens=("<eos>", "<pad>", "<u>", "<a>"),
+        pad_token="<pad>",
+        eos_token="<eos>",
+        chat_template="{% for m in messages %}{{ '<u>' if m['role'] == 'user' else '<a>' }}{{ m['content'] }}<eos>"
+        "{% endfor %}",
     )
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = qwen2_config(tokenizer, num_hidden_layers=1, num_labels=1)
     Qwen2ForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.mark.parametrize("reward_input", ["history", "text"])
 def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
-    compose_config, tmp_path, tiny_dir, reward_input
+    compose_config, tmp_path, tiny_dir, other_rm_dir, reward_input
 ):
     """The reward is the score of the conversation re-tokenized with the reward model's tokenizer and template."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from recipes.common.rollout import make_chat_env, make_policy, make_prompt_dataloader
 
-    _build_other_reward_model(tmp_path / "rm")
     cfg = compose_config(
         "grpo_torchrl_rm",
         [
             *SMALL,
             f"output_dir={tmp_path}",
-            f"reward_model.name_or_path={tmp_path / 'rm'}",
+            f"reward_model.name_or_path={other_rm_dir}",
             f"reward.input={reward_input}",
         ],
     )
     policy_tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy", padding_side="left")
     policy_model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").eval()
-    rm_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "rm")
-    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    rm_tokenizer = AutoTokenizer.from_pretrained(other_rm_dir)
+    rm = AutoModelForSequenceClassification.from_pretrained(other_rm_dir).eval()
     assert rm_tokenizer.get_vocab() != policy_tokenizer.get_vocab()
 
     with set_list_to_stack(True):
@@ -343,9 +333,8 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
     torch.testing.assert_close(step["next", "reward"].reshape(-1), torch.tensor(expected))
 
 
-def test_tokens_input_refuses_a_reward_model_with_another_tokenizer(compose_config, tmp_path):
-    _build_other_reward_model(tmp_path / "rm")
-    overrides = [f"output_dir={tmp_path}", f"reward_model.name_or_path={tmp_path / 'rm'}", "reward.input=tokens"]
+def test_tokens_input_refuses_a_reward_model_with_another_tokenizer(compose_config, tmp_path, other_rm_dir):
+    overrides = [f"output_dir={tmp_path}", f"reward_model.name_or_path={other_rm_dir}", "reward.input=tokens"]
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, *overrides])
     with pytest.raises(ConfigError, match="two tokenizers differ"):
         recipe.train(cfg)

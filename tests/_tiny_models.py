@@ -1,4 +1,4 @@
-"""Tiny tokenizers and Qwen2 configs built in-test, for interop tests that need two different tokenizers."""
+"""Tiny tokenizers and Qwen2 configs built in-test, for tests that need a tokenizer other than the shipped kit's."""
 
 from __future__ import annotations
 
@@ -11,8 +11,17 @@ CHATML = (
 )
 
 
-def build_tokenizer(folder, corpus, vocab_size):
-    """A byte-level BPE tokenizer with ChatML, pad distinct from EOS, saved and reloaded from ``folder``."""
+def build_tokenizer(
+    folder,
+    corpus,
+    vocab_size,
+    *,
+    special_tokens=("<|pad|>", "<|im_start|>", "<|im_end|>"),
+    pad_token="<|pad|>",
+    eos_token="<|im_end|>",
+    chat_template=CHATML,
+):
+    """A byte-level BPE tokenizer (ChatML, pad distinct from EOS by default), saved and reloaded from ``folder``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     raw = Tokenizer(models.BPE())
@@ -22,28 +31,29 @@ def build_tokenizer(folder, corpus, vocab_size):
         corpus,
         trainers.BpeTrainer(
             vocab_size=vocab_size,
-            special_tokens=["<|pad|>", "<|im_start|>", "<|im_end|>"],
+            special_tokens=list(special_tokens),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         ),
     )
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<|pad|>", eos_token="<|im_end|>")
-    tok.chat_template = CHATML
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=pad_token, eos_token=eos_token)
+    tok.chat_template = chat_template
     tok.save_pretrained(folder)
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
-def qwen2_config(tok, **kwargs):
-    return transformers.Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        **kwargs,
-    )
+def qwen2_config(tok, **overrides):
+    """A tiny Qwen2 config over ``tok``'s vocabulary and special ids; ``overrides`` replace or add fields."""
+    fields = {
+        "vocab_size": len(tok),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": tok.eos_token_id,
+    }
+    return transformers.Qwen2Config(**{**fields, **overrides})
 
 
 class ToyRewardModel(torch.nn.Linear):
