@@ -40,6 +40,15 @@ def tiny_dir() -> Path:
     return REPO_ROOT / "tiny"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _list_to_stack():
+    """TorchRL's LLM stack needs tensordict's list-to-stack mode: every test runs in it, as the recipes do."""
+    from tensordict import set_list_to_stack
+
+    with set_list_to_stack(True):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _clear_hydra():
     """Each test composes its own config: no GlobalHydra state leaks between tests."""

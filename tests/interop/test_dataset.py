@@ -19,7 +19,7 @@ from functools import partial
 import pytest
 import torch
 from _tiny_models import ToyRewardModel
-from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack, set_list_to_stack
+from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
 from torch.utils.data import DataLoader
 from torchrl.data import (
     LazyStackStorage,
@@ -34,13 +34,6 @@ from torchrl.modules.llm.trl_interop import TorchRLBufferDataset as ReferenceDat
 
 import interop.dataset as dataset_module
 from interop import TorchRLBufferDataset, tensordict_collate
-
-
-@pytest.fixture(autouse=True)
-def _list_to_stack():
-    # TorchRL's LLM scripts set this before building envs and wrappers; strings then stack as NonTensorStack.
-    with set_list_to_stack(True):
-        yield
 
 
 def make_rollouts(lengths: list[int], *, seed: int = 0) -> LazyStackedTensorDict:

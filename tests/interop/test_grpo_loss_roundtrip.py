@@ -9,12 +9,9 @@ TorchRL's ``MCAdvantage``; TorchRL's ``GRPOLoss`` takes a backward step. Nothing
 from __future__ import annotations
 
 import pytest
-import tensordict
 import torch
 
-tensordict.set_list_to_stack(True).set()
-
-from interop import HFRewardModelWrapper, RewardModelTransform  # noqa: E402
+from interop import HFRewardModelWrapper, RewardModelTransform
 
 transformers = pytest.importorskip("transformers")
 from _tiny_models import build_tokenizer, qwen2_config  # noqa: E402

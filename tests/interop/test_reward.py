@@ -10,14 +10,11 @@ import copy
 import random
 
 import pytest
-import tensordict
 import torch
 from tensordict import TensorDict, lazy_stack
 from tensordict.nn import TensorDictModuleBase
 
-tensordict.set_list_to_stack(True).set()
-
-from interop.reward import HFRewardModelWrapper, RewardModelTransform  # noqa: E402
+from interop.reward import HFRewardModelWrapper, RewardModelTransform
 
 transformers = pytest.importorskip("transformers")
 from _tiny_models import ToyRewardModel, build_tokenizer, qwen2_config  # noqa: E402

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
-from tensordict import TensorDict, set_list_to_stack
+from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ListStorage, ReplayBuffer
 
 from interop import TorchRLBufferDataset
@@ -18,12 +17,6 @@ from interop import TorchRLBufferDataset
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CPU_ARGS = {"use_cpu": True, "bf16": False, "fp16": False, "report_to": "none", "save_strategy": "no"}
-
-
-@pytest.fixture(autouse=True)
-def _list_to_stack():
-    with set_list_to_stack(True):
-        yield
 
 
 def preference_buffer(num: int = 64) -> ReplayBuffer:

@@ -15,7 +15,6 @@ import pytest
 import torch
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 from _tiny_models import build_tokenizer, qwen2_config
-from tensordict import set_list_to_stack
 
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.config import ConfigError
@@ -273,18 +272,17 @@ def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
     rm = AutoModelForSequenceClassification.from_pretrained(other_rm_dir).eval()
     assert rm_tokenizer.get_vocab() != policy_tokenizer.get_vocab()
 
-    with set_list_to_stack(True):
-        transforms = recipe.make_reward_transforms(cfg, rm, rm_tokenizer, policy_tokenizer)
-        env = make_chat_env(
-            make_prompt_dataloader(["Review the mug.", "Review the lamp."], seed=0, shuffle=False),
-            tokenizer=policy_tokenizer,
-            group_size=2,
-            num_prompts=2,
-            transforms=transforms,
-        )
-        policy = make_policy(policy_model, policy_tokenizer, generation=cfg.rollout.generation)
-        torch.manual_seed(0)
-        step = env.step(policy(env.reset()))
+    transforms = recipe.make_reward_transforms(cfg, rm, rm_tokenizer, policy_tokenizer)
+    env = make_chat_env(
+        make_prompt_dataloader(["Review the mug.", "Review the lamp."], seed=0, shuffle=False),
+        tokenizer=policy_tokenizer,
+        group_size=2,
+        num_prompts=2,
+        transforms=transforms,
+    )
+    policy = make_policy(policy_model, policy_tokenizer, generation=cfg.rollout.generation)
+    torch.manual_seed(0)
+    step = env.step(policy(env.reset()))
 
     rewards = step["next", "reward"].reshape(-1)
     queries = step["query"]
@@ -319,14 +317,13 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
     ]
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.input=tokens", *terms])
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy", padding_side="left")
-    with set_list_to_stack(True):
-        transforms = recipe.make_reward_transforms(cfg, ConstantRewardModel(), tokenizer, tokenizer)
-        loader = make_prompt_dataloader(["Review the mug."], seed=0)
-        env = make_chat_env(loader, tokenizer=tokenizer, group_size=4, transforms=transforms)
-        model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy")
-        policy = make_policy(model, tokenizer, generation=cfg.rollout.generation)
-        torch.manual_seed(0)
-        step = env.step(policy(env.reset()))
+    transforms = recipe.make_reward_transforms(cfg, ConstantRewardModel(), tokenizer, tokenizer)
+    loader = make_prompt_dataloader(["Review the mug."], seed=0)
+    env = make_chat_env(loader, tokenizer=tokenizer, group_size=4, transforms=transforms)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy")
+    policy = make_policy(model, tokenizer, generation=cfg.rollout.generation)
+    torch.manual_seed(0)
+    step = env.step(policy(env.reset()))
     lengths = [t.numel() for t in step.get(("tokens", "response"), as_list=True)]
     texts = step.get(("text", "response")).tolist()
     expected = [-1.0 - 0.25 * max(0, n - 2) + 3.0 * oracle_score(t) for n, t in zip(lengths, texts, strict=True)]

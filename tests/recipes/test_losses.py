@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensordict import TensorDict, set_list_to_stack
+from tensordict import TensorDict
 
 from recipes.common.losses import GroupAdvantage
 
@@ -31,8 +31,7 @@ def _through_a_replay_buffer(batch: TensorDict, group_size: int) -> TensorDict:
 
     buffer = ReplayBuffer(storage=LazyStackStorage(batch.shape[0]))
     buffer.append_transform(MCAdvantage(grpo_size=group_size, prompt_key="prompt_index"))
-    with set_list_to_stack(True):
-        buffer.extend(batch.clone())
+    buffer.extend(batch.clone())
     return buffer[:]
 
 

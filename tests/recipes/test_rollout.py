@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
-from tensordict import TensorDict, lazy_stack, set_list_to_stack
+from tensordict import TensorDict, lazy_stack
 
 from recipes.common.rollout import (
     EndlessShuffleSampler,
@@ -23,12 +23,6 @@ from recipes.common.rollout import (
 from recipes.common.synthetic import oracle_score
 
 GENERATION = OmegaConf.create({"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "do_sample": True})
-
-
-@pytest.fixture(autouse=True)
-def _list_to_stack():
-    with set_list_to_stack(True):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -120,11 +114,10 @@ class TestChatEnv:
 def _sample_two_prompts(tiny_policy, *, group_size: int, seed: int, generation):
     """One ragged rollout of the tiny policy: two prompts, ``group_size`` responses each."""
     model, tokenizer = tiny_policy
-    with set_list_to_stack(True):
-        torch.manual_seed(seed)
-        loader = make_prompt_dataloader(["Review the mug.", "What do you think of the bike?"], seed=0)
-        env = make_chat_env(loader, tokenizer=tokenizer, group_size=group_size, num_prompts=2)
-        return make_policy(model, tokenizer, generation=generation)(env.reset())
+    torch.manual_seed(seed)
+    loader = make_prompt_dataloader(["Review the mug.", "What do you think of the bike?"], seed=0)
+    env = make_chat_env(loader, tokenizer=tokenizer, group_size=group_size, num_prompts=2)
+    return make_policy(model, tokenizer, generation=generation)(env.reset())
 
 
 def _grpo_loss_and_gradients(loss_class, scorer, batch):
