@@ -40,6 +40,19 @@ def tiny_dir() -> Path:
     return REPO_ROOT / "tiny"
 
 
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_dir):
+    """``(model, tokenizer)``: the shipped tiny policy in eval mode and its tokenizer with left padding (generation's).
+
+    Shared by the whole session: tests read it, copy the tokenizer before changing it and zero the gradients they make.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy", padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").eval()
+    return model, tokenizer
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _list_to_stack():
     """TorchRL's LLM stack needs tensordict's list-to-stack mode: every test runs in it, as the recipes do."""

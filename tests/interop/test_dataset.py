@@ -256,14 +256,11 @@ def test_ragged_rollouts_reference_crashes_ours_yields_own_lengths():
     assert all(set(s) == {"id", "text.prompt"} for s in only_ids)
 
 
-def test_ragged_rollouts_from_transformers_wrapper(tiny_dir):
+def test_ragged_rollouts_from_transformers_wrapper(tiny_policy):
     """Real rollouts: TransformersWrapper(pad_output=False) generations of different lengths, in a LazyStackStorage."""
     from torchrl.modules.llm import TransformersWrapper
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy")
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").eval()
+    model, tokenizer = tiny_policy
     policy = TransformersWrapper(
         model,
         tokenizer=tokenizer,

@@ -250,10 +250,10 @@ def other_rm_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("reward_input", ["history", "text"])
 def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
-    compose_config, tmp_path, tiny_dir, other_rm_dir, reward_input
+    compose_config, tmp_path, tiny_policy, other_rm_dir, reward_input
 ):
     """The reward is the score of the conversation re-tokenized with the reward model's tokenizer and template."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from recipes.common.rollout import make_chat_env, make_policy, make_prompt_dataloader
 
@@ -266,8 +266,7 @@ def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
             f"reward.input={reward_input}",
         ],
     )
-    policy_tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy", padding_side="left")
-    policy_model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").eval()
+    policy_model, policy_tokenizer = tiny_policy
     rm_tokenizer = AutoTokenizer.from_pretrained(other_rm_dir)
     rm = AutoModelForSequenceClassification.from_pretrained(other_rm_dir).eval()
     assert rm_tokenizer.get_vocab() != policy_tokenizer.get_vocab()
@@ -300,9 +299,8 @@ def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
         torch.testing.assert_close(reward, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tmp_path, tiny_dir):
+def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tmp_path, tiny_policy):
     """``+reward.terms.<name>={_target_: ...}`` (as the config's comment shows) adds a term to every reward."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from recipes.common.rollout import make_chat_env, make_policy, make_prompt_dataloader
     from recipes.common.synthetic import oracle_score
@@ -316,11 +314,10 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
         "+reward.terms.oracle={_target_:recipes.common.rollout.TextScoreReward,score:${data.oracle},weight:3.0}",
     ]
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.input=tokens", *terms])
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy", padding_side="left")
+    model, tokenizer = tiny_policy
     transforms = recipe.make_reward_transforms(cfg, ConstantRewardModel(), tokenizer, tokenizer)
     loader = make_prompt_dataloader(["Review the mug."], seed=0)
     env = make_chat_env(loader, tokenizer=tokenizer, group_size=4, transforms=transforms)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy")
     policy = make_policy(model, tokenizer, generation=cfg.rollout.generation)
     torch.manual_seed(0)
     step = env.step(policy(env.reset()))

@@ -25,16 +25,6 @@ from recipes.common.synthetic import oracle_score
 GENERATION = OmegaConf.create({"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "do_sample": True})
 
 
-@pytest.fixture(scope="module")
-def tiny_policy(tiny_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "policy")
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").eval()
-    return model, tokenizer
-
-
 class TestPromptStream:
     def test_each_pass_is_a_permutation_and_passes_differ(self):
         stream = iter(EndlessShuffleSampler(10, seed=3))
