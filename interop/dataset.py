@@ -37,6 +37,7 @@ from tensordict import (
     is_tensor_collection,
 )
 from tensordict.utils import unravel_key
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import IterableDataset, get_worker_info
 from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.storages import ListStorage
@@ -695,8 +696,14 @@ def _pad(tensors: list[torch.Tensor], padding_side: str, padding_value: Any) -> 
             f"tensordict_collate: cannot pad tensors of different numbers of dimensions "
             f"({sorted({t.ndim for t in tensors})})."
         )
-    shape = [max(t.shape[d] for t in tensors) for d in range(ndim)]
     dtype = tensors[0].dtype
+    if ndim == 1 and all(t.dtype == dtype for t in tensors):
+        # Token sequences, the usual case: one pad_sequence call and a mask from the lengths, no per-sample writes.
+        out = pad_sequence(tensors, batch_first=True, padding_value=padding_value, padding_side=padding_side)
+        lengths = torch.tensor([len(t) for t in tensors], device=out.device)[:, None]
+        positions = torch.arange(out.shape[1], device=out.device)
+        return out, (positions < lengths if padding_side == "right" else positions >= out.shape[1] - lengths)
+    shape = [max(t.shape[d] for t in tensors) for d in range(ndim)]
     out = torch.full((len(tensors), *shape), padding_value, dtype=dtype, device=tensors[0].device)
     mask = torch.zeros((len(tensors), *shape), dtype=torch.bool, device=tensors[0].device)
     for i, tensor in enumerate(tensors):
