@@ -41,10 +41,10 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError, write_run_config
+from recipes.common.config import ConfigError, run_config, write_run_config
 from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
 from recipes.common.distributed import setup_data_parallel
-from recipes.common.logging import MetricLogger
+from recipes.common.logging import MetricLogger, make_logger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 
 STORAGES = ("lazy_tensor", "memmap")
@@ -381,42 +381,24 @@ def make_eval_dataset(tokenizer, labelled: LabelledPairs, *, with_margin: bool):
 # ---------------------------------------------------------------------------------------------------- training
 
 
-def make_report_to(cfg: DictConfig) -> list[str]:
-    """``report_to`` for trl from the logger group: wandb settings travel through wandb's environment variables."""
-    if cfg.logger.kind != "wandb":
-        return []
-    settings = cfg.logger.wandb
-    for variable, value in (
-        ("WANDB_PROJECT", settings.project),
-        ("WANDB_RUN_GROUP", settings.group),
-        ("WANDB_NAME", settings.name),
-        ("WANDB_MODE", settings.mode),
-        ("WANDB_DIR", cfg.output_dir),
-    ):
-        if value is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = str(value)
-    return ["wandb"]
-
-
 def make_reward_config(cfg: DictConfig):
-    """``trl.RewardConfig`` from ``train:``, with the device, logging and run name this run decides."""
-    report_to = make_report_to(cfg)
+    """``trl.RewardConfig`` from ``train:``, with the device this run decides.
+
+    trl reports to nothing itself: its logs go through the recipe's own logger (``logger=``), csv or wandb, as the
+    GRPO recipe's do (:func:`make_metrics_callback`)."""
     return hydra.utils.instantiate(
         cfg.train,
         _convert_="all",  # trl/transformers check for plain lists and dicts
         use_cpu=cfg.device == "cpu",
-        report_to=report_to or "none",
-        run_name=cfg.logger.wandb.name if report_to else None,
+        report_to="none",
     )
 
 
 def make_metrics_callback(logger: MetricLogger):
-    """A TrainerCallback writing trl's training logs to ``logger`` as ``train/...`` metrics.
+    """A TrainerCallback writing trl's training logs to ``logger`` as ``train/...`` metrics, one row per log.
 
-    trl's periodic eval logs and end-of-training figures have other columns than metrics.csv (whose columns are those
-    of its first row): they are in ``trainer_log.json`` and ``summary.json``.
+    trl's periodic eval logs and end-of-training figures are in ``trainer_log.json``, and the final evaluation in
+    ``summary.json`` (and the wandb run's summary).
     """
     from transformers import TrainerCallback
 
@@ -630,14 +612,12 @@ def train(cfg: DictConfig) -> dict:
             output_dir / "batches" / f"rank{data_parallel.rank}.jsonl",
         )
     logs = main_process and cfg.logger.kind != "none"
-    metric_logger = MetricLogger("csv" if logs else "none", output_dir)
+    # csv and/or a wandb run in this job's own folder (a multirun's jobs share the process: each opens and closes its
+    # own run).
+    metric_logger = (
+        make_logger(cfg.logger, output_dir, config=run_config(cfg)) if logs else MetricLogger("none", output_dir)
+    )
     summary = None
-    if main_process and "wandb" in args.report_to:
-        import wandb
-
-        # Start the run here, in this job's folder: transformers' callback adopts an active run, and left to itself
-        # it would reuse the first job's folder for every job of a multirun (wandb reads WANDB_DIR once a process).
-        wandb.init(dir=str(output_dir), reinit="finish_previous")
     try:
         trainer = RewardTrainer(
             model,
@@ -677,18 +657,9 @@ def train(cfg: DictConfig) -> dict:
                 "time/train_s": train_s,
                 "wall_time_s": time.perf_counter() - start,
             }
-            if "wandb" in args.report_to:
-                import wandb
-
-                if wandb.run is not None:
-                    wandb.run.log(metrics, step=trainer.state.global_step)
-                    wandb.run.summary.update(summary)
+            metric_logger.log_summary(summary)
     finally:
-        metric_logger.close()
-        if "wandb" in args.report_to:
-            import wandb
-
-            wandb.finish()  # Hydra multirun jobs share this process: never leave a run open for the next one
+        metric_logger.close()  # Hydra multirun jobs share this process: never leave a run open for the next one
     summary = data_parallel.broadcast_object(summary)  # the others wait while the main process saves and evaluates
     data_parallel.close()  # a no-op for the launcher's own process group
     if main_process:

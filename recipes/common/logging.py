@@ -47,6 +47,11 @@ class MetricLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(metrics, step=step)
 
+    def log_summary(self, summary: dict) -> None:
+        """The run's final figures, in the wandb run's summary (a csv run has them in the recipe's summary.json)."""
+        if self._wandb_run is not None:
+            self._wandb_run.summary.update(summary)
+
     def _append_csv(self, row: dict[str, float]) -> None:
         new_columns = [k for k in row if k not in (self._columns or [])]
         if self._columns is None and self._csv_path.exists():
