@@ -357,13 +357,20 @@ def _preference_rows(conversational):
     return rows
 
 
+def _trained_on_preferences(tok, tmp_path, *, conversational: bool, n: int):
+    """A reward model trained by RewardTrainer, ``n`` chosen then ``n`` rejected sequences (text or messages) of its
+    training data, and the token ids RewardTrainer trained on for each."""
+    rows = _preference_rows(conversational=conversational)
+    model, processed = _train_with_reward_trainer(tok, rows, tmp_path)
+    sequences = [r["prompt"] + r["chosen"] for r in rows[:n]] + [r["prompt"] + r["rejected"] for r in rows[:n]]
+    trained_ids = list(processed["chosen_ids"][:n]) + list(processed["rejected_ids"][:n])
+    return model, sequences, trained_ids
+
+
 def test_reward_trainer_equality_plain_text(rm_tok, tmp_path):
     """Text scored by the wrapper gets exactly the score of the ids RewardTrainer trained on."""
-    rows = _preference_rows(conversational=False)
-    model, processed = _train_with_reward_trainer(rm_tok, rows, tmp_path)
     n = 8
-    texts = [r["prompt"] + r["chosen"] for r in rows[:n]] + [r["prompt"] + r["rejected"] for r in rows[:n]]
-    trained_ids = list(processed["chosen_ids"][:n]) + list(processed["rejected_ids"][:n])
+    model, texts, trained_ids = _trained_on_preferences(rm_tok, tmp_path, conversational=False, n=n)
     td = TensorDict({"text": {"full": texts}}, batch_size=[2 * n])
     reward = HFRewardModelWrapper(model, tokenizer=rm_tok, inference_mode=True)(td)["reward"]
     expected = torch.stack([score_alone(model, ids) for ids in trained_ids])
@@ -375,11 +382,8 @@ def test_reward_trainer_equality_conversational(rm_tok, tmp_path):
     """A torchrl History scored through ``history_key`` gets the score of RewardTrainer's chat-template ids."""
     from torchrl.data.llm import History
 
-    rows = _preference_rows(conversational=True)
-    model, processed = _train_with_reward_trainer(rm_tok, rows, tmp_path)
     n = 8
-    chats = [r["prompt"] + r["chosen"] for r in rows[:n]] + [r["prompt"] + r["rejected"] for r in rows[:n]]
-    trained_ids = list(processed["chosen_ids"][:n]) + list(processed["rejected_ids"][:n])
+    model, chats, trained_ids = _trained_on_preferences(rm_tok, tmp_path, conversational=True, n=n)
     td = TensorDict({"history": {"full": History.from_chats(chats)}}, batch_size=[2 * n])
     wrapper = HFRewardModelWrapper(model, tokenizer=rm_tok, history_key=("history", "full"), inference_mode=True)
     reward = wrapper(td)["reward"]
