@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from tensordict import NestedKey, TensorDictBase, is_tensor_collection
+from tensordict import NestedKey, NonTensorData, NonTensorStack, TensorDictBase, is_tensor_collection
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import unravel_key
 from torch import nn
@@ -77,6 +77,20 @@ def _unbind_leading(value: Any, ndims: int) -> list:
     if ndims == 1:
         return items
     return [leaf for item in items for leaf in _unbind_leading(item, ndims - 1)]
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(message, dict) for message in value)
+
+
+def _flatten_conversations(values: Any) -> list[list[dict]]:
+    """The conversations (lists of message dicts) of a possibly nested list, one per sample, in order."""
+    if _is_conversation(values):
+        return [list(values)]
+    out = []
+    for value in values:
+        out.extend([list(value)] if _is_conversation(value) else _flatten_conversations(value))
+    return out
 
 
 def _messages(history: Any) -> list[dict]:
@@ -138,9 +152,10 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             scored instead of ``token_key``. Defaults to ``None``.
         text_key (NestedKey): the text scored when ``tokenizer`` is given and ``history_key`` is ``None``. Defaults
             to ``("text", "full")`` (prompt + response as the policy saw it).
-        history_key (NestedKey or None): a torchrl ``History`` (one conversation per sample) to render with the
-            tokenizer's chat template; requires ``tokenizer``. In a ``ChatEnv`` step the conversation including the
-            new response is at ``("history", "full")``. Defaults to ``None``.
+        history_key (NestedKey or None): the conversations to render with the tokenizer's chat template, one per
+            sample: a torchrl ``History``, or a ``NonTensorStack`` of message lists (``[{"role": ..., "content":
+            ...}, ...]``, as trl's conversational datasets hold them); requires ``tokenizer``. In a ``ChatEnv`` step the
+            conversation including the new response is at ``("history", "full")``. Defaults to ``None``.
         micro_batch_size (int or None): largest number of sequences sent through the model at once. Defaults to
             ``None`` (the whole batch).
         max_length (int or None): truncate each sequence to this many tokens. ``trl.RewardTrainer`` drops longer
@@ -302,18 +317,22 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             texts = [text if text.endswith(eos) else text + eos for text in texts]
             return list(tokenizer(texts)["input_ids"])
         history = self._get(tensordict, self.history_key, "history_key")
-        if not is_tensor_collection(history):
+        if isinstance(history, (NonTensorData, NonTensorStack)):
+            # Plain message lists, one conversation per sample (no History tensorclass to build or unpack).
+            messages = _flatten_conversations(history.tolist())
+        elif is_tensor_collection(history):
+            messages = [_messages(conversation) for conversation in _unbind_leading(history, tensordict.batch_dims)]
+        else:
             raise TypeError(
                 f"HFRewardModelWrapper: history_key {self.history_key!r} holds {type(history).__name__}, expected a "
-                "torchrl.data.llm.History with one conversation per sample."
+                "torchrl.data.llm.History, or a NonTensorStack of message lists, with one conversation per sample."
             )
-        conversations = _unbind_leading(history, tensordict.batch_dims)
-        if len(conversations) != numel:
+        if len(messages) != numel:
             raise ValueError(
-                f"HFRewardModelWrapper: history_key {self.history_key!r} holds {len(conversations)} conversations "
-                f"for {numel} samples; expected a History of shape [*batch, n_messages]."
+                f"HFRewardModelWrapper: history_key {self.history_key!r} holds {len(messages)} conversations "
+                f"for {numel} samples; expected a History of shape [*batch, n_messages] or one message list per "
+                "sample."
             )
-        messages = [_messages(conversation) for conversation in conversations]
         encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
         return [list(ids) for ids in encoded["input_ids"]]
 

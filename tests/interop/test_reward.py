@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from tensordict import TensorDict, lazy_stack
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 from tensordict.nn import TensorDictModuleBase
 
 from interop.reward import HFRewardModelWrapper, RewardModelTransform
@@ -309,6 +309,11 @@ def test_history_rendering_with_reward_chat_template(rm, rm_tok):
     )
     td_none = TensorDict({"history": {"full": lazy_stack([padded, history[1]])}}, batch_size=[2])
     torch.testing.assert_close(wrapper(td_none)["reward"], manual, atol=1e-5, rtol=1e-5)
+
+    # The same conversations as plain message lists, one per sample (no History built), of different lengths.
+    td_lists = TensorDict(batch_size=[2])
+    td_lists.set(("history", "full"), NonTensorStack(*[NonTensorData(chat) for chat in chats]))
+    torch.testing.assert_close(wrapper(td_lists)["reward"], manual, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- RewardTrainer
