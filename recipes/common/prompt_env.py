@@ -1,0 +1,268 @@
+"""A single-turn TorchRL env over dense batches of prompts: what the GRPO recipe's default rollout steps.
+
+:class:`PromptEnv` is a TorchRL ``EnvBase`` whose state is tensors: each reset draws ``num_prompts`` prompts from an
+endless, seeded, resumable stream (``recipes.common.rollout.EndlessShuffleSampler``), renders each with the policy
+tokenizer's chat template (once per prompt for the whole run, not once per sample and step), left-pads them into one
+``[B, P]`` tensor and repeats every prompt ``group_size`` times by indexing. The policy (e.g.
+``recipes.common.sampling.SamplingPolicy``) answers every row; the step ends every dialog (single turn) and the
+env's transforms (``interop.RewardModelTransform``...) write ``("next", "reward")``.
+
+It is what TorchRL's ``ChatEnv`` + ``StepCounter(max_steps=1)`` does for single-turn prompts, without a
+``History`` per sample: conversations stay plain message lists (``("history", "prompt")``) and reward models that
+read them get them batched.
+
+Dependencies: torch, tensordict, torchrl, and the ``transformers`` tokenizer the caller passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from torch.nn.utils.rnn import pad_sequence
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import EnvBase
+
+from recipes.common.rollout import EndlessShuffleSampler
+
+__all__ = ["PromptEnv", "PromptTable", "ResponseText", "non_tensor_rows"]
+
+# What a step carries over from its input: the prompt, unchanged (one turn: nothing else happens to the state).
+_PROMPT_KEYS = (("tokens", "prompt"), ("masks", "prompt"), "prompt_index")
+
+
+def non_tensor_rows(values: Sequence) -> NonTensorStack:
+    """One Python object per row (a string, a conversation as a list of message dicts...), as a ``NonTensorStack``
+    of shape ``[len(values)]``.
+
+    Setting a list directly depends on tensordict's list-to-stack mode, and stacks lists of messages into a
+    ``[B, n_messages]`` structure, which breaks as soon as two conversations differ in length.
+    """
+    return NonTensorStack(*[NonTensorData(value) for value in values])
+
+
+class PromptTable:
+    """The prompts of a run as conversations, each rendered with the policy's chat template on first use.
+
+    Args:
+        prompts: prompt texts, or conversations as lists of ``{"role", "content"}`` messages.
+
+    Keyword Args:
+        tokenizer: the policy's tokenizer.
+        system_prompt: optional system message put before every prompt that has none.
+    """
+
+    def __init__(self, prompts: Sequence, *, tokenizer, system_prompt: str | None = None) -> None:
+        if len(prompts) == 0:
+            raise ValueError("PromptTable: no prompts; check the data= config (e.g. data.path).")
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.tokenizer = tokenizer
+        self.conversations = [self._as_messages(prompt, system) for prompt in prompts]
+        self._rendered: dict[int, tuple[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _as_messages(prompt, system: list[dict]) -> list[dict]:
+        if isinstance(prompt, str):
+            return [*system, {"role": "user", "content": prompt}]
+        messages = [dict(message) for message in prompt]
+        has_system = bool(messages) and messages[0].get("role") == "system"
+        return messages if has_system else [*system, *messages]
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def rendered(self, index: int) -> tuple[str, torch.Tensor]:
+        """The prompt's text with the chat template and generation prompt applied, and its token ids."""
+        rendered = self._rendered.get(index)
+        if rendered is None:
+            text = self.tokenizer.apply_chat_template(
+                self.conversations[index], add_generation_prompt=True, tokenize=False
+            )
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            rendered = self._rendered[index] = (text, torch.tensor(ids, dtype=torch.long))
+        return rendered
+
+
+class PromptEnv(EnvBase):
+    """Single-turn prompts as dense token batches: ``num_prompts`` prompts per reset, each ``group_size`` times.
+
+    A reset writes, for a batch of ``B = num_prompts * group_size`` rows with each prompt's copies contiguous:
+
+    - ``("tokens", "prompt")`` ``[B, P]``: the rendered prompts (chat template, generation prompt added), left-padded
+      with the tokenizer's pad id to the batch's longest; ``("masks", "prompt")`` ``[B, P]`` (bool, True on tokens);
+    - ``"prompt_index"`` ``[B]``: each prompt's position in the prompt table (the group id GRPO normalises over).
+
+    Only tensors: text and conversations, which cost a Python object per row at every copy a collector makes, are
+    derived where a reward needs them (:class:`ResponseText`). A step marks every row done (one response per dialog);
+    the reward comes from the env's transforms, which read the policy's output (the step's input tensordict).
+
+    Args:
+        prompts: a :class:`PromptTable`, or prompt texts / conversations (lists of ``{"role", "content"}`` messages).
+
+    Keyword Args:
+        tokenizer: the policy's tokenizer (chat template, pad id).
+        group_size: responses per prompt.
+        num_prompts: prompts per reset.
+        system_prompt: optional system message put before every prompt that has none (with a list of prompts).
+        seed: seed of the prompt stream's shuffling.
+        start: how many prompts of the stream to skip (a resumed run passes how many were drawn, by all replicas).
+        shuffle: ``False`` walks the prompts in order.
+        num_replicas: data-parallel processes sharing the stream; each draws its own prompts.
+        rank: this process's rank among them.
+        device: where the tensors go.
+
+    Examples:
+        >>> from tensordict import set_list_to_stack
+        >>> from transformers import AutoTokenizer
+        >>> from recipes.common.config import PROJECT_ROOT
+        >>> set_list_to_stack(True).set()
+        >>> tokenizer = AutoTokenizer.from_pretrained(PROJECT_ROOT / "tiny" / "policy")
+        >>> env = PromptEnv(["Review the mug.", "Review the lamp."], tokenizer=tokenizer, group_size=2,
+        ...                 num_prompts=2, shuffle=False)
+        >>> reset = env.reset()
+        >>> reset["prompt_index"]
+        tensor([0, 0, 1, 1])
+        >>> tokens, mask = reset["tokens", "prompt"], reset["masks", "prompt"]
+        >>> tokenizer.decode(tokens[0][mask[0]])
+        '<|im_start|>user\\nReview the mug.<|im_end|>\\n<|im_start|>assistant\\n'
+    """
+
+    def __init__(
+        self,
+        prompts: PromptTable | Sequence,
+        *,
+        tokenizer,
+        group_size: int,
+        num_prompts: int = 1,
+        system_prompt: str | None = None,
+        seed: int = 0,
+        start: int = 0,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if group_size < 1 or num_prompts < 1:
+            raise ValueError(
+                f"PromptEnv: group_size and num_prompts must be >= 1, got group_size={group_size}, "
+                f"num_prompts={num_prompts}."
+            )
+        if tokenizer.pad_token_id is None:
+            raise ValueError("PromptEnv: the tokenizer has no pad token; the prompts are left-padded with it.")
+        if not isinstance(prompts, PromptTable):
+            prompts = PromptTable(prompts, tokenizer=tokenizer, system_prompt=system_prompt)
+        super().__init__(batch_size=torch.Size([group_size * num_prompts]), device=device)
+        self.prompts = prompts
+        self.pad_token_id = tokenizer.pad_token_id
+        self.group_size = group_size
+        self.num_prompts = num_prompts
+        self._stream = iter(
+            EndlessShuffleSampler(
+                len(prompts), seed=seed, start=start, shuffle=shuffle, num_replicas=num_replicas, rank=rank
+            )
+        )
+        self._make_specs()
+
+    def _make_specs(self) -> None:
+        shape = self.batch_size
+        rows = (*shape, -1)  # prompts and responses change length from batch to batch
+        self.full_observation_spec = Composite(
+            tokens=Composite(prompt=Unbounded(shape=rows, dtype=torch.long), shape=shape),
+            masks=Composite(prompt=Unbounded(shape=rows, dtype=torch.bool), shape=shape),
+            prompt_index=Unbounded(shape=shape, dtype=torch.long),
+            shape=shape,
+        )
+        self.full_action_spec = Composite(
+            tokens=Composite(response=Unbounded(shape=rows, dtype=torch.long), shape=shape), shape=shape
+        )
+        # No reward of its own: a reward transform declares and writes it.
+        self.full_reward_spec = Composite(shape=shape)
+
+    def _reset(self, tensordict: TensorDictBase | None, **kwargs) -> TensorDictBase:
+        indices = [next(self._stream) for _ in range(self.num_prompts)]
+        ids = [self.prompts.rendered(index)[1] for index in indices]
+        tokens = pad_sequence(ids, batch_first=True, padding_value=self.pad_token_id, padding_side="left")
+        lengths = torch.tensor([len(row) for row in ids])
+        mask = torch.arange(tokens.shape[1]) >= tokens.shape[1] - lengths[:, None]
+        rows = torch.arange(self.num_prompts).repeat_interleave(self.group_size)
+        done = torch.zeros(*self.batch_size, 1, dtype=torch.bool)
+        return TensorDict(
+            {
+                "tokens": {"prompt": tokens[rows]},
+                "masks": {"prompt": mask[rows]},
+                "prompt_index": torch.tensor(indices)[rows],
+                "done": done,
+                "terminated": done.clone(),
+            },
+            batch_size=self.batch_size,
+            device=self.device,
+        )
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        done = torch.ones(*self.batch_size, 1, dtype=torch.bool, device=self.device)
+        next_state = tensordict.select(*_PROMPT_KEYS, strict=False)
+        next_state.update({"done": done, "terminated": done.clone()})
+        return next_state
+
+    def _set_seed(self, seed: int | None) -> None:
+        # The prompt stream has its own seed (the constructor's), so that a resumed run continues it exactly.
+        return None
+
+
+class ResponseText(TensorDictModuleBase):
+    """Decodes the responses of a :class:`PromptEnv` step into what text-reading reward modules read.
+
+    Writes, as TorchRL's LLM wrappers lay them out: ``("text", "response")`` (the response with its special tokens,
+    padding removed), ``("text", "full")`` (the rendered prompt + that response) and ``("history", "full")`` (the
+    prompt's messages + ``{"role": "assistant", "content": <the response without special tokens>}``), one Python
+    object per row. Put it in front of such a module inside ``interop.RewardModelTransform`` (e.g. in a
+    ``TensorDictSequential``): the transform scores a scratch selection of the step, so these objects never enter
+    the rollout that a collector copies.
+
+    Args:
+        prompts: the env's :class:`PromptTable`.
+        tokenizer: the policy's tokenizer.
+
+    Keyword Args:
+        keys: which of the three entries to write (decoding only what is asked).
+    """
+
+    KEYS = (("text", "response"), ("text", "full"), ("history", "full"))
+
+    def __init__(self, prompts: PromptTable, tokenizer, *, keys: Sequence = KEYS) -> None:
+        super().__init__()
+        keys = [tuple(key) for key in keys]
+        unknown = [key for key in keys if key not in self.KEYS]
+        if unknown:
+            raise ValueError(f"ResponseText: {unknown} are not among the entries it writes, {list(self.KEYS)}.")
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.in_keys = [("tokens", "response"), ("masks", "all_attention_mask"), "prompt_index"]
+        self.out_keys = keys
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        tokens = tensordict.get(("tokens", "response"))
+        mask = tensordict.get(("masks", "all_attention_mask"))[..., -tokens.shape[-1] :]
+        rows = [
+            row[keep].tolist()
+            for row, keep in zip(tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu())
+        ]
+        indices = tensordict.get("prompt_index").reshape(-1).tolist()
+        keys = set(self.out_keys)
+        if keys & {("text", "response"), ("text", "full")}:
+            texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+            if ("text", "response") in keys:
+                tensordict.set(("text", "response"), non_tensor_rows(texts))
+            if ("text", "full") in keys:
+                full = [self.prompts.rendered(i)[0] + text for i, text in zip(indices, texts, strict=True)]
+                tensordict.set(("text", "full"), non_tensor_rows(full))
+        if ("history", "full") in keys:
+            replies = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+            conversations = [
+                [*self.prompts.conversations[i], {"role": "assistant", "content": reply}]
+                for i, reply in zip(indices, replies, strict=True)
+            ]
+            tensordict.set(("history", "full"), non_tensor_rows(conversations))
+        return tensordict

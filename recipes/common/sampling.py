@@ -1,0 +1,304 @@
+"""Batched sampling of responses from a causal LM, with the log-probs of the sampled tokens recorded as it goes.
+
+What the GRPO recipe's default rollout (``rollout.env=prompt``) generates with:
+
+- :class:`SamplingSettings`: the sampling settings a rollout supports (``max_new_tokens``, ``min_new_tokens``,
+  ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``), read from a config
+  mapping, with an error that names any other key.
+- :func:`sample_responses`: one decoding loop over a dense left-padded batch of prompts, with a KV cache. At every
+  step it keeps the log-prob of the sampled token under the model (temperature 1, before top-k/top-p: what the loss
+  computes), so the behaviour policy's log-probs cost nothing, the first response token's included.
+- :class:`SamplingPolicy`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
+  wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and (for reward models that read
+  text) the decoded text and conversation.
+
+Why not ``model.generate``: ``generate`` returns processed scores or, with ``output_logits=True``, every step's
+``[B, V]`` logits (1.2 GB for 64 responses x 32 tokens at a 152k vocabulary); this loop keeps one log-prob per
+token. It also samples among the top-k candidates instead of over the whole vocabulary, which is the same
+distribution at a fraction of the cost.
+
+Dependencies: torch, tensordict, and the ``transformers`` model and tokenizer the caller passes in.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+
+__all__ = ["SampledResponses", "SamplingPolicy", "SamplingSettings", "sample_responses"]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How responses are sampled; the fields are the ``transformers.GenerationConfig`` fields of the same names.
+
+    Keyword Args:
+        max_new_tokens: the longest response, in tokens.
+        min_new_tokens: EOS cannot be sampled before this many tokens.
+        do_sample: ``False`` takes the most likely token at every step (greedy).
+        temperature: divides the logits before sampling.
+        top_k: sample among the ``top_k`` most likely tokens; ``None`` or 0: the whole vocabulary.
+        top_p: then among the most likely tokens whose probability adds up to ``top_p`` (nucleus sampling).
+        min_p: then drop the tokens less likely than ``min_p`` times the most likely one; ``None``: off.
+        repetition_penalty: divides the positive logits (multiplies the negative ones) of every token already in the
+            sequence, as ``transformers`` does; 1.0: off.
+    """
+
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            problems.append(f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens]")
+        if self.do_sample and self.temperature <= 0:
+            problems.append(f"temperature={self.temperature} must be > 0 when sampling")
+        if self.top_k is not None and self.top_k < 0:
+            problems.append(f"top_k={self.top_k} must be >= 0 (0 or null: off)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            problems.append(f"min_p={self.min_p} must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            problems.append(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        if problems:
+            raise ValueError("SamplingSettings: " + "; ".join(problems) + ".")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [field.name for field in fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, generation: Mapping) -> SamplingSettings:
+        """The settings of a config mapping (e.g. ``rollout.generation``); a key that is not a field is refused.
+
+        Examples:
+            >>> settings = SamplingSettings.from_mapping({"max_new_tokens": 8, "top_k": 50})
+            >>> settings.top_k, settings.temperature, settings.min_new_tokens
+            (50, 1.0, 0)
+        """
+        settings = {str(key): value for key, value in dict(generation).items()}
+        unknown = sorted(set(settings) - set(cls.names()))
+        if unknown:
+            raise ValueError(
+                f"SamplingSettings: {unknown} not supported; the settings are {cls.names()}. (TorchRL's "
+                "TransformersWrapper, rollout.env=chat in the GRPO recipe, passes any GenerationConfig field on to "
+                "generate().)"
+            )
+        return cls(**settings)
+
+
+@dataclass
+class SampledResponses:
+    """What :func:`sample_responses` returns, each ``[B, R]`` with ``R`` the longest response of the batch."""
+
+    tokens: torch.Tensor  # the sampled tokens, the pad id after EOS
+    mask: torch.Tensor  # bool, True up to and including EOS
+    log_probs: torch.Tensor  # float32, each sampled token's log-prob under the model; 0 after EOS
+
+
+def _forward_options(model) -> tuple[dict, str]:
+    """``logits_to_keep=1`` where the model takes it (no prefill logits over the whole prompt), and the name of its
+    KV-cache argument (``cache`` in recent transformers 5 releases, ``past_key_values`` before)."""
+    parameters = inspect.signature(model.forward).parameters
+    prefill = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+    return prefill, "cache" if "cache" in parameters else "past_key_values"
+
+
+def _penalise_repetitions(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return torch.where(seen, penalised, scores)
+
+
+def _choose(scores: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """One token per row from already penalised scores: greedy, or sampled after temperature, top-k, top-p, min-p."""
+    if not settings.do_sample:
+        return scores.argmax(-1)
+    scores = scores / settings.temperature
+    candidates = None  # column -> token id, when the scores are narrowed or sorted
+    if settings.top_k:
+        scores, candidates = scores.topk(min(settings.top_k, scores.shape[-1]), dim=-1)  # sorted, largest first
+    elif settings.top_p < 1.0 or settings.min_p:
+        scores, candidates = scores.sort(dim=-1, descending=True)
+    probs = scores.softmax(-1)
+    if settings.top_p < 1.0:
+        # Keep a token while the tokens more likely than it add up to less than top_p (always the most likely one).
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= settings.top_p, 0.0)
+    if settings.min_p:
+        probs = probs.masked_fill(probs < settings.min_p * probs[:, :1], 0.0)
+    # argmax(p / E) with E ~ Exp(1) draws column i with probability p_i / sum(p): one pass, no renormalisation.
+    column = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    return column if candidates is None else candidates.gather(-1, column[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_responses(
+    model,
+    prompt_tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    settings: SamplingSettings,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> SampledResponses:
+    """Samples one response per row of a left-padded batch of prompts.
+
+    Positions follow the attention mask (``cumsum - 1``), as ``generate`` sets them, so a row scores the same
+    whatever padding it shares a batch with. Decoding stops once every row has sampled an EOS id, or after
+    ``settings.max_new_tokens`` tokens.
+
+    Args:
+        model: a ``transformers`` causal LM (with a KV cache).
+        prompt_tokens: ``[B, P]`` token ids, left-padded.
+        prompt_mask: ``[B, P]``, 1 or ``True`` on real tokens.
+
+    Keyword Args:
+        settings: the sampling settings.
+        eos_token_ids: the ids that end a response (the tokenizer's EOS, and any the model's generation config adds).
+        pad_token_id: written after a row's EOS.
+
+    Returns:
+        :class:`SampledResponses`. Each log-prob is ``log_softmax(logits)[token]`` of the model's raw logits
+        (float32), before any temperature, top-k, top-p or penalty: the quantity a loss recomputes.
+    """
+    batch, device = prompt_tokens.shape[0], prompt_tokens.device
+    mask = prompt_mask.long()
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+    tokens = torch.full((batch, settings.max_new_tokens), pad_token_id, dtype=prompt_tokens.dtype, device=device)
+    log_probs = torch.zeros(batch, settings.max_new_tokens, dtype=torch.float32, device=device)
+    running = torch.ones(batch, dtype=torch.bool, device=device)  # rows that have not sampled EOS yet
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    seen = None
+
+    prefill, cache_argument = _forward_options(model)
+    out = model(input_ids=prompt_tokens, attention_mask=mask, position_ids=positions, use_cache=True, **prefill)
+    next_position = positions[:, -1:] + 1
+    for step in range(settings.max_new_tokens):
+        logits = out.logits[:, -1].float()
+        scores = logits
+        if settings.repetition_penalty != 1.0:
+            if seen is None:
+                seen = torch.zeros_like(logits).scatter_add_(-1, prompt_tokens, mask.float()) > 0
+            scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
+        if step < settings.min_new_tokens:
+            scores = scores.index_fill(-1, eos, float("-inf"))
+        token = _choose(scores, settings)
+        token_log_prob = logits.gather(-1, token[:, None]).squeeze(-1) - logits.logsumexp(-1)
+        tokens[:, step] = torch.where(running, token, pad_token_id)
+        log_probs[:, step] = torch.where(running, token_log_prob, 0.0)
+        lengths += running
+        running = running & ~torch.isin(token, eos)
+        if step + 1 == settings.max_new_tokens or not running.any():
+            break
+        if seen is not None:
+            seen.scatter_(-1, token[:, None], True)
+        # Finished rows go on decoding pads (their outputs are discarded), so that the batch keeps one shape.
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        out = model(
+            input_ids=tokens[:, step : step + 1],
+            attention_mask=mask,
+            position_ids=next_position,
+            use_cache=True,
+            **{cache_argument: cache},
+        )
+        next_position = next_position + 1
+    width = int(lengths.max())
+    response_mask = torch.arange(width, device=device) < lengths[:, None]
+    return SampledResponses(tokens[:, :width], response_mask, log_probs[:, :width])
+
+
+class SamplingPolicy(TensorDictModuleBase):
+    """A TorchRL policy that samples one response per row of a batch of prompts: :func:`sample_responses` in
+    TensorDict form, in the dense layout the GRPO recipe trains on.
+
+    It reads the left-padded ``("tokens", "prompt")`` and ``("masks", "prompt")`` an env wrote (e.g.
+    ``recipes.common.prompt_env.PromptEnv``) and writes, every ``[B, ...]`` tensor dense:
+
+    - ``("tokens", "response")`` ``[B, R]`` (pad after EOS) and ``("tokens", "full")`` ``[B, P + R]``: every row is
+      ``[pads | prompt | response | pads]``, every response starting at column ``P``;
+    - ``("masks", "all_attention_mask")`` ``[B, P + R]`` (bool, True on real tokens);
+    - ``("log_probs", "full")`` ``[B, P + R]``: the sampled tokens' log-probs under the sampling weights (the
+      behaviour policy's, which ``GRPOLoss`` reads as the old log-probs), 0 on the prompt and padding;
+    - ``"policy_version"`` ``[B]``: :attr:`version` when sampled, so that a learner can tell how many updates old
+      a batch is.
+
+    Tensors only: a reward that reads text decodes the responses itself (``recipes.common.prompt_env.ResponseText``).
+
+    Args:
+        model: a ``transformers`` causal LM.
+        tokenizer: its tokenizer (pad id, EOS id, decoding).
+
+    Keyword Args:
+        settings: the :class:`SamplingSettings`.
+        eos_token_ids: ids that end a response; ``None``: the tokenizer's EOS and those of
+            ``model.generation_config.eos_token_id``.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        settings: SamplingSettings,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+            raise ValueError(
+                f"SamplingPolicy: the tokenizer needs a pad token distinct from EOS (pad={tokenizer.pad_token!r}, "
+                f"eos={tokenizer.eos_token!r}); the response mask ends at the EOS, which must not read as padding."
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.settings = settings
+        if eos_token_ids is None:
+            eos_token_ids = [tokenizer.eos_token_id]
+            configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            if configured is not None:
+                eos_token_ids += configured if isinstance(configured, (list, tuple)) else [configured]
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        # Bumped by whoever updates the weights; written into every batch, so that the batch says its age.
+        self.register_buffer("version", torch.zeros((), dtype=torch.long))
+        self.in_keys = [("tokens", "prompt"), ("masks", "prompt")]
+        self.out_keys = [
+            ("tokens", "response"),
+            ("tokens", "full"),
+            ("masks", "all_attention_mask"),
+            ("log_probs", "full"),
+            "policy_version",
+        ]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        prompt = tensordict.get(("tokens", "prompt"))
+        prompt_mask = tensordict.get(("masks", "prompt")).bool()
+        sampled = sample_responses(
+            self.model,
+            prompt,
+            prompt_mask,
+            settings=self.settings,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        batch = prompt.shape[0]
+        tensordict.set(("tokens", "response"), sampled.tokens)
+        tensordict.set(("tokens", "full"), torch.cat([prompt, sampled.tokens], dim=-1))
+        tensordict.set(("masks", "all_attention_mask"), torch.cat([prompt_mask, sampled.mask], dim=-1))
+        prompt_log_probs = torch.zeros_like(prompt, dtype=torch.float32)
+        tensordict.set(("log_probs", "full"), torch.cat([prompt_log_probs, sampled.log_probs], dim=-1))
+        tensordict.set("policy_version", self.version.expand(batch).clone())
+        return tensordict

@@ -1,0 +1,116 @@
+"""recipes/common/log_probs.py: response-only log-probs equal a full forward's, values and gradients, every path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
+
+START = 10  # the response columns start here
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Dense rows ``[pads | prompt | response | pads]``: left-padded prompts, one response ending early."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(5, 400, (5, 20), generator=generator)
+    mask = torch.ones(5, 20, dtype=torch.bool)
+    mask[0, :3] = False  # a shorter prompt
+    mask[1, 16:] = False  # a shorter response
+    mask[2, :1] = False
+    mask[2, 18:] = False
+    tokens[~mask] = 0
+    return tokens, mask
+
+
+def _full_forward(model, tokens, mask):
+    """The log-prob and entropy of every response token from the model's whole ``[B, T, V]`` logits."""
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    log_softmax = model(input_ids=tokens, attention_mask=mask.long(), position_ids=positions).logits.log_softmax(-1)
+    taken = log_softmax[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)[:, :-1]
+    response = mask.clone()
+    response[:, :START] = False
+    log_probs, entropies = torch.zeros(tokens.shape), torch.zeros(tokens.shape)
+    log_probs[:, 1:] = torch.where(response[:, 1:], taken, 0.0)
+    entropies[:, 1:] = torch.where(response[:, 1:], entropy, 0.0)
+    return log_probs, entropies
+
+
+def _values_and_gradients(model, compute):
+    weights = torch.linspace(-1.0, 1.0, 100).reshape(5, 20)  # an arbitrary loss of both outputs
+    model.zero_grad()
+    log_probs, entropy = compute()
+    ((log_probs * weights).sum() + (entropy * weights.flip(0)).sum()).backward()
+    gradients = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return log_probs.detach(), entropy.detach(), gradients
+
+
+@pytest.mark.parametrize(
+    ("chunk_elements", "path"),
+    [(2**23, "one chunk"), (463 * 3, "rows x vocabulary above the budget: vocabulary chunks"), (1, "a column a chunk")],
+)
+def test_equal_to_the_full_forward_values_and_gradients(tiny_policy, batch, chunk_elements, path):
+    model, _ = tiny_policy
+    tokens, mask = batch
+    scorer = ResponseLogProbs(model, chunk_elements=chunk_elements)
+    got = _values_and_gradients(model, lambda: scorer(tokens, mask, response_start=START, with_entropy=True))
+    expected = _values_and_gradients(model, lambda: _full_forward(model, tokens, mask))
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5, msg=path)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5, msg=path)
+    assert (got[0][:, :START] == 0).all() and (got[0][~mask] == 0).all()
+    for got_grad, expected_grad in zip(got[2], expected[2], strict=True):
+        torch.testing.assert_close(got_grad, expected_grad, atol=1e-4, rtol=1e-4, msg=path)
+
+
+def test_models_that_rescale_their_logits_are_scored_through_their_own_forward(tiny_policy, batch):
+    """A config with a logit transform (Gemma's softcapping, Cohere's logit_scale...) takes the model's forward."""
+    model, _ = tiny_policy
+    scaled = copy.deepcopy(model)
+    scaled.config.final_logit_softcapping = 30.0  # Qwen2 ignores it: the same numbers, through the other path
+    scorer = ResponseLogProbs(scaled)
+    assert not scorer._chunked
+    tokens, mask = batch
+    got = _values_and_gradients(scaled, lambda: scorer(tokens, mask, response_start=START, with_entropy=True))
+    expected = _values_and_gradients(scaled, lambda: _full_forward(scaled, tokens, mask))
+    for got_value, expected_value in zip(got[:2], expected[:2], strict=True):
+        torch.testing.assert_close(got_value, expected_value, atol=1e-5, rtol=1e-5)
+
+
+def test_without_entropy_none_is_returned(tiny_policy, batch):
+    model, _ = tiny_policy
+    tokens, mask = batch
+    with torch.no_grad():
+        log_probs, entropy = ResponseLogProbs(model)(tokens, mask, response_start=START)
+    assert entropy is None and log_probs.shape == tokens.shape
+
+
+@pytest.mark.parametrize("start", [0, 20])
+def test_a_start_column_without_prompt_or_response_is_refused(tiny_policy, batch, start):
+    model, _ = tiny_policy
+    tokens, mask = batch
+    with pytest.raises(ValueError, match=f"response_start={start} must leave a prompt and a response"):
+        ResponseLogProbs(model)(tokens, mask, response_start=start)
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 2])
+def test_score_log_probs_writes_them_in_place_in_micro_batches(tiny_policy, batch, micro_batch_size):
+    from tensordict import TensorDict
+
+    model, _ = tiny_policy
+    tokens, mask = batch
+    td = TensorDict(
+        {"tokens": {"full": tokens, "prompt": tokens[:, :START]}, "masks": {"all_attention_mask": mask}},
+        batch_size=[5],
+    )
+    ScoreLogProbs(
+        ResponseLogProbs(model), out_key=("next", "ref_log_probs", "full"), micro_batch_size=micro_batch_size
+    )(td)
+    scored = td["next", "ref_log_probs", "full"]
+    assert not scored.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(scored, _full_forward(model, tokens, mask)[0], atol=1e-5, rtol=1e-5)

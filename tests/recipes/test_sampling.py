@@ -1,0 +1,185 @@
+"""recipes/common/sampling.py on the shipped tiny policy: the decoding loop, its recorded log-probs, the policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipes.common.sampling import SamplingPolicy, SamplingSettings, sample_responses
+
+
+def _prompts(tokenizer, texts):
+    """Left-padded, chat-templated prompts of different lengths, as ``PromptEnv`` lays them out."""
+    batch = tokenizer.apply_chat_template(
+        [[{"role": "user", "content": text}] for text in texts],
+        add_generation_prompt=True,
+        tokenize=True,
+        padding=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    return batch["input_ids"], batch["attention_mask"].bool()
+
+
+PROMPTS = ["Review the mug.", "What do you think of the bike and of its color?", "Review the lamp."]
+
+
+def _sample(tiny_policy, settings, *, seed=0, prompts=PROMPTS):
+    model, tokenizer = tiny_policy
+    tokens, mask = _prompts(tokenizer, prompts)
+    torch.manual_seed(seed)
+    sampled = sample_responses(
+        model,
+        tokens,
+        mask,
+        settings=settings,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokens, mask, sampled
+
+
+class TestSettings:
+    def test_unknown_keys_are_refused_naming_the_supported_ones(self):
+        with pytest.raises(ValueError, match=r"\['typical_p'\] not supported; the settings are \['max_new_tokens'"):
+            SamplingSettings.from_mapping({"max_new_tokens": 8, "typical_p": 0.9})
+
+    @pytest.mark.parametrize(
+        ("settings", "message"),
+        [
+            ({"max_new_tokens": 0}, "max_new_tokens=0 must be >= 1"),
+            ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens=5 must be in"),
+            ({"max_new_tokens": 4, "temperature": 0.0}, "temperature=0.0 must be > 0"),
+            ({"max_new_tokens": 4, "top_p": 0.0}, "top_p=0.0 must be in"),
+            ({"max_new_tokens": 4, "top_k": -1}, "top_k=-1 must be >= 0"),
+            ({"max_new_tokens": 4, "repetition_penalty": 0.0}, "repetition_penalty=0.0 must be > 0"),
+        ],
+    )
+    def test_bad_values_are_refused(self, settings, message):
+        with pytest.raises(ValueError, match=message):
+            SamplingSettings.from_mapping(settings)
+
+
+class TestSampleResponses:
+    def test_recorded_log_probs_equal_a_forward_pass_of_each_sequence(self, tiny_policy):
+        """The behaviour log-probs, first response token included, are the model's log-softmax at each token."""
+        model, tokenizer = tiny_policy
+        tokens, mask, sampled = _sample(tiny_policy, SamplingSettings(max_new_tokens=12, top_k=50))
+        assert sampled.log_probs.dtype == torch.float32
+        for row in range(tokens.shape[0]):
+            prompt = tokens[row][mask[row]]
+            response = sampled.tokens[row][sampled.mask[row]]
+            full = torch.cat([prompt, response])[None]
+            with torch.no_grad():
+                log_softmax = model(input_ids=full).logits[0].log_softmax(-1)
+            expected = log_softmax[prompt.numel() - 1 : -1].gather(-1, response[:, None]).squeeze(-1)
+            torch.testing.assert_close(sampled.log_probs[row][sampled.mask[row]], expected, atol=1e-5, rtol=1e-5)
+            assert sampled.log_probs[row][0] < 0  # the first response token is scored too
+            assert (sampled.log_probs[row][~sampled.mask[row]] == 0).all()
+
+    def test_a_response_ends_at_its_eos_and_is_padded_after(self, tiny_policy):
+        _, tokenizer = tiny_policy
+        _, _, sampled = _sample(tiny_policy, SamplingSettings(max_new_tokens=40, top_k=50), prompts=PROMPTS * 3)
+        lengths = sampled.mask.sum(-1)
+        assert lengths.min() < 40  # some responses end before max_new_tokens (the tiny policy writes short reviews)
+        for row, length in zip(sampled.tokens, lengths, strict=True):
+            if length < sampled.tokens.shape[1] or row[length - 1] == tokenizer.eos_token_id:
+                assert row[length - 1] == tokenizer.eos_token_id
+                assert (row[: length - 1] != tokenizer.eos_token_id).all()
+            assert (row[length:] == tokenizer.pad_token_id).all()
+        # the mask is a prefix: True up to and including EOS, then False
+        assert torch.equal(sampled.mask, torch.arange(sampled.mask.shape[1]) < lengths[:, None])
+
+    def test_min_new_tokens_holds_back_eos(self, tiny_policy):
+        _, _, sampled = _sample(tiny_policy, SamplingSettings(max_new_tokens=24, min_new_tokens=24, top_k=50))
+        assert sampled.tokens.shape == (3, 24) and bool(sampled.mask.all())
+
+    def test_greedy_takes_the_most_likely_token_and_top_k_1_is_greedy(self, tiny_policy):
+        model, _ = tiny_policy
+        tokens, mask, greedy = _sample(tiny_policy, SamplingSettings(max_new_tokens=6, do_sample=False))
+        _, _, top_1 = _sample(tiny_policy, SamplingSettings(max_new_tokens=6, top_k=1), seed=3)
+        assert torch.equal(greedy.tokens, top_1.tokens)
+        row_prompt = tokens[1][mask[1]]
+        with torch.no_grad():
+            first = model(input_ids=row_prompt[None]).logits[0, -1].argmax()
+        assert greedy.tokens[1, 0] == first
+
+    def test_the_same_seed_samples_the_same_responses(self, tiny_policy):
+        settings = SamplingSettings(max_new_tokens=10, top_k=50, top_p=0.9, min_p=0.01)
+        first, second, other = (_sample(tiny_policy, settings, seed=s)[2] for s in (5, 5, 6))
+        assert torch.equal(first.tokens, second.tokens)
+        assert not torch.equal(first.tokens, other.tokens)
+
+    def test_top_k_samples_only_among_the_k_most_likely(self, tiny_policy):
+        """With top_k=2 every sampled token is one of the 2 most likely after its prefix."""
+        model, _ = tiny_policy
+        tokens, mask, sampled = _sample(tiny_policy, SamplingSettings(max_new_tokens=8, top_k=2), prompts=PROMPTS * 2)
+        for row in range(tokens.shape[0]):
+            full = torch.cat([tokens[row][mask[row]], sampled.tokens[row][sampled.mask[row]]])[None]
+            with torch.no_grad():
+                logits = model(input_ids=full).logits[0]
+            start = int(mask[row].sum())
+            top2 = logits[start - 1 : -1].topk(2, dim=-1).indices
+            response = sampled.tokens[row][sampled.mask[row]]
+            assert (top2 == response[:, None]).any(-1).all()
+
+    def test_repetition_penalty_lowers_repeats(self, tiny_policy):
+        """A strong penalty makes every response token new (none repeats a prompt or earlier response token) far
+        more often than without it."""
+        _, tokenizer = tiny_policy
+
+        def repeats(penalty):
+            tokens, mask, sampled = _sample(
+                tiny_policy,
+                SamplingSettings(max_new_tokens=16, min_new_tokens=16, top_k=50, repetition_penalty=penalty),
+                prompts=PROMPTS * 4,
+            )
+            count = 0
+            for row in range(tokens.shape[0]):
+                seen = set(tokens[row][mask[row]].tolist())
+                for token in sampled.tokens[row].tolist():
+                    count += token in seen
+                    seen.add(token)
+            return count
+
+        assert repeats(50.0) < repeats(1.0) / 2
+
+
+class TestSamplingPolicy:
+    def test_writes_the_dense_layout_the_loss_reads(self, tiny_policy):
+        from tensordict import TensorDict
+
+        model, tokenizer = tiny_policy
+        tokens, mask = _prompts(tokenizer, PROMPTS)
+        policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=8, top_k=50))
+        policy.version.fill_(3)
+        td = TensorDict({"tokens": {"prompt": tokens}, "masks": {"prompt": mask}}, batch_size=[3])
+        torch.manual_seed(0)
+        out = policy(td)
+        width = tokens.shape[1]
+        response = out["tokens", "response"]
+        assert torch.equal(out["tokens", "full"], torch.cat([tokens, response], -1))
+        full_mask = out["masks", "all_attention_mask"]
+        assert full_mask.dtype == torch.bool and torch.equal(full_mask[:, :width], mask)
+        log_probs = out["log_probs", "full"]
+        assert log_probs.shape == full_mask.shape and (log_probs[:, :width] == 0).all()
+        assert (log_probs[:, width:][full_mask[:, width:]] < 0).all()
+        assert out["policy_version"].tolist() == [3, 3, 3]
+
+    def test_a_tokenizer_whose_pad_is_eos_is_refused(self, tiny_policy):
+        import copy
+
+        model, tokenizer = tiny_policy
+        broken = copy.deepcopy(tokenizer)
+        broken.pad_token = broken.eos_token
+        with pytest.raises(ValueError, match="pad token distinct from EOS"):
+            SamplingPolicy(model, broken, settings=SamplingSettings(max_new_tokens=4))
+
+    def test_eos_ids_include_the_generation_configs(self, tiny_policy):
+        import copy
+
+        model, tokenizer = tiny_policy
+        model = copy.deepcopy(model)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, 7]
+        policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=4))
+        assert policy.eos_token_ids == sorted({tokenizer.eos_token_id, 7})
