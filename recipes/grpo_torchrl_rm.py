@@ -4,24 +4,28 @@
     python recipes/grpo_torchrl_rm.py -m optimizer.lr=1e-3,2e-3,4e-3      # a sweep: main() returns cfg.metric
     torchrun --standalone --nproc_per_node 2 recipes/grpo_torchrl_rm.py hydra.run.dir=outputs/ddp  # data-parallel
 
-Each step: a ``ChatEnv`` fed by the prompt dataloader resets to ``responses_per_step / group_size`` prompts, each
-repeated ``group_size`` times; the ``TransformersWrapper`` policy samples one response per copy; the env's
-``interop.RewardModelTransform`` scores every conversation with the reward model (plus optional reward terms); the
-``LLMCollector``'s post-processing pads the ragged responses into dense ``[B, T]`` tensors (one padding, rather than
-TorchRL's per-sample unpadding and re-padding in every forward pass), recomputes the frozen reference's log-probs
-(and the old ones, unless each step is a single on-policy update) with a non-generating wrapper, normalises the
-rewards within each prompt's group with ``MCAdvantage``, and writes the step into a ``ReplayBuffer``
-(``LazyStackStorage``); ``GRPOLoss`` then updates the policy over mini-batches with AdamW and gradient clipping.
-Metrics go to the configured logger, checkpoints to ``<output_dir>/checkpoints``, the final figures to
-``summary.json``.
+Each step (``rollout.env=prompt``, the default): a ``PromptEnv`` draws ``responses_per_step / group_size`` prompts as
+one dense left-padded batch, each repeated ``group_size`` times; the ``SamplingPolicy`` samples every response in one
+decoding loop and records the sampled tokens' log-probs (the behaviour policy's, the old log-probs of the loss); the
+env's ``interop.RewardModelTransform`` scores each response with the reward model (conversations rendered with its
+own tokenizer and chat template); a TorchRL ``Collector`` drives env and policy and hands over a dense ``[B, T]``
+batch. The learner normalises the rewards within each prompt's group (``MCAdvantage``), scores the frozen
+reference's log-probs over the response positions only, fills a ``ReplayBuffer`` and updates the policy with
+``GRPOLoss`` (its log-probs too over the response positions only) and AdamW over mini-batches. With
+``rollout.mode=async`` the collector runs in a child process and generates step ``t + 1`` while the learner trains
+on step ``t`` (at most ``rollout.max_policy_lag`` updates behind; the loss's importance ratio corrects for it).
+``rollout.env=chat`` collects with TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector`` instead (for
+multi-turn and tool transforms), padded into the same batches. Metrics go to the configured logger, checkpoints to
+``<output_dir>/checkpoints``, the final figures to ``summary.json``.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) every process joins one process group (gloo on CPU,
 nccl on CUDA, each process on ``cuda:<LOCAL_RANK>``) and collects its own ``responses_per_step`` responses: the
 prompt stream is dealt out between the processes and each samples with its own seed (``seed + rank``). The loss runs
-through a ``DistributedDataParallel`` wrapper of the policy, so every update applies the gradients averaged over all
-processes and the weights stay identical everywhere; metrics are averaged over the processes before rank 0 alone
-logs them, saves checkpoints and writes ``summary.json``. Every process gets the same ``hydra.run.dir`` (rank 0's
-output folder is used by all, but pass one explicitly so that Hydra does not create a folder per process).
+through a ``DistributedDataParallel`` wrapper of the policy's log-prob scorer, so every update applies the gradients
+averaged over all processes and the weights stay identical everywhere; metrics are averaged over the processes before
+rank 0 alone logs them, saves checkpoints and writes ``summary.json``. Every process gets the same
+``hydra.run.dir`` (rank 0's output folder is used by all, but pass one explicitly so that Hydra does not create a
+folder per process).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import set_list_to_stack
 from tqdm.auto import tqdm
 
+from recipes.common.collection import REWARD_INPUTS, PrepareBatch, make_collector
 from recipes.common.config import ConfigError, run_config, write_run_config
-from recipes.common.data import load_prompts
 from recipes.common.distributed import (
     DataParallel,
     check_ranks_in_sync,
@@ -52,7 +56,9 @@ from recipes.common.distributed import (
     save_rank_weights,
     setup_data_parallel,
 )
+from recipes.common.log_probs import ResponseLogProbs
 from recipes.common.logging import MetricLogger, make_logger
+from recipes.common.losses import ResponseGRPOLoss
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.resume import (
     MODEL_FOLDER,
@@ -63,22 +69,14 @@ from recipes.common.resume import (
     save_checkpoint,
     truncate_metrics_csv,
 )
-from recipes.common.rollout import (
-    RecomputeLogProbs,
-    make_chat_env,
-    make_log_prob_scorer,
-    make_policy,
-    make_prompt_dataloader,
-    pad_rollout,
-    unknown_generation_settings,
-)
+from recipes.common.rollout import unknown_generation_settings
+from recipes.common.sampling import SamplingSettings
 
-REWARD_INPUTS = ("history", "text", "tokens")
 BACKENDS = ("auto", "gloo", "nccl")
+ROLLOUT_ENVS = ("prompt", "chat")
+ROLLOUT_MODES = ("sync", "async")
 RANK_WEIGHTS_FOLDER = "rank_weights"
 SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
-# What the replay buffer keeps of a rollout besides its padded tokens and recomputed log-probs.
-CARRIED_KEYS = ("prompt_index", ("next", "reward"), ("next", "done"))
 
 
 # ----------------------------------------------------------------------------------------------------- validation
@@ -118,15 +116,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all.")
     if cfg.summary.window < 1:
         raise ConfigError(f"summary.window={cfg.summary.window} must be >= 1.")
-    generation = cfg.rollout.generation
-    _validate_generation_keys(generation)
-    if generation.max_new_tokens < 1:
-        raise ConfigError(f"rollout.generation.max_new_tokens={generation.max_new_tokens} must be >= 1.")
-    if generation.do_sample and generation.temperature <= 0:
-        raise ConfigError(
-            f"rollout.generation.temperature={generation.temperature} must be > 0 when sampling; GRPO needs diverse "
-            "responses within a group."
-        )
+    _validate_rollout(cfg.rollout)
     if cfg.reward.input not in REWARD_INPUTS:
         raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
     if cfg.loss.aggregation not in ("token_mean", "prompt_mean"):
@@ -167,13 +157,48 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
-def _validate_generation_keys(generation: DictConfig) -> None:
-    unknown = unknown_generation_settings(generation)
-    if unknown:
+def _validate_rollout(rollout: DictConfig) -> None:
+    if rollout.env not in ROLLOUT_ENVS:
+        raise ConfigError(f"rollout.env={rollout.env!r}: expected one of {list(ROLLOUT_ENVS)}.")
+    if rollout.mode not in ROLLOUT_MODES:
+        raise ConfigError(f"rollout.mode={rollout.mode!r}: expected one of {list(ROLLOUT_MODES)}.")
+    if rollout.mode == "async" and rollout.env != "prompt":
         raise ConfigError(
-            f"rollout.generation.{unknown[0]}: not a generation setting (a transformers GenerationConfig field); "
-            "check the spelling (max_new_tokens, temperature, top_p, top_k, min_new_tokens...)."
+            f"rollout.mode=async runs the collector of rollout.env=prompt in a background process; rollout.env="
+            f"{rollout.env} collects in the learner's process only. Use rollout.env=prompt, or rollout.mode=sync."
         )
+    if rollout.max_policy_lag < 0:
+        raise ConfigError(f"rollout.max_policy_lag={rollout.max_policy_lag} must be >= 0.")
+    if rollout.collector_threads < 1:
+        raise ConfigError(f"rollout.collector_threads={rollout.collector_threads} must be >= 1.")
+    generation = rollout.generation
+    if rollout.env == "chat":
+        unknown = unknown_generation_settings(generation)
+        if unknown:
+            raise ConfigError(
+                f"rollout.generation.{unknown[0]}: not a generation setting (a transformers GenerationConfig field); "
+                "check the spelling (max_new_tokens, temperature, top_p, top_k, min_new_tokens...)."
+            )
+    else:
+        unknown = sorted(set(map(str, generation)) - set(SamplingSettings.names()))
+        if unknown:
+            raise ConfigError(
+                f"rollout.generation.{unknown[0]}: not a generation setting of rollout.env=prompt's sampler, which "
+                f"takes {SamplingSettings.names()}; check the spelling, or use rollout.env=chat (TorchRL's "
+                "TransformersWrapper passes any transformers GenerationConfig field to generate())."
+            )
+    if generation.max_new_tokens < 1:
+        raise ConfigError(f"rollout.generation.max_new_tokens={generation.max_new_tokens} must be >= 1.")
+    if generation.do_sample and generation.temperature <= 0:
+        raise ConfigError(
+            f"rollout.generation.temperature={generation.temperature} must be > 0 when sampling; GRPO needs diverse "
+            "responses within a group."
+        )
+    if rollout.env == "prompt":
+        try:
+            SamplingSettings.from_mapping(generation)
+        except ValueError as error:
+            raise ConfigError(f"rollout.generation: {error}") from None
 
 
 def _validate_distributed(cfg: DictConfig) -> None:
@@ -203,13 +228,14 @@ def _validate_distributed(cfg: DictConfig) -> None:
 
 @dataclass
 class Models:
-    """What the run loads: the policy and its tokenizer, the reward model and its own, the frozen reference."""
+    """What the learner loads: the policy and its tokenizer, the frozen reference, and the reward model and its
+    tokenizer (``None`` when the collector runs in a background process, which loads its own)."""
 
     tokenizer: Any
     policy: Any
-    reward_tokenizer: Any
-    reward_model: Any
     reference: Any | None
+    reward_tokenizer: Any | None
+    reward_model: Any | None
 
 
 def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
@@ -219,49 +245,23 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
         policy_node = OmegaConf.merge(
             cfg.model, {"name_or_path": str(resume_from / MODEL_FOLDER), "tokenizer_name_or_path": None}
         )
-    reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
     reference = None
     if cfg.loss.kl_to_ref_coeff:
         reference = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
+    reward_tokenizer = reward_model = None
+    if cfg.rollout.mode == "sync":
+        reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+        reward_model = load_reward_model(
+            cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
+        ).eval()
     return Models(
         tokenizer=load_tokenizer(policy_node, padding_side="left"),
         # eval(): GRPO's importance ratios compare forward passes that must not differ by dropout.
         policy=load_causal_lm(policy_node, device=cfg.device, dtype=cfg.dtype).eval(),
-        reward_tokenizer=reward_tokenizer,
-        reward_model=load_reward_model(
-            cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
-        ).eval(),
         reference=reference,
+        reward_tokenizer=reward_tokenizer,
+        reward_model=reward_model,
     )
-
-
-def make_reward_transforms(cfg: DictConfig, reward_model, reward_tokenizer, policy_tokenizer) -> list:
-    """``RewardModelTransform`` over the reward model, then one accumulating transform per extra reward term."""
-    from interop import HFRewardModelWrapper, RewardModelTransform
-
-    keys = {name: tuple(key) for name, key in cfg.reward.read_keys.items()}
-    common = {
-        "inference_mode": True,
-        "micro_batch_size": cfg.reward.micro_batch_size,
-        "max_length": cfg.reward.max_length,
-    }
-    if cfg.reward.input == "tokens":
-        if reward_tokenizer.get_vocab() != policy_tokenizer.get_vocab():
-            raise ConfigError(
-                "reward.input=tokens feeds the policy's token ids to the reward model, but the two tokenizers differ "
-                f"({cfg.model.name_or_path} vs {cfg.reward_model.name_or_path}); use reward.input=history or text."
-            )
-        wrapper = HFRewardModelWrapper(
-            reward_model, token_key=keys["tokens"], attention_mask_key=keys["attention_mask"], **common
-        )
-    elif cfg.reward.input == "text":
-        wrapper = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, text_key=keys["text"], **common)
-    else:
-        wrapper = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, history_key=keys["history"], **common)
-    transforms = [RewardModelTransform(wrapper)]
-    for term in cfg.reward.terms.values():
-        transforms.append(RewardModelTransform(instantiate(term), accumulate=True))
-    return transforms
 
 
 def make_replay_buffer(cfg: DictConfig):
@@ -275,79 +275,27 @@ def make_replay_buffer(cfg: DictConfig):
     )
 
 
-def make_collector(
-    cfg: DictConfig, models: Models, buffer, *, actor, start_step: int, num_replicas: int = 1, rank: int = 0
-):
-    """``LLMCollector`` over the prompt env; each batch is padded, gets its advantages and log-probs, then goes into
-    ``buffer``.
-
-    With ``num_replicas`` data-parallel processes, each draws its own prompts from the one shared stream."""
-    from torchrl.collectors.llm import LLMCollector
-
-    from recipes.common.losses import GroupAdvantage
-
-    group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
-    # The prompt stream is a function of the step (each step draws per_step / group prompts per process): resuming
-    # continues it.
-    loader = make_prompt_dataloader(
-        load_prompts(cfg.data, "train"),
-        seed=cfg.seed,
-        start=start_step * (per_step // group) * num_replicas,
-        num_replicas=num_replicas,
-        rank=rank,
-    )
-    env = make_chat_env(
-        loader,
-        tokenizer=models.tokenizer,
-        group_size=group,
-        num_prompts=per_step // group,
-        system_prompt=cfg.rollout.system_prompt,
-        transforms=make_reward_transforms(cfg, models.reward_model, models.reward_tokenizer, models.tokenizer),
-    )
-    micro = cfg.rollout.log_prob_micro_batch_size
-    # On-policy, the old log-probs would equal the loss's own: OnPolicyGRPOLoss takes those, saving a forward pass.
-    recomputes = [] if is_on_policy(cfg) else [RecomputeLogProbs(actor, micro_batch_size=micro)]
-    if models.reference is not None:
-        reference = make_log_prob_scorer(models.reference, models.tokenizer, device=cfg.device, padded=True)
-        recomputes.append(
-            RecomputeLogProbs(reference, out_key=("next", "ref_log_probs", "full"), micro_batch_size=micro)
-        )
-
-    pad_token_id = models.tokenizer.pad_token_id
-    # MCAdvantage normalises each reward within its prompt's group (each step holds whole groups).
-    advantage = GroupAdvantage(group, prompt_key="prompt_index")
-
-    def postproc(rollout):
-        # Only what the loss and the metrics read goes on, as dense [B, T] tensors: the ragged per-sample tensors,
-        # chat histories and texts would cost more to move around than the forward passes.
-        batch = pad_rollout(rollout, pad_token_id=pad_token_id)
-        batch.update(rollout.select(*CARRIED_KEYS).to_tensordict())
-        advantage(batch)
-        for recompute in recomputes:
-            recompute(batch)
-        return batch
-
-    return LLMCollector(
-        env,
-        policy=make_policy(models.policy, models.tokenizer, generation=cfg.rollout.generation, device=cfg.device),
-        dialog_turns_per_batch=per_step,
-        total_dialog_turns=max(cfg.train.steps - start_step, 1) * per_step,
-        replay_buffer=buffer,
-        postproc=postproc,
-    )
-
-
 def is_on_policy(cfg: DictConfig) -> bool:
     """One update per step: the responses train the very policy that sampled them, old log-probs = current ones."""
     return cfg.train.epochs_per_step == 1 and cfg.train.mini_batch_size == cfg.rollout.responses_per_step
 
 
-def make_loss(cfg: DictConfig, actor):
-    from recipes.common.losses import OnPolicyGRPOLoss
+def make_batch_preparation(cfg: DictConfig, models: Models, scorer) -> PrepareBatch:
+    """Advantages and reference log-probs; the old log-probs too where the collector records none (``chat``) and a
+    step makes several updates. On-policy, the loss takes its own (as trl does with one update per batch)."""
+    scores_old = cfg.rollout.env == "chat" and not is_on_policy(cfg)
+    return PrepareBatch(
+        cfg.rollout.group_size,
+        reference=ResponseLogProbs(models.reference) if models.reference is not None else None,
+        policy=scorer if scores_old else None,
+        micro_batch_size=cfg.rollout.log_prob_micro_batch_size,
+    )
 
-    # GRPOLoss, except that a batch without old log-probs (is_on_policy: none are recomputed) takes the current ones.
-    return OnPolicyGRPOLoss(
-        actor,
+
+def make_loss(cfg: DictConfig, scorer) -> ResponseGRPOLoss:
+    # GRPOLoss over the response positions; a batch without old log-probs (on-policy chat) takes the current ones.
+    return ResponseGRPOLoss(
+        scorer,
         clip_epsilon=cfg.loss.clip_epsilon,
         entropy_bonus=True,  # also what reports train/entropy; its weight in the loss is entropy_coeff
         entropy_coeff=cfg.loss.entropy_coeff,
@@ -487,22 +435,12 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
 
     models = load_models(cfg, resume_from=resume_from)
     oracle = instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
-    # One non-generating wrapper over the policy both recomputes the old log-probs and is GRPOLoss's actor; it goes
-    # through the DDP wrapper, so the loss's backward averages the gradients over the ranks. The sampling policy
-    # uses the bare model: same weights, and generation needs no gradient.
-    trained = make_data_parallel_policy(models.policy, data_parallel, device=cfg.device)
-    actor = make_log_prob_scorer(trained, models.tokenizer, device=cfg.device, padded=True)
+    # The policy's log-probs over the response positions, for the loss (and the old log-probs where a step needs
+    # them scored); through the DDP wrapper, so that the loss's backward averages the gradients over the ranks.
+    scorer = make_data_parallel_policy(ResponseLogProbs(models.policy), data_parallel, device=cfg.device)
+    prepare = make_batch_preparation(cfg, models, scorer)
     buffer = make_replay_buffer(cfg)
-    collector = make_collector(
-        cfg,
-        models,
-        buffer,
-        actor=actor,
-        start_step=start_step,
-        num_replicas=data_parallel.world_size,
-        rank=data_parallel.rank,
-    )
-    loss_module = make_loss(cfg, actor)
+    loss_module = make_loss(cfg, scorer)
     parameters = list(models.policy.parameters())  # a list: clipped at every update, not a spent generator
     optimizer = instantiate(cfg.optimizer)(parameters)
 
@@ -510,36 +448,66 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         progress = {key: state[key] for key in progress}
-        _restore_rng(cfg, state, data_parallel, start_step)
         if is_main:
             truncate_metrics_csv(output_dir / "metrics.csv", start_step)
-    else:
-        # Seeded once everything is built, so that the run depends on the seed and not on what loading drew; each
-        # rank samples its own responses.
-        random.seed(cfg.seed + data_parallel.rank)
-        torch.manual_seed(cfg.seed + data_parallel.rank)
     history = progress["history"]
 
     logger = (
         make_logger(cfg.logger, output_dir, config=run_config(cfg)) if is_main else MetricLogger("none", output_dir)
     )
-    setup_time = time.perf_counter() - setup_start
     show_bar = cfg.progress_bar and is_main
     bar = tqdm(total=cfg.train.steps, initial=start_step, desc="GRPO", unit="step", disable=not show_bar)
     gather = data_parallel.gather if data_parallel.active else None
+    collector = None
     try:
+        # Last, and inside the try: an async collector is a child process, which the finally below always stops.
+        collector = make_collector(
+            cfg, models, start_step=start_step, num_replicas=data_parallel.world_size, rank=data_parallel.rank
+        )
+        if state is not None:
+            _restore_rng(cfg, state, data_parallel, start_step)
+        else:
+            # Seeded once everything is built, so that the run depends on the seed and not on what loading drew;
+            # each rank samples its own responses.
+            random.seed(cfg.seed + data_parallel.rank)
+            torch.manual_seed(cfg.seed + data_parallel.rank)
+        setup_time = time.perf_counter() - setup_start
         batches = iter(collector)
         for step in range(start_step + 1, cfg.train.steps + 1):
             step_start = time.perf_counter()
-            next(batches)  # generates, scores, recomputes log-probs and fills the buffer
-            rollout_time = time.perf_counter() - step_start
-            metrics, tokens = rollout_metrics(buffer[:], models.tokenizer, oracle, gather=gather)
+            batch = next(batches)  # env -> policy -> reward, here or in the background collector
+            waited = time.perf_counter() - step_start
+            timings = prepare(batch)  # group advantages, reference (and missing old) log-probs
+            lag = step - 1 - int(batch["policy_version"].min())
+            if lag > cfg.rollout.max_policy_lag:
+                raise RuntimeError(
+                    f"Step {step} got responses sampled {lag} updates ago, more than rollout.max_policy_lag="
+                    f"{cfg.rollout.max_policy_lag}; the collector did not wait for the weights."
+                )
+            metrics, tokens = rollout_metrics(batch, models.tokenizer, oracle, gather=gather)
+            buffer.extend(batch)
+            update_start = time.perf_counter()
             updates = optimize(cfg, loss_module, optimizer, buffer, parameters)
             buffer.empty()
+            collector.update_policy_weights_(models.policy, version=step)
 
             step_time = time.perf_counter() - step_start
+            collected = collector.last_timings
             # Each rank's own diagnostics and times, averaged; the rollout figures above are already global.
-            updates.update({"perf/rollout_time_s": rollout_time, "perf/step_time_s": step_time})
+            updates.update(
+                {
+                    "train/policy_lag": float(lag),
+                    "perf/generate_s": collected["generate_s"],
+                    "perf/reward_s": collected["collect_s"] - collected["generate_s"],
+                    "perf/advantage_s": timings["advantage_s"],
+                    "perf/reference_s": timings["log_probs_s"],
+                    "perf/update_s": time.perf_counter() - update_start,
+                    "perf/wait_s": waited,
+                    # Where the responses were collected (here or in the background), plus their preparation.
+                    "perf/rollout_time_s": collected["collect_s"] + timings["advantage_s"] + timings["log_probs_s"],
+                    "perf/step_time_s": step_time,
+                }
+            )
             metrics.update(data_parallel.mean(updates))
             metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
             if not all(math.isfinite(v) for v in metrics.values()):
@@ -575,7 +543,8 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     finally:
         bar.close()
         logger.close()
-        collector.shutdown()
+        if collector is not None:
+            collector.shutdown()
 
     summary = summarize(
         history,

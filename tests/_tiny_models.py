@@ -56,6 +56,28 @@ def qwen2_config(tok, **overrides):
     return transformers.Qwen2Config(**{**fields, **overrides})
 
 
+def build_reward_model_with_own_tokenizer(folder):
+    """A Qwen2 reward model (``num_labels=1``, untrained) whose tokenizer is not the tiny policy's: another
+    vocabulary, pad id and chat template. Saved to ``folder``, which is returned."""
+    from recipes.common.synthetic import make_sft_conversations
+
+    corpus = [m["content"] for c in make_sft_conversations(300, seed=7) for m in c]
+    tokenizer = build_tokenizer(
+        folder,
+        corpus,
+        350,
+        special_tokens=("<eos>", "<pad>", "<u>", "<a>"),
+        pad_token="<pad>",
+        eos_token="<eos>",
+        chat_template="{% for m in messages %}{{ '<u>' if m['role'] == 'user' else '<a>' }}{{ m['content'] }}<eos>"
+        "{% endfor %}",
+    )
+    torch.manual_seed(0)
+    config = qwen2_config(tokenizer, num_hidden_layers=1, num_labels=1)
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
 class ToyRewardModel(torch.nn.Linear):
     """The stand-in reward model of TorchRL's TRL-interoperability tutorial (Linear over the token ids)."""
 

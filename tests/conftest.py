@@ -53,6 +53,14 @@ def tiny_policy(tiny_dir):
     return model, tokenizer
 
 
+@pytest.fixture(scope="session")
+def other_rm_dir(tmp_path_factory) -> Path:
+    """A reward model with a tokenizer of its own: other vocabulary, other pad id, other chat template."""
+    from _tiny_models import build_reward_model_with_own_tokenizer
+
+    return build_reward_model_with_own_tokenizer(tmp_path_factory.mktemp("other_rm"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _list_to_stack():
     """TorchRL's LLM stack needs tensordict's list-to-stack mode: every test runs in it, as the recipes do."""

@@ -1,7 +1,8 @@
 """TorchRL advantages and losses as the recipes use them.
 
 - :class:`GroupAdvantage`: TorchRL's ``MCAdvantage`` (GRPO's group normalisation) run over the three entries it reads.
-- :class:`OnPolicyGRPOLoss`: TorchRL's ``GRPOLoss`` for batches trained on once, right after they were sampled.
+- :class:`ResponseGRPOLoss`: TorchRL's ``GRPOLoss`` whose policy log-probs are computed over the response positions
+  of a dense batch only (``recipes.common.log_probs.ResponseLogProbs``), never as ``[B, T, V]`` logits.
 
 Dependencies: torch, tensordict, torchrl.
 """
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 import torch
 from tensordict import NestedKey, TensorDictBase
+from torch.distributions import Distribution
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
-__all__ = ["GroupAdvantage", "OnPolicyGRPOLoss"]
+from recipes.common.log_probs import response_start
+
+__all__ = ["GroupAdvantage", "ResponseGRPOLoss"]
 
 
 class GroupAdvantage:
@@ -82,23 +86,59 @@ class GroupAdvantage:
         return batch
 
 
-class OnPolicyGRPOLoss(GRPOLoss):
-    """``GRPOLoss`` that reads a batch without old log-probs as on-policy: the old log-probs are the current ones.
+class _ScoredTokens(Distribution):
+    """What ``GRPOLoss`` reads of a token distribution, already computed: the log-probs of the tokens it is asked
+    about, the entropies, and the mask of the positions that count (the response tokens)."""
 
-    When every step's responses go through a single update, the policy that sampled them is the policy being updated:
-    the old log-probs of the importance ratio equal the current ones, the ratio is exactly 1 and nothing is clipped.
-    Recomputing them costs one forward pass over the batch for nothing; this loss takes the current log-probs,
-    detached, in their place (as ``trl.GRPOTrainer`` does with one update per generation batch), so the objective,
-    its gradient and every diagnostic are those ``GRPOLoss`` gives with recomputed old log-probs.
+    arg_constraints = {}
 
-    A batch that carries old log-probs (at ``tensor_keys.sample_log_prob``) is trained exactly as by ``GRPOLoss``.
-    The arguments are ``GRPOLoss``'s.
+    def __init__(self, log_probs: torch.Tensor, entropy: torch.Tensor | None, mask: torch.Tensor) -> None:
+        super().__init__(batch_shape=log_probs.shape, validate_args=False)
+        self._log_probs, self._entropy, self.mask = log_probs, entropy, mask
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        return self._log_probs
+
+    def entropy(self) -> torch.Tensor:
+        if self._entropy is None:
+            raise RuntimeError("ResponseGRPOLoss: entropies were not computed (entropy_bonus=False).")
+        return self._entropy
+
+
+class ResponseGRPOLoss(GRPOLoss):
+    """``GRPOLoss`` over dense ``[B, T]`` batches, scoring the response positions only.
+
+    TorchRL's LLM actors compute ``[B, T, V]`` logits and a log-softmax over every position, prompt included, to take
+    the response tokens' log-probs and entropies. This loss gets them from a
+    :class:`~recipes.common.log_probs.ResponseLogProbs` (chunked LM head over the response positions), in the same
+    ``[B, T]`` layout, zero outside the response, with the response tokens as the mask (``masking_strategy="sft"``):
+    the objective, clipping, KL terms, aggregation and diagnostics are ``GRPOLoss``'s own, with the same values.
+
+    A batch without old log-probs (at ``tensor_keys.sample_log_prob``) is read as on-policy: it trains the very
+    policy that sampled it, so the current log-probs, detached, stand in for them (as ``trl.GRPOTrainer`` does with
+    one update per generation batch): the ratio is exactly 1, and a forward pass is saved.
+
+    Args:
+        scorer: a ``ResponseLogProbs`` over the policy (or a ``DistributedDataParallel`` wrapping one, so that the
+            backward averages the gradients over the processes).
+
+    Keyword Args:
+        The keyword arguments of ``GRPOLoss`` (``masking_strategy`` must stay ``"sft"``).
     """
 
+    def __init__(self, scorer, **kwargs) -> None:
+        if kwargs.get("masking_strategy", "sft") != "sft":
+            raise ValueError("ResponseGRPOLoss: the loss counts the response tokens only (masking_strategy='sft').")
+        super().__init__(scorer, **kwargs)
+
     def _get_cur_log_prob(self, tensordict):
-        # GRPOLoss.forward works on a shallow copy of the batch, and its _log_weight reads the old log-probs right
-        # after this call: writing them here leaves the caller's batch untouched.
-        log_prob, dist, is_composite = super()._get_cur_log_prob(tensordict)
+        tokens = tensordict.get(self.tensor_keys.action)
+        mask = tensordict.get(("masks", "all_attention_mask")).bool()
+        start = response_start(tensordict)
+        log_prob, entropy = self.actor_network(tokens, mask, response_start=start, with_entropy=self.entropy_bonus)
+        response = mask.clone()
+        response[:, :start] = False
+        # GRPOLoss.forward works on a shallow copy of the batch: writing here leaves the caller's batch untouched.
         if tensordict.get(self.tensor_keys.sample_log_prob, None) is None:
             tensordict.set(self.tensor_keys.sample_log_prob, log_prob.detach())
-        return log_prob, dist, is_composite
+        return log_prob, _ScoredTokens(log_prob, entropy, response), False

@@ -1,17 +1,17 @@
 """TorchRL rollout building blocks shared by the recipes: prompts -> ``ChatEnv`` -> ``TransformersWrapper`` -> rewards.
 
-A single-turn LLM rollout, the TorchRL way (what ``recipes/grpo_torchrl_rm.py`` collects, and what a reward-model
-recipe can use to sample candidate responses)::
+A single-turn LLM rollout with TorchRL's chat stack (what ``recipes/grpo_torchrl_rm.py`` collects with
+``rollout.env=chat``, for TorchRL's multi-turn and tool transforms, and what the reward-model recipe samples candidate
+responses with)::
 
     set_list_to_stack(True).set()                      # TorchRL's LLM stack needs it, once per process
     loader = make_prompt_dataloader(prompts, seed=0)   # endless, reshuffled, resumable {"query": [prompt], ...}
     env = make_chat_env(loader, tokenizer=tok, group_size=G, num_prompts=P, transforms=[reward_transform])
     policy = make_policy(model, tok, generation={"max_new_tokens": 32, "temperature": 1.0, "do_sample": True})
     rollout = policy(env.reset())                      # P prompts x G responses, prompts grouped contiguously
-    scorer = make_log_prob_scorer(model, tok)
-    RecomputeLogProbs(scorer)(rollout)                 # ("log_probs", "full") as the loss must see them
-    batch = pad_rollout(rollout, pad_token_id=tok.pad_token_id)   # or train on dense [B, T] tensors (faster):
-    RecomputeLogProbs(make_log_prob_scorer(model, tok, padded=True))(batch)
+    batch = pad_rollout(rollout, pad_token_id=tok.pad_token_id)   # dense [B, T] tensors, what the loss trains on
+
+The GRPO recipe's default rollout is denser and faster: ``recipes.common.prompt_env`` + ``recipes.common.sampling``.
 
 Public functions and classes:
 
@@ -21,12 +21,10 @@ Public functions and classes:
 - :func:`make_chat_env`: a single-turn ``ChatEnv`` (history mode) fed by that loader, ``group_size`` copies of each
   prompt, ``num_prompts`` prompts per reset, with extra transforms (rewards) appended.
 - :func:`make_policy`: ``TransformersWrapper`` in generate mode; generation settings come from a config mapping.
-- :func:`make_log_prob_scorer` and :class:`RecomputeLogProbs`: log-probs of the sampled sequences recomputed by a
-  non-generating wrapper. TorchRL 0.14.1's wrapper in generate mode leaves ``("log_probs", "full")`` empty and zeroes
-  the first response log-prob, so the old (behaviour) and reference log-probs that ``GRPOLoss`` reads are recomputed.
 - :func:`pad_rollout`: a ragged rollout as dense ``[B, T]`` tensors, each response starting at the same column, the
-  layout a padded scorer (``padded=True``) and ``GRPOLoss`` train on with the same numbers as the ragged one and
-  without TorchRL's per-sample unpadding and re-padding.
+  layout ``recipes.common.log_probs.ResponseLogProbs`` and the GRPO loss train on, without TorchRL's per-sample
+  unpadding and re-padding. (TorchRL 0.14.1's wrapper in generate mode zeroes the first response log-prob: the
+  recipe scores the old log-probs again where a step needs them.)
 - :func:`response_texts`: the decoded responses of a rollout, special tokens removed.
 - Reward terms, TensorDict modules with one reward per sample that ``interop.RewardModelTransform(term,
   accumulate=True)`` adds to the reward model's score: :class:`LengthPenalty`, :class:`TextScoreReward`.
@@ -40,17 +38,15 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
-from tensordict import NestedKey, TensorDictBase, lazy_stack, list_to_stack
+from tensordict import NestedKey, TensorDictBase, list_to_stack
 from tensordict.nn import TensorDictModuleBase
 from torch.utils.data import DataLoader, Sampler
 
 __all__ = [
     "EndlessShuffleSampler",
     "LengthPenalty",
-    "RecomputeLogProbs",
     "TextScoreReward",
     "make_chat_env",
-    "make_log_prob_scorer",
     "make_policy",
     "make_prompt_dataloader",
     "pad_rollout",
@@ -251,7 +247,8 @@ def make_policy(model, tokenizer, *, generation: Mapping, device=None):
 
     Outputs ragged (``pad_output=False``) ``("tokens", "prompt"|"response"|"full")``, ``("masks",
     "all_attention_mask")``, ``("text", ...)`` and ``("history", ...)``. Its log-probs are not what a loss needs
-    (see :class:`RecomputeLogProbs`), so none are returned unless ``generation`` asks with ``return_log_probs``.
+    (TorchRL 0.14.1 zeroes the first response token's), so none are returned unless ``generation`` asks with
+    ``return_log_probs``.
 
     Args:
         model: a ``transformers`` causal LM.
@@ -295,39 +292,6 @@ def make_policy(model, tokenizer, *, generation: Mapping, device=None):
     return policy
 
 
-def make_log_prob_scorer(model, tokenizer, *, device=None, padded: bool = False):
-    """A non-generating ``TransformersWrapper`` that scores the token sequences at ``("tokens", "full")``.
-
-    It writes ``("log_probs", "full")``: the log-prob of every token given the ones before it (0 for the first),
-    one tensor per sample. It is also the actor ``GRPOLoss`` needs: in ``tokens`` mode it reads the sampled tokens
-    as they are, where a ``history``-mode learner would re-tokenize the text and could disagree with them.
-
-    Args:
-        model: the causal LM to score with (the policy, or the frozen reference).
-        tokenizer: its tokenizer (for the pad id).
-
-    Keyword Args:
-        device: where the wrapper puts the model inputs.
-        padded: ``False`` reads and writes one tensor per sample (ragged rollouts); ``True`` reads and writes
-            ``[B, T]`` tensors in the layout of :func:`pad_rollout`, which is what ``GRPOLoss`` with
-            ``masking_strategy="sft"`` expects of a padded actor (the response starts at the same column in every
-            row). Padded batches skip the per-sample unpadding and re-padding: several times faster on small models.
-    """
-    from torchrl.modules.llm import TransformersWrapper
-
-    _check_tokenizer(tokenizer, "make_log_prob_scorer")
-    return TransformersWrapper(
-        model,
-        tokenizer=tokenizer,
-        input_mode="tokens",
-        input_key=("tokens", "full"),
-        generate=False,
-        return_log_probs=True,
-        pad_output=padded,
-        device=device,
-    )
-
-
 def _check_tokenizer(tokenizer, what: str) -> None:
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError(
@@ -336,68 +300,6 @@ def _check_tokenizer(tokenizer, what: str) -> None:
         )
     if tokenizer.padding_side != "left":
         raise ValueError(f"{what}: generation needs left padding; set tokenizer.padding_side = 'left'.")
-
-
-class RecomputeLogProbs:
-    """Writes the log-probs a scorer gives the sampled sequences into a rollout, in place, without gradients.
-
-    Used as the collector's ``postproc``: with the policy's own scorer it fills ``("log_probs", "full")`` (the old
-    log-probs of the importance ratio); with the frozen reference model's scorer and
-    ``out_key=("next", "ref_log_probs", "full")`` it fills what ``GRPOLoss`` reads for its KL term.
-
-    Args:
-        scorer: a wrapper from :func:`make_log_prob_scorer`. A padded one (``padded=True``) reads a :func:`pad_rollout`
-            batch and writes one ``[B, T]`` tensor; a ragged one reads and writes one tensor per sample.
-
-    Keyword Args:
-        out_key: where the per-sample log-probs go.
-        micro_batch_size: sequences per forward pass; ``None`` scores the whole batch at once.
-    """
-
-    def __init__(
-        self, scorer, *, out_key: NestedKey = ("log_probs", "full"), micro_batch_size: int | None = None
-    ) -> None:
-        if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"RecomputeLogProbs: micro_batch_size must be >= 1 or None, got {micro_batch_size}.")
-        self.scorer = scorer
-        self.out_key = out_key
-        self.micro_batch_size = micro_batch_size
-
-    @torch.no_grad()
-    def __call__(self, rollout: TensorDictBase) -> TensorDictBase:
-        if rollout.ndim != 1:
-            raise ValueError(
-                f"RecomputeLogProbs: expected a flat batch of sequences, got batch size {tuple(rollout.batch_size)}; "
-                "flatten it first (LLMCollector does when it writes to a replay buffer)."
-            )
-        if self.scorer.pad_output:
-            return self._padded(rollout)
-        samples = list(rollout.unbind(0))
-        size = self.micro_batch_size or len(samples)
-        log_probs = []
-        for start in range(0, len(samples), size):
-            inputs = lazy_stack(
-                [s.select(("tokens", "full"), ("masks", "all_attention_mask")) for s in samples[start : start + size]]
-            )
-            scored = self.scorer(inputs)
-            log_probs.extend(scored.get(("log_probs", "full"), as_list=True))
-        # Ragged lazy stacks only take per-sample writes.
-        for sample, value in zip(samples, log_probs, strict=True):
-            sample.set(self.out_key, value.detach())
-        return rollout
-
-    def _padded(self, rollout: TensorDictBase) -> TensorDictBase:
-        keys = (("tokens", "full"), ("masks", "all_attention_mask"))
-        size = self.micro_batch_size or rollout.shape[0]
-        chunks = [
-            self.scorer(rollout[start : start + size].select(*keys)).get(("log_probs", "full"))
-            for start in range(0, rollout.shape[0], size)
-        ]
-        rollout.set(self.out_key, torch.cat(chunks).detach())
-        return rollout
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(out_key={self.out_key!r}, micro_batch_size={self.micro_batch_size})"
 
 
 def pad_rollout(rollout: TensorDictBase, *, pad_token_id: int) -> TensorDictBase:
@@ -464,9 +366,12 @@ class LengthPenalty(TensorDictModuleBase):
     Keyword Args:
         coefficient: penalty per token beyond ``free_tokens``.
         free_tokens: response length that costs nothing.
-        tokens_key: the response token ids (ragged or padded; padding must be the tokenizer's pad id, and
-            ``pad_token_id`` set to exclude it).
-        pad_token_id: id not counted as a token; ``None`` counts every position.
+        tokens_key: the response token ids: one tensor per sample (TorchRL's ragged layout), or a dense ``[B, R]``
+            tensor, whose length per row is then read from the last ``R`` columns of ``mask_key``.
+        mask_key: the attention mask of dense rows (``[pads | prompt | response | pads]``, as
+            ``recipes.common.sampling.SamplingPolicy`` writes it); ignored for ragged samples.
+        pad_token_id: with ragged samples, or dense ones without a mask: the id not counted as a token; ``None``
+            counts every position.
         reward_key: the entry written, one float per sample.
 
     Examples:
@@ -474,6 +379,13 @@ class LengthPenalty(TensorDictModuleBase):
         >>> from tensordict import lazy_stack, TensorDict
         >>> td = lazy_stack([TensorDict({"tokens": {"response": torch.ones(n, dtype=torch.long)}}) for n in (3, 12)])
         >>> LengthPenalty(coefficient=0.5, free_tokens=10)(td)["length_penalty"]
+        tensor([ 0., -1.])
+        >>> dense = TensorDict(
+        ...     {"tokens": {"response": torch.tensor([[5, 1, 0], [5, 6, 1]])},
+        ...      "masks": {"all_attention_mask": torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]]).bool()}},
+        ...     batch_size=[2],
+        ... )
+        >>> LengthPenalty(coefficient=1.0, free_tokens=2)(dense)["length_penalty"]
         tensor([ 0., -1.])
     """
 
@@ -483,6 +395,7 @@ class LengthPenalty(TensorDictModuleBase):
         coefficient: float,
         free_tokens: int = 0,
         tokens_key: NestedKey = ("tokens", "response"),
+        mask_key: NestedKey | None = ("masks", "all_attention_mask"),
         pad_token_id: int | None = None,
         reward_key: NestedKey = "length_penalty",
     ) -> None:
@@ -490,16 +403,21 @@ class LengthPenalty(TensorDictModuleBase):
         self.coefficient = coefficient
         self.free_tokens = free_tokens
         self.tokens_key = tokens_key
+        self.mask_key = mask_key
         self.pad_token_id = pad_token_id
-        self.in_keys = [tokens_key]
+        self.in_keys = [tokens_key] + ([mask_key] if mask_key is not None else [])
         self.out_keys = [reward_key]
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         flat = tensordict.reshape(-1)
         tokens = flat.get(self.tokens_key, as_list=True)
-        lengths = torch.tensor(
-            [float(t.numel() if self.pad_token_id is None else (t != self.pad_token_id).sum()) for t in tokens]
-        )
+        mask = flat.get(self.mask_key, None, as_list=True) if self.mask_key is not None else None
+        if isinstance(tokens, torch.Tensor) and isinstance(mask, torch.Tensor):
+            lengths = mask[:, -tokens.shape[-1] :].sum(-1).float()  # dense rows: the response's mask columns
+        else:
+            lengths = torch.tensor(
+                [float(t.numel() if self.pad_token_id is None else (t != self.pad_token_id).sum()) for t in tokens]
+            )
         penalty = 0.0 - self.coefficient * (lengths - self.free_tokens).clamp_min(0.0)  # 0.0 - x: no -0.0
         tensordict.set(self.out_keys[0], penalty.reshape(tensordict.batch_size))
         return tensordict

@@ -9,14 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
-from _tiny_models import build_tokenizer, qwen2_config
 
 import recipes.grpo_torchrl_rm as recipe
+from recipes.common.collection import make_reward_transforms
 from recipes.common.config import ConfigError
 from recipes.common.resume import MODEL_FOLDER, latest_checkpoint, list_checkpoints, load_training_state
 
@@ -46,6 +45,12 @@ class TestValidation:
             (["reward.input=logits"], "reward.input='logits'"),
             (["rollout.generation.temperature=0"], "temperature=0"),
             (["+rollout.generation.max_new_token=8"], "rollout.generation.max_new_token: not a generation setting"),
+            (["+rollout.generation.typical_p=0.9"], "or use rollout.env=chat"),
+            (["rollout.generation.top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
+            (["rollout.env=dialog"], "rollout.env='dialog': expected one of ['prompt', 'chat']"),
+            (["rollout.mode=later"], "rollout.mode='later': expected one of ['sync', 'async']"),
+            (["rollout.mode=async", "rollout.env=chat"], "rollout.env=chat collects in the learner's process only"),
+            (["rollout.max_policy_lag=-1"], "rollout.max_policy_lag=-1 must be >= 0"),
             (["metric=eval/accuracy"], "metric='eval/accuracy' is not a summary.json entry"),
             (["resume=true"], "holds no checkpoint"),
             (["distributed.backend=mpi"], "distributed.backend='mpi'"),
@@ -75,10 +80,11 @@ class TestValidation:
             recipe.train(cfg)
 
 
-def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config, tmp_path):
+@pytest.mark.parametrize("env", ["prompt", "chat"])
+def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config, tmp_path, env):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    overrides = [f"output_dir={tmp_path}", "checkpoint.keep_last=1", "train.mini_batch_size=4"]
+    overrides = [f"output_dir={tmp_path}", "checkpoint.keep_last=1", "train.mini_batch_size=4", f"rollout.env={env}"]
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, *overrides])
     summary = recipe.train(cfg)
 
@@ -102,9 +108,15 @@ def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config
         "train/entropy",
         "perf/tokens_per_s",
         "perf/step_time_s",
+        "perf/generate_s",
+        "perf/reward_s",
+        "perf/reference_s",
+        "perf/update_s",
+        "train/policy_lag",
     ):
         assert all(torch.isfinite(torch.tensor(row[name])) for row in rows), name
     assert all(1 <= row["rollout/response_length"] <= 8 for row in rows)
+    assert [row["train/policy_lag"] for row in rows] == [0.0, 0.0]  # sync: every batch sampled by the current policy
     # One update per step: the first one starts from the reference weights and from the recomputed old log-probs,
     # so the importance ratio is exactly 1 (nothing clipped) and the KL is 0; after it, the policy has moved.
     assert rows[0]["train/kl_to_ref"] == pytest.approx(0.0, abs=1e-6)
@@ -165,25 +177,28 @@ def test_the_entropy_term_is_backpropagated_only_when_it_weighs(entropy_coeff):
         assert entropy.grad is None  # never reached by the backward pass
 
 
-OLD, REF = ("log_probs", "full"), ("next", "ref_log_probs", "full")
-
-
-@pytest.mark.parametrize(("mini_batch_size", "recomputed"), [(4, [REF]), (2, [OLD, REF])])
-def test_old_log_probs_are_recomputed_only_off_policy(
-    compose_config, tmp_path, monkeypatch, mini_batch_size, recomputed
+@pytest.mark.parametrize(
+    ("env", "mini_batch_size", "scores_old"),
+    [("prompt", 4, False), ("prompt", 2, False), ("chat", 4, False), ("chat", 2, True)],
+)
+def test_old_log_probs_are_scored_only_where_the_collector_records_none(
+    compose_config, tmp_path, monkeypatch, env, mini_batch_size, scores_old
 ):
-    """One update per step (4 responses, one mini-batch of 4) needs no old log-probs; two updates do."""
-    built = []
+    """The prompt env's policy records the behaviour log-probs as it samples: never scored again. TorchRL's chat
+    wrapper records none usable: scored when a step makes several updates (4 responses in mini-batches of 2), taken
+    from the loss itself when it makes one."""
+    prepared = []
 
-    class RecordingRecompute(recipe.RecomputeLogProbs):
-        def __init__(self, scorer, **kwargs):
-            super().__init__(scorer, **kwargs)
-            built.append(self.out_key)
+    class RecordingPrepare(recipe.PrepareBatch):
+        def __call__(self, batch):
+            timings = super().__call__(batch)
+            prepared.append((self.policy is not None, ("log_probs", "full") in batch.keys(True)))
+            return timings
 
-    monkeypatch.setattr(recipe, "RecomputeLogProbs", RecordingRecompute)
+    monkeypatch.setattr(recipe, "PrepareBatch", RecordingPrepare)
     overrides = [f"output_dir={tmp_path}", "train.steps=1", f"train.mini_batch_size={mini_batch_size}"]
-    recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides]))
-    assert built == recomputed
+    recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides, f"rollout.env={env}"]))
+    assert prepared == [(scores_old, env == "prompt" or scores_old)]
 
 
 def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
@@ -223,31 +238,6 @@ def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
             assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-4, abs=1e-5), (resumed["step"], key)
 
 
-@pytest.fixture(scope="module")
-def other_rm_dir(tmp_path_factory) -> Path:
-    """A reward model with a tokenizer of its own: other vocabulary, other pad id, other chat template."""
-    from transformers import Qwen2ForSequenceClassification
-
-    from recipes.common.synthetic import make_sft_conversations
-
-    folder = tmp_path_factory.mktemp("other_rm")
-    corpus = [m["content"] for c in make_sft_conversations(300, seed=7) for m in c]
-    tokenizer = build_tokenizer(
-        folder,
-        corpus,
-        350,
-        special_tokens=("<eos>", "<pad>", "<u>", "<a>"),
-        pad_token="<pad>",
-        eos_token="<eos>",
-        chat_template="{% for m in messages %}{{ '<u>' if m['role'] == 'user' else '<a>' }}{{ m['content'] }}<eos>"
-        "{% endfor %}",
-    )
-    torch.manual_seed(0)
-    config = qwen2_config(tokenizer, num_hidden_layers=1, num_labels=1)
-    Qwen2ForSequenceClassification(config).save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize("reward_input", ["history", "text"])
 def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
     compose_config, tmp_path, tiny_policy, other_rm_dir, reward_input
@@ -271,7 +261,7 @@ def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
     rm = AutoModelForSequenceClassification.from_pretrained(other_rm_dir).eval()
     assert rm_tokenizer.get_vocab() != policy_tokenizer.get_vocab()
 
-    transforms = recipe.make_reward_transforms(cfg, rm, rm_tokenizer, policy_tokenizer)
+    transforms = make_reward_transforms(cfg, rm, rm_tokenizer, policy_tokenizer)
     env = make_chat_env(
         make_prompt_dataloader(["Review the mug.", "Review the lamp."], seed=0, shuffle=False),
         tokenizer=policy_tokenizer,
@@ -315,7 +305,7 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
     ]
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.input=tokens", *terms])
     model, tokenizer = tiny_policy
-    transforms = recipe.make_reward_transforms(cfg, ConstantRewardModel(), tokenizer, tokenizer)
+    transforms = make_reward_transforms(cfg, ConstantRewardModel(), tokenizer, tokenizer)
     loader = make_prompt_dataloader(["Review the mug."], seed=0)
     env = make_chat_env(loader, tokenizer=tokenizer, group_size=4, transforms=transforms)
     policy = make_policy(model, tokenizer, generation=cfg.rollout.generation)

@@ -1,14 +1,17 @@
-"""recipes/common/losses.py: GroupAdvantage gives MCAdvantage's advantages, each in its own row.
+"""recipes/common/losses.py: GroupAdvantage gives MCAdvantage's advantages, each in its own row; ResponseGRPOLoss
+trains as TorchRL's GRPOLoss with its own LLM actor, on the batches the recipe's sampling policy writes.
 
-(OnPolicyGRPOLoss is tested with the tiny policy in test_rollout.py, beside the padded batches it trains on.)"""
+(The padded chat rollouts against the ragged ones: test_rollout.py, beside pad_rollout.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _grpo_helpers import grpo_loss_and_gradients, torchrl_actor
 from tensordict import TensorDict
 
-from recipes.common.losses import GroupAdvantage
+from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
+from recipes.common.losses import GroupAdvantage, ResponseGRPOLoss
 
 
 def _batch(prompt_index: list[int], *, seed: int = 0) -> TensorDict:
@@ -68,3 +71,76 @@ def test_an_incomplete_group_is_refused_and_forgotten():
     advantage(batch)
     rewards = batch["next", "reward"].view(-1)
     torch.testing.assert_close(batch["advantage"].view(-1), (rewards - rewards.mean()) / rewards.std())
+
+
+class TestResponseGRPOLoss:
+    """The recipe's loss on the batches its ``PromptEnv`` + ``SamplingPolicy`` collect."""
+
+    NAMES = ("loss_objective", "loss_entropy", "loss_kl_to_ref", "clip_fraction", "kl_to_ref", "entropy", "ESS")
+
+    @pytest.fixture(scope="class")
+    def batch(self, tiny_policy):
+        from recipes.common.prompt_env import PromptEnv
+        from recipes.common.sampling import SamplingPolicy, SamplingSettings
+
+        model, tokenizer = tiny_policy
+        prompts = ["Review the mug.", "What do you think of the bike and of its color?"]
+        env = PromptEnv(prompts, tokenizer=tokenizer, group_size=3, num_prompts=2, shuffle=False)
+        policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=48, top_k=50))
+        torch.manual_seed(5)
+        batch = policy(env.reset()).select(
+            ("tokens", "prompt"), ("tokens", "full"), ("masks", "all_attention_mask"), ("log_probs", "full")
+        )
+        assert batch["masks", "all_attention_mask"][:, -1].sum() < 6  # some responses end early: really padded
+        ScoreLogProbs(ResponseLogProbs(model), out_key=("next", "ref_log_probs", "full"))(batch)
+        batch.set("advantage", torch.linspace(-1.0, 1.0, 6).reshape(6, 1, 1))
+        return batch
+
+    def _assert_same(self, got, expected, *, names=NAMES):
+        (got_out, got_grads), (expected_out, expected_grads) = got, expected
+        for name in names:
+            torch.testing.assert_close(got_out.get(name), expected_out.get(name), atol=1e-5, rtol=1e-4, msg=name)
+        for got_grad, expected_grad in zip(got_grads, expected_grads, strict=True):
+            torch.testing.assert_close(got_grad, expected_grad, atol=1e-5, rtol=1e-4)
+
+    def test_equal_to_grpo_loss_with_torchrl_actor_off_policy(self, tiny_policy, batch):
+        """Old log-probs of an older policy (ratios far from 1, some clipped), KL and entropy terms on."""
+        from torchrl.objectives.llm import GRPOLoss
+
+        model, tokenizer = tiny_policy
+        older = batch.clone()
+        older.set(("log_probs", "full"), batch["next", "ref_log_probs", "full"] * 1.3)
+        expected = grpo_loss_and_gradients(GRPOLoss, torchrl_actor(model, tokenizer, padded=True), older)
+        got = grpo_loss_and_gradients(ResponseGRPOLoss, ResponseLogProbs(model), older)
+        assert expected[0].clip_fraction > 0
+        self._assert_same(got, expected)
+
+    def test_on_the_sampling_log_probs_the_ratio_is_one(self, tiny_policy, batch):
+        """As collected: the behaviour log-probs recorded while sampling are the loss's own, so nothing clips and
+        the loss is GRPOLoss's with those old log-probs."""
+        from torchrl.objectives.llm import GRPOLoss
+
+        model, tokenizer = tiny_policy
+        got = grpo_loss_and_gradients(ResponseGRPOLoss, ResponseLogProbs(model), batch.clone())
+        expected = grpo_loss_and_gradients(GRPOLoss, torchrl_actor(model, tokenizer, padded=True), batch.clone())
+        assert got[0].clip_fraction == 0 and got[0].kl_approx.abs() < 1e-5
+        self._assert_same(got, expected)
+
+    def test_without_old_log_probs_it_trains_on_policy(self, tiny_policy, batch):
+        """No old log-probs (a chat rollout trained once): the current ones, detached, as GRPOLoss with them."""
+        from torchrl.objectives.llm import GRPOLoss
+
+        model, tokenizer = tiny_policy
+        bare = batch.exclude(("log_probs", "full"))
+        recomputed = bare.clone()
+        ScoreLogProbs(ResponseLogProbs(model), out_key=("log_probs", "full"))(recomputed)
+        expected = grpo_loss_and_gradients(GRPOLoss, torchrl_actor(model, tokenizer, padded=True), recomputed)
+        got = grpo_loss_and_gradients(ResponseGRPOLoss, ResponseLogProbs(model), bare)
+        assert got[0].clip_fraction == 0
+        self._assert_same(got, expected)
+        assert ("log_probs", "full") not in bare.keys(True)  # the caller's batch is left as it was
+
+    def test_only_the_response_tokens_count(self, tiny_policy):
+        model, _ = tiny_policy
+        with pytest.raises(ValueError, match="masking_strategy='sft'"):
+            ResponseGRPOLoss(ResponseLogProbs(model), masking_strategy="rlhf")

@@ -107,7 +107,7 @@ def test_response_text_writes_what_torchrl_wrappers_write(tiny_policy):
         {"tokens": {"response": response}, "masks": {"all_attention_mask": mask}, "prompt_index": torch.tensor([1, 0])},
         batch_size=[2],
     )
-    out = ResponseText(table, tokenizer)(td)
+    out = ResponseText(table, tokenizer)(td.clone())
     assert list(out["text", "response"]) == ["it is good.<|im_end|>", tokenizer.decode(reply[:2])]
     assert out["text", "full"][0] == table.rendered(1)[0] + "it is good.<|im_end|>"
     assert out["history", "full"][0] == [

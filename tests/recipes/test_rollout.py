@@ -1,20 +1,21 @@
-"""TorchRL rollout building blocks (recipes/common/rollout.py) on the shipped tiny policy: prompts, env, sampling,
-recomputed log-probs, reward terms."""
+"""TorchRL rollout building blocks (recipes/common/rollout.py) on the shipped tiny policy: prompts, the chat env,
+sampling, the padded layout, reward terms."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _grpo_helpers import grpo_loss_and_gradients, torchrl_actor
 from omegaconf import OmegaConf
 from tensordict import TensorDict, lazy_stack
 
+from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
+from recipes.common.losses import ResponseGRPOLoss
 from recipes.common.rollout import (
     EndlessShuffleSampler,
     LengthPenalty,
-    RecomputeLogProbs,
     TextScoreReward,
     make_chat_env,
-    make_log_prob_scorer,
     make_policy,
     make_prompt_dataloader,
     pad_rollout,
@@ -110,18 +111,7 @@ def _sample_two_prompts(tiny_policy, *, group_size: int, seed: int, generation):
     return make_policy(model, tokenizer, generation=generation)(env.reset())
 
 
-def _grpo_loss_and_gradients(loss_class, scorer, batch):
-    """One GRPO loss (KL and entropy terms on) over ``batch`` and the gradients it gives the scorer's model."""
-    loss = loss_class(scorer, kl_to_ref_coeff=0.1, entropy_bonus=True, entropy_coeff=0.01, masking_strategy="sft")
-    scorer.model.zero_grad()
-    out = loss(batch)
-    (out.loss_objective + out.loss_entropy + out.loss_kl_to_ref).backward()
-    grads = [p.grad.clone() for p in scorer.model.parameters()]
-    scorer.model.zero_grad()
-    return out, grads
-
-
-class TestSamplingAndLogProbs:
+class TestSampling:
     @pytest.fixture(scope="class")
     def rollout(self, tiny_policy):
         return _sample_two_prompts(
@@ -150,34 +140,25 @@ class TestSamplingAndLogProbs:
         with pytest.raises(ValueError, match=r"\['max_new_token'\] are not generation settings"):
             make_policy(model, tokenizer, generation={"max_new_token": 8, "do_sample": True})
 
-    def test_recomputed_log_probs_match_a_manual_forward(self, tiny_policy, rollout):
+    def test_torchrl_zeroes_the_first_response_log_prob_which_the_padded_scorer_does_not(self, tiny_policy, rollout):
+        """Why ``rollout.env=chat`` scores the old log-probs again: TorchRL 0.14.1's generate mode sets the first
+        response log-prob to 0; ``ResponseLogProbs`` over the padded rollout gives every response token's."""
         model, tokenizer = tiny_policy
-        RecomputeLogProbs(make_log_prob_scorer(model, tokenizer), micro_batch_size=3)(rollout)
-        full = rollout.get(("tokens", "full"), as_list=True)
-        recomputed = rollout.get(("log_probs", "full"), as_list=True)
+        padded = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
+        start = padded["tokens", "prompt"].shape[-1]
+        with torch.no_grad():
+            scored, _ = ResponseLogProbs(model)(
+                padded["tokens", "full"], padded["masks", "all_attention_mask"], response_start=start
+            )
         generated = rollout.get(("log_probs", "response"), as_list=True)
-        prompts = rollout.get(("tokens", "prompt"), as_list=True)
-        for tokens, log_probs, gen_log_probs, prompt in zip(full, recomputed, generated, prompts, strict=True):
-            assert log_probs.shape == tokens.shape
-            with torch.no_grad():
-                logits = model(input_ids=tokens[None]).logits[0]
-            manual = logits[:-1].log_softmax(-1).gather(-1, tokens[1:, None]).squeeze(-1)
-            torch.testing.assert_close(log_probs[1:], manual, atol=1e-4, rtol=1e-4)
-            assert log_probs[0] == 0  # nothing predicts the first token
-            # TorchRL 0.14.1's generate mode zeroes the first response log-prob: why the recipe recomputes them.
-            response = log_probs[prompt.numel() :]
+        for row, mask, gen_log_probs in zip(scored, padded["masks", "all_attention_mask"], generated, strict=True):
+            response = row[start:][mask[start:]]
             assert gen_log_probs[0] == 0 and response[0] < 0
             torch.testing.assert_close(gen_log_probs[1:], response[1:], atol=1e-4, rtol=1e-4)
 
-    def test_reference_log_probs_go_where_the_loss_reads_them(self, tiny_policy, rollout):
-        model, tokenizer = tiny_policy
-        RecomputeLogProbs(make_log_prob_scorer(model, tokenizer), out_key=("next", "ref_log_probs", "full"))(rollout)
-        ref = rollout.get(("next", "ref_log_probs", "full"), as_list=True)
-        assert [r.numel() for r in ref] == [t.numel() for t in rollout.get(("tokens", "full"), as_list=True)]
-
 
 class TestPaddedBatches:
-    """``pad_rollout`` + ``make_log_prob_scorer(padded=True)``: what the GRPO recipe trains on, the same numbers as the
+    """``pad_rollout``: the chat rollout in the dense layout the GRPO recipe trains on, with the same numbers as the
     ragged per-sample layout the policy samples in."""
 
     @pytest.fixture(scope="class")
@@ -199,101 +180,35 @@ class TestPaddedBatches:
             assert row_mask[width:].sum() == response.numel() and row_mask[:width].sum() == prompt.numel()
             assert (row[~row_mask] == tokenizer.pad_token_id).all()
 
-    @pytest.mark.parametrize("micro_batch_size", [None, 4])
-    def test_padded_log_probs_equal_the_per_sample_ones(self, tiny_policy, rollout, micro_batch_size):
-        model, tokenizer = tiny_policy
-        ragged = RecomputeLogProbs(make_log_prob_scorer(model, tokenizer))(rollout.copy())
-        padded = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
-        scorer = make_log_prob_scorer(model, tokenizer, padded=True)
-        RecomputeLogProbs(scorer, micro_batch_size=micro_batch_size)(padded)
-        log_probs, mask = padded["log_probs", "full"], padded["masks", "all_attention_mask"]
-        assert log_probs.shape == mask.shape
-        for row, row_mask, expected in zip(
-            log_probs, mask, ragged.get(("log_probs", "full"), as_list=True), strict=True
-        ):
-            torch.testing.assert_close(row[row_mask], expected, atol=1e-5, rtol=1e-5)
-
     def test_grpo_loss_and_gradients_match_the_ragged_layout(self, tiny_policy, rollout):
-        """The recipe's padded training batch is a faster layout, not another objective."""
+        """The recipe's padded batch and response-only loss (``ResponseGRPOLoss``) train as TorchRL's ``GRPOLoss``
+        with its ragged actor trains on the rollout as sampled: a faster layout, not another objective."""
         from torchrl.objectives.llm import GRPOLoss
 
         model, tokenizer = tiny_policy
-        pad_id = tokenizer.pad_token_id
         advantage = torch.linspace(-1.0, 1.0, 6).reshape(6, 1, 1)  # as MCAdvantage writes it
         ragged = rollout.copy()
-        ragged_scorer = make_log_prob_scorer(model, tokenizer)
-        RecomputeLogProbs(ragged_scorer)(ragged)
-        RecomputeLogProbs(ragged_scorer, out_key=("next", "ref_log_probs", "full"))(ragged)
-        for sample, value in zip(ragged.unbind(0), advantage, strict=True):
-            sample.set("advantage", value)
-        # An older policy, so that the ratios differ from 1 and some get clipped.
+        ragged_actor = torchrl_actor(model, tokenizer, padded=False)
         with torch.no_grad():
-            for sample in ragged.unbind(0):
-                sample.set(("log_probs", "full"), sample.get(("log_probs", "full")) * 1.3)
-        padded = pad_rollout(rollout, pad_token_id=pad_id)
-        padded_scorer = make_log_prob_scorer(model, tokenizer, padded=True)
-        RecomputeLogProbs(padded_scorer, out_key=("next", "ref_log_probs", "full"))(padded)
+            scored = ragged_actor(ragged.select(("tokens", "full"), ("masks", "all_attention_mask")))
+        for sample, log_probs, value in zip(
+            ragged.unbind(0), scored.get(("log_probs", "full"), as_list=True), advantage, strict=True
+        ):
+            sample.set(("next", "ref_log_probs", "full"), log_probs)
+            sample.set(("log_probs", "full"), log_probs * 1.3)  # an older policy: ratios differ from 1, some clip
+            sample.set("advantage", value)
+        padded = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
+        ScoreLogProbs(ResponseLogProbs(model), out_key=("next", "ref_log_probs", "full"))(padded)
         padded.set(("log_probs", "full"), padded.get(("next", "ref_log_probs", "full")) * 1.3)
         padded.set("advantage", advantage)
 
-        ragged_out, ragged_grads = _grpo_loss_and_gradients(GRPOLoss, ragged_scorer, ragged)
-        padded_out, padded_grads = _grpo_loss_and_gradients(GRPOLoss, padded_scorer, padded)
+        ragged_out, ragged_grads = grpo_loss_and_gradients(GRPOLoss, ragged_actor, ragged)
+        padded_out, padded_grads = grpo_loss_and_gradients(ResponseGRPOLoss, ResponseLogProbs(model), padded)
         assert ragged_out.clip_fraction > 0
         for name in ("loss_objective", "loss_entropy", "loss_kl_to_ref", "clip_fraction", "kl_to_ref", "entropy"):
             torch.testing.assert_close(padded_out.get(name), ragged_out.get(name), atol=1e-5, rtol=1e-4, msg=name)
         for got, expected in zip(padded_grads, ragged_grads, strict=True):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-
-
-class TestOnPolicyGRPOLoss:
-    """One update per step: the recipe does not recompute the old log-probs, ``OnPolicyGRPOLoss`` takes the current."""
-
-    @pytest.fixture(scope="class")
-    def batch(self, tiny_policy):
-        model, tokenizer = tiny_policy
-        rollout = _sample_two_prompts(tiny_policy, group_size=3, seed=5, generation=GENERATION)
-        batch = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
-        scorer = make_log_prob_scorer(model, tokenizer, padded=True)
-        RecomputeLogProbs(scorer, out_key=("next", "ref_log_probs", "full"))(batch)
-        batch.set("advantage", torch.linspace(-1.0, 1.0, 6).reshape(6, 1, 1))
-        return batch
-
-    @staticmethod
-    def _loss_and_gradients(loss_class, tiny_policy, batch):
-        model, tokenizer = tiny_policy
-        return _grpo_loss_and_gradients(loss_class, make_log_prob_scorer(model, tokenizer, padded=True), batch)
-
-    def _assert_same(self, got, expected):
-        (got_out, got_grads), (expected_out, expected_grads) = got, expected
-        for name in ("loss_objective", "loss_entropy", "loss_kl_to_ref", "clip_fraction", "kl_to_ref", "entropy"):
-            torch.testing.assert_close(got_out.get(name), expected_out.get(name), atol=1e-6, rtol=1e-5, msg=name)
-        for got_grad, expected_grad in zip(got_grads, expected_grads, strict=True):
-            torch.testing.assert_close(got_grad, expected_grad, atol=1e-6, rtol=1e-5)
-
-    def test_without_old_log_probs_it_trains_as_grpo_with_recomputed_ones(self, tiny_policy, batch):
-        from torchrl.objectives.llm import GRPOLoss
-
-        from recipes.common.losses import OnPolicyGRPOLoss
-
-        model, tokenizer = tiny_policy
-        recomputed = batch.clone()
-        RecomputeLogProbs(make_log_prob_scorer(model, tokenizer, padded=True))(recomputed)
-        expected = self._loss_and_gradients(GRPOLoss, tiny_policy, recomputed)
-        on_policy = self._loss_and_gradients(OnPolicyGRPOLoss, tiny_policy, batch)
-        self._assert_same(on_policy, expected)
-        assert on_policy[0].clip_fraction == 0  # the ratio is exactly 1
-        assert ("log_probs", "full") not in batch.keys(True)  # the caller's batch is left as it was
-
-    def test_with_old_log_probs_it_is_grpo_loss(self, tiny_policy, batch):
-        from torchrl.objectives.llm import GRPOLoss
-
-        from recipes.common.losses import OnPolicyGRPOLoss
-
-        off_policy = batch.clone()
-        off_policy.set(("log_probs", "full"), batch.get(("next", "ref_log_probs", "full")) * 1.3)
-        expected = self._loss_and_gradients(GRPOLoss, tiny_policy, off_policy)
-        assert expected[0].clip_fraction > 0
-        self._assert_same(self._loss_and_gradients(OnPolicyGRPOLoss, tiny_policy, off_policy), expected)
 
 
 class TestRewardTerms:

@@ -1,0 +1,289 @@
+"""The GRPO recipe's two ways to run a TorchRL collector, behind one interface: in the learner's process, or in a
+child process one batch ahead of the learner, with a bound on the policy lag.
+
+Both iterate dense batches, take the learner's weights with ``update_policy_weights_(model, version=...)``, report
+how long the last batch took (``last_timings``: ``collect_s``, of which ``generate_s`` in the policy) and stop with
+``shutdown()``.
+
+:class:`LocalCollector` iterates the collector in the learner's process, with the learner's own model.
+
+:class:`BackgroundCollector` starts a process that builds a TorchRL collector (env + policy + reward, from a
+picklable factory) and iterates it: while the learner updates the policy on batch ``t``, the child generates batch
+``t + 1``. The learner pushes its weights after every update (:meth:`BackgroundCollector.update_policy_weights_`);
+the child loads the newest ones before each batch, between batches only, so every batch is sampled by one version of
+the policy, and it never starts a batch that would be more than ``max_policy_lag`` updates old when trained on.
+Each batch carries the version it was sampled with (``"policy_version"``, written by the policy module), from which
+the learner measures the lag.
+
+Process hygiene: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and a check of the parent at every
+wait), a failure in the child is raised in the learner with the child's traceback, and :meth:`shutdown` (also on a
+learner crash, from a ``finally``) stops and joins it.
+
+Dependencies: torch, tensordict.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import queue as queue_module
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase, set_list_to_stack
+
+__all__ = ["BackgroundCollector", "LocalCollector", "timed_batches"]
+
+_POLL_S = 0.5  # how often a waiting side checks that the other is still alive
+
+
+class _ForwardClock:
+    """Adds up the time spent in a module's forward, through hooks (the module itself is not changed)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+        module.register_forward_pre_hook(self._start)
+        module.register_forward_hook(self._stop)
+
+    def _start(self, module, args) -> None:
+        self._started = time.perf_counter()
+
+    def _stop(self, module, args, output) -> None:
+        self.seconds += time.perf_counter() - self._started
+
+
+def timed_batches(collector, policy: torch.nn.Module) -> Iterator[tuple[TensorDictBase, dict[str, float]]]:
+    """``collector``'s batches, each with how long it took: ``collect_s`` in all, ``generate_s`` in ``policy``."""
+    clock = _ForwardClock(policy)
+    stream = iter(collector)
+    while True:
+        clock.seconds = 0.0
+        start = time.perf_counter()
+        batch = next(stream)
+        yield batch, {"collect_s": time.perf_counter() - start, "generate_s": clock.seconds}
+
+
+class LocalCollector:
+    """A TorchRL collector iterated in the learner's process: the policy samples with the learner's model itself, so
+    publishing weights only records their version (what the policy writes into every batch).
+
+    Args:
+        collector: an iterable of batches (a TorchRL collector).
+        policy: the policy module it steps (timed).
+        version: the tensor the policy writes into every batch as ``"policy_version"``.
+    """
+
+    def __init__(self, collector, policy: torch.nn.Module, version: torch.Tensor) -> None:
+        self.collector = collector
+        self.version = version
+        self.last_timings = {"collect_s": 0.0, "generate_s": 0.0}
+        self._batches = timed_batches(collector, policy)
+
+    def __iter__(self) -> Iterator[TensorDictBase]:
+        for batch, timings in self._batches:
+            self.last_timings = timings
+            yield batch
+
+    def update_policy_weights_(self, model: torch.nn.Module, *, version: int) -> None:
+        self.version.fill_(version)
+
+    def shutdown(self) -> None:
+        self.collector.shutdown()
+
+
+def _die_with_parent() -> None:
+    """Asks Linux to SIGKILL this process when its parent dies, even by SIGKILL (elsewhere: the polling suffices)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except OSError:
+            pass
+
+
+def _parent_alive() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
+
+
+def _collect(
+    factory: Callable[[], tuple[Any, Any]],
+    weights: dict[str, torch.Tensor],
+    version,
+    condition,
+    batches,
+    stop,
+    *,
+    start_version: int,
+    max_policy_lag: int,
+    num_threads: int,
+    seed: int,
+) -> None:
+    """The child: builds the collector, then produces batches under the lag bound until told to stop."""
+    _die_with_parent()
+    torch.set_num_threads(num_threads)
+    set_list_to_stack(True).set()
+    try:
+        collector, policy = factory()
+        parameters = dict(policy.model.named_parameters())
+        batches.put(("ready", None, None))
+        torch.manual_seed(seed)
+        stream = timed_batches(collector, policy)
+        for index in range(1, sys.maxsize):
+            # Batch `index` is trained on when the learner holds version start_version + index - 1.
+            oldest_allowed = start_version + index - 1 - max_policy_lag
+            with condition:
+                while version.value < oldest_allowed:
+                    if stop.is_set() or not _parent_alive():
+                        return
+                    condition.wait(_POLL_S)
+                with torch.no_grad():
+                    for name, tensor in weights.items():
+                        parameters[name].copy_(tensor)
+                policy.version.fill_(version.value)
+            batch, timings = next(stream)
+            payload = ("batch", (batch.to_dict(), timings), tuple(batch.batch_size))
+            while True:
+                if stop.is_set() or not _parent_alive():
+                    return
+                try:
+                    batches.put(payload, timeout=_POLL_S)
+                    break
+                except queue_module.Full:
+                    continue
+    except BaseException:  # noqa: BLE001 - everything goes to the learner, which raises it
+        batches.put(("error", traceback.format_exc(), None))
+
+
+class BackgroundCollector:
+    """Iterates a TorchRL collector that runs in a child process while the learner trains.
+
+    Args:
+        factory: a picklable callable (e.g. a ``functools.partial`` of a module-level function) that, in the child,
+            returns ``(collector, policy)``: an iterable of batches and the policy module that samples them, with the
+            causal LM at ``policy.model`` and a ``version`` buffer it writes into every batch.
+        model: the learner's copy of the policy's causal LM; its parameters (by name) are what the child samples
+            with.
+
+    Keyword Args:
+        start_version: the number of updates ``model`` has had (a resumed run's step).
+        max_policy_lag: the most updates a batch may be behind the learner when it is trained on; 1 lets the child
+            generate batch ``t + 1`` while the learner trains on batch ``t``.
+        num_threads: torch threads of the child.
+        seed: the child's torch seed.
+        timeout_s: how long the learner waits for a batch before it gives up.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], tuple[Any, Any]],
+        model: torch.nn.Module,
+        *,
+        start_version: int,
+        max_policy_lag: int = 1,
+        num_threads: int = 1,
+        seed: int = 0,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        if max_policy_lag < 0:
+            raise ValueError(f"BackgroundCollector: max_policy_lag must be >= 0, got {max_policy_lag}.")
+        context = multiprocessing.get_context("spawn")
+        self._weights = {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in model.named_parameters()}
+        self._version = context.Value("q", start_version, lock=False)
+        self._condition = context.Condition()
+        self._batches = context.Queue(maxsize=max_policy_lag + 1)
+        self._stop = context.Event()
+        self.timeout_s = timeout_s
+        self.max_policy_lag = max_policy_lag
+        self.last_timings = {"collect_s": 0.0, "generate_s": 0.0}
+        self._stopped = False
+        self.process = context.Process(
+            target=_collect,
+            args=(factory, self._weights, self._version, self._condition, self._batches, self._stop),
+            kwargs={
+                "start_version": start_version,
+                "max_policy_lag": max_policy_lag,
+                "num_threads": num_threads,
+                "seed": seed,
+            },
+            daemon=True,
+            name="grpo-collector",
+        )
+        self.process.start()
+        self._pid = self.process.pid
+        # Building the collector (imports, models) takes seconds: that is setup, not the first step's collection.
+        kind, payload, _ = self._receive()
+        if kind != "ready":
+            self.shutdown()
+            raise RuntimeError(f"BackgroundCollector: the collector process failed to start:\n{payload}")
+
+    def __iter__(self) -> Iterator[TensorDictBase]:
+        while True:
+            yield self.next()
+
+    def next(self) -> TensorDictBase:
+        """The next batch, as soon as the child has it."""
+        kind, payload, batch_size = self._receive()
+        if kind == "error":
+            raise RuntimeError(f"BackgroundCollector: the collector process failed:\n{payload}")
+        data, self.last_timings = payload
+        return TensorDict(data, batch_size=batch_size)
+
+    def _receive(self) -> tuple[str, Any, Any]:
+        waited = 0.0
+        while True:
+            try:
+                return self._batches.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                waited += _POLL_S
+                if not self.process.is_alive():
+                    raise RuntimeError(
+                        f"BackgroundCollector: the collector process exited (code {self.process.exitcode}) "
+                        "without a batch or an error; see its output above."
+                    ) from None
+                if waited > self.timeout_s:
+                    raise TimeoutError(f"BackgroundCollector: no batch within {self.timeout_s:.0f} s.") from None
+
+    def update_policy_weights_(self, model: torch.nn.Module, *, version: int) -> None:
+        """Publishes ``model``'s parameters as policy ``version`` (the number of updates it has had)."""
+        with self._condition, torch.no_grad():
+            for name, p in model.named_parameters():
+                self._weights[name].copy_(p.detach())
+            self._version.value = version
+            self._condition.notify_all()
+
+    def shutdown(self) -> None:
+        """Stops the child and waits for it (killing it if it has not stopped within a few seconds)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        with self._condition:
+            self._condition.notify_all()
+        deadline = time.monotonic() + 5.0
+        while self.process.is_alive() and time.monotonic() < deadline:
+            try:  # a child blocked on a full queue gets room at once
+                self._batches.get(timeout=0.05)
+            except queue_module.Empty:
+                pass
+            except (OSError, EOFError):  # a batch whose sender already exited cannot be unpickled: dropped anyway
+                pass
+            self.process.join(timeout=0.05)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._batches.close()
+        self._batches.cancel_join_thread()
+        self.process.close()
+        # The queue, condition and event hold named semaphores: released now rather than reported as leaked at exit.
+        del self._batches, self._condition, self._stop
+
+    @property
+    def pid(self) -> int | None:
+        """The collector process's id."""
+        return self._pid

@@ -1,0 +1,131 @@
+"""recipes/grpo_torchrl_rm.py with rollout.mode=async: the collector in a child process, one batch ahead, the policy
+lag within its bound, failures on either side reported, and no process left behind (after a run, a crash, a SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
+
+import recipes.grpo_torchrl_rm as recipe
+from recipes.common.resume import latest_checkpoint, list_checkpoints
+
+ASYNC = [*GRPO_SMALL, "rollout.mode=async", "logger=csv"]
+
+
+@pytest.fixture
+def collectors(monkeypatch):
+    """Every collector the recipe makes, to look at its process afterwards."""
+    made = []
+    make = recipe.make_collector
+
+    def recording(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(recipe, "make_collector", recording)
+    return made
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    """Whether process ``pid`` ends within ``timeout`` (a zombie, dead but not yet reaped, counts as ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize(("max_policy_lag", "lags"), [(1, [0.0, 1.0, 1.0, 1.0]), (0, [0.0, 0.0, 0.0, 0.0])])
+def test_the_policy_lag_stays_within_its_bound(compose_config, tmp_path, collectors, max_policy_lag, lags):
+    """The first batch is sampled by the initial policy; with a lag of 1 allowed, every later one while the learner
+    trained on the batch before (one update behind); with 0, the collector waits for each update."""
+    overrides = [f"output_dir={tmp_path}", "train.steps=4", f"rollout.max_policy_lag={max_policy_lag}"]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
+    rows = read_metrics(tmp_path)
+    assert [row["train/policy_lag"] for row in rows] == lags
+    assert summary["steps"] == 4 and summary["generated_tokens"] > 0
+    (collector,) = collectors
+    assert collector.pid != os.getpid() and _gone(collector.pid)  # its own process, stopped with the run
+
+
+def test_a_crash_in_the_learner_stops_the_collector(compose_config, tmp_path, collectors, monkeypatch):
+    optimize = recipe.optimize
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the learner broke")
+        return optimize(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "optimize", failing)
+    with pytest.raises(RuntimeError, match="the learner broke"):
+        recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, f"output_dir={tmp_path}", "train.steps=4"]))
+    (collector,) = collectors
+    assert _gone(collector.pid)
+
+
+def test_a_crash_in_the_collector_reaches_the_learner(compose_config, tmp_path, collectors, other_rm_dir):
+    """The collector process builds the reward model; its failure is raised by the learner, with its message."""
+    overrides = [f"output_dir={tmp_path}", f"reward_model.name_or_path={other_rm_dir}", "reward.input=tokens"]
+    with pytest.raises(RuntimeError, match="the collector process failed to start(.|\n)*two tokenizers differ"):
+        recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
+    assert not collectors  # it never finished starting: the recipe never got it, and stopped it itself
+
+
+def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path):
+    """Killed between checkpoints, the learner takes its collector process with it; ``resume=true`` then continues
+    the run from the latest checkpoint to the end, every step logged once."""
+    overrides = [*ASYNC, "train.steps=7", "checkpoint.every_n_steps=3", "checkpoint.keep_last=null"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides, f"hydra.run.dir={tmp_path}"]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    children = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            metrics = tmp_path / "metrics.csv"
+            if metrics.exists() and any(row["step"] == 4.0 for row in read_metrics(tmp_path)):
+                break
+            time.sleep(0.02)
+        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        children = psutil.Process(process.pid).children(recursive=True)
+        commands = [" ".join(child.cmdline()) for child in children]
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert any("multiprocessing" in command for command in commands), commands  # the collector was running
+    assert all(_gone(child.pid) for child in children)
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_0000003"
+
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={tmp_path}", "resume=true"]))
+    rows = read_metrics(tmp_path)
+    assert summary["steps"] == 7
+    assert [row["step"] for row in rows] == [float(s) for s in range(1, 8)]
+    assert [step for step, _ in list_checkpoints(tmp_path / "checkpoints")] == [3, 6, 7]
+    assert [row["train/policy_lag"] for row in rows][3:] == [0.0, 1.0, 1.0, 1.0]  # the resumed collector starts afresh
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0])
+def test_async_grpo_raises_the_oracle_score(compose_config, tmp_path, seed):
+    """Asynchronous collection learns as the synchronous recipe does: oracle from about 0 to 0.9 in the default run."""
+    cfg = compose_config(
+        "grpo_torchrl_rm", [f"output_dir={tmp_path}", "rollout.mode=async", "progress_bar=false", f"seed={seed}"]
+    )
+    summary = recipe.train(cfg)
+    assert summary["rollout/oracle_mean_first"] < 0.3 and summary["rollout/oracle_mean_last"] >= 0.9, summary
