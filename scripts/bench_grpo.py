@@ -1,52 +1,63 @@
-"""GRPO speed: ``recipes/grpo_torchrl_rm.py`` (TorchRL components) against ``trl.GRPOTrainer``, side by side.
+"""GRPO speed: ``recipes/grpo_torchrl_rm.py`` (TorchRL components), sync and async, against ``trl.GRPOTrainer``.
 
-    python scripts/bench_grpo.py                     # recipe defaults (G=8, 64 responses x 32 tokens), 5 rounds
-    python scripts/bench_grpo.py --quick             # tiny smoke configuration (about half a minute on 2 cores)
+    python scripts/bench_grpo.py                     # recipe defaults (G=8, 64 responses x 32 tokens), 5 rounds of 10
+    python scripts/bench_grpo.py --quick             # tiny smoke configuration (about a minute on 2 cores)
     python scripts/bench_grpo.py --rounds 7 --steps 8 --updates-per-step 2 rollout.generation.max_new_tokens=48
-    # bigger models, built offline (speed only: the reward head is untrained):
-    python scripts/build_tiny_models.py --out /tmp/h512 --hidden-size 512 --num-layers 6 --pretrain-steps 20
-    python scripts/bench_grpo.py model.name_or_path=/tmp/h512/policy reward_model.name_or_path=/tmp/h512/reward_base
+    # a real vocabulary (~97M parameters, V = 151,936; a speed model, built offline in about half a minute):
+    python scripts/build_tiny_models.py --out /tmp/real_vocab --hidden-size 512 --num-layers 6 --pretrain-steps 20 \\
+        --resize-vocab 151936
+    python scripts/bench_grpo.py --rounds 2 --steps 3 --sync-threads 2 --async-target 1.2 --memory \\
+        model.name_or_path=/tmp/real_vocab/policy reward_model.name_or_path=/tmp/real_vocab/reward_base
 
-Both sides run the same job, read from ONE composed recipe config (``conf/grpo_torchrl_rm.yaml`` plus the overrides
+Every side runs the same job, read from ONE composed recipe config (``conf/grpo_torchrl_rm.yaml`` plus the overrides
 given on the command line): the same policy (``model.name_or_path``), reward model (``reward_model.name_or_path``,
 an ``AutoModelForSequenceClassification``), prompts (``data=``; the synthetic task's by default, conversational
 ``[{"role": "user", ...}]`` prompts for trl), group size, responses per generation batch, maximum new tokens,
-sampling (temperature, top-p, and top-k 50: the value ``generate`` uses when the recipe's YAML sets none), clip
-epsilon, KL coefficient (``loss.kl_to_ref_coeff`` = trl's ``beta``, both with a frozen reference model), AdamW
-settings, gradient clipping, a constant learning rate, float32 and the same torch thread count.
+sampling (temperature, top-k, top-p), clip epsilon, KL coefficient (``loss.kl_to_ref_coeff`` = trl's ``beta``, both
+with a frozen reference model), AdamW settings, gradient clipping, a constant learning rate and float32.
 
-- ours: the recipe's own ``train(cfg)`` (composed with Hydra, ``logger=none``, no intermediate checkpoints), timed by
-  the recipe itself: ``summary.json``'s ``wall_time_s`` (the training steps, setup apart) and ``generated_tokens``.
-- trl: ``GRPOTrainer`` with ``per_device_train_batch_size`` = responses per optimizer step, ``num_generations`` = group
-  size, ``steps_per_generation`` = optimizer steps per generation batch, ``num_iterations`` = the recipe's
+- ours (sync) and ours (async): the recipe's own ``train(cfg)`` with ``rollout.mode=sync|async`` (composed with Hydra,
+  no intermediate checkpoints), timed by the recipe itself: ``summary.json``'s ``wall_time_s`` (the training steps,
+  setup apart) and ``generated_tokens``; its ``metrics.csv`` gives the phases. Ours (sync) runs with the recipe's
+  ``num_threads`` (1; ``--sync-threads`` to change it: at a real vocabulary the matrix products use every core),
+  async with ``num_threads`` (1) in the learner and ``rollout.collector_threads`` (1) in the collector process.
+- trl: ``GRPOTrainer`` with ``per_device_train_batch_size`` = responses per optimizer step, ``num_generations`` =
+  group size, ``steps_per_generation`` = optimizer steps per generation batch, ``num_iterations`` = the recipe's
   ``train.epochs_per_step``, ``gradient_accumulation_steps=1``, timed from ``on_train_begin`` to the last
   ``on_step_end``; its generated tokens are its completion masks summed (completion tokens up to and including EOS,
-  as the recipe counts them).
+  as the recipe counts them). It runs with 1 and with 2 torch threads (``--trl-threads``); the faster (median
+  tokens/s) is "trl" in the ratios.
 
-Every response is ``max_new_tokens`` long on both sides by default (``min_new_tokens`` = ``max_new_tokens``): both
-then do the same work, and the tokens per second compare speed rather than how long the responses of two differently
-seeded runs happen to grow (``--natural-length`` lets them end at EOS). One optimizer step per generation batch by
-default on both sides (``--updates-per-step 1`` sets the recipe's ``train.mini_batch_size`` to
-``rollout.responses_per_step``; the recipe's own default, 2 updates of 32, is ``--updates-per-step 2``); both then
-skip recomputing the old log-probs, which equal the current ones. Rounds alternate the sides (ours then trl, trl
-then ours, ...) with fresh models every run, so machine load hits both alike; round 0 warms up imports and caches and
-is not counted. Figures are medians over
-rounds: generated tokens per second of training (generation, scoring and updates together), seconds per optimizer
-step, and tokens per second of the rollout phase alone (ours: generation, reward, advantages, reference (and old)
-log-probs; trl: ``_generate_and_score_completions``). Target: ours at least as fast as trl.
+Every response is ``max_new_tokens`` long on every side by default (``min_new_tokens`` = ``max_new_tokens``): all then
+do the same work, and the tokens per second compare speed rather than how long the responses of differently seeded
+runs happen to grow (``--natural-length`` lets them end at EOS). One optimizer step per generation batch by default
+(``--updates-per-step 1``). Rounds rotate the order of the sides with fresh models every run, so machine load hits all
+alike; round 0 warms up imports and caches and is not counted. A run is 10 generation batches by default (the
+recipe's default run has 30): the async mode's first step cannot overlap anything, and counts as one in ten. Figures
+are medians over rounds: generated tokens per second of training (generation, scoring and updates together), seconds
+per optimizer step, tokens per second of the rollout phase (ours: generation, reward, advantages, reference log-probs; trl: ``_generate_and_score_completions``),
+and seconds per generation batch in each phase: generate, reward, reference log-probs, advantage, update, and
+everything else (async: the learner's wait for the collector; its generation and reward run meanwhile in the other
+process). ``--memory`` then runs each side once more, each in a fresh process, and reports the peak resident memory
+during the update and over the whole run. Targets: ours (sync) >= 1.0x trl, ours (async) >= ``--async-target``
+(1.5x on the tiny models, 1.2x at a real vocabulary).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -63,9 +74,8 @@ QUICK_OVERRIDES = [
     "rollout.responses_per_step=8",
     "rollout.generation.max_new_tokens=8",
 ]
-# Same sampling on both sides: generate() applies top_k=50 when nothing sets it (the recipe's YAML does not, unless
-# given +rollout.generation.top_k=...), while trl's GRPOConfig passes its own top_k (0 = off by default).
-DEFAULT_TOP_K = 50
+PHASES = ("generate", "reward", "reference", "advantage", "update", "other")
+OURS = ("ours (sync)", "ours (async)")
 
 
 @dataclass
@@ -75,8 +85,10 @@ class Run:
     tokens: int  # generated completion tokens, EOS included
     seconds: float  # the training steps' wall time, setup apart
     optimizer_steps: int
+    generation_batches: int
     rollout_seconds: float  # of which the rollout phase (generate, score, log-probs)
     responses: int
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per generation batch
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,30 +126,43 @@ def run_ours(cfg) -> Run:
 
     summary = recipe.train(cfg)
     updates = cfg.train.epochs_per_step * (cfg.rollout.responses_per_step // cfg.train.mini_batch_size)
+    with open(Path(cfg.output_dir) / "metrics.csv", newline="") as handle:
+        rows = [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+    phases = {
+        "generate": "perf/generate_s",
+        "reward": "perf/reward_s",
+        "reference": "perf/reference_s",
+        "advantage": "perf/advantage_s",
+        "update": "perf/update_s",
+    }
+    per_step = {phase: statistics.mean(row[key] for row in rows) for phase, key in phases.items()}
+    step_time = statistics.mean(row["perf/step_time_s"] for row in rows)
+    # Async: generation and reward run in the collector process while the learner updates, so the learner's step is
+    # its preparation of the batch, the update and the rest ("other": mostly its wait for the next batch).
+    learner = ("reference", "advantage", "update") if cfg.rollout.mode == "async" else tuple(per_step)
+    per_step["other"] = step_time - sum(per_step[phase] for phase in learner)
+    per_step["total"] = step_time
     return Run(
         tokens=int(summary["generated_tokens"]),
         seconds=summary["wall_time_s"],
         optimizer_steps=summary["steps"] * updates,
+        generation_batches=summary["steps"],
         # The recipe reports rollout throughput, tokens / rollout seconds: invert it for the rollout time.
         rollout_seconds=summary["generated_tokens"] / summary["tokens_per_s"],
         responses=summary["steps"] * cfg.rollout.responses_per_step,
+        phases=per_step,
     )
 
 
 def extra_generation_kwargs(cfg) -> dict:
     """Generation settings of the recipe config that ``GRPOConfig`` has no field for (``min_new_tokens``...)."""
-    known = {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "return_log_probs"}
+    known = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample"}
     return {str(k): v for k, v in cfg.rollout.generation.items() if k not in known}
-
-
-def top_k(cfg) -> int:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, "rollout.generation.top_k", default=DEFAULT_TOP_K)
 
 
 def make_trl_config(cfg, *, output_dir: str):
     """``GRPOConfig`` doing what the recipe config ``cfg`` does, step for step."""
+    from omegaconf import OmegaConf
     from trl import GRPOConfig
 
     per_step, mini = cfg.rollout.responses_per_step, cfg.train.mini_batch_size
@@ -162,7 +187,9 @@ def make_trl_config(cfg, *, output_dir: str):
         max_completion_length=generation.max_new_tokens,
         temperature=generation.temperature,
         top_p=generation.top_p,
-        top_k=top_k(cfg),
+        top_k=OmegaConf.select(generation, "top_k", default=None) or 0,
+        min_p=OmegaConf.select(generation, "min_p", default=None),
+        repetition_penalty=OmegaConf.select(generation, "repetition_penalty", default=1.0),
         generation_kwargs=extra_generation_kwargs(cfg) or None,
         max_steps=cfg.train.steps * updates_per_generation * cfg.train.epochs_per_step,
         learning_rate=cfg.optimizer.lr,
@@ -187,7 +214,37 @@ def make_trl_config(cfg, *, output_dir: str):
     )
 
 
-def run_trl(cfg, *, output_dir: str) -> Run:
+class _Clock:
+    """Seconds spent per phase, with nesting: time inside an inner phase is not counted in the outer one."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._stack: list[tuple[str, float]] = []
+        self.on_phase = None  # called with the phase entered (or returned to), for the memory sampler
+
+    def __call__(self, phase: str, function, *args, **kwargs):
+        now = time.perf_counter()
+        if self._stack:
+            outer, since = self._stack[-1]
+            self.seconds[outer] = self.seconds.get(outer, 0.0) + now - since
+        self._stack.append((phase, now))
+        if self.on_phase:
+            self.on_phase(phase)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            _, since = self._stack.pop()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + end - since
+            if self._stack:
+                self._stack[-1] = (self._stack[-1][0], end)
+                if self.on_phase:
+                    self.on_phase(self._stack[-1][0])
+            elif self.on_phase:
+                self.on_phase("other")
+
+
+def run_trl(cfg, *, output_dir: str, threads: int, on_phase=None) -> Run:
     import datasets
     import torch
     from transformers import PrinterCallback, TrainerCallback
@@ -196,20 +253,35 @@ def run_trl(cfg, *, output_dir: str) -> Run:
     from recipes.common.data import load_prompts
     from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 
+    clock = _Clock()
+    clock.on_phase = on_phase
+
     class TimedGRPOTrainer(GRPOTrainer):
-        """Counts the generated tokens and times the rollout phase; trains exactly as ``GRPOTrainer``."""
+        """Counts the generated tokens and times each phase; trains exactly as ``GRPOTrainer``."""
 
         generated_tokens = 0
         generated_responses = 0
-        rollout_seconds = 0.0
+
+        def training_step(self, *args, **kwargs):
+            return clock("update", super().training_step, *args, **kwargs)
 
         def _generate_and_score_completions(self, inputs):
-            start = time.perf_counter()
-            output = super()._generate_and_score_completions(inputs)
-            self.rollout_seconds += time.perf_counter() - start
+            output = clock("advantage", super()._generate_and_score_completions, inputs)
             self.generated_tokens += int(output["completion_mask"].sum())
             self.generated_responses += output["completion_mask"].shape[0]
             return output
+
+        def _generate(self, prompts):
+            return clock("generate", super()._generate, prompts)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            return clock("reward", super()._calculate_rewards, *args, **kwargs)
+
+        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+            # Inside the scoring of a generation batch: the reference (or old) log-probs; inside the loss: the update.
+            scoring = clock._stack and clock._stack[-1][0] == "advantage"
+            function = super()._get_per_token_logps_and_entropies
+            return clock("reference", function, model, *args, **kwargs) if scoring else function(model, *args, **kwargs)
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -218,6 +290,7 @@ def run_trl(cfg, *, output_dir: str) -> Run:
         def on_step_end(self, args, state, control, **kwargs):
             self.end = time.perf_counter()
 
+    torch.set_num_threads(threads)
     system = [{"role": "system", "content": cfg.rollout.system_prompt}] if cfg.rollout.system_prompt else []
     prompts = [
         system + ([{"role": "user", "content": p}] if isinstance(p, str) else list(p))
@@ -230,7 +303,7 @@ def run_trl(cfg, *, output_dir: str) -> Run:
         cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
     ).eval()
     torch.manual_seed(cfg.seed)
-    clock = StepClock()
+    step_clock = StepClock()
     trainer = TimedGRPOTrainer(
         model=policy,
         reward_funcs=reward_model,
@@ -238,19 +311,27 @@ def run_trl(cfg, *, output_dir: str) -> Run:
         train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
         reward_processing_classes=reward_tokenizer,
-        callbacks=[clock],
+        callbacks=[step_clock],
     )
     trainer.remove_callback(PrinterCallback)  # keep the output to the measurements
     trainer.train()
     steps = trainer.state.global_step
     if steps != trainer.args.max_steps:
         raise RuntimeError(f"bench_grpo: trl ran {steps} optimizer steps, expected {trainer.args.max_steps}.")
+    seconds = step_clock.end - step_clock.begin
+    batches = cfg.train.steps
+    phases = {phase: clock.seconds.get(phase, 0.0) / batches for phase in PHASES if phase != "other"}
+    phases["other"] = seconds / batches - sum(phases.values())
+    phases["total"] = seconds / batches
+    rollout = sum(clock.seconds.get(phase, 0.0) for phase in ("generate", "reward", "reference", "advantage"))
     return Run(
         tokens=trainer.generated_tokens,
-        seconds=clock.end - clock.begin,
+        seconds=seconds,
         optimizer_steps=steps,
-        rollout_seconds=trainer.rollout_seconds,
+        generation_batches=batches,
+        rollout_seconds=rollout,
         responses=trainer.generated_responses,
+        phases=phases,
     )
 
 
@@ -258,35 +339,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny smoke configuration: " + " ".join(QUICK_OVERRIDES))
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds after the warm-up (default 5; quick 1)")
-    parser.add_argument("--steps", type=int, default=None, help="generation batches per run (default 5; quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="generation batches per run (default 10; quick 3)")
     parser.add_argument(
         "--updates-per-step",
         type=int,
         default=1,
-        help="optimizer steps per generation batch, on both sides (the recipe's own default is 2)",
+        help="optimizer steps per generation batch, on every side (the recipe's own default is 2)",
     )
     parser.add_argument(
         "--natural-length",
         action="store_true",
-        help="let responses end at EOS (default: every response is max_new_tokens long on both sides, so that both "
+        help="let responses end at EOS (default: every response is max_new_tokens long on every side, so that all "
         "do the same work whatever their runs learn)",
     )
     parser.add_argument(
-        "overrides", nargs="*", help="recipe config overrides for both sides, e.g. rollout.group_size=4"
+        "--trl-threads", default="1,2", help="torch thread counts trl runs with; the fastest is compared (default 1,2)"
+    )
+    parser.add_argument(
+        "--sync-threads",
+        type=int,
+        default=None,
+        help="torch threads of ours (sync) (default: the recipe's num_threads, 1; a real vocabulary wants one a core)",
+    )
+    parser.add_argument("--sync-target", type=float, default=1.0, help="the ratio ours (sync) / trl to reach")
+    parser.add_argument("--async-target", type=float, default=1.5, help="the ratio ours (async) / trl to reach")
+    parser.add_argument(
+        "--memory", action="store_true", help="then measure each side's peak memory, each in a fresh process"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the medians and ratios to this JSON file")
+    parser.add_argument("--memory-side", default=None, help=argparse.SUPPRESS)  # internal: one side, in this process
+    parser.add_argument(
+        "overrides", nargs="*", help="recipe config overrides for every side, e.g. rollout.group_size=4"
     )
     args = parser.parse_args(argv)
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
-    args.steps = args.steps if args.steps is not None else (2 if args.quick else 5)
-    if args.rounds < 1 or args.steps < 1 or args.updates_per_step < 1:
-        parser.error("--rounds, --steps and --updates-per-step must be >= 1")
+    args.steps = args.steps if args.steps is not None else (3 if args.quick else 10)
+    args.trl_threads = [int(n) for n in args.trl_threads.split(",")]
+    if args.rounds < 1 or args.steps < 1 or args.updates_per_step < 1 or min(args.trl_threads) < 1:
+        parser.error("--rounds, --steps, --updates-per-step and --trl-threads must be >= 1")
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
-    args = parse_args(argv)
-
+def _setup_process() -> None:
     import datasets
-    import torch
     from tensordict import set_list_to_stack
     from transformers.utils import logging as hf_logging
 
@@ -298,98 +393,210 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
     warnings.filterwarnings("ignore", message="size_average and reduce args will be deprecated")
     warnings.filterwarnings("ignore", message="The env passed to LLMCollector is missing transforms")
     warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _config_for(args, side: str, run_index: int, scratch: Path):
+    out = scratch / f"{run_index}-{side.replace(' ', '_').replace('(', '').replace(')', '')}"
+    overrides = [*QUICK_OVERRIDES] if args.quick else []
+    overrides += [
+        f"output_dir={out}",
+        f"hydra.run.dir={out}",
+        "logger=csv",
+        "progress_bar=false",
+        "checkpoint.every_n_steps=null",
+        "checkpoint.keep_last=1",
+        f"train.steps={args.steps}",
+        f"seed={run_index}",
+        f"rollout.mode={'async' if side == 'ours (async)' else 'sync'}",
+        *args.overrides,
+    ]
+    if side == "ours (sync)" and args.sync_threads is not None:
+        overrides.append(f"num_threads={args.sync_threads}")
+    # After the user's overrides, so that the mini-batch follows a group size or batch given there.
+    cfg = compose_config(overrides)
+    per_step = cfg.rollout.responses_per_step
+    if per_step % args.updates_per_step:
+        raise SystemExit(
+            f"bench_grpo: --updates-per-step {args.updates_per_step} does not divide rollout.responses_per_step="
+            f"{per_step}."
+        )
+    overrides.append(f"train.mini_batch_size={per_step // args.updates_per_step}")
+    if not args.natural_length:
+        # Every response max_new_tokens long on every side: the same work, whatever the runs learn.
+        overrides.append(f"+rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}")
+    return compose_config(overrides)
+
+
+def _run_side(args, side: str, run_index: int, scratch: Path, on_phase=None) -> Run:
+    cfg = _config_for(args, side, run_index, scratch)
+    gc.collect()
+    if side in OURS:
+        if on_phase is not None:
+            import recipes.grpo_torchrl_rm as recipe
+
+            optimize = recipe.optimize
+
+            def marked(*a, **k):
+                on_phase("update")
+                try:
+                    return optimize(*a, **k)
+                finally:
+                    on_phase("other")
+
+            recipe.optimize = marked
+        return run_ours(cfg)
+    threads = int(side.split("(")[1].split()[0])
+    return run_trl(cfg, output_dir=str(cfg.output_dir), threads=threads, on_phase=on_phase)
+
+
+def _measure_memory(args, side: str, scratch: Path) -> dict[str, float]:
+    """Runs ``side`` here with a sampler of its resident memory: the peaks in MB, during the update and in all."""
+    import psutil
+
+    process = psutil.Process()
+    peaks = {"update": 0.0, "all": 0.0}
+    phase = ["other"]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            rss = process.memory_info().rss / 2**20
+            peaks["all"] = max(peaks["all"], rss)
+            if phase[0] == "update":
+                peaks["update"] = max(peaks["update"], rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        _run_side(args, side, 1, scratch, on_phase=lambda name: phase.__setitem__(0, name))
+    finally:
+        done.set()
+        sampler.join()
+    return peaks
+
+
+def _memory_report(args, sides: list[str]) -> dict[str, dict[str, float]]:
+    print("\npeak resident memory (MB), each side in a fresh process for", args.steps, "steps:")
+    print(f"{'side':18s} {'update':>10s} {'whole run':>10s}")
+    peaks = {}
+    for side in sides:
+        command = [sys.executable, __file__, "--memory-side", side, f"--steps={args.steps}"]
+        command += ["--quick"] if args.quick else []
+        command += ["--natural-length"] if args.natural_length else []
+        command += [f"--updates-per-step={args.updates_per_step}"]
+        command += [f"--sync-threads={args.sync_threads}"] if args.sync_threads is not None else []
+        command += args.overrides
+        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+        if result.returncode != 0:
+            raise RuntimeError(f"bench_grpo: the memory run of {side} failed:\n{result.stderr[-3000:]}")
+        peaks[side] = json.loads(result.stdout.strip().splitlines()[-1])
+        print(f"{side:18s} {peaks[side]['update']:10.0f} {peaks[side]['all']:10.0f}", flush=True)
+    print("  (ours (async): the learner's process; its collector process holds the sampling copy and reward model)")
+    return peaks
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
+    args = parse_args(argv)
+    _setup_process()
+    import torch
 
     scratch = Path(tempfile.mkdtemp(prefix="bench_grpo."))
+    if args.memory_side:
+        print(json.dumps(_measure_memory(args, args.memory_side, scratch)))
+        return {}
 
-    def config_for(round_index: int, side: str):
-        out = scratch / f"{round_index}-{side}"
-        overrides = [*QUICK_OVERRIDES] if args.quick else []
-        overrides += [
-            f"output_dir={out}",
-            f"hydra.run.dir={out}",
-            "logger=none",
-            "progress_bar=false",
-            "checkpoint.every_n_steps=null",
-            "checkpoint.keep_last=1",
-            f"train.steps={args.steps}",
-            f"seed={round_index}",
-            *args.overrides,
-        ]
-        # After the user's overrides, so that the mini-batch follows a group size or batch given there.
-        cfg = compose_config(overrides)
-        per_step = cfg.rollout.responses_per_step
-        if per_step % args.updates_per_step:
-            raise SystemExit(
-                f"bench_grpo: --updates-per-step {args.updates_per_step} does not divide rollout.responses_per_step="
-                f"{per_step}."
-            )
-        overrides.append(f"train.mini_batch_size={per_step // args.updates_per_step}")
-        if not args.natural_length:
-            # Every response max_new_tokens long on both sides: the same work, whatever the two runs learn.
-            overrides.append(f"+rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}")
-        return compose_config(overrides)
-
-    cfg = config_for(0, "ours")
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
+    trl_sides = [f"trl ({n} thread{'s' if n > 1 else ''})" for n in args.trl_threads]
+    sides = [*OURS, *trl_sides]
+    cfg = _config_for(args, "ours (sync)", 0, scratch)
+    async_cfg = _config_for(args, "ours (async)", 0, scratch)
     print(
         f"GRPO, ours (recipes/grpo_torchrl_rm.py) vs trl {__import__('trl').__version__} GRPOTrainer, "
         f"{'quick, ' if args.quick else ''}{args.rounds} rounds (+1 warm-up) of {args.steps} generation batches each\n"
         f"  policy {cfg.model.name_or_path}, reward model {cfg.reward_model.name_or_path}, data={cfg.data.source}\n"
         f"  group {cfg.rollout.group_size}, {cfg.rollout.responses_per_step} responses per generation batch, "
         f"{args.updates_per_step} optimizer step(s) of {cfg.train.mini_batch_size} per batch, max_new_tokens "
-        f"{cfg.rollout.generation.max_new_tokens}, temperature {cfg.rollout.generation.temperature}, top_p "
-        f"{cfg.rollout.generation.top_p}, top_k {top_k(cfg)}, "
+        f"{cfg.rollout.generation.max_new_tokens}, temperature {cfg.rollout.generation.temperature}, top_k "
+        f"{cfg.rollout.generation.top_k}, top_p {cfg.rollout.generation.top_p}, "
         f"{'responses end at EOS' if args.natural_length else 'every response max_new_tokens long'}\n"
         f"  KL coefficient (trl beta) {cfg.loss.kl_to_ref_coeff}, clip {cfg.loss.clip_epsilon}, lr "
-        f"{cfg.optimizer.lr}, {cfg.device} {cfg.dtype}, torch threads {torch.get_num_threads()}",
+        f"{cfg.optimizer.lr}, {cfg.device} {cfg.dtype}; torch threads: ours (sync) "
+        f"{cfg.num_threads}, ours (async) {async_cfg.num_threads} + a collector process of "
+        f"{async_cfg.rollout.collector_threads}, trl {' and '.join(map(str, args.trl_threads))}",
         flush=True,
     )
 
-    sides = {"ours": lambda c, out: run_ours(c), "trl": lambda c, out: run_trl(c, output_dir=out)}
-    results: dict[str, list[Run]] = {name: [] for name in sides}
+    results: dict[str, list[Run]] = {side: [] for side in sides}
     for round_index in range(args.rounds + 1):
-        # Alternate who goes first, so that a drift in the machine's load does not favour one side.
-        order = list(sides) if round_index % 2 == 0 else list(sides)[::-1]
-        for name in order:
-            cfg = config_for(round_index, name)
-            gc.collect()
-            run = sides[name](cfg, str(cfg.output_dir))
+        # Rotate who goes first, so that a drift in the machine's load does not favour one side.
+        shift = round_index % len(sides)
+        for side in sides[shift:] + sides[:shift]:
+            run = _run_side(args, side, round_index, scratch)
+            torch.set_num_threads(cfg.num_threads or torch.get_num_threads())
             label = "warm-up" if round_index == 0 else f"round {round_index}"
             print(
-                f"  {label:8s} {name:4s} {run.tokens_per_s:9.1f} tokens/s {run.s_per_step:8.3f} s/step "
+                f"  {label:8s} {side:16s} {run.tokens_per_s:9.1f} tokens/s {run.s_per_step:8.3f} s/step "
                 f"{run.rollout_tokens_per_s:9.1f} rollout tokens/s ({run.tokens} tokens, {run.optimizer_steps} steps)",
                 flush=True,
             )
             if round_index > 0:
-                results[name].append(run)
+                results[side].append(run)
 
-    def median(name: str, field: str) -> float:
-        return statistics.median(getattr(run, field) for run in results[name])
+    def median(side: str, name: str) -> float:
+        return statistics.median(getattr(run, name) for run in results[side])
 
+    best_trl = max(trl_sides, key=lambda side: median(side, "tokens_per_s"))
     columns = {
         "tokens_per_s": ("tokens/s", "{:10.1f}"),
-        "s_per_step": ("s/step", "{:10.3f}"),
+        "s_per_step": ("s/step", "{:10.4f}"),
         "rollout_tokens_per_s": ("rollout tokens/s", "{:17.1f}"),
         "tokens_per_response": ("tokens/response", "{:16.1f}"),
     }
-    print(
-        f"\n{'median over rounds':20s} "
-        + " ".join(f"{title:>{len(fmt.format(0))}s}" for title, fmt in columns.values())
-    )
-    for name in sides:
-        print(f"{name:20s} " + " ".join(fmt.format(median(name, field)) for field, (_, fmt) in columns.items()))
-    ratios = {field: median("ours", field) / median("trl", field) for field in columns}
     widths = [len(fmt.format(0)) for _, fmt in columns.values()]
-    print(f"{'ratio ours/trl':20s} " + " ".join(f"{ratios[f]:{w}.2f}" for f, w in zip(columns, widths)))
-    # Both runs of a round are minutes apart at most: their ratio cancels slow drifts in the machine's load.
-    paired = statistics.median(o.tokens_per_s / t.tokens_per_s for o, t in zip(results["ours"], results["trl"]))
-    verdict = "meets" if ratios["tokens_per_s"] >= 1.0 else "misses"
+    print(f"\n{'median over rounds':24s} " + " ".join(f"{t:>{w}s}" for (t, _), w in zip(columns.values(), widths)))
+    for side in sides:
+        print(f"{side:24s} " + " ".join(fmt.format(median(side, name)) for name, (_, fmt) in columns.items()))
+    print(f"trl = {best_trl}, the faster trl")
+    for side in OURS:
+        ratios = [median(side, name) / median(best_trl, name) for name in columns]
+        print(f"{'ratio ' + side + '/trl':24s} " + " ".join(f"{r:{w}.2f}" for r, w in zip(ratios, widths)))
+
     print(
-        f"ours runs at {ratios['tokens_per_s']:.2f}x trl's generated tokens per second of training (median of "
-        f"per-round ratios {paired:.2f}x): {verdict} the target >= 1.00x. An s/step ratio below 1 means ours is faster."
+        f"\nseconds per generation batch by phase (medians){'':4s}" + " ".join(f"{p:>9s}" for p in (*PHASES, "total"))
     )
+    for side in sides:
+        row = " ".join(f"{statistics.median(run.phases[p] for run in results[side]):9.4f}" for p in (*PHASES, "total"))
+        print(f"{side:51s}{row}")
+    print("  (async: generate and reward run in the collector process while the learner updates; the learner's step")
+    print("   is reference + advantage + update + other, where other is mostly its wait for the next batch)")
+
+    targets = {"ours (sync)": args.sync_target, "ours (async)": args.async_target}
+    report = {
+        "trl": best_trl,
+        "medians": {side: {name: median(side, name) for name in columns} for side in sides},
+        "phases": {
+            side: {p: statistics.median(run.phases[p] for run in results[side]) for p in (*PHASES, "total")}
+            for side in sides
+        },
+        "ratios": {},
+    }
+    for side in OURS:
+        ratio = median(side, "tokens_per_s") / median(best_trl, "tokens_per_s")
+        # The sides of a round run minutes apart at most: their ratio cancels slow drifts in the machine's load.
+        paired = statistics.median(
+            o.tokens_per_s / t.tokens_per_s for o, t in zip(results[side], results[best_trl], strict=True)
+        )
+        report["ratios"][side] = {"tokens_per_s": ratio, "paired": paired, "target": targets[side]}
+        verdict = "meets" if ratio >= targets[side] else "misses"
+        print(
+            f"{side} runs at {ratio:.2f}x trl's generated tokens per second of training (median of per-round ratios "
+            f"{paired:.2f}x): {verdict} the target >= {targets[side]:.2f}x."
+        )
+    if args.memory:
+        report["memory_mb"] = _memory_report(args, [*OURS, best_trl])
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
     return results
 
 
