@@ -8,7 +8,9 @@ import re
 import subprocess
 import sys
 
-SIDES = ("ours (sync)", "ours (async)", "trl (1 thread)", "trl (2 threads)")
+SYNC = ("ours (sync, 1 thread)", "ours (sync, 2 threads)")
+TRL = ("trl (1 thread)", "trl (2 threads)")
+SIDES = (*SYNC, "ours (async)", *TRL)
 
 
 def test_quick_bench_reports_every_side_its_phases_and_the_ratios(repo_root, tmp_path):
@@ -28,7 +30,9 @@ def test_quick_bench_reports_every_side_its_phases_and_the_ratios(repo_root, tmp
     assert "every response max_new_tokens long" in out
     # Every side does the same work: 3 batches of 8 responses of 8 tokens, warm-up included.
     runs = re.findall(
-        r"(warm-up|round 1)\s+(ours \((?:a?sync)\)|trl \(\d threads?\))\s.*\((\d+) tokens, (\d+) steps\)", out
+        r"(warm-up|round 1)\s+(ours \(sync, \d threads?\)|ours \(async\)|trl \(\d threads?\))\s.*"
+        r"\((\d+) tokens, (\d+) steps\)",
+        out,
     )
     assert sorted((label, side) for label, side, _, _ in runs) == sorted(
         (label, side) for label in ("warm-up", "round 1") for side in SIDES
@@ -37,15 +41,18 @@ def test_quick_bench_reports_every_side_its_phases_and_the_ratios(repo_root, tmp
 
     report = json.loads(report_path.read_text())
     medians = report["medians"]
-    assert set(medians) == set(SIDES) and report["trl"] in SIDES[2:]
-    # trl is the faster of its thread counts; the ratios are ours over it, from the unrounded medians.
-    assert medians[report["trl"]]["tokens_per_s"] == max(medians[s]["tokens_per_s"] for s in SIDES[2:])
-    for side in SIDES[:2]:
-        ratio = report["ratios"][side]["tokens_per_s"]
+    assert set(medians) == set(SIDES)
+    # Ours (sync) and trl at the faster of their thread counts; the ratios over trl, from the unrounded medians.
+    for name, candidates in (("ours (sync)", SYNC), ("trl", TRL)):
+        assert medians[report[name]]["tokens_per_s"] == max(medians[s]["tokens_per_s"] for s in candidates)
+    for name, side in (("ours (sync)", report["ours (sync)"]), ("ours (async)", "ours (async)")):
+        ratio = report["ratios"][name]["tokens_per_s"]
         assert ratio == medians[side]["tokens_per_s"] / medians[report["trl"]]["tokens_per_s"]
-        line = re.search(rf"^{re.escape(side)} runs at (\d+\.\d\d)x trl's generated tokens per second", out, re.M)
+        line = re.search(rf"^{re.escape(name)} runs at (\d+\.\d\d)x trl's generated tokens per second", out, re.M)
         assert line and line.group(1) == f"{ratio:.2f}", out
-    assert f"trl = {report['trl']}, the faster trl" in out
+    assert (
+        f"ours (sync) = {report['ours (sync)']}, the faster ours (sync); trl = {report['trl']}, the faster trl" in out
+    )
     assert all(medians[side]["tokens_per_response"] == 8.0 for side in SIDES)
 
     # One phase row per side; the phases of a synchronous side add up to its time per batch.
