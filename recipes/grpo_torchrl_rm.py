@@ -1,6 +1,6 @@
 """GRPO built from TorchRL components, rewarded by a Hugging Face reward model through ``interop``.
 
-    python recipes/grpo_torchrl_rm.py                                     # tiny policy + tiny RM, ~1 min on 2 CPUs
+    python recipes/grpo_torchrl_rm.py                                     # tiny policy + tiny RM, ~15 s on 2 CPUs
     python recipes/grpo_torchrl_rm.py -m optimizer.lr=1e-3,2e-3,4e-3      # a sweep: main() returns cfg.metric
     torchrun --standalone --nproc_per_node 2 recipes/grpo_torchrl_rm.py hydra.run.dir=outputs/ddp  # data-parallel
 
