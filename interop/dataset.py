@@ -362,12 +362,12 @@ class TorchRLBufferDataset(IterableDataset):
                 "(or LazyStackStorage for ragged data)."
             )
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"TorchRLBufferDataset: batch_size must be a positive int, got {batch_size!r}.")
+            raise ValueError(f"TorchRLBufferDataset: batch_size must be a positive integer, got {batch_size!r}.")
         if num_batches is not None and (
             isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches <= 0
         ):
             raise ValueError(
-                f"TorchRLBufferDataset: num_batches must be a positive int or None (endless), got {num_batches!r}."
+                f"TorchRLBufferDataset: num_batches must be a positive integer or None (endless), got {num_batches!r}."
             )
         if keys is not None:
             if isinstance(keys, (str, tuple)) or not isinstance(keys, Sequence):

@@ -228,7 +228,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             )
         for name, value in (("micro_batch_size", micro_batch_size), ("max_length", max_length)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"HFRewardModelWrapper: {name} must be a positive int or None, got {value!r}.")
+                raise ValueError(f"HFRewardModelWrapper: {name} must be a positive integer or None, got {value!r}.")
         if padding_side not in ("right", "left"):
             raise ValueError(f"HFRewardModelWrapper: padding_side must be 'right' or 'left', got {padding_side!r}.")
 
@@ -385,7 +385,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             rewards = out["logits"] if "logits" in out else out["rewards"]
         else:
             raise RuntimeError(
-                "HFRewardModelWrapper: could not extract a reward from the model output of type "
+                "HFRewardModelWrapper: could not extract reward from the model output of type "
                 f"{type(out).__name__}; the model must return a tensor or an output with 'logits' or 'rewards' "
                 "(e.g. AutoModelForSequenceClassification with num_labels=1)."
             )
@@ -394,8 +394,8 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             rewards = rewards.squeeze(-1)
         elif rewards.shape != (n,):
             raise RuntimeError(
-                f"HFRewardModelWrapper: expected one scalar reward per sequence, of shape ({n},) or ({n}, 1), got "
-                f"{tuple(rewards.shape)}. A classification head with several labels needs num_labels=1."
+                f"HFRewardModelWrapper: expected one scalar reward per input sequence, of shape ({n},) or ({n}, 1), "
+                f"got {tuple(rewards.shape)}. A classification head with several labels needs num_labels=1."
             )
         return rewards.float()
 

@@ -333,9 +333,9 @@ def test_device_moves_every_tensor(storage):
     ("kwargs", "error", "match"),
     [
         ({"replay_buffer": [1, 2]}, TypeError, "TorchRLBufferDataset: replay_buffer must be a torchrl ReplayBuffer"),
-        ({"batch_size": 0}, ValueError, "TorchRLBufferDataset: batch_size must be a positive int"),
+        ({"batch_size": 0}, ValueError, "TorchRLBufferDataset: batch_size must be a positive integer"),
         ({"batch_size": True}, ValueError, "TorchRLBufferDataset: batch_size"),
-        ({"num_batches": 0}, ValueError, "TorchRLBufferDataset: num_batches must be a positive int or None"),
+        ({"num_batches": 0}, ValueError, "TorchRLBufferDataset: num_batches must be a positive integer or None"),
         ({"keys": "prompt"}, TypeError, r"TorchRLBufferDataset: keys must be a list of keys.*keys=\['prompt'\]"),
         ({"keys": [1]}, TypeError, "TorchRLBufferDataset: each key must be a str or a tuple of str"),
         ({"device": "not-a-device"}, ValueError, "TorchRLBufferDataset: device 'not-a-device'"),

@@ -525,7 +525,9 @@ def test_errors(rm, rm_tok):
         def forward(self, input_ids, attention_mask=None):
             return torch.zeros(input_ids.shape[0], 2)
 
-    with pytest.raises(RuntimeError, match=r"HFRewardModelWrapper: expected one scalar reward.*num_labels=1"):
+    # The phrases TorchRL's own trl_interop tests match ("one scalar reward per input", "could not extract reward")
+    # are kept, so that code catching torchrl's errors by message catches ours.
+    with pytest.raises(RuntimeError, match=r"HFRewardModelWrapper: expected one scalar reward per input.*num_labels=1"):
         HFRewardModelWrapper(TwoLabels(), attention_mask_key=None)(
             TensorDict({"tokens": {"full": torch.ones(2, 3, dtype=torch.long)}}, batch_size=[2])
         )
@@ -534,7 +536,7 @@ def test_errors(rm, rm_tok):
         def forward(self, input_ids, attention_mask=None):
             return {"hidden": input_ids}
 
-    with pytest.raises(RuntimeError, match="HFRewardModelWrapper: could not extract a reward"):
+    with pytest.raises(RuntimeError, match="HFRewardModelWrapper: could not extract reward"):
         HFRewardModelWrapper(NoReward(), attention_mask_key=None)(
             TensorDict({"tokens": {"full": torch.ones(2, 3, dtype=torch.long)}}, batch_size=[2])
         )
