@@ -48,7 +48,7 @@ from tensordict import set_list_to_stack
 from tqdm.auto import tqdm
 
 from recipes.common.collection import REWARD_INPUTS, PrepareBatch, make_collector
-from recipes.common.config import ConfigError, run_config, write_run_config
+from recipes.common.config import ConfigError, check_run_settings, run_config, write_run_config
 from recipes.common.distributed import (
     DataParallel,
     check_ranks_in_sync,
@@ -70,6 +70,7 @@ from recipes.common.resume import (
     truncate_metrics_csv,
 )
 from recipes.common.rollout import unknown_generation_settings
+from recipes.common.run_folder import check_output_folder, clear_records
 from recipes.common.sampling import SamplingSettings
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -123,8 +124,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"loss.aggregation={cfg.loss.aggregation!r}: expected 'token_mean' or 'prompt_mean'.")
     if cfg.loss.kl_to_ref_coeff is not None and cfg.loss.kl_to_ref_coeff < 0:
         raise ConfigError(f"loss.kl_to_ref_coeff={cfg.loss.kl_to_ref_coeff} must be >= 0 (or null: no reference).")
-    if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={cfg.device!r} but CUDA is not available here; use device=cpu.")
+    check_run_settings(
+        cfg, lr_key="optimizer.lr", max_grad_norm_key="train.max_grad_norm", batch_size_key="train.mini_batch_size"
+    )
     _validate_distributed(cfg)
     metric = str(cfg.metric)
     known = {f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")}
@@ -136,24 +138,20 @@ def validate(cfg: DictConfig) -> None:
             f"metric={metric!r} needs an oracle, but data.oracle is null for data.source={cfg.data.source!r}; "
             "use metric=rollout/reward_mean_last."
         )
-    validate_model_node(cfg.model, key="model")
-    validate_model_node(cfg.reward_model, key="reward_model")
+    validate_model_node(cfg.model, key="model", kind="policy")
+    validate_model_node(cfg.reward_model, key="reward_model", kind="reward_model")
     if cfg.data.source == "file" and not Path(str(cfg.data.path)).expanduser().exists():
         raise ConfigError(
             f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
             f"{cfg.data.prompt_column!r} column of prompts."
         )
-    has_checkpoint = latest_checkpoint(_checkpoint_root(cfg)) is not None
-    if cfg.resume and not has_checkpoint:
+    check_output_folder(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    if cfg.resume and latest_checkpoint(_checkpoint_root(cfg)) is None:
         raise ConfigError(
             f"resume=true but {_checkpoint_root(cfg)} holds no checkpoint. Point the run at the folder of the run to "
             "continue (hydra.run.dir=<that folder>, or output_dir=<that folder> when calling train()), or drop "
-            "resume=true to start afresh."
-        )
-    if not cfg.resume and has_checkpoint:
-        raise ConfigError(
-            f"{_checkpoint_root(cfg)} already holds checkpoints of an earlier run: pass resume=true to continue it, "
-            "or choose another output folder (hydra.run.dir=...)."
+            "resume=true to start afresh (with overwrite=true if the folder holds a run killed before its first "
+            "checkpoint)."
         )
 
 
@@ -356,7 +354,9 @@ def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) 
             out = loss_module(buffer.sample().contiguous())
             loss = training_loss(out, entropy_coeff=cfg.loss.entropy_coeff)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.train.max_grad_norm)
+            # null: no clipping, but the norm is still measured (train/grad_norm).
+            max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm is not None else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             updates += 1
@@ -427,7 +427,10 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     output_dir = Path(data_parallel.broadcast_object(str(cfg.output_dir)))
     is_main = data_parallel.is_main
     if is_main:
+        if cfg.overwrite:
+            clear_records(output_dir)
         write_run_config(cfg, output_dir)
+    data_parallel.broadcast_object(None)  # the other ranks go on once the folder is cleared
     checkpoint_root = output_dir / "checkpoints"
     resume_from = latest_checkpoint(checkpoint_root) if cfg.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None

@@ -41,11 +41,12 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError, run_config, write_run_config
+from recipes.common.config import ConfigError, check_run_settings, run_config, write_run_config
 from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
 from recipes.common.distributed import setup_data_parallel
 from recipes.common.logging import MetricLogger, make_logger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
+from recipes.common.run_folder import check_output_folder, clear_records
 
 STORAGES = ("lazy_tensor", "memmap")
 # A labelled-data folder (buffer.path / buffer.load_from)
@@ -76,7 +77,7 @@ def validate(cfg: DictConfig) -> None:
                 "at the buffer folder of an earlier run made with buffer=memmap (<run dir>/buffer)."
             )
     elif cfg.data.source == "synthetic":
-        validate_model_node(cfg.model, key="model")
+        validate_model_node(cfg.model, key="model", kind="policy")
         if cfg.generation.responses_per_prompt < 2:
             raise ConfigError(
                 f"generation.responses_per_prompt={cfg.generation.responses_per_prompt}: a preference pair needs two "
@@ -86,6 +87,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."
         )
+    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite)
+    check_run_settings(
+        cfg,
+        lr_key="train.learning_rate",
+        max_grad_norm_key="train.max_grad_norm",
+        batch_size_key="train.per_device_train_batch_size",
+    )
     if not 0.0 < cfg.eval.holdout_fraction < 1.0:
         raise ConfigError(f"eval.holdout_fraction={cfg.eval.holdout_fraction}: expected a fraction in (0, 1).")
     validate_model_node(cfg.reward_model, key="reward_model")
@@ -580,7 +588,10 @@ def train(cfg: DictConfig) -> dict:
     main_process = data_parallel.is_main
     output_dir = Path(cfg.output_dir)
     if main_process:
+        if cfg.overwrite:  # keeping a buffer this run reuses, if it lies in the folder
+            clear_records(output_dir, keep=[cfg.buffer.load_from] if cfg.buffer.load_from else [])
         write_run_config(cfg, output_dir)
+    data_parallel.broadcast_object(None)  # the other processes go on once the folder is cleared
 
     tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
     # The main process makes (or loads) the pairs, the others receive them (waiting up to train.ddp_timeout seconds):
@@ -599,8 +610,9 @@ def train(cfg: DictConfig) -> dict:
     labelling_s = time.perf_counter() - start
 
     # args.device: this process's own device (cuda:<local rank> under a launcher).
+    # The model trained into a reward model: a classifier's base or a causal LM, whose score head may be new.
     model = load_reward_model(
-        cfg.reward_model, device=args.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id
+        cfg.reward_model, device=args.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id, trained=False
     )
     eval_dataset = None
     if args.eval_strategy != "no":  # trl's own periodic evaluation on the held-out pairs

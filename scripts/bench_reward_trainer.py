@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         prepare_start = time.perf_counter()
         dataset = make_dataset()
         torch.manual_seed(cfg.seed)
-        model = load_reward_model(cfg.reward_model, device=cfg.device, dtype=cfg.dtype)
+        model = load_reward_model(cfg.reward_model, device=cfg.device, dtype=cfg.dtype, trained=False)
         trainer = RewardTrainer(
             model, args=recipe.make_reward_config(cfg), train_dataset=dataset, processing_class=tokenizer
         )

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["PROJECT_ROOT", "ConfigError", "check_local_path", "register_resolvers", "run_config", "write_run_config"]
+__all__ = [
+    "PROJECT_ROOT",
+    "ConfigError",
+    "check_local_path",
+    "check_run_settings",
+    "register_resolvers",
+    "run_config",
+    "write_run_config",
+]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,9 +25,15 @@ class ConfigError(ValueError):
 
 
 def register_resolvers() -> None:
-    """Registers ``${project_root:relative/path}``, so the tiny kit resolves wherever the repository is cloned."""
+    """Registers ``${project_root:relative/path}``, so the tiny kit resolves wherever the repository is cloned, and
+    ``${if_set:value,then,otherwise}``."""
     if not OmegaConf.has_resolver("project_root"):
         OmegaConf.register_new_resolver("project_root", lambda relative="": str(PROJECT_ROOT / relative))
+    if not OmegaConf.has_resolver("if_set"):
+        # ${if_set:${a.b},x,y}: x when a.b is set (not null), else y; e.g. a metric that needs the data's oracle.
+        OmegaConf.register_new_resolver(
+            "if_set", lambda value, then, otherwise: then if value is not None else otherwise
+        )
 
 
 def check_local_path(value: str, *, key: str, what: str) -> None:
@@ -32,6 +47,42 @@ def check_local_path(value: str, *, key: str, what: str) -> None:
             f"{key}={value!r}: no such {what} folder. Pass an existing local folder or a hub id; for the built-in "
             f"tiny models run `python scripts/build_tiny_models.py` (they ship in tiny/)."
         )
+
+
+def check_run_settings(cfg: DictConfig, *, lr_key: str, max_grad_norm_key: str, batch_size_key: str) -> None:
+    """The settings every recipe has, checked before anything loads: threads, device, dtype, learning rate, gradient
+    clipping and batch size. Each of these fails deep inside torch (or, worse, does not fail) when wrong.
+
+    Args:
+        cfg: the recipe config (``num_threads``, ``device``, ``dtype`` at its root).
+
+    Keyword Args:
+        lr_key, max_grad_norm_key, batch_size_key: where the recipe keeps those.
+    """
+    import torch
+
+    if cfg.num_threads is not None and cfg.num_threads < 1:
+        raise ConfigError(f"num_threads={cfg.num_threads} must be >= 1, or null for torch's default (every core).")
+    device = str(cfg.device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but CUDA is not available here; use device=cpu.")
+    if cfg.dtype == "float16" and device == "cpu":
+        raise ConfigError(
+            "dtype=float16 on the CPU: half precision overflows and runs slowly there; use dtype=float32 (or "
+            "bfloat16, on a CPU that supports it)."
+        )
+    lr = OmegaConf.select(cfg, lr_key)
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr <= 0:
+        raise ConfigError(f"{lr_key}={lr} must be a positive number (e.g. {lr_key}=1e-4).")
+    max_grad_norm = OmegaConf.select(cfg, max_grad_norm_key)
+    if max_grad_norm is not None and (not math.isfinite(max_grad_norm) or max_grad_norm < 0):
+        # clip_grad_norm_ with a negative norm multiplies every gradient by a negative factor: training runs backwards.
+        raise ConfigError(
+            f"{max_grad_norm_key}={max_grad_norm} must be >= 0 (the largest gradient norm kept), or null not to clip."
+        )
+    batch_size = OmegaConf.select(cfg, batch_size_key)
+    if batch_size is None or batch_size < 1:
+        raise ConfigError(f"{batch_size_key}={batch_size} must be >= 1.")
 
 
 def run_config(cfg: DictConfig) -> DictConfig:

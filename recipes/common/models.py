@@ -7,6 +7,9 @@ Weights load as safetensors only.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from omegaconf import DictConfig
 
@@ -15,11 +18,56 @@ from recipes.common.config import ConfigError, check_local_path
 __all__ = ["load_causal_lm", "load_reward_model", "load_tokenizer", "resolve_dtype", "validate_model_node"]
 
 
-def validate_model_node(node: DictConfig, *, key: str) -> None:
-    """Checks a model node before anything loads: local folders must exist."""
+# What "a reward model" means wherever one scores: what to tell a user who points at something else.
+_REWARD_MODEL_IS = (
+    "a reward model here is a sequence classifier with one trained score (AutoModelForSequenceClassification, "
+    "num_labels=1), e.g. the <run dir>/model that `python recipes/reward_trainer_from_buffer.py "
+    "reward_model.name_or_path=<a base checkpoint>` trains"
+)
+
+
+def _saved_config(name_or_path: str) -> dict | None:
+    """The ``config.json`` of a local checkpoint folder, or None (a hub id, or no config there)."""
+    path = Path(name_or_path).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _check_kind(config: dict, *, key: str, name_or_path: str, kind: str | None) -> None:
+    architectures = config.get("architectures") or []
+    classifier = any(name.endswith("ForSequenceClassification") for name in architectures)
+    if kind == "policy" and classifier:
+        raise ConfigError(
+            f"{key}.name_or_path={name_or_path!r} is a {architectures[0]} checkpoint (a reward model), not a causal "
+            "LM: the policy generates, so it needs a language-model head. Point it at a causal LM (e.g. "
+            "model=tiny or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)."
+        )
+    if kind == "reward_model":
+        if architectures and not classifier:
+            raise ConfigError(
+                f"{key}.name_or_path={name_or_path!r} is a {architectures[0]} checkpoint, not a reward model: "
+                f"{_REWARD_MODEL_IS}. Loaded as one, its score head would be random and GRPO would train against noise."
+            )
+        labels = len(config["id2label"]) if "id2label" in config else config.get("num_labels", 1)
+        if classifier and labels != 1:
+            raise ConfigError(
+                f"{key}.name_or_path={name_or_path!r} classifies into {labels} labels; {_REWARD_MODEL_IS}."
+            )
+
+
+def validate_model_node(node: DictConfig, *, key: str, kind: str | None = None) -> None:
+    """Checks a model node before anything loads: local folders must exist, and hold the kind of model asked for.
+
+    ``kind``: ``"policy"`` refuses a sequence classifier; ``"reward_model"`` refuses what is not one (a causal LM, a
+    classifier of several labels); ``None`` (a model to be trained into a reward model, say) checks only the path.
+    """
     check_local_path(str(node.name_or_path), key=f"{key}.name_or_path", what="model")
     if node.tokenizer_name_or_path is not None:
         check_local_path(str(node.tokenizer_name_or_path), key=f"{key}.tokenizer_name_or_path", what="tokenizer")
+    config = _saved_config(str(node.name_or_path))
+    if config is not None:
+        _check_kind(config, key=key, name_or_path=str(node.name_or_path), kind=kind)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -48,9 +96,10 @@ def load_tokenizer(node: DictConfig, *, padding_side: str):
 
 
 def load_causal_lm(node: DictConfig, *, device: str, dtype: str):
-    """A causal LM from ``node.name_or_path`` on ``device`` in ``dtype``."""
+    """A causal LM from ``node.name_or_path`` on ``device`` in ``dtype``; a sequence classifier is refused."""
     from transformers import AutoModelForCausalLM
 
+    _check_kind(_loaded_config(node).to_dict(), key="model", name_or_path=str(node.name_or_path), kind="policy")
     model = AutoModelForCausalLM.from_pretrained(
         node.name_or_path,
         dtype=resolve_dtype(dtype),
@@ -60,21 +109,43 @@ def load_causal_lm(node: DictConfig, *, device: str, dtype: str):
     return model.to(device)
 
 
-def load_reward_model(node: DictConfig, *, device: str, dtype: str, pad_token_id: int | None = None):
+def load_reward_model(
+    node: DictConfig, *, device: str, dtype: str, pad_token_id: int | None = None, trained: bool = True
+):
     """A sequence-classification reward model (num_labels=1) whose config knows its tokenizer's pad id.
 
     HF classification heads score the rightmost token that is not ``config.pad_token_id``, so the id must match the
     tokenizer's pad token; a model saved without it gets it from ``pad_token_id``.
+
+    ``trained=True`` (a model that scores): a checkpoint that is no reward model, or whose score head is not in its
+    weights (it would be initialised at random), is refused. ``trained=False`` (a model about to be trained into a
+    reward model, from a causal LM or a fresh classifier): the head may be new.
     """
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(
+    if trained:
+        config = _loaded_config(node).to_dict()
+        _check_kind(config, key="reward_model", name_or_path=str(node.name_or_path), kind="reward_model")
+    model, loading = AutoModelForSequenceClassification.from_pretrained(
         node.name_or_path,
         num_labels=1,
         dtype=resolve_dtype(dtype),
         trust_remote_code=node.trust_remote_code,
         use_safetensors=True,
+        output_loading_info=True,
     )
+    if trained and loading["missing_keys"]:
+        raise ConfigError(
+            f"reward_model.name_or_path={str(node.name_or_path)!r} has no weights for "
+            f"{sorted(loading['missing_keys'])} (they would start at random, and GRPO would train against noise): "
+            f"{_REWARD_MODEL_IS}."
+        )
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model.to(device)
+
+
+def _loaded_config(node: DictConfig):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(node.name_or_path, trust_remote_code=node.trust_remote_code)

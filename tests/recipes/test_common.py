@@ -130,6 +130,48 @@ class TestModels:
             validate_model_node(node, key="model")
         validate_model_node(_node(name_or_path="Qwen/Qwen2.5-0.5B", tokenizer_name_or_path=None), key="model")
 
+    def test_a_causal_lm_is_no_reward_model_and_a_reward_model_no_policy(self, tiny_dir):
+        """Loaded as a reward model, a causal LM would get a random score head: refused before anything loads, and at
+        load time (hub ids); the same for a sequence classifier given as the policy."""
+        policy = _node(name_or_path=str(tiny_dir / "policy"), tokenizer_name_or_path=None, trust_remote_code=False)
+        scorer = _node(
+            name_or_path=str(tiny_dir / "reward_model"), tokenizer_name_or_path=None, trust_remote_code=False
+        )
+        not_a_reward_model = "is a Qwen2ForCausalLM checkpoint, not a reward model: a reward model here is a sequence"
+        with pytest.raises(ConfigError, match=not_a_reward_model):
+            validate_model_node(policy, key="reward_model", kind="reward_model")
+        with pytest.raises(ConfigError, match=not_a_reward_model + ".*reward_trainer_from_buffer.py"):
+            load_reward_model(policy, device="cpu", dtype="float32")
+        with pytest.raises(ConfigError, match="is a Qwen2ForSequenceClassification checkpoint .* not a causal LM"):
+            validate_model_node(scorer, key="model", kind="policy")
+        with pytest.raises(ConfigError, match="not a causal LM"):
+            load_causal_lm(scorer, device="cpu", dtype="float32")
+        # To be trained into a reward model, a causal LM is a fine start (its new score head is what training fits).
+        validate_model_node(policy, key="reward_model")
+        assert load_reward_model(policy, device="cpu", dtype="float32", trained=False).config.num_labels == 1
+
+    def test_a_reward_model_without_its_score_weights_or_with_several_labels_is_refused(self, tiny_dir, tmp_path):
+        import json
+        import shutil
+
+        headless = tmp_path / "headless"
+        shutil.copytree(tiny_dir / "policy", headless)  # causal LM weights under a classifier's config
+        config = json.loads((headless / "config.json").read_text())
+        config["architectures"] = ["Qwen2ForSequenceClassification"]
+        (headless / "config.json").write_text(json.dumps({**config, "id2label": {"0": "LABEL_0"}}))
+        node = _node(name_or_path=str(headless), tokenizer_name_or_path=None, trust_remote_code=False)
+        with pytest.raises(ConfigError, match=r"has no weights for \['score.weight'\] \(they would start at random"):
+            load_reward_model(node, device="cpu", dtype="float32")
+
+        two_labels = tmp_path / "two_labels"
+        shutil.copytree(tiny_dir / "reward_model", two_labels)
+        config = json.loads((two_labels / "config.json").read_text())
+        config["id2label"] = {"0": "bad", "1": "good"}
+        (two_labels / "config.json").write_text(json.dumps(config))
+        node = _node(name_or_path=str(two_labels), tokenizer_name_or_path=None, trust_remote_code=False)
+        with pytest.raises(ConfigError, match="classifies into 2 labels; a reward model here"):
+            validate_model_node(node, key="reward_model", kind="reward_model")
+
     def test_pad_equal_to_eos_is_refused(self, tiny_dir, tmp_path):
         from transformers import AutoTokenizer
 
@@ -156,6 +198,19 @@ class TestCheckpoint:
         assert [p.name for p in tmp_path.iterdir()] == ["latest"]  # no staging folder left behind
         write_folder_atomically(lambda folder: (folder / "state.txt").write_text("step 2"), destination)
         assert (destination / "state.txt").read_text() == "step 2"
+
+
+def test_clear_records_deletes_an_earlier_run_but_what_this_run_reads(tmp_path):
+    from recipes.common.run_folder import clear_records, earlier_records
+
+    for name in ("metrics.csv", "summary.json"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "buffer" / "storage").mkdir(parents=True)
+    (tmp_path / ".hydra").mkdir()  # Hydra's own, rewritten at every start: not a record
+    assert earlier_records(tmp_path) == ["metrics.csv", "summary.json", "model", "buffer"]
+    assert clear_records(tmp_path, keep=[tmp_path / "buffer"]) == ["metrics.csv", "summary.json", "model"]
+    assert earlier_records(tmp_path) == ["buffer"] and (tmp_path / ".hydra").is_dir()
 
 
 def test_csv_logger_appends_rows(tmp_path):

@@ -4,6 +4,7 @@ model with its own tokenizer, and a run as a user starts it."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -42,6 +43,13 @@ class TestValidation:
             (["train.mini_batch_size=5"], "train.mini_batch_size=5 does not divide"),
             (["model.name_or_path=/nonexistent/policy"], "model.name_or_path='/nonexistent/policy'"),
             (["reward_model.name_or_path=/nonexistent/rm"], "reward_model.name_or_path='/nonexistent/rm'"),
+            (["reward_model=tiny", "reward_model.name_or_path=${model.name_or_path}"], "not a reward model"),
+            (["model.name_or_path=${reward_model.name_or_path}"], "not a causal LM"),
+            (["train.max_grad_norm=-1"], "train.max_grad_norm=-1"),
+            (["optimizer.lr=0"], "optimizer.lr=0"),
+            (["optimizer.lr=nan"], "optimizer.lr=nan"),
+            (["num_threads=0"], "num_threads=0"),
+            (["dtype=float16"], "dtype=float16 on the CPU"),
             (["reward.input=logits"], "reward.input='logits'"),
             (["rollout.generation.temperature=0"], "temperature=0"),
             (["+rollout.generation.max_new_token=8"], "rollout.generation.max_new_token: not a generation setting"),
@@ -75,9 +83,14 @@ class TestValidation:
         assert cfg.metric == "rollout/oracle_mean_last"
 
     def test_oracle_metric_needs_an_oracle(self, compose_config, tmp_path):
+        """Data without an oracle (data=file, data=hf) brings the reward model's metric; asking for the oracle's
+        metric there is an error."""
         cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "data.oracle=null"])
+        assert cfg.metric == "rollout/reward_mean_last"
+        assert compose_config("grpo_torchrl_rm", ["data=file"]).metric == "rollout/reward_mean_last"
+        explicit = [*SMALL, f"output_dir={tmp_path}", "data.oracle=null", "metric=rollout/oracle_mean_last"]
         with pytest.raises(ConfigError, match="needs an oracle"):
-            recipe.train(cfg)
+            recipe.train(compose_config("grpo_torchrl_rm", explicit))
 
 
 @pytest.mark.parametrize("env", ["prompt", "chat"])
@@ -141,7 +154,24 @@ def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config
         recipe.train(cfg)
 
 
-def test_every_update_clips_the_gradients_of_all_parameters(compose_config, tmp_path, monkeypatch):
+def test_a_folder_with_an_earlier_run_is_continued_or_cleared_never_mixed(compose_config, tmp_path):
+    """A run killed before its first checkpoint leaves metrics.csv: a new run there is refused (it would append its
+    rows), resume=true has no checkpoint to continue, overwrite=true clears the folder and starts afresh."""
+    (tmp_path / "metrics.csv").write_text("step,rollout/reward_mean\n1,0.5\n2,0.6\n")
+    overrides = [*SMALL, f"output_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"already holds an earlier run \(metrics.csv\): pass resume=true"):
+        recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    with pytest.raises(ConfigError, match="holds no checkpoint.*overwrite=true"):
+        recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "resume=true"]))
+    with pytest.raises(ConfigError, match="pass one of them, not both"):
+        recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "resume=true", "overwrite=true"]))
+    recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "overwrite=true"]))
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(("setting", "max_norm"), [("0.5", 0.5), ("null", math.inf)])
+def test_every_update_clips_the_gradients_of_all_parameters(compose_config, tmp_path, monkeypatch, setting, max_norm):
+    """``train.max_grad_norm`` clips every update; null measures the norm (train/grad_norm) without clipping."""
     clip = torch.nn.utils.clip_grad_norm_
     clipped = []
 
@@ -152,13 +182,14 @@ def test_every_update_clips_the_gradients_of_all_parameters(compose_config, tmp_
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
     cfg = compose_config(
-        "grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "train.steps=1", "train.max_grad_norm=0.5"]
+        "grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "train.steps=1", f"train.max_grad_norm={setting}"]
     )
     recipe.train(cfg)
     from transformers import AutoModelForCausalLM
 
     num_parameters = len(list(AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path).parameters()))
-    assert clipped == [(num_parameters, 0.5)] * 2  # 4 responses in mini-batches of 2: two updates
+    assert clipped == [(num_parameters, max_norm)] * 2  # 4 responses in mini-batches of 2: two updates
+    assert read_metrics(tmp_path)[0]["train/grad_norm"] > 0
 
 
 @pytest.mark.parametrize("entropy_coeff", [0.0, 0.01])

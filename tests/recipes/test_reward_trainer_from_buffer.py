@@ -238,15 +238,37 @@ def test_persisted_buffer_is_reused_without_generating_or_labelling(compose_conf
     assert (tmp_path / "a" / "eval_pairs.jsonl").read_text() == (tmp_path / "b" / "eval_pairs.jsonl").read_text()
     assert not (tmp_path / "b" / "buffer").exists()  # buffer=lazy_tensor: kept in memory only
 
+    # Rerunning into the first run's folder would mix two runs' records: refused, unless overwrite=true clears them
+    # (keeping the buffer this run reads from that folder).
+    again = [*SMALL, "logger=csv", f"buffer.load_from={folder}", f"output_dir={tmp_path / 'a'}"]
+    with pytest.raises(ConfigError, match=r"already holds an earlier run \(summary.json, model, buffer"):
+        recipe.train(compose_config("reward_trainer_from_buffer", again))
+    recipe.train(compose_config("reward_trainer_from_buffer", [*again, "overwrite=true"]))
+    assert (folder / "pairs.jsonl").exists()
+    header, *rows = (tmp_path / "a" / "metrics.csv").read_text().splitlines()
+    assert [int(float(row.split(",")[header.split(",").index("step")])) for row in rows] == [1, 2, 4, 6]
 
-def test_missing_max_steps_fails_before_any_model_loads(compose_config, tmp_path, monkeypatch):
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.max_steps=null"], "train.max_steps"),
+        (["+train.max_grad_norm=-1"], "train.max_grad_norm=-1 must be >= 0"),
+        (["train.learning_rate=0"], "train.learning_rate=0 must be a positive number"),
+        (["train.per_device_train_batch_size=0"], "train.per_device_train_batch_size=0 must be >= 1"),
+        (["num_threads=0"], "num_threads=0 must be >= 1"),
+        (["dtype=float16"], "dtype=float16 on the CPU"),
+        (["model.name_or_path=${reward_model.name_or_path}", "reward_model=tiny"], "not a causal LM"),
+    ],
+)
+def test_bad_settings_fail_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):
     def forbidden(*args, **kwargs):
         raise AssertionError("nothing may load before the config is validated")
 
     for name in ("load_tokenizer", "load_causal_lm", "load_reward_model"):
         monkeypatch.setattr(recipe, name, forbidden)
-    cfg = compose_config("reward_trainer_from_buffer", ["train.max_steps=null", f"output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match="train.max_steps"):
+    cfg = compose_config("reward_trainer_from_buffer", [*overrides, f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=message):
         recipe.train(cfg)
 
 
