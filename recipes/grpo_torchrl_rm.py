@@ -31,6 +31,7 @@ folder per process).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -43,12 +44,14 @@ from typing import Any
 import hydra
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from tensordict import set_list_to_stack
 from tqdm.auto import tqdm
 
+from recipes.common.checkpoint import recover_interrupted_writes
 from recipes.common.collection import REWARD_INPUTS, PrepareBatch, make_collector
 from recipes.common.config import ConfigError, check_run_settings, run_config, write_run_config
+from recipes.common.data import load_prompts
 from recipes.common.distributed import (
     DataParallel,
     check_ranks_in_sync,
@@ -63,8 +66,11 @@ from recipes.common.models import load_causal_lm, load_reward_model, load_tokeni
 from recipes.common.resume import (
     MODEL_FOLDER,
     capture_rng_state,
+    config_changes,
     latest_checkpoint,
+    list_checkpoints,
     load_training_state,
+    record_resume,
     restore_rng_state,
     save_checkpoint,
     truncate_metrics_csv,
@@ -78,6 +84,27 @@ ROLLOUT_ENVS = ("prompt", "chat")
 ROLLOUT_MODES = ("sync", "async")
 RANK_WEIGHTS_FOLDER = "rank_weights"
 SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
+# Settings a resumed run may change freely: where and how it runs and reports, not what it trains. Any other change
+# (group size, batch sizes, models, data, learning rate...) must be named in resume_allow_changes.
+RESUME_FREE_KEYS = (
+    "resume",
+    "overwrite",
+    "resume_allow_changes",
+    "output_dir",
+    "logger",
+    "progress_bar",
+    "num_threads",
+    "train.steps",
+    "checkpoint",
+    "summary",
+    "metric",
+    "rollout.collector_threads",
+    "rollout.log_prob_micro_batch_size",
+    "reward.micro_batch_size",
+    "distributed.save_rank_weights",
+)
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------- validation
@@ -146,6 +173,11 @@ def validate(cfg: DictConfig) -> None:
             f"{cfg.data.prompt_column!r} column of prompts."
         )
     check_output_folder(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    if not isinstance(cfg.resume_allow_changes, ListConfig):
+        raise ConfigError(
+            f"resume_allow_changes={cfg.resume_allow_changes!r}: expected a list of settings, e.g. "
+            "resume_allow_changes=[optimizer.lr]."
+        )
     if cfg.resume and latest_checkpoint(_checkpoint_root(cfg)) is None:
         raise ConfigError(
             f"resume=true but {_checkpoint_root(cfg)} holds no checkpoint. Point the run at the folder of the run to "
@@ -153,6 +185,38 @@ def validate(cfg: DictConfig) -> None:
             "resume=true to start afresh (with overwrite=true if the folder holds a run killed before its first "
             "checkpoint)."
         )
+    if cfg.resume:
+        refused = {key: change for key, change in resume_changes(cfg).items() if not _allowed(key, cfg)}
+        if refused:
+            listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in refused.items())
+            raise ConfigError(
+                f"resume=true with settings that differ from the run being continued ({listed}). A resumed run must "
+                "train as the run it continues: pass the same settings, or name the changes you mean "
+                f"(resume_allow_changes=[{','.join(refused)}]), or start a new run in another folder."
+            )
+
+
+def resume_changes(cfg: DictConfig) -> dict:
+    """The settings of ``cfg`` that differ from the run being continued (its ``resolved_config.yaml``), as
+    ``{"a.b": (old, new)}``, leaving out those a resumed run may change freely (:data:`RESUME_FREE_KEYS`)."""
+    saved = Path(cfg.output_dir) / "resolved_config.yaml"
+    if not saved.is_file():
+        return {}
+    current = OmegaConf.to_container(run_config(cfg), resolve=True)
+    return config_changes(OmegaConf.to_container(OmegaConf.load(saved)), current, ignored=RESUME_FREE_KEYS)
+
+
+def _allowed(key: str, cfg: DictConfig) -> bool:
+    return any(key == name or key.startswith(f"{name}.") for name in cfg.resume_allow_changes)
+
+
+def finished_run_summary(cfg: DictConfig) -> dict | None:
+    """With ``resume=true`` in a run that already reached ``train.steps``: its ``summary.json``; else None."""
+    checkpoints = list_checkpoints(_checkpoint_root(cfg)) if cfg.resume else []
+    summary = Path(cfg.output_dir) / "summary.json"
+    if checkpoints and checkpoints[-1][0] >= cfg.train.steps and summary.is_file():
+        return json.loads(summary.read_text())
+    return None
 
 
 def _validate_rollout(rollout: DictConfig) -> None:
@@ -187,7 +251,13 @@ def _validate_rollout(rollout: DictConfig) -> None:
             )
     if generation.max_new_tokens < 1:
         raise ConfigError(f"rollout.generation.max_new_tokens={generation.max_new_tokens} must be >= 1.")
-    if generation.do_sample and generation.temperature <= 0:
+    if not generation.do_sample:
+        raise ConfigError(
+            "rollout.generation.do_sample=false: greedy decoding gives every response to a prompt the same text and "
+            "reward, so GRPO's group-normalised advantages are all 0 and nothing is learned. Sample "
+            "(rollout.generation.do_sample=true, with a temperature > 0)."
+        )
+    if generation.temperature <= 0:
         raise ConfigError(
             f"rollout.generation.temperature={generation.temperature} must be > 0 when sampling; GRPO needs diverse "
             "responses within a group."
@@ -306,11 +376,13 @@ def make_loss(cfg: DictConfig, scorer) -> ResponseGRPOLoss:
 # ----------------------------------------------------------------------------------------------------- training
 
 
-def rollout_metrics(data, tokenizer, oracle, *, gather=None) -> tuple[dict[str, float], int]:
+def rollout_metrics(data, tokenizer, oracle, *, group_size: int, gather=None) -> tuple[dict[str, float], int]:
     """Reward, oracle and length statistics of one step's responses, and how many tokens were generated.
 
-    ``gather`` (``DataParallel.gather``) pools the per-response values of every data-parallel rank first, so that
-    the figures are those of the whole step's responses."""
+    ``rollout/frac_reward_zero_std`` is the fraction of groups (each prompt's ``group_size`` contiguous responses)
+    whose rewards are all equal: they teach nothing, their advantages are 0. ``gather`` (``DataParallel.gather``)
+    pools the per-response values of every data-parallel rank first, so that the figures are those of the whole
+    step's responses."""
     # Padded rows (pad_rollout): a response is what the attention mask keeps after the prompt columns.
     response_mask = data["masks", "all_attention_mask"][:, data["tokens", "prompt"].shape[-1] :]
     values = {
@@ -326,6 +398,7 @@ def rollout_metrics(data, tokenizer, oracle, *, gather=None) -> tuple[dict[str, 
     metrics = {
         "rollout/reward_mean": values["reward"].mean().item(),
         "rollout/reward_std": values["reward"].std().item(),
+        "rollout/frac_reward_zero_std": (values["reward"].view(-1, group_size).std(-1) == 0).float().mean().item(),
     }
     if oracle is not None:
         metrics["rollout/oracle_mean"] = values["oracle"].mean().item()
@@ -394,6 +467,17 @@ def train(cfg: DictConfig) -> dict:
     and rank 0 alone writes the run folder."""
     setup_start = time.perf_counter()
     validate(cfg)
+    # The prompts are read (and refused: missing column, empty prompts...) before any model loads.
+    if not load_prompts(cfg.data, "train"):
+        raise ConfigError(f"data={cfg.data.source} holds no training prompts; check data.path / data.split.")
+    finished = finished_run_summary(cfg)
+    if finished is not None:
+        log.info(
+            "The run in %s already finished its %d steps: nothing to resume (raise train.steps to train further).",
+            cfg.output_dir,
+            finished["steps"],
+        )
+        return finished
     data_parallel = setup_data_parallel(device=cfg.device, backend=cfg.distributed.backend)
     try:
         return _train(cfg, data_parallel, setup_start=setup_start)
@@ -426,15 +510,22 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     # Every process writes to rank 0's folder, even where Hydra gave each its own (a timestamped default).
     output_dir = Path(data_parallel.broadcast_object(str(cfg.output_dir)))
     is_main = data_parallel.is_main
-    if is_main:
-        if cfg.overwrite:
-            clear_records(output_dir)
-        write_run_config(cfg, output_dir)
-    data_parallel.broadcast_object(None)  # the other ranks go on once the folder is cleared
     checkpoint_root = output_dir / "checkpoints"
     resume_from = latest_checkpoint(checkpoint_root) if cfg.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None
     start_step = state["step"] if state is not None else 0
+    if is_main:
+        if cfg.overwrite:
+            clear_records(output_dir)
+        for done in recover_interrupted_writes(checkpoint_root):  # a kill during a checkpoint's save leaves these
+            log.warning("Checkpoints of an interrupted run: %s.", done)
+        if state is not None:
+            # The settings this resume changes, allowed in validate(): recorded before the new config replaces the old.
+            changes = resume_changes(cfg)
+            record_resume(output_dir, step=start_step, changes=changes)
+            log.info("Resuming %s at step %d%s", output_dir, start_step, f" with changes {changes}" if changes else "")
+        write_run_config(cfg, output_dir)
+    data_parallel.broadcast_object(None)  # the other ranks go on once the folder is cleared
 
     models = load_models(cfg, resume_from=resume_from)
     oracle = instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
@@ -450,6 +541,10 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     progress = {"history": [], "wall_time_s": 0.0, "tokens_total": 0, "rollout_time_s": 0.0}
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
+        # The config's optimizer settings win over the checkpoint's (an allowed resume change, e.g. the lr, applies).
+        settings = {k: v for k, v in OmegaConf.to_container(cfg.optimizer).items() if not k.startswith("_")}
+        for group in optimizer.param_groups:
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in group})
         progress = {key: state[key] for key in progress}
         if is_main:
             truncate_metrics_csv(output_dir / "metrics.csv", start_step)
@@ -487,7 +582,16 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
                     f"Step {step} got responses sampled {lag} updates ago, more than rollout.max_policy_lag="
                     f"{cfg.rollout.max_policy_lag}; the collector did not wait for the weights."
                 )
-            metrics, tokens = rollout_metrics(batch, models.tokenizer, oracle, gather=gather)
+            metrics, tokens = rollout_metrics(
+                batch, models.tokenizer, oracle, group_size=cfg.rollout.group_size, gather=gather
+            )
+            if metrics["rollout/frac_reward_zero_std"] == 1.0:
+                log.warning(
+                    "Step %d: in every group the responses got the same reward, so this step teaches nothing. A "
+                    "reward model that scores everything alike, reward.max_length shorter than the prompts, or "
+                    "responses that are all the same (temperature too low) do this.",
+                    step,
+                )
             buffer.extend(batch)
             update_start = time.perf_counter()
             updates = optimize(cfg, loss_module, optimizer, buffer, parameters)
@@ -560,7 +664,21 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     summary["world_size"] = data_parallel.world_size
     if is_main:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.info(closing_message(summary, output_dir))
     return summary
+
+
+def closing_message(summary: dict, output_dir: Path) -> str:
+    """Where the run is, its headline figures and what to run next."""
+    oracle = ""
+    if "rollout/oracle_mean_first" in summary:
+        oracle = f", oracle {summary['rollout/oracle_mean_first']:.3f} -> {summary['rollout/oracle_mean_last']:.3f}"
+    return (
+        f"GRPO done: {summary['steps']} steps in {summary['wall_time_s']:.1f} s ({summary['tokens_per_s']:.0f} "
+        f"generated tokens/s of rollout); reward {summary['rollout/reward_mean_first']:.3f} -> "
+        f"{summary['rollout/reward_mean_last']:.3f}{oracle}. Run folder: {output_dir}. Curves: python "
+        f"scripts/plot_run.py {output_dir}"
+    )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grpo_torchrl_rm")

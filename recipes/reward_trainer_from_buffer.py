@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import random
 import time
@@ -40,7 +41,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.common.checkpoint import save_model_folder, write_folder_atomically
+from recipes.common.checkpoint import recover_interrupted_writes, save_model_folder, write_folder_atomically
 from recipes.common.config import ConfigError, check_run_settings, run_config, write_run_config
 from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
 from recipes.common.distributed import setup_data_parallel
@@ -49,6 +50,7 @@ from recipes.common.models import load_causal_lm, load_reward_model, load_tokeni
 from recipes.common.run_folder import check_output_folder, clear_records
 
 STORAGES = ("lazy_tensor", "memmap")
+log = logging.getLogger(__name__)
 # A labelled-data folder (buffer.path / buffer.load_from)
 TRAIN_PAIRS_FILE, EVAL_PAIRS_FILE, EVAL_RESPONSES_FILE = "pairs.jsonl", "eval_pairs.jsonl", "eval_responses.jsonl"
 STORAGE_FOLDER, META_FILE = "storage", "meta.json"
@@ -588,6 +590,9 @@ def train(cfg: DictConfig) -> dict:
     main_process = data_parallel.is_main
     output_dir = Path(cfg.output_dir)
     if main_process:
+        for folder in {output_dir, *([Path(cfg.buffer.path).parent] if cfg.buffer.path else [])}:
+            for done in recover_interrupted_writes(folder):  # a kill during an atomic save leaves these
+                log.warning("Folders of an interrupted run in %s: %s.", folder, done)
         if cfg.overwrite:  # keeping a buffer this run reuses, if it lies in the folder
             clear_records(output_dir, keep=[cfg.buffer.load_from] if cfg.buffer.load_from else [])
         write_run_config(cfg, output_dir)
@@ -676,6 +681,16 @@ def train(cfg: DictConfig) -> dict:
     data_parallel.close()  # a no-op for the launcher's own process group
     if main_process:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        spearman = f", Spearman vs the oracle {summary['eval/spearman']:.3f}" if "eval/spearman" in summary else ""
+        log.info(
+            "Reward model trained: held-out accuracy %.3f, margin %.3f%s; saved to %s. Use it in GRPO: python "
+            "recipes/grpo_torchrl_rm.py reward_model.name_or_path=%s",
+            summary["eval/accuracy"],
+            summary["eval/margin_mean"],
+            spearman,
+            output_dir / "model",
+            output_dir / "model",
+        )
     return summary
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["save_model_folder", "write_folder_atomically"]
+__all__ = ["recover_interrupted_writes", "save_model_folder", "write_folder_atomically"]
+
+_STAGING = re.compile(r"^\..+\.staging\..+$")
+_PREVIOUS = re.compile(r"^\.(.+)\.previous$")
 
 
 def save_model_folder(model, tokenizer, folder: str | os.PathLike) -> None:
@@ -47,3 +51,29 @@ def write_folder_atomically(write: Callable[[Path], None], destination: str | os
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
     return destination
+
+
+def recover_interrupted_writes(folder: str | os.PathLike) -> list[str]:
+    """Tidies ``folder`` after a process was killed inside :func:`write_folder_atomically` there.
+
+    A staging folder (a write that never finished) is deleted. A ``.<name>.previous`` folder is put back as ``<name>``
+    when the new ``<name>`` never arrived (the kill fell between the two renames), and deleted otherwise. Run it before
+    the folder is written again, by one process. Returns what it did, one line per entry.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    done = []
+    for entry in sorted(folder.iterdir()):
+        if _STAGING.match(entry.name):
+            shutil.rmtree(entry, ignore_errors=True)
+            done.append(f"deleted the unfinished {entry.name}")
+        elif match := _PREVIOUS.match(entry.name):
+            destination = folder / match.group(1)
+            if destination.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+                done.append(f"deleted {entry.name}")
+            else:
+                entry.rename(destination)
+                done.append(f"restored {destination.name} from {entry.name}")
+    return done

@@ -85,7 +85,21 @@ def load_prompts(data: DictConfig, split: str) -> list:
     if table is None:
         return []
     _require_columns(table, [data.prompt_column], data=data, what="prompt")
-    return [prompt_text(p) for p in table[data.prompt_column]]
+    prompts = [prompt_text(p) for p in table[data.prompt_column]]
+    empty = [row for row, prompt in enumerate(prompts) if not _has_content(prompt)]
+    if empty:
+        raise ConfigError(
+            f"The prompt data ({data.source}: {data.get('path') or data.get('name_or_path')}, split {split}) has "
+            f"{len(empty)} empty prompt(s) in column {data.prompt_column!r} (rows {empty[:10]}"
+            f"{'...' if len(empty) > 10 else ''}): a model asked nothing learns nothing. Remove or fill them."
+        )
+    return prompts
+
+
+def _has_content(prompt) -> bool:
+    if isinstance(prompt, str):
+        return bool(prompt.strip())
+    return any(str(message["content"]).strip() for message in prompt)
 
 
 def load_preference_pairs(data: DictConfig, split: str) -> list[dict]:

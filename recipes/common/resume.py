@@ -13,9 +13,12 @@ previous checkpoint as the latest. It holds:
 from __future__ import annotations
 
 import csv
+import json
 import random
 import re
 import shutil
+import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +28,15 @@ from recipes.common.checkpoint import save_model_folder, write_folder_atomically
 
 __all__ = [
     "MODEL_FOLDER",
+    "RESUMES_FILE",
     "STATE_FILE",
     "capture_rng_state",
     "checkpoint_folder",
+    "config_changes",
     "latest_checkpoint",
     "list_checkpoints",
     "load_training_state",
+    "record_resume",
     "restore_rng_state",
     "save_checkpoint",
     "truncate_metrics_csv",
@@ -38,6 +44,7 @@ __all__ = [
 
 MODEL_FOLDER = "model"
 STATE_FILE = "training_state.pt"
+RESUMES_FILE = "resumes.jsonl"  # one line per resume of the run: when, from which step, what changed
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
 
 
@@ -146,3 +153,46 @@ def truncate_metrics_csv(path: str | Path, last_step: int) -> None:
         writer.writerow(header)
         writer.writerows(kept)
     staging.replace(path)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping):
+        flat = {}
+        for key, value in tree.items():
+            flat.update(_flat(value, f"{prefix}{key}."))
+        return flat if flat or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: list(tree) if isinstance(tree, (list, tuple)) else tree}
+
+
+def config_changes(saved: Mapping, current: Mapping, *, ignored: Iterable[str] = ()) -> dict[str, tuple[Any, Any]]:
+    """The settings that differ between two resolved configs, as ``{"a.b": (saved, current)}``; a key missing on one
+    side reads as ``None``. A key of ``ignored`` (a dotted key, or the prefix of a group such as ``"logger"``) is left
+    out.
+
+    Examples:
+        >>> config_changes({"lr": 1.0, "logger": {"kind": "csv"}}, {"lr": 2.0, "logger": {"kind": "none"}},
+        ...                ignored=["logger"])
+        {'lr': (1.0, 2.0)}
+    """
+    before, after = _flat(saved), _flat(current)
+    skipped = tuple(ignored)
+
+    def kept(key: str) -> bool:
+        return not any(key == prefix or key.startswith(prefix + ".") for prefix in skipped)
+
+    return {
+        key: (before.get(key), after.get(key))
+        for key in sorted(set(before) | set(after))
+        if kept(key) and before.get(key) != after.get(key)
+    }
+
+
+def record_resume(folder: str | Path, *, step: int, changes: Mapping[str, tuple[Any, Any]]) -> None:
+    """Appends one line to ``<folder>/resumes.jsonl``: when the run resumed, from which step, with which changes."""
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "step": step,
+        "changes": {k: list(v) for k, v in changes.items()},
+    }
+    with open(Path(folder) / RESUMES_FILE, "a") as handle:
+        handle.write(json.dumps(entry) + "\n")

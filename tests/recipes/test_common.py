@@ -200,6 +200,21 @@ class TestCheckpoint:
         assert (destination / "state.txt").read_text() == "step 2"
 
 
+def test_an_interrupted_atomic_write_is_tidied_on_the_next_start(tmp_path):
+    """A kill inside write_folder_atomically leaves a staging folder (deleted) or, between its two renames, the old
+    folder under .<name>.previous with no <name> (put back)."""
+    from recipes.common.checkpoint import recover_interrupted_writes
+
+    (tmp_path / ".step_0000003.staging.x1y2").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / ".model.previous").mkdir()  # the new model arrived: the old one is only left over
+    (tmp_path / ".buffer.previous" / "storage").mkdir(parents=True)  # the new buffer never arrived
+    done = recover_interrupted_writes(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["buffer", "model"]
+    assert (tmp_path / "buffer" / "storage").is_dir() and len(done) == 3
+    assert recover_interrupted_writes(tmp_path / "absent") == []
+
+
 def test_clear_records_deletes_an_earlier_run_but_what_this_run_reads(tmp_path):
     from recipes.common.run_folder import clear_records, earlier_records
 

@@ -52,6 +52,7 @@ class TestValidation:
             (["dtype=float16"], "dtype=float16 on the CPU"),
             (["reward.input=logits"], "reward.input='logits'"),
             (["rollout.generation.temperature=0"], "temperature=0"),
+            (["rollout.generation.do_sample=false"], "do_sample=false: greedy decoding"),
             (["+rollout.generation.max_new_token=8"], "rollout.generation.max_new_token: not a generation setting"),
             (["+rollout.generation.typical_p=0.9"], "or use rollout.env=chat"),
             (["rollout.generation.top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
@@ -74,6 +75,20 @@ class TestValidation:
         with pytest.raises(ConfigError) as error:
             recipe.train(cfg)
         assert message in str(error.value)
+
+    @pytest.mark.parametrize(
+        ("rows", "message"),
+        [
+            ([{"question": "Review the mug."}], r"lacks column\(s\) \['prompt'\]"),
+            ([{"prompt": "Review the mug."}, {"prompt": "  "}], r"1 empty prompt\(s\) in column 'prompt' \(rows \[1\]"),
+        ],
+    )
+    def test_bad_prompt_data_is_refused_before_any_model_loads(self, compose_config, tmp_path, rows, message):
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        overrides = [*SMALL, f"output_dir={tmp_path / 'run'}", "data=file", f"data.path={path}"]
+        with pytest.raises(ConfigError, match=message):
+            recipe.train(compose_config("grpo_torchrl_rm", overrides))
 
     def test_defaults_compose_to_the_tiny_run(self, compose_config, tmp_path):
         cfg = compose_config("grpo_torchrl_rm", [f"output_dir={tmp_path}"])
@@ -121,6 +136,7 @@ def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config
         "train/entropy",
         "perf/tokens_per_s",
         "perf/step_time_s",
+        "rollout/frac_reward_zero_std",
         "perf/generate_s",
         "perf/reward_s",
         "perf/reference_s",
@@ -167,6 +183,51 @@ def test_a_folder_with_an_earlier_run_is_continued_or_cleared_never_mixed(compos
         recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "resume=true", "overwrite=true"]))
     recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "overwrite=true"]))
     assert [row["step"] for row in read_metrics(tmp_path)] == [1.0, 2.0]
+
+
+def test_a_step_whose_groups_all_tie_is_reported(compose_config, tmp_path, monkeypatch, caplog):
+    """A reward model that scores everything alike leaves every advantage at 0: logged as a warning, and as
+    rollout/frac_reward_zero_std = 1."""
+
+    class ConstantRewardModel(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return torch.zeros(input_ids.shape[0], 1)
+
+    monkeypatch.setattr(recipe, "load_reward_model", lambda *args, **kwargs: ConstantRewardModel())
+    with caplog.at_level("WARNING", logger=recipe.__name__):
+        recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}"]))
+    assert [row["rollout/frac_reward_zero_std"] for row in read_metrics(tmp_path)] == [1.0, 1.0]
+    assert "Step 1: in every group the responses got the same reward" in caplog.text
+
+
+def test_a_resume_trains_as_the_run_it_continues_unless_told_otherwise(compose_config, tmp_path):
+    """A changed setting is refused (listed), unless named in resume_allow_changes: then it applies (the restored
+    optimizer takes the new lr) and resumes.jsonl records it; train.steps may grow freely; a finished run stays as
+    it is."""
+    base = [*SMALL, f"output_dir={tmp_path}"]
+    recipe.train(compose_config("grpo_torchrl_rm", base))  # 2 steps, a checkpoint at each
+    finished_config = (tmp_path / "resolved_config.yaml").read_text()
+
+    # Finished: resuming says so and touches nothing (not even the resolved config, here with another logger).
+    again = recipe.train(compose_config("grpo_torchrl_rm", [*base, "resume=true", "logger=none"]))
+    assert again["steps"] == 2 and (tmp_path / "resolved_config.yaml").read_text() == finished_config
+    assert not (tmp_path / "resumes.jsonl").exists()
+
+    staging = tmp_path / "checkpoints" / ".step_0000003.staging.abc"  # as a kill during a save leaves it
+    staging.mkdir()
+    longer = [*base, "resume=true", "train.steps=3"]
+    with pytest.raises(ConfigError, match=r"optimizer.lr: 0.002 -> 0.001; rollout.group_size: 2 -> 4.*resume_allow_"):
+        recipe.train(compose_config("grpo_torchrl_rm", [*longer, "optimizer.lr=1e-3", "rollout.group_size=4"]))
+    summary = recipe.train(
+        compose_config("grpo_torchrl_rm", [*longer, "optimizer.lr=1e-3", "resume_allow_changes=[optimizer.lr]"])
+    )
+    assert summary["steps"] == 3 and [row["step"] for row in read_metrics(tmp_path)] == [1.0, 2.0, 3.0]
+    state = load_training_state(latest_checkpoint(tmp_path / "checkpoints"))
+    assert state["optimizer"]["param_groups"][0]["lr"] == 1e-3  # the allowed change took effect
+    (resume,) = [json.loads(line) for line in (tmp_path / "resumes.jsonl").read_text().splitlines()]
+    assert resume["step"] == 2 and resume["changes"] == {"optimizer.lr": [0.002, 0.001]}
+    assert "lr: 0.001" in (tmp_path / "resolved_config.yaml").read_text()
+    assert not staging.exists()
 
 
 @pytest.mark.parametrize(("setting", "max_norm"), [("0.5", 0.5), ("null", math.inf)])
@@ -373,6 +434,10 @@ def test_a_run_as_a_user_starts_it(tmp_path):
     assert summary["steps"] == 2
     assert (tmp_path / "metrics.csv").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_0000002"
+    # The run ends by saying where it is, what it reached and what to run next, on the console and in its log file.
+    closing = f"Run folder: {tmp_path}. Curves: python scripts/plot_run.py {tmp_path}"
+    assert "GRPO done: 2 steps" in result.stdout and closing in result.stdout
+    assert closing in (tmp_path / "grpo_torchrl_rm.log").read_text()
 
 
 @pytest.mark.gpu

@@ -332,6 +332,9 @@ def test_subprocess_smoke_run_as_a_user_runs_it(repo_root, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["train/steps"] == 2
     assert (run_dir / "model" / "model.safetensors").is_file() and (run_dir / "model" / "tokenizer.json").is_file()
+    # The run ends by saying where its model is and how to use it, on the console and in its log file.
+    closing = f"Use it in GRPO: python recipes/grpo_torchrl_rm.py reward_model.name_or_path={run_dir / 'model'}"
+    assert closing in result.stdout and closing in (run_dir / "reward_trainer_from_buffer.log").read_text()
 
 
 @pytest.mark.slow
