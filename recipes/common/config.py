@@ -36,17 +36,36 @@ def register_resolvers() -> None:
         )
 
 
-def check_local_path(value: str, *, key: str, what: str) -> None:
-    """Fails early when ``value`` looks like a local path (absolute or ./relative) that does not exist.
+def _offline() -> bool:
+    import os
 
-    Hub ids (``org/name``) pass through: they are resolved by ``from_pretrained`` itself.
+    return any(
+        os.environ.get(name, "").lower() in ("1", "true", "yes") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def check_local_path(value: str, *, key: str, what: str) -> None:
+    """Fails early when ``value`` names a local folder that does not exist, or a hub id that cannot be reached.
+
+    A local path is one that exists, starts with ``/``, ``./``, ``../`` or ``~``, or has more than one ``/`` (a hub id
+    is ``name`` or ``org/name``): a missing one fails at once, rather than being tried on the hub. A hub id passes
+    through to ``from_pretrained``, except offline (``HF_HUB_OFFLINE=1``), where it must be in the local cache.
     """
-    looks_local = value.startswith(("/", "./", "../", "~")) or Path(value).exists()
-    if looks_local and not Path(value).expanduser().exists():
+    path = Path(value).expanduser()
+    looks_local = value.startswith(("/", "./", "../", "~")) or value.count("/") > 1 or path.exists()
+    if looks_local and not path.exists():
         raise ConfigError(
-            f"{key}={value!r}: no such {what} folder. Pass an existing local folder or a hub id; for the built-in "
-            f"tiny models run `python scripts/build_tiny_models.py` (they ship in tiny/)."
+            f"{key}={value!r}: no such {what} folder. Pass an existing local folder or a hub id (org/name); for the "
+            "built-in tiny models run `python scripts/build_tiny_models.py` (they ship in tiny/)."
         )
+    if not looks_local and _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(value, "config.json"), str):
+            raise ConfigError(
+                f"{key}={value!r}: not a local folder, and not in the Hugging Face cache while offline "
+                "(HF_HUB_OFFLINE=1). Download it where the hub is reachable, or pass a local folder."
+            )
 
 
 def check_run_settings(cfg: DictConfig, *, lr_key: str, max_grad_norm_key: str, batch_size_key: str) -> None:

@@ -124,11 +124,22 @@ class TestModels:
         assert reward_model.config.pad_token_id == tokenizer.pad_token_id
         assert reward_model.dtype == torch.bfloat16
 
-    def test_missing_local_checkpoint_fails_before_loading(self, tmp_path):
+    def test_missing_local_checkpoint_fails_before_loading(self, tmp_path, monkeypatch):
         node = _node(name_or_path=str(tmp_path / "absent"), tokenizer_name_or_path=None, trust_remote_code=False)
         with pytest.raises(ConfigError, match="model.name_or_path=.*no such model folder.*build_tiny_models"):
             validate_model_node(node, key="model")
-        validate_model_node(_node(name_or_path="Qwen/Qwen2.5-0.5B", tokenizer_name_or_path=None), key="model")
+        # A relative path with folders is no hub id: it fails at once instead of being tried on the hub.
+        relative = _node(name_or_path="outputs/run/model", tokenizer_name_or_path=None, trust_remote_code=False)
+        with pytest.raises(ConfigError, match="'outputs/run/model': no such model folder"):
+            validate_model_node(relative, key="model")
+        # A hub id passes through to from_pretrained, but offline it must be in the cache.
+        hub_id = _node(name_or_path="Qwen/Qwen2.5-0.5B", tokenizer_name_or_path=None, trust_remote_code=False)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        with pytest.raises(ConfigError, match="not in the Hugging Face cache while offline"):
+            validate_model_node(hub_id, key="model")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+        validate_model_node(hub_id, key="model")
 
     def test_a_causal_lm_is_no_reward_model_and_a_reward_model_no_policy(self, tiny_dir):
         """Loaded as a reward model, a causal LM would get a random score head: refused before anything loads, and at
