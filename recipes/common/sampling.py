@@ -9,8 +9,8 @@ What the GRPO recipe's default rollout (``rollout.env=prompt``) generates with:
   step it keeps the log-prob of the sampled token under the model (temperature 1, before top-k/top-p: what the loss
   computes), so the behaviour policy's log-probs cost nothing, the first response token's included.
 - :class:`SamplingPolicy`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
-  wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and (for reward models that read
-  text) the decoded text and conversation.
+  wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and the policy version (tensors
+  only: a reward that reads text decodes it itself, ``recipes.common.prompt_env.ResponseText``).
 
 Why not ``model.generate``: ``generate`` returns processed scores or, with ``output_logits=True``, every step's
 ``[B, V]`` logits (1.2 GB for 64 responses x 32 tokens at a 152k vocabulary); this loop keeps one log-prob per
