@@ -468,7 +468,8 @@ def train(cfg: DictConfig) -> dict:
     setup_start = time.perf_counter()
     validate(cfg)
     # The prompts are read (and refused: missing column, empty prompts...) before any model loads.
-    if not load_prompts(cfg.data, "train"):
+    prompts = load_prompts(cfg.data, "train")
+    if not prompts:
         raise ConfigError(f"data={cfg.data.source} holds no training prompts; check data.path / data.split.")
     finished = finished_run_summary(cfg)
     if finished is not None:
@@ -480,7 +481,7 @@ def train(cfg: DictConfig) -> dict:
         return finished
     data_parallel = setup_data_parallel(device=cfg.device, backend=cfg.distributed.backend)
     try:
-        return _train(cfg, data_parallel, setup_start=setup_start)
+        return _train(cfg, data_parallel, prompts=prompts, setup_start=setup_start)
     finally:
         data_parallel.close()
 
@@ -503,7 +504,7 @@ def _restore_rng(cfg: DictConfig, state: dict, data_parallel: DataParallel, star
     torch.manual_seed(seed)
 
 
-def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) -> dict:
+def _train(cfg: DictConfig, data_parallel: DataParallel, *, prompts: list, setup_start: float) -> dict:
     set_list_to_stack(True).set()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
@@ -560,7 +561,12 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, setup_start: float) 
     try:
         # Last, and inside the try: an async collector is a child process, which the finally below always stops.
         collector = make_collector(
-            cfg, models, start_step=start_step, num_replicas=data_parallel.world_size, rank=data_parallel.rank
+            cfg,
+            models,
+            prompts=prompts,
+            start_step=start_step,
+            num_replicas=data_parallel.world_size,
+            rank=data_parallel.rank,
         )
         if state is not None:
             _restore_rng(cfg, state, data_parallel, start_step)

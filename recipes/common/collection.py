@@ -110,8 +110,9 @@ def make_reward_transforms(
 
 
 def _dense_batch(rollout: TensorDictBase) -> TensorDictBase:
-    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS`."""
-    return rollout.reshape(-1).select(*BATCH_KEYS).to_tensordict()
+    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS` (a view: the
+    collector copies what its postproc returns)."""
+    return rollout.reshape(-1).select(*BATCH_KEYS)
 
 
 def _stream_start(cfg: DictConfig, start_step: int, num_replicas: int) -> int:
@@ -122,6 +123,7 @@ def _stream_start(cfg: DictConfig, start_step: int, num_replicas: int) -> int:
 
 def _prompt_collector(
     cfg: DictConfig,
+    prompts: list,
     *,
     policy_model,
     tokenizer,
@@ -133,7 +135,7 @@ def _prompt_collector(
 ) -> tuple[Collector, SamplingPolicy]:
     """``PromptEnv`` + reward transforms, stepped by a ``SamplingPolicy``, driven by a TorchRL ``Collector``."""
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
-    prompts = PromptTable(load_prompts(cfg.data, "train"), tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
+    prompts = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
     env = PromptEnv(
         prompts,
         tokenizer=tokenizer,
@@ -177,6 +179,7 @@ def build_prompt_collector(
     ).eval()
     return _prompt_collector(
         cfg,
+        load_prompts(cfg.data, "train"),
         # The weights are the learner's, loaded over these by the background collector before every batch.
         policy_model=load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval(),
         tokenizer=tokenizer,
@@ -188,13 +191,15 @@ def build_prompt_collector(
     )
 
 
-def _chat_collector(cfg: DictConfig, models, *, start_step: int, num_replicas: int, rank: int) -> LocalCollector:
+def _chat_collector(
+    cfg: DictConfig, prompts: list, models, *, start_step: int, num_replicas: int, rank: int
+) -> LocalCollector:
     """TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector``, its rollouts padded into dense batches."""
     from torchrl.collectors.llm import LLMCollector
 
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
     loader = make_prompt_dataloader(
-        load_prompts(cfg.data, "train"),
+        prompts,
         seed=cfg.seed,
         start=_stream_start(cfg, start_step, num_replicas),
         num_replicas=num_replicas,
@@ -232,14 +237,15 @@ def _chat_collector(cfg: DictConfig, models, *, start_step: int, num_replicas: i
     return LocalCollector(collector, policy, version)
 
 
-def make_collector(cfg: DictConfig, models, *, start_step: int, num_replicas: int = 1, rank: int = 0):
+def make_collector(cfg: DictConfig, models, *, prompts: list, start_step: int, num_replicas: int = 1, rank: int = 0):
     """The collector of ``cfg.rollout``: yields one step's dense batch (:data:`BATCH_KEYS`) per iteration and takes
     the learner's weights with ``update_policy_weights_(model, version=...)``; ``shutdown()`` when done.
 
     ``models``: the learner's models (``policy``, ``tokenizer``, and, unless the collector runs in the background,
-    ``reward_model`` and ``reward_tokenizer``)."""
+    ``reward_model`` and ``reward_tokenizer``). ``prompts``: the training prompts, already read (a background
+    collector reads them again in its own process)."""
     if cfg.rollout.env == "chat":
-        return _chat_collector(cfg, models, start_step=start_step, num_replicas=num_replicas, rank=rank)
+        return _chat_collector(cfg, prompts, models, start_step=start_step, num_replicas=num_replicas, rank=rank)
     if cfg.rollout.mode == "async":
         factory = functools.partial(
             build_prompt_collector,
@@ -259,6 +265,7 @@ def make_collector(cfg: DictConfig, models, *, start_step: int, num_replicas: in
         )
     collector, policy = _prompt_collector(
         cfg,
+        prompts,
         policy_model=models.policy,
         tokenizer=models.tokenizer,
         reward_model=models.reward_model,
@@ -279,9 +286,9 @@ class PrepareBatch:
 
     Keyword Args:
         reference: a ``ResponseLogProbs`` over the frozen reference model, or ``None`` (no KL term).
-        policy: a ``ResponseLogProbs`` over the policy, to score the old log-probs of batches that lack them
-            (TorchRL's ``TransformersWrapper`` does not record usable ones) when a step makes several updates;
-            ``None``: such batches are trained on-policy (the loss takes its own log-probs).
+        policy: a ``ResponseLogProbs`` over the policy, to score the old log-probs of batches whose collector records
+            none usable (TorchRL's ``TransformersWrapper``) when a step makes several updates; ``None``: the batch
+            carries them, or is trained on-policy (the loss takes its own log-probs).
         micro_batch_size: sequences per scoring forward pass; ``None``: all at once.
     """
 
@@ -310,6 +317,6 @@ class PrepareBatch:
         scored = time.perf_counter()
         if self.reference is not None:
             self.reference(batch)
-        if self.policy is not None and ("log_probs", "full") not in batch.keys(True):
+        if self.policy is not None:
             self.policy(batch)
         return {"advantage_s": scored - start, "log_probs_s": time.perf_counter() - scored}
