@@ -706,3 +706,8 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     main()
+    from accelerate import PartialState
+
+    # Under a launcher trl's config set up the process group; left alive, gloo's threads can abort the interpreter's
+    # shutdown ("terminate called without an active exception"). Once per process, after every Hydra job.
+    PartialState().destroy_process_group()
