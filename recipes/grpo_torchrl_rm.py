@@ -63,6 +63,7 @@ from recipes.common.log_probs import ResponseLogProbs
 from recipes.common.logging import MetricLogger, make_logger
 from recipes.common.losses import ResponseGRPOLoss
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
+from recipes.common.prompt_env import PromptTable
 from recipes.common.resume import (
     MODEL_FOLDER,
     capture_rng_state,
@@ -76,6 +77,7 @@ from recipes.common.resume import (
     truncate_metrics_csv,
 )
 from recipes.common.rollout import unknown_generation_settings
+from recipes.common.run import run_recipe
 from recipes.common.run_folder import check_output_folder, clear_records
 from recipes.common.sampling import SamplingSettings
 
@@ -93,6 +95,8 @@ RESUME_FREE_KEYS = (
     "output_dir",
     "logger",
     "progress_bar",
+    "log_every_n_steps",
+    "samples",
     "num_threads",
     "train.steps",
     "checkpoint",
@@ -144,6 +148,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all.")
     if cfg.summary.window < 1:
         raise ConfigError(f"summary.window={cfg.summary.window} must be >= 1.")
+    if cfg.log_every_n_steps < 1:
+        raise ConfigError(f"log_every_n_steps={cfg.log_every_n_steps} must be >= 1.")
+    if cfg.samples.every_n_steps is not None and cfg.samples.every_n_steps < 1:
+        raise ConfigError(f"samples.every_n_steps={cfg.samples.every_n_steps} must be >= 1, or null for no samples.")
+    for key in ("samples.log_count", "samples.print_count"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0.")
     _validate_rollout(cfg.rollout)
     if cfg.reward.input not in REWARD_INPUTS:
         raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
@@ -194,6 +205,63 @@ def validate(cfg: DictConfig) -> None:
                 "train as the run it continues: pass the same settings, or name the changes you mean "
                 f"(resume_allow_changes=[{','.join(refused)}]), or start a new run in another folder."
             )
+
+
+def check_prompt_lengths(cfg: DictConfig, prompts: list) -> None:
+    """Prompts the models cannot read whole: refused when the policy's positions cannot hold the rendered prompt plus
+    ``max_new_tokens``; warned (refused if every prompt) when ``reward.max_length`` cuts the reward model's input
+    before the response starts, where every response to the prompt gets the same reward. Tokenizers only, no model.
+    """
+    from transformers import AutoConfig
+
+    tokenizer = load_tokenizer(cfg.model, padding_side="left")
+    table = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
+    lengths = torch.tensor(table.rendered_lengths())
+    max_new_tokens = cfg.rollout.generation.max_new_tokens
+    config = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None:
+        rows = (lengths + max_new_tokens > positions).nonzero().flatten().tolist()
+        if rows:
+            raise ConfigError(
+                f"{len(rows)} of {len(prompts)} prompts (rows {_first(rows)}) are too long for the policy: rendered "
+                f"with its chat template they take up to {int(lengths.max())} tokens, and with "
+                f"rollout.generation.max_new_tokens={max_new_tokens} the sequence passes the "
+                f"{positions} positions of model.name_or_path={str(cfg.model.name_or_path)!r} "
+                "(max_position_embeddings). Shorten or drop those prompts, or lower rollout.generation.max_new_tokens."
+            )
+    max_length = cfg.reward.max_length
+    if max_length is None:
+        return
+    reward_lengths = torch.tensor(_reward_prompt_lengths(cfg, table, lengths))
+    rows = (reward_lengths >= max_length).nonzero().flatten().tolist()
+    if not rows:
+        return
+    message = (
+        f"reward.max_length={max_length} cuts the reward model's input before the response starts for {len(rows)} "
+        f"of {len(prompts)} prompts (rows {_first(rows)}; up to {int(reward_lengths.max())} tokens as the reward "
+        f"model reads them, reward.input={cfg.reward.input}): every response to such a prompt gets the same reward, "
+        "and its group teaches nothing. Raise reward.max_length (or null: no truncation), or shorten those prompts."
+    )
+    if len(rows) == len(prompts):
+        raise ConfigError(message)
+    log.warning(message)
+
+
+def _reward_prompt_lengths(cfg: DictConfig, table: PromptTable, policy_lengths: torch.Tensor) -> list[int]:
+    """Each prompt's length as the reward model reads it (``reward.input``): the prefix before any response token."""
+    if cfg.reward.input == "tokens":  # the policy's own token ids
+        return policy_lengths.tolist()
+    reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+    if cfg.reward.input == "text":  # the policy's rendered prompt, re-tokenized
+        texts = [table.rendered(index)[0] for index in range(len(table))]
+        return [len(ids) for ids in reward_tokenizer(texts)["input_ids"]]
+    rendered = reward_tokenizer.apply_chat_template(table.conversations, tokenize=True, return_dict=True)
+    return [len(ids) for ids in rendered["input_ids"]]
+
+
+def _first(rows: list[int], count: int = 10) -> str:
+    return f"{rows[:count]}{'...' if len(rows) > count else ''}"
 
 
 def resume_changes(cfg: DictConfig) -> dict:
@@ -471,6 +539,7 @@ def train(cfg: DictConfig) -> dict:
     prompts = load_prompts(cfg.data, "train")
     if not prompts:
         raise ConfigError(f"data={cfg.data.source} holds no training prompts; check data.path / data.split.")
+    check_prompt_lengths(cfg, prompts)
     finished = finished_run_summary(cfg)
     if finished is not None:
         log.info(
@@ -552,8 +621,12 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, prompts: list, setup
     history = progress["history"]
 
     logger = (
-        make_logger(cfg.logger, output_dir, config=run_config(cfg)) if is_main else MetricLogger("none", output_dir)
+        make_logger(cfg.logger, output_dir, config=run_config(cfg), resume=state is not None)
+        if is_main
+        else MetricLogger("none", output_dir)
     )
+    if is_main:
+        log.info(run_description(cfg, num_prompts=len(prompts), world_size=data_parallel.world_size))
     show_bar = cfg.progress_bar and is_main
     bar = tqdm(total=cfg.train.steps, initial=start_step, desc="GRPO", unit="step", disable=not show_bar)
     gather = data_parallel.gather if data_parallel.active else None
@@ -630,6 +703,15 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, prompts: list, setup
             progress["tokens_total"] += tokens
             progress["rollout_time_s"] += metrics["perf/rollout_time_s"]
             logger.log(metrics, step=step)
+            if is_main and (step % cfg.log_every_n_steps == 0 or step == cfg.train.steps):
+                log.info(progress_line(step, cfg.train.steps, metrics))
+            every = cfg.samples.every_n_steps
+            if is_main and every is not None and (step % every == 0 or step in (1, cfg.train.steps)):
+                count = max(cfg.samples.log_count, cfg.samples.print_count)
+                samples = sample_rollouts(batch, prompts, models.tokenizer, oracle, count=count)
+                logger.log_samples(samples[: cfg.samples.log_count], step=step)
+                for sample in samples[: cfg.samples.print_count]:
+                    log.info("Step %d sample: %s", step, json.dumps(sample, ensure_ascii=False))
             shown = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
             if "rollout/oracle_mean" in metrics:
                 shown["oracle"] = f"{metrics['rollout/oracle_mean']:.3f}"
@@ -653,25 +735,71 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, prompts: list, setup
                     )
         if cfg.distributed.save_rank_weights:
             save_rank_weights(models.policy, output_dir / RANK_WEIGHTS_FOLDER, data_parallel.rank)
+        summary = summarize(
+            history,
+            window=cfg.summary.window,
+            wall_time=progress["wall_time_s"],
+            tokens=progress["tokens_total"],
+            rollout_time=progress["rollout_time_s"],
+        )
+        summary["setup_time_s"] = setup_time
+        summary["world_size"] = data_parallel.world_size
+        logger.log_summary(summary)
     finally:
         bar.close()
         logger.close()
         if collector is not None:
             collector.shutdown()
 
-    summary = summarize(
-        history,
-        window=cfg.summary.window,
-        wall_time=progress["wall_time_s"],
-        tokens=progress["tokens_total"],
-        rollout_time=progress["rollout_time_s"],
-    )
-    summary["setup_time_s"] = setup_time
-    summary["world_size"] = data_parallel.world_size
     if is_main:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info(closing_message(summary, output_dir))
     return summary
+
+
+def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> str:
+    """What the run trains, on what, where: the first line of its log."""
+    processes = f" x {world_size} processes" if world_size > 1 else ""
+    return (
+        f"GRPO ({cfg.rollout.env} env, {cfg.rollout.mode}): policy {cfg.model.name_or_path}, reward model "
+        f"{cfg.reward_model.name_or_path} (reward.input={cfg.reward.input}), data={cfg.data.source} "
+        f"({num_prompts} prompts); {cfg.train.steps} steps of {cfg.rollout.responses_per_step} responses{processes} "
+        f"(groups of {cfg.rollout.group_size}, up to {cfg.rollout.generation.max_new_tokens} new tokens), lr "
+        f"{cfg.optimizer.lr}, seed {cfg.seed}, {cfg.device} {cfg.dtype}; run folder {cfg.output_dir}"
+    )
+
+
+def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
+    """One step's headline figures, for the log every ``log_every_n_steps`` steps."""
+    shown = [f"reward {metrics['rollout/reward_mean']:.3f}"]
+    if "rollout/oracle_mean" in metrics:
+        shown.append(f"oracle {metrics['rollout/oracle_mean']:.3f}")
+    if "train/kl_to_ref" in metrics:
+        shown.append(f"KL {metrics['train/kl_to_ref']:.4f}")
+    shown.append(f"length {metrics['rollout/response_length']:.1f}")
+    shown.append(f"{metrics['perf/step_time_s']:.2f} s/step")
+    return f"Step {step}/{steps}: {', '.join(shown)}"
+
+
+def sample_rollouts(batch, prompts: list, tokenizer, oracle, *, count: int) -> list[dict]:
+    """``count`` of a step's rollouts, spread over its groups: the prompt as the data gives it, the response's text,
+    its reward and, where the data has one, its oracle score."""
+    if count < 1:
+        return []
+    rows = torch.linspace(0, batch.shape[0] - 1, count).round().long().unique().tolist()
+    response_mask = batch["masks", "all_attention_mask"][:, batch["tokens", "prompt"].shape[-1] :].bool()
+    rewards = batch.get(("next", "reward")).reshape(batch.shape[0], -1)[:, 0]
+    samples = []
+    for row in rows:
+        response = tokenizer.decode(batch["tokens", "response"][row][response_mask[row]], skip_special_tokens=True)
+        prompt = prompts[int(batch["prompt_index"][row])]
+        if not isinstance(prompt, str):  # a conversation
+            prompt = "\n".join(f"{message['role']}: {message['content']}" for message in prompt)
+        sample = {"prompt": prompt, "response": response, "reward": round(float(rewards[row]), 4)}
+        if oracle is not None:
+            sample["oracle"] = round(float(oracle(response)), 4)
+        samples.append(sample)
+    return samples
 
 
 def closing_message(summary: dict, output_dir: Path) -> str:
@@ -692,7 +820,7 @@ def main(cfg: DictConfig) -> float:
     # TorchRL 0.14.1's own internals trigger these; there is nothing a user of the recipe can do about them.
     warnings.filterwarnings("ignore", message="size_average and reduce args will be deprecated")
     warnings.filterwarnings("ignore", message="The env passed to LLMCollector is missing transforms")
-    summary = train(cfg)
+    summary = run_recipe(train, cfg)
     return summary[cfg.metric]
 
 

@@ -110,3 +110,30 @@ def test_unknown_group_option_names_the_choices(compose_config, root):
 def test_launcher_plugins_compose(compose_config, root, launcher):
     cfg = compose_config(root, [f"hydra/launcher={launcher}"])
     assert "launcher" in cfg.hydra.launcher._target_.lower()
+
+
+@pytest.mark.parametrize("root", ROOT_CONFIGS)
+def test_help_lists_the_groups_of_its_recipe_with_every_option(root):
+    """``--help`` names the groups the recipe selects (not the other recipe's), each with exactly the options in
+    ``conf/`` (a preset group with this recipe's presets alone)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, f"recipes/{root}.py", "--help"], cwd=CONF_DIR.parent, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    groups_part = result.stdout.split("== Configuration groups (group=option) ==")[1].split("==")[0]
+    listed = {
+        line.split(":")[0]: [option.strip() for option in line.split(":", 1)[1].split("(")[0].split(",")]
+        for line in groups_part.strip().splitlines()
+    }
+    assert set(listed) == _groups_in_defaults(root)
+    for group, options in listed.items():
+        on_disk = sorted(option for g, option in GROUP_OPTIONS if g == group)
+        if group == "hydra/launcher":
+            on_disk = sorted(["basic", "joblib", *on_disk])  # Hydra's own launchers and the plugin's
+        elif group == "sweep":
+            on_disk = [option for option in on_disk if option.startswith(root.split("_")[0])]
+        assert sorted(options) == on_disk, group
+    assert result.stdout.startswith(f"{root}: ")  # what the recipe does comes first

@@ -5,22 +5,36 @@ to ``metrics.csv`` in the run folder (readable without any service); ``wandb`` a
 Weights & Biases with project/group/name/mode from the config (``mode: offline`` works with no account). Use it as a
 context manager, or call ``close()`` in a ``finally``: Hydra multirun jobs share one process, and a run left open
 would swallow the next job's metrics.
+
+A wandb run's id is kept in the run folder (``wandb_run_id``): a resumed run (``resume=True``) logs to the same
+wandb run, from the step it continues at.
 """
 
 from __future__ import annotations
 
 import csv
+import secrets
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["MetricLogger", "make_logger"]
+__all__ = ["WANDB_ID_FILE", "MetricLogger", "make_logger"]
+
+WANDB_ID_FILE = "wandb_run_id"
 
 
 class MetricLogger:
     """Writes metrics to ``<run_dir>/metrics.csv`` (unless ``kind == "none"``) and to wandb when ``kind == "wandb"``."""
 
-    def __init__(self, kind: str, run_dir: Path, *, wandb_settings: DictConfig | None = None, config=None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        run_dir: Path,
+        *,
+        wandb_settings: DictConfig | None = None,
+        config=None,
+        resume: bool = False,
+    ) -> None:
         if kind not in ("none", "csv", "wandb"):
             raise ValueError(f"MetricLogger: kind must be 'none', 'csv' or 'wandb', got {kind!r}.")
         self.kind = kind
@@ -30,7 +44,13 @@ class MetricLogger:
         if kind == "wandb":
             import wandb
 
+            id_file = Path(run_dir) / WANDB_ID_FILE
+            resuming = resume and id_file.is_file()
+            run_id = id_file.read_text().strip() if resuming else secrets.token_hex(4)
+            id_file.write_text(run_id)
             self._wandb_run = wandb.init(
+                id=run_id,
+                resume="allow" if resuming else None,
                 project=wandb_settings.project,
                 group=wandb_settings.group,
                 name=wandb_settings.name,
@@ -46,6 +66,16 @@ class MetricLogger:
             self._append_csv(row)
         if self._wandb_run is not None:
             self._wandb_run.log(metrics, step=step)
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        """A table of sample rollouts (one dict per row, the same keys in each) under ``samples`` in wandb, as
+        trl's completions table; csv and none keep no samples (the recipe prints a few in its log)."""
+        if self._wandb_run is not None and rows:
+            import wandb
+
+            columns = list(rows[0])
+            table = wandb.Table(columns=["step", *columns], data=[[step, *(row[c] for c in columns)] for row in rows])
+            self._wandb_run.log({"samples": table}, step=step)
 
     def log_summary(self, summary: dict) -> None:
         """The run's final figures, in the wandb run's summary (a csv run has them in the recipe's summary.json)."""
@@ -88,6 +118,6 @@ class MetricLogger:
         self.close()
 
 
-def make_logger(logger_cfg: DictConfig, run_dir: Path, *, config=None) -> MetricLogger:
-    """The logger a ``logger=`` config node asks for."""
-    return MetricLogger(logger_cfg.kind, run_dir, wandb_settings=logger_cfg.get("wandb"), config=config)
+def make_logger(logger_cfg: DictConfig, run_dir: Path, *, config=None, resume: bool = False) -> MetricLogger:
+    """The logger a ``logger=`` config node asks for; ``resume``: continue the run folder's wandb run."""
+    return MetricLogger(logger_cfg.kind, run_dir, wandb_settings=logger_cfg.get("wandb"), config=config, resume=resume)

@@ -84,6 +84,18 @@ class PromptTable:
             rendered = self._rendered[index] = (text, torch.tensor(ids, dtype=torch.long))
         return rendered
 
+    def rendered_lengths(self) -> list[int]:
+        """Every prompt's length in tokens once rendered, in one batched tokenizer call (the renders are kept)."""
+        missing = [index for index in range(len(self)) if index not in self._rendered]
+        if missing:
+            texts = self.tokenizer.apply_chat_template(
+                [self.conversations[index] for index in missing], add_generation_prompt=True, tokenize=False
+            )
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            for index, text, row in zip(missing, texts, ids, strict=True):
+                self._rendered[index] = (text, torch.tensor(row, dtype=torch.long))
+        return [len(self._rendered[index][1]) for index in range(len(self))]
+
 
 class PromptEnv(EnvBase):
     """Single-turn prompts as dense token batches: ``num_prompts`` prompts per reset, each ``group_size`` times.

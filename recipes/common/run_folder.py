@@ -10,10 +10,12 @@ earlier one (``resume=true``, GRPO) or asks for the folder to be cleared (``over
 from __future__ import annotations
 
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from recipes.common.config import ConfigError
+from recipes.common.logging import WANDB_ID_FILE
 
 __all__ = ["RECORDS", "check_output_folder", "clear_records", "earlier_records"]
 
@@ -29,6 +31,7 @@ RECORDS = (
     "trainer_log.json",
     "eval_pairs.jsonl",
     "batches",
+    WANDB_ID_FILE,
 )
 
 
@@ -48,6 +51,7 @@ def check_output_folder(folder: str | Path, *, overwrite: bool, resume: bool | N
         overwrite: the records may be cleared (:func:`clear_records`) and the run started afresh.
         resume: the run continues the earlier one; ``None`` for a recipe that cannot resume.
     """
+    _check_writable(Path(folder))
     found = earlier_records(folder)
     if resume and overwrite:
         raise ConfigError(
@@ -59,6 +63,20 @@ def check_output_folder(folder: str | Path, *, overwrite: bool, resume: bool | N
             f"{folder} already holds an earlier run ({', '.join(found)}): {continue_it}pass overwrite=true to clear "
             "it and start afresh, or choose another output folder (hydra.run.dir=...)."
         )
+
+
+def _check_writable(folder: Path) -> None:
+    """Creates ``folder`` and writes a scratch file in it: a folder the run cannot write fails now, not at its first
+    checkpoint."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write_check"):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"Cannot write the run's output folder {folder} ({error.strerror or error}): choose a folder this user "
+            "may write (hydra.run.dir=... or output_dir=...), or fix its permissions."
+        ) from None
 
 
 def clear_records(folder: str | Path, *, keep: Iterable[str | Path] = ()) -> list[str]:

@@ -108,6 +108,48 @@ class TestValidation:
             recipe.train(compose_config("grpo_torchrl_rm", explicit))
 
 
+def _refuse_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the prompts were checked")
+
+    monkeypatch.setattr(recipe, "load_causal_lm", refuse)
+    monkeypatch.setattr(recipe, "load_reward_model", refuse)
+
+
+def test_prompts_too_long_for_the_policy_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch):
+    """The tiny policy has 256 positions: a prompt of ~240 rendered tokens leaves no room for 32 new tokens."""
+    _refuse_model_loading(monkeypatch)
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "Review the mug."}, {"prompt": "great " * 240}, {"prompt": "Review the lamp."}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = [*SMALL, f"output_dir={tmp_path / 'run'}", "data=file", f"data.path={path}"]
+    with pytest.raises(ConfigError, match=r"1 of 3 prompts \(rows \[1\]\) are too long for the policy") as error:
+        recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "rollout.generation.max_new_tokens=32"]))
+    assert "256 positions" in str(error.value) and "rollout.generation.max_new_tokens" in str(error.value)
+
+
+def test_a_reward_max_length_that_cuts_every_response_is_refused(compose_config, tmp_path, monkeypatch):
+    """The synthetic prompts take 9-13 tokens as the reward model reads them: at reward.max_length=9 no response token
+    is scored, so every reward would be equal; at 13 only the longest prompts lose their responses (a warning)."""
+    _refuse_model_loading(monkeypatch)
+    cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.max_length=9"])
+    with pytest.raises(ConfigError, match=r"reward.max_length=9 cuts .* for 512 of 512 prompts"):
+        recipe.train(cfg)
+
+
+def test_a_reward_max_length_that_cuts_some_responses_is_reported(compose_config, tmp_path, caplog):
+    cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.max_length=13"])
+    table = recipe.PromptTable(
+        recipe.load_prompts(cfg.data, "train"), tokenizer=recipe.load_tokenizer(cfg.model, padding_side="left")
+    )
+    reward_lengths = recipe._reward_prompt_lengths(cfg, table, torch.tensor(table.rendered_lengths()))
+    cut = sum(length >= 13 for length in reward_lengths)
+    assert 0 < cut < len(reward_lengths)  # the case under test: some prompts, not all
+    with caplog.at_level("WARNING"):
+        recipe.check_prompt_lengths(cfg, recipe.load_prompts(cfg.data, "train"))
+    assert f"for {cut} of {len(reward_lengths)} prompts" in caplog.text
+
+
 @pytest.mark.parametrize("env", ["prompt", "chat"])
 def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config, tmp_path, env):
     from transformers import AutoModelForCausalLM, AutoTokenizer

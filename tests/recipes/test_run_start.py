@@ -1,0 +1,113 @@
+"""How a run starts and reports itself, in both recipes: the output folder, the log file, the wandb run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _small_runs import GRPO_SMALL, REPO_ROOT
+
+from recipes.common.config import ConfigError
+from recipes.common.run_folder import check_output_folder
+
+
+def test_an_output_folder_the_run_cannot_write_fails_at_the_start(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    with pytest.raises(ConfigError, match=f"Cannot write the run's output folder {a_file / 'run'}"):
+        check_output_folder(a_file / "run", overwrite=False, resume=False)
+    read_only = Path("/sys/kernel")  # sysfs takes no new files, even from root (whom a chmod would not stop)
+    if read_only.is_dir():
+        with pytest.raises(ConfigError, match="Cannot write the run's output folder /sys/kernel"):
+            check_output_folder(read_only, overwrite=False, resume=False)
+    check_output_folder(tmp_path / "new" / "run", overwrite=False, resume=False)  # created, and writable
+    assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
+
+
+def _run_grpo(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "recipes/grpo_torchrl_rm.py", *GRPO_SMALL, f"hydra.run.dir={tmp_path}", *overrides],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_run_log_tells_the_run_from_start_to_end(tmp_path):
+    """The log file holds what the run is, a progress line every log_every_n_steps steps and the last, sample
+    rollouts every samples.every_n_steps steps (and the first), and the closing summary."""
+    result = _run_grpo(tmp_path, "train.steps=4", "log_every_n_steps=3", "samples.every_n_steps=2", "logger=csv")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (tmp_path / "grpo_torchrl_rm.log").read_text()
+    assert "GRPO (prompt env, sync): policy" in text and "4 steps of 4 responses" in text
+    assert [
+        line.split(" - ")[1].split(":")[0] for line in text.splitlines() if " - Step " in line and "/4" in line
+    ] == [
+        "Step 3/4",
+        "Step 4/4",
+    ]
+    samples = [json.loads(line.split(" sample: ")[1]) for line in text.splitlines() if " sample: " in line]
+    assert [line.split(" - ")[1].split(" sample")[0] for line in text.splitlines() if " sample: " in line] == [
+        f"Step {step}" for step in (1, 1, 2, 2, 4, 4)
+    ]
+    assert all(set(sample) == {"prompt", "response", "reward", "oracle"} for sample in samples)
+    assert all(sample["prompt"] and isinstance(sample["reward"], float) for sample in samples)
+    assert "GRPO done: 4 steps" in text
+
+
+def test_a_failed_run_leaves_its_reason_in_the_log(tmp_path):
+    """A bad setting: its message alone (no traceback to dig through). A failure later on: the traceback too."""
+    bad_setting = _run_grpo(tmp_path / "bad", "rollout.group_size=1", "rollout.responses_per_step=4")
+    assert bad_setting.returncode == 1
+    text = (tmp_path / "bad" / "grpo_torchrl_rm.log").read_text()
+    assert "[ERROR] - rollout.group_size=1: GRPO normalises" in text and "Traceback" not in text
+    assert "Traceback" not in bad_setting.stderr + bad_setting.stdout
+
+    failing = _run_grpo(tmp_path / "fail", "train.steps=2", "optimizer._target_=torch.optim.NoSuchOptimizer")
+    assert failing.returncode == 1
+    text = (tmp_path / "fail" / "grpo_torchrl_rm.log").read_text()
+    assert "[ERROR] - The run failed; the traceback follows." in text
+    assert "Traceback (most recent call last)" in text and "NoSuchOptimizer" in text
+
+
+def test_wandb_keeps_one_run_across_resumes_with_the_summary_and_sample_tables(compose_config, tmp_path, monkeypatch):
+    import recipes.grpo_torchrl_rm as recipe
+    from recipes.common.logging import WANDB_ID_FILE, MetricLogger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    calls = {"summary": [], "samples": []}
+    log_summary, log_samples = MetricLogger.log_summary, MetricLogger.log_samples
+
+    def record_summary(self, summary):
+        calls["summary"].append(dict(summary))
+        log_summary(self, summary)
+
+    def record_samples(self, rows, step):
+        calls["samples"].append((step, rows))
+        log_samples(self, rows, step)
+
+    monkeypatch.setattr(MetricLogger, "log_summary", record_summary)
+    monkeypatch.setattr(MetricLogger, "log_samples", record_samples)
+    overrides = [*GRPO_SMALL, f"output_dir={tmp_path}", "logger=wandb", "logger.wandb.mode=offline"]
+    overrides += ["checkpoint.every_n_steps=1", "samples.every_n_steps=2", "samples.log_count=3"]
+    first = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "train.steps=2"]))
+    run_id = (tmp_path / WANDB_ID_FILE).read_text()
+    resumed = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "train.steps=3", "resume=true"]))
+
+    assert (tmp_path / WANDB_ID_FILE).read_text() == run_id  # the same wandb run continues
+    offline_runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in offline_runs)
+    assert [summary["steps"] for summary in calls["summary"]] == [2, 3]
+    assert calls["summary"][0] == first and calls["summary"][1] == resumed
+    assert [step for step, _ in calls["samples"]] == [1, 2, 3]  # first, every 2nd and last steps; no step twice
+    assert all(
+        len(rows) == 3 and {"prompt", "response", "reward", "oracle"} == set(rows[0]) for _, rows in calls["samples"]
+    )
+
+    fresh = tmp_path / "fresh"
+    recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "train.steps=1", f"output_dir={fresh}"]))
+    assert (fresh / WANDB_ID_FILE).read_text() != run_id  # a new run, a new wandb run
