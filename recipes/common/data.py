@@ -7,6 +7,7 @@ message lists (``[{"role": ..., "content": ...}, ...]``). Column names come from
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -19,41 +20,118 @@ __all__ = ["load_preference_pairs", "load_prompts", "load_table", "prompt_text"]
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load_table(data: DictConfig, split: str):
+def load_table(data: DictConfig, split: str, *, columns: list[str] | None = None):
     """The ``datasets.Dataset`` behind a ``file`` or ``hf`` data node for ``split`` ("train" or "eval").
 
     A file node reads ``path`` (train) and ``eval_path`` (eval); an HF node reads ``name_or_path`` (a folder written
     by ``save_to_disk``, or a hub name) with ``split`` / ``eval_split``. Returns None when no eval source is set.
+    A file that is empty, or not valid in its format, is refused naming the file (and the line, for JSON); ``columns``
+    (those the caller reads) make the message say what a row should hold.
     """
+    if data.source == "file":
+        key = "data.path" if split == "train" else "data.eval_path"
+        path = data.path if split == "train" else data.eval_path
+        return None if path is None else _load_file(Path(path).expanduser(), key=key, columns=columns or [])
+    if data.source == "hf":
+        return _load_hf(data, split)
+    raise ConfigError(f"data.source={data.source!r} has no table; expected 'file' or 'hf'.")
+
+
+def _load_file(path: Path, *, key: str, columns: list[str]):
     import datasets
 
-    if data.source == "file":
-        path = data.path if split == "train" else data.eval_path
-        if path is None:
-            return None
-        path = Path(path).expanduser()
-        if not path.exists():
-            raise ConfigError(f"data.{'path' if split == 'train' else 'eval_path'}={str(path)!r}: no such file.")
-        if path.suffix not in _FILE_FORMATS:
-            raise ConfigError(f"data.path={str(path)!r}: unknown file type; use one of {sorted(_FILE_FORMATS)}.")
-        return datasets.load_dataset(_FILE_FORMATS[path.suffix], data_files=str(path), split="train")
-    if data.source == "hf":
-        split_name = data.split if split == "train" else data.eval_split
-        if split_name is None:
-            return None
-        location = Path(str(data.name_or_path)).expanduser()
-        if location.exists():
-            loaded = datasets.load_from_disk(str(location))
-            if isinstance(loaded, datasets.DatasetDict):
-                if split_name not in loaded:
-                    raise ConfigError(
-                        f"data.name_or_path={str(location)!r} has splits {sorted(loaded)}, not {split_name!r}; set "
-                        f"data.{'split' if split == 'train' else 'eval_split'} to one of them."
-                    )
-                return loaded[split_name]
-            return loaded
+    if not path.exists():
+        raise ConfigError(f"{key}={str(path)!r}: no such file.")
+    if path.suffix not in _FILE_FORMATS:
+        raise ConfigError(f"{key}={str(path)!r}: unknown file type; use one of {sorted(_FILE_FORMATS)}.")
+    if path.stat().st_size == 0 or (path.suffix != ".parquet" and not path.read_text(errors="replace").strip()):
+        raise ConfigError(f"{key}={str(path)!r}: the file is empty. {_what_a_file_holds(path, columns)}")
+    if path.suffix in (".jsonl", ".json"):
+        _check_json_file(path, key=key, columns=columns)
+    try:
+        table = datasets.load_dataset(_FILE_FORMATS[path.suffix], data_files=str(path), split="train")
+    except Exception as error:  # whatever the reader trips on, the user needs the file named, not its internals
+        reason = error.__cause__ or error
+        if "corresponds to no data" in str(reason):  # datasets' words for a table with a header and no rows
+            raise ConfigError(
+                f"{key}={str(path)!r}: the file has no rows. {_what_a_file_holds(path, columns)}"
+            ) from None
+        raise ConfigError(
+            f"{key}={str(path)!r}: the file cannot be read as {path.suffix}: {type(reason).__name__}: {reason}. "
+            f"{_what_a_file_holds(path, columns)}"
+        ) from error
+    if len(table) == 0:
+        raise ConfigError(f"{key}={str(path)!r}: the file has no rows. {_what_a_file_holds(path, columns)}")
+    return table
+
+
+def _what_a_file_holds(path: Path, columns: list[str]) -> str:
+    example = json.dumps({column: "..." for column in columns} or {"<column>": "..."})
+    if path.suffix == ".jsonl":
+        return f"It should hold one JSON object per line, e.g. {example}."
+    if path.suffix == ".json":
+        return f"It should hold JSON objects, one per line (e.g. {example}) or in one list."
+    named = f"column(s) {columns}" if columns else "the columns the data.*_column keys name"
+    return f"It should hold a table with a header and {named}, one row per example."
+
+
+def _check_json_file(path: Path, *, key: str, columns: list[str]) -> None:
+    """Refuses a JSON file with a syntax error naming the line (datasets' own error names neither line nor file).
+
+    A ``.jsonl`` file holds one object per line; a ``.json`` file either that or one document (a list of objects).
+    """
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    first_bad = _first_bad_json_line(lines)
+    if first_bad is None:
+        return
+    line_number, reason = first_bad
+    first_line = next(number for number, line in enumerate(lines, 1) if line.strip())
+    try:
+        json.loads(text)
+        return  # one JSON document spread over lines: datasets reads that too
+    except json.JSONDecodeError as error:
+        if path.suffix == ".json" and line_number == first_line:  # not JSON lines: the document's error is the one
+            line_number, reason = error.lineno, error.msg
+    shown = lines[line_number - 1].strip()
+    raise ConfigError(
+        f"{key}={str(path)!r}, line {line_number}: {reason}: {shown[:80]!r}{'...' if len(shown) > 80 else ''}. "
+        f"Fix or remove that line. {_what_a_file_holds(path, columns)}"
+    )
+
+
+def _first_bad_json_line(lines: list[str]) -> tuple[int, str] | None:
+    """``(1-based line number, reason)`` of the first non-blank line that is not a JSON object, or None."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            return number, f"not valid JSON ({error.msg}, column {error.colno})"
+        if not isinstance(row, dict):
+            return number, f"a JSON {type(row).__name__}, not an object of columns"
+    return None
+
+
+def _load_hf(data: DictConfig, split: str):
+    import datasets
+
+    split_name = data.split if split == "train" else data.eval_split
+    if split_name is None:
+        return None
+    location = Path(str(data.name_or_path)).expanduser()
+    if not location.exists():
         return datasets.load_dataset(str(data.name_or_path), split=split_name)
-    raise ConfigError(f"data.source={data.source!r} has no table; expected 'file' or 'hf'.")
+    loaded = datasets.load_from_disk(str(location))
+    if not isinstance(loaded, datasets.DatasetDict):
+        return loaded
+    if split_name not in loaded:
+        raise ConfigError(
+            f"data.name_or_path={str(location)!r} has splits {sorted(loaded)}, not {split_name!r}; set "
+            f"data.{'split' if split == 'train' else 'eval_split'} to one of them."
+        )
+    return loaded[split_name]
 
 
 def _require_columns(table, required: list[str], *, data: DictConfig, what: str) -> None:
@@ -67,12 +145,38 @@ def _require_columns(table, required: list[str], *, data: DictConfig, what: str)
 
 
 def prompt_text(prompt) -> str | list[dict[str, str]]:
-    """A prompt as stored: plain text, or a conversational list of ``{"role", "content"}`` messages."""
+    """A prompt (or response) as stored: plain text, or a conversational list of ``{"role", "content"}`` messages.
+
+    Anything else is refused with a :class:`ConfigError` that says what was found; callers add where (row, column).
+    """
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
-        return [{"role": m["role"], "content": m["content"]} for m in prompt]
-    raise ConfigError(f"A prompt must be text or a list of {{role, content}} messages; got {type(prompt).__name__}.")
+    if not isinstance(prompt, list):
+        raise ConfigError(
+            f"expected text or a list of {{role, content}} messages; got {type(prompt).__name__} {_shown(prompt)}."
+        )
+    for index, message in enumerate(prompt):
+        if not (isinstance(message, dict) and {"role", "content"} <= set(message)):
+            raise ConfigError(
+                f"message {index} of the list is {_shown(message)}; each message must be a {{role, content}} dict."
+            )
+        if not (isinstance(message["role"], str) and isinstance(message["content"], str)):
+            raise ConfigError(
+                f"message {index} has role {_shown(message['role'])} and content {_shown(message['content'])}; "
+                "both must be text."
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def _shown(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _source(data: DictConfig, split: str) -> str:
+    if data.source == "file":
+        return f"file: {data.path if split == 'train' else data.eval_path}"
+    return f"{data.source}: {data.get('name_or_path')}"
 
 
 def load_prompts(data: DictConfig, split: str) -> list:
@@ -81,17 +185,25 @@ def load_prompts(data: DictConfig, split: str) -> list:
         count = data.num_train_prompts if split == "train" else data.num_eval_prompts
         # Distinct seeds keep the eval prompts' draws independent of the train prompts'.
         return make_prompts(count, seed=data.seed if split == "train" else data.seed + 1)
-    table = load_table(data, split)
+    table = load_table(data, split, columns=[data.prompt_column])
     if table is None:
         return []
     _require_columns(table, [data.prompt_column], data=data, what="prompt")
-    prompts = [prompt_text(p) for p in table[data.prompt_column]]
+    prompts = []
+    for row, prompt in enumerate(table[data.prompt_column]):
+        try:
+            prompts.append(prompt_text(prompt))
+        except ConfigError as error:
+            raise ConfigError(
+                f"The prompt data ({_source(data, split)}, split {split}), row {row} (counting data rows from 0), "
+                f"column data.prompt_column={data.prompt_column!r}: {error} Fix or remove that row."
+            ) from None
     empty = [row for row, prompt in enumerate(prompts) if not _has_content(prompt)]
     if empty:
         raise ConfigError(
-            f"The prompt data ({data.source}: {data.get('path') or data.get('name_or_path')}, split {split}) has "
-            f"{len(empty)} empty prompt(s) in column {data.prompt_column!r} (rows {empty[:10]}"
-            f"{'...' if len(empty) > 10 else ''}): a model asked nothing learns nothing. Remove or fill them."
+            f"The prompt data ({_source(data, split)}, split {split}) has {len(empty)} empty prompt(s) in "
+            f"column {data.prompt_column!r} (rows {empty[:10]}{'...' if len(empty) > 10 else ''}): "
+            "a model asked nothing learns nothing. Remove or fill them."
         )
     return prompts
 
@@ -104,10 +216,13 @@ def _has_content(prompt) -> bool:
 
 def load_preference_pairs(data: DictConfig, split: str) -> list[dict]:
     """Preference pairs of a ``file``/``hf`` node: dicts with ``chosen``, ``rejected`` and, if present, ``prompt``."""
-    table = load_table(data, split)
+    columns = [data.chosen_column, data.rejected_column]
+    table = load_table(data, split, columns=[data.prompt_column, *columns])
     if table is None:
         return []
-    _require_columns(table, [data.chosen_column, data.rejected_column], data=data, what="preference")
+    _require_columns(table, columns, data=data, what="preference")
+    for key in ("chosen_column", "rejected_column"):
+        _refuse_nulls(table, data=data, key=key, split=split)
     has_prompt = data.prompt_column in table.column_names
     pairs = []
     for row in table:
@@ -116,3 +231,15 @@ def load_preference_pairs(data: DictConfig, split: str) -> list[dict]:
             pair["prompt"] = row[data.prompt_column]
         pairs.append(pair)
     return pairs
+
+
+def _refuse_nulls(table, *, data: DictConfig, key: str, split: str) -> None:
+    column = data[key]
+    nulls = [row for row, value in enumerate(table[column]) if value is None]
+    if nulls:
+        raise ConfigError(
+            f"The preference data ({_source(data, split)}, split {split}) has {len(nulls)} null value(s) in column "
+            f"data.{key}={column!r} (rows {nulls[:10]}{'...' if len(nulls) > 10 else ''}, counting data rows from 0; "
+            "a row without that column counts as null): every pair needs both a chosen and a rejected response. "
+            "Fill them or remove those rows."
+        )

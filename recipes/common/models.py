@@ -14,9 +14,13 @@ import torch
 from omegaconf import DictConfig
 
 from recipes.common.config import ConfigError, check_local_path
+from recipes.common.resume import MODEL_FOLDER, broken_checkpoint_advice
 
 __all__ = ["load_causal_lm", "load_reward_model", "load_tokenizer", "resolve_dtype", "validate_model_node"]
 
+_WEIGHTS = "model.safetensors"
+_SHARDED_WEIGHTS = "model.safetensors.index.json"
+_PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 # What "a reward model" means wherever one scores: what to tell a user who points at something else.
 _REWARD_MODEL_IS = (
@@ -26,12 +30,72 @@ _REWARD_MODEL_IS = (
 )
 
 
-def _saved_config(name_or_path: str) -> dict | None:
+def _saved_config(name_or_path: str, *, key: str) -> dict | None:
     """The ``config.json`` of a local checkpoint folder, or None (a hub id, or no config there)."""
     path = Path(name_or_path).expanduser() / "config.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())
+    return _read_json(path, key=key) if path.is_file() else None
+
+
+def _read_json(path: Path, *, key: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(
+            f"{key}.name_or_path={str(path.parent)!r}: {path.name} is not valid JSON ({error}); the checkpoint is "
+            "damaged. Re-download or re-save it."
+        ) from None
+
+
+def _weight_files(folder: Path, *, key: str) -> list[Path]:
+    """The safetensors files of a local checkpoint folder; a folder without them is refused, saying what is missing."""
+    if (folder / _WEIGHTS).is_file():
+        return [folder / _WEIGHTS]
+    if (folder / _SHARDED_WEIGHTS).is_file():
+        shards = sorted(set(_read_json(folder / _SHARDED_WEIGHTS, key=key).get("weight_map", {}).values()))
+        missing = [shard for shard in shards if not (folder / shard).is_file()]
+        if missing:
+            raise ConfigError(
+                f"{key}.name_or_path={str(folder)!r}: {_SHARDED_WEIGHTS} lists {len(missing)} shard(s) that are not "
+                f"there ({missing[:5]}{'...' if len(missing) > 5 else ''}). Copy or download the missing shards."
+            )
+        return [folder / shard for shard in shards]
+    pickled = [name for name in _PICKLED_WEIGHTS if (folder / name).is_file()]
+    if pickled:
+        raise ConfigError(
+            f"{key}.name_or_path={str(folder)!r} holds its weights as {pickled[0]} (a pickle, which can run code when "
+            f"loaded); this project loads safetensors only. Convert it once, where you trust where the file came from: "
+            f"`AutoModelForCausalLM.from_pretrained(folder, use_safetensors=False).save_pretrained(folder, "
+            "safe_serialization=True)` (AutoModelForSequenceClassification for a reward model)."
+        )
+    raise ConfigError(
+        f"{key}.name_or_path={str(folder)!r} has a config.json but no weights: neither {_WEIGHTS} nor "
+        f"{_SHARDED_WEIGHTS} with its shards. Copy the weights into the folder, or point at a complete checkpoint "
+        "(one written by `save_pretrained`)."
+    )
+
+
+def _check_weights(folder: Path, *, key: str) -> None:
+    """Reads each safetensors file's header (not its tensors): a truncated or garbled file fails here, before any
+    model loads, rather than minutes later inside ``from_pretrained``."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in _weight_files(folder, key=key):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError as error:
+            raise ConfigError(_corrupted_weights(key=key, name_or_path=str(folder), error=error, file=file)) from None
+
+
+def _corrupted_weights(*, key: str, name_or_path: str, error: Exception, file: Path | str | None = None) -> str:
+    folder = Path(name_or_path).expanduser()
+    if file is None:
+        file = "its safetensors weights" if folder.exists() else "its weights in the Hugging Face cache"
+    advice = "Re-download it, or re-save the model with `save_pretrained`."
+    # A checkpoint's model folder: the previous checkpoint is the way out.
+    if folder.name == MODEL_FOLDER and (fallback := broken_checkpoint_advice(folder.parent)):
+        advice = fallback
+    return f"{key}.name_or_path={name_or_path!r}: {file}: corrupted or truncated ({error}). {advice}"
 
 
 def _check_kind(config: dict, *, key: str, name_or_path: str, kind: str | None) -> None:
@@ -57,7 +121,8 @@ def _check_kind(config: dict, *, key: str, name_or_path: str, kind: str | None) 
 
 
 def validate_model_node(node: DictConfig, *, key: str, kind: str | None = None) -> None:
-    """Checks a model node before anything loads: local folders must exist, and hold the kind of model asked for.
+    """Checks a model node before anything loads: local folders must exist, hold the kind of model asked for, and
+    safetensors weights whose headers read.
 
     ``kind``: ``"policy"`` refuses a sequence classifier; ``"reward_model"`` refuses what is not one (a causal LM, a
     classifier of several labels); ``None`` (a model to be trained into a reward model, say) checks only the path.
@@ -65,9 +130,10 @@ def validate_model_node(node: DictConfig, *, key: str, kind: str | None = None) 
     check_local_path(str(node.name_or_path), key=f"{key}.name_or_path", what="model")
     if node.tokenizer_name_or_path is not None:
         check_local_path(str(node.tokenizer_name_or_path), key=f"{key}.tokenizer_name_or_path", what="tokenizer")
-    config = _saved_config(str(node.name_or_path))
+    config = _saved_config(str(node.name_or_path), key=key)
     if config is not None:
         _check_kind(config, key=key, name_or_path=str(node.name_or_path), kind=kind)
+        _check_weights(Path(str(node.name_or_path)).expanduser(), key=key)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -100,12 +166,7 @@ def load_causal_lm(node: DictConfig, *, device: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
     _check_kind(_loaded_config(node).to_dict(), key="model", name_or_path=str(node.name_or_path), kind="policy")
-    model = AutoModelForCausalLM.from_pretrained(
-        node.name_or_path,
-        dtype=resolve_dtype(dtype),
-        trust_remote_code=node.trust_remote_code,
-        use_safetensors=True,
-    )
+    model = _from_pretrained(AutoModelForCausalLM, node, key="model", dtype=resolve_dtype(dtype))
     return model.to(device)
 
 
@@ -126,12 +187,12 @@ def load_reward_model(
     if trained:
         config = _loaded_config(node).to_dict()
         _check_kind(config, key="reward_model", name_or_path=str(node.name_or_path), kind="reward_model")
-    model, loading = AutoModelForSequenceClassification.from_pretrained(
-        node.name_or_path,
+    model, loading = _from_pretrained(
+        AutoModelForSequenceClassification,
+        node,
+        key="reward_model",
         num_labels=1,
         dtype=resolve_dtype(dtype),
-        trust_remote_code=node.trust_remote_code,
-        use_safetensors=True,
         output_loading_info=True,
     )
     if trained and loading["missing_keys"]:
@@ -149,3 +210,19 @@ def _loaded_config(node: DictConfig):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(node.name_or_path, trust_remote_code=node.trust_remote_code)
+
+
+def _from_pretrained(auto_class, node: DictConfig, *, key: str, **options):
+    """``auto_class.from_pretrained`` of the node's weights (safetensors only), with damaged weights named: a local
+    folder's are checked first (a folder the run picks itself, a checkpoint to resume, skipped validation)."""
+    from safetensors import SafetensorError
+
+    folder = Path(str(node.name_or_path)).expanduser()
+    if (folder / "config.json").is_file():
+        _check_weights(folder, key=key)
+    try:
+        return auto_class.from_pretrained(
+            node.name_or_path, trust_remote_code=node.trust_remote_code, use_safetensors=True, **options
+        )
+    except SafetensorError as error:  # tensor data a header check cannot see, or a hub download
+        raise ConfigError(_corrupted_weights(key=key, name_or_path=str(node.name_or_path), error=error)) from None

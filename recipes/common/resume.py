@@ -25,11 +25,13 @@ from typing import Any
 import torch
 
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
+from recipes.common.config import ConfigError
 
 __all__ = [
     "MODEL_FOLDER",
     "RESUMES_FILE",
     "STATE_FILE",
+    "broken_checkpoint_advice",
     "capture_rng_state",
     "checkpoint_folder",
     "config_changes",
@@ -128,8 +130,40 @@ def save_checkpoint(
 
 
 def load_training_state(folder: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The ``training_state.pt`` of a checkpoint folder, loaded with ``weights_only=True``."""
-    return torch.load(Path(folder) / STATE_FILE, map_location=map_location, weights_only=True)
+    """The ``training_state.pt`` of a checkpoint folder, loaded with ``weights_only=True``.
+
+    A missing or unreadable file is refused with a :class:`ConfigError` naming it and the checkpoint to fall back to.
+    """
+    path = Path(folder) / STATE_FILE
+    if not path.is_file():
+        raise ConfigError(f"The checkpoint {folder} has no {STATE_FILE}. {broken_checkpoint_advice(folder)}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:  # torch raises RuntimeError, UnpicklingError or EOFError, depending on the damage
+        reason = str(error).split(". ")[0].splitlines()[0] if str(error) else "the file ends early"
+        # Not chained: torch's message advises weights_only=False, which would run whatever code the file holds.
+        raise ConfigError(
+            f"{path} cannot be loaded ({type(error).__name__}: {reason}): it is corrupted or truncated (a disk that "
+            f"filled up, a copy cut short), or no training state this recipe wrote. {broken_checkpoint_advice(folder)}"
+        ) from None
+
+
+def broken_checkpoint_advice(folder: str | Path) -> str:
+    """What to do about the broken checkpoint ``folder``: delete it to resume from the previous one, if there is one.
+
+    Returns "" for a folder that is no ``step_<N>`` checkpoint.
+    """
+    folder = Path(folder)
+    match = _STEP_FOLDER.match(folder.name)
+    if match is None:
+        return ""
+    earlier = [previous for step, previous in list_checkpoints(folder.parent) if step < int(match.group(1))]
+    if earlier:
+        return f"Delete the corrupted checkpoint folder {folder} to resume from {earlier[-1]} (the previous one)."
+    return (
+        f"No earlier checkpoint in {folder.parent} holds a training state: start the run afresh (drop resume=true, "
+        "pass overwrite=true) or resume from a copy of the run made before this checkpoint was written."
+    )
 
 
 def truncate_metrics_csv(path: str | Path, last_step: int) -> None:
