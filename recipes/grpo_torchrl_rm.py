@@ -197,6 +197,9 @@ def validate(cfg: DictConfig) -> None:
             "checkpoint)."
         )
     if cfg.resume:
+        # The weights to resume from, checked as the model paths are: damaged ones fail before anything loads.
+        checkpoint = latest_checkpoint(_checkpoint_root(cfg))
+        validate_model_node(checkpoint_policy_node(cfg, checkpoint), key="model", kind="policy")
         refused = {key: change for key, change in resume_changes(cfg).items() if not _allowed(key, cfg)}
         if refused:
             listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in refused.items())
@@ -374,13 +377,14 @@ class Models:
     reward_model: Any | None
 
 
+def checkpoint_policy_node(cfg: DictConfig, checkpoint: Path) -> DictConfig:
+    """The model node of the policy a checkpoint saved (weights and tokenizer in its model folder)."""
+    return OmegaConf.merge(cfg.model, {"name_or_path": str(checkpoint / MODEL_FOLDER), "tokenizer_name_or_path": None})
+
+
 def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
     """The policy comes from the checkpoint when resuming; the reference is always the initial policy."""
-    policy_node = cfg.model
-    if resume_from is not None:
-        policy_node = OmegaConf.merge(
-            cfg.model, {"name_or_path": str(resume_from / MODEL_FOLDER), "tokenizer_name_or_path": None}
-        )
+    policy_node = cfg.model if resume_from is None else checkpoint_policy_node(cfg, resume_from)
     reference = None
     if cfg.loss.kl_to_ref_coeff:
         reference = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)

@@ -510,3 +510,15 @@ def test_grpo_raises_the_oracle_score(compose_config, tmp_path, tiny_dir):
     summary = recipe.train(cfg)
     assert summary["rollout/oracle_mean_last"] > summary["rollout/oracle_mean_first"] + 0.3, summary
     assert summary["rollout/reward_mean_last"] > summary["rollout/reward_mean_first"], summary
+
+
+def test_a_resume_from_damaged_weights_fails_before_any_model_loads(compose_config, tmp_path, monkeypatch):
+    recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}"]))  # checkpoints at steps 1, 2
+    checkpoints = [folder for _, folder in list_checkpoints(tmp_path / "checkpoints")]
+    (checkpoints[-1] / MODEL_FOLDER / "model.safetensors").write_bytes(b"\x00" * 16)
+    _refuse_model_loading(monkeypatch)
+    resumed = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "train.steps=3", "resume=true"])
+    with pytest.raises(ConfigError, match="corrupted or truncated") as error:
+        recipe.train(resumed)
+    assert f"{checkpoints[-1] / MODEL_FOLDER}" in str(error.value)
+    assert f"to resume from {checkpoints[0]}" in str(error.value)
