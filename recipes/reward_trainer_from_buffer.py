@@ -7,12 +7,15 @@
    Held-out pairs (eval prompts, the eval split or a held-out fraction) never enter the buffer.
 2. Buffer. The pairs are tokenized once for the reward model, with trl's own convention (trl then skips its
    tokenization), into a TorchRL ``ReplayBuffer``: ``buffer=lazy_tensor`` in memory, or ``buffer=memmap`` on disk
-   next to the labelled text, which a later run reuses with ``buffer.load_from`` (no generation, no labelling).
+   next to the labelled text, which a later run reuses with ``buffer.load_from`` (no generation, no labelling): it
+   trains from the stored token ids when its reward model's tokenizer wrote them, from the re-tokenized text
+   otherwise; a cut or damaged folder is refused. Pairs whose chosen and rejected are identical are dropped.
 3. Training. ``RewardTrainer`` (``RewardConfig`` from ``train:``) reads the buffer through
    ``interop.TorchRLBufferDataset(...).as_hf_dataset()``: one draw without replacement per epoch.
 4. Evaluation of the saved model, reloaded with ``from_pretrained`` and scored through
    ``interop.HFRewardModelWrapper(tokenizer=...)`` as the GRPO recipe scores: pairwise accuracy and margin on the
-   held-out pairs and, on the synthetic task, the Spearman correlation of its scores with the oracle's.
+   held-out pairs and, on the synthetic task, the Spearman correlation of its scores with the oracle's. Like
+   training, it keeps to sequences of at most ``train.max_length`` tokens (trl drops longer pairs).
 
 Several processes (``accelerate launch`` / ``torchrun``): the main process makes the labelled pairs and hands them to
 the others; every process fills the same buffer, whose sampler draws from its own generator seeded with ``seed``, so
@@ -29,12 +32,13 @@ buffer folder, the model, metrics and ``summary.json``, and evaluates.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
@@ -72,12 +76,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.buffer.storage == "memmap" and cfg.buffer.path is None:
         raise ConfigError("buffer=memmap needs buffer.path, the folder its pairs are written to.")
     if cfg.buffer.load_from is not None:
-        folder = Path(cfg.buffer.load_from).expanduser()
-        if not (folder / META_FILE).is_file():
-            raise ConfigError(
-                f"buffer.load_from={str(folder)!r} is not a saved preference buffer (no {META_FILE} in it). Point it "
-                "at the buffer folder of an earlier run made with buffer=memmap (<run dir>/buffer)."
-            )
+        _read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
     elif cfg.data.source == "synthetic":
         validate_model_node(cfg.model, key="model", kind="policy")
         if cfg.generation.responses_per_prompt < 2:
@@ -117,6 +116,11 @@ class LabelledPairs:
     eval: list[dict]
     conversational: bool
     eval_responses: list[dict] = field(default_factory=list)
+    # The training pairs' token ids, row for row, as a reloaded buffer stored them (buffer.load_from, same tokenizer):
+    # the run trains on them instead of tokenizing the text again. None: tokenize ``train``.
+    train_tokens: object = None
+    # What the summary reports about how the pairs were made (degenerate pairs dropped...).
+    facts: dict = field(default_factory=dict)
 
     @property
     def has_margin(self) -> bool:
@@ -195,6 +199,59 @@ def normalize_pairs(raw: list[dict], *, what: str) -> tuple[list[dict], bool]:
     return pairs, formats == {True}
 
 
+def drop_identical_pairs(labelled: LabelledPairs, *, source: str) -> LabelledPairs:
+    """The pairs without those whose chosen and rejected are the same (same text, same message list once
+    normalized): their loss is log(2) whatever the model does, they teach nothing. Counted in ``labelled.facts``."""
+    kept = {}
+    for split in ("train", "eval"):
+        pairs = getattr(labelled, split)
+        kept[split] = [row for row, pair in enumerate(pairs) if pair["chosen"] != pair["rejected"]]
+        dropped = len(pairs) - len(kept[split])
+        if pairs and not kept[split]:
+            raise ConfigError(
+                f"All {len(pairs)} {split} pairs of {source} have chosen == rejected: nothing to learn or measure. "
+                "Check that the chosen and rejected columns are the right ones (data.chosen_column, "
+                "data.rejected_column) and hold different responses."
+            )
+        if dropped:
+            log.warning(
+                "Dropped %d of %d %s pairs of %s whose chosen and rejected are identical (they teach nothing).",
+                *(dropped, len(pairs), split, source),
+            )
+    tokens = labelled.train_tokens
+    if tokens is not None and len(kept["train"]) < len(labelled.train):
+        tokens = tokens[torch.tensor(kept["train"], dtype=torch.long)]
+    facts = {f"{split}/pairs_identical_dropped": len(getattr(labelled, split)) - len(kept[split]) for split in kept}
+    return replace(
+        labelled,
+        train=[labelled.train[row] for row in kept["train"]],
+        eval=[labelled.eval[row] for row in kept["eval"]],
+        train_tokens=tokens,
+        facts={**labelled.facts, **facts},
+    )
+
+
+def hold_out_pairs(labelled: LabelledPairs, cfg: DictConfig, *, source: str) -> LabelledPairs:
+    """``eval.holdout_fraction`` of the training pairs moved to the held-out set, drawn with the run's seed."""
+    total = len(labelled.train)
+    held_count = max(1, round(cfg.eval.holdout_fraction * total))
+    if total - held_count < 1:
+        raise ConfigError(
+            f"{source} has {total} preference pair(s): holding out eval.holdout_fraction={cfg.eval.holdout_fraction} "
+            f"of them ({held_count}) leaves {max(0, total - held_count)} to train on. Add pairs, lower "
+            "eval.holdout_fraction, or give the held-out pairs a set of their own (data.eval_path=... with data=file, "
+            "data.eval_split=... with data=hf)."
+        )
+    order = list(range(total))
+    random.Random(cfg.seed).shuffle(order)
+    held_out = set(order[:held_count])
+    return replace(
+        labelled,
+        train=[p for i, p in enumerate(labelled.train) if i not in held_out],
+        eval=[p for i, p in enumerate(labelled.train) if i in held_out],
+    )
+
+
 def make_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
     """Generated and labelled pairs (``data=synthetic``) or pairs read from a file / HF dataset."""
     if cfg.data.source == "synthetic":
@@ -205,25 +262,24 @@ def make_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
         for split in ("train", "eval"):
             generated = generate_responses(cfg, policy, tokenizer, load_prompts(cfg.data, split))
             labelled[split] = label_responses(labeler, generated, oracle if split == "eval" else None)
-        return LabelledPairs(
+        pairs = LabelledPairs(
             train=labelled["train"][0],
             eval=labelled["eval"][0],
             eval_responses=labelled["eval"][1],
             conversational=True,
         )
+        return drop_identical_pairs(pairs, source="the labeller")
+    source = f"data={cfg.data.source} ({cfg.data.path if cfg.data.source == 'file' else cfg.data.name_or_path})"
     train, conversational = normalize_pairs(load_preference_pairs(cfg.data, "train"), what="train")
     raw_eval = load_preference_pairs(cfg.data, "eval")
+    eval_pairs = []
     if raw_eval:
         eval_pairs, eval_conversational = normalize_pairs(raw_eval, what="eval")
         if eval_conversational != conversational:
             raise ConfigError("The train and eval pairs have different formats (text vs conversational).")
-    else:  # no eval split: hold out a fraction, drawn with the run's seed
-        order = list(range(len(train)))
-        random.Random(cfg.seed).shuffle(order)
-        held_out = set(order[: max(1, round(cfg.eval.holdout_fraction * len(train)))])
-        eval_pairs = [p for i, p in enumerate(train) if i in held_out]
-        train = [p for i, p in enumerate(train) if i not in held_out]
-    return LabelledPairs(train=train, eval=eval_pairs, conversational=conversational)
+    # Degenerate pairs go before the split: the held-out fraction is a fraction of the pairs worth training on.
+    pairs = drop_identical_pairs(LabelledPairs(train, eval_pairs, conversational), source=source)
+    return pairs if raw_eval else hold_out_pairs(pairs, cfg, source=source)
 
 
 # ---------------------------------------------------------------------------------------------------- buffer
@@ -245,17 +301,37 @@ def tokenize_pairs(tokenizer, pairs: list[dict], *, conversational: bool) -> tup
     the EOS string appended when missing, tokenized with special tokens. ``interop.HFRewardModelWrapper(tokenizer=)``
     scores text and conversations the same way, so a trained model is scored on the sequences it learned.
     """
-    sides = []
-    for side in ("chosen", "rejected"):
-        if conversational:
-            conversations = [pair["prompt"] + pair[side] for pair in pairs]
-            ids = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True)["input_ids"]
-        else:
-            eos = tokenizer.eos_token
-            texts = [pair["prompt"] + pair[side] for pair in pairs]
-            ids = tokenizer([t if t.endswith(eos) else t + eos for t in texts])["input_ids"]
-        sides.append([list(seq) for seq in ids])
-    return sides[0], sides[1]
+    chosen, rejected = (
+        tokenize_sequences(tokenizer, [pair["prompt"] + pair[side] for pair in pairs], conversational=conversational)
+        for side in ("chosen", "rejected")
+    )
+    return chosen, rejected
+
+
+def tokenize_sequences(tokenizer, sequences: list, *, conversational: bool) -> list[list[int]]:
+    """Token ids of whole sequences (message lists or texts) in trl's convention (:func:`tokenize_pairs`)."""
+    if not sequences:
+        return []
+    if conversational:
+        ids = tokenizer.apply_chat_template(sequences, tokenize=True, return_dict=True)["input_ids"]
+    else:
+        eos = tokenizer.eos_token
+        ids = tokenizer([t if t.endswith(eos) else t + eos for t in sequences])["input_ids"]
+    return [list(seq) for seq in ids]
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """What decides the token ids a tokenizer gives, cheaply: sizes, special ids, and one hash of its vocabulary
+    and chat template. A reloaded buffer's stored ids are reused only for a tokenizer with the same fingerprint."""
+    digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    return {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "vocab_and_chat_template_sha256": digest.hexdigest(),
+    }
 
 
 def pairs_to_tensordict(pairs: list[dict], tokenizer, keys: DictConfig, *, conversational: bool):
@@ -284,39 +360,171 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             handle.write(json.dumps(row) + "\n")
 
 
+# What to do with a buffer folder that is incomplete or damaged.
+REBUILD_BUFFER = (
+    "Restore the folder from a copy, or rebuild it with a run of buffer=memmap (it writes <run dir>/buffer) and point "
+    "buffer.load_from at that."
+)
+
+
 def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: the buffer folder is incomplete. {REBUILD_BUFFER}")
+    rows = []
     with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}, line {number}: not valid JSON ({err}). {REBUILD_BUFFER}") from err
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}, line {number}: expected a JSON object, got {row!r:.80}. {REBUILD_BUFFER}")
+            rows.append(row)
+    return rows
 
 
-def save_labelled_pairs(folder: str | os.PathLike, labelled: LabelledPairs, pairs_td) -> Path:
+def _pair_keys_layout(keys: DictConfig) -> dict:
+    return OmegaConf.to_container(keys, resolve=True)
+
+
+def save_labelled_pairs(
+    folder: str | os.PathLike, labelled: LabelledPairs, pairs_td, *, tokenizer, pair_keys: DictConfig
+) -> Path:
     """Writes a run's labelled data atomically, for a later run's ``buffer.load_from``.
 
     ``pairs.jsonl`` / ``eval_pairs.jsonl`` / ``eval_responses.jsonl`` hold the text (re-tokenized by a run with another
-    reward model), ``storage/`` the buffer's tensors as a tensordict memmap (what ``buffer=memmap`` samples from).
+    reward model), ``storage/`` the buffer's tensors as a tensordict memmap (what ``buffer=memmap`` samples from, and
+    what a later run with the same tokenizer trains from). ``meta.json`` holds the row counts, the tokenizer's
+    fingerprint and the keys of ``storage/``, which :func:`load_labelled_pairs` checks.
     """
 
     def write(staging: Path) -> None:
         _write_jsonl(staging / TRAIN_PAIRS_FILE, labelled.train)
         _write_jsonl(staging / EVAL_PAIRS_FILE, labelled.eval)
         _write_jsonl(staging / EVAL_RESPONSES_FILE, labelled.eval_responses)
-        pairs_td.memmap(staging / STORAGE_FOLDER)
-        meta = {"conversational": labelled.conversational, "num_pairs": len(labelled.train)}
+        # copy_existing: the pairs may be a reloaded buffer's memory-mapped storage, which memmap() will not move.
+        pairs_td.memmap(staging / STORAGE_FOLDER, copy_existing=True)
+        meta = {
+            "conversational": labelled.conversational,
+            "num_pairs": len(labelled.train),
+            "num_eval_pairs": len(labelled.eval),
+            "num_eval_responses": len(labelled.eval_responses),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "pair_keys": _pair_keys_layout(pair_keys),
+            "storage_bytes": _storage_file_sizes(staging / STORAGE_FOLDER),
+        }
         (staging / META_FILE).write_text(json.dumps(meta, indent=2))
 
     return write_folder_atomically(write, folder)
 
 
-def load_labelled_pairs(folder: str | os.PathLike) -> LabelledPairs:
-    """The labelled pairs of a folder written by :func:`save_labelled_pairs`: no generation, no labelling."""
+def _storage_file_sizes(path: Path) -> dict[str, int]:
+    """The size of each tensor file of a tensordict memmap folder: tensordict zero-fills a cut file when it loads it."""
+    return {str(file.relative_to(path)): file.stat().st_size for file in sorted(path.rglob("*.memmap"))}
+
+
+def _read_meta(folder: Path) -> dict:
+    path = folder / META_FILE
+    if not path.is_file():
+        raise ConfigError(
+            f"buffer.load_from={str(folder)!r} is not a saved preference buffer (no {META_FILE} in it). Point it at "
+            "the buffer folder of an earlier run made with buffer=memmap (<run dir>/buffer)."
+        )
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}). {REBUILD_BUFFER}") from err
+    missing = [name for name in ("conversational", "num_pairs") if not isinstance(meta, dict) or name not in meta]
+    if missing:
+        raise ConfigError(f"{path} lacks {missing}. {REBUILD_BUFFER}")
+    return meta
+
+
+def _check_row_counts(folder: Path, meta: dict, labelled: LabelledPairs) -> None:
+    """Each text file holds as many rows as the meta says were written: a cut or padded file is refused."""
+    expected = {
+        TRAIN_PAIRS_FILE: ("num_pairs", labelled.train),
+        EVAL_PAIRS_FILE: ("num_eval_pairs", labelled.eval),
+        EVAL_RESPONSES_FILE: ("num_eval_responses", labelled.eval_responses),
+    }
+    for name, (count_key, rows) in expected.items():
+        if count_key in meta and len(rows) != meta[count_key]:  # folders of older versions record num_pairs only
+            raise ConfigError(
+                f"{folder / name} holds {len(rows)} rows, but {folder / META_FILE} says {meta[count_key]} were "
+                f"written ({count_key}): the file was cut or edited. {REBUILD_BUFFER}"
+            )
+
+
+def _load_storage(folder: Path, meta: dict):
+    """The stored token ids (memory-mapped, nothing read yet), refused unless they are the meta's ``num_pairs`` rows."""
+    from tensordict import TensorDict
+
+    path = folder / STORAGE_FOLDER
+    if not path.is_dir():
+        raise ConfigError(f"{path} is missing: the buffer folder is incomplete. {REBUILD_BUFFER}")
+    # Checked before loading: tensordict would read a cut tensor file as zeros (and grow it to size on disk).
+    expected, found = meta.get("storage_bytes"), _storage_file_sizes(path)
+    if expected is not None and found != expected:  # folders of older versions record no sizes
+        changed = sorted(name for name in {*expected, *found} if expected.get(name) != found.get(name))
+        raise ConfigError(
+            f"{path} cannot be read as the tensordict memmap it was written as: {changed} differ from the sizes in "
+            f"{folder / META_FILE} (bytes written: {[expected.get(name) for name in changed]}, found: "
+            f"{[found.get(name) for name in changed]}). {REBUILD_BUFFER}"
+        )
+    try:
+        stored = TensorDict.load_memmap(path)
+    except Exception as err:  # a damaged memmap fails in many ways (json, sizes, missing files)
+        raise ConfigError(f"{path} cannot be read as a tensordict memmap ({err!r:.300}). {REBUILD_BUFFER}") from err
+    rows = stored.batch_size[0] if stored.batch_size else None
+    if rows != meta["num_pairs"]:
+        raise ConfigError(
+            f"{path} holds {rows} pairs, but {folder / META_FILE} says {meta['num_pairs']} were written (num_pairs): "
+            f"the storage and the text disagree. {REBUILD_BUFFER}"
+        )
+    return stored
+
+
+def _why_tokenize_again(meta: dict, tokenizer, pair_keys: DictConfig) -> str | None:
+    """Why this run cannot train from the stored token ids, or None when it can."""
+    if "tokenizer" not in meta:
+        return "its meta.json records no tokenizer (written by an older version of the recipe)"
+    if meta["tokenizer"] != tokenizer_fingerprint(tokenizer):
+        return "it was tokenized by another tokenizer than this run's reward model's"
+    if meta.get("pair_keys") != _pair_keys_layout(pair_keys):
+        return f"it stores keys {meta.get('pair_keys')}, this run reads buffer.pair_keys={_pair_keys_layout(pair_keys)}"
+    return None
+
+
+def load_labelled_pairs(folder: str | os.PathLike, *, tokenizer, pair_keys: DictConfig) -> LabelledPairs:
+    """The labelled pairs of a folder written by :func:`save_labelled_pairs`: no generation, no labelling.
+
+    Cheap checks refuse a cut or damaged folder (row counts, JSON lines, the storage's size). With the tokenizer the
+    folder was written with, the run trains from ``storage/`` itself (memory-mapped); with another it re-tokenizes
+    the text of ``pairs.jsonl``, and says so.
+    """
     folder = Path(folder).expanduser()
-    meta = json.loads((folder / META_FILE).read_text())
-    return LabelledPairs(
+    meta = _read_meta(folder)
+    labelled = LabelledPairs(
         train=_read_jsonl(folder / TRAIN_PAIRS_FILE),
         eval=_read_jsonl(folder / EVAL_PAIRS_FILE),
         eval_responses=_read_jsonl(folder / EVAL_RESPONSES_FILE),
         conversational=meta["conversational"],
     )
+    _check_row_counts(folder, meta, labelled)
+    stored = _load_storage(folder, meta)
+    reason = _why_tokenize_again(meta, tokenizer, pair_keys)
+    if reason is not None:
+        log.warning("buffer.load_from=%s: %s; re-tokenizing the text of its %s.", folder, reason, TRAIN_PAIRS_FILE)
+    else:
+        needed = [_key(pair_keys[name]) for name in pair_keys if name != "margin" or labelled.has_margin]
+        missing = [key for key in needed if key not in stored.keys(include_nested=True)]
+        if missing:
+            raise ConfigError(f"{folder / STORAGE_FOLDER} lacks the keys {missing}. {REBUILD_BUFFER}")
+        log.info("buffer.load_from=%s: training from its stored token ids (%s).", folder, STORAGE_FOLDER)
+        labelled.train_tokens = stored
+    return drop_identical_pairs(labelled, source=str(folder))
 
 
 def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int, seed: int):
@@ -490,7 +698,10 @@ def score_sequences(model, tokenizer, sequences: list, eval_cfg: DictConfig, *, 
 
 
 def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) -> dict[str, float]:
-    """Pairwise accuracy and mean reward margin on the held-out pairs; Spearman vs the oracle when it is known."""
+    """Pairwise accuracy and mean reward margin on the held-out pairs; Spearman vs the oracle when it is known.
+
+    ``labelled`` holds the pairs to score as they are (:func:`limit_eval_to_max_length` left out the long ones).
+    """
     model.eval()
     conversational = labelled.conversational
     scores = {
@@ -536,13 +747,15 @@ def make_training_stream(
             f"{step_pairs}). Lower the batch size, use fewer processes or add data (more prompts, "
             "generation.responses_per_prompt, labeler.max_pairs_per_prompt)."
         )
-    pairs_td = pairs_to_tensordict(labelled.train, tokenizer, keys, conversational=labelled.conversational)
+    pairs_td = labelled.train_tokens  # a reloaded buffer's own storage, when this run's tokenizer wrote it
+    if pairs_td is None:
+        pairs_td = pairs_to_tensordict(labelled.train, tokenizer, keys, conversational=labelled.conversational)
     if cfg.buffer.path is not None and persist:
-        folder = save_labelled_pairs(cfg.buffer.path, labelled, pairs_td)
+        folder = save_labelled_pairs(cfg.buffer.path, labelled, pairs_td, tokenizer=tokenizer, pair_keys=keys)
         if cfg.buffer.storage == "memmap":
             pairs_td = TensorDict.load_memmap(folder / STORAGE_FOLDER)
     longest = torch.maximum(pairs_td.get(_key(keys.chosen_length)), pairs_td.get(_key(keys.rejected_length)))
-    too_long = int((longest > cfg.train.max_length).sum()) if cfg.train.max_length is not None else 0
+    too_long = count_over_max_length(longest, cfg.train.max_length, what="training")
     # Whole optimizer steps per epoch, so that no step mixes the end of one epoch with the start of the next (and
     # accelerate never pads a short last batch with pairs from the start of the epoch).
     samples_per_epoch = len(labelled.train) // step_pairs * step_pairs
@@ -557,10 +770,61 @@ def make_training_stream(
     return stream, facts
 
 
-def make_or_load_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
-    """The run's labelled pairs: loaded from ``buffer.load_from``, or made from ``data=``."""
+def count_over_max_length(longest: torch.Tensor, max_length: int | None, *, what: str) -> int:
+    """How many pairs (``longest``: each pair's longer side, in tokens) exceed ``train.max_length``, said in a warning;
+    refused when none fits: trl drops such pairs (it does not truncate them)."""
+    if max_length is None or len(longest) == 0:
+        return 0
+    too_long = int((longest > max_length).sum())
+    if too_long == len(longest):
+        raise ConfigError(
+            f"All {too_long} {what} pairs are longer than train.max_length={max_length} tokens (the longest has "
+            f"{int(longest.max())}): trl drops such pairs, so no {what} pair is left. Raise train.max_length or "
+            "shorten the data."
+        )
+    if too_long:
+        log.warning(
+            "%d of %d %s pairs (%.1f%%) are longer than train.max_length=%d tokens (the longest has %d): trl drops "
+            "them, they are left out. Raise train.max_length to keep them.",
+            *(too_long, len(longest), what, 100.0 * too_long / len(longest), max_length, int(longest.max())),
+        )
+    return too_long
+
+
+def limit_eval_to_max_length(labelled: LabelledPairs, tokenizer, max_length: int | None) -> tuple[LabelledPairs, dict]:
+    """The held-out pairs (and scored responses) trl would train on: both sides within ``train.max_length`` tokens.
+
+    The evaluation measures the model on the sequences it learned, never on ones trl would have dropped.
+    """
+    chosen, rejected = tokenize_pairs(tokenizer, labelled.eval, conversational=labelled.conversational)
+    longest = torch.tensor([max(len(c), len(r)) for c, r in zip(chosen, rejected)], dtype=torch.long)
+    over_pairs = count_over_max_length(longest, max_length, what="held-out")
+    responses = [r["prompt"] + [{"role": "assistant", "content": r["response"]}] for r in labelled.eval_responses]
+    lengths = [len(ids) for ids in tokenize_sequences(tokenizer, responses, conversational=True)]
+    limit = max_length if max_length is not None else float("inf")
+    kept_responses = [r for r, n in zip(labelled.eval_responses, lengths) if n <= limit]
+    if len(kept_responses) < len(responses):
+        log.warning(
+            "%d of %d held-out responses are longer than train.max_length=%s tokens: left out of eval/spearman.",
+            *(len(responses) - len(kept_responses), len(responses), max_length),
+        )
+    evaluated = replace(
+        labelled,
+        eval=[pair for pair, n in zip(labelled.eval, longest.tolist()) if n <= limit],
+        eval_responses=kept_responses,
+    )
+    facts = {
+        "eval/pairs_over_max_length": over_pairs,
+        "eval/responses_over_max_length": len(responses) - len(kept_responses),
+    }
+    return evaluated, facts
+
+
+def make_or_load_labelled_pairs(cfg: DictConfig, tokenizer) -> LabelledPairs:
+    """The run's labelled pairs: loaded from ``buffer.load_from`` (its stored token ids reused when ``tokenizer``
+    wrote them), or made from ``data=``."""
     if cfg.buffer.load_from is not None:
-        return load_labelled_pairs(cfg.buffer.load_from)
+        return load_labelled_pairs(cfg.buffer.load_from, tokenizer=tokenizer, pair_keys=cfg.buffer.pair_keys)
     return make_labelled_pairs(cfg)
 
 
@@ -602,16 +866,20 @@ def train(cfg: DictConfig) -> dict:
     # The main process makes (or loads) the pairs, the others receive them (waiting up to train.ddp_timeout seconds):
     # processes generating for themselves would agree only as far as their devices compute alike. A failure on the
     # main process ends the launch (torchrun stops the waiting processes).
-    labelled = data_parallel.broadcast_object(make_or_load_labelled_pairs(cfg) if main_process else None)
+    labelled = data_parallel.broadcast_object(make_or_load_labelled_pairs(cfg, tokenizer) if main_process else None)
     if cfg.margin_in_loss and not labelled.has_margin:
         raise ConfigError("margin_in_loss=true, but the pairs carry no margin; set margin_in_loss=false.")
     if not labelled.eval:
         raise ConfigError("No held-out pairs to evaluate on: add eval prompts, an eval split or more pairs.")
-    if main_process:
-        _write_jsonl(output_dir / EVAL_PAIRS_FILE, labelled.eval)
     train_dataset, facts = make_training_stream(
         cfg, labelled, tokenizer, num_processes=data_parallel.world_size, persist=main_process
     )
+    # The buffer folder keeps every held-out pair (a later run may allow longer ones); this run evaluates those
+    # trl would train on.
+    labelled, eval_facts = limit_eval_to_max_length(labelled, tokenizer, cfg.train.max_length)
+    facts = {**labelled.facts, **facts, **eval_facts}
+    if main_process:
+        _write_jsonl(output_dir / EVAL_PAIRS_FILE, labelled.eval)
     labelling_s = time.perf_counter() - start
 
     # args.device: this process's own device (cuda:<local rank> under a launcher).

@@ -283,7 +283,11 @@ def test_file_without_the_pair_columns_names_found_and_expected(compose_config, 
     assert "'good'" in message and "'bad'" in message and "'chosen'" in message and "'rejected'" in message
 
 
-def test_a_run_that_trains_on_nothing_fails_loudly(compose_config, tmp_path):
+def test_a_run_that_trains_on_nothing_fails_loudly(compose_config, tmp_path, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a run with no pair short enough must stop before the reward model loads")
+
+    monkeypatch.setattr(recipe, "load_reward_model", forbidden)
     pairs = _write_pairs(tmp_path / "pairs.jsonl", 24, seed=0)
     cfg = compose_config(
         "reward_trainer_from_buffer",
@@ -296,7 +300,7 @@ def test_a_run_that_trains_on_nothing_fails_loudly(compose_config, tmp_path):
             f"output_dir={tmp_path / 'r'}",
         ],
     )
-    with pytest.raises(RuntimeError, match=r"no optimizer step: 2\d of 2\d training pairs are longer than"):
+    with pytest.raises(ConfigError, match=r"All 2\d training pairs are longer than train.max_length=4 tokens"):
         recipe.train(cfg)
     assert not (tmp_path / "r" / "model").exists()
 
