@@ -51,6 +51,7 @@ from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
 from recipes.common.distributed import setup_data_parallel
 from recipes.common.logging import MetricLogger, make_logger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
+from recipes.common.run import run_recipe
 from recipes.common.run_folder import check_output_folder, clear_records
 
 STORAGES = ("lazy_tensor", "memmap")
@@ -181,11 +182,15 @@ def normalize_pairs(raw: list[dict], *, what: str) -> tuple[list[dict], bool]:
     """Pairs from a dataset in one format (all text or all conversational), with an empty prompt when implicit."""
     pairs, formats = [], set()
     for i, row in enumerate(raw):
-        try:
-            fields = {name: prompt_text(row[name]) for name in ("chosen", "rejected")}
-            prompt = prompt_text(row["prompt"]) if row.get("prompt") is not None else None
-        except ConfigError as err:
-            raise ConfigError(f"{what} pair {i}: {err}") from err
+        fields = {}
+        for name in ("chosen", "rejected", "prompt"):
+            if name == "prompt" and row.get("prompt") is None:  # an implicit prompt
+                continue
+            try:
+                fields[name] = prompt_text(row[name])
+            except ConfigError as err:
+                raise ConfigError(f"{what} pair {i}, {name}: {err}") from None
+        prompt = fields.pop("prompt", None)
         conversational = isinstance(fields["chosen"], list)
         if isinstance(fields["rejected"], list) != conversational or (
             prompt is not None and isinstance(prompt, list) != conversational
@@ -612,8 +617,9 @@ def make_reward_config(cfg: DictConfig):
     )
 
 
-def make_metrics_callback(logger: MetricLogger):
-    """A TrainerCallback writing trl's training logs to ``logger`` as ``train/...`` metrics, one row per log.
+def make_metrics_callback(logger: MetricLogger, *, total_steps: int):
+    """A TrainerCallback writing trl's training logs to ``logger`` as ``train/...`` metrics, one row per log, and a
+    progress line to the run's log (every ``train.logging_steps`` steps).
 
     trl's periodic eval logs and end-of-training figures are in ``trainer_log.json``, and the final evaluation in
     ``summary.json`` (and the wandb run's summary).
@@ -630,6 +636,8 @@ def make_metrics_callback(logger: MetricLogger):
                     if isinstance(value, (int, float)) and not isinstance(value, bool)
                 }
                 logger.log(metrics, step=state.global_step)
+                shown = [f"{name} {logs[name]:.4g}" for name in ("loss", "accuracy", "margin") if name in logs]
+                log.info("Step %d/%d: %s", state.global_step, total_steps, ", ".join(shown))
 
     return MetricLoggerCallback()
 
@@ -880,6 +888,22 @@ def train(cfg: DictConfig) -> dict:
     facts = {**labelled.facts, **facts, **eval_facts}
     if main_process:
         _write_jsonl(output_dir / EVAL_PAIRS_FILE, labelled.eval)
+        log.info(
+            "Reward model training: %s trained from a TorchRL buffer (%s storage) of %d preference pairs (data=%s), "
+            "%d steps of %d pairs, lr %s, seed %d, %s %s; %d held-out pairs; run folder %s",
+            cfg.reward_model.name_or_path,
+            cfg.buffer.storage,
+            facts["train/num_pairs"],
+            cfg.data.source,
+            cfg.train.max_steps,
+            facts["train/pairs_per_step"],
+            cfg.train.learning_rate,
+            cfg.seed,
+            cfg.device,
+            cfg.dtype,
+            len(labelled.eval),
+            output_dir,
+        )
     labelling_s = time.perf_counter() - start
 
     # args.device: this process's own device (cuda:<local rank> under a launcher).
@@ -911,7 +935,7 @@ def train(cfg: DictConfig) -> dict:
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
-            callbacks=[make_metrics_callback(metric_logger)] if logs else None,
+            callbacks=[make_metrics_callback(metric_logger, total_steps=cfg.train.max_steps)] if main_process else None,
         )
         train_start = time.perf_counter()
         trainer.train()
@@ -966,7 +990,11 @@ def train(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> float:
     from accelerate import PartialState
 
-    summary = train(cfg)
+    # accelerate says so at every evaluation of a stream (the buffer is one, on purpose): noise in the run's log.
+    logging.getLogger("accelerate.accelerator").addFilter(
+        lambda record: "The used dataset had no length" not in record.getMessage()
+    )
+    summary = run_recipe(train, cfg)
     if PartialState().is_main_process:
         print(json.dumps(summary, indent=2))
     return summary[cfg.metric]

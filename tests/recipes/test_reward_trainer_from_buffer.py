@@ -283,6 +283,17 @@ def test_file_without_the_pair_columns_names_found_and_expected(compose_config, 
     assert "'good'" in message and "'bad'" in message and "'chosen'" in message and "'rejected'" in message
 
 
+def test_a_pair_that_is_neither_text_nor_messages_names_its_row_and_field(compose_config, tmp_path):
+    rows = [{"chosen": "Great mug.", "rejected": "Bad mug."}, {"chosen": "Nice lamp.", "rejected": 3}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = compose_config(
+        "reward_trainer_from_buffer", ["data=file", f"data.path={path}", f"output_dir={tmp_path / 'r'}"]
+    )
+    with pytest.raises(ConfigError, match=r"train pair 1, rejected: expected text or a list of \{role, content\}"):
+        recipe.train(cfg)
+
+
 def test_a_run_that_trains_on_nothing_fails_loudly(compose_config, tmp_path, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a run with no pair short enough must stop before the reward model loads")
@@ -338,7 +349,11 @@ def test_subprocess_smoke_run_as_a_user_runs_it(repo_root, tmp_path):
     assert (run_dir / "model" / "model.safetensors").is_file() and (run_dir / "model" / "tokenizer.json").is_file()
     # The run ends by saying where its model is and how to use it, on the console and in its log file.
     closing = f"Use it in GRPO: python recipes/grpo_torchrl_rm.py reward_model.name_or_path={run_dir / 'model'}"
-    assert closing in result.stdout and closing in (run_dir / "reward_trainer_from_buffer.log").read_text()
+    log_text = (run_dir / "reward_trainer_from_buffer.log").read_text()
+    assert closing in result.stdout and closing in log_text
+    # The log also says what the run trains, and its progress every train.logging_steps steps.
+    assert "Reward model training: " in log_text and "2 steps of 8 pairs" in log_text
+    assert "Step 2/2: loss " in log_text and "accuracy" in log_text
 
 
 @pytest.mark.slow
