@@ -30,11 +30,11 @@ folder per process).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
-import random
 import time
 import warnings
 from dataclasses import dataclass
@@ -43,24 +43,22 @@ from typing import Any
 
 import hydra
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from tensordict import set_list_to_stack
 from tqdm.auto import tqdm
 
-from recipes.common.checkpoint import recover_interrupted_writes
 from recipes.common.collection import REWARD_INPUTS, PrepareBatch, make_collector
-from recipes.common.config import ConfigError, check_run_settings, run_config, write_run_config
+from recipes.common.config import ConfigError, check_run_settings, run_config
 from recipes.common.data import load_prompts
 from recipes.common.distributed import (
-    DataParallel,
     check_ranks_in_sync,
     make_data_parallel_policy,
-    save_rank_weights,
-    setup_data_parallel,
+    mean_over_processes,
+    pool_over_processes,
 )
 from recipes.common.log_probs import ResponseLogProbs
-from recipes.common.logging import MetricLogger, make_logger
 from recipes.common.losses import ResponseGRPOLoss
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.prompt_env import PromptTable
@@ -77,14 +75,13 @@ from recipes.common.resume import (
     truncate_metrics_csv,
 )
 from recipes.common.rollout import unknown_generation_settings
-from recipes.common.run import run_recipe
-from recipes.common.run_folder import check_output_folder, clear_records
+from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
+from recipes.common.run_folder import check_output_folder
 from recipes.common.sampling import SamplingSettings
 
 BACKENDS = ("auto", "gloo", "nccl")
 ROLLOUT_ENVS = ("prompt", "chat")
 ROLLOUT_MODES = ("sync", "async")
-RANK_WEIGHTS_FOLDER = "rank_weights"
 SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
 # Settings a resumed run may change freely: where and how it runs and reports, not what it trains. Any other change
 # (group size, batch sizes, models, data, learning rate...) must be named in resume_allow_changes.
@@ -105,7 +102,6 @@ RESUME_FREE_KEYS = (
     "rollout.collector_threads",
     "rollout.log_prob_micro_batch_size",
     "reward.micro_batch_size",
-    "distributed.save_rank_weights",
 )
 
 log = logging.getLogger(__name__)
@@ -452,7 +448,7 @@ def rollout_metrics(data, tokenizer, oracle, *, group_size: int, gather=None) ->
     """Reward, oracle and length statistics of one step's responses, and how many tokens were generated.
 
     ``rollout/frac_reward_zero_std`` is the fraction of groups (each prompt's ``group_size`` contiguous responses)
-    whose rewards are all equal: they teach nothing, their advantages are 0. ``gather`` (``DataParallel.gather``)
+    whose rewards are all equal: they teach nothing, their advantages are 0. ``gather`` (``pool_over_processes``)
     pools the per-response values of every data-parallel rank first, so that the figures are those of the whole
     step's responses."""
     # Padded rows (pad_rollout): a response is what the attention mask keeps after the prompt columns.
@@ -514,14 +510,16 @@ def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) 
     return {key: total / updates for key, total in sums.items()}
 
 
-def summarize(history: list[dict], *, window: int, wall_time: float, tokens: int, rollout_time: float) -> dict:
+def summarize(progress: dict, *, window: int) -> dict:
     """``wall_time_s``: the training steps' time over every invocation (setup apart); ``tokens_per_s``: generated
     tokens per second of rollout (generation, reward, log-prob recomputation)."""
+    history = progress["history"]
     summary = {
         "steps": len(history),
-        "wall_time_s": wall_time,
-        "generated_tokens": tokens,
-        "tokens_per_s": tokens / max(rollout_time, 1e-9),
+        "wall_time_s": progress["wall_time_s"],
+        "generated_tokens": progress["tokens_total"],
+        "tokens_per_s": progress["tokens_total"] / max(progress["rollout_time_s"], 1e-9),
+        "setup_time_s": progress["setup_time_s"],
     }
     for name in SUMMARY_SERIES:
         values = [row[name] for row in history if name in row]
@@ -539,7 +537,7 @@ def train(cfg: DictConfig) -> dict:
     and rank 0 alone writes the run folder."""
     setup_start = time.perf_counter()
     validate(cfg)
-    # The prompts are read (and refused: missing column, empty prompts...) before any model loads.
+    # The prompts are read (and refused: missing column, empty prompts, too long...) before any model loads.
     prompts = load_prompts(cfg.data, "train")
     if not prompts:
         raise ConfigError(f"data={cfg.data.source} holds no training prompts; check data.path / data.split.")
@@ -552,89 +550,28 @@ def train(cfg: DictConfig) -> dict:
             finished["steps"],
         )
         return finished
-    data_parallel = setup_data_parallel(device=cfg.device, backend=cfg.distributed.backend)
-    try:
-        return _train(cfg, data_parallel, prompts=prompts, setup_start=setup_start)
-    finally:
-        data_parallel.close()
+
+    run = start_run(
+        cfg,
+        tidy=[_checkpoint_root(cfg)],
+        resume=cfg.resume,
+        before_config=functools.partial(record_resume_changes, cfg) if cfg.resume else None,
+        backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend,
+    )
+    with run:  # the logger closes however the run ends: Hydra multirun jobs share this process
+        return _train(cfg, run, prompts=prompts, setup_start=setup_start)
 
 
-def _restore_rng(cfg: DictConfig, state: dict, data_parallel: DataParallel, start_step: int) -> None:
-    saved = state["rng_by_rank"]
-    if len(saved) == data_parallel.world_size:
-        restore_rng_state(saved[data_parallel.rank])
-        return
-    # Another number of processes than the run that saved: the prompt stream continues exactly, the sampling noise
-    # cannot, so each rank starts a fresh seed of its own.
-    if data_parallel.is_main:
-        warnings.warn(
-            f"Resuming a run of {len(saved)} process(es) with {data_parallel.world_size}: the prompts continue where "
-            "they stopped, but the sampling does not replay what an uninterrupted run would have drawn.",
-            stacklevel=2,
-        )
-    seed = cfg.seed + data_parallel.rank + start_step * data_parallel.world_size
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _train(cfg: DictConfig, data_parallel: DataParallel, *, prompts: list, setup_start: float) -> dict:
-    set_list_to_stack(True).set()
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
-    # Every process writes to rank 0's folder, even where Hydra gave each its own (a timestamped default).
-    output_dir = Path(data_parallel.broadcast_object(str(cfg.output_dir)))
-    is_main = data_parallel.is_main
-    checkpoint_root = output_dir / "checkpoints"
-    resume_from = latest_checkpoint(checkpoint_root) if cfg.resume else None
+def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> dict:
+    """Loads the models (the policy from the newest checkpoint when resuming), builds the learner and the collector,
+    trains and summarises."""
+    resume_from = latest_checkpoint(_checkpoint_root(cfg)) if cfg.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None
     start_step = state["step"] if state is not None else 0
-    if is_main:
-        if cfg.overwrite:
-            clear_records(output_dir)
-        for done in recover_interrupted_writes(checkpoint_root):  # a kill during a checkpoint's save leaves these
-            log.warning("Checkpoints of an interrupted run: %s.", done)
-        if state is not None:
-            # The settings this resume changes, allowed in validate(): recorded before the new config replaces the old.
-            changes = resume_changes(cfg)
-            record_resume(output_dir, step=start_step, changes=changes)
-            log.info("Resuming %s at step %d%s", output_dir, start_step, f" with changes {changes}" if changes else "")
-        write_run_config(cfg, output_dir)
-    data_parallel.broadcast_object(None)  # the other ranks go on once the folder is cleared
-
     models = load_models(cfg, resume_from=resume_from)
-    oracle = instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
-    # The policy's log-probs over the response positions, for the loss (and the old log-probs where a step needs
-    # them scored); through the DDP wrapper, so that the loss's backward averages the gradients over the ranks.
-    scorer = make_data_parallel_policy(ResponseLogProbs(models.policy), data_parallel, device=cfg.device)
-    prepare = make_batch_preparation(cfg, models, scorer)
-    buffer = make_replay_buffer(cfg)
-    loss_module = make_loss(cfg, scorer)
-    parameters = list(models.policy.parameters())  # a list: clipped at every update, not a spent generator
-    optimizer = instantiate(cfg.optimizer)(parameters)
-
-    progress = {"history": [], "wall_time_s": 0.0, "tokens_total": 0, "rollout_time_s": 0.0}
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        # The config's optimizer settings win over the checkpoint's (an allowed resume change, e.g. the lr, applies).
-        settings = {k: v for k, v in OmegaConf.to_container(cfg.optimizer).items() if not k.startswith("_")}
-        for group in optimizer.param_groups:
-            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in group})
-        progress = {key: state[key] for key in progress}
-        if is_main:
-            truncate_metrics_csv(output_dir / "metrics.csv", start_step)
-    history = progress["history"]
-
-    logger = (
-        make_logger(cfg.logger, output_dir, config=run_config(cfg), resume=state is not None)
-        if is_main
-        else MetricLogger("none", output_dir)
-    )
-    if is_main:
-        log.info(run_description(cfg, num_prompts=len(prompts), world_size=data_parallel.world_size))
-    show_bar = cfg.progress_bar and is_main
-    bar = tqdm(total=cfg.train.steps, initial=start_step, desc="GRPO", unit="step", disable=not show_bar)
-    gather = data_parallel.gather if data_parallel.active else None
-    collector = None
+    learner = make_learner(cfg, models)
+    progress = restore_progress(cfg, run, state, learner.optimizer)
+    processes, collector = run.processes, None
     try:
         # Last, and inside the try: an async collector is a child process, which the finally below always stops.
         collector = make_collector(
@@ -642,123 +579,216 @@ def _train(cfg: DictConfig, data_parallel: DataParallel, *, prompts: list, setup
             models,
             prompts=prompts,
             start_step=start_step,
-            num_replicas=data_parallel.world_size,
-            rank=data_parallel.rank,
+            num_replicas=processes.num_processes,
+            rank=processes.process_index,
         )
-        if state is not None:
-            _restore_rng(cfg, state, data_parallel, start_step)
-        else:
-            # Seeded once everything is built, so that the run depends on the seed and not on what loading drew;
-            # each rank samples its own responses.
-            random.seed(cfg.seed + data_parallel.rank)
-            torch.manual_seed(cfg.seed + data_parallel.rank)
-        setup_time = time.perf_counter() - setup_start
-        batches = iter(collector)
+        seed_sampling(cfg, state, start_step)
+        if run.is_main:
+            log.info(run_description(cfg, num_prompts=len(prompts), world_size=processes.num_processes))
+        progress["setup_time_s"] = time.perf_counter() - setup_start
+        train_loop(run, collector, models, learner, progress, prompts=prompts, start_step=start_step)
+    finally:
+        if collector is not None:
+            collector.shutdown()
+    summary = summarize(progress, window=cfg.summary.window)
+    summary["world_size"] = processes.num_processes
+    return run.finish(summary, closing_message(summary, run.output_dir))
+
+
+def record_resume_changes(cfg: DictConfig, output_dir: Path) -> None:
+    """The settings this resume changes (allowed in validate()), recorded before the new config replaces the old."""
+    step = list_checkpoints(_checkpoint_root(cfg))[-1][0]
+    changes = resume_changes(cfg)
+    record_resume(output_dir, step=step, changes=changes)
+    log.info("Resuming %s at step %d%s", output_dir, step, f" with changes {changes}" if changes else "")
+
+
+@dataclass
+class Learner:
+    """What updates the policy: the batch preparation (advantages, reference log-probs), the replay buffer, the loss
+    (over the policy's log-prob scorer, DDP-wrapped under a launcher), the optimizer and the parameters it clips."""
+
+    prepare: PrepareBatch
+    buffer: Any
+    loss: ResponseGRPOLoss
+    optimizer: torch.optim.Optimizer
+    parameters: list
+
+
+def make_learner(cfg: DictConfig, models: Models) -> Learner:
+    # The policy's log-probs over the response positions, for the loss (and the old log-probs where a step needs
+    # them scored); through the DDP wrapper, so that the loss's backward averages the gradients over the ranks.
+    scorer = make_data_parallel_policy(ResponseLogProbs(models.policy), device=cfg.device)
+    parameters = list(models.policy.parameters())  # a list: clipped at every update, not a spent generator
+    return Learner(
+        prepare=make_batch_preparation(cfg, models, scorer),
+        buffer=make_replay_buffer(cfg),
+        loss=make_loss(cfg, scorer),
+        optimizer=instantiate(cfg.optimizer)(parameters),
+        parameters=parameters,
+    )
+
+
+def restore_progress(cfg: DictConfig, run: Run, state: dict | None, optimizer) -> dict:
+    """The run's running totals (history, times, tokens): empty, or the checkpoint's with its optimizer state."""
+    progress = {"history": [], "wall_time_s": 0.0, "tokens_total": 0, "rollout_time_s": 0.0}
+    if state is None:
+        return progress
+    optimizer.load_state_dict(state["optimizer"])
+    # The config's optimizer settings win over the checkpoint's (an allowed resume change, e.g. the lr, applies).
+    settings = {k: v for k, v in OmegaConf.to_container(cfg.optimizer).items() if not k.startswith("_")}
+    for group in optimizer.param_groups:
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in group})
+    if run.is_main:
+        truncate_metrics_csv(run.output_dir / "metrics.csv", state["step"])
+    return {key: state[key] for key in progress}
+
+
+def seed_sampling(cfg: DictConfig, state: dict | None, start_step: int) -> None:
+    """Seeded once everything is built, so that the run depends on the seed and not on what loading drew; each rank
+    samples its own responses. A resume restores each rank's generators as the checkpoint saved them."""
+    processes = PartialState()
+    rank, world_size = processes.process_index, processes.num_processes
+    if state is None:
+        seed_everything(cfg.seed + rank)
+        return
+    saved = state["rng_by_rank"]
+    if len(saved) == world_size:
+        restore_rng_state(saved[rank])
+        return
+    # Another number of processes than the run that saved: the prompt stream continues exactly, the sampling noise
+    # cannot, so each rank starts a fresh seed of its own.
+    if processes.is_main_process:
+        warnings.warn(
+            f"Resuming a run of {len(saved)} process(es) with {world_size}: the prompts continue where they "
+            "stopped, but the sampling does not replay what an uninterrupted run would have drawn.",
+            stacklevel=2,
+        )
+    seed_everything(cfg.seed + rank + start_step * world_size)
+
+
+def train_loop(run: Run, collector, models: Models, learner: Learner, progress: dict, *, prompts, start_step) -> None:
+    """Steps ``start_step + 1 ... train.steps``: collect, update, report, checkpoint."""
+    cfg = run.cfg
+    oracle = instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
+    bar = tqdm(
+        total=cfg.train.steps,
+        initial=start_step,
+        desc="GRPO",
+        unit="step",
+        disable=not (cfg.progress_bar and run.is_main),
+    )
+    batches = iter(collector)
+    try:
         for step in range(start_step + 1, cfg.train.steps + 1):
             step_start = time.perf_counter()
             batch = next(batches)  # env -> policy -> reward, here or in the background collector
             waited = time.perf_counter() - step_start
-            timings = prepare(batch)  # group advantages, reference (and missing old) log-probs
-            lag = step - 1 - int(batch["policy_version"].min())
-            if lag > cfg.rollout.max_policy_lag:
-                raise RuntimeError(
-                    f"Step {step} got responses sampled {lag} updates ago, more than rollout.max_policy_lag="
-                    f"{cfg.rollout.max_policy_lag}; the collector did not wait for the weights."
-                )
-            metrics, tokens = rollout_metrics(
-                batch, models.tokenizer, oracle, group_size=cfg.rollout.group_size, gather=gather
-            )
-            if metrics["rollout/frac_reward_zero_std"] == 1.0:
-                log.warning(
-                    "Step %d: in every group the responses got the same reward, so this step teaches nothing. A "
-                    "reward model that scores everything alike, reward.max_length shorter than the prompts, or "
-                    "responses that are all the same (temperature too low) do this.",
-                    step,
-                )
-            buffer.extend(batch)
-            update_start = time.perf_counter()
-            updates = optimize(cfg, loss_module, optimizer, buffer, parameters)
-            buffer.empty()
-            collector.update_policy_weights_(models.policy, version=step)
-
-            step_time = time.perf_counter() - step_start
-            collected = collector.last_timings
-            # Each rank's own diagnostics and times, averaged; the rollout figures above are already global.
-            updates.update(
-                {
-                    "train/policy_lag": float(lag),
-                    "perf/generate_s": collected["generate_s"],
-                    "perf/reward_s": collected["collect_s"] - collected["generate_s"],
-                    "perf/advantage_s": timings["advantage_s"],
-                    "perf/reference_s": timings["log_probs_s"],
-                    "perf/update_s": time.perf_counter() - update_start,
-                    "perf/wait_s": waited,
-                    # Where the responses were collected (here or in the background), plus their preparation.
-                    "perf/rollout_time_s": collected["collect_s"] + timings["advantage_s"] + timings["log_probs_s"],
-                    "perf/step_time_s": step_time,
-                }
-            )
-            metrics.update(data_parallel.mean(updates))
-            metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
-            if not all(math.isfinite(v) for v in metrics.values()):
-                raise FloatingPointError(f"Non-finite metrics at step {step}: {metrics}; lower optimizer.lr.")
-            history.append(metrics)
+            metrics, tokens = train_step(cfg, step, batch, learner, models, collector, oracle, waited=waited)
+            metrics["perf/step_time_s"] = time.perf_counter() - step_start
+            progress["history"].append(metrics)
             progress["wall_time_s"] += metrics["perf/step_time_s"]
             progress["tokens_total"] += tokens
             progress["rollout_time_s"] += metrics["perf/rollout_time_s"]
-            logger.log(metrics, step=step)
-            if is_main and (step % cfg.log_every_n_steps == 0 or step == cfg.train.steps):
-                log.info(progress_line(step, cfg.train.steps, metrics))
-            every = cfg.samples.every_n_steps
-            if is_main and every is not None and (step % every == 0 or step in (1, cfg.train.steps)):
-                count = max(cfg.samples.log_count, cfg.samples.print_count)
-                samples = sample_rollouts(batch, prompts, models.tokenizer, oracle, count=count)
-                logger.log_samples(samples[: cfg.samples.log_count], step=step)
-                for sample in samples[: cfg.samples.print_count]:
-                    log.info("Step %d sample: %s", step, json.dumps(sample, ensure_ascii=False))
-            shown = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
-            if "rollout/oracle_mean" in metrics:
-                shown["oracle"] = f"{metrics['rollout/oracle_mean']:.3f}"
-            bar.set_postfix(shown)
-            bar.update(1)
-
-            every = cfg.checkpoint.every_n_steps
-            if step == cfg.train.steps or (every is not None and step % every == 0):
-                check_ranks_in_sync(models.policy, data_parallel)
-                # Every rank's RNG state, so that a resumed run samples as this one would have.
-                rng_by_rank = data_parallel.gather_objects(capture_rng_state())
-                if is_main:
-                    save_checkpoint(
-                        checkpoint_root,
-                        step,
-                        model=models.policy,
-                        tokenizer=models.tokenizer,
-                        optimizer=optimizer,
-                        state={**progress, "rng_by_rank": rng_by_rank},
-                        keep_last=cfg.checkpoint.keep_last,
-                    )
-        if cfg.distributed.save_rank_weights:
-            save_rank_weights(models.policy, output_dir / RANK_WEIGHTS_FOLDER, data_parallel.rank)
-        summary = summarize(
-            history,
-            window=cfg.summary.window,
-            wall_time=progress["wall_time_s"],
-            tokens=progress["tokens_total"],
-            rollout_time=progress["rollout_time_s"],
-        )
-        summary["setup_time_s"] = setup_time
-        summary["world_size"] = data_parallel.world_size
-        logger.log_summary(summary)
+            report_step(
+                run,
+                step,
+                metrics,
+                bar,
+                samples=functools.partial(sample_rollouts, batch, prompts, models.tokenizer, oracle),
+            )
+            save_if_due(run, step, models, learner.optimizer, progress)
     finally:
         bar.close()
-        logger.close()
-        if collector is not None:
-            collector.shutdown()
 
-    if is_main:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info(closing_message(summary, output_dir))
-    return summary
+
+def train_step(cfg, step, batch, learner: Learner, models: Models, collector, oracle, *, waited) -> tuple[dict, int]:
+    """One GRPO update on ``batch``: advantages and reference log-probs, the loss over mini-batches, the new weights
+    handed to the collector. Returns the step's metrics (averaged over the processes) and its generated tokens."""
+    timings = learner.prepare(batch)  # group advantages, reference (and missing old) log-probs
+    lag = step - 1 - int(batch["policy_version"].min())
+    if lag > cfg.rollout.max_policy_lag:
+        raise RuntimeError(
+            f"Step {step} got responses sampled {lag} updates ago, more than rollout.max_policy_lag="
+            f"{cfg.rollout.max_policy_lag}; the collector did not wait for the weights."
+        )
+    metrics, tokens = rollout_metrics(
+        batch, models.tokenizer, oracle, group_size=cfg.rollout.group_size, gather=pool_over_processes
+    )
+    if metrics["rollout/frac_reward_zero_std"] == 1.0:
+        log.warning(
+            "Step %d: in every group the responses got the same reward, so this step teaches nothing. A reward model "
+            "that scores everything alike, reward.max_length shorter than the prompts, or responses that are all the "
+            "same (temperature too low) do this.",
+            step,
+        )
+    learner.buffer.extend(batch)
+    update_start = time.perf_counter()
+    updates = optimize(cfg, learner.loss, learner.optimizer, learner.buffer, learner.parameters)
+    learner.buffer.empty()
+    collector.update_policy_weights_(models.policy, version=step)
+    collected = collector.last_timings
+    # Each rank's own diagnostics and times, averaged; the rollout figures above are already global.
+    updates.update(
+        {
+            "train/policy_lag": float(lag),
+            "perf/generate_s": collected["generate_s"],
+            "perf/reward_s": collected["collect_s"] - collected["generate_s"],
+            "perf/advantage_s": timings["advantage_s"],
+            "perf/reference_s": timings["log_probs_s"],
+            "perf/update_s": time.perf_counter() - update_start,
+            "perf/wait_s": waited,
+            # Where the responses were collected (here or in the background), plus their preparation.
+            "perf/rollout_time_s": collected["collect_s"] + timings["advantage_s"] + timings["log_probs_s"],
+        }
+    )
+    metrics.update(mean_over_processes(updates))
+    metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
+    if not all(math.isfinite(v) for v in metrics.values()):
+        raise FloatingPointError(f"Non-finite metrics at step {step}: {metrics}; lower optimizer.lr.")
+    return metrics, tokens
+
+
+def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
+    """The step's metrics to the logger, a progress line every ``log_every_n_steps`` steps and sample rollouts every
+    ``samples.every_n_steps`` to the log (``samples(count=n)`` draws them), the live reward on the progress bar."""
+    cfg = run.cfg
+    run.logger.log(metrics, step=step)
+    if run.is_main and (step % cfg.log_every_n_steps == 0 or step == cfg.train.steps):
+        log.info(progress_line(step, cfg.train.steps, metrics))
+    every = cfg.samples.every_n_steps
+    if run.is_main and every is not None and (step % every == 0 or step in (1, cfg.train.steps)):
+        drawn = samples(count=max(cfg.samples.log_count, cfg.samples.print_count))
+        run.logger.log_samples(drawn[: cfg.samples.log_count], step=step)
+        for sample in drawn[: cfg.samples.print_count]:
+            log.info("Step %d sample: %s", step, json.dumps(sample, ensure_ascii=False))
+    shown = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
+    if "rollout/oracle_mean" in metrics:
+        shown["oracle"] = f"{metrics['rollout/oracle_mean']:.3f}"
+    bar.set_postfix(shown)
+    bar.update(1)
+
+
+def save_if_due(run: Run, step: int, models: Models, optimizer, progress: dict) -> None:
+    """A checkpoint every ``checkpoint.every_n_steps`` steps and at the last: the policy, the optimizer, the running
+    totals and every rank's RNG state (so that a resumed run samples as this one would have)."""
+    cfg = run.cfg
+    every = cfg.checkpoint.every_n_steps
+    if not (step == cfg.train.steps or (every is not None and step % every == 0)):
+        return
+    check_ranks_in_sync(models.policy)
+    rng_by_rank = gather_object([capture_rng_state()])
+    if run.is_main:
+        state = {key: value for key, value in progress.items() if key != "setup_time_s"}
+        save_checkpoint(
+            _checkpoint_root(cfg),
+            step,
+            model=models.policy,
+            tokenizer=models.tokenizer,
+            optimizer=optimizer,
+            state={**state, "rng_by_rank": rng_by_rank},
+            keep_last=cfg.checkpoint.keep_last,
+        )
 
 
 def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> str:
@@ -830,3 +860,4 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     main()
+    end_processes()

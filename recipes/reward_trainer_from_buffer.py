@@ -45,14 +45,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.common.checkpoint import recover_interrupted_writes, save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError, check_run_settings, run_config, write_run_config
+from recipes.common.checkpoint import save_model_folder, write_folder_atomically
+from recipes.common.config import ConfigError, check_run_settings
 from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
-from recipes.common.distributed import setup_data_parallel
-from recipes.common.logging import MetricLogger, make_logger
+from recipes.common.logging import MetricLogger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
-from recipes.common.run import run_recipe
-from recipes.common.run_folder import check_output_folder, clear_records
+from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
+from recipes.common.run_folder import check_output_folder
 
 STORAGES = ("lazy_tensor", "memmap")
 log = logging.getLogger(__name__)
@@ -843,44 +842,40 @@ def train(cfg: DictConfig) -> dict:
     """
     start = time.perf_counter()
     validate(cfg)
-    from tensordict import set_list_to_stack
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+    seed_everything(cfg.seed)
+    # trl's config sets up the processes first (under a launcher: torch.distributed with its ddp_timeout, gloo on CPU,
+    # nccl on GPU); start_run joins them.
+    args = make_reward_config(cfg)
+    run = start_run(
+        cfg,
+        tidy=[Path(cfg.buffer.path).parent] if cfg.buffer.path else [],
+        keep=[cfg.buffer.load_from] if cfg.buffer.load_from else [],  # a buffer this run reuses, if in the folder
+    )
+    with run:  # the logger closes however the run ends: Hydra multirun jobs share this process
+        return _train(cfg, run, args, start=start)
+
+
+def _train(cfg: DictConfig, run: Run, args, *, start: float) -> dict:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardTrainer
     from trl.trainer.reward_trainer import DataCollatorForPreference
 
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
-    set_list_to_stack(True).set()  # TorchRL's LLM wrappers keep lists of strings as non-tensor stacks
-    set_seed(cfg.seed)
-    # Building trl's config sets up the processes (torch.distributed under a launcher, gloo on CPU, nccl on GPU);
-    # setup_data_parallel adopts that process group.
-    args = make_reward_config(cfg)
-    data_parallel = setup_data_parallel(device=str(args.device), backend="auto")
-    # Hydra names each process's run folder from its own clock, so the processes of one launch may disagree by a
-    # second: every process writes where the main process does (record_batches, trl's RNG states in checkpoints).
-    cfg.output_dir, args.output_dir = data_parallel.broadcast_object([str(cfg.output_dir), args.output_dir])
-    main_process = data_parallel.is_main
-    output_dir = Path(cfg.output_dir)
-    if main_process:
-        for folder in {output_dir, *([Path(cfg.buffer.path).parent] if cfg.buffer.path else [])}:
-            for done in recover_interrupted_writes(folder):  # a kill during an atomic save leaves these
-                log.warning("Folders of an interrupted run in %s: %s.", folder, done)
-        if cfg.overwrite:  # keeping a buffer this run reuses, if it lies in the folder
-            clear_records(output_dir, keep=[cfg.buffer.load_from] if cfg.buffer.load_from else [])
-        write_run_config(cfg, output_dir)
-    data_parallel.broadcast_object(None)  # the other processes go on once the folder is cleared
+    # Every process writes where the main process does (record_batches, trl's RNG states in checkpoints).
+    args.output_dir = run.broadcast(args.output_dir)
+    main_process, output_dir = run.is_main, run.output_dir
+    data_parallel = run.processes
 
     tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
     # The main process makes (or loads) the pairs, the others receive them (waiting up to train.ddp_timeout seconds):
     # processes generating for themselves would agree only as far as their devices compute alike. A failure on the
     # main process ends the launch (torchrun stops the waiting processes).
-    labelled = data_parallel.broadcast_object(make_or_load_labelled_pairs(cfg, tokenizer) if main_process else None)
+    labelled = run.broadcast(make_or_load_labelled_pairs(cfg, tokenizer) if main_process else None)
     if cfg.margin_in_loss and not labelled.has_margin:
         raise ConfigError("margin_in_loss=true, but the pairs carry no margin; set margin_in_loss=false.")
     if not labelled.eval:
         raise ConfigError("No held-out pairs to evaluate on: add eval prompts, an eval split or more pairs.")
     train_dataset, facts = make_training_stream(
-        cfg, labelled, tokenizer, num_processes=data_parallel.world_size, persist=main_process
+        cfg, labelled, tokenizer, num_processes=data_parallel.num_processes, persist=main_process
     )
     # The buffer folder keeps every held-out pair (a later run may allow longer ones); this run evaluates those
     # trl would train on.
@@ -918,72 +913,60 @@ def train(cfg: DictConfig) -> dict:
     if cfg.record_batches:
         collator = make_batch_recorder(
             DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of),
-            output_dir / "batches" / f"rank{data_parallel.rank}.jsonl",
+            output_dir / "batches" / f"rank{data_parallel.process_index}.jsonl",
         )
-    logs = main_process and cfg.logger.kind != "none"
-    # csv and/or a wandb run in this job's own folder (a multirun's jobs share the process: each opens and closes its
-    # own run).
-    metric_logger = (
-        make_logger(cfg.logger, output_dir, config=run_config(cfg)) if logs else MetricLogger("none", output_dir)
-    )
+    metric_logger = run.logger
     summary = None
-    try:
-        trainer = RewardTrainer(
-            model,
-            args=args,
-            data_collator=collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            callbacks=[make_metrics_callback(metric_logger, total_steps=cfg.train.max_steps)] if main_process else None,
+    trainer = RewardTrainer(
+        model,
+        args=args,
+        data_collator=collator,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        callbacks=[make_metrics_callback(metric_logger, total_steps=cfg.train.max_steps)] if main_process else None,
+    )
+    train_start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - train_start
+    if trainer.state.global_step == 0:
+        raise RuntimeError(
+            f"RewardTrainer made no optimizer step: {facts['train/pairs_over_max_length']} of "
+            f"{facts['train/num_pairs']} training pairs are longer than train.max_length={cfg.train.max_length} "
+            "tokens, and trl drops such pairs. Raise train.max_length (or shorten the data)."
         )
-        train_start = time.perf_counter()
-        trainer.train()
-        train_s = time.perf_counter() - train_start
-        if trainer.state.global_step == 0:
-            raise RuntimeError(
-                f"RewardTrainer made no optimizer step: {facts['train/pairs_over_max_length']} of "
-                f"{facts['train/num_pairs']} training pairs are longer than train.max_length={cfg.train.max_length} "
-                "tokens, and trl drops such pairs. Raise train.max_length (or shorten the data)."
-            )
-        if main_process:
-            (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-            model_dir = write_folder_atomically(
-                functools.partial(save_model_folder, trainer.model, tokenizer), output_dir / "model"
-            )
-            # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
-            saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
-            metrics = evaluate(saved.to(args.device), AutoTokenizer.from_pretrained(model_dir), labelled, cfg.eval)
-            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
-            summary = {
-                **metrics,
-                "train/steps": trainer.state.global_step,
-                "train/loss_first": losses[0],
-                "train/loss_last": losses[-1],
-                **facts,
-                "train/steps_per_s": trainer.state.global_step / train_s,
-                "time/pairs_s": labelling_s,
-                "time/train_s": train_s,
-                "wall_time_s": time.perf_counter() - start,
-            }
-            metric_logger.log_summary(summary)
-    finally:
-        metric_logger.close()  # Hydra multirun jobs share this process: never leave a run open for the next one
-    summary = data_parallel.broadcast_object(summary)  # the others wait while the main process saves and evaluates
-    data_parallel.close()  # a no-op for the launcher's own process group
     if main_process:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        spearman = f", Spearman vs the oracle {summary['eval/spearman']:.3f}" if "eval/spearman" in summary else ""
-        log.info(
-            "Reward model trained: held-out accuracy %.3f, margin %.3f%s; saved to %s. Use it in GRPO: python "
-            "recipes/grpo_torchrl_rm.py reward_model.name_or_path=%s",
-            summary["eval/accuracy"],
-            summary["eval/margin_mean"],
-            spearman,
-            output_dir / "model",
-            output_dir / "model",
+        (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        model_dir = write_folder_atomically(
+            functools.partial(save_model_folder, trainer.model, tokenizer), output_dir / "model"
         )
-    return summary
+        # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
+        saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
+        metrics = evaluate(saved.to(args.device), AutoTokenizer.from_pretrained(model_dir), labelled, cfg.eval)
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
+        summary = {
+            **metrics,
+            "train/steps": trainer.state.global_step,
+            "train/loss_first": losses[0],
+            "train/loss_last": losses[-1],
+            **facts,
+            "train/steps_per_s": trainer.state.global_step / train_s,
+            "time/pairs_s": labelling_s,
+            "time/train_s": train_s,
+            "wall_time_s": time.perf_counter() - start,
+        }
+    summary = run.broadcast(summary)  # the others wait while the main process saves and evaluates
+    return run.finish(summary, closing_message(summary, output_dir))
+
+
+def closing_message(summary: dict, output_dir: Path) -> str:
+    """Where the model is, its held-out figures and the GRPO command that uses it."""
+    spearman = f", Spearman vs the oracle {summary['eval/spearman']:.3f}" if "eval/spearman" in summary else ""
+    return (
+        f"Reward model trained: held-out accuracy {summary['eval/accuracy']:.3f}, margin "
+        f"{summary['eval/margin_mean']:.3f}{spearman}; saved to {output_dir / 'model'}. Use it in GRPO: python "
+        f"recipes/grpo_torchrl_rm.py reward_model.name_or_path={output_dir / 'model'}"
+    )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="reward_trainer_from_buffer")
@@ -1002,8 +985,4 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     main()
-    from accelerate import PartialState
-
-    # Under a launcher trl's config set up the process group; left alive, gloo's threads can abort the interpreter's
-    # shutdown ("terminate called without an active exception"). Once per process, after every Hydra job.
-    PartialState().destroy_process_group()
+    end_processes()

@@ -1,21 +1,141 @@
-"""What every recipe's entry point does around its training, so that a run's folder says how the run went.
+"""One start and one finish for every recipe, so that each recipe's own code is its builds and its loop.
 
-Hydra writes the job's log to ``<run folder>/<recipe>.log`` (and the console) from Python's logging; an exception it
-would only print. :func:`run_recipe` puts warnings and errors in that log too.
+:func:`start_run` does what any run does before its models load: torch threads, tensordict's list-to-stack mode, the
+processes (one, or those of ``torchrun`` / ``accelerate launch``, through accelerate's ``PartialState``), one output
+folder for all of them (tidied of interrupted writes, cleared with ``overwrite=true``), the resolved config and the
+metric logger on the main process. :meth:`Run.finish` writes ``summary.json``, puts the summary in the logger (the wandb
+run's summary) and logs the closing message. :func:`seed_everything` is the one way the recipes seed.
+:func:`run_recipe` wraps a recipe's ``train`` in its Hydra entry point so that the run's log says how it ended.
+
+A plain ``python recipes/x.py`` run is process 0 of 1, and every collective here is then a no-op.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig
+from tensordict import set_list_to_stack
+from transformers import set_seed
 
-from recipes.common.config import ConfigError
+from recipes.common.checkpoint import recover_interrupted_writes
+from recipes.common.config import ConfigError, run_config, write_run_config
+from recipes.common.logging import MetricLogger, make_logger
+from recipes.common.run_folder import clear_records
 
-__all__ = ["run_recipe"]
+__all__ = ["SUMMARY_FILE", "Run", "end_processes", "run_recipe", "seed_everything", "start_run"]
+
+SUMMARY_FILE = "summary.json"
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """A started run: its config, its processes, its folder and its logger (a no-op logger off the main process)."""
+
+    cfg: DictConfig
+    processes: PartialState
+    output_dir: Path
+    logger: MetricLogger
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def is_main(self) -> bool:
+        return self.processes.is_main_process
+
+    def broadcast(self, obj):
+        """The main process's ``obj`` on every process (the others wait for it)."""
+        return broadcast_object_list([obj])[0] if self.processes.use_distributed else obj
+
+    def finish(self, summary: dict, closing_message: str) -> dict:
+        """Puts ``summary`` in the logger, closes it and, on the main process, writes ``summary.json`` and logs
+        ``closing_message`` (where the run is, its headline figures, what to run next)."""
+        try:
+            self.logger.log_summary(summary)
+        finally:
+            self.logger.close()
+        if self.is_main:
+            (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+            log.info(closing_message)
+        return summary
+
+    def close(self) -> None:
+        """Closes the logger (a wandb run): Hydra multirun jobs share a process, and a run left open would swallow the
+        next job's metrics. :meth:`finish` closes it too; a second close does nothing."""
+        self.logger.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def start_run(
+    cfg: DictConfig,
+    *,
+    tidy: Iterable[Path] = (),
+    keep: Iterable[str | Path] = (),
+    resume: bool = False,
+    before_config: Callable[[Path], None] | None = None,
+    backend: str | None = None,
+) -> Run:
+    """Starts a run of ``cfg`` (``num_threads``, ``output_dir``, ``overwrite``, ``logger``); every process calls it.
+
+    Keyword Args:
+        tidy: folders where a kill may have left an atomic write half done (the output folder is always one).
+        keep: what ``overwrite=true`` must not delete (a buffer this run reads).
+        resume: the run continues the folder's run: its wandb run goes on.
+        before_config: called on the main process with the output folder before the resolved config replaces the
+            previous one (a resume records what it changes).
+        backend: the process group's backend under a launcher (None: nccl on CUDA, gloo on CPU). A process group
+            already set up (trl's config sets one up) is joined as it is.
+    """
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    set_list_to_stack(True).set()  # TorchRL's LLM wrappers keep lists of strings as non-tensor stacks
+    # CPU processes under a launcher on a GPU node must say so (gloo, not nccl); a single process takes the defaults
+    # (trl's config sets the same state up afterwards with its own device choice).
+    launched_on_cpu = "WORLD_SIZE" in os.environ and not str(cfg.device).startswith("cuda")
+    processes = PartialState(cpu=launched_on_cpu, **({"backend": backend} if backend else {}))
+    run = Run(cfg, processes, Path(cfg.output_dir), MetricLogger("none", Path(cfg.output_dir)))
+    # Hydra names each process's folder from its own clock: every process writes where the main process does.
+    run.output_dir = Path(run.broadcast(str(cfg.output_dir)))
+    cfg.output_dir = str(run.output_dir)
+    if run.is_main:
+        for folder in {run.output_dir, *map(Path, tidy)}:
+            for done in recover_interrupted_writes(folder):
+                log.warning("Interrupted writes of an earlier run in %s: %s.", folder, done)
+        if cfg.overwrite:
+            clear_records(run.output_dir, keep=keep)
+        if before_config is not None:
+            before_config(run.output_dir)
+        write_run_config(cfg, run.output_dir)
+        if cfg.logger.kind != "none":
+            run.logger = make_logger(cfg.logger, run.output_dir, config=run_config(cfg), resume=resume)
+    processes.wait_for_everyone()  # the others go on once the folder is ready
+    return run
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds Python's, NumPy's and torch's generators (every device's): the one way the recipes seed."""
+    set_seed(seed)
+
+
+def end_processes() -> None:
+    """Destroys the process group a launcher's run set up, once per process after its last Hydra job: left alive,
+    gloo's threads can abort the interpreter's shutdown ("terminate called without an active exception")."""
+    PartialState().destroy_process_group()
 
 
 def run_recipe(train: Callable[[DictConfig], dict], cfg: DictConfig) -> dict:

@@ -24,7 +24,6 @@ RECORDS = (
     "metrics.csv",
     "summary.json",
     "checkpoints",
-    "rank_weights",
     "model",
     "buffer",
     "trainer",

@@ -18,15 +18,20 @@ from recipes.common.resume import MODEL_FOLDER, list_checkpoints
 SMALL = [*GRPO_SMALL, "logger=csv"]
 
 
+# The recipe, with each rank writing its weights to <run dir>/rank_weights/rank_<rank>.safetensors at every checkpoint.
+RANK_WEIGHTS_LAUNCH = "tests/recipes/_rank_weights_launch.py"
+
+
 def _torchrun(num_processes: int, overrides: list[str], run_dir: Path) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node N recipes/grpo_torchrl_rm.py ...`` as a user types it."""
+    """``torchrun --standalone --nproc_per_node N recipes/grpo_torchrl_rm.py ...`` as a user types it, the recipe
+    started through :data:`RANK_WEIGHTS_LAUNCH`."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={num_processes}",
-        "recipes/grpo_torchrl_rm.py",
+        RANK_WEIGHTS_LAUNCH,
         *overrides,
         f"hydra.run.dir={run_dir}",
     ]
@@ -45,9 +50,7 @@ def _load_rank_weights(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
 def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    _torchrun(
-        2, [*SMALL, "train.steps=3", "checkpoint.every_n_steps=2", "distributed.save_rank_weights=true"], tmp_path
-    )
+    _torchrun(2, [*SMALL, "train.steps=3", "checkpoint.every_n_steps=2"], tmp_path)
 
     # The gradients are averaged over both ranks at every update: the two copies of the policy end bit-identical.
     rank0, rank1 = _load_rank_weights(tmp_path, 0), _load_rank_weights(tmp_path, 1)
@@ -87,7 +90,6 @@ def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(tmp_path):
         *SMALL,
         "checkpoint.every_n_steps=2",
         "checkpoint.keep_last=null",
-        "distributed.save_rank_weights=true",
     ]
     _torchrun(2, [*overrides, "train.steps=2"], run_dir)
     _torchrun(2, [*overrides, "train.steps=4", "resume=true"], run_dir)
@@ -108,7 +110,7 @@ def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(tmp_path):
 def test_torchrun_on_cuda_with_nccl_and_bfloat16(tmp_path):
     """One process per GPU (at most 2): nccl, bf16, and the ranks stay in sync."""
     num_processes = min(2, torch.cuda.device_count())
-    overrides = [*SMALL, "device=cuda", "dtype=bfloat16", "train.steps=3", "distributed.save_rank_weights=true"]
+    overrides = [*SMALL, "device=cuda", "dtype=bfloat16", "train.steps=3"]
     _torchrun(num_processes, overrides, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == num_processes and summary["steps"] == 3

@@ -1,0 +1,34 @@
+"""``recipes/grpo_torchrl_rm.py`` as ``torchrun`` starts it, with each rank also writing its policy weights, at every
+checkpoint, to ``<hydra.run.dir>/rank_weights/rank_<rank>.safetensors``: what the data-parallel tests compare (the
+ranks must hold identical weights). The recipe is untouched; this wraps its check that the ranks agree."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+import recipes.grpo_torchrl_rm as recipe
+
+RANK_WEIGHTS_FOLDER = "rank_weights"
+check_ranks_in_sync = recipe.check_ranks_in_sync
+
+
+def check_and_save_rank_weights(model) -> None:
+    check_ranks_in_sync(model)
+    run_dir = next(Path(arg.split("=", 1)[1]) for arg in sys.argv if arg.startswith("hydra.run.dir="))
+    folder = run_dir / RANK_WEIGHTS_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    save_file(weights, folder / f"rank_{os.environ.get('RANK', '0')}.safetensors")
+
+
+if __name__ == "__main__":
+    recipe.check_ranks_in_sync = check_and_save_rank_weights
+    # Hydra finds the config relative to the recipe's file only when the recipe is the script run: say where it is.
+    sys.argv[1:1] = ["--config-path", str(Path(recipe.__file__).resolve().parents[1] / "conf")]
+    sys.argv.append("hydra.job.name=grpo_torchrl_rm")  # the recipe's log file name, not this script's
+    recipe.main()
+    recipe.end_processes()
