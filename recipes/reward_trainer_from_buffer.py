@@ -642,23 +642,6 @@ def make_metrics_callback(logger: MetricLogger, *, total_steps: int):
     return MetricLoggerCallback()
 
 
-def make_batch_recorder(collator, path: Path):
-    """trl's collator, writing first the pairs of each micro-batch it collates to ``path`` (``record_batches``).
-
-    One JSON line per micro-batch, in the order the process trains on them: ``[[chosen_ids, rejected_ids], ...]``.
-    The dataloader prefetches: the last line of a run may be a batch that was collated and never trained on.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("")
-
-    def record_and_collate(examples: list[dict]) -> dict:
-        with open(path, "a") as handle:
-            handle.write(json.dumps([[e["chosen_ids"], e["rejected_ids"]] for e in examples]) + "\n")
-        return collator(examples)
-
-    return record_and_collate
-
-
 # ---------------------------------------------------------------------------------------------------- evaluation
 
 
@@ -846,7 +829,6 @@ def train(cfg: DictConfig) -> dict:
     from tensordict import set_list_to_stack
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
     from trl import RewardTrainer
-    from trl.trainer.reward_trainer import DataCollatorForPreference
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
@@ -857,7 +839,7 @@ def train(cfg: DictConfig) -> dict:
     args = make_reward_config(cfg)
     data_parallel = setup_data_parallel(device=str(args.device), backend="auto")
     # Hydra names each process's run folder from its own clock, so the processes of one launch may disagree by a
-    # second: every process writes where the main process does (record_batches, trl's RNG states in checkpoints).
+    # second: every process writes where the main process does (trl's RNG states in checkpoints).
     cfg.output_dir, args.output_dir = data_parallel.broadcast_object([str(cfg.output_dir), args.output_dir])
     main_process = data_parallel.is_main
     output_dir = Path(cfg.output_dir)
@@ -914,12 +896,6 @@ def train(cfg: DictConfig) -> dict:
     eval_dataset = None
     if args.eval_strategy != "no":  # trl's own periodic evaluation on the held-out pairs
         eval_dataset = make_eval_dataset(tokenizer, labelled, with_margin=cfg.margin_in_loss)
-    collator = None
-    if cfg.record_batches:
-        collator = make_batch_recorder(
-            DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of),
-            output_dir / "batches" / f"rank{data_parallel.rank}.jsonl",
-        )
     logs = main_process and cfg.logger.kind != "none"
     # csv and/or a wandb run in this job's own folder (a multirun's jobs share the process: each opens and closes its
     # own run).
@@ -931,7 +907,6 @@ def train(cfg: DictConfig) -> dict:
         trainer = RewardTrainer(
             model,
             args=args,
-            data_collator=collator,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,

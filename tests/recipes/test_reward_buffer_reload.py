@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _batch_recording import install_batch_recorder
 
 import recipes.reward_trainer_from_buffer as recipe
 from recipes.common.config import ConfigError
@@ -91,8 +92,14 @@ def no_model_loads(monkeypatch):
     monkeypatch.setattr(recipe, "load_reward_model", forbidden)
 
 
+@pytest.fixture
+def record_batches(monkeypatch):
+    """Each process of the test's runs writes the pairs it trains on to <run dir>/batches/rank<r>.jsonl."""
+    install_batch_recorder(monkeypatch.setattr)
+
+
 def _trained_pairs(run_dir: Path) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The (chosen_ids, rejected_ids) of every pair the run's process trained on (record_batches=true)."""
+    """The (chosen_ids, rejected_ids) of every pair the run's process trained on (the record_batches fixture)."""
     batches = [json.loads(line) for line in (run_dir / "batches" / "rank0.jsonl").read_text().splitlines()]
     return {(tuple(chosen), tuple(rejected)) for batch in batches for chosen, rejected in batch}
 
@@ -116,7 +123,9 @@ def test_saved_meta_records_the_tokenizer_the_counts_and_the_key_layout(saved_bu
 
 
 @pytest.mark.parametrize("storage", ["lazy_tensor", "memmap"])
-def test_reload_trains_from_the_stored_token_ids_not_the_text(buffer_copy, tmp_path, caplog, storage, tiny_dir):
+def test_reload_trains_from_the_stored_token_ids_not_the_text(
+    buffer_copy, tmp_path, caplog, storage, tiny_dir, record_batches
+):
     from tensordict import TensorDict
     from transformers import AutoTokenizer
 
@@ -127,7 +136,7 @@ def test_reload_trains_from_the_stored_token_ids_not_the_text(buffer_copy, tmp_p
         pair["chosen"][0]["content"], pair["rejected"][0]["content"] = f"tampered {i}", f"edited {i}"
     _write(buffer_copy / "pairs.jsonl", tampered)
 
-    overrides = [*TINY_RUN, f"buffer={storage}", f"buffer.load_from={buffer_copy}", "record_batches=true"]
+    overrides = [*TINY_RUN, f"buffer={storage}", f"buffer.load_from={buffer_copy}"]
     with caplog.at_level(logging.INFO, logger=recipe.__name__):
         summary = recipe.train(_compose([*overrides, f"output_dir={tmp_path / 'run'}"]))
 
@@ -145,10 +154,12 @@ def test_reload_trains_from_the_stored_token_ids_not_the_text(buffer_copy, tmp_p
         assert (written == stored).all()
 
 
-def test_another_tokenizer_re_tokenizes_the_text_and_says_so(buffer_copy, tmp_path, caplog, other_rm_dir):
+def test_another_tokenizer_re_tokenizes_the_text_and_says_so(
+    buffer_copy, tmp_path, caplog, other_rm_dir, record_batches
+):
     from transformers import AutoTokenizer
 
-    overrides = [*TINY_RUN, f"buffer.load_from={buffer_copy}", "record_batches=true"]
+    overrides = [*TINY_RUN, f"buffer.load_from={buffer_copy}"]
     overrides += [f"reward_model.name_or_path={other_rm_dir}", f"output_dir={tmp_path / 'run'}"]
     with caplog.at_level(logging.INFO, logger=recipe.__name__):
         summary = recipe.train(_compose(overrides))
