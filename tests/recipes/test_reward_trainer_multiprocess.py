@@ -173,7 +173,7 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
 
 
 def _labelled(n: int):
-    import recipes.reward_trainer_from_buffer as recipe
+    from recipes.common import preference
     from recipes.common.synthetic import make_prompts
 
     pairs = [
@@ -184,7 +184,7 @@ def _labelled(n: int):
         }
         for i, prompt in enumerate(make_prompts(n, seed=0))
     ]
-    return recipe.LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
+    return preference.LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
 
 
 def test_every_process_opens_the_same_stream_whatever_its_global_rng(compose_config, tiny_dir, tmp_path):
