@@ -10,6 +10,7 @@
    next to the labelled text, which a later run reuses with ``buffer.load_from`` (no generation, no labelling): it
    trains from the stored token ids when its reward model's tokenizer wrote them, from the re-tokenized text
    otherwise; a cut or damaged folder is refused. Pairs whose chosen and rejected are identical are dropped.
+   How pairs are made, cleaned, tokenized and kept in a folder: ``recipes.common.preference``.
 3. Training. ``RewardTrainer`` (``RewardConfig`` from ``train:``) reads the buffer through
    ``interop.TorchRLBufferDataset(...).as_hf_dataset()``: one draw without replacement per epoch.
 4. Evaluation of the saved model, reloaded with ``from_pretrained`` and scored through
@@ -32,32 +33,45 @@ buffer folder, the model, metrics and ``summary.json``, and evaluates.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
-import os
-import random
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
 from recipes.common.config import ConfigError, check_run_settings
-from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
 from recipes.common.logging import MetricLogger
-from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
+from recipes.common.models import load_reward_model, load_tokenizer, validate_model_node
+from recipes.common.preference import (
+    EVAL_PAIRS_FILE,
+    STORAGE_FOLDER,
+    LabelledPairs,
+    count_over_max_length,
+    limit_eval_to_max_length,
+    load_labelled_pairs,
+    load_sampling_policy,
+    pairs_from_dataset,
+    pairs_from_policy,
+    pairs_to_tensordict,
+    read_meta,
+    save_labelled_pairs,
+    tensordict_key,
+    tokenize_pairs,
+    write_jsonl,
+)
 from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
 from recipes.common.run_folder import check_output_folder
 
+# tensordict, torchrl, datasets, transformers, trl, accelerate and interop (which loads torchrl) are imported inside
+# the functions that use them: each takes seconds to import, and `--help` or a config refused by validate() should not
+# wait for them.
+
 STORAGES = ("lazy_tensor", "memmap")
 log = logging.getLogger(__name__)
-# A labelled-data folder (buffer.path / buffer.load_from)
-TRAIN_PAIRS_FILE, EVAL_PAIRS_FILE, EVAL_RESPONSES_FILE = "pairs.jsonl", "eval_pairs.jsonl", "eval_responses.jsonl"
-STORAGE_FOLDER, META_FILE = "storage", "meta.json"
 
 
 def validate(cfg: DictConfig) -> None:
@@ -76,7 +90,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.buffer.storage == "memmap" and cfg.buffer.path is None:
         raise ConfigError("buffer=memmap needs buffer.path, the folder its pairs are written to.")
     if cfg.buffer.load_from is not None:
-        _read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
+        read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
     elif cfg.data.source == "synthetic":
         validate_model_node(cfg.model, key="model", kind="policy")
         if cfg.generation.responses_per_prompt < 2:
@@ -103,432 +117,39 @@ def validate(cfg: DictConfig) -> None:
 # ---------------------------------------------------------------------------------------------------- pairs
 
 
-@dataclass
-class LabelledPairs:
-    """The labelled data of a run: training pairs (for the buffer), held-out pairs and scored held-out responses.
-
-    A pair is ``{"prompt", "chosen", "rejected"}`` (+ ``"margin"``), every field text or, when ``conversational``, a
-    list of ``{"role", "content"}`` messages; an implicit prompt is an empty prompt. ``eval_responses`` (synthetic
-    task only) are ``{"prompt", "response", "oracle"}``.
-    """
-
-    train: list[dict]
-    eval: list[dict]
-    conversational: bool
-    eval_responses: list[dict] = field(default_factory=list)
-    # The training pairs' token ids, row for row, as a reloaded buffer stored them (buffer.load_from, same tokenizer):
-    # the run trains on them instead of tokenizing the text again. None: tokenize ``train``.
-    train_tokens: object = None
-    # What the summary reports about how the pairs were made (degenerate pairs dropped...).
-    facts: dict = field(default_factory=dict)
-
-    @property
-    def has_margin(self) -> bool:
-        return bool(self.train) and all("margin" in pair for pair in self.train)
-
-
-def make_policy(cfg: DictConfig):
-    """The sampling policy (TorchRL's ``TransformersWrapper`` in generate mode) and its tokenizer."""
-    from recipes.common import rollout  # TorchRL's LLM stack: loaded only by the runs that generate
-
-    tokenizer = load_tokenizer(cfg.model, padding_side="left")  # the wrapper generates with left padding
-    model = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval()
-    return rollout.make_policy(model, tokenizer, generation=cfg.generation.generate_kwargs), tokenizer
-
-
-def generate_responses(cfg: DictConfig, policy, tokenizer, prompts: list) -> list[tuple[list[dict], list[str]]]:
-    """``responses_per_prompt`` sampled responses to each prompt, by single-turn rollouts of TorchRL's ``ChatEnv``.
-
-    Returns ``(prompt messages, response texts)`` per prompt, the prompt as the rollout's own history holds it.
-    """
-    from recipes.common import rollout
-
-    group, per_reset = cfg.generation.responses_per_prompt, cfg.generation.prompts_per_batch
-    results = []
-    for start in range(0, len(prompts), per_reset):
-        count = min(per_reset, len(prompts) - start)
-        loader = rollout.make_prompt_dataloader(prompts, seed=cfg.seed, start=start, shuffle=False)
-        env = rollout.make_chat_env(loader, tokenizer=tokenizer, group_size=group, num_prompts=count)
-        with torch.no_grad():
-            out = policy(env.reset())
-        texts = rollout.response_texts(out, tokenizer)
-        histories = out.get(("history", "prompt")).tolist()
-        for i in range(count):  # each prompt's copies are contiguous
-            messages = [{"role": m["role"], "content": m["content"]} for m in histories[i * group]]
-            results.append((messages, texts[i * group : (i + 1) * group]))
-    return results
-
-
-def label_responses(labeler, generated: list, oracle=None) -> tuple[list[dict], list[dict]]:
-    """Conversational preference pairs from the labeler, and (with an oracle) every response with its score."""
-    pairs, scored = [], []
-    for messages, candidates in generated:
-        for pair in labeler(messages[-1]["content"], candidates):
-            labelled = {
-                "prompt": messages,
-                "chosen": [{"role": "assistant", "content": pair["chosen"]}],
-                "rejected": [{"role": "assistant", "content": pair["rejected"]}],
-            }
-            if "margin" in pair:
-                labelled["margin"] = float(pair["margin"])
-            pairs.append(labelled)
-        if oracle is not None:
-            scored.extend({"prompt": messages, "response": r, "oracle": float(oracle(r))} for r in candidates)
-    return pairs, scored
-
-
-def normalize_pairs(raw: list[dict], *, what: str) -> tuple[list[dict], bool]:
-    """Pairs from a dataset in one format (all text or all conversational), with an empty prompt when implicit."""
-    pairs, formats = [], set()
-    for i, row in enumerate(raw):
-        fields = {}
-        for name in ("chosen", "rejected", "prompt"):
-            if name == "prompt" and row.get("prompt") is None:  # an implicit prompt
-                continue
-            try:
-                fields[name] = prompt_text(row[name])
-            except ConfigError as err:
-                raise ConfigError(f"{what} pair {i}, {name}: {err}") from None
-        prompt = fields.pop("prompt", None)
-        conversational = isinstance(fields["chosen"], list)
-        if isinstance(fields["rejected"], list) != conversational or (
-            prompt is not None and isinstance(prompt, list) != conversational
-        ):
-            raise ConfigError(f"{what} pair {i} mixes text and message lists in prompt/chosen/rejected.")
-        formats.add(conversational)
-        fields["prompt"] = prompt if prompt is not None else ([] if conversational else "")
-        pairs.append(fields)
-    if len(formats) > 1:
-        raise ConfigError(f"The {what} pairs mix text and conversational rows; convert them to one format.")
-    return pairs, formats == {True}
-
-
-def drop_identical_pairs(labelled: LabelledPairs, *, source: str) -> LabelledPairs:
-    """The pairs without those whose chosen and rejected are the same (same text, same message list once
-    normalized): their loss is log(2) whatever the model does, they teach nothing. Counted in ``labelled.facts``."""
-    kept = {}
-    for split in ("train", "eval"):
-        pairs = getattr(labelled, split)
-        kept[split] = [row for row, pair in enumerate(pairs) if pair["chosen"] != pair["rejected"]]
-        dropped = len(pairs) - len(kept[split])
-        if pairs and not kept[split]:
-            raise ConfigError(
-                f"All {len(pairs)} {split} pairs of {source} have chosen == rejected: nothing to learn or measure. "
-                "Check that the chosen and rejected columns are the right ones (data.chosen_column, "
-                "data.rejected_column) and hold different responses."
-            )
-        if dropped:
-            log.warning(
-                "Dropped %d of %d %s pairs of %s whose chosen and rejected are identical (they teach nothing).",
-                *(dropped, len(pairs), split, source),
-            )
-    tokens = labelled.train_tokens
-    if tokens is not None and len(kept["train"]) < len(labelled.train):
-        tokens = tokens[torch.tensor(kept["train"], dtype=torch.long)]
-    facts = {f"{split}/pairs_identical_dropped": len(getattr(labelled, split)) - len(kept[split]) for split in kept}
-    return replace(
-        labelled,
-        train=[labelled.train[row] for row in kept["train"]],
-        eval=[labelled.eval[row] for row in kept["eval"]],
-        train_tokens=tokens,
-        facts={**labelled.facts, **facts},
-    )
-
-
-def hold_out_pairs(labelled: LabelledPairs, cfg: DictConfig, *, source: str) -> LabelledPairs:
-    """``eval.holdout_fraction`` of the training pairs moved to the held-out set, drawn with the run's seed."""
-    total = len(labelled.train)
-    held_count = max(1, round(cfg.eval.holdout_fraction * total))
-    if total - held_count < 1:
-        raise ConfigError(
-            f"{source} has {total} preference pair(s): holding out eval.holdout_fraction={cfg.eval.holdout_fraction} "
-            f"of them ({held_count}) leaves {max(0, total - held_count)} to train on. Add pairs, lower "
-            "eval.holdout_fraction, or give the held-out pairs a set of their own (data.eval_path=... with data=file, "
-            "data.eval_split=... with data=hf)."
-        )
-    order = list(range(total))
-    random.Random(cfg.seed).shuffle(order)
-    held_out = set(order[:held_count])
-    return replace(
-        labelled,
-        train=[p for i, p in enumerate(labelled.train) if i not in held_out],
-        eval=[p for i, p in enumerate(labelled.train) if i in held_out],
-    )
-
-
 def make_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
     """Generated and labelled pairs (``data=synthetic``) or pairs read from a file / HF dataset."""
     if cfg.data.source == "synthetic":
-        policy, tokenizer = make_policy(cfg)
-        labeler = hydra.utils.instantiate(cfg.labeler)
-        oracle = hydra.utils.instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
-        labelled = {}
-        for split in ("train", "eval"):
-            generated = generate_responses(cfg, policy, tokenizer, load_prompts(cfg.data, split))
-            labelled[split] = label_responses(labeler, generated, oracle if split == "eval" else None)
-        pairs = LabelledPairs(
-            train=labelled["train"][0],
-            eval=labelled["eval"][0],
-            eval_responses=labelled["eval"][1],
-            conversational=True,
+        policy, tokenizer = load_sampling_policy(
+            cfg.model, generate_kwargs=cfg.generation.generate_kwargs, device=cfg.device, dtype=cfg.dtype
         )
-        return drop_identical_pairs(pairs, source="the labeller")
-    source = f"data={cfg.data.source} ({cfg.data.path if cfg.data.source == 'file' else cfg.data.name_or_path})"
-    train, conversational = normalize_pairs(load_preference_pairs(cfg.data, "train"), what="train")
-    raw_eval = load_preference_pairs(cfg.data, "eval")
-    eval_pairs = []
-    if raw_eval:
-        eval_pairs, eval_conversational = normalize_pairs(raw_eval, what="eval")
-        if eval_conversational != conversational:
-            raise ConfigError("The train and eval pairs have different formats (text vs conversational).")
-    # Degenerate pairs go before the split: the held-out fraction is a fraction of the pairs worth training on.
-    pairs = drop_identical_pairs(LabelledPairs(train, eval_pairs, conversational), source=source)
-    return pairs if raw_eval else hold_out_pairs(pairs, cfg, source=source)
+        return pairs_from_policy(
+            policy,
+            tokenizer,
+            cfg.data,
+            labeler=hydra.utils.instantiate(cfg.labeler),
+            oracle=hydra.utils.instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None,
+            responses_per_prompt=cfg.generation.responses_per_prompt,
+            prompts_per_batch=cfg.generation.prompts_per_batch,
+            seed=cfg.seed,
+        )
+    return pairs_from_dataset(cfg.data, holdout_fraction=cfg.eval.holdout_fraction, seed=cfg.seed)
+
+
+def make_or_load_labelled_pairs(cfg: DictConfig, tokenizer) -> LabelledPairs:
+    """The run's labelled pairs: loaded from ``buffer.load_from`` (its stored token ids reused when ``tokenizer``
+    wrote them), or made from ``data=``."""
+    if cfg.buffer.load_from is not None:
+        return load_labelled_pairs(cfg.buffer.load_from, tokenizer=tokenizer, pair_keys=cfg.buffer.pair_keys)
+    return make_labelled_pairs(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------- buffer
 
 
-def _key(node) -> str | tuple[str, ...]:
-    return tuple(node) if isinstance(node, (list, tuple, ListConfig)) else str(node)
-
-
 def _key_name(key) -> str:
     """The column name ``TorchRLBufferDataset`` gives a key (nested keys dot-joined)."""
     return ".".join(key) if isinstance(key, tuple) else key
-
-
-def tokenize_pairs(tokenizer, pairs: list[dict], *, conversational: bool) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids of each pair's chosen and rejected sequence, as ``trl.RewardTrainer`` (1.16) tokenizes them.
-
-    Conversational: ``apply_chat_template(prompt + completion, tokenize=True)``. Text: ``prompt + completion`` with
-    the EOS string appended when missing, tokenized with special tokens. ``interop.HFRewardModelWrapper(tokenizer=)``
-    scores text and conversations the same way, so a trained model is scored on the sequences it learned.
-    """
-    chosen, rejected = (
-        tokenize_sequences(tokenizer, [pair["prompt"] + pair[side] for pair in pairs], conversational=conversational)
-        for side in ("chosen", "rejected")
-    )
-    return chosen, rejected
-
-
-def tokenize_sequences(tokenizer, sequences: list, *, conversational: bool) -> list[list[int]]:
-    """Token ids of whole sequences (message lists or texts) in trl's convention (:func:`tokenize_pairs`)."""
-    if not sequences:
-        return []
-    if conversational:
-        ids = tokenizer.apply_chat_template(sequences, tokenize=True, return_dict=True)["input_ids"]
-    else:
-        eos = tokenizer.eos_token
-        ids = tokenizer([t if t.endswith(eos) else t + eos for t in sequences])["input_ids"]
-    return [list(seq) for seq in ids]
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """What decides the token ids a tokenizer gives, cheaply: sizes, special ids, and one hash of its vocabulary
-    and chat template. A reloaded buffer's stored ids are reused only for a tokenizer with the same fingerprint."""
-    digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    digest.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
-    return {
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "vocab_and_chat_template_sha256": digest.hexdigest(),
-    }
-
-
-def pairs_to_tensordict(pairs: list[dict], tokenizer, keys: DictConfig, *, conversational: bool):
-    """What the trainer reads of each pair, as one TensorDict: right-padded token ids, their lengths, the margin.
-
-    The text stays out of the buffer: indexing strings (non-tensor stacks) costs ~0.2 s per thousand pairs drawn,
-    as much as several optimizer steps of a small model, and torchrl's memmap storage cannot hold them.
-    """
-    from tensordict import TensorDict
-
-    chosen_ids, rejected_ids = tokenize_pairs(tokenizer, pairs, conversational=conversational)
-    width = max(len(seq) for seq in chosen_ids + rejected_ids)
-    pad = tokenizer.pad_token_id
-    td = TensorDict(batch_size=[len(pairs)])
-    for side, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
-        td.set(_key(keys[f"{side}_tokens"]), torch.tensor([seq + [pad] * (width - len(seq)) for seq in ids]))
-        td.set(_key(keys[f"{side}_length"]), torch.tensor([len(seq) for seq in ids]))
-    if all("margin" in pair for pair in pairs):
-        td.set(_key(keys.margin), torch.tensor([pair["margin"] for pair in pairs], dtype=torch.float32))
-    return td
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    with open(path, "w") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
-
-
-# What to do with a buffer folder that is incomplete or damaged.
-REBUILD_BUFFER = (
-    "Restore the folder from a copy, or rebuild it with a run of buffer=memmap (it writes <run dir>/buffer) and point "
-    "buffer.load_from at that."
-)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise ConfigError(f"{path} is missing: the buffer folder is incomplete. {REBUILD_BUFFER}")
-    rows = []
-    with open(path) as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}, line {number}: not valid JSON ({err}). {REBUILD_BUFFER}") from err
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}, line {number}: expected a JSON object, got {row!r:.80}. {REBUILD_BUFFER}")
-            rows.append(row)
-    return rows
-
-
-def _pair_keys_layout(keys: DictConfig) -> dict:
-    return OmegaConf.to_container(keys, resolve=True)
-
-
-def save_labelled_pairs(
-    folder: str | os.PathLike, labelled: LabelledPairs, pairs_td, *, tokenizer, pair_keys: DictConfig
-) -> Path:
-    """Writes a run's labelled data atomically, for a later run's ``buffer.load_from``.
-
-    ``pairs.jsonl`` / ``eval_pairs.jsonl`` / ``eval_responses.jsonl`` hold the text (re-tokenized by a run with another
-    reward model), ``storage/`` the buffer's tensors as a tensordict memmap (what ``buffer=memmap`` samples from, and
-    what a later run with the same tokenizer trains from). ``meta.json`` holds the row counts, the tokenizer's
-    fingerprint and the keys of ``storage/``, which :func:`load_labelled_pairs` checks.
-    """
-
-    def write(staging: Path) -> None:
-        _write_jsonl(staging / TRAIN_PAIRS_FILE, labelled.train)
-        _write_jsonl(staging / EVAL_PAIRS_FILE, labelled.eval)
-        _write_jsonl(staging / EVAL_RESPONSES_FILE, labelled.eval_responses)
-        # copy_existing: the pairs may be a reloaded buffer's memory-mapped storage, which memmap() will not move.
-        pairs_td.memmap(staging / STORAGE_FOLDER, copy_existing=True)
-        meta = {
-            "conversational": labelled.conversational,
-            "num_pairs": len(labelled.train),
-            "num_eval_pairs": len(labelled.eval),
-            "num_eval_responses": len(labelled.eval_responses),
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "pair_keys": _pair_keys_layout(pair_keys),
-            "storage_bytes": _storage_file_sizes(staging / STORAGE_FOLDER),
-        }
-        (staging / META_FILE).write_text(json.dumps(meta, indent=2))
-
-    return write_folder_atomically(write, folder)
-
-
-def _storage_file_sizes(path: Path) -> dict[str, int]:
-    """The size of each tensor file of a tensordict memmap folder: tensordict zero-fills a cut file when it loads it."""
-    return {str(file.relative_to(path)): file.stat().st_size for file in sorted(path.rglob("*.memmap"))}
-
-
-def _read_meta(folder: Path) -> dict:
-    path = folder / META_FILE
-    if not path.is_file():
-        raise ConfigError(
-            f"buffer.load_from={str(folder)!r} is not a saved preference buffer (no {META_FILE} in it). Point it at "
-            "the buffer folder of an earlier run made with buffer=memmap (<run dir>/buffer)."
-        )
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path} is not valid JSON ({err}). {REBUILD_BUFFER}") from err
-    missing = [name for name in ("conversational", "num_pairs") if not isinstance(meta, dict) or name not in meta]
-    if missing:
-        raise ConfigError(f"{path} lacks {missing}. {REBUILD_BUFFER}")
-    return meta
-
-
-def _check_row_counts(folder: Path, meta: dict, labelled: LabelledPairs) -> None:
-    """Each text file holds as many rows as the meta says were written: a cut or padded file is refused."""
-    expected = {
-        TRAIN_PAIRS_FILE: ("num_pairs", labelled.train),
-        EVAL_PAIRS_FILE: ("num_eval_pairs", labelled.eval),
-        EVAL_RESPONSES_FILE: ("num_eval_responses", labelled.eval_responses),
-    }
-    for name, (count_key, rows) in expected.items():
-        if count_key in meta and len(rows) != meta[count_key]:  # folders of older versions record num_pairs only
-            raise ConfigError(
-                f"{folder / name} holds {len(rows)} rows, but {folder / META_FILE} says {meta[count_key]} were "
-                f"written ({count_key}): the file was cut or edited. {REBUILD_BUFFER}"
-            )
-
-
-def _load_storage(folder: Path, meta: dict):
-    """The stored token ids (memory-mapped, nothing read yet), refused unless they are the meta's ``num_pairs`` rows."""
-    from tensordict import TensorDict
-
-    path = folder / STORAGE_FOLDER
-    if not path.is_dir():
-        raise ConfigError(f"{path} is missing: the buffer folder is incomplete. {REBUILD_BUFFER}")
-    # Checked before loading: tensordict would read a cut tensor file as zeros (and grow it to size on disk).
-    expected, found = meta.get("storage_bytes"), _storage_file_sizes(path)
-    if expected is not None and found != expected:  # folders of older versions record no sizes
-        changed = sorted(name for name in {*expected, *found} if expected.get(name) != found.get(name))
-        raise ConfigError(
-            f"{path} cannot be read as the tensordict memmap it was written as: {changed} differ from the sizes in "
-            f"{folder / META_FILE} (bytes written: {[expected.get(name) for name in changed]}, found: "
-            f"{[found.get(name) for name in changed]}). {REBUILD_BUFFER}"
-        )
-    try:
-        stored = TensorDict.load_memmap(path)
-    except Exception as err:  # a damaged memmap fails in many ways (json, sizes, missing files)
-        raise ConfigError(f"{path} cannot be read as a tensordict memmap ({err!r:.300}). {REBUILD_BUFFER}") from err
-    rows = stored.batch_size[0] if stored.batch_size else None
-    if rows != meta["num_pairs"]:
-        raise ConfigError(
-            f"{path} holds {rows} pairs, but {folder / META_FILE} says {meta['num_pairs']} were written (num_pairs): "
-            f"the storage and the text disagree. {REBUILD_BUFFER}"
-        )
-    return stored
-
-
-def _why_tokenize_again(meta: dict, tokenizer, pair_keys: DictConfig) -> str | None:
-    """Why this run cannot train from the stored token ids, or None when it can."""
-    if "tokenizer" not in meta:
-        return "its meta.json records no tokenizer (written by an older version of the recipe)"
-    if meta["tokenizer"] != tokenizer_fingerprint(tokenizer):
-        return "it was tokenized by another tokenizer than this run's reward model's"
-    if meta.get("pair_keys") != _pair_keys_layout(pair_keys):
-        return f"it stores keys {meta.get('pair_keys')}, this run reads buffer.pair_keys={_pair_keys_layout(pair_keys)}"
-    return None
-
-
-def load_labelled_pairs(folder: str | os.PathLike, *, tokenizer, pair_keys: DictConfig) -> LabelledPairs:
-    """The labelled pairs of a folder written by :func:`save_labelled_pairs`: no generation, no labelling.
-
-    Cheap checks refuse a cut or damaged folder (row counts, JSON lines, the storage's size). With the tokenizer the
-    folder was written with, the run trains from ``storage/`` itself (memory-mapped); with another it re-tokenizes
-    the text of ``pairs.jsonl``, and says so.
-    """
-    folder = Path(folder).expanduser()
-    meta = _read_meta(folder)
-    labelled = LabelledPairs(
-        train=_read_jsonl(folder / TRAIN_PAIRS_FILE),
-        eval=_read_jsonl(folder / EVAL_PAIRS_FILE),
-        eval_responses=_read_jsonl(folder / EVAL_RESPONSES_FILE),
-        conversational=meta["conversational"],
-    )
-    _check_row_counts(folder, meta, labelled)
-    stored = _load_storage(folder, meta)
-    reason = _why_tokenize_again(meta, tokenizer, pair_keys)
-    if reason is not None:
-        log.warning("buffer.load_from=%s: %s; re-tokenizing the text of its %s.", folder, reason, TRAIN_PAIRS_FILE)
-    else:
-        needed = [_key(pair_keys[name]) for name in pair_keys if name != "margin" or labelled.has_margin]
-        missing = [key for key in needed if key not in stored.keys(include_nested=True)]
-        if missing:
-            raise ConfigError(f"{folder / STORAGE_FOLDER} lacks the keys {missing}. {REBUILD_BUFFER}")
-        log.info("buffer.load_from=%s: training from its stored token ids (%s).", folder, STORAGE_FOLDER)
-        labelled.train_tokens = stored
-    return drop_identical_pairs(labelled, source=str(folder))
 
 
 def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int, seed: int):
@@ -565,9 +186,9 @@ def make_train_dataset(buffer, keys: DictConfig, *, samples_per_epoch: int, with
 
     read = [keys.chosen_tokens, keys.chosen_length, keys.rejected_tokens, keys.rejected_length]
     read += [keys.margin] if with_margin else []
-    stream = TorchRLBufferDataset(buffer, samples_per_epoch, keys=[_key(k) for k in read], num_batches=1)
+    stream = TorchRLBufferDataset(buffer, samples_per_epoch, keys=[tensordict_key(k) for k in read], num_batches=1)
     stream = stream.as_hf_dataset()
-    names = {field: _key_name(_key(node)) for field, node in keys.items()}  # columns as the stream names them
+    names = {field: _key_name(tensordict_key(node)) for field, node in keys.items()}  # columns as the stream names them
 
     def to_trl_columns(batch: dict) -> dict:
         out = {
@@ -598,6 +219,75 @@ def make_eval_dataset(tokenizer, labelled: LabelledPairs, *, with_margin: bool):
     if with_margin:
         columns["margin"] = [pair["margin"] for pair in labelled.eval]
     return datasets.Dataset.from_dict(columns)
+
+
+def make_training_stream(
+    cfg: DictConfig, labelled: LabelledPairs, tokenizer, *, num_processes: int = 1, persist: bool = True
+) -> tuple[object, dict]:
+    """Tokenizes the training pairs into the buffer (persisted when ``buffer.path`` is set) and opens it for trl.
+
+    Every process of a multi-process run opens the same stream; accelerate hands each its slice of every batch.
+    ``persist=False`` (the other processes) keeps the pairs in memory, so they never wait on the main process's disk.
+
+    Returns the ``datasets.IterableDataset`` and facts about it for the summary.
+    """
+    from tensordict import TensorDict
+
+    keys = cfg.buffer.pair_keys
+    step_pairs = cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps * num_processes
+    if len(labelled.train) < step_pairs:
+        raise ConfigError(
+            f"Only {len(labelled.train)} training pairs, fewer than one optimizer step takes "
+            "(train.per_device_train_batch_size * train.gradient_accumulation_steps * processes = "
+            f"{cfg.train.per_device_train_batch_size} * {cfg.train.gradient_accumulation_steps} * {num_processes} = "
+            f"{step_pairs}). Lower the batch size, use fewer processes or add data (more prompts, "
+            "generation.responses_per_prompt, labeler.max_pairs_per_prompt)."
+        )
+    pairs_td = labelled.train_tokens  # a reloaded buffer's own storage, when this run's tokenizer wrote it
+    if pairs_td is None:
+        pairs_td = pairs_to_tensordict(labelled.train, tokenizer, keys, conversational=labelled.conversational)
+    if cfg.buffer.path is not None and persist:
+        folder = save_labelled_pairs(cfg.buffer.path, labelled, pairs_td, tokenizer=tokenizer, pair_keys=keys)
+        if cfg.buffer.storage == "memmap":
+            pairs_td = TensorDict.load_memmap(folder / STORAGE_FOLDER)
+    longest = torch.maximum(
+        pairs_td.get(tensordict_key(keys.chosen_length)), pairs_td.get(tensordict_key(keys.rejected_length))
+    )
+    too_long = count_over_max_length(longest, cfg.train.max_length, what="training")
+    # Whole optimizer steps per epoch, so that no step mixes the end of one epoch with the start of the next (and
+    # accelerate never pads a short last batch with pairs from the start of the epoch).
+    samples_per_epoch = len(labelled.train) // step_pairs * step_pairs
+    buffer = make_preference_buffer(cfg.buffer, pairs_td, batch_size=samples_per_epoch, seed=cfg.seed)
+    stream = make_train_dataset(buffer, keys, samples_per_epoch=samples_per_epoch, with_margin=cfg.margin_in_loss)
+    facts = {
+        "train/num_pairs": len(labelled.train),
+        "train/pairs_over_max_length": too_long,
+        "train/num_processes": num_processes,
+        "train/pairs_per_step": step_pairs,
+    }
+    return stream, facts
+
+
+def make_data(cfg: DictConfig, tokenizer, run: Run) -> tuple[LabelledPairs, object, dict]:
+    """The run's labelled pairs, the training stream over its buffer, and the facts the summary reports about them.
+
+    The returned pairs hold the held-out pairs this run evaluates: those trl would train on (the buffer folder keeps
+    every held-out pair, as a later run may allow longer ones).
+    """
+    main_process = run.is_main
+    # The main process makes (or loads) the pairs, the others receive them (waiting up to train.ddp_timeout seconds):
+    # processes generating for themselves would agree only as far as their devices compute alike. A failure on the
+    # main process ends the launch (torchrun stops the waiting processes).
+    labelled = run.broadcast(make_or_load_labelled_pairs(cfg, tokenizer) if main_process else None)
+    if cfg.margin_in_loss and not labelled.has_margin:
+        raise ConfigError("margin_in_loss=true, but the pairs carry no margin; set margin_in_loss=false.")
+    if not labelled.eval:
+        raise ConfigError("No held-out pairs to evaluate on: add eval prompts, an eval split or more pairs.")
+    train_dataset, facts = make_training_stream(
+        cfg, labelled, tokenizer, num_processes=run.processes.num_processes, persist=main_process
+    )
+    labelled, eval_facts = limit_eval_to_max_length(labelled, tokenizer, cfg.train.max_length)
+    return labelled, train_dataset, {**labelled.facts, **facts, **eval_facts}
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -641,21 +331,56 @@ def make_metrics_callback(logger: MetricLogger, *, total_steps: int):
     return MetricLoggerCallback()
 
 
-def make_batch_recorder(collator, path: Path):
-    """trl's collator, writing first the pairs of each micro-batch it collates to ``path`` (``record_batches``).
+def log_run_plan(cfg: DictConfig, facts: dict, *, num_eval_pairs: int) -> None:
+    """Says in the run's log what is about to train, on what, and where the run writes."""
+    log.info(
+        "Reward model training: %s trained from a TorchRL buffer (%s storage) of %d preference pairs (data=%s), "
+        "%d steps of %d pairs, lr %s, seed %d, %s %s; %d held-out pairs; run folder %s",
+        cfg.reward_model.name_or_path,
+        cfg.buffer.storage,
+        facts["train/num_pairs"],
+        cfg.data.source,
+        cfg.train.max_steps,
+        facts["train/pairs_per_step"],
+        cfg.train.learning_rate,
+        cfg.seed,
+        cfg.device,
+        cfg.dtype,
+        num_eval_pairs,
+        Path(cfg.output_dir),
+    )
 
-    One JSON line per micro-batch, in the order the process trains on them: ``[[chosen_ids, rejected_ids], ...]``.
-    The dataloader prefetches: the last line of a run may be a batch that was collated and never trained on.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("")
 
-    def record_and_collate(examples: list[dict]) -> dict:
-        with open(path, "a") as handle:
-            handle.write(json.dumps([[e["chosen_ids"], e["rejected_ids"]] for e in examples]) + "\n")
-        return collator(examples)
+def make_trainer(model, tokenizer, args, train_dataset, labelled: LabelledPairs, *, with_margin: bool, callbacks):
+    """trl's ``RewardTrainer`` (with its own collator) reading the buffer's stream; with ``train.eval_strategy`` other
+    than "no" it also evaluates the held-out pairs as it trains."""
+    from trl import RewardTrainer
 
-    return record_and_collate
+    eval_dataset = None
+    if args.eval_strategy != "no":
+        eval_dataset = make_eval_dataset(tokenizer, labelled, with_margin=with_margin)
+    return RewardTrainer(
+        model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+def fit(trainer, *, facts: dict, max_length: int | None) -> float:
+    """Trains and returns the seconds it took; a run that made no optimizer step fails, saying why."""
+    train_start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - train_start
+    if trainer.state.global_step == 0:
+        raise RuntimeError(
+            f"RewardTrainer made no optimizer step: {facts['train/pairs_over_max_length']} of "
+            f"{facts['train/num_pairs']} training pairs are longer than train.max_length={max_length} "
+            "tokens, and trl drops such pairs. Raise train.max_length (or shorten the data)."
+        )
+    return train_s
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
@@ -686,13 +411,13 @@ def score_sequences(model, tokenizer, sequences: list, eval_cfg: DictConfig, *, 
 
     from interop import HFRewardModelWrapper
 
-    history_key, text_key = _key(eval_cfg.history_key), _key(eval_cfg.text_key)
+    history_key, text_key = tensordict_key(eval_cfg.history_key), tensordict_key(eval_cfg.text_key)
     scorer = HFRewardModelWrapper(
         model,
         tokenizer=tokenizer,
         history_key=history_key if conversational else None,
         text_key=text_key,
-        reward_key=_key(eval_cfg.reward_key),
+        reward_key=tensordict_key(eval_cfg.reward_key),
         inference_mode=True,
         micro_batch_size=eval_cfg.micro_batch_size,
     )
@@ -701,7 +426,7 @@ def score_sequences(model, tokenizer, sequences: list, eval_cfg: DictConfig, *, 
         td.set(history_key, History.from_chats(sequences))
     else:
         td.set(text_key, NonTensorStack.from_list(sequences))
-    return scorer(td).get(_key(eval_cfg.reward_key))
+    return scorer(td).get(tensordict_key(eval_cfg.reward_key))
 
 
 def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) -> dict[str, float]:
@@ -729,110 +454,20 @@ def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) ->
     return metrics
 
 
-# ---------------------------------------------------------------------------------------------------- recipe
+def save_and_evaluate(trainer, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig, output_dir: Path, *, device):
+    """Writes trl's log history and the model folder, then evaluates the saved model on the held-out pairs."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-
-def make_training_stream(
-    cfg: DictConfig, labelled: LabelledPairs, tokenizer, *, num_processes: int = 1, persist: bool = True
-) -> tuple[object, dict]:
-    """Tokenizes the training pairs into the buffer (persisted when ``buffer.path`` is set) and opens it for trl.
-
-    Every process of a multi-process run opens the same stream; accelerate hands each its slice of every batch.
-    ``persist=False`` (the other processes) keeps the pairs in memory, so they never wait on the main process's disk.
-
-    Returns the ``datasets.IterableDataset`` and facts about it for the summary.
-    """
-    from tensordict import TensorDict
-
-    keys = cfg.buffer.pair_keys
-    step_pairs = cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps * num_processes
-    if len(labelled.train) < step_pairs:
-        raise ConfigError(
-            f"Only {len(labelled.train)} training pairs, fewer than one optimizer step takes "
-            "(train.per_device_train_batch_size * train.gradient_accumulation_steps * processes = "
-            f"{cfg.train.per_device_train_batch_size} * {cfg.train.gradient_accumulation_steps} * {num_processes} = "
-            f"{step_pairs}). Lower the batch size, use fewer processes or add data (more prompts, "
-            "generation.responses_per_prompt, labeler.max_pairs_per_prompt)."
-        )
-    pairs_td = labelled.train_tokens  # a reloaded buffer's own storage, when this run's tokenizer wrote it
-    if pairs_td is None:
-        pairs_td = pairs_to_tensordict(labelled.train, tokenizer, keys, conversational=labelled.conversational)
-    if cfg.buffer.path is not None and persist:
-        folder = save_labelled_pairs(cfg.buffer.path, labelled, pairs_td, tokenizer=tokenizer, pair_keys=keys)
-        if cfg.buffer.storage == "memmap":
-            pairs_td = TensorDict.load_memmap(folder / STORAGE_FOLDER)
-    longest = torch.maximum(pairs_td.get(_key(keys.chosen_length)), pairs_td.get(_key(keys.rejected_length)))
-    too_long = count_over_max_length(longest, cfg.train.max_length, what="training")
-    # Whole optimizer steps per epoch, so that no step mixes the end of one epoch with the start of the next (and
-    # accelerate never pads a short last batch with pairs from the start of the epoch).
-    samples_per_epoch = len(labelled.train) // step_pairs * step_pairs
-    buffer = make_preference_buffer(cfg.buffer, pairs_td, batch_size=samples_per_epoch, seed=cfg.seed)
-    stream = make_train_dataset(buffer, keys, samples_per_epoch=samples_per_epoch, with_margin=cfg.margin_in_loss)
-    facts = {
-        "train/num_pairs": len(labelled.train),
-        "train/pairs_over_max_length": too_long,
-        "train/num_processes": num_processes,
-        "train/pairs_per_step": step_pairs,
-    }
-    return stream, facts
-
-
-def count_over_max_length(longest: torch.Tensor, max_length: int | None, *, what: str) -> int:
-    """How many pairs (``longest``: each pair's longer side, in tokens) exceed ``train.max_length``, said in a warning;
-    refused when none fits: trl drops such pairs (it does not truncate them)."""
-    if max_length is None or len(longest) == 0:
-        return 0
-    too_long = int((longest > max_length).sum())
-    if too_long == len(longest):
-        raise ConfigError(
-            f"All {too_long} {what} pairs are longer than train.max_length={max_length} tokens (the longest has "
-            f"{int(longest.max())}): trl drops such pairs, so no {what} pair is left. Raise train.max_length or "
-            "shorten the data."
-        )
-    if too_long:
-        log.warning(
-            "%d of %d %s pairs (%.1f%%) are longer than train.max_length=%d tokens (the longest has %d): trl drops "
-            "them, they are left out. Raise train.max_length to keep them.",
-            *(too_long, len(longest), what, 100.0 * too_long / len(longest), max_length, int(longest.max())),
-        )
-    return too_long
-
-
-def limit_eval_to_max_length(labelled: LabelledPairs, tokenizer, max_length: int | None) -> tuple[LabelledPairs, dict]:
-    """The held-out pairs (and scored responses) trl would train on: both sides within ``train.max_length`` tokens.
-
-    The evaluation measures the model on the sequences it learned, never on ones trl would have dropped.
-    """
-    chosen, rejected = tokenize_pairs(tokenizer, labelled.eval, conversational=labelled.conversational)
-    longest = torch.tensor([max(len(c), len(r)) for c, r in zip(chosen, rejected)], dtype=torch.long)
-    over_pairs = count_over_max_length(longest, max_length, what="held-out")
-    responses = [r["prompt"] + [{"role": "assistant", "content": r["response"]}] for r in labelled.eval_responses]
-    lengths = [len(ids) for ids in tokenize_sequences(tokenizer, responses, conversational=True)]
-    limit = max_length if max_length is not None else float("inf")
-    kept_responses = [r for r, n in zip(labelled.eval_responses, lengths) if n <= limit]
-    if len(kept_responses) < len(responses):
-        log.warning(
-            "%d of %d held-out responses are longer than train.max_length=%s tokens: left out of eval/spearman.",
-            *(len(responses) - len(kept_responses), len(responses), max_length),
-        )
-    evaluated = replace(
-        labelled,
-        eval=[pair for pair, n in zip(labelled.eval, longest.tolist()) if n <= limit],
-        eval_responses=kept_responses,
+    (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    model_dir = write_folder_atomically(
+        functools.partial(save_model_folder, trainer.model, tokenizer), output_dir / "model"
     )
-    facts = {
-        "eval/pairs_over_max_length": over_pairs,
-        "eval/responses_over_max_length": len(responses) - len(kept_responses),
-    }
-    return evaluated, facts
+    # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
+    saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
+    return evaluate(saved.to(device), AutoTokenizer.from_pretrained(model_dir), labelled, eval_cfg)
 
 
-def make_or_load_labelled_pairs(cfg: DictConfig, tokenizer) -> LabelledPairs:
-    """The run's labelled pairs: loaded from ``buffer.load_from`` (its stored token ids reused when ``tokenizer``
-    wrote them), or made from ``data=``."""
-    if cfg.buffer.load_from is not None:
-        return load_labelled_pairs(cfg.buffer.load_from, tokenizer=tokenizer, pair_keys=cfg.buffer.pair_keys)
-    return make_labelled_pairs(cfg)
+# ---------------------------------------------------------------------------------------------------- recipe
 
 
 def train(cfg: DictConfig) -> dict:
@@ -852,111 +487,48 @@ def train(cfg: DictConfig) -> dict:
         keep=[cfg.buffer.load_from] if cfg.buffer.load_from else [],  # a buffer this run reuses, if in the folder
     )
     with run:  # the logger closes however the run ends: Hydra multirun jobs share this process
-        return _train(cfg, run, args, start=start)
+        # Every process writes where the main process does (trl's RNG states in checkpoints).
+        args.output_dir = run.broadcast(args.output_dir)
+        tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+        labelled, train_dataset, facts = make_data(cfg, tokenizer, run)
+        if run.is_main:
+            write_jsonl(run.output_dir / EVAL_PAIRS_FILE, labelled.eval)  # the held-out pairs this run evaluates
+            log_run_plan(cfg, facts, num_eval_pairs=len(labelled.eval))
+        facts["time/pairs_s"] = time.perf_counter() - start
 
-
-def _train(cfg: DictConfig, run: Run, args, *, start: float) -> dict:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    from trl import RewardTrainer
-    from trl.trainer.reward_trainer import DataCollatorForPreference
-
-    # Every process writes where the main process does (record_batches, trl's RNG states in checkpoints).
-    args.output_dir = run.broadcast(args.output_dir)
-    main_process, output_dir = run.is_main, run.output_dir
-    data_parallel = run.processes
-
-    tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
-    # The main process makes (or loads) the pairs, the others receive them (waiting up to train.ddp_timeout seconds):
-    # processes generating for themselves would agree only as far as their devices compute alike. A failure on the
-    # main process ends the launch (torchrun stops the waiting processes).
-    labelled = run.broadcast(make_or_load_labelled_pairs(cfg, tokenizer) if main_process else None)
-    if cfg.margin_in_loss and not labelled.has_margin:
-        raise ConfigError("margin_in_loss=true, but the pairs carry no margin; set margin_in_loss=false.")
-    if not labelled.eval:
-        raise ConfigError("No held-out pairs to evaluate on: add eval prompts, an eval split or more pairs.")
-    train_dataset, facts = make_training_stream(
-        cfg, labelled, tokenizer, num_processes=data_parallel.num_processes, persist=main_process
-    )
-    # The buffer folder keeps every held-out pair (a later run may allow longer ones); this run evaluates those
-    # trl would train on.
-    labelled, eval_facts = limit_eval_to_max_length(labelled, tokenizer, cfg.train.max_length)
-    facts = {**labelled.facts, **facts, **eval_facts}
-    if main_process:
-        _write_jsonl(output_dir / EVAL_PAIRS_FILE, labelled.eval)
-        log.info(
-            "Reward model training: %s trained from a TorchRL buffer (%s storage) of %d preference pairs (data=%s), "
-            "%d steps of %d pairs, lr %s, seed %d, %s %s; %d held-out pairs; run folder %s",
-            cfg.reward_model.name_or_path,
-            cfg.buffer.storage,
-            facts["train/num_pairs"],
-            cfg.data.source,
-            cfg.train.max_steps,
-            facts["train/pairs_per_step"],
-            cfg.train.learning_rate,
-            cfg.seed,
-            cfg.device,
-            cfg.dtype,
-            len(labelled.eval),
-            output_dir,
+        # args.device: this process's own device (cuda:<local rank> under a launcher).
+        # The model trained into a reward model: a classifier's base or a causal LM, whose score head may be new.
+        model = load_reward_model(
+            cfg.reward_model, device=args.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id, trained=False
         )
-    labelling_s = time.perf_counter() - start
+        callbacks = [make_metrics_callback(run.logger, total_steps=cfg.train.max_steps)] if run.is_main else None
+        trainer = make_trainer(
+            model, tokenizer, args, train_dataset, labelled, with_margin=cfg.margin_in_loss, callbacks=callbacks
+        )
+        train_s = fit(trainer, facts=facts, max_length=cfg.train.max_length)
+        summary = None
+        if run.is_main:
+            metrics = save_and_evaluate(trainer, tokenizer, labelled, cfg.eval, run.output_dir, device=args.device)
+            summary = summarize(trainer, metrics, facts, train_s=train_s, wall_time_s=time.perf_counter() - start)
+        summary = run.broadcast(summary)  # the others wait while the main process saves and evaluates
+        return run.finish(summary, closing_message(summary, run.output_dir))
 
-    # args.device: this process's own device (cuda:<local rank> under a launcher).
-    # The model trained into a reward model: a classifier's base or a causal LM, whose score head may be new.
-    model = load_reward_model(
-        cfg.reward_model, device=args.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id, trained=False
-    )
-    eval_dataset = None
-    if args.eval_strategy != "no":  # trl's own periodic evaluation on the held-out pairs
-        eval_dataset = make_eval_dataset(tokenizer, labelled, with_margin=cfg.margin_in_loss)
-    collator = None
-    if cfg.record_batches:
-        collator = make_batch_recorder(
-            DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of),
-            output_dir / "batches" / f"rank{data_parallel.process_index}.jsonl",
-        )
-    metric_logger = run.logger
-    summary = None
-    trainer = RewardTrainer(
-        model,
-        args=args,
-        data_collator=collator,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        callbacks=[make_metrics_callback(metric_logger, total_steps=cfg.train.max_steps)] if main_process else None,
-    )
-    train_start = time.perf_counter()
-    trainer.train()
-    train_s = time.perf_counter() - train_start
-    if trainer.state.global_step == 0:
-        raise RuntimeError(
-            f"RewardTrainer made no optimizer step: {facts['train/pairs_over_max_length']} of "
-            f"{facts['train/num_pairs']} training pairs are longer than train.max_length={cfg.train.max_length} "
-            "tokens, and trl drops such pairs. Raise train.max_length (or shorten the data)."
-        )
-    if main_process:
-        (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        model_dir = write_folder_atomically(
-            functools.partial(save_model_folder, trainer.model, tokenizer), output_dir / "model"
-        )
-        # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
-        saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
-        metrics = evaluate(saved.to(args.device), AutoTokenizer.from_pretrained(model_dir), labelled, cfg.eval)
-        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
-        summary = {
-            **metrics,
-            "train/steps": trainer.state.global_step,
-            "train/loss_first": losses[0],
-            "train/loss_last": losses[-1],
-            **facts,
-            "train/steps_per_s": trainer.state.global_step / train_s,
-            "time/pairs_s": labelling_s,
-            "time/train_s": train_s,
-            "wall_time_s": time.perf_counter() - start,
-        }
-    summary = run.broadcast(summary)  # the others wait while the main process saves and evaluates
-    return run.finish(summary, closing_message(summary, output_dir))
+
+def summarize(trainer, metrics: dict, facts: dict, *, train_s: float, wall_time_s: float) -> dict:
+    """The held-out figures, the first and last training losses, the facts about the data, and the times."""
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
+    pairs_s = facts.pop("time/pairs_s")
+    return {
+        **metrics,
+        "train/steps": trainer.state.global_step,
+        "train/loss_first": losses[0],
+        "train/loss_last": losses[-1],
+        **facts,
+        "train/steps_per_s": trainer.state.global_step / train_s,
+        "time/pairs_s": pairs_s,
+        "time/train_s": train_s,
+        "wall_time_s": wall_time_s,
+    }
 
 
 def closing_message(summary: dict, output_dir: Path) -> str:
@@ -986,3 +558,8 @@ def main(cfg: DictConfig) -> float:
 if __name__ == "__main__":
     main()
     end_processes()
+    from accelerate import PartialState
+
+    # Under a launcher trl's config set up the process group; left alive, gloo's threads can abort the interpreter's
+    # shutdown ("terminate called without an active exception"). Once per process, after every Hydra job.
+    PartialState().destroy_process_group()

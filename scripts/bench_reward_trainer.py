@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import recipes.reward_trainer_from_buffer as recipe
     from recipes.common.models import load_reward_model, load_tokenizer
+    from recipes.common.preference import LabelledPairs
 
     hf_logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
     pairs = make_pairs(args.pairs, seed=cfg.seed)
-    labelled = recipe.LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
+    labelled = LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
 
     def make_buffer_stream():
         return recipe.make_training_stream(cfg, labelled, tokenizer)[0]

@@ -12,8 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _batch_recording import install_batch_recorder
 
 import recipes.reward_trainer_from_buffer as recipe
+from recipes.common import preference
 from recipes.common.config import ConfigError
 from recipes.common.synthetic import PRODUCTS, make_review
 
@@ -91,8 +93,14 @@ def no_model_loads(monkeypatch):
     monkeypatch.setattr(recipe, "load_reward_model", forbidden)
 
 
+@pytest.fixture
+def record_batches(monkeypatch):
+    """Each process of the test's runs writes the pairs it trains on to <run dir>/batches/rank<r>.jsonl."""
+    install_batch_recorder(monkeypatch.setattr)
+
+
 def _trained_pairs(run_dir: Path) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The (chosen_ids, rejected_ids) of every pair the run's process trained on (record_batches=true)."""
+    """The (chosen_ids, rejected_ids) of every pair the run's process trained on (the record_batches fixture)."""
     batches = [json.loads(line) for line in (run_dir / "batches" / "rank0.jsonl").read_text().splitlines()]
     return {(tuple(chosen), tuple(rejected)) for batch in batches for chosen, rejected in batch}
 
@@ -111,12 +119,16 @@ def test_saved_meta_records_the_tokenizer_the_counts_and_the_key_layout(saved_bu
 
     meta = json.loads((saved_buffer / "meta.json").read_text())
     assert (meta["num_pairs"], meta["num_eval_pairs"], meta["num_eval_responses"]) == (NUM_TRAIN, NUM_EVAL, 0)
-    assert meta["tokenizer"] == recipe.tokenizer_fingerprint(AutoTokenizer.from_pretrained(tiny_dir / "reward_base"))
+    assert meta["tokenizer"] == preference.tokenizer_fingerprint(
+        AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
+    )
     assert meta["pair_keys"]["chosen_tokens"] == ["tokens", "chosen"]
 
 
 @pytest.mark.parametrize("storage", ["lazy_tensor", "memmap"])
-def test_reload_trains_from_the_stored_token_ids_not_the_text(buffer_copy, tmp_path, caplog, storage, tiny_dir):
+def test_reload_trains_from_the_stored_token_ids_not_the_text(
+    buffer_copy, tmp_path, caplog, storage, tiny_dir, record_batches
+):
     from tensordict import TensorDict
     from transformers import AutoTokenizer
 
@@ -127,8 +139,8 @@ def test_reload_trains_from_the_stored_token_ids_not_the_text(buffer_copy, tmp_p
         pair["chosen"][0]["content"], pair["rejected"][0]["content"] = f"tampered {i}", f"edited {i}"
     _write(buffer_copy / "pairs.jsonl", tampered)
 
-    overrides = [*TINY_RUN, f"buffer={storage}", f"buffer.load_from={buffer_copy}", "record_batches=true"]
-    with caplog.at_level(logging.INFO, logger=recipe.__name__):
+    overrides = [*TINY_RUN, f"buffer={storage}", f"buffer.load_from={buffer_copy}"]
+    with caplog.at_level(logging.INFO, logger=preference.__name__):
         summary = recipe.train(_compose([*overrides, f"output_dir={tmp_path / 'run'}"]))
 
     assert summary["train/steps"] == 2 and summary["train/num_pairs"] == NUM_TRAIN
@@ -137,7 +149,7 @@ def test_reload_trains_from_the_stored_token_ids_not_the_text(buffer_copy, tmp_p
     assert len(trained) >= 16 and trained <= _stored_pairs(stored)
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
     from_text = set(
-        zip(*(map(tuple, side) for side in recipe.tokenize_pairs(tokenizer, tampered, conversational=True)))
+        zip(*(map(tuple, side) for side in preference.tokenize_pairs(tokenizer, tampered, conversational=True)))
     )
     assert not trained & from_text
     if storage == "memmap":  # the run's own buffer folder holds the same tensors it sampled from
@@ -145,12 +157,14 @@ def test_reload_trains_from_the_stored_token_ids_not_the_text(buffer_copy, tmp_p
         assert (written == stored).all()
 
 
-def test_another_tokenizer_re_tokenizes_the_text_and_says_so(buffer_copy, tmp_path, caplog, other_rm_dir):
+def test_another_tokenizer_re_tokenizes_the_text_and_says_so(
+    buffer_copy, tmp_path, caplog, other_rm_dir, record_batches
+):
     from transformers import AutoTokenizer
 
-    overrides = [*TINY_RUN, f"buffer.load_from={buffer_copy}", "record_batches=true"]
+    overrides = [*TINY_RUN, f"buffer.load_from={buffer_copy}"]
     overrides += [f"reward_model.name_or_path={other_rm_dir}", f"output_dir={tmp_path / 'run'}"]
-    with caplog.at_level(logging.INFO, logger=recipe.__name__):
+    with caplog.at_level(logging.INFO, logger=preference.__name__):
         summary = recipe.train(_compose(overrides))
 
     assert summary["train/steps"] == 2
@@ -158,7 +172,9 @@ def test_another_tokenizer_re_tokenizes_the_text_and_says_so(buffer_copy, tmp_pa
     assert "re-tokenizing the text of its pairs.jsonl" in caplog.text
     tokenizer = AutoTokenizer.from_pretrained(other_rm_dir)
     pairs = _read(buffer_copy / "pairs.jsonl")
-    from_text = set(zip(*(map(tuple, side) for side in recipe.tokenize_pairs(tokenizer, pairs, conversational=True))))
+    from_text = set(
+        zip(*(map(tuple, side) for side in preference.tokenize_pairs(tokenizer, pairs, conversational=True)))
+    )
     trained = _trained_pairs(tmp_path / "run")
     assert len(trained) >= 16 and trained <= from_text
 
@@ -226,7 +242,7 @@ def test_identical_pairs_are_dropped_and_counted(tmp_path, caplog):
     train, held_out = _pairs(20, seed=0), _pairs(6, seed=1)
     for pair in train[:3] + held_out[:2]:
         pair["rejected"] = list(pair["chosen"])
-    with caplog.at_level(logging.WARNING, logger=recipe.__name__):
+    with caplog.at_level(logging.WARNING, logger=preference.__name__):
         summary = recipe.train(_compose(_file_run(tmp_path, train, held_out)))
 
     assert summary["train/pairs_identical_dropped"] == 3 and summary["train/num_pairs"] == 17
@@ -250,7 +266,7 @@ def _max_length_between(short_rows, long_rows, tiny_dir) -> int:
     longest = [
         max(map(len, sides))
         for rows in (short_rows, long_rows)
-        for sides in zip(*recipe.tokenize_pairs(tokenizer, rows, conversational=True))
+        for sides in zip(*preference.tokenize_pairs(tokenizer, rows, conversational=True))
     ]
     short_max, long_min = max(longest[: len(short_rows)]), min(longest[len(short_rows) :])
     assert short_max < long_min
@@ -261,7 +277,7 @@ def test_evaluation_keeps_to_train_max_length_and_warns_with_counts(tmp_path, ca
     short, long = _pairs(20, seed=0), _pairs(4, seed=2, sentences=6)
     max_length = _max_length_between(short + _pairs(6, seed=1), long, tiny_dir)
     train, held_out = short[:18] + long[:2], _pairs(6, seed=1) + long[2:]
-    with caplog.at_level(logging.WARNING, logger=recipe.__name__):
+    with caplog.at_level(logging.WARNING, logger=preference.__name__):
         summary = recipe.train(_compose(_file_run(tmp_path, train, held_out, f"train.max_length={max_length}")))
 
     assert summary["train/pairs_over_max_length"] == 2 and summary["train/num_pairs"] == 20

@@ -13,6 +13,7 @@ import torch
 from _small_runs import REWARD_SMALL
 
 import recipes.reward_trainer_from_buffer as recipe
+from recipes.common import preference
 from recipes.common.config import ConfigError
 from recipes.common.synthetic import PRODUCTS, make_review
 
@@ -42,7 +43,7 @@ def _write_pairs(path: Path, n: int, *, seed: int, conversational: bool = True, 
 
 def _rm_scores_by_hand(model, tokenizer, pairs, *, conversational: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores each sequence alone (no padding) on the token ids trl trained on."""
-    chosen_ids, rejected_ids = recipe.tokenize_pairs(tokenizer, pairs, conversational=conversational)
+    chosen_ids, rejected_ids = preference.tokenize_pairs(tokenizer, pairs, conversational=conversational)
     with torch.no_grad():
         score = lambda ids: model(input_ids=torch.tensor([ids])).logits.squeeze()
         return torch.stack([score(i) for i in chosen_ids]), torch.stack([score(i) for i in rejected_ids])
@@ -88,7 +89,9 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
     from recipes.common import rollout
     from recipes.common.synthetic import make_prompts
 
-    policy, policy_tokenizer = recipe.make_policy(cfg)
+    policy, policy_tokenizer = preference.load_sampling_policy(
+        cfg.model, generate_kwargs=cfg.generation.generate_kwargs, device=cfg.device, dtype=cfg.dtype
+    )
     loader = rollout.make_prompt_dataloader(make_prompts(3, seed=7), seed=0, shuffle=False)
     env = rollout.make_chat_env(loader, tokenizer=policy_tokenizer, group_size=2, num_prompts=3)
     with torch.no_grad():
@@ -184,9 +187,9 @@ def test_buffer_token_ids_are_what_trl_tokenizes(tiny_dir, tmp_path, conversatio
         model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
     )
 
-    pairs, detected = recipe.normalize_pairs(rows, what="test")
+    pairs, detected = preference.normalize_pairs(rows, what="test")
     assert detected is conversational
-    chosen_ids, rejected_ids = recipe.tokenize_pairs(tokenizer, pairs, conversational=conversational)
+    chosen_ids, rejected_ids = preference.tokenize_pairs(tokenizer, pairs, conversational=conversational)
     assert chosen_ids == trainer.train_dataset["chosen_ids"]
     assert rejected_ids == trainer.train_dataset["rejected_ids"]
 
@@ -195,8 +198,8 @@ def test_an_epoch_of_the_buffer_draws_every_pair_once(compose_config, tiny_dir, 
     from transformers import AutoTokenizer
 
     rows = [json.loads(line) for line in _write_pairs(tmp_path / "p.jsonl", 45, seed=0).read_text().splitlines()]
-    pairs, _ = recipe.normalize_pairs(rows, what="test")
-    labelled = recipe.LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
+    pairs, _ = preference.normalize_pairs(rows, what="test")
+    labelled = preference.LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
     cfg = compose_config(
         "reward_trainer_from_buffer", ["train.per_device_train_batch_size=8", f"output_dir={tmp_path}"]
@@ -204,7 +207,9 @@ def test_an_epoch_of_the_buffer_draws_every_pair_once(compose_config, tiny_dir, 
     stream, facts = recipe.make_training_stream(cfg, labelled, tokenizer)
     assert facts["train/num_pairs"] == 45
 
-    all_pairs = set(zip(*map(lambda s: map(tuple, s), recipe.tokenize_pairs(tokenizer, pairs, conversational=True))))
+    all_pairs = set(
+        zip(*map(lambda s: map(tuple, s), preference.tokenize_pairs(tokenizer, pairs, conversational=True)))
+    )
     epochs = [[(tuple(row["chosen_ids"]), tuple(row["rejected_ids"])) for row in stream] for _ in range(2)]
     for epoch in epochs:
         assert len(epoch) == 40  # 5 whole steps of 8; the 5 pairs left over change from epoch to epoch
@@ -227,7 +232,7 @@ def test_persisted_buffer_is_reused_without_generating_or_labelling(compose_conf
     def forbidden(*args, **kwargs):
         raise AssertionError("a run with buffer.load_from must not generate or label")
 
-    monkeypatch.setattr(recipe, "make_policy", forbidden)
+    monkeypatch.setattr(recipe, "load_sampling_policy", forbidden)
     monkeypatch.setattr(recipe, "make_labelled_pairs", forbidden)
     second = compose_config(
         "reward_trainer_from_buffer", [*SMALL, f"buffer.load_from={folder}", f"output_dir={tmp_path / 'b'}"]
@@ -265,8 +270,13 @@ def test_bad_settings_fail_before_any_model_loads(compose_config, tmp_path, monk
     def forbidden(*args, **kwargs):
         raise AssertionError("nothing may load before the config is validated")
 
-    for name in ("load_tokenizer", "load_causal_lm", "load_reward_model"):
-        monkeypatch.setattr(recipe, name, forbidden)
+    for module, name in [
+        (recipe, "load_tokenizer"),
+        (recipe, "load_reward_model"),
+        (preference, "load_tokenizer"),  # the sampling policy's
+        (preference, "load_causal_lm"),
+    ]:
+        monkeypatch.setattr(module, name, forbidden)
     cfg = compose_config("reward_trainer_from_buffer", [*overrides, f"output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=message):
         recipe.train(cfg)

@@ -1,9 +1,10 @@
 """recipes/reward_trainer_from_buffer.py in two CPU processes (gloo), started as a user starts them.
 
 ``accelerate launch --multi_gpu --num_processes 2`` runs the recipe (accelerate 1.x starts a single process for
-``--cpu``; ``--multi_gpu`` is its torchrun launcher, and the recipe's ``device=cpu`` makes the group gloo). The recipe's
-``record_batches`` shows what each process trained on. ``torchrun`` runs ``interop.TorchRLBufferDataset`` over the
-recipe's buffer, where the dataset deals its draws between the ranks itself.
+``--cpu``; ``--multi_gpu`` is its torchrun launcher, and the recipe's ``device=cpu`` makes the group gloo). Started
+through ``_batch_recording.py`` (and, in process, with the ``record_batches`` fixture), each process records what it
+trained on. ``torchrun`` runs ``interop.TorchRLBufferDataset`` over the recipe's buffer, where the dataset deals its
+draws between the ranks itself.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _batch_recording import install_batch_recorder
 from _small_runs import REWARD_SMALL
 
 SMALL = REWARD_SMALL
@@ -42,11 +44,17 @@ def _launch(repo_root: Path, launcher: list[str], script: str, *arguments: str, 
     return result
 
 
-def _accelerate_launch(repo_root: Path, *overrides: str):
+def _accelerate_launch(repo_root: Path, *overrides: str, script: str = "recipes/reward_trainer_from_buffer.py"):
     launcher = ["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     launcher += ["--main_process_port", str(_free_port())]
-    return _launch(repo_root, launcher, "recipes/reward_trainer_from_buffer.py", *overrides)
+    return _launch(repo_root, launcher, script, *overrides)
+
+
+@pytest.fixture
+def record_batches(monkeypatch):
+    """Each in-process run of the test writes the pairs it trains on to <run dir>/batches/rank0.jsonl."""
+    install_batch_recorder(monkeypatch.setattr)
 
 
 def _stored_pairs(buffer_folder: Path) -> Counter:
@@ -67,7 +75,7 @@ def _recorded_batches(run_dir: Path, rank: int) -> list[list[tuple]]:
     return [[(tuple(chosen), tuple(rejected)) for chosen, rejected in json.loads(line)] for line in lines]
 
 
-def test_two_processes_split_every_step_of_the_single_process_run(compose_config, repo_root, tmp_path):
+def test_two_processes_split_every_step_of_the_single_process_run(compose_config, repo_root, tmp_path, record_batches):
     """Two processes of 4 pairs draw, between them, the very 8 pairs one process of 8 trains on at each step: no pair
     twice in a step, the same gradients (averaged by DDP) and the same model up to float rounding."""
     import recipes.reward_trainer_from_buffer as recipe
@@ -78,11 +86,11 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
         *SMALL,
         f"train.max_steps={steps}",
         "train.per_device_train_batch_size=4",
-        "record_batches=true",
         "buffer=memmap",
         "logger=csv",
         # Each process's own Hydra folder (as clocks a second apart give): rank 1 must follow the main process's.
         f"hydra.run.dir={tmp_path}/two${{oc.env:RANK}}",
+        script="tests/recipes/_batch_recording.py",
     )
     assert sorted(p.name for p in (tmp_path / "two1").iterdir()) == [".hydra", "reward_trainer_from_buffer.log"]
 
@@ -123,7 +131,6 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
                 *SMALL,
                 f"train.max_steps={steps}",
                 "train.per_device_train_batch_size=8",
-                "record_batches=true",
                 f"buffer.load_from={two / 'buffer'}",
                 f"output_dir={one}",
             ],
@@ -166,7 +173,7 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
 
 
 def _labelled(n: int):
-    import recipes.reward_trainer_from_buffer as recipe
+    from recipes.common import preference
     from recipes.common.synthetic import make_prompts
 
     pairs = [
@@ -177,7 +184,7 @@ def _labelled(n: int):
         }
         for i, prompt in enumerate(make_prompts(n, seed=0))
     ]
-    return recipe.LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
+    return preference.LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
 
 
 def test_every_process_opens_the_same_stream_whatever_its_global_rng(compose_config, tiny_dir, tmp_path):
