@@ -82,7 +82,18 @@ from recipes.common.sampling import SamplingSettings
 BACKENDS = ("auto", "gloo", "nccl")
 ROLLOUT_ENVS = ("prompt", "chat")
 ROLLOUT_MODES = ("sync", "async")
+# summary.json: the run's figures, then the first and last value (last: averaged over summary.window steps) of each
+# series; SUMMARY_KEYS is the one list of them (what main() may return as cfg.metric).
+RUN_FIGURES = (
+    "train/steps",
+    "train/num_processes",
+    "rollout/generated_tokens",
+    "perf/wall_time_s",
+    "perf/tokens_per_s",
+    "perf/setup_time_s",
+)
 SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
+SUMMARY_KEYS = (*RUN_FIGURES, *(f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")))
 # Settings a resumed run may change freely: where and how it runs and reports, not what it trains. Any other change
 # (group size, batch sizes, models, data, learning rate...) must be named in resume_allow_changes.
 RESUME_FREE_KEYS = (
@@ -163,10 +174,8 @@ def validate(cfg: DictConfig) -> None:
     )
     _validate_distributed(cfg)
     metric = str(cfg.metric)
-    known = {f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")}
-    known |= {"steps", "wall_time_s", "generated_tokens", "tokens_per_s", "setup_time_s"}
-    if metric not in known:
-        raise ConfigError(f"metric={metric!r} is not a summary.json entry; use one of {sorted(known)}.")
+    if metric not in SUMMARY_KEYS:
+        raise ConfigError(f"metric={metric!r} is not a summary.json entry; use one of {sorted(SUMMARY_KEYS)}.")
     if "oracle" in metric and cfg.data.oracle is None:
         raise ConfigError(
             f"metric={metric!r} needs an oracle, but data.oracle is null for data.source={cfg.data.source!r}; "
@@ -510,17 +519,19 @@ def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) 
     return {key: total / updates for key, total in sums.items()}
 
 
-def summarize(progress: dict, *, window: int) -> dict:
-    """``wall_time_s``: the training steps' time over every invocation (setup apart); ``tokens_per_s``: generated
-    tokens per second of rollout (generation, reward, log-prob recomputation)."""
+def summarize(progress: dict, *, window: int, num_processes: int) -> dict:
+    """The run's :data:`SUMMARY_KEYS`. ``perf/wall_time_s``: the training steps' time over every invocation (setup
+    apart); ``perf/tokens_per_s``: generated tokens per second of rollout (generation, reward, log-prob scoring)."""
     history = progress["history"]
-    summary = {
-        "steps": len(history),
-        "wall_time_s": progress["wall_time_s"],
-        "generated_tokens": progress["tokens_total"],
-        "tokens_per_s": progress["tokens_total"] / max(progress["rollout_time_s"], 1e-9),
-        "setup_time_s": progress["setup_time_s"],
-    }
+    figures = (
+        len(history),
+        num_processes,
+        progress["tokens_total"],
+        progress["wall_time_s"],
+        progress["tokens_total"] / max(progress["rollout_time_s"], 1e-9),
+        progress["setup_time_s"],
+    )
+    summary = dict(zip(RUN_FIGURES, figures, strict=True))
     for name in SUMMARY_SERIES:
         values = [row[name] for row in history if name in row]
         if values:
@@ -547,7 +558,7 @@ def train(cfg: DictConfig) -> dict:
         log.info(
             "The run in %s already finished its %d steps: nothing to resume (raise train.steps to train further).",
             cfg.output_dir,
-            finished["steps"],
+            finished["train/steps"],
         )
         return finished
 
@@ -590,8 +601,7 @@ def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> d
     finally:
         if collector is not None:
             collector.shutdown()
-    summary = summarize(progress, window=cfg.summary.window)
-    summary["world_size"] = processes.num_processes
+    summary = summarize(progress, window=cfg.summary.window, num_processes=processes.num_processes)
     return run.finish(summary, closing_message(summary, run.output_dir))
 
 
@@ -842,7 +852,8 @@ def closing_message(summary: dict, output_dir: Path) -> str:
     if "rollout/oracle_mean_first" in summary:
         oracle = f", oracle {summary['rollout/oracle_mean_first']:.3f} -> {summary['rollout/oracle_mean_last']:.3f}"
     return (
-        f"GRPO done: {summary['steps']} steps in {summary['wall_time_s']:.1f} s ({summary['tokens_per_s']:.0f} "
+        f"GRPO done: {summary['train/steps']} steps in {summary['perf/wall_time_s']:.1f} s "
+        f"({summary['perf/tokens_per_s']:.0f} "
         f"generated tokens/s of rollout); reward {summary['rollout/reward_mean_first']:.3f} -> "
         f"{summary['rollout/reward_mean_last']:.3f}{oracle}. Run folder: {output_dir}. Curves: python "
         f"scripts/plot_run.py {output_dir}"

@@ -494,7 +494,7 @@ def train(cfg: DictConfig) -> dict:
         if run.is_main:
             write_jsonl(run.output_dir / EVAL_PAIRS_FILE, labelled.eval)  # the held-out pairs this run evaluates
             log_run_plan(cfg, facts, num_eval_pairs=len(labelled.eval))
-        facts["time/pairs_s"] = time.perf_counter() - start
+        facts["perf/pairs_s"] = time.perf_counter() - start
 
         # args.device: this process's own device (cuda:<local rank> under a launcher).
         # The model trained into a reward model: a classifier's base or a causal LM, whose score head may be new.
@@ -517,17 +517,17 @@ def train(cfg: DictConfig) -> dict:
 def summarize(trainer, metrics: dict, facts: dict, *, train_s: float, wall_time_s: float) -> dict:
     """The held-out figures, the first and last training losses, the facts about the data, and the times."""
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
-    pairs_s = facts.pop("time/pairs_s")
+    pairs_s = facts.pop("perf/pairs_s")
     return {
         **metrics,
         "train/steps": trainer.state.global_step,
         "train/loss_first": losses[0],
         "train/loss_last": losses[-1],
         **facts,
-        "train/steps_per_s": trainer.state.global_step / train_s,
-        "time/pairs_s": pairs_s,
-        "time/train_s": train_s,
-        "wall_time_s": wall_time_s,
+        "perf/steps_per_s": trainer.state.global_step / train_s,
+        "perf/pairs_s": pairs_s,
+        "perf/train_s": train_s,
+        "perf/wall_time_s": wall_time_s,
     }
 
 

@@ -17,7 +17,7 @@ sampling (temperature, top-k, top-p), clip epsilon, KL coefficient (``loss.kl_to
 with a frozen reference model), AdamW settings, gradient clipping, a constant learning rate and float32.
 
 - ours (sync) and ours (async): the recipe's own ``train(cfg)`` with ``rollout.mode=sync|async`` (composed with Hydra,
-  no intermediate checkpoints), timed by the recipe itself: ``summary.json``'s ``wall_time_s`` (the training steps,
+  no intermediate checkpoints), timed by the recipe itself: ``summary.json``'s ``perf/wall_time_s`` (the training steps,
   setup apart) and ``generated_tokens``; its ``metrics.csv`` gives the phases. Ours (sync) runs with 1 and with 2 torch
   threads (the recipe's ``num_threads``; ``--sync-threads``), and the faster is "ours (sync)" in the ratios, as for
   trl; ours (async) with ``num_threads`` (1) in the learner and ``rollout.collector_threads`` (1) in the collector
@@ -149,13 +149,13 @@ def run_ours(cfg) -> Run:
     per_step["other"] = step_time - sum(per_step[phase] for phase in learner)
     per_step["total"] = step_time
     return Run(
-        tokens=int(summary["generated_tokens"]),
-        seconds=summary["wall_time_s"],
-        optimizer_steps=summary["steps"] * updates,
-        generation_batches=summary["steps"],
+        tokens=int(summary["rollout/generated_tokens"]),
+        seconds=summary["perf/wall_time_s"],
+        optimizer_steps=summary["train/steps"] * updates,
+        generation_batches=summary["train/steps"],
         # The recipe reports rollout throughput, tokens / rollout seconds: invert it for the rollout time.
-        rollout_seconds=summary["generated_tokens"] / summary["tokens_per_s"],
-        responses=summary["steps"] * cfg.rollout.responses_per_step,
+        rollout_seconds=summary["rollout/generated_tokens"] / summary["perf/tokens_per_s"],
+        responses=summary["train/steps"] * cfg.rollout.responses_per_step,
         phases=per_step,
     )
 

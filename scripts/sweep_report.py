@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("multirun_dir", type=Path)
     parser.add_argument("--metric", default=None, help="summary key to rank and plot (default: the recipe's metric)")
-    parser.add_argument("--columns", nargs="*", default=["wall_time_s"], help="extra summary keys in the table")
+    parser.add_argument("--columns", nargs="*", default=["perf/wall_time_s"], help="extra summary keys in the table")
     args = parser.parse_args(argv)
     jobs = collect(args.multirun_dir)
     metric = args.metric or default_metric(jobs, args.multirun_dir)

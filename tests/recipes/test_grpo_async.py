@@ -55,7 +55,7 @@ def test_the_policy_lag_stays_within_its_bound(compose_config, tmp_path, collect
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
     rows = read_metrics(tmp_path)
     assert [row["train/policy_lag"] for row in rows] == lags
-    assert summary["steps"] == 4 and summary["generated_tokens"] > 0
+    assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
     (collector,) = collectors
     assert collector.pid != os.getpid() and _gone(collector.pid)  # its own process, stopped with the run
 
@@ -114,7 +114,7 @@ def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path)
 
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={tmp_path}", "resume=true"]))
     rows = read_metrics(tmp_path)
-    assert summary["steps"] == 7
+    assert summary["train/steps"] == 7
     assert [row["step"] for row in rows] == [float(s) for s in range(1, 8)]
     assert [step for step, _ in list_checkpoints(tmp_path / "checkpoints")] == [3, 6, 7]
     assert [row["train/policy_lag"] for row in rows][3:] == [0.0, 1.0, 1.0, 1.0]  # the resumed collector starts afresh

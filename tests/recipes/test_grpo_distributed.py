@@ -64,7 +64,7 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
 
     # Rank 0 alone wrote the run: one summary, one metrics row per step, one checkpoint set holding those weights.
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 3
+    assert summary["train/num_processes"] == 2 and summary["train/steps"] == 3
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1.0, 2.0, 3.0]
     assert [step for step, _ in list_checkpoints(tmp_path / "checkpoints")] == [2, 3]
@@ -79,7 +79,7 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
         "summary.json",
     ]
     # The rollout figures pool both ranks' responses: 2 ranks x 4 responses per step.
-    assert summary["generated_tokens"] == pytest.approx(sum(row["rollout/response_length"] * 8 for row in rows))
+    assert summary["rollout/generated_tokens"] == pytest.approx(sum(row["rollout/response_length"] * 8 for row in rows))
 
 
 @pytest.mark.slow
@@ -113,7 +113,7 @@ def test_torchrun_on_cuda_with_nccl_and_bfloat16(tmp_path):
     overrides = [*SMALL, "device=cuda", "dtype=bfloat16", "train.steps=3"]
     _torchrun(num_processes, overrides, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["world_size"] == num_processes and summary["steps"] == 3
+    assert summary["train/num_processes"] == num_processes and summary["train/steps"] == 3
     weights = [_load_rank_weights(tmp_path, rank) for rank in range(num_processes)]
     assert all(t.dtype == torch.bfloat16 for t in weights[0].values())
     for other in weights[1:]:

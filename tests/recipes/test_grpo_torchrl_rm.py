@@ -158,7 +158,7 @@ def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, *overrides])
     summary = recipe.train(cfg)
 
-    assert summary["steps"] == 2 and summary["wall_time_s"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["train/steps"] == 2 and summary["perf/wall_time_s"] > 0 and summary["perf/tokens_per_s"] > 0
     for key in ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref"):
         assert {f"{key}_first", f"{key}_last"} <= set(summary), key
     assert -1.0 <= summary["rollout/oracle_mean_last"] <= 1.0
@@ -252,7 +252,7 @@ def test_a_resume_trains_as_the_run_it_continues_unless_told_otherwise(compose_c
 
     # Finished: resuming says so and touches nothing (not even the resolved config, here with another logger).
     again = recipe.train(compose_config("grpo_torchrl_rm", [*base, "resume=true", "logger=none"]))
-    assert again["steps"] == 2 and (tmp_path / "resolved_config.yaml").read_text() == finished_config
+    assert again["train/steps"] == 2 and (tmp_path / "resolved_config.yaml").read_text() == finished_config
     assert not (tmp_path / "resumes.jsonl").exists()
 
     staging = tmp_path / "checkpoints" / ".step_0000003.staging.abc"  # as a kill during a save leaves it
@@ -263,7 +263,7 @@ def test_a_resume_trains_as_the_run_it_continues_unless_told_otherwise(compose_c
     summary = recipe.train(
         compose_config("grpo_torchrl_rm", [*longer, "optimizer.lr=1e-3", "resume_allow_changes=[optimizer.lr]"])
     )
-    assert summary["steps"] == 3 and [row["step"] for row in read_metrics(tmp_path)] == [1.0, 2.0, 3.0]
+    assert summary["train/steps"] == 3 and [row["step"] for row in read_metrics(tmp_path)] == [1.0, 2.0, 3.0]
     state = load_training_state(latest_checkpoint(tmp_path / "checkpoints"))
     assert state["optimizer"]["param_groups"][0]["lr"] == 1e-3  # the allowed change took effect
     (resume,) = [json.loads(line) for line in (tmp_path / "resumes.jsonl").read_text().splitlines()]
@@ -361,7 +361,7 @@ def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
 
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={run_dir}", "resume=true"]))
     rows = read_metrics(run_dir)
-    assert summary["steps"] == 7
+    assert summary["train/steps"] == 7
     assert [row["step"] for row in rows] == [float(s) for s in range(1, 8)]  # no step twice, none missing
     assert [step for step, _ in list_checkpoints(run_dir / "checkpoints")] == [3, 6, 7]
 
@@ -473,7 +473,7 @@ def test_a_run_as_a_user_starts_it(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reward=" in result.stderr and "oracle=" in result.stderr  # the progress bar shows the live reward
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 2
+    assert summary["train/steps"] == 2
     assert (tmp_path / "metrics.csv").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_0000002"
     # The run ends by saying where it is, what it reached and what to run next, on the console and in its log file.
@@ -490,7 +490,7 @@ def test_cuda_bfloat16_steps_train_the_policy(compose_config, tmp_path):
     overrides = [*SMALL, f"output_dir={tmp_path}", "device=cuda", "dtype=bfloat16", "train.steps=3"]
     cfg = compose_config("grpo_torchrl_rm", overrides)
     summary = recipe.train(cfg)
-    assert summary["steps"] == 3 and summary["generated_tokens"] > 0
+    assert summary["train/steps"] == 3 and summary["rollout/generated_tokens"] > 0
     rows = read_metrics(tmp_path)
     assert all(torch.isfinite(torch.tensor(row[k])).item() for row in rows for k in row), rows
     trained = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "checkpoints") / MODEL_FOLDER)

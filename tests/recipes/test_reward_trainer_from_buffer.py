@@ -59,7 +59,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
     for key in ("eval/accuracy", "eval/margin_mean", "eval/spearman", "train/loss_first", "train/loss_last"):
         assert torch.isfinite(torch.tensor(summary[key])), key
     assert 0.0 <= summary["eval/accuracy"] <= 1.0 and -1.0 <= summary["eval/spearman"] <= 1.0
-    assert summary["wall_time_s"] > 0 and summary["train/num_pairs"] >= 8
+    assert summary["perf/wall_time_s"] > 0 and summary["train/num_pairs"] >= 8
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert "train" in (tmp_path / "resolved_config.yaml").read_text()
     header, *rows = (tmp_path / "metrics.csv").read_text().splitlines()

@@ -101,7 +101,7 @@ def test_wandb_keeps_one_run_across_resumes_with_the_summary_and_sample_tables(c
     assert (tmp_path / WANDB_ID_FILE).read_text() == run_id  # the same wandb run continues
     offline_runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in offline_runs)
-    assert [summary["steps"] for summary in calls["summary"]] == [2, 3]
+    assert [summary["train/steps"] for summary in calls["summary"]] == [2, 3]
     assert calls["summary"][0] == first and calls["summary"][1] == resumed
     assert [step for step, _ in calls["samples"]] == [1, 2, 3]  # first, every 2nd and last steps; no step twice
     assert all(

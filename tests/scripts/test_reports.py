@@ -18,7 +18,7 @@ def _write_run(run_dir, rewards, overrides, metric_value):
     (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     # As the recipes write them: the metric main() returns is named in the resolved config, not in the summary.
     (run_dir / "resolved_config.yaml").write_text("metric: rollout/oracle_mean_last\n")
-    summary = {"wall_time_s": 12.5, "rollout/oracle_mean_last": metric_value}
+    summary = {"perf/wall_time_s": 12.5, "rollout/oracle_mean_last": metric_value}
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
@@ -53,7 +53,7 @@ def test_sweep_report_ranks_jobs_by_the_recipe_metric(tmp_path, repo_root):
     _write_run(tmp_path / "10", [0.1], ["grpo.lr=1e-3", "seed=0"], 0.4)
     sweep_report.main([str(tmp_path)])
     rows = (tmp_path / "report.md").read_text().splitlines()
-    assert rows[0] == "| job | overrides | rollout/oracle_mean_last | wall_time_s |"
+    assert rows[0] == "| job | overrides | rollout/oracle_mean_last | perf/wall_time_s |"
     assert [row.split(" | ")[0] for row in rows[2:]] == ["| 1", "| 10", "| 0"]
     assert "grpo.lr=3e-4 seed=0" in rows[2]
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
