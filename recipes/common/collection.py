@@ -18,15 +18,17 @@ Dependencies: torch, tensordict, torchrl, transformers, and the project's ``inte
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Mapping
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-from tensordict import TensorDictBase
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from tensordict import NestedKey, TensorDictBase
 from tensordict.nn import TensorDictSequential
 from torchrl.collectors import Collector
+from torchrl.collectors.llm import LLMCollector
 
 from interop import HFRewardModelWrapper, RewardModelTransform
 from recipes.common.collectors import BackgroundCollector, LocalCollector
@@ -36,15 +38,17 @@ from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
 from recipes.common.losses import GroupAdvantage
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 from recipes.common.prompt_env import PromptEnv, PromptTable, ResponseText
-from recipes.common.rollout import make_chat_env, make_policy, make_prompt_dataloader, pad_rollout
+from recipes.common.rollout import CHAT_STEP_KEYS, make_chat_env, make_policy, make_prompt_dataloader, pad_rollout
 from recipes.common.sampling import SamplingPolicy, SamplingSettings
 
 __all__ = [
     "BATCH_KEYS",
     "PrepareBatch",
     "build_prompt_collector",
+    "check_reward_keys",
     "make_collector",
     "make_reward_transforms",
+    "rollout_step_keys",
 ]
 
 # What a step hands the learner: the dense sequences, the behaviour log-probs, the group ids, rewards and the policy
@@ -61,6 +65,85 @@ BATCH_KEYS = (
     ("next", "done"),
 )
 REWARD_INPUTS = ("history", "text", "tokens")
+# The reward.read_keys entries the reward model reads, for each reward.input.
+READ_KEYS_OF_INPUT = {"history": ("history",), "text": ("text",), "tokens": ("tokens", "attention_mask")}
+
+
+def _nested_key(value) -> NestedKey:
+    """A key as written in YAML: ``[text, full]`` -> ``("text", "full")``; a plain string is a top-level key."""
+    return value if isinstance(value, str) else tuple(str(part) for part in value)
+
+
+def _as_tuple(key: NestedKey) -> tuple:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
+    """The entries a step of ``cfg.rollout.env``'s rollout holds when the reward transforms read it.
+
+    ``prompt``: what :class:`PromptEnv` resets, what :class:`SamplingPolicy` writes, and the text and conversations
+    :class:`ResponseText` decodes for the rewards that read them. ``chat``: TorchRL's layout
+    (``recipes.common.rollout.CHAT_STEP_KEYS``), with ``("log_probs", "response")`` when
+    ``rollout.generation.return_log_probs`` asks for it.
+    """
+    if cfg.rollout.env == "chat":
+        keys = list(CHAT_STEP_KEYS)
+        generation = cfg.rollout.generation
+        if "return_log_probs" in generation and generation.return_log_probs:
+            keys.append(("log_probs", "response"))
+    else:
+        keys = [*PromptEnv.RESET_KEYS, *SamplingPolicy.OUT_KEYS, *ResponseText.KEYS]
+    return [_as_tuple(key) for key in keys]
+
+
+def _term_read_keys(node: DictConfig) -> dict:
+    """The settings of a reward term's node that name an entry the term reads: its ``_target_``'s parameters
+    annotated ``NestedKey`` (as ``LengthPenalty``'s and ``TextScoreReward``'s are), but ``reward_key``, the entry it
+    writes. Only the target is imported; nothing is built."""
+    if "_target_" not in node:
+        return {}
+    parameters = inspect.signature(get_object(node._target_)).parameters
+    return {
+        name: node[name]
+        for name in node
+        if name in parameters
+        and name != "reward_key"
+        and "NestedKey" in str(parameters[name].annotation)
+        and node[name] is not None
+    }
+
+
+def check_reward_keys(cfg: DictConfig) -> None:
+    """Refuses a key the rewards would read that the rollout does not hold, before anything loads.
+
+    Checks the ``reward.read_keys`` entries that ``reward.input`` reads (call it once ``reward.input`` is known to be
+    one of :data:`REWARD_INPUTS`), and the keys the extra reward terms (``reward.terms``) are set to read.
+
+    Raises:
+        ConfigError: naming the setting, the key, and the entries :func:`rollout_step_keys` lists.
+    """
+    held = rollout_step_keys(cfg)
+    listed = ", ".join(f"[{', '.join(entry)}]" for entry in held)
+    read = {}
+    for name in READ_KEYS_OF_INPUT[cfg.reward.input]:
+        if name not in cfg.reward.read_keys:
+            raise ConfigError(
+                f"reward.input={cfg.reward.input} reads reward.read_keys.{name}, which is not set. Set it to the entry "
+                f"to score; a step of rollout.env={cfg.rollout.env} holds {listed}."
+            )
+        read[f"reward.read_keys.{name}"] = cfg.reward.read_keys[name]
+    for term, node in cfg.reward.terms.items():
+        for setting, value in _term_read_keys(node).items():
+            read[f"reward.terms.{term}.{setting}"] = value
+    for setting, value in read.items():
+        if not isinstance(value, (str, ListConfig, list, tuple)):
+            raise ConfigError(f"{setting}={value!r}: expected a key, a name or a list of names such as [text, full].")
+        key = _as_tuple(_nested_key(value))
+        if key not in held:
+            raise ConfigError(
+                f"{setting}=[{', '.join(key)}]: a step of rollout.env={cfg.rollout.env} holds no such entry when the "
+                f"rewards read it. It holds {listed}. Point {setting} at one of those."
+            )
 
 
 def _with_response_text(module, prompts: PromptTable, tokenizer):
@@ -84,7 +167,7 @@ def make_reward_transforms(
     are then decoded for the modules that read them (:class:`ResponseText`), inside the transform. ``None`` for
     TorchRL's ``ChatEnv``, whose policy writes them.
     """
-    keys = {name: tuple(key) for name, key in cfg.reward.read_keys.items()}
+    keys = {name: _nested_key(key) for name, key in cfg.reward.read_keys.items()}
     common = {
         "inference_mode": True,
         "micro_batch_size": cfg.reward.micro_batch_size,
@@ -195,8 +278,6 @@ def _chat_collector(
     cfg: DictConfig, prompts: list, models, *, start_step: int, num_replicas: int, rank: int
 ) -> LocalCollector:
     """TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector``, its rollouts padded into dense batches."""
-    from torchrl.collectors.llm import LLMCollector
-
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
     loader = make_prompt_dataloader(
         prompts,
@@ -215,7 +296,13 @@ def _chat_collector(
     )
     version = torch.zeros((), dtype=torch.long)
     pad_token_id = models.tokenizer.pad_token_id
-    policy = make_policy(models.policy, models.tokenizer, generation=cfg.rollout.generation, device=cfg.device)
+    policy = make_policy(
+        models.policy,
+        models.tokenizer,
+        generation=cfg.rollout.generation,
+        device=cfg.device,
+        generation_key="rollout.generation",
+    )
 
     def to_dense(rollout: TensorDictBase) -> TensorDictBase:
         # Only what the loss and the metrics read goes on, as dense [B, T] tensors: the ragged per-sample tensors,

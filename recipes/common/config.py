@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
+import torch
+from huggingface_hub import try_to_load_from_cache
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = [
@@ -37,8 +40,6 @@ def register_resolvers() -> None:
 
 
 def _offline() -> bool:
-    import os
-
     return any(
         os.environ.get(name, "").lower() in ("1", "true", "yes") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     )
@@ -59,8 +60,6 @@ def check_local_path(value: str, *, key: str, what: str) -> None:
             "built-in tiny models run `python scripts/build_tiny_models.py` (they ship in tiny/)."
         )
     if not looks_local and _offline():
-        from huggingface_hub import try_to_load_from_cache
-
         if not isinstance(try_to_load_from_cache(value, "config.json"), str):
             raise ConfigError(
                 f"{key}={value!r}: not a local folder, and not in the Hugging Face cache while offline "
@@ -78,8 +77,6 @@ def check_run_settings(cfg: DictConfig, *, lr_key: str, max_grad_norm_key: str, 
     Keyword Args:
         lr_key, max_grad_norm_key, batch_size_key: where the recipe keeps those.
     """
-    import torch
-
     if cfg.num_threads is not None and cfg.num_threads < 1:
         raise ConfigError(f"num_threads={cfg.num_threads} must be >= 1, or null for torch's default (every core).")
     device = str(cfg.device)

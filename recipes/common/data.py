@@ -15,6 +15,9 @@ from omegaconf import DictConfig
 from recipes.common.config import ConfigError
 from recipes.common.synthetic import make_prompts
 
+# datasets is imported where a file or hub dataset loads: it takes about half a second, which the synthetic task,
+# `--help` and config validation need not spend.
+
 __all__ = ["load_preference_pairs", "load_prompts", "load_table", "prompt_text"]
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -12,11 +12,22 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from safetensors import SafetensorError, safe_open
 
 from recipes.common.config import ConfigError, check_local_path
 from recipes.common.resume import MODEL_FOLDER, broken_checkpoint_advice
 
-__all__ = ["load_causal_lm", "load_reward_model", "load_tokenizer", "resolve_dtype", "validate_model_node"]
+# transformers is imported inside the functions that load a model or tokenizer: it takes about half a second, which
+# `--help` and config validation (what a mistyped setting waits on) need not spend.
+
+__all__ = [
+    "check_pad_token",
+    "load_causal_lm",
+    "load_reward_model",
+    "load_tokenizer",
+    "resolve_dtype",
+    "validate_model_node",
+]
 
 _WEIGHTS = "model.safetensors"
 _SHARDED_WEIGHTS = "model.safetensors.index.json"
@@ -77,8 +88,6 @@ def _weight_files(folder: Path, *, key: str) -> list[Path]:
 def _check_weights(folder: Path, *, key: str) -> None:
     """Reads each safetensors file's header (not its tensors): a truncated or garbled file fails here, before any
     model loads, rather than minutes later inside ``from_pretrained``."""
-    from safetensors import SafetensorError, safe_open
-
     for file in _weight_files(folder, key=key):
         try:
             with safe_open(str(file), framework="pt"):
@@ -152,13 +161,29 @@ def load_tokenizer(node: DictConfig, *, padding_side: str):
         node.tokenizer_name_or_path or node.name_or_path, trust_remote_code=node.trust_remote_code
     )
     tokenizer.padding_side = padding_side
+    check_pad_token(tokenizer, owner=f"The tokenizer of {node.name_or_path!r}")
+    return tokenizer
+
+
+def check_pad_token(tokenizer, *, owner: str) -> None:
+    """Refuses a tokenizer whose pad token is missing or is EOS: TorchRL's wrappers and the sampling policy mask
+    responses with ``tokens != pad``, so a pad equal to EOS would mask the generated EOS out as padding.
+
+    Args:
+        tokenizer: the tokenizer to check.
+
+    Keyword Args:
+        owner: what the error names first, e.g. ``"The tokenizer of 'Qwen/Qwen2.5-0.5B'"``.
+
+    Raises:
+        ConfigError: no pad token, or the pad token is the EOS token.
+    """
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ConfigError(
-            f"The tokenizer of {node.name_or_path!r} has no pad token distinct from EOS (pad={tokenizer.pad_token!r}, "
-            f"eos={tokenizer.eos_token!r}); with pad == EOS the generated EOS is masked out as padding. Use a "
-            "tokenizer with its own pad token (e.g. Qwen's <|endoftext|> when EOS is <|im_end|>)."
+            f"{owner} has no pad token distinct from EOS (pad={tokenizer.pad_token!r}, eos={tokenizer.eos_token!r}); "
+            "with pad == EOS the generated EOS is masked out as padding. Use a tokenizer with its own pad token "
+            "(e.g. Qwen's <|endoftext|> when EOS is <|im_end|>)."
         )
-    return tokenizer
 
 
 def load_causal_lm(node: DictConfig, *, device: str, dtype: str):
@@ -215,8 +240,6 @@ def _loaded_config(node: DictConfig):
 def _from_pretrained(auto_class, node: DictConfig, *, key: str, **options):
     """``auto_class.from_pretrained`` of the node's weights (safetensors only), with damaged weights named: a local
     folder's are checked first (a folder the run picks itself, a checkpoint to resume, skipped validation)."""
-    from safetensors import SafetensorError
-
     folder = Path(str(node.name_or_path)).expanduser()
     if (folder / "config.json").is_file():
         _check_weights(folder, key=key)

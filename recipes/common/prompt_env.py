@@ -125,6 +125,10 @@ class PromptEnv(EnvBase):
         rank: this process's rank among them.
         device: where the tensors go.
 
+    Attributes:
+        RESET_KEYS: the entries a reset writes and a step carries over (with the policy's output, what the env's
+            transforms read).
+
     Examples:
         >>> from tensordict import set_list_to_stack
         >>> from transformers import AutoTokenizer
@@ -140,6 +144,8 @@ class PromptEnv(EnvBase):
         >>> tokenizer.decode(tokens[0][mask[0]])
         '<|im_start|>user\\nReview the mug.<|im_end|>\\n<|im_start|>assistant\\n'
     """
+
+    RESET_KEYS = (*_PROMPT_KEYS, "done", "terminated")
 
     def __init__(
         self,

@@ -38,14 +38,28 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
-from tensordict import NestedKey, TensorDictBase, list_to_stack
+from tensordict import NestedKey, TensorDict, TensorDictBase, list_to_stack
 from tensordict.nn import TensorDictModuleBase
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Sampler
+from torchrl.data.llm import History
+from torchrl.envs import StepCounter
+from torchrl.envs.llm import ChatEnv
+from torchrl.modules.llm import TransformersWrapper
+
+from recipes.common.config import ConfigError
+from recipes.common.models import check_pad_token
+from recipes.common.sampling import SamplingSettings
+
+# transformers is imported where generation settings are checked, not with this module: it takes about half a second,
+# which `--help` need not spend.
 
 __all__ = [
+    "CHAT_STEP_KEYS",
     "EndlessShuffleSampler",
     "LengthPenalty",
     "TextScoreReward",
+    "check_generation_settings",
     "make_chat_env",
     "make_policy",
     "make_prompt_dataloader",
@@ -53,6 +67,28 @@ __all__ = [
     "response_texts",
     "unknown_generation_settings",
 ]
+
+# What a step of make_chat_env's env holds when its transforms (the rewards) read it, make_policy having answered:
+# TorchRL 0.14.1's layout, which tests/recipes/test_rollout.py checks against a real rollout. make_policy adds
+# ("log_probs", "response") when generation asks for return_log_probs.
+CHAT_STEP_KEYS = (
+    ("history", "prompt"),
+    ("history", "response"),
+    ("history", "full"),
+    ("text", "prompt"),
+    ("text", "response"),
+    ("text", "full"),
+    ("tokens", "prompt"),
+    ("tokens", "response"),
+    ("tokens", "full"),
+    ("masks", "all_attention_mask"),
+    "query",
+    "prompt_index",
+    "step_count",
+    "done",
+    "terminated",
+    "truncated",
+)
 
 
 def _require_list_to_stack(what: str) -> None:
@@ -128,8 +164,6 @@ def _to_query(prompt):
     """A dataloader item as ``ChatEnv`` reads it: text stays text, a message list becomes a torchrl ``History``."""
     if isinstance(prompt, str):
         return prompt
-    from torchrl.data.llm import History
-
     return History.from_chats([list(prompt)])[0]
 
 
@@ -207,9 +241,6 @@ def make_chat_env(
         transforms: env transforms appended in order after the step counter.
     """
     _require_list_to_stack("make_chat_env")
-    from torchrl.envs import StepCounter
-    from torchrl.envs.llm import ChatEnv
-
     if group_size < 1 or num_prompts < 1:
         raise ValueError(
             f"make_chat_env: group_size and num_prompts must be >= 1, got group_size={group_size}, "
@@ -242,7 +273,39 @@ def unknown_generation_settings(generation: Mapping) -> list[str]:
     return sorted(str(key) for key in generation if key != "return_log_probs" and not hasattr(fields, str(key)))
 
 
-def make_policy(model, tokenizer, *, generation: Mapping, device=None):
+def check_generation_settings(generation: Mapping, *, env: str, key: str = "rollout.generation") -> None:
+    """Refuses a ``generation`` key that the rollout's sampler does not take, before anything loads.
+
+    ``env="prompt"`` (``recipes.common.sampling.SamplingPolicy``) takes the :class:`SamplingSettings` fields;
+    ``env="chat"`` (TorchRL's ``TransformersWrapper``, :func:`make_policy`) any ``transformers.GenerationConfig``
+    field, and ``return_log_probs``.
+
+    Keyword Args:
+        env: ``"prompt"`` or ``"chat"``, as ``rollout.env``.
+        key: where ``generation`` sits in the config, named in the error.
+
+    Raises:
+        ConfigError: an unknown key (a typo would otherwise go unnoticed, or fail deep inside generation).
+
+    Examples:
+        >>> check_generation_settings({"max_new_tokens": 8, "min_p": 0.05}, env="prompt")
+        >>> check_generation_settings({"max_new_tokens": 8, "max_new_token": 8}, env="chat")
+        Traceback (most recent call last):
+        ...
+        recipes.common.config.ConfigError: rollout.generation: ['max_new_token'] are not generation settings ...
+    """
+    if env == "prompt":
+        SamplingSettings.check_keys(generation, key=key)
+        return
+    unknown = unknown_generation_settings(generation)
+    if unknown:
+        raise ConfigError(
+            f"{key}: {unknown} are not generation settings (transformers GenerationConfig fields); check the "
+            "spelling (e.g. max_new_tokens, temperature, top_p, top_k, min_new_tokens)."
+        )
+
+
+def make_policy(model, tokenizer, *, generation: Mapping, device=None, generation_key: str = "generation"):
     """The sampling policy: ``TransformersWrapper`` in generate mode over chat histories.
 
     Outputs ragged (``pad_output=False``) ``("tokens", "prompt"|"response"|"full")``, ``("masks",
@@ -260,21 +323,19 @@ def make_policy(model, tokenizer, *, generation: Mapping, device=None):
             ``do_sample``, ``min_new_tokens``, ``min_p``... any ``transformers.GenerationConfig`` field), for instance a
             config node; ``return_log_probs`` (bool) is read apart.
         device: where the wrapper puts the model inputs; ``None`` leaves them where they are.
+        generation_key: where ``generation`` sits in the config, named in errors.
 
     Raises:
-        ValueError: a ``generation`` key that is no ``GenerationConfig`` field (a typo would otherwise go unnoticed).
+        ConfigError: a ``generation`` key that is no ``GenerationConfig`` field (:func:`check_generation_settings`),
+            or a tokenizer whose pad token is EOS (``recipes.common.models.check_pad_token``).
+        ValueError: a tokenizer that pads on the right.
     """
-    from torchrl.modules.llm import TransformersWrapper
-
-    _check_tokenizer(tokenizer, "make_policy")
+    check_pad_token(tokenizer, owner="make_policy: the tokenizer")
+    if tokenizer.padding_side != "left":
+        raise ValueError("make_policy: generation needs left padding; set tokenizer.padding_side = 'left'.")
+    check_generation_settings(generation, env="chat", key=generation_key)
     generate_kwargs = {str(k): v for k, v in dict(generation).items()}
     return_log_probs = bool(generate_kwargs.pop("return_log_probs", False))
-    unknown = unknown_generation_settings(generate_kwargs)
-    if unknown:
-        raise ValueError(
-            f"make_policy: {unknown} are not generation settings (transformers.GenerationConfig fields); check the "
-            "spelling (e.g. max_new_tokens, temperature, top_p, top_k, min_new_tokens)."
-        )
     policy = TransformersWrapper(
         model,
         tokenizer=tokenizer,
@@ -290,16 +351,6 @@ def make_policy(model, tokenizer, *, generation: Mapping, device=None):
     for key, value in generate_kwargs.items():
         policy.generate_kwargs.setdefault(key, value)
     return policy
-
-
-def _check_tokenizer(tokenizer, what: str) -> None:
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"{what}: the tokenizer needs a pad token distinct from EOS (pad={tokenizer.pad_token!r}, "
-            f"eos={tokenizer.eos_token!r}); TorchRL masks responses with tokens != pad and would drop the EOS."
-        )
-    if tokenizer.padding_side != "left":
-        raise ValueError(f"{what}: generation needs left padding; set tokenizer.padding_side = 'left'.")
 
 
 def pad_rollout(rollout: TensorDictBase, *, pad_token_id: int) -> TensorDictBase:
@@ -332,9 +383,6 @@ def pad_rollout(rollout: TensorDictBase, *, pad_token_id: int) -> TensorDictBase
         tensor([[ True,  True,  True, False],
                 [False,  True,  True,  True]])
     """
-    from tensordict import TensorDict
-    from torch.nn.utils.rnn import pad_sequence
-
     prompts = rollout.get(("tokens", "prompt"), as_list=True)
     responses = rollout.get(("tokens", "response"), as_list=True)
 

@@ -30,6 +30,9 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
+from recipes.common.config import ConfigError
+from recipes.common.models import check_pad_token
+
 __all__ = ["SampledResponses", "SamplingPolicy", "SamplingSettings", "sample_responses"]
 
 
@@ -82,23 +85,41 @@ class SamplingSettings:
         return [field.name for field in fields(cls)]
 
     @classmethod
+    def check_keys(cls, generation: Mapping, *, key: str = "rollout.generation") -> None:
+        """Refuses a key of ``generation`` that is not a setting, naming it and the settings there are.
+
+        Keyword Args:
+            key: where ``generation`` sits in the config, named in the error.
+
+        Raises:
+            ConfigError: an unknown key.
+
+        Examples:
+            >>> SamplingSettings.check_keys({"max_new_tokens": 8, "typical_p": 0.9})
+            Traceback (most recent call last):
+            ...
+            recipes.common.config.ConfigError: rollout.generation.typical_p: not a generation setting of ...
+        """
+        unknown = sorted(set(map(str, generation)) - set(cls.names()))
+        if unknown:
+            raise ConfigError(
+                f"{key}.{unknown[0]}: not a generation setting of rollout.env=prompt's sampler ({unknown} not "
+                f"supported; the settings are {cls.names()}); check the spelling, or use rollout.env=chat (TorchRL's "
+                "TransformersWrapper passes any transformers GenerationConfig field to generate())."
+            )
+
+    @classmethod
     def from_mapping(cls, generation: Mapping) -> SamplingSettings:
-        """The settings of a config mapping (e.g. ``rollout.generation``); a key that is not a field is refused.
+        """The settings of a config mapping (e.g. ``rollout.generation``); a key that is not a field is refused
+        (:meth:`check_keys`).
 
         Examples:
             >>> settings = SamplingSettings.from_mapping({"max_new_tokens": 8, "top_k": 50})
             >>> settings.top_k, settings.temperature, settings.min_new_tokens
             (50, 1.0, 0)
         """
-        settings = {str(key): value for key, value in dict(generation).items()}
-        unknown = sorted(set(settings) - set(cls.names()))
-        if unknown:
-            raise ValueError(
-                f"SamplingSettings: {unknown} not supported; the settings are {cls.names()}. (TorchRL's "
-                "TransformersWrapper, rollout.env=chat in the GRPO recipe, passes any GenerationConfig field on to "
-                "generate().)"
-            )
-        return cls(**settings)
+        cls.check_keys(generation)
+        return cls(**{str(key): value for key, value in dict(generation).items()})
 
 
 @dataclass
@@ -249,6 +270,14 @@ class SamplingPolicy(TensorDictModuleBase):
             ``model.generation_config.eos_token_id``.
     """
 
+    OUT_KEYS = (
+        ("tokens", "response"),
+        ("tokens", "full"),
+        ("masks", "all_attention_mask"),
+        ("log_probs", "full"),
+        "policy_version",
+    )
+
     def __init__(
         self,
         model,
@@ -258,11 +287,7 @@ class SamplingPolicy(TensorDictModuleBase):
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-            raise ValueError(
-                f"SamplingPolicy: the tokenizer needs a pad token distinct from EOS (pad={tokenizer.pad_token!r}, "
-                f"eos={tokenizer.eos_token!r}); the response mask ends at the EOS, which must not read as padding."
-            )
+        check_pad_token(tokenizer, owner="SamplingPolicy: the tokenizer")
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
@@ -275,13 +300,7 @@ class SamplingPolicy(TensorDictModuleBase):
         # Bumped by whoever updates the weights; written into every batch, so that the batch says its age.
         self.register_buffer("version", torch.zeros((), dtype=torch.long))
         self.in_keys = [("tokens", "prompt"), ("masks", "prompt")]
-        self.out_keys = [
-            ("tokens", "response"),
-            ("tokens", "full"),
-            ("masks", "all_attention_mask"),
-            ("log_probs", "full"),
-            "policy_version",
-        ]
+        self.out_keys = list(self.OUT_KEYS)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         prompt = tensordict.get(("tokens", "prompt"))

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from tensordict.nn import TensorDictModuleBase
 
 from interop import HFRewardModelWrapper
-from recipes.common.collection import BATCH_KEYS, build_prompt_collector, make_reward_transforms
-from recipes.common.prompt_env import PromptEnv, PromptTable
+from recipes.common.collection import (
+    BATCH_KEYS,
+    build_prompt_collector,
+    check_reward_keys,
+    make_reward_transforms,
+    rollout_step_keys,
+)
+from recipes.common.config import ConfigError
+from recipes.common.prompt_env import PromptEnv, PromptTable, ResponseText
 from recipes.common.sampling import SamplingPolicy, SamplingSettings
 
 PROMPTS = ["Review the mug.", "What do you think of the bike and of its color?"]
@@ -149,3 +159,110 @@ def test_the_collector_hands_over_dense_batches_of_whole_groups(compose_config, 
     resumed, _ = build_prompt_collector(config, start_step=1, num_replicas=1, rank=0)
     assert torch.equal(next(iter(resumed))["prompt_index"], second["prompt_index"])
     resumed.shutdown()
+
+
+class _SeenKeys(TensorDictModuleBase):
+    """A reward term that records the entries of the step it reads (everything: it declares no in_keys)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_keys, self.out_keys, self.seen = [], ["seen"], None
+
+    def forward(self, tensordict):
+        self.seen = _entries(tensordict)
+        tensordict.set("seen", torch.zeros(tensordict.batch_size))
+        return tensordict
+
+
+def _entries(tensordict) -> set[tuple]:
+    """The entries of a step as a reward could point at them: leaves and whole chat histories, not their fields or
+    TorchRL's padding metadata."""
+    keys = {(key,) if isinstance(key, str) else key for key in tensordict.keys(True)}
+    histories = {key for key in keys if type(tensordict.get(key)).__name__ == "History"}
+    leaves = {key for key in keys if not any(other[: len(key)] == key and other != key for other in keys)}
+    return {
+        key
+        for key in leaves | histories
+        if not any(key[:n] in histories for n in range(1, len(key)))
+        and type(tensordict.get(key)).__name__ != "MetaData"
+    }
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides"),
+    [("prompt", []), ("chat", []), ("chat", ["+rollout.generation.return_log_probs=true"])],
+)
+def test_rollout_step_keys_are_what_a_step_holds(compose_config, tiny_policy, env, overrides):
+    """What check_reward_keys lists is what a reward transform finds: guards against TorchRL changing its layout."""
+    from tensordict import set_list_to_stack
+
+    from interop import RewardModelTransform
+    from recipes.common.rollout import make_chat_env, make_policy, make_prompt_dataloader
+
+    set_list_to_stack(True).set()
+    cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"rollout.env={env}", *overrides])
+    model, tokenizer = tiny_policy
+    spy = _SeenKeys()
+    if env == "prompt":
+        rollout_env = PromptEnv(PROMPTS, tokenizer=tokenizer, group_size=2).append_transform(RewardModelTransform(spy))
+        policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings.from_mapping(cfg.rollout.generation))
+        decoded = set(ResponseText.KEYS)  # written inside the transform, for the rewards that read them
+    else:
+        loader = make_prompt_dataloader(PROMPTS, seed=0)
+        rollout_env = make_chat_env(loader, tokenizer=tokenizer, group_size=2, transforms=[RewardModelTransform(spy)])
+        policy = make_policy(model, tokenizer, generation=cfg.rollout.generation)
+        decoded = set()
+    rollout_env.rollout(1, policy)
+    assert spy.seen | decoded == set(rollout_step_keys(cfg))
+
+
+@pytest.mark.parametrize("env", ["prompt", "chat"])
+@pytest.mark.parametrize("reward_input", ["history", "text", "tokens"])
+def test_the_default_reward_keys_are_held_by_both_rollouts(compose_config, env, reward_input):
+    check_reward_keys(compose_config("grpo_torchrl_rm", [f"rollout.env={env}", f"reward.input={reward_input}"]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # The prompt env decodes the full conversation only; TorchRL's chat env holds the prompt's too.
+        (["reward.read_keys.history=[history,prompt]"], "reward.read_keys.history=[history, prompt]: a step of "),
+        (["reward.input=text", "reward.read_keys.text=[text,ful]"], "reward.read_keys.text=[text, ful]"),
+        (["reward.input=tokens", "reward.read_keys.tokens=full"], "reward.read_keys.tokens=[full]"),
+        (
+            ["reward.input=tokens", "rollout.env=chat", "reward.read_keys.attention_mask=[masks,prompt]"],
+            "reward.read_keys.attention_mask=[masks, prompt]: a step of rollout.env=chat holds no such entry",
+        ),
+        (
+            ["+reward.terms.length={_target_:recipes.common.rollout.LengthPenalty,coefficient:0.1,tokens_key:[reply]}"],
+            "reward.terms.length.tokens_key=[reply]",
+        ),
+        (["~reward.read_keys.history"], "reward.input=history reads reward.read_keys.history, which is not set"),
+    ],
+)
+def test_a_key_the_rollout_does_not_hold_is_refused_listing_those_it_holds(compose_config, overrides, message):
+    cfg = compose_config("grpo_torchrl_rm", overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        check_reward_keys(cfg)
+    assert "[tokens, full], [masks, all_attention_mask]" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.env=chat", "reward.read_keys.history=[history,prompt]"],  # the chat env holds it
+        ["rollout.env=chat", "reward.input=text", "reward.read_keys.text=query"],  # a top-level key, as a name
+        ["reward.input=history", "reward.read_keys.text=[nowhere]"],  # a key the chosen input does not read
+        ["+reward.terms.length={_target_:recipes.common.rollout.LengthPenalty,coefficient:0.1,mask_key:null}"],
+    ],
+)
+def test_keys_the_rollout_holds_pass(compose_config, overrides):
+    check_reward_keys(compose_config("grpo_torchrl_rm", overrides))
+
+
+def test_a_top_level_key_given_as_a_name_is_read_as_one(compose_config, tiny_policy):
+    """``reward.read_keys.text=query``: the key ``"query"``, not the nested key ``("q", "u", "e", "r", "y")``."""
+    cfg = compose_config("grpo_torchrl_rm", ["reward.input=text", "reward.read_keys.text=query"])
+    _, tokenizer = tiny_policy
+    (transform,) = make_reward_transforms(cfg, torch.nn.Identity(), tokenizer, tokenizer)
+    assert transform.reward_module.in_keys == ["query"]

@@ -9,12 +9,14 @@ from _grpo_helpers import grpo_loss_and_gradients, torchrl_actor
 from omegaconf import OmegaConf
 from tensordict import TensorDict, lazy_stack
 
+from recipes.common.config import ConfigError
 from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
 from recipes.common.losses import ResponseGRPOLoss
 from recipes.common.rollout import (
     EndlessShuffleSampler,
     LengthPenalty,
     TextScoreReward,
+    check_generation_settings,
     make_chat_env,
     make_policy,
     make_prompt_dataloader,
@@ -100,6 +102,38 @@ class TestChatEnv:
         broken.pad_token = broken.eos_token
         with pytest.raises(ValueError, match="pad token distinct from EOS"):
             make_policy(model, broken, generation=GENERATION)
+
+
+class TestGenerationSettings:
+    """One check of rollout.generation's keys, for the recipe's validation and make_policy alike."""
+
+    @pytest.mark.parametrize(
+        ("env", "generation"),
+        [
+            ("prompt", {"max_new_tokens": 8, "min_new_tokens": 2, "top_k": 50, "min_p": 0.05}),
+            ("chat", {"max_new_tokens": 8, "typical_p": 0.9, "return_log_probs": True}),
+        ],
+    )
+    def test_settings_the_sampler_takes_pass(self, env, generation):
+        check_generation_settings(OmegaConf.create(generation), env=env)
+
+    @pytest.mark.parametrize(
+        ("env", "generation", "message"),
+        [
+            ("prompt", {"max_new_token": 8}, "rollout.generation.max_new_token: not a generation setting of"),
+            ("prompt", {"max_new_tokens": 8, "typical_p": 0.9}, "or use rollout.env=chat"),
+            ("chat", {"max_new_tokens": 8, "max_new_token": 8}, "rollout.generation: ['max_new_token'] are not"),
+        ],
+    )
+    def test_an_unknown_key_is_refused_by_name(self, env, generation, message):
+        with pytest.raises(ConfigError) as error:
+            check_generation_settings(generation, env=env)
+        assert message in str(error.value)
+
+    def test_make_policy_names_where_its_settings_come_from(self, tiny_policy):
+        model, tokenizer = tiny_policy
+        with pytest.raises(ConfigError, match=r"generation.generate_kwargs: \['max_new_token'\]"):
+            make_policy(model, tokenizer, generation={"max_new_token": 8}, generation_key="generation.generate_kwargs")
 
 
 def _sample_two_prompts(tiny_policy, *, group_size: int, seed: int, generation):
