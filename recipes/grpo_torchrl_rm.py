@@ -49,7 +49,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from recipes.common.collection import REWARD_INPUTS, PrepareBatch, make_collector
+from recipes.common.collection import REWARD_INPUTS, PrepareBatch, check_reward_keys, make_collector
 from recipes.common.config import ConfigError, check_run_settings, run_config
 from recipes.common.data import load_prompts
 from recipes.common.distributed import (
@@ -74,7 +74,7 @@ from recipes.common.resume import (
     save_checkpoint,
     truncate_metrics_csv,
 )
-from recipes.common.rollout import unknown_generation_settings
+from recipes.common.rollout import check_generation_settings
 from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
 from recipes.common.run_folder import check_output_folder
 from recipes.common.sampling import SamplingSettings
@@ -165,6 +165,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_rollout(cfg.rollout)
     if cfg.reward.input not in REWARD_INPUTS:
         raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
+    check_reward_keys(cfg)
     if cfg.loss.aggregation not in ("token_mean", "prompt_mean"):
         raise ConfigError(f"loss.aggregation={cfg.loss.aggregation!r}: expected 'token_mean' or 'prompt_mean'.")
     if cfg.loss.kl_to_ref_coeff is not None and cfg.loss.kl_to_ref_coeff < 0:
@@ -310,21 +311,7 @@ def _validate_rollout(rollout: DictConfig) -> None:
     if rollout.collector_threads < 1:
         raise ConfigError(f"rollout.collector_threads={rollout.collector_threads} must be >= 1.")
     generation = rollout.generation
-    if rollout.env == "chat":
-        unknown = unknown_generation_settings(generation)
-        if unknown:
-            raise ConfigError(
-                f"rollout.generation.{unknown[0]}: not a generation setting (a transformers GenerationConfig field); "
-                "check the spelling (max_new_tokens, temperature, top_p, top_k, min_new_tokens...)."
-            )
-    else:
-        unknown = sorted(set(map(str, generation)) - set(SamplingSettings.names()))
-        if unknown:
-            raise ConfigError(
-                f"rollout.generation.{unknown[0]}: not a generation setting of rollout.env=prompt's sampler, which "
-                f"takes {SamplingSettings.names()}; check the spelling, or use rollout.env=chat (TorchRL's "
-                "TransformersWrapper passes any transformers GenerationConfig field to generate())."
-            )
+    check_generation_settings(generation, env=rollout.env)
     if generation.max_new_tokens < 1:
         raise ConfigError(f"rollout.generation.max_new_tokens={generation.max_new_tokens} must be >= 1.")
     if not generation.do_sample:
