@@ -47,7 +47,9 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from recipes.common.collection import REWARD_INPUTS, PrepareBatch, check_reward_keys, make_collector
 from recipes.common.config import ConfigError, check_run_settings, run_config
@@ -127,6 +129,32 @@ def _checkpoint_root(cfg: DictConfig) -> Path:
 
 def validate(cfg: DictConfig) -> None:
     """Cross-field checks that need nothing loaded; each message says what to change."""
+    _validate_batches(cfg)
+    _validate_reporting(cfg)
+    _validate_rollout(cfg.rollout)
+    if cfg.reward.input not in REWARD_INPUTS:
+        raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
+    check_reward_keys(cfg)
+    if cfg.loss.aggregation not in ("token_mean", "prompt_mean"):
+        raise ConfigError(f"loss.aggregation={cfg.loss.aggregation!r}: expected 'token_mean' or 'prompt_mean'.")
+    if cfg.loss.kl_to_ref_coeff is not None and cfg.loss.kl_to_ref_coeff < 0:
+        raise ConfigError(f"loss.kl_to_ref_coeff={cfg.loss.kl_to_ref_coeff} must be >= 0 (or null: no reference).")
+    check_run_settings(
+        cfg, lr_key="optimizer.lr", max_grad_norm_key="train.max_grad_norm", batch_size_key="train.mini_batch_size"
+    )
+    _validate_distributed(cfg)
+    validate_model_node(cfg.model, key="model", kind="policy")
+    validate_model_node(cfg.reward_model, key="reward_model", kind="reward_model")
+    if cfg.data.source == "file" and not Path(str(cfg.data.path)).expanduser().exists():
+        raise ConfigError(
+            f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
+            f"{cfg.data.prompt_column!r} column of prompts."
+        )
+    check_output_folder(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    _validate_resume(cfg)
+
+
+def _validate_batches(cfg: DictConfig) -> None:
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
     if group < 2:
         raise ConfigError(
@@ -148,6 +176,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("train.steps", "train.epochs_per_step"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 1.")
+
+
+def _validate_reporting(cfg: DictConfig) -> None:
     every = cfg.checkpoint.every_n_steps
     if every is not None and every < 1:
         raise ConfigError(f"checkpoint.every_n_steps={every} must be >= 1, or null to save only at the end.")
@@ -162,18 +193,6 @@ def validate(cfg: DictConfig) -> None:
     for key in ("samples.log_count", "samples.print_count"):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0.")
-    _validate_rollout(cfg.rollout)
-    if cfg.reward.input not in REWARD_INPUTS:
-        raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
-    check_reward_keys(cfg)
-    if cfg.loss.aggregation not in ("token_mean", "prompt_mean"):
-        raise ConfigError(f"loss.aggregation={cfg.loss.aggregation!r}: expected 'token_mean' or 'prompt_mean'.")
-    if cfg.loss.kl_to_ref_coeff is not None and cfg.loss.kl_to_ref_coeff < 0:
-        raise ConfigError(f"loss.kl_to_ref_coeff={cfg.loss.kl_to_ref_coeff} must be >= 0 (or null: no reference).")
-    check_run_settings(
-        cfg, lr_key="optimizer.lr", max_grad_norm_key="train.max_grad_norm", batch_size_key="train.mini_batch_size"
-    )
-    _validate_distributed(cfg)
     metric = str(cfg.metric)
     if metric not in SUMMARY_KEYS:
         raise ConfigError(f"metric={metric!r} is not a summary.json entry; use one of {sorted(SUMMARY_KEYS)}.")
@@ -182,14 +201,9 @@ def validate(cfg: DictConfig) -> None:
             f"metric={metric!r} needs an oracle, but data.oracle is null for data.source={cfg.data.source!r}; "
             "use metric=rollout/reward_mean_last."
         )
-    validate_model_node(cfg.model, key="model", kind="policy")
-    validate_model_node(cfg.reward_model, key="reward_model", kind="reward_model")
-    if cfg.data.source == "file" and not Path(str(cfg.data.path)).expanduser().exists():
-        raise ConfigError(
-            f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
-            f"{cfg.data.prompt_column!r} column of prompts."
-        )
-    check_output_folder(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+
+
+def _validate_resume(cfg: DictConfig) -> None:
     if not isinstance(cfg.resume_allow_changes, ListConfig):
         raise ConfigError(
             f"resume_allow_changes={cfg.resume_allow_changes!r}: expected a list of settings, e.g. "
@@ -221,7 +235,6 @@ def check_prompt_lengths(cfg: DictConfig, prompts: list) -> None:
     ``max_new_tokens``; warned (refused if every prompt) when ``reward.max_length`` cuts the reward model's input
     before the response starts, where every response to the prompt gets the same reward. Tokenizers only, no model.
     """
-    from transformers import AutoConfig
 
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
     table = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
@@ -398,7 +411,6 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
 
 def make_replay_buffer(cfg: DictConfig):
     """One step's responses (with their advantages), handed out in mini-batches without replacement."""
-    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
 
     return ReplayBuffer(
         storage=LazyStackStorage(cfg.rollout.responses_per_step),
