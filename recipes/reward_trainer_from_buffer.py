@@ -98,6 +98,9 @@ def validate(cfg: DictConfig) -> None:
                 f"generation.responses_per_prompt={cfg.generation.responses_per_prompt}: a preference pair needs two "
                 "responses to the same prompt; use 2 or more."
             )
+        from recipes.common.rollout import check_generation_settings  # loads torchrl: only where it samples
+
+        check_generation_settings(cfg.generation.generate_kwargs, env="chat", key="generation.generate_kwargs")
     elif cfg.margin_in_loss:
         raise ConfigError(
             f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."

@@ -264,6 +264,7 @@ def test_persisted_buffer_is_reused_without_generating_or_labelling(compose_conf
         (["num_threads=0"], "num_threads=0 must be >= 1"),
         (["dtype=float16"], "dtype=float16 on the CPU"),
         (["model.name_or_path=${reward_model.name_or_path}", "reward_model=tiny"], "not a causal LM"),
+        (["+generation.generate_kwargs.max_new_token=8"], r"generation.generate_kwargs: \['max_new_token'\] are not"),
     ],
 )
 def test_bad_settings_fail_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):
