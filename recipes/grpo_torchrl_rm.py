@@ -55,8 +55,9 @@ from recipes.common.collection import REWARD_INPUTS, PrepareBatch, check_reward_
 from recipes.common.config import ConfigError, check_run_settings, run_config
 from recipes.common.data import load_prompts
 from recipes.common.distributed import (
+    STRATEGIES,
     check_ranks_in_sync,
-    make_data_parallel_policy,
+    make_policy_scorer,
     mean_over_processes,
     pool_over_processes,
 )
@@ -80,6 +81,7 @@ from recipes.common.rollout import check_generation_settings
 from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
 from recipes.common.run_folder import check_output_folder
 from recipes.common.sampling import SamplingSettings
+from recipes.common.sharding import gather_full_state, is_sharded, load_full_optimizer_state
 
 BACKENDS = ("auto", "gloo", "nccl")
 ROLLOUT_ENVS = ("prompt", "chat")
@@ -352,6 +354,7 @@ def _validate_distributed(cfg: DictConfig) -> None:
     on_cuda = str(cfg.device).startswith("cuda")
     if backend == "nccl" and not on_cuda:
         raise ConfigError(f"distributed.backend=nccl needs device=cuda (got device={cfg.device!r}); use gloo or auto.")
+    _validate_strategy(cfg)
     if "WORLD_SIZE" not in os.environ or not on_cuda:
         return
     local_rank, world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
@@ -364,6 +367,28 @@ def _validate_distributed(cfg: DictConfig) -> None:
         raise ConfigError(
             f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} CUDA devices; start at most that "
             "many processes per node (torchrun --nproc_per_node)."
+        )
+
+
+def _validate_strategy(cfg: DictConfig) -> None:
+    strategy = cfg.distributed.strategy
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"distributed.strategy={strategy!r}: expected one of {list(STRATEGIES)}.")
+    if strategy != "fsdp":
+        return
+    # Outside torchrun (or with one process) there is nothing to shard over: the run trains as with ddp.
+    if cfg.rollout.mode == "async":
+        raise ConfigError(
+            "distributed.strategy=fsdp with rollout.mode=async: the background collector samples with a whole copy "
+            "of the policy, refreshed from the learner's weights, which sharding splits between the processes. Use "
+            "rollout.mode=sync with fsdp, or distributed.strategy=ddp for async collection."
+        )
+    if cfg.rollout.env == "chat":
+        raise ConfigError(
+            "distributed.strategy=fsdp with rollout.env=chat: TorchRL's TransformersWrapper calls generate(), which "
+            "stops decoding per process when its rows are done, while a sharded policy needs every process in every "
+            "forward pass. Use rollout.env=prompt (its sampler keeps the processes in step) with fsdp, or "
+            "distributed.strategy=ddp with rollout.env=chat."
         )
 
 
@@ -580,7 +605,7 @@ def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> d
     start_step = state["step"] if state is not None else 0
     models = load_models(cfg, resume_from=resume_from)
     learner = make_learner(cfg, models)
-    progress = restore_progress(cfg, run, state, learner.optimizer)
+    progress = restore_progress(cfg, run, state, learner.optimizer, policy=models.policy)
     processes, collector = run.processes, None
     try:
         # Last, and inside the try: an async collector is a child process, which the finally below always stops.
@@ -626,8 +651,9 @@ class Learner:
 
 def make_learner(cfg: DictConfig, models: Models) -> Learner:
     # The policy's log-probs over the response positions, for the loss (and the old log-probs where a step needs
-    # them scored); through the DDP wrapper, so that the loss's backward averages the gradients over the ranks.
-    scorer = make_data_parallel_policy(ResponseLogProbs(models.policy), device=cfg.device)
+    # them scored); through DDP or FSDP2 (which shards the policy here, before the optimizer sees its parameters), so
+    # that the loss's backward averages the gradients over the ranks.
+    scorer = make_policy_scorer(models.policy, strategy=cfg.distributed.strategy, device=cfg.device)
     parameters = list(models.policy.parameters())  # a list: clipped at every update, not a spent generator
     return Learner(
         prepare=make_batch_preparation(cfg, models, scorer),
@@ -638,12 +664,15 @@ def make_learner(cfg: DictConfig, models: Models) -> Learner:
     )
 
 
-def restore_progress(cfg: DictConfig, run: Run, state: dict | None, optimizer) -> dict:
+def restore_progress(cfg: DictConfig, run: Run, state: dict | None, optimizer, *, policy) -> dict:
     """The run's running totals (history, times, tokens): empty, or the checkpoint's with its optimizer state."""
     progress = {"history": [], "wall_time_s": 0.0, "tokens_total": 0, "rollout_time_s": 0.0}
     if state is None:
         return progress
-    optimizer.load_state_dict(state["optimizer"])
+    if is_sharded(policy):  # the full state save_if_due gathered: each rank keeps its shard
+        load_full_optimizer_state(policy, optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     # The config's optimizer settings win over the checkpoint's (an allowed resume change, e.g. the lr, applies).
     settings = {k: v for k, v in OmegaConf.to_container(cfg.optimizer).items() if not k.startswith("_")}
     for group in optimizer.param_groups:
@@ -780,13 +809,17 @@ def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
 
 def save_if_due(run: Run, step: int, models: Models, optimizer, progress: dict) -> None:
     """A checkpoint every ``checkpoint.every_n_steps`` steps and at the last: the policy, the optimizer, the running
-    totals and every rank's RNG state (so that a resumed run samples as this one would have)."""
+    totals and every rank's RNG state (so that a resumed run samples as this one would have). A sharded policy's
+    weights and optimizer state are gathered whole onto rank 0 first: one ``from_pretrained`` folder, as under DDP."""
     cfg = run.cfg
     every = cfg.checkpoint.every_n_steps
     if not (step == cfg.train.steps or (every is not None and step % every == 0)):
         return
     check_ranks_in_sync(models.policy)
     rng_by_rank = gather_object([capture_rng_state()])
+    model_state = optimizer_state = None
+    if is_sharded(models.policy):
+        model_state, optimizer_state = gather_full_state(models.policy, optimizer)
     if run.is_main:
         state = {key: value for key, value in progress.items() if key != "setup_time_s"}
         save_checkpoint(
@@ -797,6 +830,8 @@ def save_if_due(run: Run, step: int, models: Models, optimizer, progress: dict) 
             optimizer=optimizer,
             state={**state, "rng_by_rank": rng_by_rank},
             keep_last=cfg.checkpoint.keep_last,
+            model_state_dict=model_state,
+            optimizer_state_dict=optimizer_state,
         )
 
 

@@ -15,10 +15,11 @@ _STAGING = re.compile(r"^\..+\.staging\..+$")
 _PREVIOUS = re.compile(r"^\.(.+)\.previous$")
 
 
-def save_model_folder(model, tokenizer, folder: str | os.PathLike) -> None:
+def save_model_folder(model, tokenizer, folder: str | os.PathLike, *, state_dict: dict | None = None) -> None:
     """``save_pretrained`` of a ``transformers`` model (safetensors) and its tokenizer into one folder, loadable with
-    ``from_pretrained`` as a hub id is."""
-    model.save_pretrained(folder, safe_serialization=True)
+    ``from_pretrained`` as a hub id is. ``state_dict``: the weights to write instead of the model's own (the full
+    weights of a sharded model, gathered)."""
+    model.save_pretrained(folder, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
     tokenizer.save_pretrained(folder)
 
 

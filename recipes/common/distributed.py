@@ -3,7 +3,8 @@
 The processes are accelerate's ``PartialState`` (what trl's trainers run on; :func:`recipes.common.run.start_run`
 sets it up): its collectives (``gather``, ``gather_object``, ``reduce``) are no-ops in a plain ``python recipes/x.py``
 run, so a recipe has one code path for one process and for many. What accelerate does not have is here: the policy's
-DDP wrapper, pooling values that live on any device, and the check that the ranks' weights agree.
+DDP wrapper (or, with ``distributed.strategy=fsdp``, its FSDP2 sharding: ``recipes.common.sharding``), pooling values
+that live on any device, and the check that the ranks' weights agree.
 """
 
 from __future__ import annotations
@@ -15,7 +16,20 @@ from accelerate import PartialState
 from accelerate.utils import gather, reduce
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["check_ranks_in_sync", "make_data_parallel_policy", "mean_over_processes", "pool_over_processes"]
+from recipes.common.log_probs import ResponseLogProbs
+from recipes.common.sharding import ShardedResponseLogProbs, is_sharded, shard_policy
+
+__all__ = [
+    "STRATEGIES",
+    "check_ranks_in_sync",
+    "make_data_parallel_policy",
+    "make_policy_scorer",
+    "mean_over_processes",
+    "pool_over_processes",
+]
+
+# ddp: every process holds the whole policy and its optimizer state; fsdp: 1/N of them each (FSDP2).
+STRATEGIES = ("ddp", "fsdp")
 
 
 def _comm_device() -> torch.device:
@@ -52,10 +66,23 @@ def make_data_parallel_policy(model, *, device: str):
     return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
 
+def make_policy_scorer(policy, *, strategy: str, device: str):
+    """The policy's :class:`~recipes.common.log_probs.ResponseLogProbs` as the loss must see it, averaging the
+    gradients over the processes. ``strategy="ddp"``: wrapped in ``DistributedDataParallel``. ``strategy="fsdp"``:
+    ``policy`` is sharded in place (:func:`~recipes.common.sharding.shard_policy`; build the optimizer afterwards). In
+    a single process, the plain scorer either way."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"make_policy_scorer: strategy={strategy!r}, expected one of {list(STRATEGIES)}.")
+    if strategy == "fsdp" and PartialState().use_distributed:
+        return ShardedResponseLogProbs(shard_policy(policy))
+    return make_data_parallel_policy(ResponseLogProbs(policy), device=device)
+
+
 def check_ranks_in_sync(model) -> None:
-    """Raises on every rank if the ranks' weights differ (each update must have applied the same gradients)."""
+    """Raises on every rank if the ranks' weights differ (each update must have applied the same gradients). A
+    sharded model passes: each of its parameters exists once, split between the ranks, with nothing to compare."""
     processes = PartialState()
-    if processes.num_processes == 1:
+    if processes.num_processes == 1 or is_sharded(model):
         return
     fingerprint = torch.stack([p.detach().double().sum() for p in model.parameters()])
     gathered = pool_over_processes(fingerprint).reshape(processes.num_processes, -1)

@@ -101,6 +101,8 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     keep_last: int | None = None,
+    model_state_dict: dict[str, torch.Tensor] | None = None,
+    optimizer_state_dict: dict[str, Any] | None = None,
 ) -> Path:
     """Writes ``<root>/step_<step>`` atomically, then deletes all but the ``keep_last`` newest checkpoints.
 
@@ -115,11 +117,15 @@ def save_checkpoint(
         state: extra training state (numbers, strings, tensors, lists, dicts; the caller's RNG states among them,
             e.g. every rank's :func:`capture_rng_state`); ``step`` is added.
         keep_last: how many checkpoints to keep; ``None`` keeps all.
+        model_state_dict: the weights to save instead of ``model``'s own (those of a sharded model, gathered:
+            ``recipes.common.sharding.gather_full_state``).
+        optimizer_state_dict: the optimizer state to save instead of ``optimizer.state_dict()`` (likewise).
     """
 
     def write(folder: Path) -> None:
-        save_model_folder(model, tokenizer, folder / MODEL_FOLDER)
-        payload = {**state, "step": step, "optimizer": optimizer.state_dict()}
+        save_model_folder(model, tokenizer, folder / MODEL_FOLDER, state_dict=model_state_dict)
+        optimizer_state = optimizer_state_dict if optimizer_state_dict is not None else optimizer.state_dict()
+        payload = {**state, "step": step, "optimizer": optimizer_state}
         torch.save(payload, folder / STATE_FILE)
 
     folder = write_folder_atomically(write, checkpoint_folder(root, step))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
+from torch.distributed.fsdp import FSDPModule
 
 from recipes.common.config import ConfigError
 from recipes.common.models import check_pad_token
@@ -139,6 +140,20 @@ def _forward_options(model) -> tuple[dict, str]:
     return prefill, "cache" if "cache" in parameters else "past_key_values"
 
 
+def _forwards_are_collective(model) -> bool:
+    # FSDP2 gathers the weights in each forward: every rank of the group must run as many forward passes.
+    return isinstance(model, FSDPModule) and torch.distributed.is_initialized()
+
+
+def _any_rank_running(running: torch.Tensor, synced: bool) -> bool:
+    """Whether a row of this rank (of any rank, when ``synced``) still decodes."""
+    if not synced:
+        return bool(running.any())
+    flag = running.any().int()  # on the model's device: the one this rank's backend moves
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag)
+
+
 def _penalise_repetitions(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
     return torch.where(seen, penalised, scores)
@@ -179,7 +194,9 @@ def sample_responses(
 
     Positions follow the attention mask (``cumsum - 1``), as ``generate`` sets them, so a row scores the same
     whatever padding it shares a batch with. Decoding stops once every row has sampled an EOS id, or after
-    ``settings.max_new_tokens`` tokens.
+    ``settings.max_new_tokens`` tokens. A model sharded with FSDP2 (``recipes.common.sharding``) all-gathers its
+    weights in every forward pass, a collective that every rank must join: decoding then stops once every row of
+    every rank has sampled an EOS id, and the responses are those the rank would have sampled alone.
 
     Args:
         model: a ``transformers`` causal LM (with a KV cache).
@@ -206,27 +223,31 @@ def sample_responses(
     seen = None
 
     prefill, cache_argument = _forward_options(model)
+    synced = _forwards_are_collective(model)
     out = model(input_ids=prompt_tokens, attention_mask=mask, position_ids=positions, use_cache=True, **prefill)
     next_position = positions[:, -1:] + 1
     for step in range(settings.max_new_tokens):
-        logits = out.logits[:, -1].float()
-        scores = logits
-        if settings.repetition_penalty != 1.0:
-            if seen is None:
-                seen = torch.zeros_like(logits).scatter_add_(-1, prompt_tokens, mask.float()) > 0
-            scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
-        if step < settings.min_new_tokens:
-            scores = scores.index_fill(-1, eos, float("-inf"))
-        token = _choose(scores, settings)
-        token_log_prob = logits.gather(-1, token[:, None]).squeeze(-1) - logits.logsumexp(-1)
-        tokens[:, step] = torch.where(running, token, pad_token_id)
-        log_probs[:, step] = torch.where(running, token_log_prob, 0.0)
-        lengths += running
-        running = running & ~torch.isin(token, eos)
-        if step + 1 == settings.max_new_tokens or not running.any():
+        # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
+        # it leaves its RNG where a rank decoding alone would have left it.
+        if running.any():
+            logits = out.logits[:, -1].float()
+            scores = logits
+            if settings.repetition_penalty != 1.0:
+                if seen is None:
+                    seen = torch.zeros_like(logits).scatter_add_(-1, prompt_tokens, mask.float()) > 0
+                scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
+            if step < settings.min_new_tokens:
+                scores = scores.index_fill(-1, eos, float("-inf"))
+            token = _choose(scores, settings)
+            token_log_prob = logits.gather(-1, token[:, None]).squeeze(-1) - logits.logsumexp(-1)
+            tokens[:, step] = torch.where(running, token, pad_token_id)
+            log_probs[:, step] = torch.where(running, token_log_prob, 0.0)
+            lengths += running
+            running = running & ~torch.isin(token, eos)
+            if seen is not None:
+                seen.scatter_(-1, token[:, None], True)
+        if step + 1 == settings.max_new_tokens or not _any_rank_running(running, synced):
             break
-        if seen is not None:
-            seen.scatter_(-1, token[:, None], True)
         # Finished rows go on decoding pads (their outputs are discarded), so that the batch keeps one shape.
         mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
         cache = out["cache"] if "cache" in out else out["past_key_values"]

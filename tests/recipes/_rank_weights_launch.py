@@ -1,14 +1,19 @@
 """``recipes/grpo_torchrl_rm.py`` as ``torchrun`` starts it, with each rank also writing its policy weights, at every
 checkpoint, to ``<hydra.run.dir>/rank_weights/rank_<rank>.safetensors``: what the data-parallel tests compare (the
-ranks must hold identical weights). The recipe is untouched; this wraps its check that the ranks agree."""
+ranks must hold identical weights). Under ``distributed.strategy=fsdp`` the weights written are the full ones,
+gathered from the shards, and ``rank_<rank>.json`` records how many parameter elements the rank itself holds
+(``local_numel``) of how many in all (``full_numel``). The recipe is untouched; this wraps its check that the ranks
+agree."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 import recipes.grpo_torchrl_rm as recipe
 
@@ -21,8 +26,20 @@ def check_and_save_rank_weights(model) -> None:
     run_dir = next(Path(arg.split("=", 1)[1]) for arg in sys.argv if arg.startswith("hydra.run.dir="))
     folder = run_dir / RANK_WEIGHTS_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-    save_file(weights, folder / f"rank_{os.environ.get('RANK', '0')}.safetensors")
+    rank = os.environ.get("RANK", "0")
+    parameters = dict(model.named_parameters())
+    # A sharded parameter is a DTensor: its local shard is what this rank holds, full_tensor() gathers the whole.
+    local = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in parameters.items()}
+    weights = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+        for name, p in parameters.items()
+    }
+    save_file(weights, folder / f"rank_{rank}.safetensors")
+    sizes = {
+        "local_numel": sum(t.numel() for t in local.values()),
+        "full_numel": sum(t.numel() for t in weights.values()),
+    }
+    (folder / f"rank_{rank}.json").write_text(json.dumps(sizes))
 
 
 if __name__ == "__main__":

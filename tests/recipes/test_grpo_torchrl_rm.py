@@ -64,6 +64,9 @@ class TestValidation:
             (["resume=true"], "holds no checkpoint"),
             (["distributed.backend=mpi"], "distributed.backend='mpi'"),
             (["distributed.backend=nccl"], "distributed.backend=nccl needs device=cuda"),
+            (["distributed.strategy=zero3"], "distributed.strategy='zero3': expected one of ['ddp', 'fsdp']"),
+            (["distributed.strategy=fsdp", "rollout.mode=async"], "Use rollout.mode=sync with fsdp"),
+            (["distributed.strategy=fsdp", "rollout.env=chat"], "Use rollout.env=prompt (its sampler keeps"),
             (
                 ["data=file", "data.path=/nonexistent/prompts.jsonl", "metric=rollout/reward_mean_last"],
                 "data.path='/nonexistent/prompts.jsonl': no such file",

@@ -183,3 +183,60 @@ class TestSamplingPolicy:
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, 7]
         policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=4))
         assert policy.eos_token_ids == sorted({tokenizer.eos_token_id, 7})
+
+
+def _sharded_sampling_rank(rank: int, folder: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes.common.config import PROJECT_ROOT
+    from recipes.common.sharding import shard_policy
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        model = shard_policy(AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "tiny" / "policy").eval())
+        tokenizer = AutoTokenizer.from_pretrained(PROJECT_ROOT / "tiny" / "policy", padding_side="left")
+        tokens, mask = _prompts(tokenizer, PROMPTS)
+        torch.manual_seed(rank)
+        sampled = sample_responses(model, tokens, mask, **_early_stop_options(rank, tokenizer))
+        result = {"tokens": sampled.tokens.tolist(), "log_probs": sampled.log_probs.tolist(), "next": torch.rand(1)}
+        with open(f"{folder}/rank{rank}.json", "w") as handle:
+            json.dump({**result, "next": result["next"].item()}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def _early_stop_options(rank: int, tokenizer) -> dict:
+    # Rank 0 ends every response at its first token (every id is an EOS id); rank 1 decodes up to 6 tokens.
+    eos = list(range(len(tokenizer))) if rank == 0 else [tokenizer.eos_token_id]
+    settings = SamplingSettings(max_new_tokens=6, top_k=50)
+    return {"settings": settings, "eos_token_ids": eos, "pad_token_id": tokenizer.pad_token_id}
+
+
+def test_sharded_ranks_decode_in_step_and_sample_as_alone(tmp_path, tiny_policy):
+    """Under FSDP2 every forward pass is a collective: a rank done first keeps running them (without drawing tokens)
+    until the other is done too; each rank samples what it would have sampled unsharded and alone."""
+    import json
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    processes = [fork.Process(target=_sharded_sampling_rank, args=(rank, str(tmp_path))) for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    assert [p.exitcode for p in processes] == [0, 0]  # a rank that stopped its forwards early would hang the other
+
+    model, tokenizer = tiny_policy
+    tokens, mask = _prompts(tokenizer, PROMPTS)
+    for rank in range(2):
+        torch.manual_seed(rank)
+        alone = sample_responses(model, tokens, mask, **_early_stop_options(rank, tokenizer))
+        sharded = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sharded["tokens"] == alone.tokens.tolist()
+        torch.testing.assert_close(torch.tensor(sharded["log_probs"]), alone.log_probs)
+        assert sharded["next"] == torch.rand(1).item()  # the RNG was left where decoding alone leaves it
+    assert len(json.loads((tmp_path / "rank0.json").read_text())["tokens"][0]) == 1

@@ -1,0 +1,116 @@
+"""FSDP2 sharding of the GRPO policy (``distributed.strategy=fsdp`` under ``torchrun``): each process holds 1/N of
+its parameters, gradients and optimizer state, and gathers a layer's full weights only while that layer runs.
+
+- :func:`shard_policy`: ``torch.distributed.fsdp.fully_shard`` on every decoder layer, then on the whole causal LM
+  (the root, holding the embeddings, the final norm and the LM head), in place.
+- :class:`ShardedResponseLogProbs`: :class:`~recipes.common.log_probs.ResponseLogProbs` over a sharded policy. It
+  runs the backbone and the LM head itself, outside the policy's ``forward``, where FSDP2 would leave the root's
+  weights sharded: its scoring is registered as one of the policy's forward methods, so that FSDP2 gathers them
+  around it (and reduce-scatters their gradients after the backward) as it does around ``forward``.
+- :func:`is_sharded`: whether a model is FSDP2-sharded.
+- :func:`gather_full_state`: the full model and optimizer state dicts, gathered onto rank 0's CPU, for a checkpoint
+  that loads with ``from_pretrained`` and resumes under any number of processes.
+- :func:`load_full_optimizer_state`: such a gathered optimizer state put back into a sharded optimizer.
+
+The reference model stays replicated: it is frozen (no gradients, no optimizer state), so it costs one copy of the
+weights per process, against four (weights, gradients, two AdamW moments) for the policy before sharding.
+
+Dependencies: torch (``torch.distributed.fsdp``, ``torch.distributed.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+from recipes.common.log_probs import ResponseLogProbs
+
+__all__ = ["ShardedResponseLogProbs", "gather_full_state", "is_sharded", "load_full_optimizer_state", "shard_policy"]
+
+# The policy's method that ShardedResponseLogProbs registers as an FSDP2 forward.
+_SCORE_METHOD = "score_response_log_probs"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by ``fully_shard`` (its parameters are DTensor shards)."""
+    return isinstance(model, FSDPModule)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    # transformers names the blocks it never splits across devices: the decoder layers of any architecture.
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(
+            f"shard_policy: found no decoder layers in {type(model).__name__} (it names none in _no_split_modules); "
+            "use distributed.strategy=ddp for this model."
+        )
+    return layers
+
+
+def shard_policy(model: nn.Module) -> nn.Module:
+    """Shards ``model`` in place over the default process group: one ``fully_shard`` per decoder layer (its weights
+    are gathered only while it runs forward or backward), one on the model for what is left (embeddings, final norm,
+    LM head, tied or not). Build the optimizer afterwards, over the sharded parameters. Returns ``model``."""
+    for layer in _decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+class ShardedResponseLogProbs(ResponseLogProbs):
+    """:class:`~recipes.common.log_probs.ResponseLogProbs` over a policy sharded by :func:`shard_policy`.
+
+    The scoring reads the embeddings and the LM head weight directly, which FSDP2 gathers only inside the policy's
+    forward hooks: it is therefore run as a forward method of the policy (``register_fsdp_forward_method``), and the
+    root's gradients are reduce-scattered after the backward as those of ``forward`` would be. The gradients of every
+    rank's batch are averaged, as under ``DistributedDataParallel``.
+
+    Args:
+        model: a causal LM sharded by :func:`shard_policy`.
+
+    Keyword Args:
+        chunk_elements: as :class:`~recipes.common.log_probs.ResponseLogProbs`'s.
+    """
+
+    def __init__(self, model, *, chunk_elements: int = 2**23) -> None:
+        if not is_sharded(model):
+            raise ValueError("ShardedResponseLogProbs: the model is not sharded; call shard_policy(model) first.")
+        super().__init__(model, chunk_elements=chunk_elements)
+        # A plain attribute, not a submodule: the policy's state dict does not change.
+        object.__setattr__(model, _SCORE_METHOD, functools.partial(ResponseLogProbs.forward, self))
+        register_fsdp_forward_method(model, _SCORE_METHOD)
+
+    def forward(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, response_start: int, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        score = getattr(self.model, _SCORE_METHOD)
+        return score(tokens, attention_mask, response_start=response_start, with_entropy=with_entropy)
+
+
+_FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The full (unsharded) state dicts of a sharded ``model`` and its ``optimizer``, on CPU, keyed by parameter
+    names. Every rank must call it (the shards are all-gathered); rank 0 gets the tensors, the other ranks get empty
+    dicts (``cpu_offload`` keeps a single copy, rank 0's)."""
+    model_state = get_model_state_dict(model, options=_FULL_ON_CPU)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=_FULL_ON_CPU)
+    return model_state, optimizer_state
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Loads an optimizer state gathered by :func:`gather_full_state` into the optimizer of a sharded ``model``: each
+    rank keeps its own shard of every moment. Every rank must call it with the whole state (each reads the
+    checkpoint), whatever the number of processes that saved it."""
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
