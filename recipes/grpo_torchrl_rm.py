@@ -62,6 +62,7 @@ from recipes.common.distributed import (
     pool_over_processes,
 )
 from recipes.common.log_probs import ResponseLogProbs
+from recipes.common.lora import AdapterDisabledLogProbs, load_policy, trainable_parameters, validate_lora_node
 from recipes.common.losses import ResponseGRPOLoss
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.prompt_env import PromptTable
@@ -147,6 +148,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_distributed(cfg)
     validate_model_node(cfg.model, key="model", kind="policy")
     validate_model_node(cfg.reward_model, key="reward_model", kind="reward_model")
+    _validate_lora(cfg)
     if cfg.data.source == "file" and not Path(str(cfg.data.path)).expanduser().exists():
         raise ConfigError(
             f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
@@ -202,6 +204,20 @@ def _validate_reporting(cfg: DictConfig) -> None:
         raise ConfigError(
             f"metric={metric!r} needs an oracle, but data.oracle is null for data.source={cfg.data.source!r}; "
             "use metric=rollout/reward_mean_last."
+        )
+
+
+def _validate_lora(cfg: DictConfig) -> None:
+    validate_lora_node(cfg.model.lora, key="model.lora")
+    if cfg.reward_model.lora is not None:
+        raise ConfigError(
+            "reward_model.lora is set, but GRPO's reward model is frozen: it trains no adapters. Drop it (to score "
+            "with a LoRA reward model, point reward_model.name_or_path at the adapter folder the reward recipe saved)."
+        )
+    if cfg.checkpoint.save_merged and cfg.model.lora is None:
+        raise ConfigError(
+            "checkpoint.save_merged=true merges LoRA adapters into a full model, but model.lora is null: the "
+            "checkpoint's model folder already is the full model. Drop checkpoint.save_merged, or set model.lora."
         )
 
 
@@ -390,6 +406,12 @@ def _validate_strategy(cfg: DictConfig) -> None:
             "forward pass. Use rollout.env=prompt (its sampler keeps the processes in step) with fsdp, or "
             "distributed.strategy=ddp with rollout.env=chat."
         )
+    if cfg.model.get("lora") is not None:
+        raise ConfigError(
+            "distributed.strategy=fsdp with model.lora: sharding a LoRA-wrapped policy (and gathering its adapter for "
+            "checkpoints) is not built yet. LoRA's trainable state is small: use distributed.strategy=ddp with "
+            "model.lora, or fsdp for full fine-tuning (model.lora=null)."
+        )
 
 
 # ----------------------------------------------------------------------------------------------------- factories
@@ -413,10 +435,11 @@ def checkpoint_policy_node(cfg: DictConfig, checkpoint: Path) -> DictConfig:
 
 
 def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
-    """The policy comes from the checkpoint when resuming; the reference is always the initial policy."""
+    """The policy comes from the checkpoint when resuming; the reference is always the initial policy (with LoRA, the
+    policy with its adapters off: nothing more is loaded)."""
     policy_node = cfg.model if resume_from is None else checkpoint_policy_node(cfg, resume_from)
     reference = None
-    if cfg.loss.kl_to_ref_coeff:
+    if cfg.loss.kl_to_ref_coeff and cfg.model.lora is None:
         reference = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
     reward_tokenizer = reward_model = None
     if cfg.rollout.mode == "sync":
@@ -427,7 +450,9 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
     return Models(
         tokenizer=load_tokenizer(policy_node, padding_side="left"),
         # eval(): GRPO's importance ratios compare forward passes that must not differ by dropout.
-        policy=load_causal_lm(policy_node, device=cfg.device, dtype=cfg.dtype).eval(),
+        policy=load_policy(
+            cfg.model, device=cfg.device, dtype=cfg.dtype, saved=None if resume_from is None else policy_node
+        ).eval(),
         reference=reference,
         reward_tokenizer=reward_tokenizer,
         reward_model=reward_model,
@@ -455,10 +480,20 @@ def make_batch_preparation(cfg: DictConfig, models: Models, scorer) -> PrepareBa
     scores_old = cfg.rollout.env == "chat" and not is_on_policy(cfg)
     return PrepareBatch(
         cfg.rollout.group_size,
-        reference=ResponseLogProbs(models.reference) if models.reference is not None else None,
+        reference=make_reference_log_probs(cfg, models),
         policy=scorer if scores_old else None,
         micro_batch_size=cfg.rollout.log_prob_micro_batch_size,
     )
+
+
+def make_reference_log_probs(cfg: DictConfig, models: Models):
+    """The frozen reference's log-prob scorer (``None``: no KL term): the initial policy loaded beside the policy, or
+    with LoRA the policy with its adapters switched off (its base weights never train)."""
+    if not cfg.loss.kl_to_ref_coeff:
+        return None
+    if cfg.model.lora is not None:
+        return AdapterDisabledLogProbs(models.policy)
+    return ResponseLogProbs(models.reference)
 
 
 def make_loss(cfg: DictConfig, scorer) -> ResponseGRPOLoss:
@@ -654,7 +689,7 @@ def make_learner(cfg: DictConfig, models: Models) -> Learner:
     # them scored); through DDP or FSDP2 (which shards the policy here, before the optimizer sees its parameters), so
     # that the loss's backward averages the gradients over the ranks.
     scorer = make_policy_scorer(models.policy, strategy=cfg.distributed.strategy, device=cfg.device)
-    parameters = list(models.policy.parameters())  # a list: clipped at every update, not a spent generator
+    parameters = trainable_parameters(models.policy)  # all, or LoRA's adapters; a list: clipped at every update
     return Learner(
         prepare=make_batch_preparation(cfg, models, scorer),
         buffer=make_replay_buffer(cfg),
@@ -832,6 +867,7 @@ def save_if_due(run: Run, step: int, models: Models, optimizer, progress: dict) 
             keep_last=cfg.checkpoint.keep_last,
             model_state_dict=model_state,
             optimizer_state_dict=optimizer_state,
+            save_merged=cfg.checkpoint.save_merged,
         )
 
 

@@ -46,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
 from recipes.common.config import ConfigError, check_run_settings
 from recipes.common.logging import MetricLogger
+from recipes.common.lora import make_lora_config, validate_lora_node
 from recipes.common.models import load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.preference import (
     EVAL_PAIRS_FILE,
@@ -115,6 +116,12 @@ def validate(cfg: DictConfig) -> None:
     if not 0.0 < cfg.eval.holdout_fraction < 1.0:
         raise ConfigError(f"eval.holdout_fraction={cfg.eval.holdout_fraction}: expected a fraction in (0, 1).")
     validate_model_node(cfg.reward_model, key="reward_model")
+    validate_lora_node(cfg.reward_model.lora, key="reward_model.lora")
+    if cfg.model.lora is not None:
+        raise ConfigError(
+            "model.lora is set, but this recipe trains the reward model, not the policy that samples the candidate "
+            "responses. Set reward_model.lora instead (and keep model.lora null)."
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- pairs
@@ -354,9 +361,12 @@ def log_run_plan(cfg: DictConfig, facts: dict, *, num_eval_pairs: int) -> None:
     )
 
 
-def make_trainer(model, tokenizer, args, train_dataset, labelled: LabelledPairs, *, with_margin: bool, callbacks):
+def make_trainer(
+    model, tokenizer, args, train_dataset, labelled: LabelledPairs, *, with_margin: bool, callbacks, lora=None
+):
     """trl's ``RewardTrainer`` (with its own collator) reading the buffer's stream; with ``train.eval_strategy`` other
-    than "no" it also evaluates the held-out pairs as it trains."""
+    than "no" it also evaluates the held-out pairs as it trains. ``lora`` (``reward_model.lora``): trl wraps the model
+    in LoRA adapters, the score head (new, or the base's) trained in full beside them."""
     from trl import RewardTrainer
 
     eval_dataset = None
@@ -369,6 +379,7 @@ def make_trainer(model, tokenizer, args, train_dataset, labelled: LabelledPairs,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         callbacks=callbacks,
+        peft_config=None if lora is None else make_lora_config(lora, task_type="SEQ_CLS", modules_to_save=["score"]),
     )
 
 
@@ -457,17 +468,22 @@ def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) ->
     return metrics
 
 
-def save_and_evaluate(trainer, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig, output_dir: Path, *, device):
-    """Writes trl's log history and the model folder, then evaluates the saved model on the held-out pairs."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def save_and_evaluate(
+    trainer, tokenizer, labelled: LabelledPairs, cfg: DictConfig, output_dir: Path, *, device
+) -> dict[str, float]:
+    """Writes trl's log history and the model folder (a LoRA adapter folder with ``reward_model.lora``), then
+    evaluates the saved model on the held-out pairs."""
+    from transformers import AutoTokenizer
 
     (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     model_dir = write_folder_atomically(
         functools.partial(save_model_folder, trainer.model, tokenizer), output_dir / "model"
     )
     # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
-    saved = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
-    return evaluate(saved.to(device), AutoTokenizer.from_pretrained(model_dir), labelled, eval_cfg)
+    saved_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    node = OmegaConf.merge(cfg.reward_model, {"name_or_path": str(model_dir), "tokenizer_name_or_path": None})
+    saved = load_reward_model(node, device=device, dtype="float32", pad_token_id=saved_tokenizer.pad_token_id)
+    return evaluate(saved, saved_tokenizer, labelled, cfg.eval)
 
 
 # ---------------------------------------------------------------------------------------------------- recipe
@@ -506,12 +522,19 @@ def train(cfg: DictConfig) -> dict:
         )
         callbacks = [make_metrics_callback(run.logger, total_steps=cfg.train.max_steps)] if run.is_main else None
         trainer = make_trainer(
-            model, tokenizer, args, train_dataset, labelled, with_margin=cfg.margin_in_loss, callbacks=callbacks
+            model,
+            tokenizer,
+            args,
+            train_dataset,
+            labelled,
+            with_margin=cfg.margin_in_loss,
+            callbacks=callbacks,
+            lora=cfg.reward_model.lora,
         )
         train_s = fit(trainer, facts=facts, max_length=cfg.train.max_length)
         summary = None
         if run.is_main:
-            metrics = save_and_evaluate(trainer, tokenizer, labelled, cfg.eval, run.output_dir, device=args.device)
+            metrics = save_and_evaluate(trainer, tokenizer, labelled, cfg, run.output_dir, device=args.device)
             summary = summarize(trainer, metrics, facts, train_s=train_s, wall_time_s=time.perf_counter() - start)
         summary = run.broadcast(summary)  # the others wait while the main process saves and evaluates
         return run.finish(summary, closing_message(summary, run.output_dir))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -9,7 +10,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["recover_interrupted_writes", "save_model_folder", "write_folder_atomically"]
+__all__ = ["recover_interrupted_writes", "save_merged_model_folder", "save_model_folder", "write_folder_atomically"]
 
 _STAGING = re.compile(r"^\..+\.staging\..+$")
 _PREVIOUS = re.compile(r"^\.(.+)\.previous$")
@@ -21,6 +22,14 @@ def save_model_folder(model, tokenizer, folder: str | os.PathLike, *, state_dict
     weights of a sharded model, gathered)."""
     model.save_pretrained(folder, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
     tokenizer.save_pretrained(folder)
+
+
+def save_merged_model_folder(model, tokenizer, folder: str | os.PathLike) -> None:
+    """A LoRA model (``peft.PeftModel``) saved as one full ``transformers`` model, its adapters merged in: loadable
+    without peft. The merge runs on a copy (the model's own base weights stay untouched, bit for bit), which costs a
+    second copy of the model in memory while it saves."""
+    merged = copy.deepcopy(model).merge_and_unload()
+    save_model_folder(merged, tokenizer, folder)
 
 
 def write_folder_atomically(write: Callable[[Path], None], destination: str | os.PathLike) -> Path:

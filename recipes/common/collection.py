@@ -35,8 +35,9 @@ from recipes.common.collectors import BackgroundCollector, LocalCollector
 from recipes.common.config import ConfigError, run_config
 from recipes.common.data import load_prompts
 from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
+from recipes.common.lora import load_policy
 from recipes.common.losses import GroupAdvantage
-from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
+from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.common.prompt_env import PromptEnv, PromptTable, ResponseText
 from recipes.common.rollout import CHAT_STEP_KEYS, make_chat_env, make_policy, make_prompt_dataloader, pad_rollout
 from recipes.common.sampling import SamplingPolicy, SamplingSettings
@@ -264,7 +265,9 @@ def build_prompt_collector(
         cfg,
         load_prompts(cfg.data, "train"),
         # The weights are the learner's, loaded over these by the background collector before every batch.
-        policy_model=load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval(),
+        # With LoRA, built as the learner builds its policy: the parameter names match, so all of them (the
+        # unchanging base included) are copied; a resumed run's adapter weights arrive the same way.
+        policy_model=load_policy(cfg.model, device=cfg.device, dtype=cfg.dtype).eval(),
         tokenizer=tokenizer,
         reward_model=reward_model,
         reward_tokenizer=reward_tokenizer,

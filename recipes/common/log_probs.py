@@ -119,7 +119,7 @@ class ResponseLogProbs(nn.Module):
     ``("log_probs", "full")``.
 
     Args:
-        model: a ``transformers`` causal LM.
+        model: a ``transformers`` causal LM, or a ``peft.PeftModel`` over one (its adapters active).
 
     Keyword Args:
         chunk_elements: at most this many logits (rows x vocabulary) exist at once.
@@ -140,6 +140,10 @@ class ResponseLogProbs(nn.Module):
         super().__init__()
         if chunk_elements < 1:
             raise ValueError(f"ResponseLogProbs: chunk_elements must be >= 1, got {chunk_elements}.")
+        # A peft model: score through the model its LoRA layers were injected into (they stay active), whose
+        # backbone and LM head are a plain transformers model's.
+        if callable(getattr(model, "get_base_model", None)):
+            model = model.get_base_model()
         self.model = model
         self.chunk_elements = chunk_elements
         config = getattr(model, "config", None)

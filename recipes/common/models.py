@@ -1,8 +1,11 @@
 """Loading policies, reward models and tokenizers from a config node, the same way for the tiny kit and hub ids.
 
 A model node (``conf/model/*.yaml``, ``conf/reward_model/*.yaml``) has ``name_or_path`` (a local folder or hub id),
-``tokenizer_name_or_path`` (null: the model's own) and ``trust_remote_code`` (off unless the config turns it on).
-Weights load as safetensors only.
+``tokenizer_name_or_path`` (null: the model's own), ``trust_remote_code`` (off unless the config turns it on) and
+``lora`` (null, or the LoRA adapters a recipe trains: ``recipes.common.lora``). Weights load as safetensors only.
+
+``name_or_path`` may also be a peft adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``, what a
+LoRA run saves): the base it names is loaded, the adapter applied and merged in.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError, safe_open
 
 from recipes.common.config import ConfigError, check_local_path
@@ -25,13 +28,19 @@ __all__ = [
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
+    "read_adapter_config",
     "resolve_dtype",
     "validate_model_node",
 ]
 
 _WEIGHTS = "model.safetensors"
 _SHARDED_WEIGHTS = "model.safetensors.index.json"
-_PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_model.bin")
+# A peft adapter folder (PeftModel.save_pretrained): the adapter's settings, the base's name and the adapter weights.
+ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The peft task type each kind of model is trained with.
+_ADAPTER_TASKS = {"policy": "CAUSAL_LM", "reward_model": "SEQ_CLS"}
 
 # What "a reward model" means wherever one scores: what to tell a user who points at something else.
 _REWARD_MODEL_IS = (
@@ -61,6 +70,8 @@ def _weight_files(folder: Path, *, key: str) -> list[Path]:
     """The safetensors files of a local checkpoint folder; a folder without them is refused, saying what is missing."""
     if (folder / _WEIGHTS).is_file():
         return [folder / _WEIGHTS]
+    if (folder / ADAPTER_CONFIG).is_file() and (folder / _ADAPTER_WEIGHTS).is_file():
+        return [folder / _ADAPTER_WEIGHTS]
     if (folder / _SHARDED_WEIGHTS).is_file():
         shards = sorted(set(_read_json(folder / _SHARDED_WEIGHTS, key=key).get("weight_map", {}).values()))
         missing = [shard for shard in shards if not (folder / shard).is_file()]
@@ -77,6 +88,12 @@ def _weight_files(folder: Path, *, key: str) -> list[Path]:
             f"loaded); this project loads safetensors only. Convert it once, where you trust where the file came from: "
             f"`AutoModelForCausalLM.from_pretrained(folder, use_safetensors=False).save_pretrained(folder, "
             "safe_serialization=True)` (AutoModelForSequenceClassification for a reward model)."
+        )
+    if (folder / ADAPTER_CONFIG).is_file():
+        raise ConfigError(
+            f"{key}.name_or_path={str(folder)!r} has an {ADAPTER_CONFIG} but no {_ADAPTER_WEIGHTS}: the adapter's "
+            "weights are missing. Copy them into the folder, or point at a complete adapter folder (one written by "
+            "a LoRA run's `save_pretrained`)."
         )
     raise ConfigError(
         f"{key}.name_or_path={str(folder)!r} has a config.json but no weights: neither {_WEIGHTS} nor "
@@ -139,10 +156,61 @@ def validate_model_node(node: DictConfig, *, key: str, kind: str | None = None) 
     check_local_path(str(node.name_or_path), key=f"{key}.name_or_path", what="model")
     if node.tokenizer_name_or_path is not None:
         check_local_path(str(node.tokenizer_name_or_path), key=f"{key}.tokenizer_name_or_path", what="tokenizer")
+    adapter = read_adapter_config(node, key=key, kind=kind)
+    if adapter is not None:
+        _check_weights(Path(str(node.name_or_path)).expanduser(), key=key)
+        # A reward model's score head may be in the adapter (peft's modules_to_save) rather than in its base.
+        base_kind = "policy" if kind == "policy" else None
+        validate_model_node(_base_node(node, adapter), key=f"{key} (the adapter's base)", kind=base_kind)
+        return
     config = _saved_config(str(node.name_or_path), key=key)
     if config is not None:
         _check_kind(config, key=key, name_or_path=str(node.name_or_path), kind=kind)
         _check_weights(Path(str(node.name_or_path)).expanduser(), key=key)
+
+
+def read_adapter_config(node: DictConfig, *, key: str, kind: str | None = None) -> dict | None:
+    """The ``adapter_config.json`` of a node whose ``name_or_path`` is a local peft adapter folder, or None.
+
+    ``kind`` (``"policy"``, ``"reward_model"``): an adapter trained for another task (a causal-LM adapter where a
+    reward model is wanted...) is refused, as is one that does not name its base model.
+    """
+    path = Path(str(node.name_or_path)).expanduser() / ADAPTER_CONFIG
+    if not path.is_file():
+        return None
+    adapter = _read_json(path, key=key)
+    if not adapter.get("base_model_name_or_path"):
+        raise ConfigError(
+            f"{key}.name_or_path={str(node.name_or_path)!r}: {ADAPTER_CONFIG} names no base_model_name_or_path, so "
+            "there is no model to apply the adapter to. Set it in the file to the base model's folder or hub id."
+        )
+    task = _ADAPTER_TASKS.get(kind)
+    if task is not None and adapter.get("task_type") != task:
+        raise ConfigError(
+            f"{key}.name_or_path={str(node.name_or_path)!r} is a {adapter.get('task_type')} adapter; a {kind} needs a "
+            f"{task} adapter (the policy's come from recipes/grpo_torchrl_rm.py model.lora=..., a reward model's "
+            "from recipes/reward_trainer_from_buffer.py reward_model.lora=...)."
+        )
+    return adapter
+
+
+def _base_node(node: DictConfig, adapter: dict) -> DictConfig:
+    """The node of an adapter's base model: its own tokenizer stays the adapter folder's (saved beside it)."""
+    return OmegaConf.merge(
+        node,
+        {
+            "name_or_path": adapter["base_model_name_or_path"],
+            "tokenizer_name_or_path": node.tokenizer_name_or_path or node.name_or_path,
+            "lora": None,
+        },
+    )
+
+
+def _merge_adapter(base, folder: str):
+    """``base`` with the adapter in ``folder`` applied and merged into its weights: a plain ``transformers`` model."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, folder).merge_and_unload()
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -190,6 +258,10 @@ def load_causal_lm(node: DictConfig, *, device: str, dtype: str):
     """A causal LM from ``node.name_or_path`` on ``device`` in ``dtype``; a sequence classifier is refused."""
     from transformers import AutoModelForCausalLM
 
+    adapter = read_adapter_config(node, key="model", kind="policy")
+    if adapter is not None:
+        base = load_causal_lm(_base_node(node, adapter), device=device, dtype=dtype)
+        return _merge_adapter(base, str(node.name_or_path)).to(device)
     _check_kind(_loaded_config(node).to_dict(), key="model", name_or_path=str(node.name_or_path), kind="policy")
     model = _from_pretrained(AutoModelForCausalLM, node, key="model", dtype=resolve_dtype(dtype))
     return model.to(device)
@@ -209,6 +281,9 @@ def load_reward_model(
     """
     from transformers import AutoModelForSequenceClassification
 
+    adapter = read_adapter_config(node, key="reward_model", kind="reward_model")
+    if adapter is not None:
+        return _load_adapter_reward_model(node, adapter, device=device, dtype=dtype, pad_token_id=pad_token_id)
     if trained:
         config = _loaded_config(node).to_dict()
         _check_kind(config, key="reward_model", name_or_path=str(node.name_or_path), kind="reward_model")
@@ -226,6 +301,36 @@ def load_reward_model(
             f"{sorted(loading['missing_keys'])} (they would start at random, and GRPO would train against noise): "
             f"{_REWARD_MODEL_IS}."
         )
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model.to(device)
+
+
+def _load_adapter_reward_model(node: DictConfig, adapter: dict, *, device: str, dtype: str, pad_token_id: int | None):
+    """A LoRA reward model (the reward recipe's ``<run>/model`` with ``reward_model.lora``): its base, the adapter
+    merged in (scoring needs no separate adapter). The score head may come from the adapter alone (peft's
+    ``modules_to_save``); a head in neither is refused."""
+    from safetensors import safe_open
+    from transformers import AutoModelForSequenceClassification
+
+    base, loading = _from_pretrained(
+        AutoModelForSequenceClassification,
+        _base_node(node, adapter),
+        key="reward_model",
+        num_labels=1,
+        dtype=resolve_dtype(dtype),
+        output_loading_info=True,
+    )
+    with safe_open(str(Path(str(node.name_or_path)).expanduser() / _ADAPTER_WEIGHTS), framework="pt") as weights:
+        in_adapter = {name.removeprefix("base_model.model.") for name in weights.keys()}
+    missing = sorted(set(loading["missing_keys"]) - in_adapter)
+    if missing:
+        raise ConfigError(
+            f"reward_model.name_or_path={str(node.name_or_path)!r}: neither the adapter nor its base "
+            f"{adapter['base_model_name_or_path']!r} holds weights for {missing} (they would start at random): "
+            f"{_REWARD_MODEL_IS}. Train the adapter with its score head (modules_to_save=[score])."
+        )
+    model = _merge_adapter(base, str(node.name_or_path))
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model.to(device)

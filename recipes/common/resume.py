@@ -5,7 +5,8 @@ or it does not exist under that name, so a run killed at any instant (even ``SIG
 previous checkpoint as the latest. It holds:
 
 - ``model/``: ``save_pretrained`` of the model and its tokenizer (safetensors), loadable by ``from_pretrained`` like
-  any hub checkpoint;
+  any hub checkpoint; for a LoRA model (peft) the adapter only (``adapter_config.json`` +
+  ``adapter_model.safetensors``), and, on request, ``merged_model/``: the full model with the adapter merged in;
 - ``training_state.pt``: the optimizer state, the step, RNG states and whatever small state the recipe adds (only
   tensors, numbers, strings, lists and dicts, so that it loads with ``torch.load(weights_only=True)``).
 """
@@ -24,10 +25,11 @@ from typing import Any
 
 import torch
 
-from recipes.common.checkpoint import save_model_folder, write_folder_atomically
+from recipes.common.checkpoint import save_merged_model_folder, save_model_folder, write_folder_atomically
 from recipes.common.config import ConfigError
 
 __all__ = [
+    "MERGED_MODEL_FOLDER",
     "MODEL_FOLDER",
     "RESUMES_FILE",
     "STATE_FILE",
@@ -45,6 +47,7 @@ __all__ = [
 ]
 
 MODEL_FOLDER = "model"
+MERGED_MODEL_FOLDER = "merged_model"
 STATE_FILE = "training_state.pt"
 RESUMES_FILE = "resumes.jsonl"  # one line per resume of the run: when, from which step, what changed
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
@@ -103,6 +106,7 @@ def save_checkpoint(
     keep_last: int | None = None,
     model_state_dict: dict[str, torch.Tensor] | None = None,
     optimizer_state_dict: dict[str, Any] | None = None,
+    save_merged: bool = False,
 ) -> Path:
     """Writes ``<root>/step_<step>`` atomically, then deletes all but the ``keep_last`` newest checkpoints.
 
@@ -120,10 +124,13 @@ def save_checkpoint(
         model_state_dict: the weights to save instead of ``model``'s own (those of a sharded model, gathered:
             ``recipes.common.sharding.gather_full_state``).
         optimizer_state_dict: the optimizer state to save instead of ``optimizer.state_dict()`` (likewise).
+        save_merged: a LoRA model's merged full model too, in ``merged_model/``.
     """
 
     def write(folder: Path) -> None:
         save_model_folder(model, tokenizer, folder / MODEL_FOLDER, state_dict=model_state_dict)
+        if save_merged:
+            save_merged_model_folder(model, tokenizer, folder / MERGED_MODEL_FOLDER)
         optimizer_state = optimizer_state_dict if optimizer_state_dict is not None else optimizer.state_dict()
         payload = {**state, "step": step, "optimizer": optimizer_state}
         torch.save(payload, folder / STATE_FILE)
