@@ -30,6 +30,7 @@ folder per process).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -64,6 +65,7 @@ from recipes.common.distributed import (
 from recipes.common.log_probs import ResponseLogProbs
 from recipes.common.lora import AdapterDisabledLogProbs, load_policy, trainable_parameters, validate_lora_node
 from recipes.common.losses import ResponseGRPOLoss
+from recipes.common.memory import MIXED_PRECISIONS, enable_activation_checkpointing, update_forward
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.prompt_env import PromptTable
 from recipes.common.resume import (
@@ -112,6 +114,7 @@ RESUME_FREE_KEYS = (
     "samples",
     "num_threads",
     "train.steps",
+    "train.gradient_checkpointing",  # recomputes the same activations: the same update
     "checkpoint",
     "summary",
     "metric",
@@ -134,6 +137,7 @@ def validate(cfg: DictConfig) -> None:
     """Cross-field checks that need nothing loaded; each message says what to change."""
     _validate_batches(cfg)
     _validate_reporting(cfg)
+    _validate_memory(cfg)
     _validate_rollout(cfg.rollout)
     if cfg.reward.input not in REWARD_INPUTS:
         raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
@@ -219,6 +223,21 @@ def _validate_lora(cfg: DictConfig) -> None:
             "checkpoint.save_merged=true merges LoRA adapters into a full model, but model.lora is null: the "
             "checkpoint's model folder already is the full model. Drop checkpoint.save_merged, or set model.lora."
         )
+
+
+def _validate_memory(cfg: DictConfig) -> None:
+    precision = cfg.train.mixed_precision
+    if precision not in MIXED_PRECISIONS:
+        raise ConfigError(f"train.mixed_precision={precision!r}: expected one of {list(MIXED_PRECISIONS)}.")
+    if precision == "bf16" and cfg.dtype != "float32":
+        raise ConfigError(
+            f"train.mixed_precision=bf16 with dtype={cfg.dtype}: bf16 autocast is for float32 weights (the optimizer "
+            "then updates float32 master weights while the forward computes in bfloat16). With weights already in "
+            f"{cfg.dtype} it changes nothing; use dtype=float32 with train.mixed_precision=bf16, or keep "
+            f"dtype={cfg.dtype} with train.mixed_precision=no."
+        )
+    if not isinstance(cfg.train.gradient_checkpointing, bool):
+        raise ConfigError(f"train.gradient_checkpointing={cfg.train.gradient_checkpointing!r}: expected true or false.")
 
 
 def _validate_resume(cfg: DictConfig) -> None:
@@ -552,16 +571,22 @@ def training_loss(out, *, entropy_coeff: float) -> torch.Tensor:
     return sum(value for value in terms if value is not None)
 
 
-def optimize(cfg: DictConfig, loss_module, optimizer, buffer, parameters: list) -> dict[str, float]:
-    """``train.epochs_per_step`` passes over the buffer in mini-batches; returns the updates' mean diagnostics."""
+def optimize(
+    cfg: DictConfig, loss_module, optimizer, buffer, parameters: list, *, forward_context=contextlib.nullcontext
+) -> dict[str, float]:
+    """``train.epochs_per_step`` passes over the buffer in mini-batches; returns the updates' mean diagnostics.
+
+    Each loss forward runs in ``forward_context()`` (bf16 autocast, checkpointed layers: ``Learner.forward_context``),
+    its backward outside it."""
     sums: dict[str, float] = {}
     updates = 0
     for _ in range(cfg.train.epochs_per_step):
         for _ in range(cfg.rollout.responses_per_step // cfg.train.mini_batch_size):
             # LazyStackStorage hands out a lazy stack of samples: stacked once here, the loss's logits are not split
             # into per-sample tensors and re-stacked (whose backward copies the whole gradient once per sample).
-            out = loss_module(buffer.sample().contiguous())
-            loss = training_loss(out, entropy_coeff=cfg.loss.entropy_coeff)
+            with forward_context():
+                out = loss_module(buffer.sample().contiguous())
+                loss = training_loss(out, entropy_coeff=cfg.loss.entropy_coeff)
             loss.backward()
             # null: no clipping, but the norm is still measured (train/grad_norm).
             max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm is not None else math.inf
@@ -675,19 +700,23 @@ def record_resume_changes(cfg: DictConfig, output_dir: Path) -> None:
 @dataclass
 class Learner:
     """What updates the policy: the batch preparation (advantages, reference log-probs), the replay buffer, the loss
-    (over the policy's log-prob scorer, DDP-wrapped under a launcher), the optimizer and the parameters it clips."""
+    (over the policy's log-prob scorer, DDP-wrapped under a launcher), the optimizer and the parameters it clips, and
+    the context of each loss forward (``train.mixed_precision``, ``train.gradient_checkpointing``)."""
 
     prepare: PrepareBatch
     buffer: Any
     loss: ResponseGRPOLoss
     optimizer: torch.optim.Optimizer
     parameters: list
+    forward_context: Any = contextlib.nullcontext
 
 
 def make_learner(cfg: DictConfig, models: Models) -> Learner:
     # The policy's log-probs over the response positions, for the loss (and the old log-probs where a step needs
     # them scored); through DDP or FSDP2 (which shards the policy here, before the optimizer sees its parameters), so
-    # that the loss's backward averages the gradients over the ranks.
+    # that the loss's backward averages the gradients over the ranks. Checkpointing is set on the layers first.
+    if cfg.train.gradient_checkpointing:
+        enable_activation_checkpointing(models.policy)
     scorer = make_policy_scorer(models.policy, strategy=cfg.distributed.strategy, device=cfg.device)
     parameters = trainable_parameters(models.policy)  # all, or LoRA's adapters; a list: clipped at every update
     return Learner(
@@ -696,6 +725,9 @@ def make_learner(cfg: DictConfig, models: Models) -> Learner:
         loss=make_loss(cfg, scorer),
         optimizer=instantiate(cfg.optimizer)(parameters),
         parameters=parameters,
+        forward_context=functools.partial(
+            update_forward, models.policy, mixed_precision=cfg.train.mixed_precision, device=cfg.device
+        ),
     )
 
 
@@ -797,7 +829,14 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
         )
     learner.buffer.extend(batch)
     update_start = time.perf_counter()
-    updates = optimize(cfg, learner.loss, learner.optimizer, learner.buffer, learner.parameters)
+    updates = optimize(
+        cfg,
+        learner.loss,
+        learner.optimizer,
+        learner.buffer,
+        learner.parameters,
+        forward_context=learner.forward_context,
+    )
     learner.buffer.empty()
     collector.update_policy_weights_(models.policy, version=step)
     collected = collector.last_timings

@@ -165,7 +165,10 @@ class ResponseLogProbs(nn.Module):
         scored = attention_mask[:, response_start:].bool()  # [B, R]: the response tokens
         targets = tokens[:, response_start:][scored]
         if self._chunked:
-            hidden = self.model.get_decoder()(input_ids=tokens, attention_mask=mask, position_ids=positions)
+            # No KV cache: nothing decodes after this pass, and a cache would hold every layer's keys and values.
+            hidden = self.model.get_decoder()(
+                input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False
+            )
             # The hidden state at column t - 1 predicts the token at column t.
             hidden = hidden.last_hidden_state[:, response_start - 1 : -1][scored]
             head = self.model.get_output_embeddings()
@@ -180,7 +183,13 @@ class ResponseLogProbs(nn.Module):
         else:
             width = tokens.shape[-1] - response_start
             logits = (
-                self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, logits_to_keep=width + 1)
+                self.model(
+                    input_ids=tokens,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    logits_to_keep=width + 1,
+                    use_cache=False,
+                )
                 .logits[:, :-1][scored]
                 .float()
             )

@@ -47,6 +47,8 @@ class TestValidation:
             (["model.name_or_path=${reward_model.name_or_path}"], "not a causal LM"),
             (["train.max_grad_norm=-1"], "train.max_grad_norm=-1"),
             (["optimizer.lr=0"], "optimizer.lr=0"),
+            (["train.mixed_precision=fp16"], "train.mixed_precision='fp16': expected one of ['no', 'bf16']"),
+            (["train.mixed_precision=bf16", "dtype=bfloat16"], "train.mixed_precision=bf16 with dtype=bfloat16"),
             (["optimizer.lr=nan"], "optimizer.lr=nan"),
             (["num_threads=0"], "num_threads=0"),
             (["dtype=float16"], "dtype=float16 on the CPU"),

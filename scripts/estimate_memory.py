@@ -1,0 +1,410 @@
+"""Per-device memory of a GRPO run (``recipes/grpo_torchrl_rm.py``), estimated from the model configs alone.
+
+    python scripts/estimate_memory.py                                          # the default (tiny) run
+    python scripts/estimate_memory.py model=qwen2_5_0_5b_instruct reward_model=skywork_reward_v2_qwen3_0_6b \\
+        train.mixed_precision=bf16 train.gradient_checkpointing=true --device-memory 80GiB
+    python scripts/estimate_memory.py distributed.strategy=fsdp --processes 8 --device-memory 80GiB
+    python scripts/estimate_memory.py --measure                                # and one real update on CPU, measured
+
+The recipe's config is composed from ``conf/`` with the overrides given (as the recipe itself would run); the models
+are built from their configs on the ``meta`` device, so nothing is loaded and any size can be estimated on a laptop.
+What it prints, per device (one process):
+
+- parameters: the policy's, in ``dtype`` (``sum(numel * element_size)``, tied weights once).
+- gradients: one per trainable parameter, in its dtype (LoRA with ``model.lora``: the adapters' only).
+- optimizer: AdamW's two moments per trainable parameter (``torch.optim.AdamW`` keeps them in the parameter's dtype:
+  float32 under ``dtype=float32``, also with ``train.mixed_precision=bf16``, where the float32 weights are themselves
+  the master copy and nothing else is kept).
+- autocast weight copies: under ``train.mixed_precision=bf16``, the bfloat16 casts of the weights autocast holds during
+  a forward.
+- reference model: the frozen initial policy, when ``loss.kl_to_ref_coeff`` > 0 (not sharded).
+- reward model: the sequence classifier (not sharded).
+- activations of the update: kept for the backward of one mini-batch of ``train.mini_batch_size`` sequences of
+  (prompt + ``max_new_tokens``) tokens, with and without ``train.gradient_checkpointing``; the LM head projects the
+  response positions only (``recipes/common/log_probs.py``), so no ``[B, T, V]`` logits, and at most ``2**23`` logits
+  per chunk beyond a size.
+- generation: the KV cache of all ``rollout.responses_per_step`` sequences sampled in one decoding loop; reference
+  scoring: one layer's activations of the whole batch (``rollout.log_prob_micro_batch_size``) without gradients.
+- optimizer step temporaries: torch's foreach AdamW allocates about two gradient-sized temporaries during its step
+  (measured on torch 2.13 CPU).
+- peak: what stays allocated (parameters, optimizer state, reference and reward models) plus the largest phase:
+  the update's backward (activations + gradients, + autocast copies), its optimizer step (gradients + temporaries),
+  generation, or reference scoring.
+
+Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients and optimizer state are divided by N;
+under ddp (the default when the key is absent) every process holds them whole. ``--device-memory 80GiB`` adds the
+largest ``rollout.responses_per_step`` (a multiple of ``rollout.group_size``) that fits at the configured response
+length and at 2x, 4x and 8x of it.
+
+The activation figures are a model, not a measurement: per token and decoder layer, about ``8 h + 4 kv + 4 m``
+elements kept for the backward (``h`` hidden size, ``kv`` the key/value width, ``m`` the MLP width: the norms'
+float32 inputs and outputs, q/k/v before and after rotary, the attention output, the MLP's gate, up, activation and
+product), attention with a fused kernel (no ``T x T`` scores), plus the response head's logits. ``--measure`` runs one
+real update (forward, backward, AdamW step over random tokens) on CPU in this process and prints the peak resident
+memory it added, for comparison with gradients + optimizer + activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+    os.environ.setdefault(_name, _value)
+
+import torch  # noqa: E402
+
+STRATEGIES = ("ddp", "fsdp")
+# ResponseLogProbs' default: at most this many logits exist at once once the response rows times V exceed it.
+CHUNK_ELEMENTS = 2**23
+UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """``"80GiB"``, ``"80 GB"``, ``"512MiB"`` or a number of bytes -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"--device-memory {text!r}: expected a size such as 80GiB, 40GB or 512MiB.")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def compose_config(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import recipes.common.config  # noqa: F401  (registers ${project_root:})
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        # output_dir reads hydra's runtime folder, which a compose without a run has not set: nothing is written.
+        return compose("grpo_torchrl_rm", overrides=[*overrides, "output_dir=unused"])
+
+
+def meta_model(node, *, kind: str, dtype: torch.dtype):
+    """The model of ``node`` built from its config alone, on the meta device: shapes and dtypes, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(node.name_or_path), trust_remote_code=node.trust_remote_code)
+    if kind == "reward_model":
+        config.num_labels = 1
+    auto = AutoModelForCausalLM if kind == "policy" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = auto.from_config(config, dtype=dtype, trust_remote_code=node.trust_remote_code)
+    return model
+
+
+def parameter_bytes(model) -> int:
+    # parameters() yields a tied weight once, as a loaded model holds it once.
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def lora_parameter_count(model, lora) -> int:
+    """Adapter parameters of LoRA rank ``lora.r`` on every ``nn.Linear`` whose name ends in one of
+    ``lora.target_modules`` (``"all-linear"``: every linear layer but the LM head)."""
+    targets = lora.target_modules
+    head = model.get_output_embeddings()
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is head:
+            continue
+        if targets == "all-linear" or any(name == t or name.endswith(f".{t}") for t in targets):
+            count += lora.r * (module.in_features + module.out_features)
+    return count
+
+
+def prompt_tokens_of(cfg) -> int:
+    """The longest training prompt rendered with the policy's chat template: the batch's prompt width."""
+    from recipes.common.data import load_prompts
+    from recipes.common.models import load_tokenizer
+    from recipes.common.prompt_env import PromptTable
+
+    prompts = load_prompts(cfg.data, "train")
+    table = PromptTable(prompts, tokenizer=load_tokenizer(cfg.model, padding_side="left"))
+    return max(table.rendered_lengths())
+
+
+def _shape(config) -> dict:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return {
+        "layers": text.num_hidden_layers,
+        "hidden": hidden,
+        "kv": kv_heads * head_dim,
+        "mlp": getattr(text, "intermediate_size", None) or 4 * hidden,
+        "vocab": text.vocab_size,
+    }
+
+
+def update_activation_bytes(shape: dict, *, sequences: int, length: int, responses: int, element: int) -> dict:
+    """Bytes kept for the backward of one mini-batch, with and without checkpointing (see the module docstring)."""
+    tokens = sequences * length
+    per_layer = tokens * (8 * shape["hidden"] + 4 * shape["kv"] + 4 * shape["mlp"]) * element
+    rows = sequences * responses  # response positions the head projects
+    # Unchunked: logits, their float32 log-softmax and its exp (entropy); chunked: one chunk of each at a time.
+    head = 3 * min(rows * shape["vocab"], CHUNK_ELEMENTS) * 4 + rows * shape["hidden"] * element
+    embeddings_and_norm = 2 * tokens * shape["hidden"] * element
+    without = shape["layers"] * per_layer + head + embeddings_and_norm
+    # Checkpointed: each layer keeps its input; the backward recomputes one layer's activations at a time.
+    with_checkpointing = shape["layers"] * tokens * shape["hidden"] * element + per_layer + head + embeddings_and_norm
+    return {"without_checkpointing": without, "with_checkpointing": with_checkpointing}
+
+
+def estimate(
+    cfg, *, processes: int, prompt_tokens: int, responses_per_step: int | None = None, new_tokens=None
+) -> dict:
+    """Every figure of the module docstring, in bytes, for one process."""
+    from omegaconf import OmegaConf
+
+    from recipes.common.models import resolve_dtype
+
+    dtype = resolve_dtype(cfg.dtype)
+    strategy = OmegaConf.select(cfg, "distributed.strategy", default="ddp")
+    if strategy not in STRATEGIES:
+        raise SystemExit(f"distributed.strategy={strategy!r}: expected one of {list(STRATEGIES)}.")
+    shards = processes if strategy == "fsdp" else 1
+    lora = OmegaConf.select(cfg, "model.lora", default=None)
+    responses_per_step = responses_per_step or cfg.rollout.responses_per_step
+    new_tokens = new_tokens or cfg.rollout.generation.max_new_tokens
+    mixed = cfg.train.mixed_precision == "bf16"
+    compute_element = 2 if mixed else torch.finfo(dtype).bits // 8
+
+    policy = meta_model(cfg.model, kind="policy", dtype=dtype)
+    shape = _shape(policy.config)
+    params = parameter_bytes(policy)
+    if lora is not None and lora.get("r"):
+        trainable_count, trainable_element = lora_parameter_count(policy, lora), 4  # adapters in float32
+        params += trainable_count * trainable_element
+    else:
+        trainable_count, trainable_element = sum(p.numel() for p in policy.parameters()), dtype.itemsize
+    figures = {
+        "parameters": params / shards,
+        "gradients": trainable_count * trainable_element / shards,
+        "optimizer": 2 * trainable_count * trainable_element / shards,  # AdamW: exp_avg, exp_avg_sq
+        "autocast_weight_copies": (sum(p.numel() for p in policy.parameters()) * 2 / shards) if mixed else 0,
+        "reference_model": parameter_bytes(policy) if cfg.loss.kl_to_ref_coeff else 0,
+        "reward_model": parameter_bytes(meta_model(cfg.reward_model, kind="reward_model", dtype=dtype)),
+    }
+    length = prompt_tokens + new_tokens
+    mini_batch = min(cfg.train.mini_batch_size, responses_per_step)
+    activations = update_activation_bytes(
+        shape, sequences=mini_batch, length=length, responses=new_tokens, element=compute_element
+    )
+    figures["activations_without_checkpointing"] = activations["without_checkpointing"]
+    figures["activations_with_checkpointing"] = activations["with_checkpointing"]
+    weight_element = dtype.itemsize
+    figures["generation_kv_cache"] = 2 * shape["layers"] * shape["kv"] * responses_per_step * length * weight_element
+    scored = cfg.rollout.log_prob_micro_batch_size or responses_per_step
+    one_layer = scored * length * (2 * shape["hidden"] + 2 * shape["kv"] + 2 * shape["mlp"]) * weight_element
+    figures["reference_scoring"] = one_layer + min(scored * new_tokens * shape["vocab"], CHUNK_ELEMENTS) * 4 * 2
+    figures["optimizer_step_temporaries"] = 2 * figures["gradients"]
+    persistent = sum(figures[key] for key in ("parameters", "optimizer", "reference_model", "reward_model"))
+    figures["update_phase"] = update_phase(figures, checkpointing=cfg.train.gradient_checkpointing)
+    figures["peak"] = persistent + max(
+        figures["update_phase"], figures["generation_kv_cache"], figures["reference_scoring"]
+    )
+    figures["setting"] = {
+        "strategy": strategy,
+        "processes": processes,
+        "lora": bool(lora is not None and lora.get("r")),
+        "dtype": str(cfg.dtype),
+        "mixed_precision": str(cfg.train.mixed_precision),
+        "gradient_checkpointing": bool(cfg.train.gradient_checkpointing),
+        "responses_per_step": responses_per_step,
+        "mini_batch_size": mini_batch,
+        "prompt_tokens": prompt_tokens,
+        "max_new_tokens": new_tokens,
+        "trainable_parameters": trainable_count,
+    }
+    return figures
+
+
+def update_phase(figures: dict, *, checkpointing: bool) -> float:
+    """What an update adds to the persistent memory at its peak: the backward (activations still held while the
+    gradients fill in) or the optimizer step (gradients and the step's temporaries), whichever is larger."""
+    activations = figures["activations_with_checkpointing" if checkpointing else "activations_without_checkpointing"]
+    backward = figures["autocast_weight_copies"] + activations + figures["gradients"]
+    return max(backward, figures["gradients"] + figures["optimizer_step_temporaries"])
+
+
+def largest_fitting(cfg, *, processes: int, prompt_tokens: int, device_memory: int) -> list[dict]:
+    """For the configured response length and 2x, 4x, 8x of it: the most responses per step (a multiple of the group
+    size) whose estimated peak fits ``device_memory``; 0 when not even one group fits."""
+    group = cfg.rollout.group_size
+    rows = []
+    for factor in (1, 2, 4, 8):
+        new_tokens = cfg.rollout.generation.max_new_tokens * factor
+
+        def fits(groups: int, new_tokens=new_tokens) -> bool:
+            figures = estimate(
+                cfg,
+                processes=processes,
+                prompt_tokens=prompt_tokens,
+                responses_per_step=groups * group,
+                new_tokens=new_tokens,
+            )
+            return figures["peak"] <= device_memory
+
+        low, high = 0, 1
+        while fits(high) and high < 2**20:  # doubling, then bisection
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        rows.append({"max_new_tokens": new_tokens, "responses_per_step": low * group})
+    return rows
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_update(cfg, *, prompt_tokens: int) -> int:
+    """Peak resident memory added by one real update on CPU: a forward of ``train.mini_batch_size`` random sequences
+    through the recipe's log-prob scorer (in the recipe's update context), backward, AdamW step (which allocates the
+    moments). Sampled every millisecond from /proc."""
+    from hydra.utils import instantiate
+
+    from recipes.common.log_probs import ResponseLogProbs
+    from recipes.common.memory import enable_activation_checkpointing, update_forward
+    from recipes.common.models import load_causal_lm
+
+    torch.manual_seed(0)
+    policy = load_causal_lm(cfg.model, device="cpu", dtype=cfg.dtype).eval()
+    if cfg.train.gradient_checkpointing:
+        enable_activation_checkpointing(policy)
+    scorer = ResponseLogProbs(policy)
+    optimizer = instantiate(cfg.optimizer)(list(policy.parameters()))
+    new_tokens = cfg.rollout.generation.max_new_tokens
+    tokens = torch.randint(0, policy.config.vocab_size, (cfg.train.mini_batch_size, prompt_tokens + new_tokens))
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    # A warm-up update on one short sequence first: the first backward and optimizer step initialise library state
+    # (autograd threads, kernels) that no estimate of the run's tensors should be compared with. Then the gradients
+    # and AdamW moments are dropped, so the measured step allocates them again.
+    with update_forward(policy, mixed_precision=cfg.train.mixed_precision, device="cpu"):
+        warm_up = scorer(tokens[:1, : prompt_tokens + 1], mask[:1, : prompt_tokens + 1], response_start=prompt_tokens)
+    warm_up[0].sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+    del warm_up
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _resident_bytes())
+            time.sleep(0.001)
+
+    baseline = _resident_bytes()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with update_forward(policy, mixed_precision=cfg.train.mixed_precision, device="cpu"):
+        log_probs, _ = scorer(tokens, mask, response_start=prompt_tokens, with_entropy=True)
+        loss = -log_probs.sum() / mask.sum()
+    loss.backward()
+    optimizer.step()
+    peak[0] = max(peak[0], _resident_bytes())
+    done.set()
+    sampler.join()
+    return peak[0] - baseline
+
+
+def report(figures: dict, fitting: list[dict] | None, device_memory: int | None) -> str:
+    setting = figures["setting"]
+    lines = [
+        f"Per-device memory estimate ({setting['strategy']} over {setting['processes']} process(es), "
+        f"dtype={setting['dtype']}, mixed_precision={setting['mixed_precision']}, "
+        f"{'LoRA' if setting['lora'] else 'full fine-tuning'}: {setting['trainable_parameters']:,} trainable "
+        f"parameters; {setting['responses_per_step']} responses per step in mini-batches of "
+        f"{setting['mini_batch_size']}, {setting['prompt_tokens']} prompt + {setting['max_new_tokens']} new tokens)",
+    ]
+    names = [
+        ("parameters", "parameters"),
+        ("gradients", "gradients"),
+        ("optimizer", "optimizer state (AdamW, 2 moments)"),
+        ("autocast_weight_copies", "autocast bf16 weight copies"),
+        ("reference_model", "reference model"),
+        ("reward_model", "reward model"),
+        ("activations_without_checkpointing", "update activations, no checkpointing"),
+        ("activations_with_checkpointing", "update activations, gradient checkpointing"),
+        ("generation_kv_cache", "generation KV cache"),
+        ("reference_scoring", "reference scoring (no grad)"),
+        ("optimizer_step_temporaries", "optimizer step temporaries"),
+        ("update_phase", "update (backward or optimizer step)"),
+        ("peak", f"peak (gradient_checkpointing={str(setting['gradient_checkpointing']).lower()})"),
+    ]
+    lines += [f"  {label:<45} {human(figures[key]):>12}" for key, label in names]
+    if fitting is not None:
+        lines.append(f"Fits in {human(device_memory)} (responses per step, multiples of the group size):")
+        lines += [
+            f"  max_new_tokens={row['max_new_tokens']:<6} responses_per_step <= {row['responses_per_step']}"
+            for row in fitting
+        ]
+    if "measured_update" in figures:
+        estimated = figures["measured_estimate"]
+        lines.append(
+            f"Measured one update on CPU (AdamW's first step): +{human(figures['measured_update'])} resident; "
+            f"estimated: {human(estimated)} (measured / estimated {figures['measured_update'] / estimated:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="recipe config overrides, e.g. model.name_or_path=<folder>")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="processes (devices) of the run; fsdp shards over them"
+    )
+    parser.add_argument("--device-memory", type=parse_size, default=None, help="e.g. 80GiB: what fits in it")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=None, help="prompt width; default: the longest rendered training prompt"
+    )
+    parser.add_argument("--measure", action="store_true", help="also run one update on CPU and measure it")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+    if args.processes < 1:
+        parser.error(f"--processes {args.processes}: must be >= 1.")
+
+    cfg = compose_config(args.overrides)
+    prompt_tokens = args.prompt_tokens or prompt_tokens_of(cfg)
+    figures = estimate(cfg, processes=args.processes, prompt_tokens=prompt_tokens)
+    fitting = None
+    if args.device_memory is not None:
+        fitting = largest_fitting(
+            cfg, processes=args.processes, prompt_tokens=prompt_tokens, device_memory=args.device_memory
+        )
+        figures["fitting"] = fitting
+    if args.measure:
+        figures["measured_update"] = measure_update(cfg, prompt_tokens=prompt_tokens)
+        # The measured step is AdamW's first: its moments are allocated in the step, not held from before.
+        step = dict(figures, optimizer_step_temporaries=figures["optimizer"] + figures["optimizer_step_temporaries"])
+        figures["measured_estimate"] = update_phase(step, checkpointing=cfg.train.gradient_checkpointing)
+    print(report(figures, fitting, args.device_memory))
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
