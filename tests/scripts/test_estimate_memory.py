@@ -29,7 +29,7 @@ def test_parameter_and_optimizer_bytes_are_those_of_the_loaded_tiny_policy(tiny_
 
 def test_fsdp_over_two_processes_halves_parameters_gradients_and_optimizer():
     ddp = estimate_memory.main(["--prompt-tokens", "16"])
-    fsdp = estimate_memory.main(["--prompt-tokens", "16", "--processes", "2", "+distributed.strategy=fsdp"])
+    fsdp = estimate_memory.main(["--prompt-tokens", "16", "--processes", "2", "distributed.strategy=fsdp"])
     for key in ("parameters", "gradients", "optimizer"):
         assert fsdp[key] == pytest.approx(ddp[key] / 2)
     assert fsdp["reward_model"] == ddp["reward_model"]
