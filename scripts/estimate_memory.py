@@ -25,10 +25,11 @@ What it prints, per device (one process):
   per chunk beyond a size.
 - generation: the KV cache of all ``rollout.responses_per_step`` sequences sampled in one decoding loop; reference
   scoring: one layer's activations of the whole batch (``rollout.log_prob_micro_batch_size``) without gradients.
-- optimizer step temporaries: torch's foreach AdamW allocates about two gradient-sized temporaries during its step
-  (measured on torch 2.13 CPU).
+- optimizer step temporaries: AdamW's foreach step (torch's default on CUDA) allocates one gradient-sized temporary,
+  its per-parameter step (the default on CPU, ``device=cpu``) two of the largest parameter.
 - peak: what stays allocated (parameters, optimizer state, reference and reward models) plus the largest phase:
-  the update's backward (activations + gradients, + autocast copies), its optimizer step (gradients + temporaries),
+  the update's backward (its activations, or every gradient + the first layer's activations, whichever is larger;
+  + autocast copies), its optimizer step (gradients + temporaries),
   generation, or reference scoring.
 
 Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients and optimizer state are divided by N;
@@ -36,12 +37,18 @@ under ddp (the default when the key is absent) every process holds them whole. `
 largest ``rollout.responses_per_step`` (a multiple of ``rollout.group_size``) that fits at the configured response
 length and at 2x, 4x and 8x of it.
 
-The activation figures are a model, not a measurement: per token and decoder layer, about ``8 h + 4 kv + 4 m``
-elements kept for the backward (``h`` hidden size, ``kv`` the key/value width, ``m`` the MLP width: the norms'
-float32 inputs and outputs, q/k/v before and after rotary, the attention output, the MLP's gate, up, activation and
-product), attention with a fused kernel (no ``T x T`` scores), plus the response head's logits. ``--measure`` runs one
-real update (forward, backward, AdamW step over random tokens) on CPU in this process and prints the peak resident
-memory it added, for comparison with gradients + optimizer + activations.
+The activation figures are a model, not a measurement: per token and decoder layer, ``8 h + 2 kv + 4 m`` elements
+kept for the backward (``h`` hidden size, ``kv`` the key/value width, ``m`` the MLP width: the norms' inputs and
+outputs, q, k and v after rotary, the attention output, the MLP's gate, up, activation and product), attention with
+a fused kernel (no ``T x T`` scores), plus the final norm's and the response head's (logits of the response positions
+only). Checkpointed, each layer keeps only its input ``[tokens, h]``, and the backward holds one recomputed layer's
+activations at a time. Either way a layer's backward holds about two ``[tokens, m]`` gradients beside them, and the
+backward's peak is at its start (the activations) or at its end (every gradient plus the first layer's activations).
+``--measure`` runs one real update (forward, backward, AdamW step over random tokens) on CPU in this process and
+prints the peak resident memory it added, for comparison with that model: glibc is first told to ``mmap`` every
+block of 64 KiB or more, so that freed tensors leave the resident size (by default its heap keeps them, and the
+resident peak of a checkpointed backward grows to about twice its live tensors: not what a device's allocator,
+which reuses such blocks, would hold).
 """
 
 from __future__ import annotations
@@ -116,18 +123,27 @@ def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def lora_parameter_count(model, lora) -> int:
+def lora_parameter_count(model, lora) -> tuple[int, int]:
     """Adapter parameters of LoRA rank ``lora.r`` on every ``nn.Linear`` whose name ends in one of
-    ``lora.target_modules`` (``"all-linear"``: every linear layer but the LM head)."""
+    ``lora.target_modules`` (``"all-linear"``: every linear layer but the LM head), and the largest adapter matrix's."""
     targets = lora.target_modules
     head = model.get_output_embeddings()
-    count = 0
+    count = largest = 0
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or module is head:
             continue
         if targets == "all-linear" or any(name == t or name.endswith(f".{t}") for t in targets):
             count += lora.r * (module.in_features + module.out_features)
-    return count
+            largest = max(largest, lora.r * max(module.in_features, module.out_features))
+    return count, largest
+
+
+def optimizer_step_temporaries(*, trainable_bytes: float, largest_bytes: float, foreach: bool) -> float:
+    """What AdamW's step allocates beside its state. torch's default on CUDA (and XPU) is the foreach
+    implementation: one ``sqrt(exp_avg_sq)`` of every parameter at once (``_multi_tensor_adam``; AdamW's weight decay
+    is in place). Elsewhere (CPU) it steps one parameter at a time, ``(exp_avg_sq.sqrt() / bias_correction).add_(eps)``:
+    two temporaries of the largest parameter."""
+    return trainable_bytes if foreach else 2 * largest_bytes
 
 
 def prompt_tokens_of(cfg) -> int:
@@ -157,17 +173,34 @@ def _shape(config) -> dict:
 
 
 def update_activation_bytes(shape: dict, *, sequences: int, length: int, responses: int, element: int) -> dict:
-    """Bytes kept for the backward of one mini-batch, with and without checkpointing (see the module docstring)."""
+    """Bytes of activations an update's backward holds at its peak, with and without checkpointing, and what it
+    still holds beside every gradient when it reaches the first layer (see the module docstring)."""
     tokens = sequences * length
-    per_layer = tokens * (8 * shape["hidden"] + 4 * shape["kv"] + 4 * shape["mlp"]) * element
+    # One decoder layer's saved tensors per token (counted with saved_tensors_hooks on Qwen2, sdpa): 8 h (the two
+    # RMSNorms' inputs and normalised outputs, 4 h; q and the attention output, 2 h; the o_proj input copy and the
+    # residual, 2 h), 2 kv (k and v after rotary, as sdpa keeps them) and 4 m (gate, up, act(gate), act * up).
+    per_layer = tokens * (8 * shape["hidden"] + 2 * shape["kv"] + 4 * shape["mlp"]) * element
+    # A layer's backward holds its gradients beside those: about two [tokens, m] at once in the MLP's (the product's
+    # gradient and the gate's or up's), the largest of the layer (measured 1.5-2 m per token).
+    layer_backward = 2 * tokens * shape["mlp"] * element
     rows = sequences * responses  # response positions the head projects
-    # Unchunked: logits, their float32 log-softmax and its exp (entropy); chunked: one chunk of each at a time.
+    # Unchunked: logits, their float32 log-softmax and its exp (entropy); chunked: one chunk of each at a time; and
+    # the response rows of the last hidden state, the head's input.
     head = 3 * min(rows * shape["vocab"], CHUNK_ELEMENTS) * 4 + rows * shape["hidden"] * element
-    embeddings_and_norm = 2 * tokens * shape["hidden"] * element
-    without = shape["layers"] * per_layer + head + embeddings_and_norm
-    # Checkpointed: each layer keeps its input; the backward recomputes one layer's activations at a time.
-    with_checkpointing = shape["layers"] * tokens * shape["hidden"] * element + per_layer + head + embeddings_and_norm
-    return {"without_checkpointing": without, "with_checkpointing": with_checkpointing}
+    final_norm = 2 * tokens * shape["hidden"] * element  # its input and normalised output, outside any layer
+    outside = head + final_norm
+    # Without checkpointing the backward starts with every layer's tensors kept.
+    without = shape["layers"] * per_layer + outside + layer_backward
+    # Checkpointed: each layer keeps only its input [tokens, h]; the backward recomputes one layer at a time, holding
+    # that layer's whole activations (per_layer) while it runs that layer's backward.
+    with_checkpointing = shape["layers"] * tokens * shape["hidden"] * element + outside + per_layer + layer_backward
+    return {
+        "without_checkpointing": without,
+        "with_checkpointing": with_checkpointing,
+        # At the first layer, last in the backward, every gradient is written and this layer's activations (kept or
+        # recomputed) and its backward's gradients are still held: the backward's other candidate for its peak.
+        "last_layer": per_layer + layer_backward,
+    }
 
 
 def estimate(
@@ -193,10 +226,12 @@ def estimate(
     shape = _shape(policy.config)
     params = parameter_bytes(policy)
     if lora is not None and lora.get("r"):
-        trainable_count, trainable_element = lora_parameter_count(policy, lora), 4  # adapters in float32
+        trainable_element = 4  # adapters in float32
+        trainable_count, largest_trainable = lora_parameter_count(policy, lora)
         params += trainable_count * trainable_element
     else:
         trainable_count, trainable_element = sum(p.numel() for p in policy.parameters()), dtype.itemsize
+        largest_trainable = max(p.numel() for p in policy.parameters())
     figures = {
         "parameters": params / shards,
         "gradients": trainable_count * trainable_element / shards,
@@ -212,12 +247,19 @@ def estimate(
     )
     figures["activations_without_checkpointing"] = activations["without_checkpointing"]
     figures["activations_with_checkpointing"] = activations["with_checkpointing"]
+    figures["activations_last_layer"] = activations["last_layer"]
     weight_element = dtype.itemsize
     figures["generation_kv_cache"] = 2 * shape["layers"] * shape["kv"] * responses_per_step * length * weight_element
     scored = cfg.rollout.log_prob_micro_batch_size or responses_per_step
     one_layer = scored * length * (2 * shape["hidden"] + 2 * shape["kv"] + 2 * shape["mlp"]) * weight_element
     figures["reference_scoring"] = one_layer + min(scored * new_tokens * shape["vocab"], CHUNK_ELEMENTS) * 4 * 2
-    figures["optimizer_step_temporaries"] = 2 * figures["gradients"]
+    figures["optimizer_step_temporaries"] = optimizer_step_temporaries(
+        trainable_bytes=figures["gradients"],
+        largest_bytes=largest_trainable * trainable_element / shards,
+        foreach=torch.device(str(cfg.device)).type in ("cuda", "xpu"),
+    )
+    # What --measure compares with: the step on CPU, one parameter at a time.
+    figures["largest_trainable_bytes"] = largest_trainable * trainable_element / shards
     persistent = sum(figures[key] for key in ("parameters", "optimizer", "reference_model", "reward_model"))
     figures["update_phase"] = update_phase(figures, checkpointing=cfg.train.gradient_checkpointing)
     figures["peak"] = persistent + max(
@@ -243,7 +285,11 @@ def update_phase(figures: dict, *, checkpointing: bool) -> float:
     """What an update adds to the persistent memory at its peak: the backward (activations still held while the
     gradients fill in) or the optimizer step (gradients and the step's temporaries), whichever is larger."""
     activations = figures["activations_with_checkpointing" if checkpointing else "activations_without_checkpointing"]
-    backward = figures["autocast_weight_copies"] + activations + figures["gradients"]
+    # The gradients fill in as the backward frees the activations, layer by layer from the last: its peak is at its
+    # start (the activations, few gradients yet) or at its end (every gradient, the first layer's activations).
+    backward = figures["autocast_weight_copies"] + max(
+        activations, figures["gradients"] + figures["activations_last_layer"]
+    )
     return max(backward, figures["gradients"] + figures["optimizer_step_temporaries"])
 
 
@@ -275,6 +321,26 @@ def largest_fitting(cfg, *, processes: int, prompt_tokens: int, device_memory: i
     return rows
 
 
+# glibc's mallopt parameter M_MMAP_THRESHOLD (malloc.h).
+_M_MMAP_THRESHOLD = -3
+
+
+def _return_freed_memory_to_the_system() -> bool:
+    """Has glibc serve every allocation of 64 KiB or more with its own ``mmap`` (unmapped when freed), so that the
+    resident size follows the bytes of live tensors. By default glibc raises this threshold to the size of each large
+    block freed (up to 32 MiB), after which freed activations stay in its heap: the resident peak then counts every
+    block an update has ever freed that the heap could not reuse (checkpointed backwards measured up to 2x their live
+    tensors). A device allocator reuses such blocks, so that is not what the estimate models. False off glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024))
+    except (OSError, AttributeError):
+        return False
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -290,6 +356,7 @@ def measure_update(cfg, *, prompt_tokens: int) -> int:
     from recipes.common.memory import enable_activation_checkpointing, update_forward
     from recipes.common.models import load_causal_lm
 
+    _return_freed_memory_to_the_system()
     torch.manual_seed(0)
     policy = load_causal_lm(cfg.model, device="cpu", dtype=cfg.dtype).eval()
     if cfg.train.gradient_checkpointing:
@@ -398,7 +465,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.measure:
         figures["measured_update"] = measure_update(cfg, prompt_tokens=prompt_tokens)
         # The measured step is AdamW's first: its moments are allocated in the step, not held from before.
-        step = dict(figures, optimizer_step_temporaries=figures["optimizer"] + figures["optimizer_step_temporaries"])
+        temporaries = optimizer_step_temporaries(
+            trainable_bytes=figures["gradients"], largest_bytes=figures["largest_trainable_bytes"], foreach=False
+        )
+        step = dict(figures, optimizer_step_temporaries=figures["optimizer"] + temporaries)
         figures["measured_estimate"] = update_phase(step, checkpointing=cfg.train.gradient_checkpointing)
     print(report(figures, fitting, args.device_memory))
     if args.json is not None:
