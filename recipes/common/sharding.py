@@ -15,7 +15,8 @@ its parameters, gradients and optimizer state, and gathers a layer's full weight
 - :func:`load_full_optimizer_state`: such a gathered optimizer state put back into a sharded optimizer.
 
 The reference model stays replicated: it is frozen (no gradients, no optimizer state), so it costs one copy of the
-weights per process, against four (weights, gradients, two AdamW moments) for the policy before sharding.
+weights per process, against four (weights, gradients, two AdamW moments) for the policy before sharding. A LoRA
+policy has no separate reference: it is the sharded policy itself, scored with its adapters switched off.
 
 Dependencies: torch (``torch.distributed.fsdp``, ``torch.distributed.checkpoint``).
 """
