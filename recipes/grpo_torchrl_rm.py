@@ -425,11 +425,13 @@ def _validate_strategy(cfg: DictConfig) -> None:
             "forward pass. Use rollout.env=prompt (its sampler keeps the processes in step) with fsdp, or "
             "distributed.strategy=ddp with rollout.env=chat."
         )
-    if cfg.model.get("lora") is not None:
+    if cfg.checkpoint.save_merged:
         raise ConfigError(
-            "distributed.strategy=fsdp with model.lora: sharding a LoRA-wrapped policy (and gathering its adapter for "
-            "checkpoints) is not built yet. LoRA's trainable state is small: use distributed.strategy=ddp with "
-            "model.lora, or fsdp for full fine-tuning (model.lora=null)."
+            "checkpoint.save_merged=true with distributed.strategy=fsdp: the merge runs on a whole copy of the policy, "
+            "which sharding splits between the processes. Drop checkpoint.save_merged: the checkpoint's model/ "
+            "adapter loads onto the base with peft (PeftModel.from_pretrained(base, folder).merge_and_unload() "
+            "merges it), and any model.name_or_path or reward_model.name_or_path takes the folder as it is. Or use "
+            "distributed.strategy=ddp."
         )
 
 
@@ -457,6 +459,9 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
     """The policy comes from the checkpoint when resuming; the reference is always the initial policy (with LoRA, the
     policy with its adapters off: nothing more is loaded)."""
     policy_node = cfg.model if resume_from is None else checkpoint_policy_node(cfg, resume_from)
+    # Fresh LoRA adapters are drawn at random: seeded alike on every rank, the same run starts from the same adapters
+    # (and FSDP2's ranks, each keeping its own slice of them, from one draw). seed_sampling reseeds per rank later.
+    seed_everything(cfg.seed)
     reference = None
     if cfg.loss.kl_to_ref_coeff and cfg.model.lora is None:
         reference = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
@@ -499,19 +504,21 @@ def make_batch_preparation(cfg: DictConfig, models: Models, scorer) -> PrepareBa
     scores_old = cfg.rollout.env == "chat" and not is_on_policy(cfg)
     return PrepareBatch(
         cfg.rollout.group_size,
-        reference=make_reference_log_probs(cfg, models),
+        reference=make_reference_log_probs(cfg, models, policy_scorer=scorer),
         policy=scorer if scores_old else None,
         micro_batch_size=cfg.rollout.log_prob_micro_batch_size,
     )
 
 
-def make_reference_log_probs(cfg: DictConfig, models: Models):
+def make_reference_log_probs(cfg: DictConfig, models: Models, *, policy_scorer=None):
     """The frozen reference's log-prob scorer (``None``: no KL term): the initial policy loaded beside the policy, or
-    with LoRA the policy with its adapters switched off (its base weights never train)."""
+    with LoRA the policy with its adapters switched off (its base weights never train). A sharded LoRA policy is
+    scored through ``policy_scorer``, the FSDP2 forward that gathers its weights."""
     if not cfg.loss.kl_to_ref_coeff:
         return None
     if cfg.model.lora is not None:
-        return AdapterDisabledLogProbs(models.policy)
+        sharded = is_sharded(models.policy)
+        return AdapterDisabledLogProbs(models.policy, scorer=policy_scorer if sharded else None)
     return ResponseLogProbs(models.reference)
 
 

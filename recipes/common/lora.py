@@ -130,14 +130,18 @@ class AdapterDisabledLogProbs(nn.Module):
 
     Keyword Args:
         chunk_elements: passed to :class:`ResponseLogProbs`.
+        scorer: the scorer to run with the adapters off instead of a new :class:`ResponseLogProbs`: that of a sharded
+            ``model`` (``recipes.common.sharding.ShardedResponseLogProbs``), whose weights only its registered
+            forward gathers. The adapters are switched off before it gathers them; peft's switch is a flag on each
+            LoRA layer (and ``requires_grad`` on its sharded adapters, which FSDP2 copies to the gathered ones).
     """
 
-    def __init__(self, model, *, chunk_elements: int = 2**23) -> None:
+    def __init__(self, model, *, chunk_elements: int = 2**23, scorer: nn.Module | None = None) -> None:
         super().__init__()
         if not is_peft_model(model):
             raise TypeError(f"AdapterDisabledLogProbs: expected a peft.PeftModel, got {type(model).__name__}.")
         self.peft_model = model
-        self.scorer = ResponseLogProbs(model, chunk_elements=chunk_elements)
+        self.scorer = scorer if scorer is not None else ResponseLogProbs(model, chunk_elements=chunk_elements)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
         with self.peft_model.disable_adapter():

@@ -127,6 +127,12 @@ def save_checkpoint(
         save_merged: a LoRA model's merged full model too, in ``merged_model/``.
     """
 
+    if save_merged and model_state_dict is not None:
+        raise ValueError(
+            "save_checkpoint: save_merged=True merges the adapters of the model itself, but model_state_dict is "
+            "given (a sharded model's gathered weights): save the adapter only, and merge it after loading."
+        )
+
     def write(folder: Path) -> None:
         save_model_folder(model, tokenizer, folder / MODEL_FOLDER, state_dict=model_state_dict)
         if save_merged:

@@ -2,7 +2,9 @@
 its parameters, gradients and optimizer state, and gathers a layer's full weights only while that layer runs.
 
 - :func:`shard_policy`: ``torch.distributed.fsdp.fully_shard`` on every decoder layer, then on the whole causal LM
-  (the root, holding the embeddings, the final norm and the LM head), in place.
+  (the root, holding the embeddings, the final norm and the LM head), in place. A LoRA policy (``peft.PeftModel``)
+  is sharded the same way, its adapters inside the layers they adapt: a unit then holds frozen base weights and
+  trainable adapters, which FSDP2 allows (only the adapters get gradients, reduce-scattered).
 - :class:`ShardedResponseLogProbs`: :class:`~recipes.common.log_probs.ResponseLogProbs` over a sharded policy. It
   runs the backbone and the LM head itself, outside the policy's ``forward``, where FSDP2 would leave the root's
   weights sharded: its scoring is registered as one of the policy's forward methods, so that FSDP2 gathers them
@@ -13,7 +15,8 @@ its parameters, gradients and optimizer state, and gathers a layer's full weight
 - :func:`load_full_optimizer_state`: such a gathered optimizer state put back into a sharded optimizer.
 
 The reference model stays replicated: it is frozen (no gradients, no optimizer state), so it costs one copy of the
-weights per process, against four (weights, gradients, two AdamW moments) for the policy before sharding.
+weights per process, against four (weights, gradients, two AdamW moments) for the policy before sharding. A LoRA
+policy has no separate reference: it is the sharded policy itself, scored with its adapters switched off.
 
 Dependencies: torch (``torch.distributed.fsdp``, ``torch.distributed.checkpoint``).
 """
@@ -46,6 +49,9 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    # A peft model's decoder layers (its LoRA layers within them) are its transformers base model's.
+    if callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
     # transformers names the blocks it never splits across devices: the decoder layers of any architecture.
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
@@ -60,11 +66,25 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_policy(model: nn.Module) -> nn.Module:
     """Shards ``model`` in place over the default process group: one ``fully_shard`` per decoder layer (its weights
     are gathered only while it runs forward or backward), one on the model for what is left (embeddings, final norm,
-    LM head, tied or not). Build the optimizer afterwards, over the sharded parameters. Returns ``model``."""
+    LM head, tied or not), after every rank took rank 0's weights. Build the optimizer afterwards, over the sharded
+    parameters. Returns ``model``.
+
+    ``model`` may be a ``peft.PeftModel``: the root is then the PeftModel itself (what the recipe calls, saves and
+    switches the adapters of), its decoder layers those of the base model."""
+    _copy_rank0_weights(model)
     for layer in _decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+@torch.no_grad()
+def _copy_rank0_weights(model: nn.Module) -> None:
+    # Every rank keeps only its own slice of each tensor, so the ranks must agree on the whole before sharding, as
+    # DistributedDataParallel makes them (it starts every rank from rank 0's weights). Weights read from one folder do;
+    # fresh LoRA adapters are drawn from each rank's own RNG and would otherwise be stitched from different draws.
+    for tensor in [*model.parameters(), *model.buffers()]:
+        torch.distributed.broadcast(tensor.data, src=0)
 
 
 class ShardedResponseLogProbs(ResponseLogProbs):
@@ -89,12 +109,14 @@ class ShardedResponseLogProbs(ResponseLogProbs):
         # A plain attribute, not a submodule: the policy's state dict does not change.
         object.__setattr__(model, _SCORE_METHOD, functools.partial(ResponseLogProbs.forward, self))
         register_fsdp_forward_method(model, _SCORE_METHOD)
+        # The root's wrapped method, kept here: self.model is a peft model's base model (what the scoring reads),
+        # while the root, on which the method is registered, is the peft model.
+        self._score = getattr(model, _SCORE_METHOD)
 
     def forward(
         self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, response_start: int, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        score = getattr(self.model, _SCORE_METHOD)
-        return score(tokens, attention_mask, response_start=response_start, with_entropy=with_entropy)
+        return self._score(tokens, attention_mask, response_start=response_start, with_entropy=with_entropy)
 
 
 _FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -185,3 +185,67 @@ def test_a_resumed_fsdp_run_replays_the_uninterrupted_one(tmp_path):
     final, reference = _load_rank_weights(run_dir, 0), _load_rank_weights(reference_dir, 0)
     for name in final:
         torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-5)
+
+
+LORA = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj,lm_head]}"
+
+
+def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_dir):
+    """The adapters are sharded with the frozen base layers they sit in; the reference (adapters off) is scored
+    through the sharded forward; the checkpoint holds the adapter, gathered, as under DDP."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    overrides = [*SMALL, LORA, "train.steps=2"]
+    _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
+    _torchrun(2, overrides, tmp_path / "ddp")
+    sharded, replicated = read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "ddp")
+    assert [row["step"] for row in sharded] == [1.0, 2.0]
+    for a, b in zip(sharded, replicated, strict=True):
+        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/kl_to_ref"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    fsdp_weights, ddp_weights = _load_rank_weights(tmp_path / "fsdp", 0), _load_rank_weights(tmp_path / "ddp", 0)
+    assert fsdp_weights.keys() == ddp_weights.keys()
+    for name in fsdp_weights:
+        torch.testing.assert_close(fsdp_weights[name], ddp_weights[name], rtol=1e-4, atol=1e-5)
+
+    # Only the adapters trained: the base weights are the shipped policy's, the adapters' B moved away from 0.
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").named_parameters())
+    adapters = [name for name in fsdp_weights if "lora_" in name]
+    assert adapters and all(fsdp_weights[name].any() for name in adapters if "lora_B" in name)
+    for name in fsdp_weights.keys() - adapters:
+        base_name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        assert torch.equal(fsdp_weights[name], initial[base_name].detach()), name
+
+    # The checkpoint's model/ is the adapter, which peft puts back onto the base: the gathered weights again; the
+    # optimizer state covers the adapters alone.
+    checkpoint = tmp_path / "fsdp" / "checkpoints" / "step_0000002"
+    saved_files = {path.name for path in (checkpoint / MODEL_FOLDER).iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= saved_files
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy")
+    reloaded = dict(PeftModel.from_pretrained(base, checkpoint / MODEL_FOLDER).named_parameters())
+    assert reloaded.keys() == fsdp_weights.keys()
+    for name, parameter in reloaded.items():
+        assert torch.equal(parameter, fsdp_weights[name]), name
+    optimizer_state = torch.load(checkpoint / "training_state.pt", weights_only=True)["optimizer"]["state"]
+    assert sorted(optimizer_state) == sorted(adapters)
+
+
+@pytest.mark.slow
+def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(tmp_path):
+    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again."""
+    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
+    overrides = [*SMALL, LORA, FSDP, "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
+    _torchrun(2, [*overrides, "train.steps=2"], run_dir)
+    _torchrun(2, [*overrides, "train.steps=4", "resume=true"], run_dir)
+    _torchrun(2, [*overrides, "train.steps=4"], reference_dir)
+
+    resumed, uninterrupted = read_metrics(run_dir), read_metrics(reference_dir)
+    assert [row["step"] for row in resumed] == [1.0, 2.0, 3.0, 4.0]
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        for key in ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/kl_to_ref"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    final, reference = _load_rank_weights(run_dir, 0), _load_rank_weights(reference_dir, 0)
+    assert final.keys() == reference.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-5)

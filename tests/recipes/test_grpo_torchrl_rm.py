@@ -67,8 +67,12 @@ class TestValidation:
             (["distributed.backend=mpi"], "distributed.backend='mpi'"),
             (["distributed.backend=nccl"], "distributed.backend=nccl needs device=cuda"),
             (
-                ["distributed.strategy=fsdp", "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj]}"],
-                "distributed.strategy=fsdp with model.lora",
+                [
+                    "distributed.strategy=fsdp",
+                    "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj]}",
+                    "checkpoint.save_merged=true",
+                ],
+                "checkpoint.save_merged=true with distributed.strategy=fsdp",
             ),
             (["distributed.strategy=zero3"], "distributed.strategy='zero3': expected one of ['ddp', 'fsdp']"),
             (["distributed.strategy=fsdp", "rollout.mode=async"], "Use rollout.mode=sync with fsdp"),
