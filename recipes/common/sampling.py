@@ -145,11 +145,11 @@ def _forwards_are_collective(model) -> bool:
     return isinstance(model, FSDPModule) and torch.distributed.is_initialized()
 
 
-def _any_rank_running(running: torch.Tensor, synced: bool) -> bool:
-    """Whether a row of this rank (of any rank, when ``synced``) still decodes."""
+def _any_rank_running(decoding: bool, synced: bool, device: torch.device) -> bool:
+    """Whether this rank (any rank, when ``synced``) still has a row decoding."""
     if not synced:
-        return bool(running.any())
-    flag = running.any().int()  # on the model's device: the one this rank's backend moves
+        return decoding
+    flag = torch.tensor(int(decoding), device=device)  # on the model's device: the one this rank's backend moves
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag)
 
@@ -224,12 +224,13 @@ def sample_responses(
 
     prefill, cache_argument = _forward_options(model)
     synced = _forwards_are_collective(model)
+    decoding = True  # a row of this rank has not sampled EOS yet
     out = model(input_ids=prompt_tokens, attention_mask=mask, position_ids=positions, use_cache=True, **prefill)
     next_position = positions[:, -1:] + 1
     for step in range(settings.max_new_tokens):
         # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
         # it leaves its RNG where a rank decoding alone would have left it.
-        if running.any():
+        if decoding:
             logits = out.logits[:, -1].float()
             scores = logits
             if settings.repetition_penalty != 1.0:
@@ -244,9 +245,10 @@ def sample_responses(
             log_probs[:, step] = torch.where(running, token_log_prob, 0.0)
             lengths += running
             running = running & ~torch.isin(token, eos)
+            decoding = bool(running.any())  # the step's one host sync
             if seen is not None:
                 seen.scatter_(-1, token[:, None], True)
-        if step + 1 == settings.max_new_tokens or not _any_rank_running(running, synced):
+        if step + 1 == settings.max_new_tokens or not _any_rank_running(decoding, synced, device):
             break
         # Finished rows go on decoding pads (their outputs are discarded), so that the batch keeps one shape.
         mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
