@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from recipes.common.collection import REWARD_INPUTS, PrepareBatch, check_reward_keys, make_collector
-from recipes.common.config import ConfigError, check_run_settings, run_config
+from recipes.common.config import ConfigError, check_run_settings, first_items, run_config
 from recipes.common.data import load_prompts
 from recipes.common.distributed import (
     STRATEGIES,
@@ -283,8 +283,8 @@ def check_prompt_lengths(cfg: DictConfig, prompts: list) -> None:
         rows = (lengths + max_new_tokens > positions).nonzero().flatten().tolist()
         if rows:
             raise ConfigError(
-                f"{len(rows)} of {len(prompts)} prompts (rows {_first(rows)}) are too long for the policy: rendered "
-                f"with its chat template they take up to {int(lengths.max())} tokens, and with "
+                f"{len(rows)} of {len(prompts)} prompts (rows {first_items(rows)}) are too long for the policy: "
+                f"rendered with its chat template they take up to {int(lengths.max())} tokens, and with "
                 f"rollout.generation.max_new_tokens={max_new_tokens} the sequence passes the "
                 f"{positions} positions of model.name_or_path={str(cfg.model.name_or_path)!r} "
                 "(max_position_embeddings). Shorten or drop those prompts, or lower rollout.generation.max_new_tokens."
@@ -298,7 +298,7 @@ def check_prompt_lengths(cfg: DictConfig, prompts: list) -> None:
         return
     message = (
         f"reward.max_length={max_length} cuts the reward model's input before the response starts for {len(rows)} "
-        f"of {len(prompts)} prompts (rows {_first(rows)}; up to {int(reward_lengths.max())} tokens as the reward "
+        f"of {len(prompts)} prompts (rows {first_items(rows)}; up to {int(reward_lengths.max())} tokens as the reward "
         f"model reads them, reward.input={cfg.reward.input}): every response to such a prompt gets the same reward, "
         "and its group teaches nothing. Raise reward.max_length (or null: no truncation), or shorten those prompts."
     )
@@ -317,10 +317,6 @@ def _reward_prompt_lengths(cfg: DictConfig, table: PromptTable, policy_lengths: 
         return [len(ids) for ids in reward_tokenizer(texts)["input_ids"]]
     rendered = reward_tokenizer.apply_chat_template(table.conversations, tokenize=True, return_dict=True)
     return [len(ids) for ids in rendered["input_ids"]]
-
-
-def _first(rows: list[int], count: int = 10) -> str:
-    return f"{rows[:count]}{'...' if len(rows) > count else ''}"
 
 
 def resume_changes(cfg: DictConfig) -> dict:
@@ -639,11 +635,6 @@ def train(cfg: DictConfig) -> dict:
     and rank 0 alone writes the run folder."""
     setup_start = time.perf_counter()
     validate(cfg)
-    # The prompts are read (and refused: missing column, empty prompts, too long...) before any model loads.
-    prompts = load_prompts(cfg.data, "train")
-    if not prompts:
-        raise ConfigError(f"data={cfg.data.source} holds no training prompts; check data.path / data.split.")
-    check_prompt_lengths(cfg, prompts)
     finished = finished_run_summary(cfg)
     if finished is not None:
         log.info(
@@ -652,6 +643,11 @@ def train(cfg: DictConfig) -> dict:
             finished["train/steps"],
         )
         return finished
+    # The prompts are read (and refused: missing column, empty prompts, too long...) before any model loads.
+    prompts = load_prompts(cfg.data, "train")
+    if not prompts:
+        raise ConfigError(f"data={cfg.data.source} holds no training prompts; check data.path / data.split.")
+    check_prompt_lengths(cfg, prompts)
 
     run = start_run(
         cfg,

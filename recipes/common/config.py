@@ -27,6 +27,16 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message says which key, what was found and what to change."""
 
 
+def first_items(items: list, count: int = 10) -> str:
+    """The first ``count`` of ``items`` for an error message, with ``...`` when there are more.
+
+    Examples:
+        >>> first_items([3, 7, 9], count=2)
+        '[3, 7]...'
+    """
+    return f"{items[:count]}{'...' if len(items) > count else ''}"
+
+
 def register_resolvers() -> None:
     """Registers ``${project_root:relative/path}``, so the tiny kit resolves wherever the repository is cloned, and
     ``${if_set:value,then,otherwise}``."""

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, first_items
 from recipes.common.synthetic import make_prompts
 
 # datasets is imported where a file or hub dataset loads: it takes about half a second, which the synthetic task,
 # `--help` and config validation need not spend.
 
-__all__ = ["load_preference_pairs", "load_prompts", "load_table", "prompt_text"]
+__all__ = ["BadJsonLine", "load_preference_pairs", "load_prompts", "load_table", "parse_json_lines", "prompt_text"]
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -103,17 +103,36 @@ def _check_json_file(path: Path, *, key: str, columns: list[str]) -> None:
     )
 
 
-def _first_bad_json_line(lines: list[str]) -> tuple[int, str] | None:
-    """``(1-based line number, reason)`` of the first non-blank line that is not a JSON object, or None."""
+class BadJsonLine(ValueError):
+    """A line of a JSON-lines file that is not a JSON object: its 1-based number and why."""
+
+    def __init__(self, line_number: int, reason: str) -> None:
+        super().__init__(f"line {line_number}: {reason}")
+        self.line_number, self.reason = line_number, reason
+
+
+def parse_json_lines(lines) -> list[dict]:
+    """The JSON objects of the non-blank ``lines``; the first line that is not one raises :class:`BadJsonLine`."""
+    rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            return number, f"not valid JSON ({error.msg}, column {error.colno})"
+            raise BadJsonLine(number, f"not valid JSON ({error.msg}, column {error.colno})") from None
         if not isinstance(row, dict):
-            return number, f"a JSON {type(row).__name__}, not an object of columns"
+            raise BadJsonLine(number, f"a JSON {type(row).__name__}, not an object of columns")
+        rows.append(row)
+    return rows
+
+
+def _first_bad_json_line(lines: list[str]) -> tuple[int, str] | None:
+    """``(1-based line number, reason)`` of the first non-blank line that is not a JSON object, or None."""
+    try:
+        parse_json_lines(lines)
+    except BadJsonLine as bad:
+        return bad.line_number, bad.reason
     return None
 
 
@@ -205,7 +224,7 @@ def load_prompts(data: DictConfig, split: str) -> list:
     if empty:
         raise ConfigError(
             f"The prompt data ({_source(data, split)}, split {split}) has {len(empty)} empty prompt(s) in "
-            f"column {data.prompt_column!r} (rows {empty[:10]}{'...' if len(empty) > 10 else ''}): "
+            f"column {data.prompt_column!r} (rows {first_items(empty)}): "
             "a model asked nothing learns nothing. Remove or fill them."
         )
     return prompts
@@ -242,7 +261,7 @@ def _refuse_nulls(table, *, data: DictConfig, key: str, split: str) -> None:
     if nulls:
         raise ConfigError(
             f"The preference data ({_source(data, split)}, split {split}) has {len(nulls)} null value(s) in column "
-            f"data.{key}={column!r} (rows {nulls[:10]}{'...' if len(nulls) > 10 else ''}, counting data rows from 0; "
+            f"data.{key}={column!r} (rows {first_items(nulls)}, counting data rows from 0; "
             "a row without that column counts as null): every pair needs both a chosen and a rejected response. "
             "Fill them or remove those rows."
         )

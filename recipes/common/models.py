@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError, safe_open
 
-from recipes.common.config import ConfigError, check_local_path
+from recipes.common.config import ConfigError, check_local_path, first_items
 from recipes.common.resume import MODEL_FOLDER, broken_checkpoint_advice
 
 # transformers is imported inside the functions that load a model or tokenizer: it takes about half a second, which
@@ -78,7 +78,7 @@ def _weight_files(folder: Path, *, key: str) -> list[Path]:
         if missing:
             raise ConfigError(
                 f"{key}.name_or_path={str(folder)!r}: {_SHARDED_WEIGHTS} lists {len(missing)} shard(s) that are not "
-                f"there ({missing[:5]}{'...' if len(missing) > 5 else ''}). Copy or download the missing shards."
+                f"there ({first_items(missing, 5)}). Copy or download the missing shards."
             )
         return [folder / shard for shard in shards]
     pickled = [name for name in _PICKLED_WEIGHTS if (folder / name).is_file()]

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.common.checkpoint import write_folder_atomically
 from recipes.common.config import ConfigError
-from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
+from recipes.common.data import BadJsonLine, load_preference_pairs, load_prompts, parse_json_lines, prompt_text
 from recipes.common.models import load_causal_lm, load_tokenizer
 
 __all__ = [
@@ -414,19 +414,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"{path} is missing: the buffer folder is incomplete. {REBUILD_BUFFER}")
-    rows = []
-    with open(path) as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}, line {number}: not valid JSON ({err}). {REBUILD_BUFFER}") from err
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}, line {number}: expected a JSON object, got {row!r:.80}. {REBUILD_BUFFER}")
-            rows.append(row)
-    return rows
+    try:
+        return parse_json_lines(path.read_text().splitlines())
+    except BadJsonLine as bad:
+        raise ConfigError(f"{path}, line {bad.line_number}: {bad.reason}. {REBUILD_BUFFER}") from None
 
 
 def _pair_keys_layout(keys: DictConfig) -> dict:
