@@ -513,7 +513,7 @@ def train(cfg: DictConfig) -> dict:
         if run.is_main:
             write_jsonl(run.output_dir / EVAL_PAIRS_FILE, labelled.eval)  # the held-out pairs this run evaluates
             log_run_plan(cfg, facts, num_eval_pairs=len(labelled.eval))
-        facts["perf/pairs_s"] = time.perf_counter() - start
+        pairs_s = time.perf_counter() - start
 
         # args.device: this process's own device (cuda:<local rank> under a launcher).
         # The model trained into a reward model: a classifier's base or a causal LM, whose score head may be new.
@@ -535,15 +535,16 @@ def train(cfg: DictConfig) -> dict:
         summary = None
         if run.is_main:
             metrics = save_and_evaluate(trainer, tokenizer, labelled, cfg, run.output_dir, device=args.device)
-            summary = summarize(trainer, metrics, facts, train_s=train_s, wall_time_s=time.perf_counter() - start)
+            summary = summarize(
+                trainer, metrics, facts, pairs_s=pairs_s, train_s=train_s, wall_time_s=time.perf_counter() - start
+            )
         summary = run.broadcast(summary)  # the others wait while the main process saves and evaluates
         return run.finish(summary, closing_message(summary, run.output_dir))
 
 
-def summarize(trainer, metrics: dict, facts: dict, *, train_s: float, wall_time_s: float) -> dict:
+def summarize(trainer, metrics: dict, facts: dict, *, pairs_s: float, train_s: float, wall_time_s: float) -> dict:
     """The held-out figures, the first and last training losses, the facts about the data, and the times."""
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [float("nan")]
-    pairs_s = facts.pop("perf/pairs_s")
     return {
         **metrics,
         "train/steps": trainer.state.global_step,
