@@ -47,6 +47,32 @@ def _load_rank_weights(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "rank_weights" / f"rank_{rank}.safetensors")
 
 
+def _assert_same_steps(run_dir: Path, other_dir: Path, keys: tuple[str, ...], steps: int) -> None:
+    """Both runs logged steps 1..``steps`` with the same ``keys`` (float tolerance)."""
+    rows, other_rows = read_metrics(run_dir), read_metrics(other_dir)
+    assert [row["step"] for row in rows] == [float(step) for step in range(1, steps + 1)]
+    for a, b in zip(rows, other_rows, strict=True):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+def _assert_same_weights(run_dir: Path, other_dir: Path, rank: int = 0) -> None:
+    weights, other = _load_rank_weights(run_dir, rank), _load_rank_weights(other_dir, rank)
+    assert weights.keys() == other.keys()
+    for name in weights:
+        torch.testing.assert_close(weights[name], other[name], rtol=1e-4, atol=1e-5)
+
+
+def _stop_resume_and_run_through(overrides: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """2 steps then a resume to 4 in one folder, and an uninterrupted 4-step run in another: their folders."""
+    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
+    overrides = [*overrides, "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
+    _torchrun(2, [*overrides, "train.steps=2"], run_dir)
+    _torchrun(2, [*overrides, "train.steps=4", "resume=true"], run_dir)
+    _torchrun(2, [*overrides, "train.steps=4"], reference_dir)
+    return run_dir, reference_dir
+
+
 def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM
 
@@ -85,21 +111,9 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
 @pytest.mark.slow
 def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(tmp_path):
     """Each rank's RNG state is in the checkpoint and the prompt stream is shared: stop, resume, same run."""
-    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
-    overrides = [
-        *SMALL,
-        "checkpoint.every_n_steps=2",
-        "checkpoint.keep_last=null",
-    ]
-    _torchrun(2, [*overrides, "train.steps=2"], run_dir)
-    _torchrun(2, [*overrides, "train.steps=4", "resume=true"], run_dir)
-    _torchrun(2, [*overrides, "train.steps=4"], reference_dir)
-
-    resumed, uninterrupted = read_metrics(run_dir), read_metrics(reference_dir)
-    assert [row["step"] for row in resumed] == [1.0, 2.0, 3.0, 4.0]
-    for a, b in zip(resumed, uninterrupted, strict=True):
-        for key in ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    run_dir, reference_dir = _stop_resume_and_run_through(SMALL, tmp_path)
+    keys = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss")
+    _assert_same_steps(run_dir, reference_dir, keys, steps=4)
     for rank in (0, 1):
         final, reference = _load_rank_weights(run_dir, rank), _load_rank_weights(reference_dir, rank)
         for name in final:
@@ -157,31 +171,17 @@ def test_fsdp_trains_as_ddp_does(tmp_path):
     overrides = [*SMALL, "train.steps=2"]
     _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
     _torchrun(2, overrides, tmp_path / "ddp")
-    sharded, replicated = read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "ddp")
-    assert [row["step"] for row in sharded] == [1.0, 2.0]
-    for a, b in zip(sharded, replicated, strict=True):
-        for key in ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
-    fsdp_weights, ddp_weights = _load_rank_weights(tmp_path / "fsdp", 0), _load_rank_weights(tmp_path / "ddp", 0)
-    assert fsdp_weights.keys() == ddp_weights.keys()
-    for name in fsdp_weights:
-        torch.testing.assert_close(fsdp_weights[name], ddp_weights[name], rtol=1e-4, atol=1e-5)
+    keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm")
+    _assert_same_steps(tmp_path / "fsdp", tmp_path / "ddp", keys, steps=2)
+    _assert_same_weights(tmp_path / "fsdp", tmp_path / "ddp")
 
 
 @pytest.mark.slow
 def test_a_resumed_fsdp_run_replays_the_uninterrupted_one(tmp_path):
     """The gathered optimizer state is sharded again on resume; the RNG states and the prompt stream as under DDP."""
-    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
-    overrides = [*SMALL, FSDP, "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
-    _torchrun(2, [*overrides, "train.steps=2"], run_dir)
-    _torchrun(2, [*overrides, "train.steps=4", "resume=true"], run_dir)
-    _torchrun(2, [*overrides, "train.steps=4"], reference_dir)
-
-    resumed, uninterrupted = read_metrics(run_dir), read_metrics(reference_dir)
-    assert [row["step"] for row in resumed] == [1.0, 2.0, 3.0, 4.0]
-    for a, b in zip(resumed, uninterrupted, strict=True):
-        for key in ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    run_dir, reference_dir = _stop_resume_and_run_through([*SMALL, FSDP], tmp_path)
+    keys = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss")
+    _assert_same_steps(run_dir, reference_dir, keys, steps=4)
     final, reference = _load_rank_weights(run_dir, 0), _load_rank_weights(reference_dir, 0)
     for name in final:
         torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-5)
@@ -199,15 +199,10 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
     overrides = [*SMALL, LORA, "train.steps=2"]
     _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
     _torchrun(2, overrides, tmp_path / "ddp")
-    sharded, replicated = read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "ddp")
-    assert [row["step"] for row in sharded] == [1.0, 2.0]
-    for a, b in zip(sharded, replicated, strict=True):
-        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/kl_to_ref"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
-    fsdp_weights, ddp_weights = _load_rank_weights(tmp_path / "fsdp", 0), _load_rank_weights(tmp_path / "ddp", 0)
-    assert fsdp_weights.keys() == ddp_weights.keys()
-    for name in fsdp_weights:
-        torch.testing.assert_close(fsdp_weights[name], ddp_weights[name], rtol=1e-4, atol=1e-5)
+    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/kl_to_ref")
+    _assert_same_steps(tmp_path / "fsdp", tmp_path / "ddp", keys, steps=2)
+    _assert_same_weights(tmp_path / "fsdp", tmp_path / "ddp")
+    fsdp_weights = _load_rank_weights(tmp_path / "fsdp", 0)
 
     # Only the adapters trained: the base weights are the shipped policy's, the adapters' B moved away from 0.
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").named_parameters())
@@ -234,18 +229,7 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
 @pytest.mark.slow
 def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(tmp_path):
     """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again."""
-    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
-    overrides = [*SMALL, LORA, FSDP, "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
-    _torchrun(2, [*overrides, "train.steps=2"], run_dir)
-    _torchrun(2, [*overrides, "train.steps=4", "resume=true"], run_dir)
-    _torchrun(2, [*overrides, "train.steps=4"], reference_dir)
-
-    resumed, uninterrupted = read_metrics(run_dir), read_metrics(reference_dir)
-    assert [row["step"] for row in resumed] == [1.0, 2.0, 3.0, 4.0]
-    for a, b in zip(resumed, uninterrupted, strict=True):
-        for key in ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/kl_to_ref"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
-    final, reference = _load_rank_weights(run_dir, 0), _load_rank_weights(reference_dir, 0)
-    assert final.keys() == reference.keys()
-    for name in final:
-        torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-5)
+    run_dir, reference_dir = _stop_resume_and_run_through([*SMALL, LORA, FSDP], tmp_path)
+    keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/kl_to_ref")
+    _assert_same_steps(run_dir, reference_dir, keys, steps=4)
+    _assert_same_weights(run_dir, reference_dir)
