@@ -28,6 +28,11 @@ buffer folder, the model, metrics and ``summary.json``, and evaluates.
     python recipes/reward_trainer_from_buffer.py
     python recipes/reward_trainer_from_buffer.py -m seed=0,1,2 train.learning_rate=1e-3,3e-3
     accelerate launch --multi_gpu --num_processes 2 recipes/reward_trainer_from_buffer.py hydra.run.dir=outputs/rm2
+    accelerate launch --use_fsdp --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --num_processes 2 \
+        recipes/reward_trainer_from_buffer.py device=cuda
+
+With ``--use_fsdp`` accelerate shards the model (FSDP2, GPUs only: refused on CPU, where accelerate would silently
+keep a whole copy per process); every process sends its shards for the save, and the main process writes them whole.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from recipes.common.preference import (
     tokenize_pairs,
     write_jsonl,
 )
-from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
+from recipes.common.run import Run, check_sharded_launch, end_processes, run_recipe, seed_everything, start_run
 from recipes.common.run_folder import check_output_folder
 
 # torchrl, datasets, trl and interop (which loads torchrl) are imported inside the functions that use them: together
@@ -107,6 +112,7 @@ def validate(cfg: DictConfig) -> None:
             f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."
         )
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite)
+    check_sharded_launch(cfg.device)
     check_run_settings(
         cfg,
         lr_key="train.learning_rate",
@@ -397,6 +403,15 @@ def fit(trainer, *, facts: dict, max_length: int | None) -> float:
     return train_s
 
 
+def gather_trained_weights(model) -> dict | None:
+    """The whole weights of a model that accelerate's FSDP2 sharded (``accelerate launch --use_fsdp --fsdp_version
+    2``), gathered onto the main process's CPU for its ``save_pretrained``; ``None`` for a model every process holds
+    whole. Every process must call it: each sends its shards."""
+    from recipes.common.sharding import gather_full_model_state, is_sharded
+
+    return gather_full_model_state(model) if is_sharded(model) else None
+
+
 # ---------------------------------------------------------------------------------------------------- evaluation
 
 
@@ -469,15 +484,16 @@ def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) ->
 
 
 def save_and_evaluate(
-    trainer, tokenizer, labelled: LabelledPairs, cfg: DictConfig, output_dir: Path, *, device
+    trainer, tokenizer, labelled: LabelledPairs, cfg: DictConfig, output_dir: Path, *, device, full_state=None
 ) -> dict[str, float]:
     """Writes trl's log history and the model folder (a LoRA adapter folder with ``reward_model.lora``), then
-    evaluates the saved model on the held-out pairs."""
+    evaluates the saved model on the held-out pairs. ``full_state``: the whole weights of a model sharded by
+    accelerate's FSDP, gathered (:func:`gather_trained_weights`), which the folder holds in place of the shards."""
     from transformers import AutoTokenizer
 
     (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     model_dir = write_folder_atomically(
-        functools.partial(save_model_folder, trainer.model, tokenizer), output_dir / "model"
+        functools.partial(save_model_folder, trainer.model, tokenizer, state_dict=full_state), output_dir / "model"
     )
     # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
     saved_tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -532,9 +548,12 @@ def train(cfg: DictConfig) -> dict:
             lora=cfg.reward_model.lora,
         )
         train_s = fit(trainer, facts=facts, max_length=cfg.train.max_length)
+        full_state = gather_trained_weights(trainer.model)  # every process takes part; None unless sharded
         summary = None
         if run.is_main:
-            metrics = save_and_evaluate(trainer, tokenizer, labelled, cfg, run.output_dir, device=args.device)
+            metrics = save_and_evaluate(
+                trainer, tokenizer, labelled, cfg, run.output_dir, device=args.device, full_state=full_state
+            )
             summary = summarize(
                 trainer, metrics, facts, pairs_s=pairs_s, train_s=train_s, wall_time_s=time.perf_counter() - start
             )

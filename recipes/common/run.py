@@ -6,6 +6,7 @@ folder for all of them (tidied of interrupted writes, cleared with ``overwrite=t
 metric logger on the main process. :meth:`Run.finish` writes ``summary.json``, puts the summary in the logger (the wandb
 run's summary) and logs the closing message. :func:`seed_everything` is the one way the recipes seed.
 :func:`run_recipe` wraps a recipe's ``train`` in its Hydra entry point so that the run's log says how it ended.
+:func:`check_sharded_launch` refuses an ``accelerate launch --use_fsdp`` that accelerate would not shard.
 
 A plain ``python recipes/x.py`` run is process 0 of 1, and every collective here is then a no-op.
 """
@@ -32,7 +33,16 @@ from recipes.common.config import ConfigError, run_config, write_run_config
 from recipes.common.logging import MetricLogger, make_logger
 from recipes.common.run_folder import clear_records
 
-__all__ = ["SUMMARY_FILE", "Run", "end_processes", "run_recipe", "seed_everything", "start_run"]
+__all__ = [
+    "SUMMARY_FILE",
+    "Run",
+    "accelerate_shards_on",
+    "check_sharded_launch",
+    "end_processes",
+    "run_recipe",
+    "seed_everything",
+    "start_run",
+]
 
 SUMMARY_FILE = "summary.json"
 
@@ -130,6 +140,33 @@ def start_run(
 def seed_everything(seed: int) -> None:
     """Seeds Python's, NumPy's and torch's generators (every device's): the one way the recipes seed."""
     set_seed(seed)
+
+
+def accelerate_shards_on(device: str) -> bool:
+    """Whether ``accelerate launch --use_fsdp`` shards a model on processes of ``device``. accelerate 1.x turns FSDP
+    on for GPU-like process groups only: on CPU processes it keeps DDP, every process holding the whole model."""
+    return torch.device(device).type != "cpu"
+
+
+def check_sharded_launch(device: str) -> None:
+    """Refuses, before anything loads, a launch with ``--use_fsdp`` (accelerate's ``ACCELERATE_USE_FSDP``) on a device
+    where accelerate would train every process on a whole copy of the model without a word; warns when it would
+    shard the model as one unit (no ``--fsdp_auto_wrap_policy``), gathering all its weights at once."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    if not accelerate_shards_on(device):
+        raise ConfigError(
+            f"accelerate launch --use_fsdp with device={device}: accelerate shards models on GPUs only, and on CPU "
+            "processes it would silently keep a whole copy of the model on every process (DDP). Launch CPU "
+            "processes with --multi_gpu instead of --use_fsdp (the same training, not sharded), or shard on GPUs: "
+            "device=cuda."
+        )
+    if os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").upper() == "NO_WRAP":
+        log.warning(
+            "accelerate launch --use_fsdp without --fsdp_auto_wrap_policy: the model is one FSDP unit, whose forward "
+            "gathers all of its weights on every process at once. Add --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP "
+            "(a unit per decoder layer)."
+        )
 
 
 def end_processes() -> None:

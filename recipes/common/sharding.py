@@ -11,7 +11,8 @@ its parameters, gradients and optimizer state, and gathers a layer's full weight
   around it (and reduce-scatters their gradients after the backward) as it does around ``forward``.
 - :func:`is_sharded`: whether a model is FSDP2-sharded.
 - :func:`gather_full_state`: the full model and optimizer state dicts, gathered onto rank 0's CPU, for a checkpoint
-  that loads with ``from_pretrained`` and resumes under any number of processes.
+  that loads with ``from_pretrained`` and resumes under any number of processes; :func:`gather_full_model_state`, the
+  model's alone (the reward recipe's model, sharded by accelerate's FSDP2).
 - :func:`load_full_optimizer_state`: such a gathered optimizer state put back into a sharded optimizer.
 
 The reference model stays replicated: it is frozen (no gradients, no optimizer state), so it costs one copy of the
@@ -37,7 +38,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 
 from recipes.common.log_probs import ResponseLogProbs
 
-__all__ = ["ShardedResponseLogProbs", "gather_full_state", "is_sharded", "load_full_optimizer_state", "shard_policy"]
+__all__ = [
+    "ShardedResponseLogProbs",
+    "gather_full_model_state",
+    "gather_full_state",
+    "is_sharded",
+    "load_full_optimizer_state",
+    "shard_policy",
+]
 
 # The policy's method that ShardedResponseLogProbs registers as an FSDP2 forward.
 _SCORE_METHOD = "score_response_log_probs"
@@ -122,13 +130,17 @@ class ShardedResponseLogProbs(ResponseLogProbs):
 _FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+def gather_full_model_state(model: nn.Module) -> dict:
+    """The full (unsharded) state dict of a sharded ``model``, on CPU, for ``save_pretrained(state_dict=...)``. Every
+    rank must call it (the shards are all-gathered); rank 0 gets the tensors, the other ranks an empty dict
+    (``cpu_offload`` keeps a single copy, rank 0's)."""
+    return get_model_state_dict(model, options=_FULL_ON_CPU)
+
+
 def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The full (unsharded) state dicts of a sharded ``model`` and its ``optimizer``, on CPU, keyed by parameter
-    names. Every rank must call it (the shards are all-gathered); rank 0 gets the tensors, the other ranks get empty
-    dicts (``cpu_offload`` keeps a single copy, rank 0's)."""
-    model_state = get_model_state_dict(model, options=_FULL_ON_CPU)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=_FULL_ON_CPU)
-    return model_state, optimizer_state
+    """:func:`gather_full_model_state` and the full state dict of ``model``'s ``optimizer``, keyed by parameter names,
+    gathered the same way (every rank calls it, rank 0 gets the tensors)."""
+    return gather_full_model_state(model), get_optimizer_state_dict(model, optimizer, options=_FULL_ON_CPU)
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -4,7 +4,8 @@
 ``--cpu``; ``--multi_gpu`` is its torchrun launcher, and the recipe's ``device=cpu`` makes the group gloo). Started
 through ``_batch_recording.py`` (and, in process, with the ``record_batches`` fixture), each process records what it
 trained on. ``torchrun`` runs ``interop.TorchRLBufferDataset`` over the recipe's buffer, where the dataset deals its
-draws between the ranks itself.
+draws between the ranks itself. ``accelerate launch --use_fsdp --fsdp_version 2`` shards the reward model, started
+through ``_accelerate_fsdp_on_cpu.py`` (accelerate shards on GPUs only; it lifts that limit for CPU processes).
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def _accelerate_launch(repo_root: Path, *overrides: str, script: str = "recipes/
     launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     launcher += ["--main_process_port", str(_free_port())]
     return _launch(repo_root, launcher, script, *overrides)
+
+
+def _accelerate_fsdp_launch(repo_root: Path, *overrides: str):
+    launcher = ["accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes", "2"]
+    launcher += ["--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]  # a unit per decoder layer (README)
+    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher += ["--main_process_port", str(_free_port())]
+    return _launch(repo_root, launcher, "tests/recipes/_accelerate_fsdp_on_cpu.py", *overrides)
 
 
 @pytest.fixture
@@ -289,3 +298,96 @@ def test_two_processes_match_the_single_process_run(compose_config, repo_root, t
         torch.isfinite(torch.tensor(double["train/loss_last"]))
         and double["train/loss_last"] < double["train/loss_first"]
     )
+
+
+# 6 steps of 2 x 4 pairs, the same in every launch below.
+FSDP_RUN = [*SMALL, "train.max_steps=6", "train.per_device_train_batch_size=4", "logger=csv"]
+REWARD_LORA = "reward_model.lora={r:8,alpha:16,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj]}"
+
+
+def _held_shares(run_dir: Path, repo_root: Path) -> list[float]:
+    """The share of the model's parameters each process held after training (``_accelerate_fsdp_on_cpu.py``)."""
+    sizes = [json.loads((run_dir / "shards" / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert sum(s["held"] for s in sizes) == sizes[0]["total"] == sizes[1]["total"]  # every parameter held once
+    layers = json.loads((repo_root / "tiny" / "reward_base" / "config.json").read_text())["num_hidden_layers"]
+    assert all(s["units"] >= layers + 1 for s in sizes)  # a unit per decoder layer, and the root
+    return [s["held"] / s["total"] for s in sizes]
+
+
+def _assert_same_weights(file: str, *run_dirs: Path) -> None:
+    from safetensors.torch import load_file
+
+    first, second = (load_file(run / "model" / file) for run in run_dirs)
+    assert first.keys() == second.keys() and len(first) > 0
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_accelerate_fsdp_shards_the_reward_model_and_trains_as_ddp(repo_root, tmp_path):
+    """accelerate's FSDP2 over 2 processes: each holds half the model, and the recipe saves (gathered on the main
+    process) and evaluates the very model DDP trains."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    sharded, replicated = tmp_path / "fsdp", tmp_path / "ddp"
+    _accelerate_fsdp_launch(repo_root, *FSDP_RUN, f"hydra.run.dir={sharded}")
+    _accelerate_launch(repo_root, *FSDP_RUN, f"hydra.run.dir={replicated}")
+
+    assert all(0.45 <= share <= 0.55 for share in _held_shares(sharded, repo_root))
+    _assert_same_weights("model.safetensors", sharded, replicated)
+    start = load_file(repo_root / "tiny" / "reward_base" / "model.safetensors")
+    trained = load_file(sharded / "model" / "model.safetensors")
+    assert trained.keys() == start.keys() and any(not torch.equal(start[k], trained[k]) for k in start)
+    # One whole save_pretrained folder, loadable without this project.
+    model = AutoModelForSequenceClassification.from_pretrained(sharded / "model")
+    torch.testing.assert_close(model.score.weight.detach(), trained["score.weight"], rtol=0, atol=0)
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (sharded, replicated)]
+    assert summaries[0]["train/num_processes"] == 2 and summaries[0]["train/steps"] == 6
+    for key in ("train/loss_first", "train/loss_last", "eval/accuracy", "eval/margin_mean"):
+        assert summaries[0][key] == pytest.approx(summaries[1][key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_accelerate_fsdp_with_lora_trains_the_adapters_as_ddp(repo_root, tmp_path):
+    """The LoRA reward model sharded by accelerate's FSDP2: half of it on each process, and the adapter folder (score
+    head included) that DDP with LoRA saves."""
+    from safetensors.torch import load_file
+
+    sharded, replicated = tmp_path / "fsdp", tmp_path / "ddp"
+    _accelerate_fsdp_launch(repo_root, *FSDP_RUN, REWARD_LORA, f"hydra.run.dir={sharded}")
+    _accelerate_launch(repo_root, *FSDP_RUN, REWARD_LORA, f"hydra.run.dir={replicated}")
+
+    assert all(0.45 <= share <= 0.55 for share in _held_shares(sharded, repo_root))
+    _assert_same_weights("adapter_model.safetensors", sharded, replicated)
+    adapter = load_file(sharded / "model" / "adapter_model.safetensors")
+    assert "base_model.model.score.weight" in adapter and any("lora_B" in name for name in adapter)
+    # The recipe's evaluation loads the adapter folder (base + adapter) as GRPO would: the same figures as DDP's.
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (sharded, replicated)]
+    for key in ("train/loss_last", "eval/accuracy", "eval/margin_mean"):
+        assert summaries[0][key] == pytest.approx(summaries[1][key], rel=1e-4, abs=1e-6), key
+
+
+def test_use_fsdp_on_cpu_processes_is_refused_before_anything_loads(compose_config, tmp_path, monkeypatch):
+    """accelerate would silently keep a whole model per CPU process: the recipe says so instead."""
+    import recipes.reward_trainer_from_buffer as recipe
+    from recipes.common.config import ConfigError
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch --use_fsdp sets
+    cfg = compose_config("reward_trainer_from_buffer", [f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"--use_fsdp with device=cpu.*--multi_gpu instead"):
+        recipe.train(cfg)
+    assert list((tmp_path / "run").iterdir()) == []  # refused before the pairs, the model or any record
+
+
+def test_use_fsdp_without_a_wrap_policy_warns_that_the_model_is_one_unit(monkeypatch, caplog):
+    import recipes.common.run as run
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    run.check_sharded_launch("cuda")  # where accelerate shards
+    assert "--fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")  # what --fsdp_auto_wrap_policy sets
+    run.check_sharded_launch("cuda")
+    assert caplog.text == ""
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    run.check_sharded_launch("cpu")  # no --use_fsdp: nothing to check
