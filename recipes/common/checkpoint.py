@@ -26,10 +26,12 @@ def save_model_folder(model, tokenizer, folder: str | os.PathLike, *, state_dict
 
 def save_merged_model_folder(model, tokenizer, folder: str | os.PathLike) -> None:
     """A LoRA model (``peft.PeftModel``) saved as one full ``transformers`` model, its adapters merged in: loadable
-    without peft. The merge runs on a copy (the model's own base weights stay untouched, bit for bit), which costs a
-    second copy of the model in memory while it saves."""
-    merged = copy.deepcopy(model).merge_and_unload()
-    save_model_folder(merged, tokenizer, folder)
+    without peft, computing what the adapted model does (``recipes.common.models.merge_adapters``). The merge runs on
+    a copy (the model's own base weights stay untouched, bit for bit), which costs a second copy of the model in
+    memory while it saves."""
+    from recipes.common.models import merge_adapters  # models imports this module (through resume)
+
+    save_model_folder(merge_adapters(copy.deepcopy(model)), tokenizer, folder)
 
 
 def write_folder_atomically(write: Callable[[Path], None], destination: str | os.PathLike) -> Path:

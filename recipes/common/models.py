@@ -210,7 +210,26 @@ def _merge_adapter(base, folder: str):
     """``base`` with the adapter in ``folder`` applied and merged into its weights: a plain ``transformers`` model."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base, folder).merge_and_unload()
+    return merge_adapters(PeftModel.from_pretrained(base, folder))
+
+
+def merge_adapters(model):
+    """A ``peft.PeftModel``'s adapters merged into its base weights (in place): the plain ``transformers`` model that
+    computes what the adapted one did.
+
+    An adapter on an output embedding tied to the input embeddings (``lm_head`` of a ``tie_word_embeddings`` model,
+    the tiny policy's) adapts the LM head only, but merging it into the shared weight would move the embeddings too
+    (on the tiny policy: logits off by 4.6). The head is untied first (its own copy of the weight,
+    ``tie_word_embeddings=False`` in the config), so the merged model embeds as the base did."""
+    base = model.get_base_model()
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    head_layer = getattr(head, "base_layer", None)  # an adapted head is a LoRA layer around the original
+    if head_layer is not None and embeddings is not None and head_layer.weight is embeddings.weight:
+        head_layer.weight = torch.nn.Parameter(head_layer.weight.detach().clone(), requires_grad=False)
+        base.config.tie_word_embeddings = False
+        if hasattr(base.config, "get_text_config"):
+            base.config.get_text_config().tie_word_embeddings = False
+    return model.merge_and_unload()
 
 
 def resolve_dtype(name: str) -> torch.dtype:

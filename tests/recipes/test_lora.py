@@ -196,3 +196,56 @@ def test_lora_policy_trains_with_the_async_collector(compose_config, tmp_path):
 def test_lora_grpo_on_the_tiny_defaults_learns(compose_config, tmp_path):
     summary = recipe.train(compose_config("grpo_torchrl_rm", [TINY_LORA, "logger=none", f"output_dir={tmp_path}"]))
     assert summary["rollout/oracle_mean_last"] >= 0.8
+
+
+def test_a_merged_lora_model_computes_what_the_adapted_one_does(tiny_dir, tmp_path):
+    """An adapter on the LM head of a model whose head is tied to its embeddings (the tiny policy's, and the README's
+    LoRA-GRPO targets) adapts the head alone: merged, saved and reloaded, or loaded from its adapter folder as a
+    policy, the model gives the adapted model's logits and keeps the base's embeddings."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from recipes.common.checkpoint import save_merged_model_folder
+    from recipes.common.lora import make_lora_config
+    from recipes.common.models import load_causal_lm, load_tokenizer
+
+    lora = OmegaConf.create({"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "lm_head"]})
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy")
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # tied
+    embeddings = base.get_input_embeddings().weight.detach().clone()
+    torch.manual_seed(0)
+    adapted = get_peft_model(base, make_lora_config(lora, task_type="CAUSAL_LM")).eval()
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:  # away from peft's zero start, so that the adapters change the logits
+                parameter.normal_(std=0.1)
+    tokens = torch.randint(0, base.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        expected = adapted(input_ids=tokens).logits
+        with adapted.disable_adapter():
+            assert not torch.allclose(expected, adapted(input_ids=tokens).logits, atol=1e-3)
+    node = OmegaConf.create({"name_or_path": str(tiny_dir / "policy"), "tokenizer_name_or_path": None})
+    tokenizer = load_tokenizer(OmegaConf.merge(node, {"trust_remote_code": False}), padding_side="left")
+
+    save_merged_model_folder(adapted, tokenizer, tmp_path / "merged")
+    adapted.save_pretrained(tmp_path / "adapter")
+    tokenizer.save_pretrained(tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    from_adapter = load_causal_lm(
+        OmegaConf.create(
+            {
+                "name_or_path": str(tmp_path / "adapter"),
+                "tokenizer_name_or_path": None,
+                "lora": None,
+                "trust_remote_code": False,
+            }
+        ),
+        device="cpu",
+        dtype="float32",
+    )
+    for model in (merged, from_adapter):
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.get_input_embeddings().weight.detach(), embeddings, rtol=0, atol=0)
+    # The adapted model itself is untouched by the merge (it ran on a copy): still tied, still adapted.
+    assert adapted.get_base_model().get_input_embeddings().weight is adapted.get_base_model().lm_head.base_layer.weight
