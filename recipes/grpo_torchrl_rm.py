@@ -84,7 +84,13 @@ from recipes.common.rollout import check_generation_settings
 from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
 from recipes.common.run_folder import check_output_folder
 from recipes.common.sampling import SamplingSettings
-from recipes.common.sharding import gather_full_state, is_sharded, load_full_optimizer_state
+from recipes.common.sharding import (
+    ShardedResponseLogProbs,
+    gather_full_state,
+    is_sharded,
+    load_full_optimizer_state,
+    shard_reference,
+)
 
 BACKENDS = ("auto", "gloo", "nccl")
 ROLLOUT_ENVS = ("prompt", "chat")
@@ -421,14 +427,6 @@ def _validate_strategy(cfg: DictConfig) -> None:
             "forward pass. Use rollout.env=prompt (its sampler keeps the processes in step) with fsdp, or "
             "distributed.strategy=ddp with rollout.env=chat."
         )
-    if cfg.checkpoint.save_merged:
-        raise ConfigError(
-            "checkpoint.save_merged=true with distributed.strategy=fsdp: the merge runs on a whole copy of the policy, "
-            "which sharding splits between the processes. Drop checkpoint.save_merged: the checkpoint's model/ "
-            "adapter loads onto the base with peft (PeftModel.from_pretrained(base, folder).merge_and_unload() "
-            "merges it), and any model.name_or_path or reward_model.name_or_path takes the folder as it is. Or use "
-            "distributed.strategy=ddp."
-        )
 
 
 # ----------------------------------------------------------------------------------------------------- factories
@@ -508,13 +506,16 @@ def make_batch_preparation(cfg: DictConfig, models: Models, scorer) -> PrepareBa
 
 def make_reference_log_probs(cfg: DictConfig, models: Models, *, policy_scorer=None):
     """The frozen reference's log-prob scorer (``None``: no KL term): the initial policy loaded beside the policy, or
-    with LoRA the policy with its adapters switched off (its base weights never train). A sharded LoRA policy is
-    scored through ``policy_scorer``, the FSDP2 forward that gathers its weights."""
+    with LoRA the policy with its adapters switched off (its base weights never train). Under FSDP2 the reference is
+    sharded as the policy is, and a sharded LoRA policy is scored through ``policy_scorer``, the FSDP2 forward that
+    gathers its weights."""
     if not cfg.loss.kl_to_ref_coeff:
         return None
     if cfg.model.lora is not None:
         sharded = is_sharded(models.policy)
         return AdapterDisabledLogProbs(models.policy, scorer=policy_scorer if sharded else None)
+    if is_sharded(models.policy):  # fsdp: the reference too, 1/N of it per process
+        return ShardedResponseLogProbs(shard_reference(models.reference))
     return ResponseLogProbs(models.reference)
 
 
@@ -894,15 +895,18 @@ def save_if_due(run: Run, step: int, models: Models, optimizer, progress: dict) 
         return
     check_ranks_in_sync(models.policy)
     rng_by_rank = gather_object([capture_rng_state()])
-    model_state = optimizer_state = None
+    model, model_state, optimizer_state = models.policy, None, None
     if is_sharded(models.policy):
         model_state, optimizer_state = gather_full_state(models.policy, optimizer)
     if run.is_main:
+        if model_state is not None and cfg.checkpoint.save_merged:
+            # The merge runs on a whole LoRA policy: rebuilt on this process's CPU from the gathered weights.
+            model, model_state = whole_policy_on_cpu(cfg, model_state), None
         state = {key: value for key, value in progress.items() if key != "setup_time_s"}
         save_checkpoint(
             _checkpoint_root(cfg),
             step,
-            model=models.policy,
+            model=model,
             tokenizer=models.tokenizer,
             optimizer=optimizer,
             state={**state, "rng_by_rank": rng_by_rank},
@@ -911,6 +915,14 @@ def save_if_due(run: Run, step: int, models: Models, optimizer, progress: dict) 
             optimizer_state_dict=optimizer_state,
             save_merged=cfg.checkpoint.save_merged,
         )
+
+
+def whole_policy_on_cpu(cfg: DictConfig, full_state: dict):
+    """A sharded policy rebuilt whole on CPU from its gathered weights (``gather_full_state``): the base read again
+    with its adapters, then every weight replaced by the gathered one."""
+    policy = load_policy(cfg.model, device="cpu", dtype=cfg.dtype)
+    policy.load_state_dict(full_state)
+    return policy
 
 
 def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> str:

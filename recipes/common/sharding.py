@@ -1,5 +1,6 @@
-"""FSDP2 sharding of the GRPO policy (``distributed.strategy=fsdp`` under ``torchrun``): each process holds 1/N of
-its parameters, gradients and optimizer state, and gathers a layer's full weights only while that layer runs.
+"""FSDP2 sharding of the GRPO policy and its reference (``distributed.strategy=fsdp`` under ``torchrun``): each process
+holds 1/N of their parameters (and of the policy's gradients and optimizer state), and gathers a layer's full weights
+only while that layer runs.
 
 - :func:`shard_policy`: ``torch.distributed.fsdp.fully_shard`` on every decoder layer, then on the whole causal LM
   (the root, holding the embeddings, the final norm and the LM head), in place. A LoRA policy (``peft.PeftModel``)
@@ -15,9 +16,9 @@ its parameters, gradients and optimizer state, and gathers a layer's full weight
   model's alone (the reward recipe's model, sharded by accelerate's FSDP2).
 - :func:`load_full_optimizer_state`: such a gathered optimizer state put back into a sharded optimizer.
 
-The reference model stays replicated: it is frozen (no gradients, no optimizer state), so it costs one copy of the
-weights per process, against four (weights, gradients, two AdamW moments) for the policy before sharding. A LoRA
-policy has no separate reference: it is the sharded policy itself, scored with its adapters switched off.
+- :func:`shard_reference`: the frozen reference sharded the same way (1/N of its weights per process), every unit
+  resharded after each forward since no backward follows. A LoRA policy has no separate reference: it is the sharded
+  policy itself, scored with its adapters switched off.
 
 Dependencies: torch (``torch.distributed.fsdp``, ``torch.distributed.checkpoint``).
 """
@@ -40,11 +41,13 @@ from recipes.common.log_probs import ResponseLogProbs
 
 __all__ = [
     "ShardedResponseLogProbs",
+    "decoder_layers",
     "gather_full_model_state",
     "gather_full_state",
     "is_sharded",
     "load_full_optimizer_state",
     "shard_policy",
+    "shard_reference",
 ]
 
 # The policy's method that ShardedResponseLogProbs registers as an FSDP2 forward.
@@ -56,7 +59,8 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM (or of a peft model's base), one FSDP2 unit each."""
     # A peft model's decoder layers (its LoRA layers within them) are its transformers base model's.
     if callable(getattr(model, "get_base_model", None)):
         model = model.get_base_model()
@@ -80,9 +84,21 @@ def shard_policy(model: nn.Module) -> nn.Module:
     ``model`` may be a ``peft.PeftModel``: the root is then the PeftModel itself (what the recipe calls, saves and
     switches the adapters of), its decoder layers those of the base model."""
     _copy_rank0_weights(model)
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
+    return model
+
+
+def shard_reference(model: nn.Module) -> nn.Module:
+    """Shards a frozen model (the KL reference) in place as :func:`shard_policy` shards the policy, one unit per
+    decoder layer and the root, except that every unit, the root included, gives its gathered weights back after each
+    forward: no backward follows to reuse them (FSDP2 keeps the root's gathered for one by default). Every process
+    read the same weights, so none are copied from rank 0. Score it through :class:`ShardedResponseLogProbs`, called
+    by every process alike. Returns ``model``."""
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
     return model
 
 

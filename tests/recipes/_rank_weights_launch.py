@@ -2,8 +2,9 @@
 checkpoint, to ``<hydra.run.dir>/rank_weights/rank_<rank>.safetensors``: what the data-parallel tests compare (the
 ranks must hold identical weights). Under ``distributed.strategy=fsdp`` the weights written are the full ones,
 gathered from the shards, and ``rank_<rank>.json`` records how many parameter elements the rank itself holds
-(``local_numel``) of how many in all (``full_numel``). The recipe is untouched; this wraps its check that the ranks
-agree."""
+(``local_numel``) of how many in all (``full_numel``); ``rank_<rank>_reference.json`` records the same of the frozen
+reference model, once its scorer is built. The recipe is untouched; this wraps its check that the ranks agree and
+its reference scorer's factory."""
 
 from __future__ import annotations
 
@@ -21,29 +22,48 @@ RANK_WEIGHTS_FOLDER = "rank_weights"
 check_ranks_in_sync = recipe.check_ranks_in_sync
 
 
-def check_and_save_rank_weights(model) -> None:
-    check_ranks_in_sync(model)
+make_reference_log_probs = recipe.make_reference_log_probs
+
+
+def _rank_folder() -> tuple[Path, str]:
     run_dir = next(Path(arg.split("=", 1)[1]) for arg in sys.argv if arg.startswith("hydra.run.dir="))
     folder = run_dir / RANK_WEIGHTS_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    rank = os.environ.get("RANK", "0")
+    return folder, os.environ.get("RANK", "0")
+
+
+def _sizes(parameters) -> dict[str, int]:
+    # A sharded parameter is a DTensor: its local shard is what this rank holds, numel() counts the whole.
+    return {
+        "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in parameters),
+        "full_numel": sum(p.numel() for p in parameters),
+    }
+
+
+def check_and_save_rank_weights(model) -> None:
+    check_ranks_in_sync(model)
+    folder, rank = _rank_folder()
     parameters = dict(model.named_parameters())
-    # A sharded parameter is a DTensor: its local shard is what this rank holds, full_tensor() gathers the whole.
-    local = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in parameters.items()}
+    # full_tensor() gathers a sharded parameter's whole.
     weights = {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
         for name, p in parameters.items()
     }
     save_file(weights, folder / f"rank_{rank}.safetensors")
-    sizes = {
-        "local_numel": sum(t.numel() for t in local.values()),
-        "full_numel": sum(t.numel() for t in weights.values()),
-    }
-    (folder / f"rank_{rank}.json").write_text(json.dumps(sizes))
+    (folder / f"rank_{rank}.json").write_text(json.dumps(_sizes(list(parameters.values()))))
+
+
+def make_and_measure_reference(cfg, models, **kwargs):
+    scorer = make_reference_log_probs(cfg, models, **kwargs)
+    if models.reference is not None:
+        folder, rank = _rank_folder()
+        (folder / f"rank_{rank}_reference.json").write_text(json.dumps(_sizes(list(models.reference.parameters()))))
+    return scorer
 
 
 if __name__ == "__main__":
     recipe.check_ranks_in_sync = check_and_save_rank_weights
+    recipe.make_reference_log_probs = make_and_measure_reference
     # Hydra finds the config relative to the recipe's file only when the recipe is the script run: say where it is.
     sys.argv[1:1] = ["--config-path", str(Path(recipe.__file__).resolve().parents[1] / "conf")]
     sys.argv.append("hydra.job.name=grpo_torchrl_rm")  # the recipe's log file name, not this script's

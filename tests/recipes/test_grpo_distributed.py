@@ -13,7 +13,7 @@ import pytest
 import torch
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
-from recipes.common.resume import MODEL_FOLDER, list_checkpoints
+from recipes.common.resume import MERGED_MODEL_FOLDER, MODEL_FOLDER, list_checkpoints
 
 SMALL = [*GRPO_SMALL, "logger=csv"]
 
@@ -137,8 +137,8 @@ def test_torchrun_on_cuda_with_nccl_and_bfloat16(tmp_path):
 FSDP = "distributed.strategy=fsdp"
 
 
-def _rank_sizes(run_dir: Path, rank: int) -> dict[str, int]:
-    return json.loads((run_dir / "rank_weights" / f"rank_{rank}.json").read_text())
+def _rank_sizes(run_dir: Path, rank: int, model: str = "") -> dict[str, int]:
+    return json.loads((run_dir / "rank_weights" / f"rank_{rank}{model}.json").read_text())
 
 
 def test_fsdp_shards_the_policy_trains_it_and_saves_one_loadable_folder(tmp_path, tiny_dir):
@@ -151,6 +151,12 @@ def test_fsdp_shards_the_policy_trains_it_and_saves_one_loadable_folder(tmp_path
     full = sizes[0]["full_numel"]
     assert sum(size["local_numel"] for size in sizes) == full
     for size in sizes:
+        assert size["local_numel"] / full == pytest.approx(0.5, abs=0.01)
+    # So does the frozen reference, sharded alike.
+    reference_sizes = [_rank_sizes(tmp_path, rank, "_reference") for rank in (0, 1)]
+    assert [size["full_numel"] for size in reference_sizes] == [full, full]
+    assert sum(size["local_numel"] for size in reference_sizes) == full
+    for size in reference_sizes:
         assert size["local_numel"] / full == pytest.approx(0.5, abs=0.01)
     # The gathered weights moved away from the initial policy, and the checkpoint holds them as one
     # from_pretrained folder.
@@ -171,7 +177,7 @@ def test_fsdp_trains_as_ddp_does(tmp_path):
     overrides = [*SMALL, "train.steps=2"]
     _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
     _torchrun(2, overrides, tmp_path / "ddp")
-    keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm")
+    keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/kl_to_ref")
     _assert_same_steps(tmp_path / "fsdp", tmp_path / "ddp", keys, steps=2)
     _assert_same_weights(tmp_path / "fsdp", tmp_path / "ddp")
 
@@ -192,11 +198,12 @@ LORA = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj,lm_hea
 
 def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_dir):
     """The adapters are sharded with the frozen base layers they sit in; the reference (adapters off) is scored
-    through the sharded forward; the checkpoint holds the adapter, gathered, as under DDP."""
+    through the sharded forward; the checkpoint holds the adapter, gathered, and the merged model, as under DDP."""
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    overrides = [*SMALL, LORA, "train.steps=2"]
+    overrides = [*SMALL, LORA, "train.steps=2", "checkpoint.save_merged=true"]
     _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
     _torchrun(2, overrides, tmp_path / "ddp")
     keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/kl_to_ref")
@@ -224,6 +231,16 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
         assert torch.equal(parameter, fsdp_weights[name]), name
     optimizer_state = torch.load(checkpoint / "training_state.pt", weights_only=True)["optimizer"]["state"]
     assert sorted(optimizer_state) == sorted(adapters)
+    # The merged model (rebuilt whole on rank 0 from the gathered weights) is DDP's, and loads without peft.
+    merged = [
+        load_file(tmp_path / run / "checkpoints" / "step_0000002" / MERGED_MODEL_FOLDER / "model.safetensors")
+        for run in ("fsdp", "ddp")
+    ]
+    assert merged[0].keys() == merged[1].keys() == initial.keys() | {"lm_head.weight"}  # the adapted head, untied
+    for name in merged[0]:
+        torch.testing.assert_close(merged[0][name], merged[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.equal(merged[0][name], initial[name].detach()) for name in initial)  # the adapters merged in
+    AutoModelForCausalLM.from_pretrained(checkpoint / MERGED_MODEL_FOLDER)
 
 
 @pytest.mark.slow

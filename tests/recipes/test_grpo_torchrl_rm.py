@@ -66,14 +66,6 @@ class TestValidation:
             (["resume=true"], "holds no checkpoint"),
             (["distributed.backend=mpi"], "distributed.backend='mpi'"),
             (["distributed.backend=nccl"], "distributed.backend=nccl needs device=cuda"),
-            (
-                [
-                    "distributed.strategy=fsdp",
-                    "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj]}",
-                    "checkpoint.save_merged=true",
-                ],
-                "checkpoint.save_merged=true with distributed.strategy=fsdp",
-            ),
             (["distributed.strategy=zero3"], "distributed.strategy='zero3': expected one of ['ddp', 'fsdp']"),
             (["distributed.strategy=fsdp", "rollout.mode=async"], "Use rollout.mode=sync with fsdp"),
             (["distributed.strategy=fsdp", "rollout.env=chat"], "Use rollout.env=prompt (its sampler keeps"),
