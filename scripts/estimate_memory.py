@@ -17,8 +17,12 @@ What it prints, per device (one process):
   the master copy and nothing else is kept).
 - autocast weight copies: under ``train.mixed_precision=bf16``, the bfloat16 casts of the weights autocast holds during
   a forward.
-- reference model: the frozen initial policy, when ``loss.kl_to_ref_coeff`` > 0 (not sharded).
-- reward model: the sequence classifier (not sharded).
+- reference model: the frozen initial policy, when ``loss.kl_to_ref_coeff`` > 0 and the policy has no LoRA adapters
+  (with ``model.lora`` the reference is the policy with its adapters off: nothing more is held).
+- reward model: the sequence classifier (never sharded).
+- fsdp gathered weights: under ``distributed.strategy=fsdp``, the full weights of the units being run beside their
+  shards: the root's (embeddings, final norm, LM head), which FSDP2 keeps gathered from a forward to its backward,
+  and two decoder layers (the one running and the next, prefetched).
 - activations of the update: kept for the backward of one mini-batch of ``train.mini_batch_size`` sequences of
   (prompt + ``max_new_tokens``) tokens, with and without ``train.gradient_checkpointing``; the LM head projects the
   response positions only (``recipes/common/log_probs.py``), so no ``[B, T, V]`` logits, and at most ``2**23`` logits
@@ -29,11 +33,12 @@ What it prints, per device (one process):
   its per-parameter step (the default on CPU, ``device=cpu``) two of the largest parameter.
 - peak: what stays allocated (parameters, optimizer state, reference and reward models) plus the largest phase:
   the update's backward (its activations, or every gradient + the first layer's activations, whichever is larger;
-  + autocast copies), its optimizer step (gradients + temporaries),
-  generation, or reference scoring.
+  + autocast copies and fsdp's gathered units), its optimizer step (gradients + temporaries), generation or
+  reference scoring (each + fsdp's gathered units).
 
-Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients and optimizer state are divided by N;
-under ddp (the default when the key is absent) every process holds them whole. ``--device-memory 80GiB`` adds the
+Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients, optimizer state and the reference are
+divided by N, and the gathered units added; under ddp (the default when the key is absent) every process holds them
+whole. ``--device-memory 80GiB`` adds the
 largest ``rollout.responses_per_step`` (a multiple of ``rollout.group_size``) that fits at the configured response
 length and at 2x, 4x and 8x of it.
 
@@ -138,6 +143,15 @@ def lora_parameter_count(model, lora) -> tuple[int, int]:
     return count, largest
 
 
+def gathered_unit_bytes(model) -> int:
+    """Bytes of the whole weights FSDP2 gathers at once: the root unit's (what no decoder layer holds) and the two
+    largest decoder layers' (the one running and the next, prefetched)."""
+    from recipes.common.sharding import decoder_layers
+
+    layers = sorted((parameter_bytes(layer) for layer in decoder_layers(model)), reverse=True)
+    return parameter_bytes(model) - sum(layers) + sum(layers[:2])
+
+
 def optimizer_step_temporaries(*, trainable_bytes: float, largest_bytes: float, foreach: bool) -> float:
     """What AdamW's step allocates beside its state. torch's default on CUDA (and XPU) is the foreach
     implementation: one ``sqrt(exp_avg_sq)`` of every parameter at once (``_multi_tensor_adam``; AdamW's weight decay
@@ -172,14 +186,22 @@ def _shape(config) -> dict:
     }
 
 
-def update_activation_bytes(shape: dict, *, sequences: int, length: int, responses: int, element: int) -> dict:
+def update_activation_bytes(
+    shape: dict, *, sequences: int, length: int, responses: int, element: int, autocast: bool = False
+) -> dict:
     """Bytes of activations an update's backward holds at its peak, with and without checkpointing, and what it
-    still holds beside every gradient when it reaches the first layer (see the module docstring)."""
+    still holds beside every gradient when it reaches the first layer (see the module docstring). ``autocast``: bf16
+    autocast over float32 weights (``element`` 2), where the residual stream and the norms stay float32."""
     tokens = sequences * length
     # One decoder layer's saved tensors per token (counted with saved_tensors_hooks on Qwen2, sdpa): 8 h (the two
     # RMSNorms' inputs and normalised outputs, 4 h; q and the attention output, 2 h; the o_proj input copy and the
     # residual, 2 h), 2 kv (k and v after rotary, as sdpa keeps them) and 4 m (gate, up, act(gate), act * up).
     per_layer = tokens * (8 * shape["hidden"] + 2 * shape["kv"] + 4 * shape["mlp"]) * element
+    # Under autocast the same tensors are saved in bf16 (the linears' inputs as their bf16 casts), and the norms'
+    # float32 inputs and outputs on top: 4 h more per token in float32 (counted the same way: 42 h of bf16 and 18 h
+    # of float32 bytes per token at h 256, kv 128, m 768).
+    norms = 4 * shape["hidden"] * 4 if autocast else 0
+    per_layer += tokens * norms
     # A layer's backward holds its gradients beside those: about two [tokens, m] at once in the MLP's (the product's
     # gradient and the gate's or up's), the largest of the layer (measured 1.5-2 m per token).
     layer_backward = 2 * tokens * shape["mlp"] * element
@@ -187,13 +209,16 @@ def update_activation_bytes(shape: dict, *, sequences: int, length: int, respons
     # Unchunked: logits, their float32 log-softmax and its exp (entropy); chunked: one chunk of each at a time; and
     # the response rows of the last hidden state, the head's input.
     head = 3 * min(rows * shape["vocab"], CHUNK_ELEMENTS) * 4 + rows * shape["hidden"] * element
-    final_norm = 2 * tokens * shape["hidden"] * element  # its input and normalised output, outside any layer
+    # Its input and normalised output, outside any layer (float32 under autocast, as the layers' norms).
+    final_norm = 2 * tokens * shape["hidden"] * (4 if autocast else element)
     outside = head + final_norm
     # Without checkpointing the backward starts with every layer's tensors kept.
     without = shape["layers"] * per_layer + outside + layer_backward
     # Checkpointed: each layer keeps only its input [tokens, h]; the backward recomputes one layer at a time, holding
     # that layer's whole activations (per_layer) while it runs that layer's backward.
-    with_checkpointing = shape["layers"] * tokens * shape["hidden"] * element + outside + per_layer + layer_backward
+    # The residual stream, hence each layer's input, is float32 under autocast.
+    kept_input = tokens * shape["hidden"] * (4 if autocast else element)
+    with_checkpointing = shape["layers"] * kept_input + outside + per_layer + layer_backward
     return {
         "without_checkpointing": without,
         "with_checkpointing": with_checkpointing,
@@ -217,6 +242,7 @@ def estimate(
         raise SystemExit(f"distributed.strategy={strategy!r}: expected one of {list(STRATEGIES)}.")
     shards = processes if strategy == "fsdp" else 1
     lora = OmegaConf.select(cfg, "model.lora", default=None)
+    with_lora = bool(lora is not None and lora.get("r"))
     responses_per_step = responses_per_step or cfg.rollout.responses_per_step
     new_tokens = new_tokens or cfg.rollout.generation.max_new_tokens
     mixed = cfg.train.mixed_precision == "bf16"
@@ -225,7 +251,7 @@ def estimate(
     policy = meta_model(cfg.model, kind="policy", dtype=dtype)
     shape = _shape(policy.config)
     params = parameter_bytes(policy)
-    if lora is not None and lora.get("r"):
+    if with_lora:
         trainable_element = 4  # adapters in float32
         trainable_count, largest_trainable = lora_parameter_count(policy, lora)
         params += trainable_count * trainable_element
@@ -237,13 +263,14 @@ def estimate(
         "gradients": trainable_count * trainable_element / shards,
         "optimizer": 2 * trainable_count * trainable_element / shards,  # AdamW: exp_avg, exp_avg_sq
         "autocast_weight_copies": (sum(p.numel() for p in policy.parameters()) * 2 / shards) if mixed else 0,
-        "reference_model": parameter_bytes(policy) if cfg.loss.kl_to_ref_coeff else 0,
+        "reference_model": parameter_bytes(policy) / shards if cfg.loss.kl_to_ref_coeff and not with_lora else 0,
         "reward_model": parameter_bytes(meta_model(cfg.reward_model, kind="reward_model", dtype=dtype)),
+        "fsdp_gathered_weights": gathered_unit_bytes(policy) if shards > 1 else 0,
     }
     length = prompt_tokens + new_tokens
     mini_batch = min(cfg.train.mini_batch_size, responses_per_step)
     activations = update_activation_bytes(
-        shape, sequences=mini_batch, length=length, responses=new_tokens, element=compute_element
+        shape, sequences=mini_batch, length=length, responses=new_tokens, element=compute_element, autocast=mixed
     )
     figures["activations_without_checkpointing"] = activations["without_checkpointing"]
     figures["activations_with_checkpointing"] = activations["with_checkpointing"]
@@ -262,13 +289,16 @@ def estimate(
     figures["largest_trainable_bytes"] = largest_trainable * trainable_element / shards
     persistent = sum(figures[key] for key in ("parameters", "optimizer", "reference_model", "reward_model"))
     figures["update_phase"] = update_phase(figures, checkpointing=cfg.train.gradient_checkpointing)
+    # Units are gathered while a model runs: the policy's as it generates, the reference's (the same shapes) as it
+    # scores; the update's backward counts its own.
+    gathered = figures["fsdp_gathered_weights"]
     figures["peak"] = persistent + max(
-        figures["update_phase"], figures["generation_kv_cache"], figures["reference_scoring"]
+        figures["update_phase"], gathered + figures["generation_kv_cache"], gathered + figures["reference_scoring"]
     )
     figures["setting"] = {
         "strategy": strategy,
         "processes": processes,
-        "lora": bool(lora is not None and lora.get("r")),
+        "lora": with_lora,
         "dtype": str(cfg.dtype),
         "mixed_precision": str(cfg.train.mixed_precision),
         "gradient_checkpointing": bool(cfg.train.gradient_checkpointing),
@@ -287,8 +317,11 @@ def update_phase(figures: dict, *, checkpointing: bool) -> float:
     activations = figures["activations_with_checkpointing" if checkpointing else "activations_without_checkpointing"]
     # The gradients fill in as the backward frees the activations, layer by layer from the last: its peak is at its
     # start (the activations, few gradients yet) or at its end (every gradient, the first layer's activations).
-    backward = figures["autocast_weight_copies"] + max(
-        activations, figures["gradients"] + figures["activations_last_layer"]
+    # Under fsdp the units running hold their gathered weights too; the optimizer step runs on the shards alone.
+    backward = (
+        figures["autocast_weight_copies"]
+        + figures["fsdp_gathered_weights"]
+        + max(activations, figures["gradients"] + figures["activations_last_layer"])
     )
     return max(backward, figures["gradients"] + figures["optimizer_step_temporaries"])
 
@@ -349,26 +382,31 @@ def _resident_bytes() -> int:
 def measure_update(cfg, *, prompt_tokens: int) -> int:
     """Peak resident memory added by one real update on CPU: a forward of ``train.mini_batch_size`` random sequences
     through the recipe's log-prob scorer (in the recipe's update context), backward, AdamW step (which allocates the
-    moments). Sampled every millisecond from /proc."""
+    moments). Sampled every millisecond from /proc. The policy is the recipe's (LoRA adapters with ``model.lora``);
+    under ``torchrun`` it is wrapped as the recipe wraps it (``distributed.strategy``: DDP, or FSDP2 shards), and each
+    process measures its own."""
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
-    from recipes.common.log_probs import ResponseLogProbs
+    from recipes.common.distributed import make_policy_scorer
+    from recipes.common.lora import load_policy, trainable_parameters
     from recipes.common.memory import enable_activation_checkpointing, update_forward
-    from recipes.common.models import load_causal_lm
 
     _return_freed_memory_to_the_system()
     torch.manual_seed(0)
-    policy = load_causal_lm(cfg.model, device="cpu", dtype=cfg.dtype).eval()
+    policy = load_policy(cfg.model, device="cpu", dtype=cfg.dtype).eval()
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(policy)
-    scorer = ResponseLogProbs(policy)
-    optimizer = instantiate(cfg.optimizer)(list(policy.parameters()))
+    strategy = OmegaConf.select(cfg, "distributed.strategy", default="ddp")
+    scorer = make_policy_scorer(policy, strategy=strategy, device="cpu")
+    optimizer = instantiate(cfg.optimizer)(trainable_parameters(policy))
     new_tokens = cfg.rollout.generation.max_new_tokens
-    tokens = torch.randint(0, policy.config.vocab_size, (cfg.train.mini_batch_size, prompt_tokens + new_tokens))
+    vocab = policy.get_output_embeddings().weight.shape[0]
+    tokens = torch.randint(0, vocab, (cfg.train.mini_batch_size, prompt_tokens + new_tokens))
     mask = torch.ones_like(tokens, dtype=torch.bool)
     # A warm-up update on one short sequence first: the first backward and optimizer step initialise library state
-    # (autograd threads, kernels) that no estimate of the run's tensors should be compared with. Then the gradients
-    # and AdamW moments are dropped, so the measured step allocates them again.
+    # (autograd threads, kernels, FSDP2's lazy set-up) that no estimate of the run's tensors should be compared with.
+    # Then the gradients and AdamW moments are dropped, so the measured step allocates them again.
     with update_forward(policy, mixed_precision=cfg.train.mixed_precision, device="cpu"):
         warm_up = scorer(tokens[:1, : prompt_tokens + 1], mask[:1, : prompt_tokens + 1], response_start=prompt_tokens)
     warm_up[0].sum().backward()
@@ -413,6 +451,7 @@ def report(figures: dict, fitting: list[dict] | None, device_memory: int | None)
         ("autocast_weight_copies", "autocast bf16 weight copies"),
         ("reference_model", "reference model"),
         ("reward_model", "reward model"),
+        ("fsdp_gathered_weights", "fsdp gathered units (root + 2 layers)"),
         ("activations_without_checkpointing", "update activations, no checkpointing"),
         ("activations_with_checkpointing", "update activations, gradient checkpointing"),
         ("generation_kv_cache", "generation KV cache"),
@@ -452,6 +491,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error(f"--processes {args.processes}: must be >= 1.")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: its processes measure, one each
+    if args.measure and launched > 1:
+        if args.processes not in (1, launched):
+            parser.error(f"--processes {args.processes} under torchrun with {launched} processes: drop --processes.")
+        args.processes = launched
+        from accelerate import PartialState
+
+        PartialState(cpu=True)  # the launcher's processes join one group (gloo), as the recipe's CPU processes do
 
     cfg = compose_config(args.overrides)
     prompt_tokens = args.prompt_tokens or prompt_tokens_of(cfg)
@@ -462,17 +509,25 @@ def main(argv: list[str] | None = None) -> dict:
             cfg, processes=args.processes, prompt_tokens=prompt_tokens, device_memory=args.device_memory
         )
         figures["fitting"] = fitting
+    main_process = True
     if args.measure:
         figures["measured_update"] = measure_update(cfg, prompt_tokens=prompt_tokens)
+        if launched > 1:  # every process measured its own: report the largest
+            from accelerate import PartialState
+            from accelerate.utils import gather_object
+
+            figures["measured_update"] = max(gather_object([figures["measured_update"]]))
+            main_process = PartialState().is_main_process
         # The measured step is AdamW's first: its moments are allocated in the step, not held from before.
         temporaries = optimizer_step_temporaries(
             trainable_bytes=figures["gradients"], largest_bytes=figures["largest_trainable_bytes"], foreach=False
         )
         step = dict(figures, optimizer_step_temporaries=figures["optimizer"] + temporaries)
         figures["measured_estimate"] = update_phase(step, checkpointing=cfg.train.gradient_checkpointing)
-    print(report(figures, fitting, args.device_memory))
-    if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=2))
+    if main_process:
+        print(report(figures, fitting, args.device_memory))
+        if args.json is not None:
+            args.json.write_text(json.dumps(figures, indent=2))
     return figures
 
 
