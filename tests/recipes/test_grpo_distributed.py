@@ -172,9 +172,21 @@ def test_fsdp_shards_the_policy_trains_it_and_saves_one_loadable_folder(tmp_path
     assert summary["train/num_processes"] == 2 and summary["train/steps"] == 2
 
 
-def test_fsdp_trains_as_ddp_does(tmp_path):
-    """Same seeds, same samples, gradients averaged the same way: the per-step figures and the weights agree."""
-    overrides = [*SMALL, "train.steps=2"]
+@pytest.mark.parametrize(
+    "memory_switches",
+    [
+        pytest.param([], id="plain"),
+        pytest.param(
+            ["train.gradient_checkpointing=true", "train.mixed_precision=bf16"],
+            id="checkpointing-bf16",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_fsdp_trains_as_ddp_does(tmp_path, memory_switches):
+    """Same seeds, same samples, gradients averaged the same way: the per-step figures and the weights agree, with
+    the update's memory switches too (checkpointed layers recompute inside FSDP2's gathered units)."""
+    overrides = [*SMALL, "train.steps=2", *memory_switches]
     _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
     _torchrun(2, overrides, tmp_path / "ddp")
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/kl_to_ref")
