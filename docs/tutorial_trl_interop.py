@@ -27,7 +27,9 @@ Run it with ``python docs/tutorial_trl_interop.py``.
 # -----
 # TorchRL's LLM stack stores lists (strings, chat histories) in tensordicts: enable that first.
 
+import atexit
 import random
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -54,6 +56,7 @@ from interop import HFRewardModelWrapper, RewardModelTransform, TorchRLBufferDat
 torch.manual_seed(0)
 random.seed(0)
 WORKDIR = Path(tempfile.mkdtemp(prefix="trl_interop_tutorial_"))
+atexit.register(shutil.rmtree, WORKDIR, ignore_errors=True)  # the tutorial's models and trainer output go with it
 
 # %%
 # Two tiny tokenizers and models stand in for real checkpoints. The policy and the reward model deliberately have
