@@ -89,7 +89,7 @@ from recipes.common.sharding import (
     gather_full_state,
     is_sharded,
     load_full_optimizer_state,
-    shard_reference,
+    shard_frozen_model,
 )
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -515,7 +515,7 @@ def make_reference_log_probs(cfg: DictConfig, models: Models, *, policy_scorer=N
         sharded = is_sharded(models.policy)
         return AdapterDisabledLogProbs(models.policy, scorer=policy_scorer if sharded else None)
     if is_sharded(models.policy):  # fsdp: the reference too, 1/N of it per process
-        return ShardedResponseLogProbs(shard_reference(models.reference))
+        return ShardedResponseLogProbs(shard_frozen_model(models.reference))
     return ResponseLogProbs(models.reference)
 
 
@@ -669,6 +669,9 @@ def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> d
     start_step = state["step"] if state is not None else 0
     models = load_models(cfg, resume_from=resume_from)
     learner = make_learner(cfg, models)
+    if is_sharded(models.policy) and models.reward_model is not None:
+        # fsdp: the reward model too, 1/N of it per process (each scores as many micro-batches as the others).
+        shard_frozen_model(models.reward_model)
     progress = restore_progress(cfg, run, state, learner.optimizer, policy=models.policy)
     processes, collector = run.processes, None
     try:

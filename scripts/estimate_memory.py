@@ -19,7 +19,7 @@ What it prints, per device (one process):
   a forward.
 - reference model: the frozen initial policy, when ``loss.kl_to_ref_coeff`` > 0 and the policy has no LoRA adapters
   (with ``model.lora`` the reference is the policy with its adapters off: nothing more is held).
-- reward model: the sequence classifier (never sharded).
+- reward model: the sequence classifier.
 - fsdp gathered weights: under ``distributed.strategy=fsdp``, the full weights of the units being run beside their
   shards: the root's (embeddings, final norm, LM head), which FSDP2 keeps gathered from a forward to its backward,
   and two decoder layers (the one running and the next, prefetched).
@@ -36,11 +36,10 @@ What it prints, per device (one process):
   + autocast copies and fsdp's gathered units), its optimizer step (gradients + temporaries), generation or
   reference scoring (each + fsdp's gathered units).
 
-Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients, optimizer state and the reference are
-divided by N, and the gathered units added; under ddp (the default when the key is absent) every process holds them
-whole. ``--device-memory 80GiB`` adds the
-largest ``rollout.responses_per_step`` (a multiple of ``rollout.group_size``) that fits at the configured response
-length and at 2x, 4x and 8x of it.
+Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients, optimizer state, the reference and the
+reward model are divided by N, and the policy's gathered units added; under ddp (the default when the key is absent)
+every process holds them whole. ``--device-memory 80GiB`` adds the largest ``rollout.responses_per_step`` (a
+multiple of ``rollout.group_size``) that fits at the configured response length and at 2x, 4x and 8x of it.
 
 The activation figures are a model, not a measurement: per token and decoder layer, ``8 h + 2 kv + 4 m`` elements
 kept for the backward (``h`` hidden size, ``kv`` the key/value width, ``m`` the MLP width: the norms' inputs and
@@ -264,7 +263,7 @@ def estimate(
         "optimizer": 2 * trainable_count * trainable_element / shards,  # AdamW: exp_avg, exp_avg_sq
         "autocast_weight_copies": (sum(p.numel() for p in policy.parameters()) * 2 / shards) if mixed else 0,
         "reference_model": parameter_bytes(policy) / shards if cfg.loss.kl_to_ref_coeff and not with_lora else 0,
-        "reward_model": parameter_bytes(meta_model(cfg.reward_model, kind="reward_model", dtype=dtype)),
+        "reward_model": parameter_bytes(meta_model(cfg.reward_model, kind="reward_model", dtype=dtype)) / shards,
         "fsdp_gathered_weights": gathered_unit_bytes(policy) if shards > 1 else 0,
     }
     length = prompt_tokens + new_tokens

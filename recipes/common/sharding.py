@@ -16,9 +16,9 @@ only while that layer runs.
   model's alone (the reward recipe's model, sharded by accelerate's FSDP2).
 - :func:`load_full_optimizer_state`: such a gathered optimizer state put back into a sharded optimizer.
 
-- :func:`shard_reference`: the frozen reference sharded the same way (1/N of its weights per process), every unit
-  resharded after each forward since no backward follows. A LoRA policy has no separate reference: it is the sharded
-  policy itself, scored with its adapters switched off.
+- :func:`shard_frozen_model`: the frozen reference and the reward model sharded the same way (1/N of their weights
+  per process), every unit resharded after each forward since no backward follows. A LoRA policy has no separate
+  reference: it is the sharded policy itself, scored with its adapters switched off.
 
 Dependencies: torch (``torch.distributed.fsdp``, ``torch.distributed.checkpoint``).
 """
@@ -47,7 +47,7 @@ __all__ = [
     "is_sharded",
     "load_full_optimizer_state",
     "shard_policy",
-    "shard_reference",
+    "shard_frozen_model",
 ]
 
 # The policy's method that ShardedResponseLogProbs registers as an FSDP2 forward.
@@ -90,12 +90,13 @@ def shard_policy(model: nn.Module) -> nn.Module:
     return model
 
 
-def shard_reference(model: nn.Module) -> nn.Module:
-    """Shards a frozen model (the KL reference) in place as :func:`shard_policy` shards the policy, one unit per
-    decoder layer and the root, except that every unit, the root included, gives its gathered weights back after each
-    forward: no backward follows to reuse them (FSDP2 keeps the root's gathered for one by default). Every process
-    read the same weights, so none are copied from rank 0. Score it through :class:`ShardedResponseLogProbs`, called
-    by every process alike. Returns ``model``."""
+def shard_frozen_model(model: nn.Module) -> nn.Module:
+    """Shards a frozen model (the KL reference, the reward model) in place as :func:`shard_policy` shards the policy,
+    one unit per decoder layer and the root, except that every unit, the root included, gives its gathered weights
+    back after each forward: no backward follows to reuse them (FSDP2 keeps the root's gathered for one by default).
+    Every process read the same weights, so none are copied from rank 0. Every process must run each of its forward
+    passes (the reference through :class:`ShardedResponseLogProbs`; a reward model through its own ``forward``, the
+    same number of micro-batches on every process). Returns ``model``."""
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=True)
     fully_shard(model, reshard_after_forward=True)

@@ -2,9 +2,9 @@
 checkpoint, to ``<hydra.run.dir>/rank_weights/rank_<rank>.safetensors``: what the data-parallel tests compare (the
 ranks must hold identical weights). Under ``distributed.strategy=fsdp`` the weights written are the full ones,
 gathered from the shards, and ``rank_<rank>.json`` records how many parameter elements the rank itself holds
-(``local_numel``) of how many in all (``full_numel``); ``rank_<rank>_reference.json`` records the same of the frozen
-reference model, once its scorer is built. The recipe is untouched; this wraps its check that the ranks agree and
-its reference scorer's factory."""
+(``local_numel``) of how many in all (``full_numel``); ``rank_<rank>_reference.json`` and ``rank_<rank>_reward.json``
+record the same of the frozen reference and reward models, as the collector is built (after any sharding). The recipe
+is untouched; this wraps its check that the ranks agree and its collector's factory."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ RANK_WEIGHTS_FOLDER = "rank_weights"
 check_ranks_in_sync = recipe.check_ranks_in_sync
 
 
-make_reference_log_probs = recipe.make_reference_log_probs
+make_collector = recipe.make_collector
 
 
 def _rank_folder() -> tuple[Path, str]:
@@ -53,17 +53,17 @@ def check_and_save_rank_weights(model) -> None:
     (folder / f"rank_{rank}.json").write_text(json.dumps(_sizes(list(parameters.values()))))
 
 
-def make_and_measure_reference(cfg, models, **kwargs):
-    scorer = make_reference_log_probs(cfg, models, **kwargs)
-    if models.reference is not None:
-        folder, rank = _rank_folder()
-        (folder / f"rank_{rank}_reference.json").write_text(json.dumps(_sizes(list(models.reference.parameters()))))
-    return scorer
+def measure_frozen_models_and_make_collector(cfg, models, **kwargs):
+    folder, rank = _rank_folder()
+    for name, model in (("reference", models.reference), ("reward", models.reward_model)):
+        if model is not None:
+            (folder / f"rank_{rank}_{name}.json").write_text(json.dumps(_sizes(list(model.parameters()))))
+    return make_collector(cfg, models, **kwargs)
 
 
 if __name__ == "__main__":
     recipe.check_ranks_in_sync = check_and_save_rank_weights
-    recipe.make_reference_log_probs = make_and_measure_reference
+    recipe.make_collector = measure_frozen_models_and_make_collector
     # Hydra finds the config relative to the recipe's file only when the recipe is the script run: say where it is.
     sys.argv[1:1] = ["--config-path", str(Path(recipe.__file__).resolve().parents[1] / "conf")]
     sys.argv.append("hydra.job.name=grpo_torchrl_rm")  # the recipe's log file name, not this script's

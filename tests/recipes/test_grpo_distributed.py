@@ -152,12 +152,13 @@ def test_fsdp_shards_the_policy_trains_it_and_saves_one_loadable_folder(tmp_path
     assert sum(size["local_numel"] for size in sizes) == full
     for size in sizes:
         assert size["local_numel"] / full == pytest.approx(0.5, abs=0.01)
-    # So does the frozen reference, sharded alike.
-    reference_sizes = [_rank_sizes(tmp_path, rank, "_reference") for rank in (0, 1)]
-    assert [size["full_numel"] for size in reference_sizes] == [full, full]
-    assert sum(size["local_numel"] for size in reference_sizes) == full
-    for size in reference_sizes:
-        assert size["local_numel"] / full == pytest.approx(0.5, abs=0.01)
+    # So do the frozen reference and reward models, sharded alike.
+    for model in ("_reference", "_reward"):
+        frozen = [_rank_sizes(tmp_path, rank, model) for rank in (0, 1)]
+        assert frozen[0]["full_numel"] == frozen[1]["full_numel"] == sum(size["local_numel"] for size in frozen)
+        for size in frozen:
+            assert size["local_numel"] / size["full_numel"] == pytest.approx(0.5, abs=0.01), model
+    assert _rank_sizes(tmp_path, 0, "_reference")["full_numel"] == full
     # The gathered weights moved away from the initial policy, and the checkpoint holds them as one
     # from_pretrained folder.
     gathered = _load_rank_weights(tmp_path, 0)
