@@ -58,6 +58,7 @@ which reuses such blocks, would hold).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -75,9 +76,8 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("T
 
 import torch  # noqa: E402
 
-STRATEGIES = ("ddp", "fsdp")
-# ResponseLogProbs' default: at most this many logits exist at once once the response rows times V exceed it.
-CHUNK_ELEMENTS = 2**23
+from recipes.common.log_probs import CHUNK_ELEMENTS  # noqa: E402  (the logits the recipe's scorer holds at once)
+
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -110,15 +110,21 @@ def compose_config(overrides: list[str]):
 
 
 def meta_model(node, *, kind: str, dtype: torch.dtype):
-    """The model of ``node`` built from its config alone, on the meta device: shapes and dtypes, no memory."""
+    """The model of ``node`` built from its config alone, on the meta device: shapes and dtypes, no memory. Built once
+    per model and dtype: ``largest_fitting`` estimates the same models at many batch sizes."""
+    return _meta_model(str(node.name_or_path), bool(node.trust_remote_code), kind, dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_model(name_or_path: str, trust_remote_code: bool, kind: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    config = AutoConfig.from_pretrained(str(node.name_or_path), trust_remote_code=node.trust_remote_code)
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if kind == "reward_model":
         config.num_labels = 1
     auto = AutoModelForCausalLM if kind == "policy" else AutoModelForSequenceClassification
     with torch.device("meta"):
-        model = auto.from_config(config, dtype=dtype, trust_remote_code=node.trust_remote_code)
+        model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model
 
 
@@ -233,6 +239,7 @@ def estimate(
     """Every figure of the module docstring, in bytes, for one process."""
     from omegaconf import OmegaConf
 
+    from recipes.common.distributed import STRATEGIES
     from recipes.common.models import resolve_dtype
 
     dtype = resolve_dtype(cfg.dtype)

@@ -21,7 +21,10 @@ import torch
 from tensordict import NestedKey, TensorDictBase
 from torch import nn
 
-__all__ = ["ResponseLogProbs", "ScoreLogProbs", "response_start"]
+__all__ = ["CHUNK_ELEMENTS", "ResponseLogProbs", "ScoreLogProbs", "response_start"]
+
+# ResponseLogProbs' default budget: at most this many logits (rows x vocabulary, float32) exist at once.
+CHUNK_ELEMENTS = 2**23
 
 # Configuration entries by which some models rescale or cap their logits after the LM head: such models are scored
 # through their own forward (logits_to_keep) instead of the chunked head, which would miss the rescaling.
@@ -136,7 +139,7 @@ class ResponseLogProbs(nn.Module):
         (torch.Size([2, 5]), True, True, True)
     """
 
-    def __init__(self, model, *, chunk_elements: int = 2**23) -> None:
+    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         super().__init__()
         if chunk_elements < 1:
             raise ValueError(f"ResponseLogProbs: chunk_elements must be >= 1, got {chunk_elements}.")

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 from recipes.common.config import ConfigError
-from recipes.common.log_probs import ResponseLogProbs
+from recipes.common.log_probs import CHUNK_ELEMENTS, ResponseLogProbs
 from recipes.common.models import load_causal_lm
 
 __all__ = [
@@ -136,7 +136,7 @@ class AdapterDisabledLogProbs(nn.Module):
             LoRA layer (and ``requires_grad`` on its sharded adapters, which FSDP2 copies to the gathered ones).
     """
 
-    def __init__(self, model, *, chunk_elements: int = 2**23, scorer: nn.Module | None = None) -> None:
+    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS, scorer: nn.Module | None = None) -> None:
         super().__init__()
         if not is_peft_model(model):
             raise TypeError(f"AdapterDisabledLogProbs: expected a peft.PeftModel, got {type(model).__name__}.")
