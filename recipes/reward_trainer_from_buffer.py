@@ -49,7 +49,7 @@ from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError, check_run_settings
+from recipes.common.config import ConfigError, check_run_settings, tensordict_key
 from recipes.common.logging import MetricLogger
 from recipes.common.lora import make_lora_config, validate_lora_node
 from recipes.common.models import load_reward_model, load_tokenizer, validate_model_node
@@ -66,7 +66,6 @@ from recipes.common.preference import (
     pairs_to_tensordict,
     read_meta,
     save_labelled_pairs,
-    tensordict_key,
     tokenize_pairs,
     write_jsonl,
 )

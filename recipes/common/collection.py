@@ -32,7 +32,7 @@ from torchrl.collectors.llm import LLMCollector
 
 from interop import HFRewardModelWrapper, RewardModelTransform
 from recipes.common.collectors import BackgroundCollector, LocalCollector
-from recipes.common.config import ConfigError, run_config
+from recipes.common.config import ConfigError, run_config, tensordict_key
 from recipes.common.data import load_prompts
 from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
 from recipes.common.lora import load_policy
@@ -68,11 +68,6 @@ BATCH_KEYS = (
 REWARD_INPUTS = ("history", "text", "tokens")
 # The reward.read_keys entries the reward model reads, for each reward.input.
 READ_KEYS_OF_INPUT = {"history": ("history",), "text": ("text",), "tokens": ("tokens", "attention_mask")}
-
-
-def _nested_key(value) -> NestedKey:
-    """A key as written in YAML: ``[text, full]`` -> ``("text", "full")``; a plain string is a top-level key."""
-    return value if isinstance(value, str) else tuple(str(part) for part in value)
 
 
 def _as_tuple(key: NestedKey) -> tuple:
@@ -139,7 +134,7 @@ def check_reward_keys(cfg: DictConfig) -> None:
     for setting, value in read.items():
         if not isinstance(value, (str, ListConfig, list, tuple)):
             raise ConfigError(f"{setting}={value!r}: expected a key, a name or a list of names such as [text, full].")
-        key = _as_tuple(_nested_key(value))
+        key = _as_tuple(tensordict_key(value))
         if key not in held:
             raise ConfigError(
                 f"{setting}=[{', '.join(key)}]: a step of rollout.env={cfg.rollout.env} holds no such entry when the "
@@ -168,7 +163,7 @@ def make_reward_transforms(
     are then decoded for the modules that read them (:class:`ResponseText`), inside the transform. ``None`` for
     TorchRL's ``ChatEnv``, whose policy writes them.
     """
-    keys = {name: _nested_key(key) for name, key in cfg.reward.read_keys.items()}
+    keys = {name: tensordict_key(key) for name, key in cfg.reward.read_keys.items()}
     common = {
         "inference_mode": True,
         "micro_batch_size": cfg.reward.micro_batch_size,

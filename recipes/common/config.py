@@ -8,15 +8,17 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import try_to_load_from_cache
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 __all__ = [
     "PROJECT_ROOT",
     "ConfigError",
     "check_local_path",
     "check_run_settings",
+    "first_items",
     "register_resolvers",
     "run_config",
+    "tensordict_key",
     "write_run_config",
 ]
 
@@ -35,6 +37,17 @@ def first_items(items: list, count: int = 10) -> str:
         '[3, 7]...'
     """
     return f"{items[:count]}{'...' if len(items) > count else ''}"
+
+
+def tensordict_key(node) -> str | tuple[str, ...]:
+    """A TensorDict key from a config value: a nested key (tuple) from a list, such as ``[text, full]``, a plain key
+    from a string.
+
+    Examples:
+        >>> tensordict_key(["text", "full"]), tensordict_key("reward")
+        (('text', 'full'), 'reward')
+    """
+    return tuple(str(part) for part in node) if isinstance(node, (list, tuple, ListConfig)) else str(node)
 
 
 def register_resolvers() -> None:

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from recipes.common.checkpoint import write_folder_atomically
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.data import BadJsonLine, load_preference_pairs, load_prompts, parse_json_lines, prompt_text
 from recipes.common.models import load_causal_lm, load_tokenizer
 
@@ -56,7 +56,6 @@ __all__ = [
     "pairs_to_tensordict",
     "read_meta",
     "save_labelled_pairs",
-    "tensordict_key",
     "tokenize_pairs",
     "tokenize_sequences",
     "tokenizer_fingerprint",
@@ -334,11 +333,6 @@ def limit_eval_to_max_length(labelled: LabelledPairs, tokenizer, max_length: int
 
 
 # ---------------------------------------------------------------------------------------------------- tokenization
-
-
-def tensordict_key(node) -> str | tuple[str, ...]:
-    """A TensorDict key from a config value: a nested key (tuple) from a list, a plain key from a string."""
-    return tuple(node) if isinstance(node, (list, tuple, ListConfig)) else str(node)
 
 
 def tokenize_pairs(tokenizer, pairs: list[dict], *, conversational: bool) -> tuple[list[list[int]], list[list[int]]]:
