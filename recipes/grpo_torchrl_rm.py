@@ -514,8 +514,8 @@ def make_reference_log_probs(cfg: DictConfig, models: Models, *, policy_scorer=N
     if cfg.model.lora is not None:
         sharded = is_sharded(models.policy)
         return AdapterDisabledLogProbs(models.policy, scorer=policy_scorer if sharded else None)
-    if is_sharded(models.policy):  # fsdp: the reference too, 1/N of it per process
-        return ShardedResponseLogProbs(shard_frozen_model(models.reference))
+    if is_sharded(models.reference):  # fsdp (make_learner shards it with the policy)
+        return ShardedResponseLogProbs(models.reference)
     return ResponseLogProbs(models.reference)
 
 
@@ -669,9 +669,6 @@ def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> d
     start_step = state["step"] if state is not None else 0
     models = load_models(cfg, resume_from=resume_from)
     learner = make_learner(cfg, models)
-    if is_sharded(models.policy) and models.reward_model is not None:
-        # fsdp: the reward model too, 1/N of it per process (each scores as many micro-batches as the others).
-        shard_frozen_model(models.reward_model)
     progress = restore_progress(cfg, run, state, learner.optimizer, policy=models.policy)
     processes, collector = run.processes, None
     try:
@@ -725,6 +722,12 @@ def make_learner(cfg: DictConfig, models: Models) -> Learner:
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(models.policy)
     scorer = make_policy_scorer(models.policy, strategy=cfg.distributed.strategy, device=cfg.device)
+    if is_sharded(models.policy):
+        # fsdp: the frozen reference and reward model too, 1/N of each per process (every process scores as many
+        # micro-batches as the others, so their gathers match).
+        for frozen in (models.reference, models.reward_model):
+            if frozen is not None:
+                shard_frozen_model(frozen)
     parameters = trainable_parameters(models.policy)  # all, or LoRA's adapters; a list: clipped at every update
     return Learner(
         prepare=make_batch_preparation(cfg, models, scorer),

@@ -29,10 +29,10 @@ from dataclasses import dataclass, fields
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
-from torch.distributed.fsdp import FSDPModule
 
 from recipes.common.config import ConfigError
 from recipes.common.models import check_pad_token
+from recipes.common.sharding import is_sharded
 
 __all__ = ["SampledResponses", "SamplingPolicy", "SamplingSettings", "sample_responses"]
 
@@ -142,7 +142,7 @@ def _forward_options(model) -> tuple[dict, str]:
 
 def _forwards_are_collective(model) -> bool:
     # FSDP2 gathers the weights in each forward: every rank of the group must run as many forward passes.
-    return isinstance(model, FSDPModule) and torch.distributed.is_initialized()
+    return is_sharded(model) and torch.distributed.is_initialized()
 
 
 def _any_rank_running(decoding: bool, synced: bool, device: torch.device) -> bool:

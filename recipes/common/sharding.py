@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
-from recipes.common.log_probs import ResponseLogProbs
+from recipes.common.log_probs import CHUNK_ELEMENTS, ResponseLogProbs
 
 __all__ = [
     "ShardedResponseLogProbs",
@@ -84,9 +84,7 @@ def shard_policy(model: nn.Module) -> nn.Module:
     ``model`` may be a ``peft.PeftModel``: the root is then the PeftModel itself (what the recipe calls, saves and
     switches the adapters of), its decoder layers those of the base model."""
     _copy_rank0_weights(model)
-    for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+    _shard_per_layer(model)
     return model
 
 
@@ -97,10 +95,15 @@ def shard_frozen_model(model: nn.Module) -> nn.Module:
     Every process read the same weights, so none are copied from rank 0. Every process must run each of its forward
     passes (the reference through :class:`ShardedResponseLogProbs`; a reward model through its own ``forward``, the
     same number of micro-batches on every process). Returns ``model``."""
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=True)
-    fully_shard(model, reshard_after_forward=True)
+    _shard_per_layer(model, reshard_after_forward=True)
     return model
+
+
+def _shard_per_layer(model: nn.Module, **options) -> None:
+    # Inner units first: the root's fully_shard then takes only what no decoder layer holds.
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
 
 
 @torch.no_grad()
@@ -127,7 +130,7 @@ class ShardedResponseLogProbs(ResponseLogProbs):
         chunk_elements: as :class:`~recipes.common.log_probs.ResponseLogProbs`'s.
     """
 
-    def __init__(self, model, *, chunk_elements: int = 2**23) -> None:
+    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         if not is_sharded(model):
             raise ValueError("ShardedResponseLogProbs: the model is not sharded; call shard_policy(model) first.")
         super().__init__(model, chunk_elements=chunk_elements)
