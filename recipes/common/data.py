@@ -47,10 +47,12 @@ def _load_file(path: Path, *, key: str, columns: list[str]):
         raise ConfigError(f"{key}={str(path)!r}: no such file.")
     if path.suffix not in _FILE_FORMATS:
         raise ConfigError(f"{key}={str(path)!r}: unknown file type; use one of {sorted(_FILE_FORMATS)}.")
-    if path.stat().st_size == 0 or (path.suffix != ".parquet" and not path.read_text(errors="replace").strip()):
+    # The text formats are read once here, for the checks; parquet is binary (its reader says what is wrong).
+    text = None if path.suffix == ".parquet" else path.read_text(errors="replace")
+    if path.stat().st_size == 0 or (text is not None and not text.strip()):
         raise ConfigError(f"{key}={str(path)!r}: the file is empty. {_what_a_file_holds(path, columns)}")
     if path.suffix in (".jsonl", ".json"):
-        _check_json_file(path, key=key, columns=columns)
+        _check_json_file(path, text, key=key, columns=columns)
     try:
         table = datasets.load_dataset(_FILE_FORMATS[path.suffix], data_files=str(path), split="train")
     except Exception as error:  # whatever the reader trips on, the user needs the file named, not its internals
@@ -78,12 +80,12 @@ def _what_a_file_holds(path: Path, columns: list[str]) -> str:
     return f"It should hold a table with a header and {named}, one row per example."
 
 
-def _check_json_file(path: Path, *, key: str, columns: list[str]) -> None:
-    """Refuses a JSON file with a syntax error naming the line (datasets' own error names neither line nor file).
+def _check_json_file(path: Path, text: str, *, key: str, columns: list[str]) -> None:
+    """Refuses a JSON file (its ``text``) with a syntax error naming the line (datasets' own error names neither line
+    nor file).
 
     A ``.jsonl`` file holds one object per line; a ``.json`` file either that or one document (a list of objects).
     """
-    text = path.read_text(errors="replace")
     lines = text.splitlines()
     first_bad = _first_bad_json_line(lines)
     if first_bad is None:

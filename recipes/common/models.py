@@ -329,7 +329,6 @@ def _load_adapter_reward_model(node: DictConfig, adapter: dict, *, device: str, 
     """A LoRA reward model (the reward recipe's ``<run>/model`` with ``reward_model.lora``): its base, the adapter
     merged in (scoring needs no separate adapter). The score head may come from the adapter alone (peft's
     ``modules_to_save``); a head in neither is refused."""
-    from safetensors import safe_open
     from transformers import AutoModelForSequenceClassification
 
     base, loading = _from_pretrained(
