@@ -18,6 +18,7 @@ from functools import partial
 
 import pytest
 import torch
+from _gloo_ranks import run_gloo_ranks
 from _tiny_models import ToyRewardModel
 from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
 from torch.utils.data import DataLoader
@@ -458,26 +459,14 @@ def test_ranks_draw_disjoint_shares(monkeypatch):
 
 
 def _gloo_rank(rank: int, folder: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        indices = drawn_indices(TorchRLBufferDataset(epoch_buffer(), batch_size=8, num_batches=8))
-        with open(f"{folder}/rank{rank}.json", "w") as f:
-            json.dump(indices, f)
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    indices = drawn_indices(TorchRLBufferDataset(epoch_buffer(), batch_size=8, num_batches=8))
+    with open(f"{folder}/rank{rank}.json", "w") as f:
+        json.dump(indices, f)
 
 
 def test_two_gloo_ranks_draw_disjoint_shares(tmp_path):
-    fork = multiprocessing.get_context("fork")
-    processes = [fork.Process(target=_gloo_rank, args=(rank, str(tmp_path))) for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-    assert [p.exitcode for p in processes] == [0, 0]
+    assert run_gloo_ranks(_gloo_rank, str(tmp_path)) == [0, 0]
     per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [len(indices) for indices in per_rank] == [32, 32]
     assert sorted(per_rank[0] + per_rank[1]) == list(range(64))

@@ -45,18 +45,19 @@ def _launch(repo_root: Path, launcher: list[str], script: str, *arguments: str, 
     return result
 
 
+def _accelerate(*options: str) -> list[str]:
+    """``accelerate launch <options>`` of 2 processes on this machine, on a free port."""
+    launcher = ["accelerate.commands.launch", *options, "--num_processes", "2", "--num_machines", "1"]
+    return [*launcher, "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+
+
 def _accelerate_launch(repo_root: Path, *overrides: str, script: str = "recipes/reward_trainer_from_buffer.py"):
-    launcher = ["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    launcher += ["--main_process_port", str(_free_port())]
-    return _launch(repo_root, launcher, script, *overrides)
+    return _launch(repo_root, _accelerate("--multi_gpu"), script, *overrides)
 
 
 def _accelerate_fsdp_launch(repo_root: Path, *overrides: str):
-    launcher = ["accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes", "2"]
-    launcher += ["--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]  # a unit per decoder layer (README)
-    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    launcher += ["--main_process_port", str(_free_port())]
+    # A unit per decoder layer, as the README launches it.
+    launcher = _accelerate("--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
     return _launch(repo_root, launcher, "tests/recipes/_accelerate_fsdp_on_cpu.py", *overrides)
 
 

@@ -188,25 +188,20 @@ class TestSamplingPolicy:
 def _sharded_sampling_rank(rank: int, folder: str) -> None:
     import json
 
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from recipes.common.config import PROJECT_ROOT
     from recipes.common.sharding import shard_policy
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        model = shard_policy(AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "tiny" / "policy").eval())
-        tokenizer = AutoTokenizer.from_pretrained(PROJECT_ROOT / "tiny" / "policy", padding_side="left")
-        tokens, mask = _prompts(tokenizer, PROMPTS)
-        torch.manual_seed(rank)
-        sampled = sample_responses(model, tokens, mask, **_early_stop_options(rank, tokenizer))
-        result = {"tokens": sampled.tokens.tolist(), "log_probs": sampled.log_probs.tolist(), "next": torch.rand(1)}
-        with open(f"{folder}/rank{rank}.json", "w") as handle:
-            json.dump({**result, "next": result["next"].item()}, handle)
-    finally:
-        dist.destroy_process_group()
+    torch.set_num_threads(1)
+    model = shard_policy(AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "tiny" / "policy").eval())
+    tokenizer = AutoTokenizer.from_pretrained(PROJECT_ROOT / "tiny" / "policy", padding_side="left")
+    tokens, mask = _prompts(tokenizer, PROMPTS)
+    torch.manual_seed(rank)
+    sampled = sample_responses(model, tokens, mask, **_early_stop_options(rank, tokenizer))
+    result = {"tokens": sampled.tokens.tolist(), "log_probs": sampled.log_probs.tolist(), "next": torch.rand(1)}
+    with open(f"{folder}/rank{rank}.json", "w") as handle:
+        json.dump({**result, "next": result["next"].item()}, handle)
 
 
 def _early_stop_options(rank: int, tokenizer) -> dict:
@@ -220,15 +215,11 @@ def test_sharded_ranks_decode_in_step_and_sample_as_alone(tmp_path, tiny_policy)
     """Under FSDP2 every forward pass is a collective: a rank done first keeps running them (without drawing tokens)
     until the other is done too; each rank samples what it would have sampled unsharded and alone."""
     import json
-    import multiprocessing
 
-    fork = multiprocessing.get_context("fork")
-    processes = [fork.Process(target=_sharded_sampling_rank, args=(rank, str(tmp_path))) for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-    assert [p.exitcode for p in processes] == [0, 0]  # a rank that stopped its forwards early would hang the other
+    from _gloo_ranks import run_gloo_ranks
+
+    # A rank that stopped its forwards early would hang the other.
+    assert run_gloo_ranks(_sharded_sampling_rank, str(tmp_path)) == [0, 0]
 
     model, tokenizer = tiny_policy
     tokens, mask = _prompts(tokenizer, PROMPTS)
