@@ -18,7 +18,7 @@ from functools import partial
 
 import pytest
 import torch
-from _gloo_ranks import run_gloo_ranks
+from _processes import run_gloo_ranks
 from _tiny_models import ToyRewardModel
 from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
 from torch.utils.data import DataLoader

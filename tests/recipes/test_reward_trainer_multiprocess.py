@@ -11,7 +11,6 @@ through ``_accelerate_fsdp_on_cpu.py`` (accelerate shards on GPUs only; it lifts
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,16 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from _batch_recording import install_batch_recorder
+from _processes import free_port
 from _small_runs import REWARD_SMALL
 
 SMALL = REWARD_SMALL
-
-
-def _free_port() -> int:
-    # Other tests (and other runs on this machine) start process groups too: never rely on the default port.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(repo_root: Path, launcher: list[str], script: str, *arguments: str, timeout: int = 600):
@@ -48,7 +41,7 @@ def _launch(repo_root: Path, launcher: list[str], script: str, *arguments: str, 
 def _accelerate(*options: str) -> list[str]:
     """``accelerate launch <options>`` of 2 processes on this machine, on a free port."""
     launcher = ["accelerate.commands.launch", *options, "--num_processes", "2", "--num_machines", "1"]
-    return [*launcher, "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    return [*launcher, "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
 
 
 def _accelerate_launch(repo_root: Path, *overrides: str, script: str = "recipes/reward_trainer_from_buffer.py"):
@@ -265,7 +258,7 @@ def test_buffer_dataset_deals_its_draws_between_torchrun_ranks(repo_root, tmp_pa
     """interop.TorchRLBufferDataset under a real process group: each rank draws its own batches of one stream."""
     script = tmp_path / "draw.py"
     script.write_text(_DATASET_SCRIPT)
-    launcher = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    launcher = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     _launch(repo_root, launcher, str(script), str(tmp_path), timeout=300)
 
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

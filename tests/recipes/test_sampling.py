@@ -216,7 +216,7 @@ def test_sharded_ranks_decode_in_step_and_sample_as_alone(tmp_path, tiny_policy)
     until the other is done too; each rank samples what it would have sampled unsharded and alone."""
     import json
 
-    from _gloo_ranks import run_gloo_ranks
+    from _processes import run_gloo_ranks
 
     # A rank that stopped its forwards early would hang the other.
     assert run_gloo_ranks(_sharded_sampling_rank, str(tmp_path)) == [0, 0]

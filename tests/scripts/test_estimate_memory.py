@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from _processes import free_port
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
@@ -140,7 +141,7 @@ def test_measure_under_torchrun_with_fsdp_reports_once_and_close_to_the_estimate
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             str(repo_root / "scripts" / "estimate_memory.py"),
             "--measure",
             "--json",
@@ -160,11 +161,3 @@ def test_measure_under_torchrun_with_fsdp_reports_once_and_close_to_the_estimate
     assert figures["fsdp_gathered_weights"] > 0
     # The README's measurements at this size lie within 0.85-1.11; the band leaves room for the allocator.
     assert 0.7 <= figures["measured_update"] / figures["measured_estimate"] <= 1.4
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -1,8 +1,10 @@
-"""Forked processes in one gloo process group, for tests of what ranks do together (no launcher, no port)."""
+"""Processes for the multi-process tests: forked ranks in one gloo group (no launcher), and a free port for those a
+launcher starts."""
 
 from __future__ import annotations
 
 import multiprocessing
+import socket
 from collections.abc import Callable
 
 
@@ -32,3 +34,11 @@ def _in_group(worker: Callable[[int, str], None], rank: int, world_size: int, fo
         worker(rank, folder)
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A port no process listens on now: other tests (and other runs on this machine) start process groups too, so a
+    launcher's default port cannot be relied on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
