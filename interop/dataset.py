@@ -772,6 +772,23 @@ def tensordict_collate(
         >>> td.get("text").tolist(), td["reward"]
         (['abc', 'd'], tensor([1., 0.]))
     """
+    names = _check_samples(samples, padding_side)
+    always_masked = set(mask_keys or ())
+    out = TensorDict(batch_size=[len(samples)])
+    for name in names:
+        key = tuple(name.split(separator)) if separator in name else name
+        values = [sample[name] for sample in samples]
+        value, mask = _collate_column(values, name, padding_side, padding_value, masked=name in always_masked)
+        out.set(key, value)
+        if mask is not None:
+            mask_key = (*key[:-1], key[-1] + mask_suffix) if isinstance(key, tuple) else key + mask_suffix
+            out.set(mask_key, mask.to(value.device))
+    return out
+
+
+def _check_samples(samples: Sequence[Mapping[str, Any]], padding_side: str) -> list[str]:
+    """The keys of a batch of samples, checked: a valid ``padding_side``, at least one sample, dicts with one set of
+    keys."""
     if padding_side not in ("right", "left"):
         raise ValueError(f"tensordict_collate: padding_side must be 'right' or 'left', got {padding_side!r}.")
     if not samples:
@@ -789,28 +806,23 @@ def tensordict_collate(
                 f"tensordict_collate: sample {i} has keys {sorted(sample)} but sample 0 has {sorted(names)}; "
                 "all samples of a batch need the same keys (select them with TorchRLBufferDataset(keys=[...]))."
             )
-    always_masked = set(mask_keys or ())
-    out = TensorDict(batch_size=[len(samples)])
-    for name in names:
-        key = tuple(name.split(separator)) if separator in name else name
-        values = [sample[name] for sample in samples]
-        tensors = [_as_tensor(v) for v in values]
-        if any(t is None for t in tensors):
-            out.set(key, NonTensorStack.from_list(values))
-            continue
-        shape = tensors[0].shape
-        ragged = any(t.shape != shape for t in tensors)
-        if not ragged:
-            out.set(key, torch.stack(tensors))
-            mask = torch.ones((len(tensors), *shape), dtype=torch.bool) if name in always_masked else None
-        else:
-            if isinstance(padding_value, Mapping):
-                pad = padding_value.get(name, False if tensors[0].dtype == torch.bool else 0)
-            else:
-                pad = False if tensors[0].dtype == torch.bool else padding_value
-            padded, mask = _pad(tensors, padding_side, pad)
-            out.set(key, padded)
-        if mask is not None:
-            mask_key = (*key[:-1], key[-1] + mask_suffix) if isinstance(key, tuple) else key + mask_suffix
-            out.set(mask_key, mask.to(out.get(key).device))
-    return out
+    return names
+
+
+def _collate_column(values: list, name: str, padding_side: str, padding_value, *, masked: bool):
+    """Key ``name``'s values as one batched entry and its mask (``None`` unless padded, or ``masked``): stacked
+    tensors, padded ragged tensors, or a non-tensor stack."""
+    tensors = [_as_tensor(v) for v in values]
+    if any(t is None for t in tensors):
+        return NonTensorStack.from_list(values), None
+    shape = tensors[0].shape
+    if all(t.shape == shape for t in tensors):
+        mask = torch.ones((len(tensors), *shape), dtype=torch.bool) if masked else None
+        return torch.stack(tensors), mask
+    # Boolean tensors (attention masks) pad with False unless the padding_value mapping names their key.
+    default = False if tensors[0].dtype == torch.bool else 0
+    if isinstance(padding_value, Mapping):
+        pad = padding_value.get(name, default)
+    else:
+        pad = default if tensors[0].dtype == torch.bool else padding_value
+    return _pad(tensors, padding_side, pad)

@@ -107,6 +107,40 @@ def _messages(history: Any) -> list[dict]:
     return messages
 
 
+def _check_wrapper_arguments(model, tokenizer, history_key, micro_batch_size, max_length, padding_side) -> None:
+    """:class:`HFRewardModelWrapper`'s argument checks, each error naming the argument and the fix."""
+    if not callable(model):
+        raise TypeError(f"HFRewardModelWrapper: model must be a callable nn.Module, got {type(model).__name__}.")
+    if history_key is not None and tokenizer is None:
+        raise ValueError(
+            "HFRewardModelWrapper: history_key needs the reward model's tokenizer to render the conversation "
+            "with its chat template; pass tokenizer=<the reward model's tokenizer>."
+        )
+    if tokenizer is not None and getattr(tokenizer, "eos_token", None) is None and history_key is None:
+        raise ValueError(
+            "HFRewardModelWrapper: the tokenizer has no eos_token, but text is scored as trl.RewardTrainer "
+            "trained on it (EOS appended). Set tokenizer.eos_token to the one used in training."
+        )
+    if history_key is not None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "HFRewardModelWrapper: history_key is set but the tokenizer has no chat_template; set "
+            "tokenizer.chat_template to the template the reward model was trained with."
+        )
+    for name, value in (("micro_batch_size", micro_batch_size), ("max_length", max_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"HFRewardModelWrapper: {name} must be a positive integer or None, got {value!r}.")
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"HFRewardModelWrapper: padding_side must be 'right' or 'left', got {padding_side!r}.")
+    model_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    tokenizer_pad = getattr(tokenizer, "pad_token_id", None)
+    if model_pad is not None and tokenizer_pad is not None and model_pad != tokenizer_pad:
+        raise ValueError(
+            f"HFRewardModelWrapper: model.config.pad_token_id ({model_pad}) differs from tokenizer.pad_token_id "
+            f"({tokenizer_pad}); sequence-classification heads score the last token that is not the model's pad "
+            "id, so both must agree (trl.RewardTrainer sets model.config.pad_token_id = tokenizer.pad_token_id)."
+        )
+
+
 class HFRewardModelWrapper(TensorDictModuleBase):
     """A Hugging Face reward model as a TensorDict module: sequences in, one float32 reward per sample out.
 
@@ -209,38 +243,10 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         max_length: int | None = None,
         padding_side: Literal["right", "left"] = "right",
     ) -> None:
-        if not callable(model):
-            raise TypeError(f"HFRewardModelWrapper: model must be a callable nn.Module, got {type(model).__name__}.")
-        if history_key is not None and tokenizer is None:
-            raise ValueError(
-                "HFRewardModelWrapper: history_key needs the reward model's tokenizer to render the conversation "
-                "with its chat template; pass tokenizer=<the reward model's tokenizer>."
-            )
-        if tokenizer is not None and getattr(tokenizer, "eos_token", None) is None and history_key is None:
-            raise ValueError(
-                "HFRewardModelWrapper: the tokenizer has no eos_token, but text is scored as trl.RewardTrainer "
-                "trained on it (EOS appended). Set tokenizer.eos_token to the one used in training."
-            )
-        if history_key is not None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "HFRewardModelWrapper: history_key is set but the tokenizer has no chat_template; set "
-                "tokenizer.chat_template to the template the reward model was trained with."
-            )
-        for name, value in (("micro_batch_size", micro_batch_size), ("max_length", max_length)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"HFRewardModelWrapper: {name} must be a positive integer or None, got {value!r}.")
-        if padding_side not in ("right", "left"):
-            raise ValueError(f"HFRewardModelWrapper: padding_side must be 'right' or 'left', got {padding_side!r}.")
-
+        _check_wrapper_arguments(model, tokenizer, history_key, micro_batch_size, max_length, padding_side)
         config = getattr(model, "config", None)
         model_pad = getattr(config, "pad_token_id", None)
         tokenizer_pad = getattr(tokenizer, "pad_token_id", None)
-        if model_pad is not None and tokenizer_pad is not None and model_pad != tokenizer_pad:
-            raise ValueError(
-                f"HFRewardModelWrapper: model.config.pad_token_id ({model_pad}) differs from tokenizer.pad_token_id "
-                f"({tokenizer_pad}); sequence-classification heads score the last token that is not the model's pad "
-                "id, so both must agree (trl.RewardTrainer sets model.config.pad_token_id = tokenizer.pad_token_id)."
-            )
 
         super().__init__()
         if tokenizer is None:

@@ -1,8 +1,9 @@
 """Reward-model training from a TorchRL preference buffer with trl's ``RewardTrainer``, end to end.
 
 1. Pairs. ``data=synthetic``: the policy (``model=``, TorchRL's ``TransformersWrapper``) samples several responses per
-   prompt in single-turn ``ChatEnv`` rollouts (``recipes.common.rollout``, as the GRPO recipe does), and the labeler
-   (``labeler._target_``, the synthetic oracle by default) turns them into chosen/rejected pairs, dropping ties.
+   prompt in single-turn ``ChatEnv`` rollouts (``recipes.common.chat``, as the GRPO recipe's ``rollout.env=chat``
+   does), and the labeler (``labeler._target_``, the synthetic oracle by default) turns them into chosen/rejected
+   pairs, dropping ties.
    ``data=file|hf``: pairs in trl's preference formats (explicit or implicit prompt, text or conversational).
    Held-out pairs (eval prompts, the eval split or a held-out fraction) never enter the buffer.
 2. Buffer. The pairs are tokenized once for the reward model, with trl's own convention (trl then skips its
@@ -10,13 +11,15 @@
    next to the labelled text, which a later run reuses with ``buffer.load_from`` (no generation, no labelling): it
    trains from the stored token ids when its reward model's tokenizer wrote them, from the re-tokenized text
    otherwise; a cut or damaged folder is refused. Pairs whose chosen and rejected are identical are dropped.
-   How pairs are made, cleaned, tokenized and kept in a folder: ``recipes.common.preference``.
+   How pairs are made, cleaned and tokenized: ``recipes.reward.pairs``; the folder: ``recipes.reward.pair_store``;
+   the buffer and trl's streams: ``recipes.reward.buffer``.
 3. Training. ``RewardTrainer`` (``RewardConfig`` from ``train:``) reads the buffer through
    ``interop.TorchRLBufferDataset(...).as_hf_dataset()``: one draw without replacement per epoch.
 4. Evaluation of the saved model, reloaded with ``from_pretrained`` and scored through
    ``interop.HFRewardModelWrapper(tokenizer=...)`` as the GRPO recipe scores: pairwise accuracy and margin on the
    held-out pairs and, on the synthetic task, the Spearman correlation of its scores with the oracle's. Like
-   training, it keeps to sequences of at most ``train.max_length`` tokens (trl drops longer pairs).
+   training, it keeps to sequences of at most ``train.max_length`` tokens (trl drops longer pairs)
+   (``recipes.reward.evaluation``).
 
 Several processes (``accelerate launch`` / ``torchrun``): the main process makes the labelled pairs and hands them to
 the others; every process fills the same buffer, whose sampler draws from its own generator seeded with ``seed``, so
@@ -44,89 +47,34 @@ import time
 from pathlib import Path
 
 import hydra
-import torch
 from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer, TrainerCallback
 
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError, check_run_settings, tensordict_key
-from recipes.common.logging import MetricLogger
-from recipes.common.lora import make_lora_config, validate_lora_node
-from recipes.common.models import load_reward_model, load_tokenizer, validate_model_node
-from recipes.common.preference import (
-    EVAL_PAIRS_FILE,
-    STORAGE_FOLDER,
+from recipes.common.config import ConfigError
+from recipes.common.lora import make_lora_config
+from recipes.common.metrics import MetricLogger
+from recipes.common.models import load_reward_model, load_tokenizer
+from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
+from recipes.common.sharding import gather_full_model_state, is_sharded
+from recipes.reward.buffer import make_eval_dataset, make_training_stream
+from recipes.reward.checks import validate
+from recipes.reward.evaluation import evaluate
+from recipes.reward.pair_store import EVAL_PAIRS_FILE, load_labelled_pairs, write_jsonl
+from recipes.reward.pairs import (
     LabelledPairs,
-    count_over_max_length,
     limit_eval_to_max_length,
-    load_labelled_pairs,
     load_sampling_policy,
     pairs_from_dataset,
     pairs_from_policy,
-    pairs_to_tensordict,
-    read_meta,
-    save_labelled_pairs,
-    tokenize_pairs,
-    write_jsonl,
 )
-from recipes.common.run import Run, check_sharded_launch, end_processes, run_recipe, seed_everything, start_run
-from recipes.common.run_folder import check_output_folder
 
-# torchrl, datasets, trl and interop (which loads torchrl) are imported inside the functions that use them: together
-# they take about 2.5 s to import, which `--help` and a config refused by validate() should not wait for.
+# trl is imported where the trainer is made: it prints a notice on import and takes a second, which `--help` and a
+# config refused by validate() need not wait for (the same rule as recipes.common.data's datasets and
+# recipes.common.lora's peft).
 
-STORAGES = ("lazy_tensor", "memmap")
 log = logging.getLogger(__name__)
-
-
-def validate(cfg: DictConfig) -> None:
-    """Cross-field checks that run before any model, tokenizer or dataset loads."""
-    max_steps = (
-        None if "max_steps" not in cfg.train or OmegaConf.is_missing(cfg.train, "max_steps") else cfg.train.max_steps
-    )
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps <= 0:
-        raise ConfigError(
-            f"train.max_steps={max_steps!r}: RewardTrainer reads the buffer "
-            "as a stream (an IterableDataset with no length), so the number of optimizer steps must be given. Set "
-            "train.max_steps=<positive int>, e.g. train.max_steps=300."
-        )
-    if cfg.buffer.storage not in STORAGES:
-        raise ConfigError(f"buffer.storage={cfg.buffer.storage!r}: expected one of {STORAGES} (buffer=memmap ...).")
-    if cfg.buffer.storage == "memmap" and cfg.buffer.path is None:
-        raise ConfigError("buffer=memmap needs buffer.path, the folder its pairs are written to.")
-    if cfg.buffer.load_from is not None:
-        read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
-    elif cfg.data.source == "synthetic":
-        validate_model_node(cfg.model, key="model", kind="policy")
-        if cfg.generation.responses_per_prompt < 2:
-            raise ConfigError(
-                f"generation.responses_per_prompt={cfg.generation.responses_per_prompt}: a preference pair needs two "
-                "responses to the same prompt; use 2 or more."
-            )
-        from recipes.common.rollout import check_generation_settings  # loads torchrl: only where it samples
-
-        check_generation_settings(cfg.generation.generate_kwargs, env="chat", key="generation.generate_kwargs")
-    elif cfg.margin_in_loss:
-        raise ConfigError(
-            f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."
-        )
-    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite)
-    check_sharded_launch(cfg.device)
-    check_run_settings(
-        cfg,
-        lr_key="train.learning_rate",
-        max_grad_norm_key="train.max_grad_norm",
-        batch_size_key="train.per_device_train_batch_size",
-    )
-    if not 0.0 < cfg.eval.holdout_fraction < 1.0:
-        raise ConfigError(f"eval.holdout_fraction={cfg.eval.holdout_fraction}: expected a fraction in (0, 1).")
-    validate_model_node(cfg.reward_model, key="reward_model")
-    validate_lora_node(cfg.reward_model.lora, key="reward_model.lora")
-    if cfg.model.lora is not None:
-        raise ConfigError(
-            "model.lora is set, but this recipe trains the reward model, not the policy that samples the candidate "
-            "responses. Set reward_model.lora instead (and keep model.lora null)."
-        )
 
 
 # ---------------------------------------------------------------------------------------------------- pairs
@@ -157,130 +105,6 @@ def make_or_load_labelled_pairs(cfg: DictConfig, tokenizer) -> LabelledPairs:
     if cfg.buffer.load_from is not None:
         return load_labelled_pairs(cfg.buffer.load_from, tokenizer=tokenizer, pair_keys=cfg.buffer.pair_keys)
     return make_labelled_pairs(cfg)
-
-
-# ---------------------------------------------------------------------------------------------------- buffer
-
-
-def _key_name(key) -> str:
-    """The column name ``TorchRLBufferDataset`` gives a key (nested keys dot-joined)."""
-    return ".".join(key) if isinstance(key, tuple) else key
-
-
-def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int, seed: int):
-    """A ReplayBuffer over the pairs: copied into a LazyTensorStorage, or (memmap) sampled in place from the tensordict.
-
-    The sampler draws from the buffer's own generator, seeded with ``seed``: its draws depend on nothing else the
-    process does with torch's global RNG (generation, dropout), so every process of a multi-process run draws the same
-    stream and takes its own slice of it.
-    """
-    from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorStorage
-
-    sampler = hydra.utils.instantiate(buffer_cfg.sampler)
-    generator = torch.Generator().manual_seed(seed)
-    if buffer_cfg.storage == "memmap":  # sampled in place: the memory-mapped folder on the main process
-        return ReplayBuffer(
-            storage=TensorStorage(pairs_td), sampler=sampler, batch_size=batch_size, generator=generator
-        )
-    buffer = ReplayBuffer(
-        storage=LazyTensorStorage(pairs_td.batch_size[0]), sampler=sampler, batch_size=batch_size, generator=generator
-    )
-    buffer.extend(pairs_td)
-    return buffer
-
-
-def make_train_dataset(buffer, keys: DictConfig, *, samples_per_epoch: int, with_margin: bool):
-    """The buffer as the ``datasets.IterableDataset`` RewardTrainer reads: trl's ``chosen_ids``/``rejected_ids``.
-
-    Each pass draws ``samples_per_epoch`` pairs in one ``buffer.sample`` (without replacement: no pair twice in an
-    epoch, so none twice in a step), then strips the storage's padding so that trl pads each batch to its own longest.
-    """
-    import datasets
-
-    from interop import TorchRLBufferDataset
-
-    read = [keys.chosen_tokens, keys.chosen_length, keys.rejected_tokens, keys.rejected_length]
-    read += [keys.margin] if with_margin else []
-    stream = TorchRLBufferDataset(buffer, samples_per_epoch, keys=[tensordict_key(k) for k in read], num_batches=1)
-    stream = stream.as_hf_dataset()
-    names = {field: _key_name(tensordict_key(node)) for field, node in keys.items()}  # columns as the stream names them
-
-    def to_trl_columns(batch: dict) -> dict:
-        out = {
-            f"{side}_ids": [ids[:n] for ids, n in zip(batch[names[f"{side}_tokens"]], batch[names[f"{side}_length"]])]
-            for side in ("chosen", "rejected")
-        }
-        if with_margin:
-            out["margin"] = batch[names["margin"]]
-        return out
-
-    features = {
-        "chosen_ids": datasets.List(datasets.Value("int64")),
-        "rejected_ids": datasets.List(datasets.Value("int64")),
-    }
-    if with_margin:
-        features["margin"] = datasets.Value("float32")
-    return stream.map(
-        to_trl_columns, batched=True, remove_columns=stream.column_names, features=datasets.Features(features)
-    )
-
-
-def make_eval_dataset(tokenizer, labelled: LabelledPairs, *, with_margin: bool):
-    """The held-out pairs, tokenized, as the finite ``datasets.Dataset`` trl evaluates during training."""
-    import datasets
-
-    chosen_ids, rejected_ids = tokenize_pairs(tokenizer, labelled.eval, conversational=labelled.conversational)
-    columns = {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
-    if with_margin:
-        columns["margin"] = [pair["margin"] for pair in labelled.eval]
-    return datasets.Dataset.from_dict(columns)
-
-
-def make_training_stream(
-    cfg: DictConfig, labelled: LabelledPairs, tokenizer, *, num_processes: int = 1, persist: bool = True
-) -> tuple[object, dict]:
-    """Tokenizes the training pairs into the buffer (persisted when ``buffer.path`` is set) and opens it for trl.
-
-    Every process of a multi-process run opens the same stream; accelerate hands each its slice of every batch.
-    ``persist=False`` (the other processes) keeps the pairs in memory, so they never wait on the main process's disk.
-
-    Returns the ``datasets.IterableDataset`` and facts about it for the summary.
-    """
-    from tensordict import TensorDict
-
-    keys = cfg.buffer.pair_keys
-    step_pairs = cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps * num_processes
-    if len(labelled.train) < step_pairs:
-        raise ConfigError(
-            f"Only {len(labelled.train)} training pairs, fewer than one optimizer step takes "
-            "(train.per_device_train_batch_size * train.gradient_accumulation_steps * processes = "
-            f"{cfg.train.per_device_train_batch_size} * {cfg.train.gradient_accumulation_steps} * {num_processes} = "
-            f"{step_pairs}). Lower the batch size, use fewer processes or add data (more prompts, "
-            "generation.responses_per_prompt, labeler.max_pairs_per_prompt)."
-        )
-    pairs_td = labelled.train_tokens  # a reloaded buffer's own storage, when this run's tokenizer wrote it
-    if pairs_td is None:
-        pairs_td = pairs_to_tensordict(labelled.train, tokenizer, keys, conversational=labelled.conversational)
-    if cfg.buffer.path is not None and persist:
-        folder = save_labelled_pairs(cfg.buffer.path, labelled, pairs_td, tokenizer=tokenizer, pair_keys=keys)
-        if cfg.buffer.storage == "memmap":
-            pairs_td = TensorDict.load_memmap(folder / STORAGE_FOLDER)
-    longest = torch.maximum(
-        pairs_td.get(tensordict_key(keys.chosen_length)), pairs_td.get(tensordict_key(keys.rejected_length))
-    )
-    too_long = count_over_max_length(longest, cfg.train.max_length, what="training")
-    # Whole optimizer steps per epoch, so that no step mixes the end of one epoch with the start of the next (and
-    # accelerate never pads a short last batch with pairs from the start of the epoch).
-    samples_per_epoch = len(labelled.train) // step_pairs * step_pairs
-    buffer = make_preference_buffer(cfg.buffer, pairs_td, batch_size=samples_per_epoch, seed=cfg.seed)
-    stream = make_train_dataset(buffer, keys, samples_per_epoch=samples_per_epoch, with_margin=cfg.margin_in_loss)
-    facts = {
-        "train/num_pairs": len(labelled.train),
-        "train/pairs_over_max_length": too_long,
-        "train/num_processes": num_processes,
-        "train/pairs_per_step": step_pairs,
-    }
-    return stream, facts
 
 
 def make_data(cfg: DictConfig, tokenizer, run: Run) -> tuple[LabelledPairs, object, dict]:
@@ -328,7 +152,6 @@ def make_metrics_callback(logger: MetricLogger, *, total_steps: int):
     trl's periodic eval logs and end-of-training figures are in ``trainer_log.json``, and the final evaluation in
     ``summary.json`` (and the wandb run's summary).
     """
-    from transformers import TrainerCallback
 
     class MetricLoggerCallback(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -406,80 +229,7 @@ def gather_trained_weights(model) -> dict | None:
     """The whole weights of a model that accelerate's FSDP2 sharded (``accelerate launch --use_fsdp --fsdp_version
     2``), gathered onto the main process's CPU for its ``save_pretrained``; ``None`` for a model every process holds
     whole. Every process must call it: each sends its shards."""
-    from recipes.common.sharding import gather_full_model_state, is_sharded
-
     return gather_full_model_state(model) if is_sharded(model) else None
-
-
-# ---------------------------------------------------------------------------------------------------- evaluation
-
-
-def _average_ranks(values: torch.Tensor) -> torch.Tensor:
-    """Ranks from 0, ties sharing their average rank (what Spearman's coefficient needs)."""
-    ordered, order = values.double().sort()
-    _, inverse, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0)
-    ranks = torch.empty_like(ordered)
-    ranks[order] = ((ends - counts + ends - 1).double() / 2.0)[inverse]
-    return ranks
-
-
-def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Spearman's rank correlation (Pearson correlation of average ranks); nan when either side is constant."""
-    rx, ry = _average_ranks(x), _average_ranks(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    denominator = (rx.square().sum() * ry.square().sum()).sqrt()
-    return float((rx * ry).sum() / denominator) if denominator > 0 else float("nan")
-
-
-def score_sequences(model, tokenizer, sequences: list, eval_cfg: DictConfig, *, conversational: bool) -> torch.Tensor:
-    """Reward of each sequence (a message list or a text) through ``interop.HFRewardModelWrapper(tokenizer=...)``."""
-    from tensordict import NonTensorStack, TensorDict
-    from torchrl.data.llm import History
-
-    from interop import HFRewardModelWrapper
-
-    history_key, text_key = tensordict_key(eval_cfg.history_key), tensordict_key(eval_cfg.text_key)
-    scorer = HFRewardModelWrapper(
-        model,
-        tokenizer=tokenizer,
-        history_key=history_key if conversational else None,
-        text_key=text_key,
-        reward_key=tensordict_key(eval_cfg.reward_key),
-        inference_mode=True,
-        micro_batch_size=eval_cfg.micro_batch_size,
-    )
-    td = TensorDict(batch_size=[len(sequences)])
-    if conversational:
-        td.set(history_key, History.from_chats(sequences))
-    else:
-        td.set(text_key, NonTensorStack.from_list(sequences))
-    return scorer(td).get(tensordict_key(eval_cfg.reward_key))
-
-
-def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) -> dict[str, float]:
-    """Pairwise accuracy and mean reward margin on the held-out pairs; Spearman vs the oracle when it is known.
-
-    ``labelled`` holds the pairs to score as they are (:func:`limit_eval_to_max_length` left out the long ones).
-    """
-    model.eval()
-    conversational = labelled.conversational
-    scores = {
-        side: score_sequences(
-            model, tokenizer, [p["prompt"] + p[side] for p in labelled.eval], eval_cfg, conversational=conversational
-        )
-        for side in ("chosen", "rejected")
-    }
-    metrics = {
-        "eval/accuracy": float((scores["chosen"] > scores["rejected"]).float().mean()),
-        "eval/margin_mean": float((scores["chosen"] - scores["rejected"]).mean()),
-        "eval/num_pairs": len(labelled.eval),
-    }
-    if labelled.eval_responses:
-        responses = [r["prompt"] + [{"role": "assistant", "content": r["response"]}] for r in labelled.eval_responses]
-        rewards = score_sequences(model, tokenizer, responses, eval_cfg, conversational=True)
-        metrics["eval/spearman"] = spearman(rewards, torch.tensor([r["oracle"] for r in labelled.eval_responses]))
-    return metrics
 
 
 def save_and_evaluate(
@@ -488,8 +238,6 @@ def save_and_evaluate(
     """Writes trl's log history and the model folder (a LoRA adapter folder with ``reward_model.lora``), then
     evaluates the saved model on the held-out pairs. ``full_state``: the whole weights of a model sharded by
     accelerate's FSDP, gathered (:func:`gather_trained_weights`), which the folder holds in place of the shards."""
-    from transformers import AutoTokenizer
-
     (output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     model_dir = write_folder_atomically(
         functools.partial(save_model_folder, trainer.model, tokenizer, state_dict=full_state), output_dir / "model"

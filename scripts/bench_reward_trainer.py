@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import recipes.reward_trainer_from_buffer as recipe
     from recipes.common.models import load_reward_model, load_tokenizer
-    from recipes.common.preference import LabelledPairs
+    from recipes.reward.buffer import make_training_stream
+    from recipes.reward.pairs import LabelledPairs
 
     hf_logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     labelled = LabelledPairs(train=pairs, eval=pairs[:1], conversational=True)
 
     def make_buffer_stream():
-        return recipe.make_training_stream(cfg, labelled, tokenizer)[0]
+        return make_training_stream(cfg, labelled, tokenizer)[0]
 
     def make_in_memory():
         return datasets.Dataset.from_list(pairs)

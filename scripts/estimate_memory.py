@@ -25,7 +25,7 @@ What it prints, per device (one process):
   and two decoder layers (the one running and the next, prefetched).
 - activations of the update: kept for the backward of one mini-batch of ``train.mini_batch_size`` sequences of
   (prompt + ``max_new_tokens``) tokens, with and without ``train.gradient_checkpointing``; the LM head projects the
-  response positions only (``recipes/common/log_probs.py``), so no ``[B, T, V]`` logits, and at most ``2**23`` logits
+  response positions only (``recipes/grpo/log_probs.py``), so no ``[B, T, V]`` logits, and at most ``2**23`` logits
   per chunk beyond a size.
 - generation: the KV cache of all ``rollout.responses_per_step`` sequences sampled in one decoding loop; reference
   scoring: one layer's activations of the whole batch (``rollout.log_prob_micro_batch_size``) without gradients.
@@ -76,7 +76,7 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("T
 
 import torch  # noqa: E402
 
-from recipes.common.log_probs import CHUNK_ELEMENTS  # noqa: E402  (the logits the recipe's scorer holds at once)
+from recipes.grpo.log_probs import CHUNK_ELEMENTS  # noqa: E402  (the logits the recipe's scorer holds at once)
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -169,7 +169,7 @@ def prompt_tokens_of(cfg) -> int:
     """The longest training prompt rendered with the policy's chat template: the batch's prompt width."""
     from recipes.common.data import load_prompts
     from recipes.common.models import load_tokenizer
-    from recipes.common.prompt_env import PromptTable
+    from recipes.grpo.prompt_env import PromptTable
 
     prompts = load_prompts(cfg.data, "train")
     table = PromptTable(prompts, tokenizer=load_tokenizer(cfg.model, padding_side="left"))
@@ -239,8 +239,8 @@ def estimate(
     """Every figure of the module docstring, in bytes, for one process."""
     from omegaconf import OmegaConf
 
-    from recipes.common.distributed import STRATEGIES
     from recipes.common.models import resolve_dtype
+    from recipes.grpo.distributed import STRATEGIES
 
     dtype = resolve_dtype(cfg.dtype)
     strategy = OmegaConf.select(cfg, "distributed.strategy", default="ddp")
@@ -394,9 +394,8 @@ def measure_update(cfg, *, prompt_tokens: int) -> int:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from recipes.common.distributed import make_policy_scorer
-    from recipes.common.lora import load_policy, trainable_parameters
-    from recipes.common.memory import enable_activation_checkpointing, update_forward
+    from recipes.grpo.log_probs import make_policy_scorer
+    from recipes.grpo.policy import enable_activation_checkpointing, load_policy, trainable_parameters, update_forward
 
     _return_freed_memory_to_the_system()
     torch.manual_seed(0)

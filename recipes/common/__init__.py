@@ -1,1 +1,2 @@
-"""Building blocks shared by the recipes: the synthetic task, model loading, data sources, logging, checkpoints."""
+"""What both recipes use: config checks and resolvers, a run's start and finish, checkpoint folders, metric loggers,
+model and data loading, LoRA settings, FSDP2 sharding, the synthetic task, and TorchRL's chat stack."""

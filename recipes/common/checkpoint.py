@@ -1,8 +1,18 @@
-"""Atomic checkpoint folders: a crash during a save never leaves a half-written checkpoint behind."""
+"""Checkpoint folders: their layout, and atomic writes so that a crash never leaves a half-written folder behind.
+
+A training checkpoint is a folder ``<root>/step_<N>`` (:func:`checkpoint_folder`) written atomically
+(:func:`write_folder_atomically`): either it is complete or it does not exist under that name, so a run killed at any
+instant (even ``SIGKILL`` during a save) leaves the previous checkpoint as the latest. It holds ``model/``
+(:data:`MODEL_FOLDER`: ``save_pretrained`` of the model and its tokenizer, loadable by ``from_pretrained`` as any hub
+checkpoint), optionally ``merged_model/`` (:data:`MERGED_MODEL_FOLDER`: a LoRA model's adapters merged in) and
+``training_state.pt`` (:data:`STATE_FILE`: what a recipe needs to resume, loadable with
+``torch.load(weights_only=True)``). This module knows the layout; what goes into the state is the recipe's
+(``recipes.grpo.checkpointing``), and model loading (``recipes.common.models``) reads the layout to name the way out of
+a damaged checkpoint.
+"""
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import shutil
@@ -10,8 +20,23 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["recover_interrupted_writes", "save_merged_model_folder", "save_model_folder", "write_folder_atomically"]
+__all__ = [
+    "MERGED_MODEL_FOLDER",
+    "MODEL_FOLDER",
+    "STATE_FILE",
+    "broken_checkpoint_advice",
+    "checkpoint_folder",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "recover_interrupted_writes",
+    "save_model_folder",
+    "write_folder_atomically",
+]
 
+MODEL_FOLDER = "model"
+MERGED_MODEL_FOLDER = "merged_model"
+STATE_FILE = "training_state.pt"
+_STEP_FOLDER = re.compile(r"^step_(\d+)$")
 _STAGING = re.compile(r"^\..+\.staging\..+$")
 _PREVIOUS = re.compile(r"^\.(.+)\.previous$")
 
@@ -22,16 +47,6 @@ def save_model_folder(model, tokenizer, folder: str | os.PathLike, *, state_dict
     weights of a sharded model, gathered)."""
     model.save_pretrained(folder, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
     tokenizer.save_pretrained(folder)
-
-
-def save_merged_model_folder(model, tokenizer, folder: str | os.PathLike) -> None:
-    """A LoRA model (``peft.PeftModel``) saved as one full ``transformers`` model, its adapters merged in: loadable
-    without peft, computing what the adapted model does (``recipes.common.models.merge_adapters``). The merge runs on
-    a copy (the model's own base weights stay untouched, bit for bit), which costs a second copy of the model in
-    memory while it saves."""
-    from recipes.common.models import merge_adapters  # models imports this module (through resume)
-
-    save_model_folder(merge_adapters(copy.deepcopy(model)), tokenizer, folder)
 
 
 def write_folder_atomically(write: Callable[[Path], None], destination: str | os.PathLike) -> Path:
@@ -89,3 +104,45 @@ def recover_interrupted_writes(folder: str | os.PathLike) -> list[str]:
                 entry.rename(destination)
                 done.append(f"restored {destination.name} from {entry.name}")
     return done
+
+
+def checkpoint_folder(root: str | os.PathLike, step: int) -> Path:
+    """``<root>/step_<step>``, zero-padded so folders sort by step."""
+    return Path(root) / f"step_{step:07d}"
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as ``(step, folder)``, oldest first (staging folders are hidden)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        match = _STEP_FOLDER.match(folder.name)
+        if match and (folder / STATE_FILE).is_file():
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The checkpoint with the highest step under ``root``, or None."""
+    checkpoints = list_checkpoints(root)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def broken_checkpoint_advice(folder: str | os.PathLike) -> str:
+    """What to do about the broken checkpoint ``folder``: delete it to resume from the previous one, if there is one.
+
+    Returns "" for a folder that is no ``step_<N>`` checkpoint.
+    """
+    folder = Path(folder)
+    match = _STEP_FOLDER.match(folder.name)
+    if match is None:
+        return ""
+    earlier = [previous for step, previous in list_checkpoints(folder.parent) if step < int(match.group(1))]
+    if earlier:
+        return f"Delete the corrupted checkpoint folder {folder} to resume from {earlier[-1]} (the previous one)."
+    return (
+        f"No earlier checkpoint in {folder.parent} holds a training state: start the run afresh (drop resume=true, "
+        "pass overwrite=true) or resume from a copy of the run made before this checkpoint was written."
+    )

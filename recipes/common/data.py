@@ -1,4 +1,5 @@
-"""Prompt and preference-pair sources from a ``data=`` config node: the synthetic task, a user file, an HF dataset.
+"""Prompt and preference-pair sources from a ``data=`` config node: the synthetic task, a user file, an HF dataset;
+and the endless, seeded, resumable order in which a run draws its prompts (:class:`EndlessShuffleSampler`).
 
 Formats are trl's standard ones: prompts in a ``prompt`` column; preference pairs in ``chosen``/``rejected`` with an
 optional ``prompt`` (explicit prompt) or without one (implicit prompt), each as plain text or as conversational
@@ -7,10 +8,14 @@ message lists (``[{"role": ..., "content": ...}, ...]``). Column names come from
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
+from torch.utils.data import Sampler
 
 from recipes.common.config import ConfigError, first_items
 from recipes.common.synthetic import make_prompts
@@ -18,7 +23,15 @@ from recipes.common.synthetic import make_prompts
 # datasets is imported where a file or hub dataset loads: it takes about half a second, which the synthetic task,
 # `--help` and config validation need not spend.
 
-__all__ = ["BadJsonLine", "load_preference_pairs", "load_prompts", "load_table", "parse_json_lines", "prompt_text"]
+__all__ = [
+    "BadJsonLine",
+    "EndlessShuffleSampler",
+    "load_preference_pairs",
+    "load_prompts",
+    "load_table",
+    "parse_json_lines",
+    "prompt_text",
+]
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -267,3 +280,64 @@ def _refuse_nulls(table, *, data: DictConfig, key: str, split: str) -> None:
             "a row without that column counts as null): every pair needs both a chosen and a rejected response. "
             "Fill them or remove those rows."
         )
+
+
+class EndlessShuffleSampler(Sampler[int]):
+    """Indices of ``num_items`` items forever: pass ``k`` is ``randperm(num_items)`` seeded with ``seed + k``.
+
+    The stream is a pure function of ``(seed, position)``, so ``start=position`` resumes it exactly where a run
+    stopped, whatever happened to the process. Data-parallel replicas share the one stream and deal it out: replica
+    ``rank`` of ``num_replicas`` takes positions ``start + rank``, ``start + rank + num_replicas``..., so no two
+    replicas draw the same position and the replicas together consume the stream as a single process would.
+
+    Args:
+        num_items: how many items there are.
+
+    Keyword Args:
+        seed: seed of the first pass's permutation.
+        start: position in the (shared) endless stream where the replicas start dealing.
+        shuffle: ``False`` yields ``0, 1, ..., num_items - 1`` over and over.
+        num_replicas: how many data-parallel replicas share the stream.
+        rank: which of them this sampler serves, in ``[0, num_replicas)``.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        *,
+        seed: int,
+        start: int = 0,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if num_items < 1:
+            raise ValueError(f"EndlessShuffleSampler: there must be at least one item, got num_items={num_items}.")
+        if start < 0:
+            raise ValueError(f"EndlessShuffleSampler: start must be >= 0, got {start}.")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"EndlessShuffleSampler: need num_replicas >= 1 and 0 <= rank < num_replicas, got "
+                f"num_replicas={num_replicas}, rank={rank}."
+            )
+        self.num_items = num_items
+        self.seed = seed
+        self.start = start
+        self.shuffle = shuffle
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_items))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_items, generator=generator).tolist()
+
+    def _stream(self) -> Iterator[int]:
+        epoch, offset = divmod(self.start, self.num_items)
+        while True:
+            yield from self._order(epoch)[offset:]
+            epoch, offset = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._stream(), self.rank, None, self.num_replicas)

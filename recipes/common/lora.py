@@ -6,10 +6,10 @@ low-rank adapters on the named linear layers (``peft.LoraConfig(r, lora_alpha, l
 
 - :func:`validate_lora_node`: the checks a recipe's ``validate`` runs before anything loads.
 - :func:`make_lora_config`: the node as a ``peft.LoraConfig`` of a task type (``CAUSAL_LM``, ``SEQ_CLS``).
-- :func:`load_policy`: the GRPO policy, with fresh adapters or a checkpoint's, or the full model when ``lora`` is null.
-- :class:`AdapterDisabledLogProbs`: a LoRA policy's log-probs with its adapters switched off, i.e. the frozen base
-  model's: GRPO's KL reference without a second copy of the model in memory.
-- :func:`trainable_parameters`: what the optimizer takes.
+- :func:`is_peft_model`: whether a model carries adapters.
+
+GRPO's LoRA policy is loaded by ``recipes.grpo.policy.load_policy``; its KL reference, the policy with its adapters
+off, is ``recipes.grpo.log_probs.AdapterDisabledLogProbs``.
 
 Dependencies: torch, omegaconf, and ``peft`` (imported when a model gets adapters).
 """
@@ -18,22 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from omegaconf import DictConfig, ListConfig
-from torch import nn
 
 from recipes.common.config import ConfigError
-from recipes.common.log_probs import CHUNK_ELEMENTS, ResponseLogProbs
-from recipes.common.models import load_causal_lm
 
-__all__ = [
-    "AdapterDisabledLogProbs",
-    "is_peft_model",
-    "load_policy",
-    "make_lora_config",
-    "trainable_parameters",
-    "validate_lora_node",
-]
+__all__ = ["LORA_KEYS", "is_peft_model", "make_lora_config", "validate_lora_node"]
 
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 _EXAMPLE = "{r:16,alpha:32,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]}"
@@ -97,57 +86,3 @@ def make_lora_config(lora: DictConfig, *, task_type: str, modules_to_save: Seque
 def is_peft_model(model) -> bool:
     """Whether ``model`` carries peft adapters (what switches GRPO's reference to the adapter-disabled policy)."""
     return callable(getattr(model, "disable_adapter", None)) and callable(getattr(model, "get_base_model", None))
-
-
-def load_policy(node: DictConfig, *, device: str, dtype: str, saved: DictConfig | None = None):
-    """The GRPO policy: ``node``'s causal LM, with LoRA adapters when ``node.lora`` is set.
-
-    Args:
-        node: the run's model node (``cfg.model``).
-
-    Keyword Args:
-        saved: the node of a checkpoint's model folder to resume from; ``None`` starts afresh. Without LoRA that folder
-            holds the whole model; with LoRA only the adapter, applied (trainable) to ``node``'s base, which no
-            update changes.
-    """
-    if node.lora is None:
-        return load_causal_lm(saved if saved is not None else node, device=device, dtype=dtype)
-    from peft import PeftModel, get_peft_model
-
-    base = load_causal_lm(node, device=device, dtype=dtype)
-    if saved is None:
-        return get_peft_model(base, make_lora_config(node.lora, task_type="CAUSAL_LM"))
-    return PeftModel.from_pretrained(base, str(saved.name_or_path), is_trainable=True).to(device)
-
-
-class AdapterDisabledLogProbs(nn.Module):
-    """A LoRA policy's response log-probs with its adapters switched off: the frozen base model's, GRPO's reference.
-
-    The base weights never train under LoRA, so the initial policy need not be loaded a second time.
-
-    Args:
-        model: a ``peft.PeftModel`` over a causal LM.
-
-    Keyword Args:
-        chunk_elements: passed to :class:`ResponseLogProbs`.
-        scorer: the scorer to run with the adapters off instead of a new :class:`ResponseLogProbs`: that of a sharded
-            ``model`` (``recipes.common.sharding.ShardedResponseLogProbs``), whose weights only its registered
-            forward gathers. The adapters are switched off before it gathers them; peft's switch is a flag on each
-            LoRA layer (and ``requires_grad`` on its sharded adapters, which FSDP2 copies to the gathered ones).
-    """
-
-    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS, scorer: nn.Module | None = None) -> None:
-        super().__init__()
-        if not is_peft_model(model):
-            raise TypeError(f"AdapterDisabledLogProbs: expected a peft.PeftModel, got {type(model).__name__}.")
-        self.peft_model = model
-        self.scorer = scorer if scorer is not None else ResponseLogProbs(model, chunk_elements=chunk_elements)
-
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-        with self.peft_model.disable_adapter():
-            return self.scorer(tokens, attention_mask, **kwargs)
-
-
-def trainable_parameters(model) -> list[torch.nn.Parameter]:
-    """The parameters that train (all of them, or a LoRA model's adapters): a list, clipped at every update."""
-    return [parameter for parameter in model.parameters() if parameter.requires_grad]

@@ -17,8 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError, safe_open
 
+from recipes.common.checkpoint import MODEL_FOLDER, broken_checkpoint_advice
 from recipes.common.config import ConfigError, check_local_path, first_items
-from recipes.common.resume import MODEL_FOLDER, broken_checkpoint_advice
 
 # transformers is imported inside the functions that load a model or tokenizer: it takes about half a second, which
 # `--help` and config validation (what a mistyped setting waits on) need not spend.

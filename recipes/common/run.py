@@ -30,7 +30,7 @@ from transformers import set_seed
 
 from recipes.common.checkpoint import recover_interrupted_writes
 from recipes.common.config import ConfigError, run_config, write_run_config
-from recipes.common.logging import MetricLogger, make_logger
+from recipes.common.metrics import MetricLogger, make_logger
 from recipes.common.run_folder import clear_records
 
 __all__ = [

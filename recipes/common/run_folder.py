@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from recipes.common.config import ConfigError
-from recipes.common.logging import WANDB_ID_FILE
+from recipes.common.metrics import WANDB_ID_FILE
 
 __all__ = ["RECORDS", "check_output_folder", "clear_records", "earlier_records"]
 

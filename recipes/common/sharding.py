@@ -1,4 +1,5 @@
-"""FSDP2 sharding of the GRPO policy and its reference (``distributed.strategy=fsdp`` under ``torchrun``): each process
+"""FSDP2 sharding of a causal LM and its frozen companions (GRPO's ``distributed.strategy=fsdp`` under ``torchrun``,
+and the reward recipe's save under accelerate's FSDP2): each process
 holds 1/N of their parameters (and of the policy's gradients and optimizer state), and gathers a layer's full weights
 only while that layer runs.
 
@@ -6,10 +7,6 @@ only while that layer runs.
   (the root, holding the embeddings, the final norm and the LM head), in place. A LoRA policy (``peft.PeftModel``)
   is sharded the same way, its adapters inside the layers they adapt: a unit then holds frozen base weights and
   trainable adapters, which FSDP2 allows (only the adapters get gradients, reduce-scattered).
-- :class:`ShardedResponseLogProbs`: :class:`~recipes.common.log_probs.ResponseLogProbs` over a sharded policy. It
-  runs the backbone and the LM head itself, outside the policy's ``forward``, where FSDP2 would leave the root's
-  weights sharded: its scoring is registered as one of the policy's forward methods, so that FSDP2 gathers them
-  around it (and reduce-scatters their gradients after the backward) as it does around ``forward``.
 - :func:`is_sharded`: whether a model is FSDP2-sharded.
 - :func:`gather_full_state`: the full model and optimizer state dicts, gathered onto rank 0's CPU, for a checkpoint
   that loads with ``from_pretrained`` and resumes under any number of processes; :func:`gather_full_model_state`, the
@@ -20,12 +17,12 @@ only while that layer runs.
   per process), every unit resharded after each forward since no backward follows. A LoRA policy has no separate
   reference: it is the sharded policy itself, scored with its adapters switched off.
 
+The GRPO policy's log-probs through a sharded model: ``recipes.grpo.log_probs.ShardedResponseLogProbs``.
+
 Dependencies: torch (``torch.distributed.fsdp``, ``torch.distributed.checkpoint``).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
@@ -35,12 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-
-from recipes.common.log_probs import CHUNK_ELEMENTS, ResponseLogProbs
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 __all__ = [
-    "ShardedResponseLogProbs",
     "decoder_layers",
     "gather_full_model_state",
     "gather_full_state",
@@ -49,9 +43,6 @@ __all__ = [
     "shard_policy",
     "shard_frozen_model",
 ]
-
-# The policy's method that ShardedResponseLogProbs registers as an FSDP2 forward.
-_SCORE_METHOD = "score_response_log_probs"
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -113,38 +104,6 @@ def _copy_rank0_weights(model: nn.Module) -> None:
     # fresh LoRA adapters are drawn from each rank's own RNG and would otherwise be stitched from different draws.
     for tensor in [*model.parameters(), *model.buffers()]:
         torch.distributed.broadcast(tensor.data, src=0)
-
-
-class ShardedResponseLogProbs(ResponseLogProbs):
-    """:class:`~recipes.common.log_probs.ResponseLogProbs` over a policy sharded by :func:`shard_policy`.
-
-    The scoring reads the embeddings and the LM head weight directly, which FSDP2 gathers only inside the policy's
-    forward hooks: it is therefore run as a forward method of the policy (``register_fsdp_forward_method``), and the
-    root's gradients are reduce-scattered after the backward as those of ``forward`` would be. The gradients of every
-    rank's batch are averaged, as under ``DistributedDataParallel``.
-
-    Args:
-        model: a causal LM sharded by :func:`shard_policy`.
-
-    Keyword Args:
-        chunk_elements: as :class:`~recipes.common.log_probs.ResponseLogProbs`'s.
-    """
-
-    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
-        if not is_sharded(model):
-            raise ValueError("ShardedResponseLogProbs: the model is not sharded; call shard_policy(model) first.")
-        super().__init__(model, chunk_elements=chunk_elements)
-        # A plain attribute, not a submodule: the policy's state dict does not change.
-        object.__setattr__(model, _SCORE_METHOD, functools.partial(ResponseLogProbs.forward, self))
-        register_fsdp_forward_method(model, _SCORE_METHOD)
-        # The root's wrapped method, kept here: self.model is a peft model's base model (what the scoring reads),
-        # while the root, on which the method is registered, is the peft model.
-        self._score = getattr(model, _SCORE_METHOD)
-
-    def forward(
-        self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, response_start: int, with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._score(tokens, attention_mask, response_start=response_start, with_entropy=with_entropy)
 
 
 _FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)

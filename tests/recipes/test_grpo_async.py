@@ -15,7 +15,7 @@ import pytest
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
-from recipes.common.resume import latest_checkpoint, list_checkpoints
+from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 
 ASYNC = [*GRPO_SMALL, "rollout.mode=async", "logger=csv"]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
-from recipes.common.resume import MERGED_MODEL_FOLDER, MODEL_FOLDER, list_checkpoints
+from recipes.common.checkpoint import MERGED_MODEL_FOLDER, MODEL_FOLDER, list_checkpoints
 
 SMALL = [*GRPO_SMALL, "logger=csv"]
 

@@ -16,9 +16,13 @@ import torch
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
-from recipes.common.collection import make_reward_transforms
+from recipes.common.checkpoint import MODEL_FOLDER, latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError
-from recipes.common.resume import MODEL_FOLDER, latest_checkpoint, list_checkpoints, load_training_state
+from recipes.grpo import learner
+from recipes.grpo.checkpointing import load_training_state
+from recipes.grpo.loss import training_loss
+from recipes.grpo.prompt_env import PromptTable
+from recipes.grpo.rewards import make_reward_transforms, reward_prompt_lengths
 
 SMALL = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", "logger=csv"]
 
@@ -144,10 +148,10 @@ def test_a_reward_max_length_that_cuts_every_response_is_refused(compose_config,
 
 def test_a_reward_max_length_that_cuts_some_responses_is_reported(compose_config, tmp_path, caplog):
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.max_length=13"])
-    table = recipe.PromptTable(
+    table = PromptTable(
         recipe.load_prompts(cfg.data, "train"), tokenizer=recipe.load_tokenizer(cfg.model, padding_side="left")
     )
-    reward_lengths = recipe._reward_prompt_lengths(cfg, table, torch.tensor(table.rendered_lengths()))
+    reward_lengths = reward_prompt_lengths(cfg, table, torch.tensor(table.rendered_lengths()))
     cut = sum(length >= 13 for length in reward_lengths)
     assert 0 < cut < len(reward_lengths)  # the case under test: some prompts, not all
     with caplog.at_level("WARNING"):
@@ -306,7 +310,7 @@ def test_the_entropy_term_is_backpropagated_only_when_it_weighs(entropy_coeff):
 
     objective, entropy = torch.tensor(2.0, requires_grad=True), torch.tensor(3.0, requires_grad=True)
     out = TensorDict({"loss_objective": objective * 1.0, "loss_entropy": -entropy_coeff * entropy, "entropy": entropy})
-    loss = recipe.training_loss(out, entropy_coeff=entropy_coeff)
+    loss = training_loss(out, entropy_coeff=entropy_coeff)
     loss.backward()
     assert float(loss) == pytest.approx(2.0 - entropy_coeff * 3.0)
     assert objective.grad == 1.0
@@ -328,13 +332,13 @@ def test_old_log_probs_are_scored_only_where_the_collector_records_none(
     from the loss itself when it makes one."""
     prepared = []
 
-    class RecordingPrepare(recipe.PrepareBatch):
+    class RecordingPrepare(learner.PrepareBatch):
         def __call__(self, batch):
             timings = super().__call__(batch)
             prepared.append((self.policy is not None, ("log_probs", "full") in batch.keys(True)))
             return timings
 
-    monkeypatch.setattr(recipe, "PrepareBatch", RecordingPrepare)
+    monkeypatch.setattr(learner, "PrepareBatch", RecordingPrepare)
     overrides = [f"output_dir={tmp_path}", "train.steps=1", f"train.mini_batch_size={mini_batch_size}"]
     recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides, f"rollout.env={env}"]))
     assert prepared == [(scores_old, env == "prompt" or scores_old)]
@@ -384,7 +388,7 @@ def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
     """The reward is the score of the conversation re-tokenized with the reward model's tokenizer and template."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from recipes.common.rollout import make_chat_env, make_policy, make_prompt_dataloader
+    from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
 
     cfg = compose_config(
         "grpo_torchrl_rm",
@@ -431,7 +435,7 @@ def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
 def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tmp_path, tiny_policy):
     """``+reward.terms.<name>={_target_: ...}`` (as the config's comment shows) adds a term to every reward."""
 
-    from recipes.common.rollout import make_chat_env, make_policy, make_prompt_dataloader
+    from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
     from recipes.common.synthetic import oracle_score
 
     class ConstantRewardModel(torch.nn.Module):
@@ -439,8 +443,8 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
             return torch.full((input_ids.shape[0], 1), -1.0)
 
     terms = [
-        "+reward.terms.length={_target_:recipes.common.rollout.LengthPenalty,coefficient:0.25,free_tokens:2}",
-        "+reward.terms.oracle={_target_:recipes.common.rollout.TextScoreReward,score:${data.oracle},weight:3.0}",
+        "+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.25,free_tokens:2}",
+        "+reward.terms.oracle={_target_:recipes.grpo.rewards.TextScoreReward,score:${data.oracle},weight:3.0}",
     ]
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.input=tokens", *terms])
     model, tokenizer = tiny_policy

@@ -12,10 +12,12 @@ from _small_runs import GRPO_SMALL
 from omegaconf import OmegaConf
 
 import recipes.grpo_torchrl_rm as recipe
+from recipes.common.checkpoint import MERGED_MODEL_FOLDER, MODEL_FOLDER, list_checkpoints
 from recipes.common.config import ConfigError
-from recipes.common.lora import AdapterDisabledLogProbs, load_policy, validate_lora_node
+from recipes.common.lora import validate_lora_node
 from recipes.common.models import load_reward_model, validate_model_node
-from recipes.common.resume import MERGED_MODEL_FOLDER, MODEL_FOLDER, list_checkpoints
+from recipes.grpo.log_probs import AdapterDisabledLogProbs, ResponseLogProbs
+from recipes.grpo.policy import load_policy
 
 LORA = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj]}"
 SMALL = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", "logger=csv", "train.mini_batch_size=4", LORA]
@@ -55,8 +57,8 @@ def test_adapter_disabled_log_probs_are_the_base_models(compose_config, tiny_dir
     mask = torch.ones_like(tokens, dtype=torch.bool)
     with torch.no_grad():
         reference, _ = AdapterDisabledLogProbs(policy)(tokens, mask, response_start=5)
-        expected, _ = recipe.ResponseLogProbs(base)(tokens, mask, response_start=5)
-        adapted, _ = recipe.ResponseLogProbs(policy)(tokens, mask, response_start=5)
+        expected, _ = ResponseLogProbs(base)(tokens, mask, response_start=5)
+        adapted, _ = ResponseLogProbs(policy)(tokens, mask, response_start=5)
     torch.testing.assert_close(reference, expected)
     assert not torch.allclose(adapted, expected)  # the adapters are back on outside the context
 
@@ -205,9 +207,9 @@ def test_a_merged_lora_model_computes_what_the_adapted_one_does(tiny_dir, tmp_pa
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from recipes.common.checkpoint import save_merged_model_folder
     from recipes.common.lora import make_lora_config
     from recipes.common.models import load_causal_lm, load_tokenizer
+    from recipes.grpo.checkpointing import save_merged_model_folder
 
     lora = OmegaConf.create({"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "lm_head"]})
     base = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy")

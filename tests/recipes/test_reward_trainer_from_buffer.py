@@ -12,10 +12,12 @@ import pytest
 import torch
 from _small_runs import REWARD_SMALL
 
+import recipes.reward.pairs as preference
 import recipes.reward_trainer_from_buffer as recipe
-from recipes.common import preference
 from recipes.common.config import ConfigError
 from recipes.common.synthetic import PRODUCTS, make_review
+from recipes.reward.buffer import make_training_stream
+from recipes.reward.evaluation import score_sequences, spearman
 
 # A run small enough for a test: 60 prompts, a few steps of 8 pairs.
 SMALL = [*REWARD_SMALL, "train.max_steps=6", "train.per_device_train_batch_size=8"]
@@ -73,7 +75,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
     eval_pairs = [json.loads(line) for line in (tmp_path / "eval_pairs.jsonl").read_text().splitlines()]
     assert len(eval_pairs) == summary["eval/num_pairs"] > 0
     wrapped = {
-        side: recipe.score_sequences(
+        side: score_sequences(
             model, tokenizer, [p["prompt"] + p[side] for p in eval_pairs], cfg.eval, conversational=True
         )
         for side in ("chosen", "rejected")
@@ -86,7 +88,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
 
     # What the GRPO recipe scores: a ChatEnv rollout's ("history", "full"), through the same wrapper options.
     from interop import HFRewardModelWrapper
-    from recipes.common import rollout
+    from recipes.common import chat as rollout
     from recipes.common.synthetic import make_prompts
 
     policy, policy_tokenizer = preference.load_sampling_policy(
@@ -105,7 +107,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
         p + [{"role": "assistant", "content": r}]
         for p, r in zip(prompts, rollout.response_texts(rolled, policy_tokenizer))
     ]
-    recipe_scores = recipe.score_sequences(model, tokenizer, conversations, cfg.eval, conversational=True)
+    recipe_scores = score_sequences(model, tokenizer, conversations, cfg.eval, conversational=True)
     torch.testing.assert_close(grpo_scores, recipe_scores)
 
 
@@ -204,7 +206,7 @@ def test_an_epoch_of_the_buffer_draws_every_pair_once(compose_config, tiny_dir, 
     cfg = compose_config(
         "reward_trainer_from_buffer", ["train.per_device_train_batch_size=8", f"output_dir={tmp_path}"]
     )
-    stream, facts = recipe.make_training_stream(cfg, labelled, tokenizer)
+    stream, facts = make_training_stream(cfg, labelled, tokenizer)
     assert facts["train/num_pairs"] == 45
 
     all_pairs = set(
@@ -331,10 +333,10 @@ def test_spearman_matches_the_closed_form_and_handles_ties():
     x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     y = torch.tensor([2.0, 1.0, 4.0, 3.0, 5.0])
     d2 = ((x - y) ** 2).sum()  # ranks are the values here
-    assert recipe.spearman(x, y) == pytest.approx(1 - 6 * d2.item() / (5 * (25 - 1)))
-    assert recipe.spearman(x, -x) == pytest.approx(-1.0)
+    assert spearman(x, y) == pytest.approx(1 - 6 * d2.item() / (5 * (25 - 1)))
+    assert spearman(x, -x) == pytest.approx(-1.0)
     # ties take their average rank: y's ranks are (0.5, 0.5, 2, 3), Pearson with (0, 1, 2, 3)
-    tied = recipe.spearman(torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([7.0, 7.0, 8.0, 9.0]))
+    tied = spearman(torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([7.0, 7.0, 8.0, 9.0]))
     ranks = torch.tensor([0.5, 0.5, 2.0, 3.0])
     assert tied == pytest.approx(torch.corrcoef(torch.stack([torch.arange(4.0), ranks]))[0, 1].item())
 

@@ -176,7 +176,7 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
 
 
 def _labelled(n: int):
-    from recipes.common import preference
+    import recipes.reward.pairs as preference
     from recipes.common.synthetic import make_prompts
 
     pairs = [
@@ -194,7 +194,7 @@ def test_every_process_opens_the_same_stream_whatever_its_global_rng(compose_con
     """accelerate slices one stream between the processes: it must not depend on what else each process drew."""
     from transformers import AutoTokenizer
 
-    import recipes.reward_trainer_from_buffer as recipe
+    import recipes.reward.buffer as recipe
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
     cfg = compose_config(
@@ -215,7 +215,7 @@ def test_every_process_opens_the_same_stream_whatever_its_global_rng(compose_con
 def test_too_few_pairs_for_one_step_of_all_processes_names_the_fix(compose_config, tiny_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    import recipes.reward_trainer_from_buffer as recipe
+    import recipes.reward.buffer as recipe
     from recipes.common.config import ConfigError
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
@@ -238,7 +238,7 @@ _DATASET_SCRIPT = textwrap.dedent(
     from tensordict import TensorDict
     from torch.utils.data import DataLoader
 
-    import recipes.reward_trainer_from_buffer as recipe
+    import recipes.reward.buffer as recipe
     from interop import TorchRLBufferDataset
 
     state = PartialState(cpu=True)  # the group torchrun's environment describes (gloo on CPU)

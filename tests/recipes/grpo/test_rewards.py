@@ -1,4 +1,5 @@
-"""recipes/common/collection.py: the rewards of the dense prompt env, and the batches its collector hands over."""
+"""recipes/grpo/rewards.py and rollout.py: the rewards of the dense prompt env (reward model and reward terms), the keys
+they may read, and the batches the collector hands over."""
 
 from __future__ import annotations
 
@@ -6,19 +7,25 @@ import re
 
 import pytest
 import torch
+from tensordict import TensorDict, lazy_stack
 from tensordict.nn import TensorDictModuleBase
 
 from interop import HFRewardModelWrapper
-from recipes.common.collection import (
-    BATCH_KEYS,
-    build_prompt_collector,
+from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
+from recipes.common.config import ConfigError
+from recipes.common.synthetic import oracle_score
+from recipes.grpo.batch import BATCH_KEYS
+from recipes.grpo.prompt_env import PromptEnv, PromptTable
+from recipes.grpo.rewards import (
+    LengthPenalty,
+    ResponseText,
+    TextScoreReward,
     check_reward_keys,
     make_reward_transforms,
     rollout_step_keys,
 )
-from recipes.common.config import ConfigError
-from recipes.common.prompt_env import PromptEnv, PromptTable, ResponseText
-from recipes.common.sampling import SamplingPolicy, SamplingSettings
+from recipes.grpo.rollout import build_prompt_collector
+from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
 
 PROMPTS = ["Review the mug.", "What do you think of the bike and of its color?"]
 SMALL = ["rollout.group_size=2", "rollout.responses_per_step=4", "rollout.generation.max_new_tokens=8"]
@@ -52,7 +59,7 @@ def _alone(wrapper, key, value):
     """``wrapper`` scoring one sequence, conversation or text on its own (a batch of one)."""
     from tensordict import TensorDict
 
-    from recipes.common.prompt_env import non_tensor_rows
+    from recipes.grpo.prompt_env import non_tensor_rows
 
     td = TensorDict(batch_size=[1])
     td.set(key, non_tensor_rows([value]))
@@ -113,15 +120,14 @@ def test_token_rewards_equal_each_sequence_scored_alone(compose_config, tiny_pol
 
 def test_reward_terms_read_the_decoded_responses(compose_config, tiny_policy):
     """``reward.terms`` that read text (TextScoreReward) get it decoded; LengthPenalty counts the dense rows."""
-    from recipes.common.synthetic import oracle_score
 
     class ConstantRewardModel(torch.nn.Module):
         def forward(self, input_ids, attention_mask=None):
             return torch.full((input_ids.shape[0], 1), -1.0)
 
     terms = [
-        "+reward.terms.length={_target_:recipes.common.rollout.LengthPenalty,coefficient:0.25,free_tokens:2}",
-        "+reward.terms.oracle={_target_:recipes.common.rollout.TextScoreReward,score:${data.oracle},weight:3.0,"
+        "+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.25,free_tokens:2}",
+        "+reward.terms.oracle={_target_:recipes.grpo.rewards.TextScoreReward,score:${data.oracle},weight:3.0,"
         "strip:['<|im_end|>']}",
     ]
     _, tokenizer = tiny_policy
@@ -197,7 +203,6 @@ def test_rollout_step_keys_are_what_a_step_holds(compose_config, tiny_policy, en
     from tensordict import set_list_to_stack
 
     from interop import RewardModelTransform
-    from recipes.common.rollout import make_chat_env, make_policy, make_prompt_dataloader
 
     set_list_to_stack(True).set()
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"rollout.env={env}", *overrides])
@@ -234,7 +239,7 @@ def test_the_default_reward_keys_are_held_by_both_rollouts(compose_config, env, 
             "reward.read_keys.attention_mask=[masks, prompt]: a step of rollout.env=chat holds no such entry",
         ),
         (
-            ["+reward.terms.length={_target_:recipes.common.rollout.LengthPenalty,coefficient:0.1,tokens_key:[reply]}"],
+            ["+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.1,tokens_key:[reply]}"],
             "reward.terms.length.tokens_key=[reply]",
         ),
         (["~reward.read_keys.history"], "reward.input=history reads reward.read_keys.history, which is not set"),
@@ -253,7 +258,7 @@ def test_a_key_the_rollout_does_not_hold_is_refused_listing_those_it_holds(compo
         ["rollout.env=chat", "reward.read_keys.history=[history,prompt]"],  # the chat env holds it
         ["rollout.env=chat", "reward.input=text", "reward.read_keys.text=query"],  # a top-level key, as a name
         ["reward.input=history", "reward.read_keys.text=[nowhere]"],  # a key the chosen input does not read
-        ["+reward.terms.length={_target_:recipes.common.rollout.LengthPenalty,coefficient:0.1,mask_key:null}"],
+        ["+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.1,mask_key:null}"],
     ],
 )
 def test_keys_the_rollout_holds_pass(compose_config, overrides):
@@ -266,3 +271,38 @@ def test_a_top_level_key_given_as_a_name_is_read_as_one(compose_config, tiny_pol
     _, tokenizer = tiny_policy
     (transform,) = make_reward_transforms(cfg, torch.nn.Identity(), tokenizer, tokenizer)
     assert transform.reward_module.in_keys == ["query"]
+
+
+GENERATION = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "do_sample": True}
+
+
+class TestRewardTerms:
+    def test_length_penalty_counts_tokens_beyond_the_free_ones(self):
+        td = lazy_stack([TensorDict({"tokens": {"response": torch.tensor([5, 6, 0, 0])}}) for _ in range(2)])
+        out = LengthPenalty(coefficient=0.5, free_tokens=1, pad_token_id=0)(td)
+        assert out["length_penalty"].tolist() == [-0.5, -0.5]
+
+    def test_terms_add_to_the_reward_model_score_in_the_env(self, tiny_policy):
+        from interop import HFRewardModelWrapper, RewardModelTransform
+
+        model, tokenizer = tiny_policy
+
+        class ConstantRewardModel(torch.nn.Module):
+            def forward(self, input_ids, attention_mask=None):
+                return torch.full((input_ids.shape[0], 1), 2.0)
+
+        transforms = [
+            RewardModelTransform(HFRewardModelWrapper(ConstantRewardModel(), inference_mode=True)),
+            RewardModelTransform(TextScoreReward(oracle_score, weight=10.0), accumulate=True),
+            RewardModelTransform(LengthPenalty(coefficient=0.1), accumulate=True),
+        ]
+        loader = make_prompt_dataloader(["Review the mug."], seed=0)
+        env = make_chat_env(loader, tokenizer=tokenizer, group_size=4, transforms=transforms)
+        assert env.full_reward_spec["reward"].shape == torch.Size([4, 1, 1])
+        policy = make_policy(model, tokenizer, generation=GENERATION)
+        torch.manual_seed(1)
+        step = env.step(policy(env.reset()))
+        texts = step.get(("text", "response")).tolist()
+        lengths = [t.numel() for t in step.get(("tokens", "response"), as_list=True)]
+        expected = [2.0 + 10.0 * oracle_score(t) - 0.1 * n for t, n in zip(texts, lengths, strict=True)]
+        torch.testing.assert_close(step["next", "reward"].reshape(-1), torch.tensor(expected))

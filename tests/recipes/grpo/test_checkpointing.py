@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recipes.common.checkpoint import STATE_FILE, checkpoint_folder
 from recipes.common.config import ConfigError
-from recipes.common.resume import STATE_FILE, checkpoint_folder, load_training_state
+from recipes.grpo.checkpointing import load_training_state
 
 
 def _checkpoints(root, steps):

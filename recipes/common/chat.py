@@ -1,4 +1,4 @@
-"""TorchRL rollout building blocks shared by the recipes: prompts -> ``ChatEnv`` -> ``TransformersWrapper`` -> rewards.
+"""TorchRL's chat stack as both recipes use it: prompts -> ``ChatEnv`` -> ``TransformersWrapper`` -> rewards.
 
 A single-turn LLM rollout with TorchRL's chat stack (what ``recipes/grpo_torchrl_rm.py`` collects with
 ``rollout.env=chat``, for TorchRL's multi-turn and tool transforms, and what the reward-model recipe samples candidate
@@ -11,55 +11,49 @@ responses with)::
     rollout = policy(env.reset())                      # P prompts x G responses, prompts grouped contiguously
     batch = pad_rollout(rollout, pad_token_id=tok.pad_token_id)   # dense [B, T] tensors, what the loss trains on
 
-The GRPO recipe's default rollout is denser and faster: ``recipes.common.prompt_env`` + ``recipes.common.sampling``.
+The GRPO recipe's default rollout is denser and faster: ``recipes.grpo.prompt_env`` + ``recipes.grpo.sampling``.
 
 Public functions and classes:
 
 - :func:`make_prompt_dataloader`: a ``DataLoader`` yielding ``{"query": [prompt], "prompt_index": ...}`` forever,
-  reshuffled each pass over the prompts from a seed, starting at any position (a resumed run continues the stream),
-  dealt out between data-parallel processes (``num_replicas``, ``rank``).
+  in the order of ``recipes.common.data.EndlessShuffleSampler`` (reshuffled each pass over the prompts from a seed,
+  starting at any position, dealt out between data-parallel processes).
 - :func:`make_chat_env`: a single-turn ``ChatEnv`` (history mode) fed by that loader, ``group_size`` copies of each
   prompt, ``num_prompts`` prompts per reset, with extra transforms (rewards) appended.
 - :func:`make_policy`: ``TransformersWrapper`` in generate mode; generation settings come from a config mapping.
 - :func:`pad_rollout`: a ragged rollout as dense ``[B, T]`` tensors, each response starting at the same column, the
-  layout ``recipes.common.log_probs.ResponseLogProbs`` and the GRPO loss train on, without TorchRL's per-sample
+  layout ``recipes.grpo.log_probs.ResponseLogProbs`` and the GRPO loss train on, without TorchRL's per-sample
   unpadding and re-padding. (TorchRL 0.14.1's wrapper in generate mode zeroes the first response log-prob: the
   recipe scores the old log-probs again where a step needs them.)
 - :func:`response_texts`: the decoded responses of a rollout, special tokens removed.
-- Reward terms, TensorDict modules with one reward per sample that ``interop.RewardModelTransform(term,
-  accumulate=True)`` adds to the reward model's score: :class:`LengthPenalty`, :class:`TextScoreReward`.
+- :func:`check_chat_generation_settings`: refuses a generation setting that is no ``GenerationConfig`` field.
 
 Dependencies: torch, tensordict, torchrl, and the ``transformers`` objects the caller passes in.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
-from tensordict import NestedKey, TensorDict, TensorDictBase, list_to_stack
-from tensordict.nn import TensorDictModuleBase
+from tensordict import TensorDict, TensorDictBase, list_to_stack
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 from torchrl.data.llm import History
 from torchrl.envs import StepCounter
 from torchrl.envs.llm import ChatEnv
 from torchrl.modules.llm import TransformersWrapper
 
 from recipes.common.config import ConfigError
+from recipes.common.data import EndlessShuffleSampler
 from recipes.common.models import check_pad_token
-from recipes.common.sampling import SamplingSettings
 
 # transformers is imported where generation settings are checked, not with this module: it takes about half a second,
 # which `--help` need not spend.
 
 __all__ = [
     "CHAT_STEP_KEYS",
-    "EndlessShuffleSampler",
-    "LengthPenalty",
-    "TextScoreReward",
-    "check_generation_settings",
+    "check_chat_generation_settings",
     "make_chat_env",
     "make_policy",
     "make_prompt_dataloader",
@@ -69,7 +63,7 @@ __all__ = [
 ]
 
 # What a step of make_chat_env's env holds when its transforms (the rewards) read it, make_policy having answered:
-# TorchRL 0.14.1's layout, which tests/recipes/test_rollout.py checks against a real rollout. make_policy adds
+# TorchRL 0.14.1's layout, which tests/recipes/common/test_chat.py checks against a real rollout. make_policy adds
 # ("log_probs", "response") when generation asks for return_log_probs.
 CHAT_STEP_KEYS = (
     ("history", "prompt"),
@@ -97,67 +91,6 @@ def _require_list_to_stack(what: str) -> None:
             f"{what}: TorchRL's LLM stack needs `tensordict.set_list_to_stack(True).set()` (or LIST_TO_STACK=1); "
             "call it once at the start of the program."
         )
-
-
-class EndlessShuffleSampler(Sampler[int]):
-    """Indices of ``num_items`` items forever: pass ``k`` is ``randperm(num_items)`` seeded with ``seed + k``.
-
-    The stream is a pure function of ``(seed, position)``, so ``start=position`` resumes it exactly where a run
-    stopped, whatever happened to the process. Data-parallel replicas share the one stream and deal it out: replica
-    ``rank`` of ``num_replicas`` takes positions ``start + rank``, ``start + rank + num_replicas``..., so no two
-    replicas draw the same position and the replicas together consume the stream as a single process would.
-
-    Args:
-        num_items: how many items there are.
-
-    Keyword Args:
-        seed: seed of the first pass's permutation.
-        start: position in the (shared) endless stream where the replicas start dealing.
-        shuffle: ``False`` yields ``0, 1, ..., num_items - 1`` over and over.
-        num_replicas: how many data-parallel replicas share the stream.
-        rank: which of them this sampler serves, in ``[0, num_replicas)``.
-    """
-
-    def __init__(
-        self,
-        num_items: int,
-        *,
-        seed: int,
-        start: int = 0,
-        shuffle: bool = True,
-        num_replicas: int = 1,
-        rank: int = 0,
-    ) -> None:
-        if num_items < 1:
-            raise ValueError(f"EndlessShuffleSampler: there must be at least one item, got num_items={num_items}.")
-        if start < 0:
-            raise ValueError(f"EndlessShuffleSampler: start must be >= 0, got {start}.")
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(
-                f"EndlessShuffleSampler: need num_replicas >= 1 and 0 <= rank < num_replicas, got "
-                f"num_replicas={num_replicas}, rank={rank}."
-            )
-        self.num_items = num_items
-        self.seed = seed
-        self.start = start
-        self.shuffle = shuffle
-        self.num_replicas = num_replicas
-        self.rank = rank
-
-    def _order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_items))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_items, generator=generator).tolist()
-
-    def _stream(self) -> Iterator[int]:
-        epoch, offset = divmod(self.start, self.num_items)
-        while True:
-            yield from self._order(epoch)[offset:]
-            epoch, offset = epoch + 1, 0
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(self._stream(), self.rank, None, self.num_replicas)
 
 
 def _to_query(prompt):
@@ -273,30 +206,22 @@ def unknown_generation_settings(generation: Mapping) -> list[str]:
     return sorted(str(key) for key in generation if key != "return_log_probs" and not hasattr(fields, str(key)))
 
 
-def check_generation_settings(generation: Mapping, *, env: str, key: str = "rollout.generation") -> None:
-    """Refuses a ``generation`` key that the rollout's sampler does not take, before anything loads.
-
-    ``env="prompt"`` (``recipes.common.sampling.SamplingPolicy``) takes the :class:`SamplingSettings` fields;
-    ``env="chat"`` (TorchRL's ``TransformersWrapper``, :func:`make_policy`) any ``transformers.GenerationConfig``
-    field, and ``return_log_probs``.
+def check_chat_generation_settings(generation: Mapping, *, key: str = "generation") -> None:
+    """Refuses a ``generation`` key that TorchRL's ``TransformersWrapper`` (:func:`make_policy`) does not take: any
+    ``transformers.GenerationConfig`` field, and ``return_log_probs``, are accepted. Nothing loads.
 
     Keyword Args:
-        env: ``"prompt"`` or ``"chat"``, as ``rollout.env``.
         key: where ``generation`` sits in the config, named in the error.
 
     Raises:
         ConfigError: an unknown key (a typo would otherwise go unnoticed, or fail deep inside generation).
 
     Examples:
-        >>> check_generation_settings({"max_new_tokens": 8, "min_p": 0.05}, env="prompt")
-        >>> check_generation_settings({"max_new_tokens": 8, "max_new_token": 8}, env="chat")
+        >>> check_chat_generation_settings({"max_new_tokens": 8, "max_new_token": 8}, key="rollout.generation")
         Traceback (most recent call last):
         ...
         recipes.common.config.ConfigError: rollout.generation: ['max_new_token'] are not generation settings ...
     """
-    if env == "prompt":
-        SamplingSettings.check_keys(generation, key=key)
-        return
     unknown = unknown_generation_settings(generation)
     if unknown:
         raise ConfigError(
@@ -326,14 +251,15 @@ def make_policy(model, tokenizer, *, generation: Mapping, device=None, generatio
         generation_key: where ``generation`` sits in the config, named in errors.
 
     Raises:
-        ConfigError: a ``generation`` key that is no ``GenerationConfig`` field (:func:`check_generation_settings`),
-            or a tokenizer whose pad token is EOS (``recipes.common.models.check_pad_token``).
+        ConfigError: a ``generation`` key that is no ``GenerationConfig`` field
+            (:func:`check_chat_generation_settings`), or a tokenizer whose pad token is EOS
+            (``recipes.common.models.check_pad_token``).
         ValueError: a tokenizer that pads on the right.
     """
     check_pad_token(tokenizer, owner="make_policy: the tokenizer")
     if tokenizer.padding_side != "left":
         raise ValueError("make_policy: generation needs left padding; set tokenizer.padding_side = 'left'.")
-    check_generation_settings(generation, env="chat", key=generation_key)
+    check_chat_generation_settings(generation, key=generation_key)
     generate_kwargs = {str(k): v for k, v in dict(generation).items()}
     return_log_probs = bool(generate_kwargs.pop("return_log_probs", False))
     policy = TransformersWrapper(
@@ -406,116 +332,3 @@ def response_texts(rollout: TensorDictBase, tokenizer) -> list[str]:
     """The responses of a rollout as plain text: ``("tokens", "response")`` decoded without special tokens."""
     tokens = rollout.reshape(-1).get(("tokens", "response"), as_list=True)
     return tokenizer.batch_decode(tokens, skip_special_tokens=True)
-
-
-class LengthPenalty(TensorDictModuleBase):
-    """Reward term ``-coefficient * max(0, response_tokens - free_tokens)``: discourages rambling responses.
-
-    Keyword Args:
-        coefficient: penalty per token beyond ``free_tokens``.
-        free_tokens: response length that costs nothing.
-        tokens_key: the response token ids: one tensor per sample (TorchRL's ragged layout), or a dense ``[B, R]``
-            tensor, whose length per row is then read from the last ``R`` columns of ``mask_key``.
-        mask_key: the attention mask of dense rows (``[pads | prompt | response | pads]``, as
-            ``recipes.common.sampling.SamplingPolicy`` writes it); ignored for ragged samples.
-        pad_token_id: with ragged samples, or dense ones without a mask: the id not counted as a token; ``None``
-            counts every position.
-        reward_key: the entry written, one float per sample.
-
-    Examples:
-        >>> import torch
-        >>> from tensordict import lazy_stack, TensorDict
-        >>> td = lazy_stack([TensorDict({"tokens": {"response": torch.ones(n, dtype=torch.long)}}) for n in (3, 12)])
-        >>> LengthPenalty(coefficient=0.5, free_tokens=10)(td)["length_penalty"]
-        tensor([ 0., -1.])
-        >>> dense = TensorDict(
-        ...     {"tokens": {"response": torch.tensor([[5, 1, 0], [5, 6, 1]])},
-        ...      "masks": {"all_attention_mask": torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]]).bool()}},
-        ...     batch_size=[2],
-        ... )
-        >>> LengthPenalty(coefficient=1.0, free_tokens=2)(dense)["length_penalty"]
-        tensor([ 0., -1.])
-    """
-
-    def __init__(
-        self,
-        *,
-        coefficient: float,
-        free_tokens: int = 0,
-        tokens_key: NestedKey = ("tokens", "response"),
-        mask_key: NestedKey | None = ("masks", "all_attention_mask"),
-        pad_token_id: int | None = None,
-        reward_key: NestedKey = "length_penalty",
-    ) -> None:
-        super().__init__()
-        self.coefficient = coefficient
-        self.free_tokens = free_tokens
-        self.tokens_key = tokens_key
-        self.mask_key = mask_key
-        self.pad_token_id = pad_token_id
-        self.in_keys = [tokens_key] + ([mask_key] if mask_key is not None else [])
-        self.out_keys = [reward_key]
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        flat = tensordict.reshape(-1)
-        tokens = flat.get(self.tokens_key, as_list=True)
-        mask = flat.get(self.mask_key, None, as_list=True) if self.mask_key is not None else None
-        if isinstance(tokens, torch.Tensor) and isinstance(mask, torch.Tensor):
-            lengths = mask[:, -tokens.shape[-1] :].sum(-1).float()  # dense rows: the response's mask columns
-        else:
-            lengths = torch.tensor(
-                [float(t.numel() if self.pad_token_id is None else (t != self.pad_token_id).sum()) for t in tokens]
-            )
-        penalty = 0.0 - self.coefficient * (lengths - self.free_tokens).clamp_min(0.0)  # 0.0 - x: no -0.0
-        tensordict.set(self.out_keys[0], penalty.reshape(tensordict.batch_size))
-        return tensordict
-
-
-class TextScoreReward(TensorDictModuleBase):
-    """Reward term ``weight * score(response_text)`` from any text scorer (a rule, a verifier, the task's oracle).
-
-    Args:
-        score: ``callable(str) -> float``, e.g. ``recipes.common.synthetic.oracle_score``.
-
-    Keyword Args:
-        weight: multiplies the score.
-        text_key: the response text (TorchRL's wrappers write ``("text", "response")``, special tokens included).
-        strip: substrings removed from the text before scoring (e.g. the EOS string).
-        reward_key: the entry written, one float per sample.
-
-    Examples:
-        >>> from tensordict import TensorDict
-        >>> td = TensorDict({"text": {"response": ["it is good.", "it is bad."]}}, batch_size=[2])
-        >>> TextScoreReward(len, weight=2.0)(td)["text_score"]
-        tensor([22., 20.])
-    """
-
-    def __init__(
-        self,
-        score: Callable[[str], float],
-        *,
-        weight: float = 1.0,
-        text_key: NestedKey = ("text", "response"),
-        strip: Sequence[str] = (),
-        reward_key: NestedKey = "text_score",
-    ) -> None:
-        super().__init__()
-        if not callable(score):
-            raise TypeError(f"TextScoreReward: score must be callable(str) -> float, got {type(score).__name__}.")
-        self.score = score
-        self.weight = weight
-        self.text_key = text_key
-        self.strip = tuple(strip)
-        self.in_keys = [text_key]
-        self.out_keys = [reward_key]
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        texts = tensordict.reshape(-1).get(self.text_key)
-        texts = [texts] if isinstance(texts, str) else texts.tolist()  # a NonTensorStack of one string per sample
-        values = []
-        for text in texts:
-            for piece in self.strip:
-                text = text.replace(piece, "")
-            values.append(self.weight * float(self.score(text)))
-        tensordict.set(self.out_keys[0], torch.tensor(values).reshape(tensordict.batch_size))
-        return tensordict

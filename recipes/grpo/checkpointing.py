@@ -1,80 +1,141 @@
-"""Training checkpoints a run can resume from: the model as a Hugging Face folder, the rest as a weights-only file.
+"""GRPO's checkpoints and resume: what a checkpoint holds beyond the model, how a run continues from one.
 
-A checkpoint is a folder ``<root>/step_<N>`` written atomically (``write_folder_atomically``): either it is complete
-or it does not exist under that name, so a run killed at any instant (even ``SIGKILL`` during a save) leaves the
-previous checkpoint as the latest. It holds:
+A checkpoint is the folder ``recipes.common.checkpoint`` lays out (``<root>/step_<N>``, written atomically). GRPO
+puts in it:
 
-- ``model/``: ``save_pretrained`` of the model and its tokenizer (safetensors), loadable by ``from_pretrained`` like
-  any hub checkpoint; for a LoRA model (peft) the adapter only (``adapter_config.json`` +
-  ``adapter_model.safetensors``), and, on request, ``merged_model/``: the full model with the adapter merged in;
-- ``training_state.pt``: the optimizer state, the step, RNG states and whatever small state the recipe adds (only
-  tensors, numbers, strings, lists and dicts, so that it loads with ``torch.load(weights_only=True)``).
+- ``model/``: the policy (for a LoRA policy the adapter only) and its tokenizer; with ``checkpoint.save_merged``
+  also ``merged_model/``, the adapters merged into a full model (:func:`save_merged_model_folder`);
+- ``training_state.pt``: the optimizer state, the step, every rank's RNG state and the run's progress
+  (:class:`TrainingProgress`): only tensors, numbers, strings, lists and dicts, so that it loads with
+  ``torch.load(weights_only=True)`` (:func:`load_training_state`).
+
+A resumed run trains as the run it continues: :func:`resume_changes` lists what its settings change against the
+run's ``resolved_config.yaml`` (:data:`RESUME_FREE_KEYS` may change freely), :func:`record_resume` keeps a line per
+resume in ``resumes.jsonl``, :func:`truncate_metrics_csv` drops the rows logged after the checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import random
-import re
 import shutil
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from recipes.common.checkpoint import save_merged_model_folder, save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError
+from recipes.common.checkpoint import (
+    MERGED_MODEL_FOLDER,
+    MODEL_FOLDER,
+    STATE_FILE,
+    broken_checkpoint_advice,
+    checkpoint_folder,
+    list_checkpoints,
+    save_model_folder,
+    write_folder_atomically,
+)
+from recipes.common.config import ConfigError, run_config
+from recipes.common.models import merge_adapters
 
 __all__ = [
-    "MERGED_MODEL_FOLDER",
-    "MODEL_FOLDER",
     "RESUMES_FILE",
-    "STATE_FILE",
-    "broken_checkpoint_advice",
+    "RESUME_FREE_KEYS",
+    "TrainingProgress",
     "capture_rng_state",
-    "checkpoint_folder",
+    "checkpoint_policy_node",
+    "checkpoint_root",
     "config_changes",
-    "latest_checkpoint",
-    "list_checkpoints",
+    "finished_run_summary",
     "load_training_state",
     "record_resume",
     "restore_rng_state",
+    "resume_changes",
     "save_checkpoint",
+    "save_merged_model_folder",
     "truncate_metrics_csv",
 ]
 
-MODEL_FOLDER = "model"
-MERGED_MODEL_FOLDER = "merged_model"
-STATE_FILE = "training_state.pt"
 RESUMES_FILE = "resumes.jsonl"  # one line per resume of the run: when, from which step, what changed
-_STEP_FOLDER = re.compile(r"^step_(\d+)$")
+# Settings a resumed run may change freely: where and how it runs and reports, not what it trains. Any other change
+# (group size, batch sizes, models, data, learning rate...) must be named in resume_allow_changes.
+RESUME_FREE_KEYS = (
+    "resume",
+    "overwrite",
+    "resume_allow_changes",
+    "output_dir",
+    "logger",
+    "progress_bar",
+    "log_every_n_steps",
+    "samples",
+    "num_threads",
+    "train.steps",
+    "train.gradient_checkpointing",  # recomputes the same activations: the same update
+    "checkpoint",
+    "summary",
+    "metric",
+    "rollout.collector_threads",
+    "rollout.log_prob_micro_batch_size",
+    "reward.micro_batch_size",
+)
 
 
-def checkpoint_folder(root: str | Path, step: int) -> Path:
-    """``<root>/step_<step>``, zero-padded so folders sort by step."""
-    return Path(root) / f"step_{step:07d}"
+@dataclass
+class TrainingProgress:
+    """The running totals of a GRPO run, saved in every checkpoint and restored on resume.
+
+    Attributes:
+        history: every step's metrics, in order.
+        wall_time_s: the training steps' time over every invocation of the run (setup apart).
+        tokens_total: generated response tokens.
+        rollout_time_s: of the wall time, the rollout phase's (generation, reward, advantages, log-prob scoring).
+        setup_time_s: this invocation's setup time (not saved: a resumed run measures its own).
+    """
+
+    history: list[dict[str, float]] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    tokens_total: int = 0
+    rollout_time_s: float = 0.0
+    setup_time_s: float = 0.0
+
+    _SAVED = ("history", "wall_time_s", "tokens_total", "rollout_time_s")
+
+    def add_step(self, metrics: dict[str, float], *, tokens: int) -> None:
+        """Records one step's metrics (with its ``perf/step_time_s`` and ``perf/rollout_time_s``) and tokens."""
+        self.history.append(metrics)
+        self.wall_time_s += metrics["perf/step_time_s"]
+        self.rollout_time_s += metrics["perf/rollout_time_s"]
+        self.tokens_total += tokens
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._SAVED}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name in self._SAVED:
+            setattr(self, name, state[name])
 
 
-def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` as ``(step, folder)``, oldest first (staging folders are hidden)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for folder in root.iterdir():
-        match = _STEP_FOLDER.match(folder.name)
-        if match and (folder / STATE_FILE).is_file():
-            found.append((int(match.group(1)), folder))
-    return sorted(found)
+def checkpoint_root(cfg: DictConfig) -> Path:
+    """Where a GRPO run keeps its checkpoints: ``<output_dir>/checkpoints``."""
+    return Path(cfg.output_dir) / "checkpoints"
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint with the highest step under ``root``, or None."""
-    checkpoints = list_checkpoints(root)
-    return checkpoints[-1][1] if checkpoints else None
+def checkpoint_policy_node(cfg: DictConfig, checkpoint: Path) -> DictConfig:
+    """The model node of the policy a checkpoint saved (weights and tokenizer in its model folder)."""
+    return OmegaConf.merge(cfg.model, {"name_or_path": str(checkpoint / MODEL_FOLDER), "tokenizer_name_or_path": None})
+
+
+def save_merged_model_folder(model, tokenizer, folder) -> None:
+    """A LoRA model (``peft.PeftModel``) saved as one full ``transformers`` model, its adapters merged in: loadable
+    without peft, computing what the adapted model does (``recipes.common.models.merge_adapters``). The merge runs on
+    a copy (the model's own base weights stay untouched, bit for bit), which costs a second copy of the model in
+    memory while it saves."""
+    save_model_folder(merge_adapters(copy.deepcopy(model)), tokenizer, folder)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -167,24 +228,6 @@ def load_training_state(folder: str | Path, *, map_location: str | torch.device 
         ) from None
 
 
-def broken_checkpoint_advice(folder: str | Path) -> str:
-    """What to do about the broken checkpoint ``folder``: delete it to resume from the previous one, if there is one.
-
-    Returns "" for a folder that is no ``step_<N>`` checkpoint.
-    """
-    folder = Path(folder)
-    match = _STEP_FOLDER.match(folder.name)
-    if match is None:
-        return ""
-    earlier = [previous for step, previous in list_checkpoints(folder.parent) if step < int(match.group(1))]
-    if earlier:
-        return f"Delete the corrupted checkpoint folder {folder} to resume from {earlier[-1]} (the previous one)."
-    return (
-        f"No earlier checkpoint in {folder.parent} holds a training state: start the run afresh (drop resume=true, "
-        "pass overwrite=true) or resume from a copy of the run made before this checkpoint was written."
-    )
-
-
 def truncate_metrics_csv(path: str | Path, last_step: int) -> None:
     """Drops the rows of ``metrics.csv`` logged after ``last_step``, so a resumed run's rows follow on without repeats.
 
@@ -249,3 +292,22 @@ def record_resume(folder: str | Path, *, step: int, changes: Mapping[str, tuple[
     }
     with open(Path(folder) / RESUMES_FILE, "a") as handle:
         handle.write(json.dumps(entry) + "\n")
+
+
+def resume_changes(cfg: DictConfig) -> dict:
+    """The settings of ``cfg`` that differ from the run being continued (its ``resolved_config.yaml``), as
+    ``{"a.b": (old, new)}``, leaving out those a resumed run may change freely (:data:`RESUME_FREE_KEYS`)."""
+    saved = Path(cfg.output_dir) / "resolved_config.yaml"
+    if not saved.is_file():
+        return {}
+    current = OmegaConf.to_container(run_config(cfg), resolve=True)
+    return config_changes(OmegaConf.to_container(OmegaConf.load(saved)), current, ignored=RESUME_FREE_KEYS)
+
+
+def finished_run_summary(cfg: DictConfig) -> dict | None:
+    """With ``resume=true`` in a run that already reached ``train.steps``: its ``summary.json``; else None."""
+    checkpoints = list_checkpoints(checkpoint_root(cfg)) if cfg.resume else []
+    summary = Path(cfg.output_dir) / "summary.json"
+    if checkpoints and checkpoints[-1][0] >= cfg.train.steps and summary.is_file():
+        return json.loads(summary.read_text())
+    return None

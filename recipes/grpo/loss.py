@@ -2,7 +2,8 @@
 
 - :class:`GroupAdvantage`: TorchRL's ``MCAdvantage`` (GRPO's group normalisation) run over the three entries it reads.
 - :class:`ResponseGRPOLoss`: TorchRL's ``GRPOLoss`` whose policy log-probs are computed over the response positions
-  of a dense batch only (``recipes.common.log_probs.ResponseLogProbs``), never as ``[B, T, V]`` logits.
+  of a dense batch only (``recipes.grpo.log_probs.ResponseLogProbs``), never as ``[B, T, V]`` logits.
+- :func:`make_loss`: the loss of the recipe's ``loss:`` node; :func:`training_loss`: the sum its backward runs on.
 
 Dependencies: torch, tensordict, torchrl.
 """
@@ -10,13 +11,14 @@ Dependencies: torch, tensordict, torchrl.
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 from tensordict import NestedKey, TensorDictBase
 from torch.distributions import Distribution
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
-from recipes.common.log_probs import response_start
+from recipes.grpo.batch import ADVANTAGE, ATTENTION_MASK, DONE, PROMPT_INDEX, REWARD, response_start
 
-__all__ = ["GroupAdvantage", "ResponseGRPOLoss"]
+__all__ = ["GroupAdvantage", "ResponseGRPOLoss", "make_loss", "training_loss"]
 
 
 class GroupAdvantage:
@@ -53,10 +55,10 @@ class GroupAdvantage:
         self,
         group_size: int,
         *,
-        prompt_key: NestedKey = "prompt_index",
-        reward_key: NestedKey = ("next", "reward"),
-        done_key: NestedKey = ("next", "done"),
-        advantage_key: NestedKey = "advantage",
+        prompt_key: NestedKey = PROMPT_INDEX,
+        reward_key: NestedKey = REWARD,
+        done_key: NestedKey = DONE,
+        advantage_key: NestedKey = ADVANTAGE,
     ) -> None:
         self.keys = (prompt_key, reward_key, done_key)
         self.advantage_key = advantage_key
@@ -110,7 +112,7 @@ class ResponseGRPOLoss(GRPOLoss):
 
     TorchRL's LLM actors compute ``[B, T, V]`` logits and a log-softmax over every position, prompt included, to take
     the response tokens' log-probs and entropies. This loss gets them from a
-    :class:`~recipes.common.log_probs.ResponseLogProbs` (chunked LM head over the response positions), in the same
+    :class:`~recipes.grpo.log_probs.ResponseLogProbs` (chunked LM head over the response positions), in the same
     ``[B, T]`` layout, zero outside the response, with the response tokens as the mask (``masking_strategy="sft"``):
     the objective, clipping, KL terms, aggregation and diagnostics are ``GRPOLoss``'s own, with the same values.
 
@@ -133,7 +135,7 @@ class ResponseGRPOLoss(GRPOLoss):
 
     def _get_cur_log_prob(self, tensordict):
         tokens = tensordict.get(self.tensor_keys.action)
-        mask = tensordict.get(("masks", "all_attention_mask")).bool()
+        mask = tensordict.get(ATTENTION_MASK).bool()
         start = response_start(tensordict)
         log_prob, entropy = self.actor_network(tokens, mask, response_start=start, with_entropy=self.entropy_bonus)
         response = mask.clone()
@@ -142,3 +144,27 @@ class ResponseGRPOLoss(GRPOLoss):
         if tensordict.get(self.tensor_keys.sample_log_prob, None) is None:
             tensordict.set(self.tensor_keys.sample_log_prob, log_prob.detach())
         return log_prob, _ScoredTokens(log_prob, entropy, response), False
+
+
+def make_loss(cfg: DictConfig, scorer) -> ResponseGRPOLoss:
+    """``GRPOLoss`` over the response positions of the policy's ``scorer``, as ``loss:`` sets it; a batch without old
+    log-probs (on-policy chat) takes the current ones."""
+    return ResponseGRPOLoss(
+        scorer,
+        clip_epsilon=cfg.loss.clip_epsilon,
+        entropy_bonus=True,  # also what reports train/entropy; its weight in the loss is entropy_coeff
+        entropy_coeff=cfg.loss.entropy_coeff,
+        kl_to_ref_coeff=cfg.loss.kl_to_ref_coeff or None,
+        aggregation=cfg.loss.aggregation,
+        masking_strategy="sft",
+    )
+
+
+def training_loss(out, *, entropy_coeff: float) -> torch.Tensor:
+    """The sum of ``GRPOLoss``'s ``loss_*`` terms, without the entropy term when its coefficient is 0.
+
+    That term is then ``0 * entropy``: nothing to the loss, but its backward would run through a softmax over the whole
+    vocabulary at every position of the batch (``entropy_bonus=True`` stays on for the ``train/entropy`` metric)."""
+    skipped = set() if entropy_coeff else {"loss_entropy"}
+    terms = [value for key, value in out.items() if key.startswith("loss_") and key not in skipped]
+    return sum(value for value in terms if value is not None)

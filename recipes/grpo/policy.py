@@ -1,5 +1,9 @@
-"""Memory switches for a policy update: activation (gradient) checkpointing and bf16 autocast over fp32 weights.
+"""The policy GRPO trains: loaded whole or with LoRA adapters, what the optimizer updates, and the memory switches of
+its update (activation checkpointing, bf16 autocast over fp32 weights).
 
+- :func:`load_policy`: the causal LM of the ``model=`` node, with fresh adapters or a checkpoint's when ``lora`` is
+  set (``recipes.common.lora``), or the whole model.
+- :func:`trainable_parameters`: what the optimizer takes (all parameters, or the adapters).
 - :func:`enable_activation_checkpointing`: turns on Hugging Face's checkpointing of the decoder layers
   (non-reentrant ``torch.utils.checkpoint``).
 - :func:`update_forward`: the context a loss forward runs in: bf16 autocast when asked, and the decoder layers
@@ -11,7 +15,7 @@ generation keeps its KV cache), so checkpointing, once enabled, would never run.
 themselves (not their attention and MLP children, which hold the dropout) as training makes the checkpointing apply
 and leaves every dropout off, whatever the model's dropout settings.
 
-Dependencies: torch, and the ``transformers`` model the caller passes in.
+Dependencies: torch, omegaconf, transformers, and ``peft`` (imported when the policy gets adapters).
 """
 
 from __future__ import annotations
@@ -20,12 +24,49 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
-__all__ = ["MIXED_PRECISIONS", "checkpointed_layers", "enable_activation_checkpointing", "update_forward"]
+from recipes.common.lora import make_lora_config
+from recipes.common.models import load_causal_lm
+
+__all__ = [
+    "MIXED_PRECISIONS",
+    "checkpointed_layers",
+    "enable_activation_checkpointing",
+    "load_policy",
+    "trainable_parameters",
+    "update_forward",
+]
 
 # train.mixed_precision's choices: "no" (the loss forward in the weights' dtype) or "bf16" (bf16 autocast).
 MIXED_PRECISIONS = ("no", "bf16")
+
+
+def load_policy(node: DictConfig, *, device: str, dtype: str, saved: DictConfig | None = None):
+    """The GRPO policy: ``node``'s causal LM, with LoRA adapters when ``node.lora`` is set.
+
+    Args:
+        node: the run's model node (``cfg.model``).
+
+    Keyword Args:
+        saved: the node of a checkpoint's model folder to resume from; ``None`` starts afresh. Without LoRA that folder
+            holds the whole model; with LoRA only the adapter, applied (trainable) to ``node``'s base, which no
+            update changes.
+    """
+    if node.lora is None:
+        return load_causal_lm(saved if saved is not None else node, device=device, dtype=dtype)
+    from peft import PeftModel, get_peft_model
+
+    base = load_causal_lm(node, device=device, dtype=dtype)
+    if saved is None:
+        return get_peft_model(base, make_lora_config(node.lora, task_type="CAUSAL_LM"))
+    return PeftModel.from_pretrained(base, str(saved.name_or_path), is_trainable=True).to(device)
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """The parameters that train (all of them, or a LoRA model's adapters): a list, clipped at every update."""
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
 
 
 def checkpointed_layers(model: nn.Module) -> list[nn.Module]:

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from recipes.common.checkpoint import write_folder_atomically
 from recipes.common.config import ConfigError
 from recipes.common.data import load_preference_pairs, load_prompts
-from recipes.common.logging import MetricLogger
+from recipes.common.metrics import MetricLogger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
 from recipes.common.synthetic import OracleLabeler, make_prompts, make_sft_conversations, oracle_score
 

@@ -10,7 +10,7 @@ What the GRPO recipe's default rollout (``rollout.env=prompt``) generates with:
   computes), so the behaviour policy's log-probs cost nothing, the first response token's included.
 - :class:`SamplingPolicy`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
   wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and the policy version (tensors
-  only: a reward that reads text decodes it itself, ``recipes.common.prompt_env.ResponseText``).
+  only: a reward that reads text decodes it itself, ``recipes.grpo.rewards.ResponseText``).
 
 Why not ``model.generate``: ``generate`` returns processed scores or, with ``output_logits=True``, every step's
 ``[B, V]`` logits (1.2 GB for 64 responses x 32 tokens at a 152k vocabulary); this loop keeps one log-prob per
@@ -33,6 +33,15 @@ from tensordict.nn import TensorDictModuleBase
 from recipes.common.config import ConfigError
 from recipes.common.models import check_pad_token
 from recipes.common.sharding import is_sharded
+from recipes.grpo.batch import (
+    ATTENTION_MASK,
+    LOG_PROBS,
+    POLICY_VERSION,
+    PROMPT_MASK,
+    PROMPT_TOKENS,
+    RESPONSE_TOKENS,
+    TOKENS,
+)
 
 __all__ = ["SampledResponses", "SamplingPolicy", "SamplingSettings", "sample_responses"]
 
@@ -180,6 +189,24 @@ def _choose(scores: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     return column if candidates is None else candidates.gather(-1, column[:, None]).squeeze(-1)
 
 
+def _next_tokens(logits: torch.Tensor, *, step: int, settings: SamplingSettings, eos: torch.Tensor, seen):
+    """Every row's next token from the raw logits of its last position (repetition penalty, ``min_new_tokens``, then
+    :func:`_choose`), and each token's log-prob under those raw logits."""
+    scores = logits
+    if seen is not None:
+        scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
+    if step < settings.min_new_tokens:
+        scores = scores.index_fill(-1, eos, float("-inf"))
+    token = _choose(scores, settings)
+    return token, logits.gather(-1, token[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _forward_next(model, out, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache_argument: str):
+    """The forward pass of one new token per row, over the KV cache the previous pass returned."""
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    return model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True, **{cache_argument: cache})
+
+
 @torch.no_grad()
 def sample_responses(
     model,
@@ -212,58 +239,60 @@ def sample_responses(
         :class:`SampledResponses`. Each log-prob is ``log_softmax(logits)[token]`` of the model's raw logits
         (float32), before any temperature, top-k, top-p or penalty: the quantity a loss recomputes.
     """
-    batch, device = prompt_tokens.shape[0], prompt_tokens.device
     mask = prompt_mask.long()
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
-    tokens = torch.full((batch, settings.max_new_tokens), pad_token_id, dtype=prompt_tokens.dtype, device=device)
-    log_probs = torch.zeros(batch, settings.max_new_tokens, dtype=torch.float32, device=device)
-    running = torch.ones(batch, dtype=torch.bool, device=device)  # rows that have not sampled EOS yet
-    lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    seen = None
-
+    eos = torch.tensor(sorted(set(eos_token_ids)), device=prompt_tokens.device)
+    responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
     prefill, cache_argument = _forward_options(model)
     synced = _forwards_are_collective(model)
     decoding = True  # a row of this rank has not sampled EOS yet
     out = model(input_ids=prompt_tokens, attention_mask=mask, position_ids=positions, use_cache=True, **prefill)
+    seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
+    if settings.repetition_penalty != 1.0:
+        seen = torch.zeros_like(out.logits[:, -1], dtype=torch.float32).scatter_add_(-1, prompt_tokens, mask.float())
+        seen = seen > 0
     next_position = positions[:, -1:] + 1
     for step in range(settings.max_new_tokens):
         # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
         # it leaves its RNG where a rank decoding alone would have left it.
         if decoding:
             logits = out.logits[:, -1].float()
-            scores = logits
-            if settings.repetition_penalty != 1.0:
-                if seen is None:
-                    seen = torch.zeros_like(logits).scatter_add_(-1, prompt_tokens, mask.float()) > 0
-                scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
-            if step < settings.min_new_tokens:
-                scores = scores.index_fill(-1, eos, float("-inf"))
-            token = _choose(scores, settings)
-            token_log_prob = logits.gather(-1, token[:, None]).squeeze(-1) - logits.logsumexp(-1)
-            tokens[:, step] = torch.where(running, token, pad_token_id)
-            log_probs[:, step] = torch.where(running, token_log_prob, 0.0)
-            lengths += running
-            running = running & ~torch.isin(token, eos)
-            decoding = bool(running.any())  # the step's one host sync
+            token, token_log_prob = _next_tokens(logits, step=step, settings=settings, eos=eos, seen=seen)
+            decoding = responses.record(step, token, token_log_prob)
             if seen is not None:
                 seen.scatter_(-1, token[:, None], True)
-        if step + 1 == settings.max_new_tokens or not _any_rank_running(decoding, synced, device):
+        if step + 1 == settings.max_new_tokens or not _any_rank_running(decoding, synced, prompt_tokens.device):
             break
         # Finished rows go on decoding pads (their outputs are discarded), so that the batch keeps one shape.
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
-        cache = out["cache"] if "cache" in out else out["past_key_values"]
-        out = model(
-            input_ids=tokens[:, step : step + 1],
-            attention_mask=mask,
-            position_ids=next_position,
-            use_cache=True,
-            **{cache_argument: cache},
-        )
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        out = _forward_next(model, out, responses.tokens[:, step : step + 1], mask, next_position, cache_argument)
         next_position = next_position + 1
-    width = int(lengths.max())
-    response_mask = torch.arange(width, device=device) < lengths[:, None]
-    return SampledResponses(tokens[:, :width], response_mask, log_probs[:, :width])
+    return responses.sampled()
+
+
+class _ResponsesSoFar:
+    """The tokens and log-probs sampled so far, ``[B, max_new_tokens]``, and which rows are still decoding."""
+
+    def __init__(self, prompt_tokens: torch.Tensor, max_new_tokens: int, *, pad_token_id: int, eos: torch.Tensor):
+        batch, device = prompt_tokens.shape[0], prompt_tokens.device
+        self.tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=prompt_tokens.dtype, device=device)
+        self.log_probs = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
+        self.running = torch.ones(batch, dtype=torch.bool, device=device)  # rows that have not sampled EOS yet
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pad_token_id, self.eos = pad_token_id, eos
+
+    def record(self, step: int, token: torch.Tensor, log_prob: torch.Tensor) -> bool:
+        """Writes step ``step``'s tokens of the running rows (pads elsewhere); returns whether a row still runs."""
+        self.tokens[:, step] = torch.where(self.running, token, self.pad_token_id)
+        self.log_probs[:, step] = torch.where(self.running, log_prob, 0.0)
+        self.lengths += self.running
+        self.running = self.running & ~torch.isin(token, self.eos)
+        return bool(self.running.any())  # the step's one host sync
+
+    def sampled(self) -> SampledResponses:
+        width = int(self.lengths.max())
+        mask = torch.arange(width, device=self.tokens.device) < self.lengths[:, None]
+        return SampledResponses(self.tokens[:, :width], mask, self.log_probs[:, :width])
 
 
 class SamplingPolicy(TensorDictModuleBase):
@@ -271,7 +300,7 @@ class SamplingPolicy(TensorDictModuleBase):
     TensorDict form, in the dense layout the GRPO recipe trains on.
 
     It reads the left-padded ``("tokens", "prompt")`` and ``("masks", "prompt")`` an env wrote (e.g.
-    ``recipes.common.prompt_env.PromptEnv``) and writes, every ``[B, ...]`` tensor dense:
+    ``recipes.grpo.prompt_env.PromptEnv``) and writes, every ``[B, ...]`` tensor dense:
 
     - ``("tokens", "response")`` ``[B, R]`` (pad after EOS) and ``("tokens", "full")`` ``[B, P + R]``: every row is
       ``[pads | prompt | response | pads]``, every response starting at column ``P``;
@@ -281,7 +310,7 @@ class SamplingPolicy(TensorDictModuleBase):
     - ``"policy_version"`` ``[B]``: :attr:`version` when sampled, so that a learner can tell how many updates old
       a batch is.
 
-    Tensors only: a reward that reads text decodes the responses itself (``recipes.common.prompt_env.ResponseText``).
+    Tensors only: a reward that reads text decodes the responses itself (``recipes.grpo.rewards.ResponseText``).
 
     Args:
         model: a ``transformers`` causal LM.
@@ -294,11 +323,11 @@ class SamplingPolicy(TensorDictModuleBase):
     """
 
     OUT_KEYS = (
-        ("tokens", "response"),
-        ("tokens", "full"),
-        ("masks", "all_attention_mask"),
-        ("log_probs", "full"),
-        "policy_version",
+        RESPONSE_TOKENS,
+        TOKENS,
+        ATTENTION_MASK,
+        LOG_PROBS,
+        POLICY_VERSION,
     )
 
     def __init__(
@@ -322,12 +351,12 @@ class SamplingPolicy(TensorDictModuleBase):
         self.eos_token_ids = sorted(set(eos_token_ids))
         # Bumped by whoever updates the weights; written into every batch, so that the batch says its age.
         self.register_buffer("version", torch.zeros((), dtype=torch.long))
-        self.in_keys = [("tokens", "prompt"), ("masks", "prompt")]
+        self.in_keys = [PROMPT_TOKENS, PROMPT_MASK]
         self.out_keys = list(self.OUT_KEYS)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        prompt = tensordict.get(("tokens", "prompt"))
-        prompt_mask = tensordict.get(("masks", "prompt")).bool()
+        prompt = tensordict.get(PROMPT_TOKENS)
+        prompt_mask = tensordict.get(PROMPT_MASK).bool()
         sampled = sample_responses(
             self.model,
             prompt,
@@ -337,10 +366,10 @@ class SamplingPolicy(TensorDictModuleBase):
             pad_token_id=self.tokenizer.pad_token_id,
         )
         batch = prompt.shape[0]
-        tensordict.set(("tokens", "response"), sampled.tokens)
-        tensordict.set(("tokens", "full"), torch.cat([prompt, sampled.tokens], dim=-1))
-        tensordict.set(("masks", "all_attention_mask"), torch.cat([prompt_mask, sampled.mask], dim=-1))
+        tensordict.set(RESPONSE_TOKENS, sampled.tokens)
+        tensordict.set(TOKENS, torch.cat([prompt, sampled.tokens], dim=-1))
+        tensordict.set(ATTENTION_MASK, torch.cat([prompt_mask, sampled.mask], dim=-1))
         prompt_log_probs = torch.zeros_like(prompt, dtype=torch.float32)
-        tensordict.set(("log_probs", "full"), torch.cat([prompt_log_probs, sampled.log_probs], dim=-1))
-        tensordict.set("policy_version", self.version.expand(batch).clone())
+        tensordict.set(LOG_PROBS, torch.cat([prompt_log_probs, sampled.log_probs], dim=-1))
+        tensordict.set(POLICY_VERSION, self.version.expand(batch).clone())
         return tensordict

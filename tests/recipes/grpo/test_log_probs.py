@@ -1,4 +1,4 @@
-"""recipes/common/log_probs.py: response-only log-probs equal a full forward's, values and gradients, every path."""
+"""recipes/grpo/log_probs.py: response-only log-probs equal a full forward's, values and gradients, every path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
+from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs
 
 START = 10  # the response columns start here
 

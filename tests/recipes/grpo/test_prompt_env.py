@@ -1,11 +1,13 @@
-"""recipes/common/prompt_env.py: the dense prompt env, its prompt table and the text it derives for rewards."""
+"""recipes/grpo/prompt_env.py and rewards.py: the dense prompt env, its prompt table and the text it derives for
+rewards."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from recipes.common.prompt_env import PromptEnv, PromptTable, ResponseText
+from recipes.grpo.prompt_env import PromptEnv, PromptTable
+from recipes.grpo.rewards import ResponseText
 
 
 class TestPromptEnv:

@@ -10,18 +10,46 @@ exist at once, forward or backward (the backward recomputes each chunk's logits 
 - :class:`ResponseLogProbs`: an ``nn.Module`` over a causal LM: ``(tokens, attention_mask, response_start)`` ->
   per-token log-probs (and entropies) of the response tokens, laid out ``[B, T]`` with zeros elsewhere. Wrap it (not
   the bare model) in ``DistributedDataParallel`` so that its backward averages the gradients.
+- :class:`ShardedResponseLogProbs`: the same over a policy FSDP2 sharded (``recipes.common.sharding``). It runs the
+  backbone and the LM head itself, outside the policy's ``forward``, where FSDP2 would leave the root's weights
+  sharded: its scoring is registered as one of the policy's forward methods, so that FSDP2 gathers them around it
+  (and reduce-scatters their gradients after the backward) as it does around ``forward``.
+- :class:`AdapterDisabledLogProbs`: a LoRA policy's log-probs with its adapters switched off, i.e. the frozen base
+  model's: GRPO's KL reference without a second copy of the model in memory.
 - :class:`ScoreLogProbs`: writes such log-probs into a batch without gradients (the reference's, the old policy's).
+- :func:`make_policy_scorer`: the policy's scorer as the loss sees it (DDP-wrapped, or FSDP2-sharded, under a
+  launcher); :func:`make_reference_scorer`: the reference's (loaded model, sharded model, or adapters off).
 
-Dependencies: torch, tensordict, and the ``transformers`` model the caller passes in.
+Dependencies: torch, tensordict, accelerate, and the ``transformers`` model the caller passes in.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
+from accelerate import PartialState
 from tensordict import NestedKey, TensorDictBase
 from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["CHUNK_ELEMENTS", "ResponseLogProbs", "ScoreLogProbs", "response_start"]
+from recipes.common.lora import is_peft_model
+from recipes.common.sharding import is_sharded, shard_policy
+from recipes.grpo.batch import ATTENTION_MASK, TOKENS, response_start
+from recipes.grpo.distributed import STRATEGIES
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "AdapterDisabledLogProbs",
+    "ResponseLogProbs",
+    "ScoreLogProbs",
+    "ShardedResponseLogProbs",
+    "make_data_parallel_policy",
+    "make_policy_scorer",
+    "make_reference_scorer",
+]
 
 # ResponseLogProbs' default budget: at most this many logits (rows x vocabulary, float32) exist at once.
 CHUNK_ELEMENTS = 2**23
@@ -29,11 +57,6 @@ CHUNK_ELEMENTS = 2**23
 # Configuration entries by which some models rescale or cap their logits after the LM head: such models are scored
 # through their own forward (logits_to_keep) instead of the chunked head, which would miss the rescaling.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
-
-
-def response_start(batch: TensorDictBase) -> int:
-    """The column where every response starts in a dense batch: the width of ``("tokens", "prompt")``."""
-    return batch.get(("tokens", "prompt")).shape[-1]
 
 
 def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
@@ -116,7 +139,7 @@ class ResponseLogProbs(nn.Module):
     """The log-prob (and entropy) of every response token of a dense batch under ``model``, response positions only.
 
     A batch row is ``[pads | prompt | response | pads]`` with every response starting at column ``response_start``
-    (``recipes.common.sampling.SamplingPolicy`` and ``recipes.common.rollout.pad_rollout`` lay them out so).
+    (``recipes.grpo.sampling.SamplingPolicy`` and ``recipes.common.chat.pad_rollout`` lay them out so).
     Positions follow the attention mask (``cumsum - 1``), as generation set them. The result is ``[B, T]``, zero
     outside the response tokens: column ``t`` holds ``log p(tokens[t] | tokens[:t])``, TorchRL's layout of
     ``("log_probs", "full")``.
@@ -229,8 +252,8 @@ class ScoreLogProbs:
 
     @torch.no_grad()
     def __call__(self, batch: TensorDictBase) -> TensorDictBase:
-        tokens = batch.get(("tokens", "full"))
-        mask = batch.get(("masks", "all_attention_mask"))
+        tokens = batch.get(TOKENS)
+        mask = batch.get(ATTENTION_MASK)
         start = response_start(batch)
         size = self.micro_batch_size or tokens.shape[0]
         chunks = [
@@ -242,3 +265,106 @@ class ScoreLogProbs:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(out_key={self.out_key!r}, micro_batch_size={self.micro_batch_size})"
+
+
+# The policy's method that ShardedResponseLogProbs registers as an FSDP2 forward.
+_SCORE_METHOD = "score_response_log_probs"
+
+
+class ShardedResponseLogProbs(ResponseLogProbs):
+    """:class:`ResponseLogProbs` over a policy sharded by ``recipes.common.sharding.shard_policy``.
+
+    The scoring reads the embeddings and the LM head weight directly, which FSDP2 gathers only inside the policy's
+    forward hooks: it is therefore run as a forward method of the policy (``register_fsdp_forward_method``), and the
+    root's gradients are reduce-scattered after the backward as those of ``forward`` would be. The gradients of every
+    rank's batch are averaged, as under ``DistributedDataParallel``.
+
+    Args:
+        model: a causal LM sharded by :func:`shard_policy`.
+
+    Keyword Args:
+        chunk_elements: as :class:`ResponseLogProbs`'s.
+    """
+
+    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+        if not is_sharded(model):
+            raise ValueError("ShardedResponseLogProbs: the model is not sharded; call shard_policy(model) first.")
+        super().__init__(model, chunk_elements=chunk_elements)
+        # A plain attribute, not a submodule: the policy's state dict does not change.
+        object.__setattr__(model, _SCORE_METHOD, functools.partial(ResponseLogProbs.forward, self))
+        register_fsdp_forward_method(model, _SCORE_METHOD)
+        # The root's wrapped method, kept here: self.model is a peft model's base model (what the scoring reads),
+        # while the root, on which the method is registered, is the peft model.
+        self._score = getattr(model, _SCORE_METHOD)
+
+    def forward(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, response_start: int, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._score(tokens, attention_mask, response_start=response_start, with_entropy=with_entropy)
+
+
+class AdapterDisabledLogProbs(nn.Module):
+    """A LoRA policy's response log-probs with its adapters switched off: the frozen base model's, GRPO's reference.
+
+    The base weights never train under LoRA, so the initial policy need not be loaded a second time.
+
+    Args:
+        model: a ``peft.PeftModel`` over a causal LM.
+
+    Keyword Args:
+        chunk_elements: passed to :class:`ResponseLogProbs`.
+        scorer: the scorer to run with the adapters off instead of a new :class:`ResponseLogProbs`: that of a sharded
+            ``model`` (:class:`ShardedResponseLogProbs`), whose weights only its registered
+            forward gathers. The adapters are switched off before it gathers them; peft's switch is a flag on each
+            LoRA layer (and ``requires_grad`` on its sharded adapters, which FSDP2 copies to the gathered ones).
+    """
+
+    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS, scorer: nn.Module | None = None) -> None:
+        super().__init__()
+        if not is_peft_model(model):
+            raise TypeError(f"AdapterDisabledLogProbs: expected a peft.PeftModel, got {type(model).__name__}.")
+        self.peft_model = model
+        self.scorer = scorer if scorer is not None else ResponseLogProbs(model, chunk_elements=chunk_elements)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.scorer(tokens, attention_mask, **kwargs)
+
+
+def make_data_parallel_policy(model, *, device: str):
+    """The policy as the loss must see it: wrapped in ``DistributedDataParallel`` (which also copies rank 0's weights
+    to every rank) so that each backward pass averages the gradients over the ranks; the model itself otherwise."""
+    if not PartialState().use_distributed:
+        return model
+    device_ids = [torch.cuda.current_device()] if str(device).startswith("cuda") else None
+    # The policy's buffers are constants (rotary frequencies): syncing them at each forward would put a collective
+    # into every log-prob recomputation for nothing. Newer torch names the option forward_sync_buffers.
+    options = inspect.signature(DistributedDataParallel).parameters
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in options else {"broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
+
+
+def make_policy_scorer(policy, *, strategy: str, device: str):
+    """The policy's :class:`ResponseLogProbs` as the loss must see it, averaging the
+    gradients over the processes. ``strategy="ddp"``: wrapped in ``DistributedDataParallel``. ``strategy="fsdp"``:
+    ``policy`` is sharded in place (``recipes.common.sharding.shard_policy``; build the optimizer afterwards). In
+    a single process, the plain scorer either way."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"make_policy_scorer: strategy={strategy!r}, expected one of {list(STRATEGIES)}.")
+    if strategy == "fsdp" and PartialState().use_distributed:
+        return ShardedResponseLogProbs(shard_policy(policy))
+    return make_data_parallel_policy(ResponseLogProbs(policy), device=device)
+
+
+def make_reference_scorer(reference, *, policy, policy_scorer=None):
+    """The frozen reference's log-prob scorer (the KL term's): over ``reference``, the initial policy loaded beside
+    the policy (sharded too under FSDP2), or, with ``reference=None`` and a LoRA ``policy``, the policy with its
+    adapters switched off (its base weights never train). A sharded LoRA policy is scored through ``policy_scorer``,
+    the FSDP2 forward that gathers its weights."""
+    if reference is None:
+        if not is_peft_model(policy):
+            raise ValueError("make_reference_scorer: no reference model, and the policy has no adapters to switch off.")
+        return AdapterDisabledLogProbs(policy, scorer=policy_scorer if is_sharded(policy) else None)
+    if is_sharded(reference):
+        return ShardedResponseLogProbs(reference)
+    return ResponseLogProbs(reference)

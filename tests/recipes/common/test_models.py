@@ -11,9 +11,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from recipes.common.checkpoint import STATE_FILE, checkpoint_folder
 from recipes.common.config import ConfigError
 from recipes.common.models import load_causal_lm, load_reward_model, validate_model_node
-from recipes.common.resume import STATE_FILE, checkpoint_folder
 
 
 def _node(folder):

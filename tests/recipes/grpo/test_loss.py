@@ -1,4 +1,4 @@
-"""recipes/common/losses.py: GroupAdvantage gives MCAdvantage's advantages, each in its own row; ResponseGRPOLoss
+"""recipes/grpo/loss.py: GroupAdvantage gives MCAdvantage's advantages, each in its own row; ResponseGRPOLoss
 trains as TorchRL's GRPOLoss with its own LLM actor, on the batches the recipe's sampling policy writes.
 
 (The padded chat rollouts against the ragged ones: test_rollout.py, beside pad_rollout.)"""
@@ -10,8 +10,8 @@ import torch
 from _grpo_helpers import grpo_loss_and_gradients, torchrl_actor
 from tensordict import TensorDict
 
-from recipes.common.log_probs import ResponseLogProbs, ScoreLogProbs
-from recipes.common.losses import GroupAdvantage, ResponseGRPOLoss
+from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs
+from recipes.grpo.loss import GroupAdvantage, ResponseGRPOLoss
 
 
 def _batch(prompt_index: list[int], *, seed: int = 0) -> TensorDict:
@@ -80,8 +80,8 @@ class TestResponseGRPOLoss:
 
     @pytest.fixture(scope="class")
     def batch(self, tiny_policy):
-        from recipes.common.prompt_env import PromptEnv
-        from recipes.common.sampling import SamplingPolicy, SamplingSettings
+        from recipes.grpo.prompt_env import PromptEnv
+        from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
 
         model, tokenizer = tiny_policy
         prompts = ["Review the mug.", "What do you think of the bike and of its color?"]

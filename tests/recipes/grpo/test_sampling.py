@@ -1,11 +1,11 @@
-"""recipes/common/sampling.py on the shipped tiny policy: the decoding loop, its recorded log-probs, the policy."""
+"""recipes/grpo/sampling.py on the shipped tiny policy: the decoding loop, its recorded log-probs, the policy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from recipes.common.sampling import SamplingPolicy, SamplingSettings, sample_responses
+from recipes.grpo.sampling import SamplingPolicy, SamplingSettings, sample_responses
 
 
 def _prompts(tokenizer, texts):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # A GRPO run: 2 prompts x 2 responses of at most 8 tokens per step, scored by the untrained reward base (per process,
 # under torchrun).

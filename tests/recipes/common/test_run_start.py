@@ -76,7 +76,7 @@ def test_a_failed_run_leaves_its_reason_in_the_log(tmp_path):
 
 def test_wandb_keeps_one_run_across_resumes_with_the_summary_and_sample_tables(compose_config, tmp_path, monkeypatch):
     import recipes.grpo_torchrl_rm as recipe
-    from recipes.common.logging import WANDB_ID_FILE, MetricLogger
+    from recipes.common.metrics import WANDB_ID_FILE, MetricLogger
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     calls = {"summary": [], "samples": []}

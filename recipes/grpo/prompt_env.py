@@ -1,10 +1,10 @@
 """A single-turn TorchRL env over dense batches of prompts: what the GRPO recipe's default rollout steps.
 
 :class:`PromptEnv` is a TorchRL ``EnvBase`` whose state is tensors: each reset draws ``num_prompts`` prompts from an
-endless, seeded, resumable stream (``recipes.common.rollout.EndlessShuffleSampler``), renders each with the policy
+endless, seeded, resumable stream (``recipes.common.data.EndlessShuffleSampler``), renders each with the policy
 tokenizer's chat template (once per prompt for the whole run, not once per sample and step), left-pads them into one
 ``[B, P]`` tensor and repeats every prompt ``group_size`` times by indexing. The policy (e.g.
-``recipes.common.sampling.SamplingPolicy``) answers every row; the step ends every dialog (single turn) and the
+``recipes.grpo.sampling.SamplingPolicy``) answers every row; the step ends every dialog (single turn) and the
 env's transforms (``interop.RewardModelTransform``...) write ``("next", "reward")``.
 
 It is what TorchRL's ``ChatEnv`` + ``StepCounter(max_steps=1)`` does for single-turn prompts, without a
@@ -20,17 +20,17 @@ from collections.abc import Sequence
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModuleBase
 from torch.nn.utils.rnn import pad_sequence
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import EnvBase
 
-from recipes.common.rollout import EndlessShuffleSampler
+from recipes.common.data import EndlessShuffleSampler
+from recipes.grpo.batch import PROMPT_INDEX, PROMPT_MASK, PROMPT_TOKENS
 
-__all__ = ["PromptEnv", "PromptTable", "ResponseText", "non_tensor_rows"]
+__all__ = ["PromptEnv", "PromptTable", "non_tensor_rows"]
 
 # What a step carries over from its input: the prompt, unchanged (one turn: nothing else happens to the state).
-_PROMPT_KEYS = (("tokens", "prompt"), ("masks", "prompt"), "prompt_index")
+_PROMPT_KEYS = (PROMPT_TOKENS, PROMPT_MASK, PROMPT_INDEX)
 
 
 def non_tensor_rows(values: Sequence) -> NonTensorStack:
@@ -107,8 +107,9 @@ class PromptEnv(EnvBase):
     - ``"prompt_index"`` ``[B]``: each prompt's position in the prompt table (the group id GRPO normalises over).
 
     Only tensors: text and conversations, which cost a Python object per row at every copy a collector makes, are
-    derived where a reward needs them (:class:`ResponseText`). A step marks every row done (one response per dialog);
-    the reward comes from the env's transforms, which read the policy's output (the step's input tensordict).
+    derived where a reward needs them (``recipes.grpo.rewards.ResponseText``). A step marks every row done (one
+    response per dialog); the reward comes from the env's transforms, which read the policy's output (the step's
+    input tensordict).
 
     Args:
         prompts: a :class:`PromptTable`, or prompt texts / conversations (lists of ``{"role", "content"}`` messages).
@@ -206,17 +207,11 @@ class PromptEnv(EnvBase):
         mask = torch.arange(tokens.shape[1]) >= tokens.shape[1] - lengths[:, None]
         rows = torch.arange(self.num_prompts).repeat_interleave(self.group_size)
         done = torch.zeros(*self.batch_size, 1, dtype=torch.bool)
-        return TensorDict(
-            {
-                "tokens": {"prompt": tokens[rows]},
-                "masks": {"prompt": mask[rows]},
-                "prompt_index": torch.tensor(indices)[rows],
-                "done": done,
-                "terminated": done.clone(),
-            },
-            batch_size=self.batch_size,
-            device=self.device,
-        )
+        reset = TensorDict({"done": done, "terminated": done.clone()}, batch_size=self.batch_size)
+        reset.set(PROMPT_TOKENS, tokens[rows])
+        reset.set(PROMPT_MASK, mask[rows])
+        reset.set(PROMPT_INDEX, torch.tensor(indices)[rows])
+        return reset.to(self.device) if self.device is not None else reset
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         done = torch.ones(*self.batch_size, 1, dtype=torch.bool, device=self.device)
@@ -227,60 +222,3 @@ class PromptEnv(EnvBase):
     def _set_seed(self, seed: int | None) -> None:
         # The prompt stream has its own seed (the constructor's), so that a resumed run continues it exactly.
         return None
-
-
-class ResponseText(TensorDictModuleBase):
-    """Decodes the responses of a :class:`PromptEnv` step into what text-reading reward modules read.
-
-    Writes, as TorchRL's LLM wrappers lay them out: ``("text", "response")`` (the response with its special tokens,
-    padding removed), ``("text", "full")`` (the rendered prompt + that response) and ``("history", "full")`` (the
-    prompt's messages + ``{"role": "assistant", "content": <the response without special tokens>}``), one Python
-    object per row. Put it in front of such a module inside ``interop.RewardModelTransform`` (e.g. in a
-    ``TensorDictSequential``): the transform scores a scratch selection of the step, so these objects never enter
-    the rollout that a collector copies.
-
-    Args:
-        prompts: the env's :class:`PromptTable`.
-        tokenizer: the policy's tokenizer.
-
-    Keyword Args:
-        keys: which of the three entries to write (decoding only what is asked).
-    """
-
-    KEYS = (("text", "response"), ("text", "full"), ("history", "full"))
-
-    def __init__(self, prompts: PromptTable, tokenizer, *, keys: Sequence = KEYS) -> None:
-        super().__init__()
-        keys = [tuple(key) for key in keys]
-        unknown = [key for key in keys if key not in self.KEYS]
-        if unknown:
-            raise ValueError(f"ResponseText: {unknown} are not among the entries it writes, {list(self.KEYS)}.")
-        self.prompts = prompts
-        self.tokenizer = tokenizer
-        self.in_keys = [("tokens", "response"), ("masks", "all_attention_mask"), "prompt_index"]
-        self.out_keys = keys
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        tokens = tensordict.get(("tokens", "response"))
-        mask = tensordict.get(("masks", "all_attention_mask"))[..., -tokens.shape[-1] :]
-        rows = [
-            row[keep].tolist()
-            for row, keep in zip(tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu())
-        ]
-        indices = tensordict.get("prompt_index").reshape(-1).tolist()
-        keys = set(self.out_keys)
-        if keys & {("text", "response"), ("text", "full")}:
-            texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
-            if ("text", "response") in keys:
-                tensordict.set(("text", "response"), non_tensor_rows(texts))
-            if ("text", "full") in keys:
-                full = [self.prompts.rendered(i)[0] + text for i, text in zip(indices, texts, strict=True)]
-                tensordict.set(("text", "full"), non_tensor_rows(full))
-        if ("history", "full") in keys:
-            replies = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
-            conversations = [
-                [*self.prompts.conversations[i], {"role": "assistant", "content": reply}]
-                for i, reply in zip(indices, replies, strict=True)
-            ]
-            tensordict.set(("history", "full"), non_tensor_rows(conversations))
-        return tensordict

@@ -1,4 +1,4 @@
-"""recipes.common.memory: checkpointing that really recomputes in the eval-mode policy, with the same gradients, and
+"""recipes.grpo.policy: checkpointing that really recomputes in the eval-mode policy, with the same gradients, and
 bf16 autocast over float32 weights; and a GRPO run with both switches on."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from _small_runs import GRPO_SMALL
 from transformers import AutoModelForCausalLM
 
 import recipes.grpo_torchrl_rm as recipe
-from recipes.common.log_probs import ResponseLogProbs
-from recipes.common.memory import enable_activation_checkpointing, update_forward
+from recipes.grpo.log_probs import ResponseLogProbs
+from recipes.grpo.policy import enable_activation_checkpointing, update_forward
 
 
 @pytest.fixture

@@ -14,15 +14,16 @@ from pathlib import Path
 import pytest
 from _batch_recording import install_batch_recorder
 
+import recipes.reward.pairs as preference
 import recipes.reward_trainer_from_buffer as recipe
-from recipes.common import preference
 from recipes.common.config import ConfigError
 from recipes.common.synthetic import PRODUCTS, make_review
+from recipes.reward import pair_store
 
 # A reward run small enough for a test: one or two steps of 8 pairs.
 TINY_RUN = ["train.max_steps=2", "train.per_device_train_batch_size=8", "train.logging_steps=1"]
 NUM_TRAIN, NUM_EVAL = 24, 6
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 
 def _pairs(n: int, *, seed: int, sentences: int = 1) -> list[dict]:
@@ -119,7 +120,7 @@ def test_saved_meta_records_the_tokenizer_the_counts_and_the_key_layout(saved_bu
 
     meta = json.loads((saved_buffer / "meta.json").read_text())
     assert (meta["num_pairs"], meta["num_eval_pairs"], meta["num_eval_responses"]) == (NUM_TRAIN, NUM_EVAL, 0)
-    assert meta["tokenizer"] == preference.tokenizer_fingerprint(
+    assert meta["tokenizer"] == pair_store.tokenizer_fingerprint(
         AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
     )
     assert meta["pair_keys"]["chosen_tokens"] == ["tokens", "chosen"]
@@ -140,7 +141,7 @@ def test_reload_trains_from_the_stored_token_ids_not_the_text(
     _write(buffer_copy / "pairs.jsonl", tampered)
 
     overrides = [*TINY_RUN, f"buffer={storage}", f"buffer.load_from={buffer_copy}"]
-    with caplog.at_level(logging.INFO, logger=preference.__name__):
+    with caplog.at_level(logging.INFO, logger=pair_store.__name__):
         summary = recipe.train(_compose([*overrides, f"output_dir={tmp_path / 'run'}"]))
 
     assert summary["train/steps"] == 2 and summary["train/num_pairs"] == NUM_TRAIN
@@ -164,7 +165,7 @@ def test_another_tokenizer_re_tokenizes_the_text_and_says_so(
 
     overrides = [*TINY_RUN, f"buffer.load_from={buffer_copy}"]
     overrides += [f"reward_model.name_or_path={other_rm_dir}", f"output_dir={tmp_path / 'run'}"]
-    with caplog.at_level(logging.INFO, logger=preference.__name__):
+    with caplog.at_level(logging.INFO, logger=pair_store.__name__):
         summary = recipe.train(_compose(overrides))
 
     assert summary["train/steps"] == 2

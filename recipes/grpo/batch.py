@@ -1,0 +1,95 @@
+"""The dense batch a GRPO step trains on: its keys, and where its responses are.
+
+Every rollout of the recipe (``rollout.env=prompt``'s sampler, ``rollout.env=chat``'s padded TorchRL rollout) hands the
+learner one flat TensorDict of ``B`` responses whose rows are ``[pads | prompt | response | pads]``, every response
+starting at the same column (``generate``'s layout, what TorchRL's padded ``GRPOLoss`` actor assumes):
+
+- :data:`PROMPT_TOKENS` ``[B, P]``: the prompts, left-padded; :data:`PROMPT_MASK` ``[B, P]`` (a step of
+  ``rollout.env=prompt`` only);
+- :data:`RESPONSE_TOKENS` ``[B, R]``: the responses, right-padded, pad id after EOS;
+- :data:`TOKENS` ``[B, P + R]``: both; :data:`ATTENTION_MASK` ``[B, P + R]``, True on real tokens;
+- :data:`LOG_PROBS` ``[B, P + R]``: each response token's log-prob under the policy that sampled it (the behaviour,
+  or "old", log-probs), 0 elsewhere (TorchRL's layout of ``("log_probs", "full")``);
+- :data:`PROMPT_INDEX` ``[B]``: the prompt's row in the run's prompt table, the group id of GRPO's normalisation;
+- :data:`POLICY_VERSION` ``[B]``: how many updates the sampling weights had had;
+- :data:`REWARD` ``[B, 1, 1]`` and :data:`DONE` ``[B, 1]``: TorchRL's LLM reward and done layout.
+
+The learner then adds :data:`ADVANTAGE` (``[B, 1, 1]``) and :data:`REF_LOG_PROBS` (``[B, P + R]``, the frozen
+reference's). :data:`BATCH_KEYS` is what a collector hands over; :func:`response_start` and :func:`response_mask` are
+the one way to find the responses in it.
+
+Dependencies: torch, tensordict.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+__all__ = [
+    "ADVANTAGE",
+    "ATTENTION_MASK",
+    "BATCH_KEYS",
+    "DONE",
+    "LOG_PROBS",
+    "POLICY_VERSION",
+    "PROMPT_INDEX",
+    "PROMPT_MASK",
+    "PROMPT_TOKENS",
+    "REF_LOG_PROBS",
+    "RESPONSE_TOKENS",
+    "REWARD",
+    "TOKENS",
+    "response_mask",
+    "response_start",
+]
+
+PROMPT_TOKENS = ("tokens", "prompt")
+PROMPT_MASK = ("masks", "prompt")
+RESPONSE_TOKENS = ("tokens", "response")
+TOKENS = ("tokens", "full")
+ATTENTION_MASK = ("masks", "all_attention_mask")
+LOG_PROBS = ("log_probs", "full")
+PROMPT_INDEX = "prompt_index"
+POLICY_VERSION = "policy_version"
+REWARD = ("next", "reward")
+DONE = ("next", "done")
+ADVANTAGE = "advantage"
+REF_LOG_PROBS = ("next", "ref_log_probs", "full")
+
+# What a step hands the learner: the dense sequences, the behaviour log-probs, the group ids, rewards and the policy
+# version the responses were sampled with.
+BATCH_KEYS = (
+    PROMPT_TOKENS,
+    RESPONSE_TOKENS,
+    TOKENS,
+    ATTENTION_MASK,
+    LOG_PROBS,
+    PROMPT_INDEX,
+    POLICY_VERSION,
+    REWARD,
+    DONE,
+)
+
+
+def response_start(batch: TensorDictBase) -> int:
+    """The column where every response starts in a dense batch: the width of :data:`PROMPT_TOKENS`."""
+    return batch.get(PROMPT_TOKENS).shape[-1]
+
+
+def response_mask(batch: TensorDictBase) -> torch.Tensor:
+    """``[B, R]``, True on each row's response tokens (EOS included): the attention mask's response columns.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> batch = TensorDict(
+        ...     {"tokens": {"prompt": torch.tensor([[0, 5], [6, 7]])},
+        ...      "masks": {"all_attention_mask": torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]]).bool()}},
+        ...     batch_size=[2],
+        ... )
+        >>> response_mask(batch)
+        tensor([[ True, False],
+                [ True,  True]])
+    """
+    return batch.get(ATTENTION_MASK)[:, response_start(batch) :].bool()

@@ -1,0 +1,181 @@
+"""What a GRPO run says about itself: each step's figures, the progress line and sample rollouts in its log, what
+the run is at its start, and ``summary.json`` with the closing message at its end.
+
+- :func:`rollout_metrics`: a step's reward, oracle and length statistics (pooled over the processes).
+- :func:`report_step`: the step's metrics to the logger, a progress line, sample rollouts (:func:`sample_rollouts`).
+- :func:`run_description`, :func:`closing_message`: the first and last lines of the run's log.
+- :func:`summarize`: ``summary.json`` (:data:`SUMMARY_KEYS`: what ``metric=`` may name).
+
+Dependencies: torch, omegaconf, and the recipe's own modules.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from recipes.common.run import Run
+from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, response_mask
+from recipes.grpo.checkpointing import TrainingProgress
+
+__all__ = [
+    "RUN_FIGURES",
+    "SUMMARY_KEYS",
+    "SUMMARY_SERIES",
+    "closing_message",
+    "progress_line",
+    "report_step",
+    "rollout_metrics",
+    "run_description",
+    "sample_rollouts",
+    "summarize",
+]
+
+log = logging.getLogger(__name__)
+
+# summary.json: the run's figures, then the first and last value (last: averaged over summary.window steps) of each
+# series; SUMMARY_KEYS is the one list of them (what main() may return as cfg.metric).
+RUN_FIGURES = (
+    "train/steps",
+    "train/num_processes",
+    "rollout/generated_tokens",
+    "perf/wall_time_s",
+    "perf/tokens_per_s",
+    "perf/setup_time_s",
+)
+SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
+SUMMARY_KEYS = (*RUN_FIGURES, *(f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")))
+
+
+def rollout_metrics(data, tokenizer, oracle, *, group_size: int, gather=None) -> tuple[dict[str, float], int]:
+    """Reward, oracle and length statistics of one step's responses, and how many tokens were generated.
+
+    ``rollout/frac_reward_zero_std`` is the fraction of groups (each prompt's ``group_size`` contiguous responses)
+    whose rewards are all equal: they teach nothing, their advantages are 0. ``gather`` (``pool_over_processes``)
+    pools the per-response values of every data-parallel rank first, so that the figures are those of the whole
+    step's responses."""
+    mask = response_mask(data)
+    values = {
+        "reward": data.get(REWARD).reshape(-1).float(),
+        "length": mask.sum(-1).double(),
+    }
+    if oracle is not None:
+        responses = [row[keep] for row, keep in zip(data.get(RESPONSE_TOKENS), mask, strict=True)]
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        values["oracle"] = torch.tensor([float(oracle(t)) for t in texts], dtype=torch.float64)
+    if gather is not None:
+        values = {key: gather(value) for key, value in values.items()}
+    metrics = {
+        "rollout/reward_mean": values["reward"].mean().item(),
+        "rollout/reward_std": values["reward"].std().item(),
+        "rollout/frac_reward_zero_std": (values["reward"].view(-1, group_size).std(-1) == 0).float().mean().item(),
+    }
+    if oracle is not None:
+        metrics["rollout/oracle_mean"] = values["oracle"].mean().item()
+    metrics["rollout/response_length"] = values["length"].mean().item()
+    return metrics, int(values["length"].sum().item())
+
+
+def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
+    """The step's metrics to the logger, a progress line every ``log_every_n_steps`` steps and sample rollouts every
+    ``samples.every_n_steps`` to the log (``samples(count=n)`` draws them), the live reward on the progress bar."""
+    cfg = run.cfg
+    run.logger.log(metrics, step=step)
+    if run.is_main and (step % cfg.log_every_n_steps == 0 or step == cfg.train.steps):
+        log.info(progress_line(step, cfg.train.steps, metrics))
+    every = cfg.samples.every_n_steps
+    if run.is_main and every is not None and (step % every == 0 or step in (1, cfg.train.steps)):
+        drawn = samples(count=max(cfg.samples.log_count, cfg.samples.print_count))
+        run.logger.log_samples(drawn[: cfg.samples.log_count], step=step)
+        for sample in drawn[: cfg.samples.print_count]:
+            log.info("Step %d sample: %s", step, json.dumps(sample, ensure_ascii=False))
+    shown = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
+    if "rollout/oracle_mean" in metrics:
+        shown["oracle"] = f"{metrics['rollout/oracle_mean']:.3f}"
+    bar.set_postfix(shown)
+    bar.update(1)
+
+
+def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> str:
+    """What the run trains, on what, where: the first line of its log."""
+    processes = f" x {world_size} processes" if world_size > 1 else ""
+    return (
+        f"GRPO ({cfg.rollout.env} env, {cfg.rollout.mode}): policy {cfg.model.name_or_path}, reward model "
+        f"{cfg.reward_model.name_or_path} (reward.input={cfg.reward.input}), data={cfg.data.source} "
+        f"({num_prompts} prompts); {cfg.train.steps} steps of {cfg.rollout.responses_per_step} responses{processes} "
+        f"(groups of {cfg.rollout.group_size}, up to {cfg.rollout.generation.max_new_tokens} new tokens), lr "
+        f"{cfg.optimizer.lr}, seed {cfg.seed}, {cfg.device} {cfg.dtype}; run folder {cfg.output_dir}"
+    )
+
+
+def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
+    """One step's headline figures, for the log every ``log_every_n_steps`` steps."""
+    shown = [f"reward {metrics['rollout/reward_mean']:.3f}"]
+    if "rollout/oracle_mean" in metrics:
+        shown.append(f"oracle {metrics['rollout/oracle_mean']:.3f}")
+    if "train/kl_to_ref" in metrics:
+        shown.append(f"KL {metrics['train/kl_to_ref']:.4f}")
+    shown.append(f"length {metrics['rollout/response_length']:.1f}")
+    shown.append(f"{metrics['perf/step_time_s']:.2f} s/step")
+    return f"Step {step}/{steps}: {', '.join(shown)}"
+
+
+def sample_rollouts(batch, prompts: list, tokenizer, oracle, *, count: int) -> list[dict]:
+    """``count`` of a step's rollouts, spread over its groups: the prompt as the data gives it, the response's text,
+    its reward and, where the data has one, its oracle score."""
+    if count < 1:
+        return []
+    rows = torch.linspace(0, batch.shape[0] - 1, count).round().long().unique().tolist()
+    mask = response_mask(batch)
+    rewards = batch.get(REWARD).reshape(batch.shape[0], -1)[:, 0]
+    samples = []
+    for row in rows:
+        response = tokenizer.decode(batch.get(RESPONSE_TOKENS)[row][mask[row]], skip_special_tokens=True)
+        prompt = prompts[int(batch.get(PROMPT_INDEX)[row])]
+        if not isinstance(prompt, str):  # a conversation
+            prompt = "\n".join(f"{message['role']}: {message['content']}" for message in prompt)
+        sample = {"prompt": prompt, "response": response, "reward": round(float(rewards[row]), 4)}
+        if oracle is not None:
+            sample["oracle"] = round(float(oracle(response)), 4)
+        samples.append(sample)
+    return samples
+
+
+def closing_message(summary: dict, output_dir: Path) -> str:
+    """Where the run is, its headline figures and what to run next."""
+    oracle = ""
+    if "rollout/oracle_mean_first" in summary:
+        oracle = f", oracle {summary['rollout/oracle_mean_first']:.3f} -> {summary['rollout/oracle_mean_last']:.3f}"
+    return (
+        f"GRPO done: {summary['train/steps']} steps in {summary['perf/wall_time_s']:.1f} s "
+        f"({summary['perf/tokens_per_s']:.0f} "
+        f"generated tokens/s of rollout); reward {summary['rollout/reward_mean_first']:.3f} -> "
+        f"{summary['rollout/reward_mean_last']:.3f}{oracle}. Run folder: {output_dir}. Curves: python "
+        f"scripts/plot_run.py {output_dir}"
+    )
+
+
+def summarize(progress: TrainingProgress, *, window: int, num_processes: int) -> dict:
+    """The run's :data:`SUMMARY_KEYS`. ``perf/wall_time_s``: the training steps' time over every invocation (setup
+    apart); ``perf/tokens_per_s``: generated tokens per second of rollout (generation, reward, log-prob scoring)."""
+    history = progress.history
+    figures = (
+        len(history),
+        num_processes,
+        progress.tokens_total,
+        progress.wall_time_s,
+        progress.tokens_total / max(progress.rollout_time_s, 1e-9),
+        progress.setup_time_s,
+    )
+    summary = dict(zip(RUN_FIGURES, figures, strict=True))
+    for name in SUMMARY_SERIES:
+        values = [row[name] for row in history if name in row]
+        if values:
+            # The first step samples from the initial policy: the starting point. The end is averaged for stability.
+            summary[f"{name}_first"] = values[0]
+            summary[f"{name}_last"] = sum(values[-window:]) / len(values[-window:])
+    return summary

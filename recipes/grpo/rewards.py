@@ -1,0 +1,351 @@
+"""The reward of a GRPO step: what scores each response, how it is built from the config, and what it may read.
+
+The env's reward transforms (``interop.RewardModelTransform``) score every step where it is collected (in the
+learner's process, or in the background collector's): the reward model through ``interop.HFRewardModelWrapper``, then
+each extra term of ``reward.terms`` added on top.
+
+- :func:`make_reward_transforms`: the transforms of ``reward:`` (``reward.input`` picks what the reward model reads).
+- :class:`ResponseText`: decodes a ``PromptEnv`` step's responses into the text and conversations text-reading
+  rewards read, on a scratch copy inside the transform.
+- Reward terms, TensorDict modules with one reward per sample that ``RewardModelTransform(term, accumulate=True)``
+  adds to the reward model's score: :class:`LengthPenalty`, :class:`TextScoreReward`.
+- Checks before anything loads: :func:`check_reward_keys` (every key a reward reads is one the rollout holds,
+  :func:`rollout_step_keys`), :func:`reward_prompt_lengths` (how long each prompt is as the reward model reads it).
+
+Dependencies: torch, tensordict, torchrl, hydra, transformers, and the project's ``interop`` package.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, ListConfig
+from tensordict import NestedKey, TensorDictBase
+from tensordict.nn import TensorDictModuleBase, TensorDictSequential
+
+from interop import HFRewardModelWrapper, RewardModelTransform
+from recipes.common.chat import CHAT_STEP_KEYS
+from recipes.common.config import ConfigError, tensordict_key
+from recipes.common.models import load_tokenizer
+from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
+from recipes.grpo.prompt_env import PromptEnv, PromptTable, non_tensor_rows
+from recipes.grpo.sampling import SamplingPolicy
+
+__all__ = [
+    "READ_KEYS_OF_INPUT",
+    "REWARD_INPUTS",
+    "LengthPenalty",
+    "ResponseText",
+    "TextScoreReward",
+    "check_reward_keys",
+    "make_reward_transforms",
+    "reward_prompt_lengths",
+    "rollout_step_keys",
+]
+
+REWARD_INPUTS = ("history", "text", "tokens")
+# The reward.read_keys entries the reward model reads, for each reward.input.
+READ_KEYS_OF_INPUT = {"history": ("history",), "text": ("text",), "tokens": ("tokens", "attention_mask")}
+
+
+def _as_tuple(key: NestedKey) -> tuple:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
+    """The entries a step of ``cfg.rollout.env``'s rollout holds when the reward transforms read it.
+
+    ``prompt``: what :class:`PromptEnv` resets, what :class:`SamplingPolicy` writes, and the text and conversations
+    :class:`ResponseText` decodes for the rewards that read them. ``chat``: TorchRL's layout
+    (``recipes.common.chat.CHAT_STEP_KEYS``), with ``("log_probs", "response")`` when
+    ``rollout.generation.return_log_probs`` asks for it.
+    """
+    if cfg.rollout.env == "chat":
+        keys = list(CHAT_STEP_KEYS)
+        generation = cfg.rollout.generation
+        if "return_log_probs" in generation and generation.return_log_probs:
+            keys.append(("log_probs", "response"))
+    else:
+        keys = [*PromptEnv.RESET_KEYS, *SamplingPolicy.OUT_KEYS, *ResponseText.KEYS]
+    return [_as_tuple(key) for key in keys]
+
+
+def _term_read_keys(node: DictConfig) -> dict:
+    """The settings of a reward term's node that name an entry the term reads: its ``_target_``'s parameters
+    annotated ``NestedKey`` (as ``LengthPenalty``'s and ``TextScoreReward``'s are), but ``reward_key``, the entry it
+    writes. Only the target is imported; nothing is built."""
+    if "_target_" not in node:
+        return {}
+    parameters = inspect.signature(get_object(node._target_)).parameters
+    return {
+        name: node[name]
+        for name in node
+        if name in parameters
+        and name != "reward_key"
+        and "NestedKey" in str(parameters[name].annotation)
+        and node[name] is not None
+    }
+
+
+def check_reward_keys(cfg: DictConfig) -> None:
+    """Refuses a key the rewards would read that the rollout does not hold, before anything loads.
+
+    Checks the ``reward.read_keys`` entries that ``reward.input`` reads (call it once ``reward.input`` is known to be
+    one of :data:`REWARD_INPUTS`), and the keys the extra reward terms (``reward.terms``) are set to read.
+
+    Raises:
+        ConfigError: naming the setting, the key, and the entries :func:`rollout_step_keys` lists.
+    """
+    held = rollout_step_keys(cfg)
+    listed = ", ".join(f"[{', '.join(entry)}]" for entry in held)
+    read = {}
+    for name in READ_KEYS_OF_INPUT[cfg.reward.input]:
+        if name not in cfg.reward.read_keys:
+            raise ConfigError(
+                f"reward.input={cfg.reward.input} reads reward.read_keys.{name}, which is not set. Set it to the entry "
+                f"to score; a step of rollout.env={cfg.rollout.env} holds {listed}."
+            )
+        read[f"reward.read_keys.{name}"] = cfg.reward.read_keys[name]
+    for term, node in cfg.reward.terms.items():
+        for setting, value in _term_read_keys(node).items():
+            read[f"reward.terms.{term}.{setting}"] = value
+    for setting, value in read.items():
+        if not isinstance(value, (str, ListConfig, list, tuple)):
+            raise ConfigError(f"{setting}={value!r}: expected a key, a name or a list of names such as [text, full].")
+        key = _as_tuple(tensordict_key(value))
+        if key not in held:
+            raise ConfigError(
+                f"{setting}=[{', '.join(key)}]: a step of rollout.env={cfg.rollout.env} holds no such entry when the "
+                f"rewards read it. It holds {listed}. Point {setting} at one of those."
+            )
+
+
+def _with_response_text(module, prompts: PromptTable, tokenizer):
+    """``module`` preceded by a :class:`ResponseText` writing the text / conversation entries it reads, if any."""
+    wanted = (
+        [tuple(key) for key in module.in_keys if tuple(key) in ResponseText.KEYS] if hasattr(module, "in_keys") else []
+    )
+    if not wanted:
+        return module
+    return TensorDictSequential(
+        ResponseText(prompts, tokenizer, keys=wanted), module, selected_out_keys=module.out_keys
+    )
+
+
+def make_reward_transforms(
+    cfg: DictConfig, reward_model, reward_tokenizer, policy_tokenizer, *, prompts: PromptTable | None = None
+) -> list:
+    """``RewardModelTransform`` over the reward model, then one accumulating transform per extra reward term.
+
+    ``prompts``: the :class:`PromptTable` of a ``PromptEnv``, whose steps hold tokens only: text and conversations
+    are then decoded for the modules that read them (:class:`ResponseText`), inside the transform. ``None`` for
+    TorchRL's ``ChatEnv``, whose policy writes them.
+    """
+    keys = {name: tensordict_key(key) for name, key in cfg.reward.read_keys.items()}
+    common = {
+        "inference_mode": True,
+        "micro_batch_size": cfg.reward.micro_batch_size,
+        "max_length": cfg.reward.max_length,
+    }
+    if cfg.reward.input == "tokens":
+        if reward_tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+            raise ConfigError(
+                "reward.input=tokens feeds the policy's token ids to the reward model, but the two tokenizers differ "
+                f"({cfg.model.name_or_path} vs {cfg.reward_model.name_or_path}); use reward.input=history or text."
+            )
+        scorer = HFRewardModelWrapper(
+            reward_model, token_key=keys["tokens"], attention_mask_key=keys["attention_mask"], **common
+        )
+    elif cfg.reward.input == "text":
+        scorer = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, text_key=keys["text"], **common)
+    else:
+        scorer = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, history_key=keys["history"], **common)
+    modules = [scorer, *(instantiate(term) for term in cfg.reward.terms.values())]
+    if prompts is not None:
+        modules = [_with_response_text(module, prompts, policy_tokenizer) for module in modules]
+    return [RewardModelTransform(modules[0])] + [RewardModelTransform(m, accumulate=True) for m in modules[1:]]
+
+
+class ResponseText(TensorDictModuleBase):
+    """Decodes the responses of a :class:`PromptEnv` step into what text-reading reward modules read.
+
+    Writes, as TorchRL's LLM wrappers lay them out: ``("text", "response")`` (the response with its special tokens,
+    padding removed), ``("text", "full")`` (the rendered prompt + that response) and ``("history", "full")`` (the
+    prompt's messages + ``{"role": "assistant", "content": <the response without special tokens>}``), one Python
+    object per row. Put it in front of such a module inside ``interop.RewardModelTransform`` (e.g. in a
+    ``TensorDictSequential``): the transform scores a scratch selection of the step, so these objects never enter
+    the rollout that a collector copies.
+
+    Args:
+        prompts: the env's :class:`PromptTable`.
+        tokenizer: the policy's tokenizer.
+
+    Keyword Args:
+        keys: which of the three entries to write (decoding only what is asked).
+    """
+
+    KEYS = (("text", "response"), ("text", "full"), ("history", "full"))
+
+    def __init__(self, prompts: PromptTable, tokenizer, *, keys: Sequence = KEYS) -> None:
+        super().__init__()
+        keys = [tuple(key) for key in keys]
+        unknown = [key for key in keys if key not in self.KEYS]
+        if unknown:
+            raise ValueError(f"ResponseText: {unknown} are not among the entries it writes, {list(self.KEYS)}.")
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.in_keys = [RESPONSE_TOKENS, ATTENTION_MASK, PROMPT_INDEX]
+        self.out_keys = keys
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        tokens = tensordict.get(RESPONSE_TOKENS)
+        mask = tensordict.get(ATTENTION_MASK)[..., -tokens.shape[-1] :]
+        rows = [
+            row[keep].tolist()
+            for row, keep in zip(tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu())
+        ]
+        indices = tensordict.get(PROMPT_INDEX).reshape(-1).tolist()
+        keys = set(self.out_keys)
+        if keys & {("text", "response"), ("text", "full")}:
+            texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+            if ("text", "response") in keys:
+                tensordict.set(("text", "response"), non_tensor_rows(texts))
+            if ("text", "full") in keys:
+                full = [self.prompts.rendered(i)[0] + text for i, text in zip(indices, texts, strict=True)]
+                tensordict.set(("text", "full"), non_tensor_rows(full))
+        if ("history", "full") in keys:
+            replies = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+            conversations = [
+                [*self.prompts.conversations[i], {"role": "assistant", "content": reply}]
+                for i, reply in zip(indices, replies, strict=True)
+            ]
+            tensordict.set(("history", "full"), non_tensor_rows(conversations))
+        return tensordict
+
+
+class LengthPenalty(TensorDictModuleBase):
+    """Reward term ``-coefficient * max(0, response_tokens - free_tokens)``: discourages rambling responses.
+
+    Keyword Args:
+        coefficient: penalty per token beyond ``free_tokens``.
+        free_tokens: response length that costs nothing.
+        tokens_key: the response token ids: one tensor per sample (TorchRL's ragged layout), or a dense ``[B, R]``
+            tensor, whose length per row is then read from the last ``R`` columns of ``mask_key``.
+        mask_key: the attention mask of dense rows (``[pads | prompt | response | pads]``, as
+            ``recipes.grpo.sampling.SamplingPolicy`` writes it); ignored for ragged samples.
+        pad_token_id: with ragged samples, or dense ones without a mask: the id not counted as a token; ``None``
+            counts every position.
+        reward_key: the entry written, one float per sample.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import lazy_stack, TensorDict
+        >>> td = lazy_stack([TensorDict({"tokens": {"response": torch.ones(n, dtype=torch.long)}}) for n in (3, 12)])
+        >>> LengthPenalty(coefficient=0.5, free_tokens=10)(td)["length_penalty"]
+        tensor([ 0., -1.])
+        >>> dense = TensorDict(
+        ...     {"tokens": {"response": torch.tensor([[5, 1, 0], [5, 6, 1]])},
+        ...      "masks": {"all_attention_mask": torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]]).bool()}},
+        ...     batch_size=[2],
+        ... )
+        >>> LengthPenalty(coefficient=1.0, free_tokens=2)(dense)["length_penalty"]
+        tensor([ 0., -1.])
+    """
+
+    def __init__(
+        self,
+        *,
+        coefficient: float,
+        free_tokens: int = 0,
+        tokens_key: NestedKey = RESPONSE_TOKENS,
+        mask_key: NestedKey | None = ATTENTION_MASK,
+        pad_token_id: int | None = None,
+        reward_key: NestedKey = "length_penalty",
+    ) -> None:
+        super().__init__()
+        self.coefficient = coefficient
+        self.free_tokens = free_tokens
+        self.tokens_key = tokens_key
+        self.mask_key = mask_key
+        self.pad_token_id = pad_token_id
+        self.in_keys = [tokens_key] + ([mask_key] if mask_key is not None else [])
+        self.out_keys = [reward_key]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        flat = tensordict.reshape(-1)
+        tokens = flat.get(self.tokens_key, as_list=True)
+        mask = flat.get(self.mask_key, None, as_list=True) if self.mask_key is not None else None
+        if isinstance(tokens, torch.Tensor) and isinstance(mask, torch.Tensor):
+            lengths = mask[:, -tokens.shape[-1] :].sum(-1).float()  # dense rows: the response's mask columns
+        else:
+            lengths = torch.tensor(
+                [float(t.numel() if self.pad_token_id is None else (t != self.pad_token_id).sum()) for t in tokens]
+            )
+        penalty = 0.0 - self.coefficient * (lengths - self.free_tokens).clamp_min(0.0)  # 0.0 - x: no -0.0
+        tensordict.set(self.out_keys[0], penalty.reshape(tensordict.batch_size))
+        return tensordict
+
+
+class TextScoreReward(TensorDictModuleBase):
+    """Reward term ``weight * score(response_text)`` from any text scorer (a rule, a verifier, the task's oracle).
+
+    Args:
+        score: ``callable(str) -> float``, e.g. ``recipes.common.synthetic.oracle_score``.
+
+    Keyword Args:
+        weight: multiplies the score.
+        text_key: the response text (TorchRL's wrappers write ``("text", "response")``, special tokens included).
+        strip: substrings removed from the text before scoring (e.g. the EOS string).
+        reward_key: the entry written, one float per sample.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({"text": {"response": ["it is good.", "it is bad."]}}, batch_size=[2])
+        >>> TextScoreReward(len, weight=2.0)(td)["text_score"]
+        tensor([22., 20.])
+    """
+
+    def __init__(
+        self,
+        score: Callable[[str], float],
+        *,
+        weight: float = 1.0,
+        text_key: NestedKey = ("text", "response"),
+        strip: Sequence[str] = (),
+        reward_key: NestedKey = "text_score",
+    ) -> None:
+        super().__init__()
+        if not callable(score):
+            raise TypeError(f"TextScoreReward: score must be callable(str) -> float, got {type(score).__name__}.")
+        self.score = score
+        self.weight = weight
+        self.text_key = text_key
+        self.strip = tuple(strip)
+        self.in_keys = [text_key]
+        self.out_keys = [reward_key]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        texts = tensordict.reshape(-1).get(self.text_key)
+        texts = [texts] if isinstance(texts, str) else texts.tolist()  # a NonTensorStack of one string per sample
+        values = []
+        for text in texts:
+            for piece in self.strip:
+                text = text.replace(piece, "")
+            values.append(self.weight * float(self.score(text)))
+        tensordict.set(self.out_keys[0], torch.tensor(values).reshape(tensordict.batch_size))
+        return tensordict
+
+
+def reward_prompt_lengths(cfg: DictConfig, table: PromptTable, policy_lengths: torch.Tensor) -> list[int]:
+    """Each prompt's length as the reward model reads it (``reward.input``): the prefix before any response token."""
+    if cfg.reward.input == "tokens":  # the policy's own token ids
+        return policy_lengths.tolist()
+    reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+    if cfg.reward.input == "text":  # the policy's rendered prompt, re-tokenized
+        texts = [table.rendered(index)[0] for index in range(len(table))]
+        return [len(ids) for ids in reward_tokenizer(texts)["input_ids"]]
+    rendered = reward_tokenizer.apply_chat_template(table.conversations, tokenize=True, return_dict=True)
+    return [len(ids) for ids in rendered["input_ids"]]

@@ -1,0 +1,251 @@
+"""What a GRPO step collects, built from the recipe config: env -> policy -> reward -> dense batch.
+
+Two rollouts, chosen by ``rollout.env``:
+
+- ``prompt`` (the default): :class:`~recipes.grpo.prompt_env.PromptEnv` (dense prompt batches) + the reward
+  transforms (``recipes.grpo.rewards``), stepped by :class:`~recipes.grpo.sampling.SamplingPolicy` (one decoding loop
+  per step, recording the behaviour log-probs), driven by a TorchRL ``Collector``. With ``rollout.mode=async`` that
+  collector runs in a child process (:class:`~recipes.grpo.collectors.BackgroundCollector`) one batch ahead of the
+  learner.
+- ``chat``: TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector`` (``recipes.common.chat``), for users
+  who plug in TorchRL's multi-turn and tool transforms; its ragged rollout is padded into the same dense layout.
+
+Both yield the same batch (``recipes.grpo.batch.BATCH_KEYS``), which the learner completes (advantages, reference
+and, where missing, old log-probs: ``recipes.grpo.learner.PrepareBatch``).
+
+Dependencies: torch, tensordict, torchrl, transformers, and the project's ``interop`` package.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDictBase
+from torchrl.collectors import Collector
+from torchrl.collectors.llm import LLMCollector
+
+from recipes.common.chat import (
+    check_chat_generation_settings,
+    make_chat_env,
+    make_policy,
+    make_prompt_dataloader,
+    pad_rollout,
+)
+from recipes.common.config import run_config
+from recipes.common.data import load_prompts
+from recipes.common.models import load_reward_model, load_tokenizer
+from recipes.grpo.batch import BATCH_KEYS, DONE, POLICY_VERSION, PROMPT_INDEX, REWARD
+from recipes.grpo.collectors import BackgroundCollector, LocalCollector
+from recipes.grpo.policy import load_policy
+from recipes.grpo.prompt_env import PromptEnv, PromptTable
+from recipes.grpo.rewards import make_reward_transforms
+from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
+
+__all__ = ["ROLLOUT_ENVS", "build_prompt_collector", "check_generation_settings", "make_collector"]
+
+ROLLOUT_ENVS = ("prompt", "chat")
+
+
+def check_generation_settings(generation: Mapping, *, env: str, key: str = "rollout.generation") -> None:
+    """Refuses a ``generation`` key that the rollout's sampler does not take, before anything loads.
+
+    ``env="prompt"`` (:class:`~recipes.grpo.sampling.SamplingPolicy`) takes the
+    :class:`~recipes.grpo.sampling.SamplingSettings` fields; ``env="chat"`` (TorchRL's ``TransformersWrapper``) any
+    ``transformers.GenerationConfig`` field, and ``return_log_probs``.
+
+    Keyword Args:
+        env: ``"prompt"`` or ``"chat"``, as ``rollout.env``.
+        key: where ``generation`` sits in the config, named in the error.
+
+    Raises:
+        ConfigError: an unknown key (a typo would otherwise go unnoticed, or fail deep inside generation).
+
+    Examples:
+        >>> check_generation_settings({"max_new_tokens": 8, "min_p": 0.05}, env="prompt")
+        >>> check_generation_settings({"max_new_tokens": 8, "max_new_token": 8}, env="chat")
+        Traceback (most recent call last):
+        ...
+        recipes.common.config.ConfigError: rollout.generation: ['max_new_token'] are not generation settings ...
+    """
+    if env == "prompt":
+        SamplingSettings.check_keys(generation, key=key)
+    else:
+        check_chat_generation_settings(generation, key=key)
+
+
+def _dense_batch(rollout: TensorDictBase) -> TensorDictBase:
+    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS` (a view: the
+    collector copies what its postproc returns)."""
+    return rollout.reshape(-1).select(*BATCH_KEYS)
+
+
+def _stream_start(cfg: DictConfig, start_step: int, num_replicas: int) -> int:
+    # The prompt stream is a function of the step (each step draws per_step / group prompts per process): resuming
+    # continues it.
+    return start_step * (cfg.rollout.responses_per_step // cfg.rollout.group_size) * num_replicas
+
+
+def _prompt_collector(
+    cfg: DictConfig,
+    prompts: list,
+    *,
+    policy_model,
+    tokenizer,
+    reward_model,
+    reward_tokenizer,
+    start_step: int,
+    num_replicas: int,
+    rank: int,
+) -> tuple[Collector, SamplingPolicy]:
+    """``PromptEnv`` + reward transforms, stepped by a ``SamplingPolicy``, driven by a TorchRL ``Collector``."""
+    group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
+    prompts = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
+    env = PromptEnv(
+        prompts,
+        tokenizer=tokenizer,
+        group_size=group,
+        num_prompts=per_step // group,
+        seed=cfg.seed,
+        start=_stream_start(cfg, start_step, num_replicas),
+        num_replicas=num_replicas,
+        rank=rank,
+        device=cfg.device,
+    )
+    for transform in make_reward_transforms(cfg, reward_model, reward_tokenizer, tokenizer, prompts=prompts):
+        env = env.append_transform(transform)
+    policy = SamplingPolicy(policy_model, tokenizer, settings=SamplingSettings.from_mapping(cfg.rollout.generation))
+    # One env step per batch: B dialogs of one turn each. Endless: the learner decides when to stop.
+    collector = Collector(
+        env,
+        policy,
+        frames_per_batch=per_step,
+        total_frames=-1,
+        postproc=_dense_batch,
+        use_buffers=False,
+        auto_register_policy_transforms=False,  # the policy reads no recurrent state: nothing to register
+    )
+    return collector, policy
+
+
+def build_prompt_collector(
+    config: Mapping, *, start_step: int, num_replicas: int, rank: int
+) -> tuple[Collector, SamplingPolicy]:
+    """Loads the models a ``rollout.env=prompt`` collector needs and builds it: what a background collector runs.
+
+    Args:
+        config: the recipe config as a plain, resolved mapping (picklable, no Hydra state needed).
+    """
+    cfg = OmegaConf.create(dict(config))
+    tokenizer = load_tokenizer(cfg.model, padding_side="left")
+    reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+    reward_model = load_reward_model(
+        cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
+    ).eval()
+    return _prompt_collector(
+        cfg,
+        load_prompts(cfg.data, "train"),
+        # The weights are the learner's, loaded over these by the background collector before every batch.
+        # With LoRA, built as the learner builds its policy: the parameter names match, so all of them (the
+        # unchanging base included) are copied; a resumed run's adapter weights arrive the same way.
+        policy_model=load_policy(cfg.model, device=cfg.device, dtype=cfg.dtype).eval(),
+        tokenizer=tokenizer,
+        reward_model=reward_model,
+        reward_tokenizer=reward_tokenizer,
+        start_step=start_step,
+        num_replicas=num_replicas,
+        rank=rank,
+    )
+
+
+def _chat_collector(
+    cfg: DictConfig, prompts: list, models, *, start_step: int, num_replicas: int, rank: int
+) -> LocalCollector:
+    """TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector``, its rollouts padded into dense batches."""
+    group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
+    loader = make_prompt_dataloader(
+        prompts,
+        seed=cfg.seed,
+        start=_stream_start(cfg, start_step, num_replicas),
+        num_replicas=num_replicas,
+        rank=rank,
+    )
+    env = make_chat_env(
+        loader,
+        tokenizer=models.tokenizer,
+        group_size=group,
+        num_prompts=per_step // group,
+        system_prompt=cfg.rollout.system_prompt,
+        transforms=make_reward_transforms(cfg, models.reward_model, models.reward_tokenizer, models.tokenizer),
+    )
+    version = torch.zeros((), dtype=torch.long)
+    pad_token_id = models.tokenizer.pad_token_id
+    policy = make_policy(
+        models.policy,
+        models.tokenizer,
+        generation=cfg.rollout.generation,
+        device=cfg.device,
+        generation_key="rollout.generation",
+    )
+
+    def to_dense(rollout: TensorDictBase) -> TensorDictBase:
+        # Only what the loss and the metrics read goes on, as dense [B, T] tensors: the ragged per-sample tensors,
+        # chat histories and texts would cost more to move around than the forward passes. TorchRL's wrapper
+        # zeroes the first response log-prob: the old log-probs are scored again where a step needs them.
+        rollout = rollout.reshape(-1)  # [B, 1]: one step per dialog
+        batch = pad_rollout(rollout, pad_token_id=pad_token_id)
+        batch.update(rollout.select(PROMPT_INDEX, REWARD, DONE).to_tensordict())
+        batch.set(POLICY_VERSION, version.expand(batch.shape[0]).clone())
+        return batch
+
+    collector = LLMCollector(
+        env,
+        policy=policy,
+        dialog_turns_per_batch=per_step,
+        total_dialog_turns=max(cfg.train.steps - start_step, 1) * per_step,
+        postproc=to_dense,
+    )
+    return LocalCollector(collector, policy, version)
+
+
+def make_collector(cfg: DictConfig, models, *, prompts: list, start_step: int, num_replicas: int = 1, rank: int = 0):
+    """The collector of ``cfg.rollout``: yields one step's dense batch (:data:`BATCH_KEYS`) per iteration and takes
+    the learner's weights with ``update_policy_weights_(model, version=...)``; ``shutdown()`` when done.
+
+    ``models``: the learner's models (``policy``, ``tokenizer``, and, unless the collector runs in the background,
+    ``reward_model`` and ``reward_tokenizer``). ``prompts``: the training prompts, already read (a background
+    collector reads them again in its own process)."""
+    if cfg.rollout.env == "chat":
+        return _chat_collector(cfg, prompts, models, start_step=start_step, num_replicas=num_replicas, rank=rank)
+    if cfg.rollout.mode == "async":
+        factory = functools.partial(
+            build_prompt_collector,
+            OmegaConf.to_container(run_config(cfg), resolve=True),
+            start_step=start_step,
+            num_replicas=num_replicas,
+            rank=rank,
+        )
+        return BackgroundCollector(
+            factory,
+            models.policy,
+            start_version=start_step,
+            max_policy_lag=cfg.rollout.max_policy_lag,
+            num_threads=cfg.rollout.collector_threads,
+            # Its own sampling noise per rank and per resumed segment of the run.
+            seed=cfg.seed + rank + 7919 * start_step,
+        )
+    collector, policy = _prompt_collector(
+        cfg,
+        prompts,
+        policy_model=models.policy,
+        tokenizer=models.tokenizer,
+        reward_model=models.reward_model,
+        reward_tokenizer=models.reward_tokenizer,
+        start_step=start_step,
+        num_replicas=num_replicas,
+        rank=rank,
+    )
+    policy.version.fill_(start_step)
+    return LocalCollector(collector, policy, policy.version)

@@ -1,0 +1,71 @@
+"""Every check of a reward-recipe config that runs before anything loads; each message names the setting, what was
+found and what to change.
+
+Dependencies: omegaconf, and the recipe's own modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.common.chat import check_chat_generation_settings
+from recipes.common.config import ConfigError, check_run_settings
+from recipes.common.lora import validate_lora_node
+from recipes.common.models import validate_model_node
+from recipes.common.run import check_sharded_launch
+from recipes.common.run_folder import check_output_folder
+from recipes.reward.pair_store import read_meta
+
+__all__ = ["STORAGES", "validate"]
+
+STORAGES = ("lazy_tensor", "memmap")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks that run before any model, tokenizer or dataset loads."""
+    max_steps = (
+        None if "max_steps" not in cfg.train or OmegaConf.is_missing(cfg.train, "max_steps") else cfg.train.max_steps
+    )
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps <= 0:
+        raise ConfigError(
+            f"train.max_steps={max_steps!r}: RewardTrainer reads the buffer "
+            "as a stream (an IterableDataset with no length), so the number of optimizer steps must be given. Set "
+            "train.max_steps=<positive int>, e.g. train.max_steps=300."
+        )
+    if cfg.buffer.storage not in STORAGES:
+        raise ConfigError(f"buffer.storage={cfg.buffer.storage!r}: expected one of {STORAGES} (buffer=memmap ...).")
+    if cfg.buffer.storage == "memmap" and cfg.buffer.path is None:
+        raise ConfigError("buffer=memmap needs buffer.path, the folder its pairs are written to.")
+    if cfg.buffer.load_from is not None:
+        read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
+    elif cfg.data.source == "synthetic":
+        validate_model_node(cfg.model, key="model", kind="policy")
+        if cfg.generation.responses_per_prompt < 2:
+            raise ConfigError(
+                f"generation.responses_per_prompt={cfg.generation.responses_per_prompt}: a preference pair needs two "
+                "responses to the same prompt; use 2 or more."
+            )
+        check_chat_generation_settings(cfg.generation.generate_kwargs, key="generation.generate_kwargs")
+    elif cfg.margin_in_loss:
+        raise ConfigError(
+            f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."
+        )
+    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite)
+    check_sharded_launch(cfg.device)
+    check_run_settings(
+        cfg,
+        lr_key="train.learning_rate",
+        max_grad_norm_key="train.max_grad_norm",
+        batch_size_key="train.per_device_train_batch_size",
+    )
+    if not 0.0 < cfg.eval.holdout_fraction < 1.0:
+        raise ConfigError(f"eval.holdout_fraction={cfg.eval.holdout_fraction}: expected a fraction in (0, 1).")
+    validate_model_node(cfg.reward_model, key="reward_model")
+    validate_lora_node(cfg.reward_model.lora, key="reward_model.lora")
+    if cfg.model.lora is not None:
+        raise ConfigError(
+            "model.lora is set, but this recipe trains the reward model, not the policy that samples the candidate "
+            "responses. Set reward_model.lora instead (and keep model.lora null)."
+        )

@@ -1,0 +1,106 @@
+"""GRPO's rollout choices (recipes/grpo/rollout.py): the generation settings each ``rollout.env`` takes, and the
+``chat`` rollout (TorchRL's chat stack) trained in the recipe's dense layout as TorchRL trains it ragged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _chat_rollouts import GENERATION, sample_two_prompts
+from _grpo_helpers import grpo_loss_and_gradients, torchrl_actor
+from omegaconf import OmegaConf
+
+from recipes.common.chat import pad_rollout
+from recipes.common.config import ConfigError
+from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs
+from recipes.grpo.loss import ResponseGRPOLoss
+from recipes.grpo.rollout import check_generation_settings
+
+
+class TestGenerationSettings:
+    """One check of rollout.generation's keys, for the recipe's validation and make_policy alike."""
+
+    @pytest.mark.parametrize(
+        ("env", "generation"),
+        [
+            ("prompt", {"max_new_tokens": 8, "min_new_tokens": 2, "top_k": 50, "min_p": 0.05}),
+            ("chat", {"max_new_tokens": 8, "typical_p": 0.9, "return_log_probs": True}),
+        ],
+    )
+    def test_settings_the_sampler_takes_pass(self, env, generation):
+        check_generation_settings(OmegaConf.create(generation), env=env)
+
+    @pytest.mark.parametrize(
+        ("env", "generation", "message"),
+        [
+            ("prompt", {"max_new_token": 8}, "rollout.generation.max_new_token: not a generation setting of"),
+            ("prompt", {"max_new_tokens": 8, "typical_p": 0.9}, "or use rollout.env=chat"),
+            ("chat", {"max_new_tokens": 8, "max_new_token": 8}, "rollout.generation: ['max_new_token'] are not"),
+        ],
+    )
+    def test_an_unknown_key_is_refused_by_name(self, env, generation, message):
+        with pytest.raises(ConfigError) as error:
+            check_generation_settings(generation, env=env)
+        assert message in str(error.value)
+
+
+class TestSampling:
+    @pytest.fixture(scope="class")
+    def rollout(self, tiny_policy):
+        return sample_two_prompts(
+            tiny_policy, group_size=2, seed=0, generation={**GENERATION, "return_log_probs": True}
+        )
+
+    def test_torchrl_zeroes_the_first_response_log_prob_which_the_padded_scorer_does_not(self, tiny_policy, rollout):
+        """Why ``rollout.env=chat`` scores the old log-probs again: TorchRL 0.14.1's generate mode sets the first
+        response log-prob to 0; ``ResponseLogProbs`` over the padded rollout gives every response token's."""
+        model, tokenizer = tiny_policy
+        padded = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
+        start = padded["tokens", "prompt"].shape[-1]
+        with torch.no_grad():
+            scored, _ = ResponseLogProbs(model)(
+                padded["tokens", "full"], padded["masks", "all_attention_mask"], response_start=start
+            )
+        generated = rollout.get(("log_probs", "response"), as_list=True)
+        for row, mask, gen_log_probs in zip(scored, padded["masks", "all_attention_mask"], generated, strict=True):
+            response = row[start:][mask[start:]]
+            assert gen_log_probs[0] == 0 and response[0] < 0
+            torch.testing.assert_close(gen_log_probs[1:], response[1:], atol=1e-4, rtol=1e-4)
+
+
+class TestPaddedBatches:
+    """``pad_rollout``: the chat rollout in the dense layout the GRPO recipe trains on, with the same numbers as the
+    ragged per-sample layout the policy samples in."""
+
+    @pytest.fixture(scope="class")
+    def rollout(self, tiny_policy):
+        return sample_two_prompts(tiny_policy, group_size=3, seed=3, generation=GENERATION)
+
+    def test_grpo_loss_and_gradients_match_the_ragged_layout(self, tiny_policy, rollout):
+        """The recipe's padded batch and response-only loss (``ResponseGRPOLoss``) train as TorchRL's ``GRPOLoss``
+        with its ragged actor trains on the rollout as sampled: a faster layout, not another objective."""
+        from torchrl.objectives.llm import GRPOLoss
+
+        model, tokenizer = tiny_policy
+        advantage = torch.linspace(-1.0, 1.0, 6).reshape(6, 1, 1)  # as MCAdvantage writes it
+        ragged = rollout.copy()
+        ragged_actor = torchrl_actor(model, tokenizer, padded=False)
+        with torch.no_grad():
+            scored = ragged_actor(ragged.select(("tokens", "full"), ("masks", "all_attention_mask")))
+        for sample, log_probs, value in zip(
+            ragged.unbind(0), scored.get(("log_probs", "full"), as_list=True), advantage, strict=True
+        ):
+            sample.set(("next", "ref_log_probs", "full"), log_probs)
+            sample.set(("log_probs", "full"), log_probs * 1.3)  # an older policy: ratios differ from 1, some clip
+            sample.set("advantage", value)
+        padded = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
+        ScoreLogProbs(ResponseLogProbs(model), out_key=("next", "ref_log_probs", "full"))(padded)
+        padded.set(("log_probs", "full"), padded.get(("next", "ref_log_probs", "full")) * 1.3)
+        padded.set("advantage", advantage)
+
+        ragged_out, ragged_grads = grpo_loss_and_gradients(GRPOLoss, ragged_actor, ragged)
+        padded_out, padded_grads = grpo_loss_and_gradients(ResponseGRPOLoss, ResponseLogProbs(model), padded)
+        assert ragged_out.clip_fraction > 0
+        for name in ("loss_objective", "loss_entropy", "loss_kl_to_ref", "clip_fraction", "kl_to_ref", "entropy"):
+            torch.testing.assert_close(padded_out.get(name), ragged_out.get(name), atol=1e-5, rtol=1e-4, msg=name)
+        for got, expected in zip(padded_grads, ragged_grads, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
