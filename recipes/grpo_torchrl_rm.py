@@ -306,7 +306,7 @@ def train(cfg: DictConfig) -> dict:
     Under torchrun every process calls it; each returns the same summary (metrics are averaged over the processes),
     and rank 0 alone writes the run folder."""
     setup_start = time.perf_counter()
-    validate(cfg)
+    cfg = validate(cfg)  # resolved, a resumed run's own settings restored, LoRA switched on or off
     finished = finished_run_summary(cfg)
     if finished is not None:
         log.info(

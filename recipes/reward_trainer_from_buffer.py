@@ -258,7 +258,7 @@ def train(cfg: DictConfig) -> dict:
     Under ``accelerate launch`` / ``torchrun`` every process calls it and gets the same summary back.
     """
     start = time.perf_counter()
-    validate(cfg)
+    cfg = validate(cfg)  # resolved, LoRA switched on or off
     seed_everything(cfg.seed)
     # trl's config sets up the processes first (under a launcher: torch.distributed with its ddp_timeout, gloo on CPU,
     # nccl on GPU); start_run joins them.

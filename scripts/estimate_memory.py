@@ -58,11 +58,14 @@ which reuses such blocks, would hold).
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -76,6 +79,7 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("T
 
 import torch  # noqa: E402
 
+from recipes.common.config import ConfigError  # noqa: E402
 from recipes.grpo.log_probs import CHUNK_ELEMENTS  # noqa: E402  (the logits the recipe's scorer holds at once)
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -98,15 +102,28 @@ def human(size: float) -> str:
 
 
 def compose_config(overrides: list[str]):
+    """The GRPO config of ``overrides`` as the recipe would train it: composed, then through the recipe's own
+    validation (a config the recipe refuses is not estimated; LoRA is on as the command line says)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
-    import recipes.common.config  # noqa: F401  (registers ${project_root:})
+    from recipes.grpo.checks import validate
 
+    # The recipe's checks make sure its output folder can be written: a scratch one, removed at exit.
+    scratch = tempfile.mkdtemp(prefix="estimate_memory_")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        # output_dir reads hydra's runtime folder, which a compose without a run has not set: nothing is written.
-        return compose("grpo_torchrl_rm", overrides=[*overrides, "output_dir=unused"])
+        cfg = compose("grpo_torchrl_rm", overrides=[*overrides, f"output_dir={scratch}"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+    # The estimate is for the machine the run will have: its device and dtype pass as they would on a GPU here.
+    device, dtype = cfg.device, cfg.dtype
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        cfg.device, cfg.dtype = "cpu", "bfloat16" if dtype == "float16" else dtype
+    cfg = validate(cfg)
+    cfg.device, cfg.dtype = device, dtype
+    return cfg
 
 
 def meta_model(node, *, kind: str, dtype: torch.dtype):
@@ -505,7 +522,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         PartialState(cpu=True)  # the launcher's processes join one group (gloo), as the recipe's CPU processes do
 
-    cfg = compose_config(args.overrides)
+    try:
+        cfg = compose_config(args.overrides)
+    except ConfigError as error:
+        raise SystemExit(f"estimate_memory: the recipe refuses this config: {error}") from None
     prompt_tokens = args.prompt_tokens or prompt_tokens_of(cfg)
     figures = estimate(cfg, processes=args.processes, prompt_tokens=prompt_tokens)
     fitting = None

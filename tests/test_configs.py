@@ -45,10 +45,22 @@ COMBINATIONS = [
 REQUIRED_OVERRIDES = {("data", "file"): ["data.path=/nonexistent.jsonl"], ("data", "hf"): ["data.name_or_path=x"]}
 
 
+def _groups_inside_options() -> set[str]:
+    """Groups that options of other groups select (``/lora@lora: default`` in every model node), not a root."""
+    names = set()
+    for group, option in GROUP_OPTIONS:
+        for entry in OmegaConf.load(CONF_DIR / group / f"{option}.yaml").get("defaults", []) or []:
+            if hasattr(entry, "keys"):
+                names.add(str(next(iter(entry))).split("@")[0].lstrip("/"))
+    return names
+
+
 def test_repository_has_both_root_configs():
     assert {"grpo_torchrl_rm", "reward_trainer_from_buffer"} <= set(ROOT_CONFIGS)
-    # Every option of every group is composed with at least one root.
-    assert {(group, option) for _, group, option in COMBINATIONS} == set(GROUP_OPTIONS)
+    # Every option of every group is composed with at least one root, or inside an option that is.
+    nested = {(group, option) for group, option in GROUP_OPTIONS if group in _groups_inside_options()}
+    assert {(group, option) for _, group, option in COMBINATIONS} | nested == set(GROUP_OPTIONS)
+    assert nested == {("lora", "default")}
 
 
 def _group_override(group: str, option: str) -> str:

@@ -15,8 +15,10 @@ __all__ = [
     "ConfigError",
     "check_local_path",
     "check_run_settings",
+    "command_line_keys",
     "first_items",
     "register_resolvers",
+    "resolved",
     "run_config",
     "tensordict_key",
     "write_run_config",
@@ -124,9 +126,35 @@ def check_run_settings(cfg: DictConfig, *, lr_key: str, max_grad_norm_key: str, 
         raise ConfigError(f"{batch_size_key}={batch_size} must be >= 1.")
 
 
+def command_line_keys() -> dict[str, str]:
+    """The settings this run's command line changed, as ``{key: "change" | "add" | "delete"}`` (Hydra's own
+    ``hydra.*`` ones left out); empty outside a Hydra run (a config built by hand)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return {}
+    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    kinds = {}
+    for override in overrides:
+        if override.key_or_group == "hydra" or override.key_or_group.startswith("hydra."):
+            continue
+        kinds[override.key_or_group] = "delete" if override.is_delete() else "add" if override.is_add() else "change"
+    return kinds
+
+
 def run_config(cfg: DictConfig) -> DictConfig:
     """The run's own settings: the composed config without Hydra's ``hydra`` node."""
     return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+
+
+def resolved(cfg: DictConfig) -> DictConfig:
+    """The run's settings (:func:`run_config`) with every interpolation resolved, once: whoever reads the config
+    later (the logged config, a background process) sees the same values. Struct mode stays on (a key read that the
+    config lacks raises)."""
+    settled = OmegaConf.create(OmegaConf.to_container(run_config(cfg), resolve=True))
+    OmegaConf.set_struct(settled, True)
+    return settled
 
 
 def write_run_config(cfg: DictConfig, output_dir: Path) -> None:

@@ -1,9 +1,13 @@
 """LoRA adapters through peft, set from a model node's ``lora`` entry (``conf/model/*.yaml``,
 ``conf/reward_model/*.yaml``).
 
-``lora: null`` trains every weight. ``lora: {r, alpha, dropout, target_modules}`` freezes the base model and trains
-low-rank adapters on the named linear layers (``peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules)``).
+``lora: null`` or ``lora.enabled: false`` trains every weight. ``lora: {enabled: true, r, alpha, dropout,
+target_modules}`` freezes the base model and trains low-rank adapters on the named linear layers
+(``peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules)``). The shipped model nodes hold the whole node, off,
+with its documented defaults, so that a command line turns it on the way users type it: ``model.lora.r=8``,
+``model.lora.enabled=true`` or ``model.lora={r:16,...}`` (:func:`settle_lora_node`).
 
+- :func:`settle_lora_node`: a model node's ``lora`` entry as the run trains it: null (off), or on.
 - :func:`validate_lora_node`: the checks a recipe's ``validate`` runs before anything loads.
 - :func:`make_lora_config`: the node as a ``peft.LoraConfig`` of a task type (``CAUSAL_LM``, ``SEQ_CLS``).
 - :func:`is_peft_model`: whether a model carries adapters.
@@ -18,14 +22,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.common.config import ConfigError
 
-__all__ = ["LORA_KEYS", "is_peft_model", "make_lora_config", "validate_lora_node"]
+__all__ = ["LORA_KEYS", "is_peft_model", "make_lora_config", "settle_lora_node", "validate_lora_node"]
 
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 _EXAMPLE = "{r:16,alpha:32,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]}"
+
+
+def settle_lora_node(cfg: DictConfig, key: str, command_line: dict[str, str]) -> None:
+    """Sets ``cfg.<key>.lora`` to what the run trains with, in place: ``None`` (full fine-tuning) or the node with
+    ``enabled: true``.
+
+    LoRA is on when ``<key>.lora.enabled`` is true, or when the command line (``command_line``: the keys it set,
+    ``recipes.common.config.command_line_keys``) sets ``<key>.lora`` or any key under it without also setting
+    ``<key>.lora.enabled=false``: ``model.lora.r=8`` turns LoRA on with the node's other settings.
+    """
+    node = OmegaConf.select(cfg, f"{key}.lora")
+    if node is None:
+        return
+    prefix = f"{key}.lora"
+    touched = any(name == prefix or name.startswith(f"{prefix}.") for name in command_line)
+    enabled = bool(node.get("enabled", True))
+    if f"{prefix}.enabled" not in command_line:
+        enabled = enabled or touched
+    if enabled:
+        node.enabled = True
+    else:
+        OmegaConf.update(cfg, prefix, None, merge=False)
 
 
 def validate_lora_node(lora, *, key: str) -> None:
@@ -42,11 +68,11 @@ def validate_lora_node(lora, *, key: str) -> None:
     """
     if lora is None:
         return
-    if not isinstance(lora, (DictConfig, dict)) or set(lora) != set(LORA_KEYS):
+    if not isinstance(lora, (DictConfig, dict)) or set(lora) - {"enabled"} != set(LORA_KEYS):
         found = sorted(lora) if isinstance(lora, (DictConfig, dict)) else repr(lora)
         raise ConfigError(
-            f"{key}={found}: expected null (full fine-tuning) or a mapping of exactly {list(LORA_KEYS)}, e.g. "
-            f"'{key}={_EXAMPLE}'."
+            f"{key}={found}: expected null (full fine-tuning) or a mapping of exactly {list(LORA_KEYS)} (and "
+            f"enabled), e.g. '{key}={_EXAMPLE}'."
         )
     if not isinstance(lora.r, int) or isinstance(lora.r, bool) or lora.r < 1:
         raise ConfigError(f"{key}.r={lora.r!r}: the adapters' rank must be an integer >= 1 (8 or 16 are usual).")

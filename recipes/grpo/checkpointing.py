@@ -40,7 +40,7 @@ from recipes.common.checkpoint import (
     save_model_folder,
     write_folder_atomically,
 )
-from recipes.common.config import ConfigError, run_config
+from recipes.common.config import ConfigError, command_line_keys, run_config
 from recipes.common.models import merge_adapters
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "record_resume",
     "restore_rng_state",
     "resume_changes",
+    "resumed_config",
     "save_checkpoint",
     "save_merged_model_folder",
     "truncate_metrics_csv",
@@ -311,3 +312,48 @@ def finished_run_summary(cfg: DictConfig) -> dict | None:
     if checkpoints and checkpoints[-1][0] >= cfg.train.steps and summary.is_file():
         return json.loads(summary.read_text())
     return None
+
+
+def resumed_config(cfg: DictConfig) -> DictConfig:
+    """The config a resumed run trains with: the run's own ``resolved_config.yaml``, with what this command line sets
+    on top (a setting it leaves out keeps the run's value, not the YAML default: ``train.steps``, ``logger``...).
+
+    Raises:
+        ConfigError: the folder holds no ``resolved_config.yaml`` (no run of this recipe to continue).
+    """
+    saved_file = Path(cfg.output_dir) / "resolved_config.yaml"
+    if not saved_file.is_file():
+        if not list_checkpoints(checkpoint_root(cfg)):
+            return cfg  # nothing to continue: validate() says so, naming the checkpoints folder
+        raise ConfigError(
+            f"resume=true but {saved_file} is missing: the run's settings cannot be restored, and a resume with "
+            "the YAML defaults in their place would train another run. Restore the file from a copy of the run, or "
+            "start afresh in another folder."
+        )
+    saved = OmegaConf.load(saved_file)
+    for key, kind in command_line_keys().items():
+        if kind == "delete":
+            _delete(saved, key)
+        else:
+            _copy_setting(saved, cfg, key)
+    OmegaConf.set_struct(saved, True)
+    return saved
+
+
+def _copy_setting(saved: DictConfig, cfg: DictConfig, key: str) -> None:
+    """``cfg``'s value at ``key`` (a setting, or a whole group node) written into ``saved``: at ``key`` when its
+    parent exists there, else at the nearest ancestor that does."""
+    parts = key.split(".")
+    for depth in range(len(parts), 0, -1):
+        head = ".".join(parts[:depth])
+        parent = ".".join(parts[: depth - 1])
+        if depth == 1 or isinstance(OmegaConf.select(saved, parent), DictConfig):
+            OmegaConf.update(saved, head, OmegaConf.select(cfg, head), merge=False, force_add=True)
+            return
+
+
+def _delete(saved: DictConfig, key: str) -> None:
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(saved, parent) if parent else saved
+    if isinstance(node, DictConfig) and name in node:
+        del node[name]

@@ -15,12 +15,13 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from transformers import AutoConfig
 
-from recipes.common.checkpoint import latest_checkpoint
+from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError, check_run_settings, first_items
 from recipes.common.lora import validate_lora_node
 from recipes.common.models import load_tokenizer, validate_model_node
 from recipes.common.run_folder import check_output_folder
-from recipes.grpo.checkpointing import checkpoint_policy_node, checkpoint_root, resume_changes
+from recipes.common.schema import checked_config
+from recipes.grpo.checkpointing import checkpoint_policy_node, checkpoint_root, resume_changes, resumed_config
 from recipes.grpo.distributed import STRATEGIES
 from recipes.grpo.policy import MIXED_PRECISIONS
 from recipes.grpo.prompt_env import PromptTable
@@ -28,6 +29,7 @@ from recipes.grpo.report import SUMMARY_KEYS
 from recipes.grpo.rewards import REWARD_INPUTS, check_reward_keys, reward_prompt_lengths
 from recipes.grpo.rollout import ROLLOUT_ENVS, check_generation_settings
 from recipes.grpo.sampling import SamplingSettings
+from recipes.grpo.schema import GRPOConfig
 
 __all__ = ["BACKENDS", "ROLLOUT_MODES", "check_prompt_lengths", "validate"]
 
@@ -37,8 +39,19 @@ ROLLOUT_MODES = ("sync", "async")
 log = logging.getLogger(__name__)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Cross-field checks that need nothing loaded; each message says what to change."""
+def validate(cfg: DictConfig) -> DictConfig:
+    """Every check that needs nothing loaded; each message says what to change. Returns the config the run trains
+    with: resolved once (every later reader, the background collector included, sees the same values), the run's own
+    config under a resumed run's command line (``recipes.grpo.checkpointing.resumed_config``), LoRA on or off as the
+    command line says (``recipes.common.lora.settle_lora_node``)."""
+    if cfg.resume:
+        cfg = resumed_config(cfg)
+    cfg = checked_config(cfg, GRPOConfig, recipe="grpo_torchrl_rm")
+    _validate_settings(cfg)
+    return cfg
+
+
+def _validate_settings(cfg: DictConfig) -> None:
     _validate_batches(cfg)
     _validate_reporting(cfg)
     _validate_memory(cfg)
@@ -159,7 +172,12 @@ def _validate_resume(cfg: DictConfig) -> None:
         )
     if cfg.resume:
         # The weights to resume from, checked as the model paths are: damaged ones fail before anything loads.
-        checkpoint = latest_checkpoint(checkpoint_root(cfg))
+        step, checkpoint = list_checkpoints(checkpoint_root(cfg))[-1]
+        if cfg.train.steps < step:
+            raise ConfigError(
+                f"train.steps={cfg.train.steps} is below the step of the checkpoint to resume ({step}, {checkpoint}): "
+                f"the run is past it. Pass train.steps >= {step} to continue it, or start a new run in another folder."
+            )
         validate_model_node(checkpoint_policy_node(cfg, checkpoint), key="model", kind="policy")
         refused = {key: change for key, change in resume_changes(cfg).items() if not _allowed(key, cfg)}
         if refused:

@@ -16,15 +16,25 @@ from recipes.common.lora import validate_lora_node
 from recipes.common.models import validate_model_node
 from recipes.common.run import check_sharded_launch
 from recipes.common.run_folder import check_output_folder
+from recipes.common.schema import checked_config
 from recipes.reward.pair_store import read_meta
+from recipes.reward.schema import RewardRecipeConfig, check_reward_config_keys
 
 __all__ = ["STORAGES", "validate"]
 
 STORAGES = ("lazy_tensor", "memmap")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Cross-field checks that run before any model, tokenizer or dataset loads."""
+def validate(cfg: DictConfig) -> DictConfig:
+    """Every check that runs before any model, tokenizer or dataset loads; returns the config the run trains with
+    (resolved once, LoRA on or off as the command line says: ``recipes.common.lora.settle_lora_node``)."""
+    cfg = checked_config(cfg, RewardRecipeConfig, recipe="reward_trainer_from_buffer")
+    check_reward_config_keys(cfg.train)
+    _validate_settings(cfg)
+    return cfg
+
+
+def _validate_settings(cfg: DictConfig) -> None:
     max_steps = (
         None if "max_steps" not in cfg.train or OmegaConf.is_missing(cfg.train, "max_steps") else cfg.train.max_steps
     )

@@ -1,0 +1,403 @@
+"""The typed schema a recipe's composed config is checked against, before anything loads.
+
+Every default lives in the YAML (``conf/``); a schema says only what each key may hold: its type, its range, its
+choices. :func:`check_config` walks a resolved config against one and refuses, naming the key and the fix:
+
+- a key the recipe does not read (a typo, or a ``+key=value`` Hydra added although nothing reads it), with the
+  nearest known keys: such a setting would otherwise be accepted and silently ignored;
+- a key the recipe reads that the config lacks;
+- a value of the wrong type (``true`` where a number is read, a string where a list is), outside its range, or not
+  one of its choices; and any float anywhere in the config, open mappings included, that is NaN or infinite (NaN
+  compares false with every bound, so range checks alone let it through).
+
+A schema is a dataclass whose fields carry types (``int``, ``float``, ``bool``, ``str``, ``None``, ``Literal[...]``,
+``list[...]``, unions, nested dataclasses) and, through ``typing.Annotated``, a :class:`Range`, an :data:`OPEN`
+mapping (its keys are the user's: ``reward.terms``, trl's ``train:`` node) or a :class:`Variant` (a node whose
+fields depend on one of them, as ``data.source``). The dataclasses are never instantiated: they hold no defaults.
+
+Dependencies: omegaconf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.common.config import ConfigError, command_line_keys, resolved
+from recipes.common.lora import settle_lora_node
+
+__all__ = [
+    "OPEN",
+    "DataNode",
+    "FileData",
+    "HFData",
+    "LoggerNode",
+    "LoraNode",
+    "ModelNode",
+    "Range",
+    "SyntheticData",
+    "Variant",
+    "WandbLogger",
+    "check_config",
+    "checked_config",
+]
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bounds of a number: ``ge``/``gt`` below, ``le``/``lt`` above (``None``: unbounded)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt)
+        )
+
+    def __str__(self) -> str:
+        low = f">= {self.ge}" if self.ge is not None else f"> {self.gt}" if self.gt is not None else None
+        high = f"<= {self.le}" if self.le is not None else f"< {self.lt}" if self.lt is not None else None
+        return " and ".join(bound for bound in (low, high) if bound)
+
+
+class _Open:
+    """Marks a mapping whose keys are the user's own (their values are still checked against the value type)."""
+
+    def __repr__(self) -> str:
+        return "OPEN"
+
+
+OPEN = _Open()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A node whose schema depends on the value of one of its keys: ``Variant("source", {"file": FileData, ...})``."""
+
+    key: str
+    schemas: Mapping[str, type]
+
+
+def check_config(cfg, schema: type, *, recipe: str) -> None:
+    """Refuses a config that does not fit ``schema`` (see the module docstring), with one message naming the key.
+
+    Args:
+        cfg: the composed config (a ``DictConfig`` without Hydra's own ``hydra`` node, or a plain mapping); its
+            interpolations are resolved first.
+        schema: the recipe's schema dataclass.
+
+    Keyword Args:
+        recipe: the recipe's name, for the messages.
+
+    Raises:
+        ConfigError: the first key that does not fit.
+
+    Examples:
+        >>> @dataclass
+        ... class Loss:
+        ...     clip_epsilon: Annotated[float, Range(gt=0)]
+        >>> check_config({"clip_epsilon": 0.2, "loss_type": "dapo"}, Loss, recipe="demo")
+        Traceback (most recent call last):
+        ...
+        recipes.common.config.ConfigError: loss_type: demo has no such setting, so it would be ignored...
+        >>> check_config({"clip_epsilon": float("nan")}, Loss, recipe="demo")
+        Traceback (most recent call last):
+        ...
+        recipes.common.config.ConfigError: clip_epsilon=nan: not a finite number. ...
+    """
+    values = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    _check(values, schema, "", recipe)
+
+
+def checked_config(cfg: DictConfig, schema: type, *, recipe: str) -> DictConfig:
+    """The config a run trains with: ``cfg``'s settings resolved once (``recipes.common.config.resolved``), checked
+    against ``schema`` (:func:`check_config`), LoRA on or off in its ``model`` and ``reward_model`` nodes as the
+    command line says (``recipes.common.lora.settle_lora_node``)."""
+    cfg = resolved(cfg)
+    check_config(cfg, schema, recipe=recipe)
+    command_line = command_line_keys()
+    for key in ("model", "reward_model"):
+        settle_lora_node(cfg, key, command_line)
+    return cfg
+
+
+def _check(value: Any, expected: Any, key: str, recipe: str) -> None:
+    base, extras = _unwrap(expected)
+    variant = next((extra for extra in extras if isinstance(extra, Variant)), None)
+    if variant is not None:
+        _check_variant(value, variant, key, recipe)
+    elif dataclasses.is_dataclass(base):
+        _check_node(value, base, key, recipe)
+    elif OPEN in extras or typing.get_origin(base) in (dict, Mapping):
+        _check_open(value, base, key, recipe)
+    else:
+        _check_leaf(value, base, key, recipe)
+        bounds = next((extra for extra in extras if isinstance(extra, Range)), None)
+        if bounds is not None and _is_number(value) and not bounds.holds(value):
+            raise ConfigError(f"{key}={value!r} must be {bounds}.")
+
+
+def _unwrap(expected: Any) -> tuple[Any, tuple]:
+    if typing.get_origin(expected) is Annotated:
+        base, *extras = typing.get_args(expected)
+        return base, tuple(extras)
+    return expected, ()
+
+
+def _check_node(value: Any, schema: type, key: str, recipe: str) -> None:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}={value!r}: expected a mapping of settings ({', '.join(_field_names(schema))}).")
+    hints = typing.get_type_hints(schema, include_extras=True)
+    known = _field_names(schema)
+    for name in value:
+        if name not in known:
+            raise ConfigError(_unknown_key_message(_join(key, str(name)), known, key, recipe))
+    for name in known:
+        if name not in value:
+            raise ConfigError(
+                f"{_join(key, name)} is missing: {recipe} reads it. Restore it in the YAML (or pass "
+                f"{_join(key, name)}=<value>)."
+            )
+        _check(value[name], hints[name], _join(key, name), recipe)
+
+
+def _check_variant(value: Any, variant: Variant, key: str, recipe: str) -> None:
+    if not isinstance(value, Mapping) or variant.key not in value:
+        raise ConfigError(f"{key}: expected a mapping with a {variant.key!r} setting ({sorted(variant.schemas)}).")
+    choice = value[variant.key]
+    if choice not in variant.schemas:
+        raise ConfigError(f"{_join(key, variant.key)}={choice!r}: expected one of {sorted(variant.schemas)}.")
+    _check_node(value, variant.schemas[choice], key, recipe)
+
+
+def _check_open(value: Any, base: Any, key: str, recipe: str) -> None:
+    if value is None and _allows_none(base):
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}={value!r}: expected a mapping (name: setting).")
+    args = typing.get_args(base)
+    item_type = args[1] if len(args) == 2 else Any
+    for name, item in value.items():
+        _check(item, item_type, _join(key, str(name)), recipe)
+
+
+def _check_leaf(value: Any, expected: Any, key: str, recipe: str) -> None:
+    if expected is Any:
+        _check_finite(value, key)
+        return
+    if not _fits(value, expected, key, recipe):
+        raise ConfigError(f"{key}={value!r}: expected {_describe(expected)}.")
+
+
+def _fits(value: Any, expected: Any, key: str, recipe: str) -> bool:
+    """Whether ``value`` is of type ``expected`` (raising for a non-finite float or a bad item of a list)."""
+    if dataclasses.is_dataclass(expected):
+        if not isinstance(value, Mapping):
+            return False
+        _check_node(value, expected, key, recipe)
+        return True
+    origin = typing.get_origin(expected)
+    if origin in (Union, types.UnionType):
+        return any(_fits_quietly(value, option, key, recipe) for option in typing.get_args(expected))
+    if origin is Literal:
+        return value in typing.get_args(expected) and type(value) in {type(v) for v in typing.get_args(expected)}
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        (item_type, *_) = typing.get_args(expected) or (Any,)
+        for index, item in enumerate(value):
+            _check(item, item_type, f"{key}[{index}]", recipe)
+        return True
+    if expected is type(None) or expected is None:
+        return value is None
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        if not _is_number(value):
+            return False
+        _check_finite(value, key)
+        return True
+    if expected is str:
+        return isinstance(value, str)
+    base, _ = _unwrap(expected)
+    if base is not expected:  # an annotated option of a union
+        _check(value, expected, key, recipe)
+        return True
+    return isinstance(value, expected)
+
+
+def _fits_quietly(value: Any, option: Any, key: str, recipe: str) -> bool:
+    try:
+        return _fits(value, option, key, recipe)
+    except ConfigError:
+        # A value that fits this option's type but breaks its range or finiteness: say so, rather than "wrong type".
+        if _fits_type_only(value, _unwrap(option)[0]):
+            raise
+        return False
+
+
+def _fits_type_only(value: Any, expected: Any) -> bool:
+    if dataclasses.is_dataclass(expected):
+        return isinstance(value, Mapping)
+    if expected is float:
+        return _is_number(value)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    origin = typing.get_origin(expected)
+    return origin in (list, tuple) and isinstance(value, (list, tuple))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_finite(value: Any, key: str) -> None:
+    """Any float in ``value`` (a leaf, or nested in lists and mappings) must be finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(
+            f"{key}={value}: not a finite number. NaN and infinity pass range checks unnoticed (NaN compares false "
+            "with every bound) and would train garbage; give a finite value."
+        )
+    if isinstance(value, Mapping):
+        for name, item in value.items():
+            _check_finite(item, _join(key, str(name)))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_finite(item, f"{key}[{index}]")
+
+
+def _allows_none(expected: Any) -> bool:
+    return expected is None or type(None) in typing.get_args(expected)
+
+
+def _describe(expected: Any) -> str:
+    origin = typing.get_origin(expected)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(option) for option in typing.get_args(expected))
+    if origin is Literal:
+        return f"one of {list(typing.get_args(expected))}"
+    if origin in (list, tuple):
+        args = typing.get_args(expected)
+        return f"a list of {_describe(args[0]) if args else 'values'}"
+    if origin is Annotated:
+        base, *extras = typing.get_args(expected)
+        bounds = next((extra for extra in extras if isinstance(extra, Range)), None)
+        return _describe(base) + (f" {bounds}" if bounds else "")
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    return names.get(expected, getattr(expected, "__name__", str(expected)))
+
+
+def _field_names(schema: type) -> list[str]:
+    return [field.name for field in dataclasses.fields(schema)]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _unknown_key_message(key: str, known: list[str], parent: str, recipe: str) -> str:
+    name = key.rsplit(".", 1)[-1]
+    nearest = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+    suggestion = f"Did you mean {' or '.join(_join(parent, n) for n in nearest)}? " if nearest else ""
+    where = f"under {parent}" if parent else "at the top level"
+    return (
+        f"{key}: {recipe} has no such setting, so it would be ignored. {suggestion}The settings {where} are "
+        f"{sorted(known)}; see the README or `python recipes/{recipe}.py --cfg job` for what each does."
+    )
+
+
+# ------------------------------------------------------------------------------------------------ shared nodes
+
+
+@dataclass
+class LoraNode:
+    """``model.lora`` / ``reward_model.lora`` as the YAML writes it (``recipes.common.lora``)."""
+
+    enabled: bool
+    r: Annotated[int, Range(ge=1)]
+    alpha: Annotated[float, Range(gt=0)]
+    dropout: Annotated[float, Range(ge=0, lt=1)]
+    target_modules: str | list[str]
+
+
+@dataclass
+class ModelNode:
+    """A ``model=`` / ``reward_model=`` node (``conf/model``, ``conf/reward_model``)."""
+
+    name_or_path: str
+    tokenizer_name_or_path: str | None
+    trust_remote_code: bool
+    lora: LoraNode | None
+
+
+@dataclass
+class SyntheticData:
+    source: Literal["synthetic"]
+    num_train_prompts: Annotated[int, Range(ge=1)]
+    num_eval_prompts: Annotated[int, Range(ge=0)]
+    seed: int
+    oracle: Any
+
+
+@dataclass
+class FileData:
+    source: Literal["file"]
+    path: str
+    eval_path: str | None
+    prompt_column: str
+    chosen_column: str
+    rejected_column: str
+    oracle: Any
+
+
+@dataclass
+class HFData:
+    source: Literal["hf"]
+    name_or_path: str
+    split: str
+    eval_split: str | None
+    prompt_column: str
+    chosen_column: str
+    rejected_column: str
+    oracle: Any
+
+
+DataNode = Annotated[dict, Variant("source", {"synthetic": SyntheticData, "file": FileData, "hf": HFData})]
+
+
+@dataclass
+class _NoLogger:
+    kind: Literal["none", "csv"]
+
+
+@dataclass
+class _WandbSettings:
+    project: str
+    group: str | None
+    name: str | None
+    mode: Literal["online", "offline", "disabled"]
+
+
+@dataclass
+class WandbLogger:
+    kind: Literal["wandb"]
+    wandb: _WandbSettings
+
+
+LoggerNode = Annotated[dict, Variant("kind", {"none": _NoLogger, "csv": _NoLogger, "wandb": WandbLogger})]

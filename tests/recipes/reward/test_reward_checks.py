@@ -1,0 +1,45 @@
+"""recipes/reward/checks.py and schema.py: a key the recipe does not read (trl.RewardConfig's own fields for
+``train:``), a wrong type or a non-finite number is refused before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+from _small_runs import REWARD_SMALL
+
+import recipes.reward.pairs as preference
+import recipes.reward_trainer_from_buffer as recipe
+from recipes.common.config import ConfigError
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("nothing may load before the config is validated")
+
+    for module, name in [(recipe, "load_tokenizer"), (recipe, "load_reward_model"), (preference, "load_causal_lm")]:
+        monkeypatch.setattr(module, name, refuse)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+train.report_to=wandb", r"train.report_to is set by the recipe .*use logger=wandb"),
+        (
+            "+train.gradient_acumulation_steps=2",
+            r"train.gradient_acumulation_steps: trl.RewardConfig has no such field"
+            r".*Did you mean train.gradient_accumulation_steps",
+        ),
+        ("+eval.holdout=0.2", r"eval.holdout: reward_trainer_from_buffer has no such setting.*eval.holdout_fraction"),
+        ("+generation.temperature=0.7", r"generation.temperature: .*no such setting"),
+        ("generation.generate_kwargs.temperature=nan", r"generation.generate_kwargs.temperature=nan: not a finite"),
+        ("train.learning_rate=nan", r"train.learning_rate=nan: not a finite number"),
+        ("reward_model.lora.alpha=true", r"reward_model.lora.alpha=True: expected a number"),
+        ("seed=-1", r"seed=-1 must be >= 0"),
+    ],
+)
+def test_bad_keys_and_values_are_refused_before_anything_loads(
+    compose_config, tmp_path, nothing_loads, override, message
+):
+    cfg = compose_config("reward_trainer_from_buffer", [*REWARD_SMALL, f"output_dir={tmp_path}", override])
+    with pytest.raises(ConfigError, match=message):
+        recipe.train(cfg)
