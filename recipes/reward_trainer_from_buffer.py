@@ -59,7 +59,7 @@ from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
 from recipes.common.sharding import gather_full_model_state, is_sharded
 from recipes.reward.buffer import make_eval_dataset, make_training_stream
-from recipes.reward.checks import validate
+from recipes.reward.checks import kept_records, validate
 from recipes.reward.evaluation import evaluate
 from recipes.reward.pair_store import EVAL_PAIRS_FILE, load_labelled_pairs, write_jsonl
 from recipes.reward.pairs import (
@@ -266,7 +266,7 @@ def train(cfg: DictConfig) -> dict:
     run = start_run(
         cfg,
         tidy=[Path(cfg.buffer.path).parent] if cfg.buffer.path else [],
-        keep=[cfg.buffer.load_from] if cfg.buffer.load_from else [],  # a buffer this run reuses, if in the folder
+        keep=kept_records(cfg),  # a buffer this run reuses, if in the folder
     )
     with run:  # the logger closes however the run ends: Hydra multirun jobs share this process
         # Every process writes where the main process does (trl's RNG states in checkpoints).

@@ -6,13 +6,17 @@ instant (even ``SIGKILL`` during a save) leaves the previous checkpoint as the l
 (:data:`MODEL_FOLDER`: ``save_pretrained`` of the model and its tokenizer, loadable by ``from_pretrained`` as any hub
 checkpoint), optionally ``merged_model/`` (:data:`MERGED_MODEL_FOLDER`: a LoRA model's adapters merged in) and
 ``training_state.pt`` (:data:`STATE_FILE`: what a recipe needs to resume, loadable with
-``torch.load(weights_only=True)``). This module knows the layout; what goes into the state is the recipe's
-(``recipes.grpo.checkpointing``), and model loading (``recipes.common.models``) reads the layout to name the way out of
-a damaged checkpoint.
+``torch.load(weights_only=True)``), and, written last, ``manifest.json`` (:func:`write_manifest`: every file with its
+size, and a hash of the small ones), which :func:`check_manifest` compares with the folder before a run resumes from
+it: a file deleted or changed since the save (a tokenizer gone, a weight file cut) names the checkpoint as damaged.
+This module knows the layout; what goes into the state is the recipe's (``recipes.grpo.checkpointing``), and model
+loading (``recipes.common.models``) reads the layout to name the way out of a damaged checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -21,21 +25,26 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
+    "MANIFEST_FILE",
     "MERGED_MODEL_FOLDER",
     "MODEL_FOLDER",
     "STATE_FILE",
     "broken_checkpoint_advice",
+    "check_manifest",
     "checkpoint_folder",
     "latest_checkpoint",
     "list_checkpoints",
     "recover_interrupted_writes",
     "save_model_folder",
     "write_folder_atomically",
+    "write_manifest",
 ]
 
 MODEL_FOLDER = "model"
 MERGED_MODEL_FOLDER = "merged_model"
 STATE_FILE = "training_state.pt"
+MANIFEST_FILE = "manifest.json"
+_HASHED_BYTES = 32 * 2**20  # files up to this size get a hash in the manifest (weights are checked by size)
 _STEP_FOLDER = re.compile(r"^step_(\d+)$")
 _STAGING = re.compile(r"^\..+\.staging\..+$")
 _PREVIOUS = re.compile(r"^\.(.+)\.previous$")
@@ -139,10 +148,72 @@ def broken_checkpoint_advice(folder: str | os.PathLike) -> str:
     match = _STEP_FOLDER.match(folder.name)
     if match is None:
         return ""
-    earlier = [previous for step, previous in list_checkpoints(folder.parent) if step < int(match.group(1))]
+    earlier = [
+        previous
+        for step, previous in list_checkpoints(folder.parent)
+        if step < int(match.group(1)) and not check_manifest(previous)
+    ]
     if earlier:
-        return f"Delete the corrupted checkpoint folder {folder} to resume from {earlier[-1]} (the previous one)."
+        return (
+            f"Delete the corrupted checkpoint folder {folder} to resume from {earlier[-1]} (the newest earlier one "
+            "whose files match its manifest)."
+        )
     return (
         f"No earlier checkpoint in {folder.parent} holds a training state: start the run afresh (drop resume=true, "
         "pass overwrite=true) or resume from a copy of the run made before this checkpoint was written."
     )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _listing(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def write_manifest(folder: str | os.PathLike) -> None:
+    """Writes ``<folder>/manifest.json``: every file under ``folder`` with its size, and the sha256 of those up to
+    32 MiB (configs, tokenizers, the training state; weight files by size). Call it last, once the folder is whole."""
+    folder = Path(folder)
+    files = {}
+    for path in _listing(folder):
+        size = path.stat().st_size
+        entry = {"bytes": size}
+        if size <= _HASHED_BYTES:
+            entry["sha256"] = _sha256(path)
+        files[path.relative_to(folder).as_posix()] = entry
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
+
+
+def check_manifest(folder: str | os.PathLike) -> list[str]:
+    """What differs between ``folder`` and its ``manifest.json``: files missing, resized, changed or added, one line
+    each; empty when the folder is as it was saved. A folder without a manifest (saved by an older version of the
+    project) gives ``[]``: there is nothing to check it against."""
+    folder = Path(folder)
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        return []
+    try:
+        expected = json.loads(path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        return [f"{MANIFEST_FILE} is not a manifest this project wrote"]
+    problems = []
+    for name, entry in expected.items():
+        file = folder / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != entry["bytes"]:
+            problems.append(f"{name} has {file.stat().st_size} bytes, {entry['bytes']} were saved")
+        elif "sha256" in entry and _sha256(file) != entry["sha256"]:
+            problems.append(f"{name} was changed since it was saved")
+    problems += [
+        f"{p.relative_to(folder).as_posix()} was added"
+        for p in _listing(folder)
+        if p.relative_to(folder).as_posix() not in expected
+    ]
+    return problems

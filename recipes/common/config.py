@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 __all__ = [
     "PROJECT_ROOT",
     "ConfigError",
+    "RunStopped",
     "check_local_path",
     "check_run_settings",
     "command_line_keys",
@@ -29,6 +30,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message says which key, what was found and what to change."""
+
+
+class RunStopped(RuntimeError):
+    """A run stopped for a reason its message says in full, with what to do (a full disk, a non-finite loss): the
+    run's log shows the message alone, as for a :class:`ConfigError`."""
 
 
 def first_items(items: list, count: int = 10) -> str:

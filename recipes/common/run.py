@@ -29,9 +29,9 @@ from tensordict import set_list_to_stack
 from transformers import set_seed
 
 from recipes.common.checkpoint import recover_interrupted_writes
-from recipes.common.config import ConfigError, run_config, write_run_config
+from recipes.common.config import ConfigError, RunStopped, run_config, write_run_config
 from recipes.common.metrics import MetricLogger, make_logger
-from recipes.common.run_folder import clear_records
+from recipes.common.run_folder import RunFolderLock, clear_records
 
 __all__ = [
     "SUMMARY_FILE",
@@ -58,6 +58,7 @@ class Run:
     output_dir: Path
     logger: MetricLogger
     started: float = field(default_factory=time.perf_counter)
+    lock: RunFolderLock | None = None  # the main process's lock on the output folder
 
     @property
     def is_main(self) -> bool:
@@ -81,8 +82,12 @@ class Run:
 
     def close(self) -> None:
         """Closes the logger (a wandb run): Hydra multirun jobs share a process, and a run left open would swallow the
-        next job's metrics. :meth:`finish` closes it too; a second close does nothing."""
-        self.logger.close()
+        next job's metrics. :meth:`finish` closes it too; a second close does nothing. Releases the folder's lock."""
+        try:
+            self.logger.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def __enter__(self) -> Run:
         return self
@@ -123,6 +128,7 @@ def start_run(
     run.output_dir = Path(run.broadcast(str(cfg.output_dir)))
     cfg.output_dir = str(run.output_dir)
     if run.is_main:
+        run.lock = RunFolderLock(run.output_dir)  # a second run on this folder is refused, naming this process
         for folder in {run.output_dir, *map(Path, tidy)}:
             for done in recover_interrupted_writes(folder):
                 log.warning("Interrupted writes of an earlier run in %s: %s.", folder, done)
@@ -178,14 +184,15 @@ def end_processes() -> None:
 def run_recipe(train: Callable[[DictConfig], dict], cfg: DictConfig) -> dict:
     """Runs ``train(cfg)`` and returns its summary; on failure, logs why and exits with status 1.
 
-    A :class:`ConfigError` (bad settings or data, raised before the expensive work) is logged as its message alone:
+    A :class:`ConfigError` (bad settings or data, raised before the expensive work) or a
+    :class:`~recipes.common.config.RunStopped` (a full disk, a non-finite value) is logged as its message alone:
     the message names the setting and the fix, and a traceback would only bury it. Any other error is logged with its
     traceback. Python warnings go to the log as well.
     """
     logging.captureWarnings(True)
     try:
         return train(cfg)
-    except ConfigError as error:
+    except (ConfigError, RunStopped) as error:
         log.error("%s", error)
     except Exception:
         log.exception("The run failed; the traceback follows.")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import errno
 import json
 import random
 import shutil
@@ -35,12 +36,15 @@ from recipes.common.checkpoint import (
     MODEL_FOLDER,
     STATE_FILE,
     broken_checkpoint_advice,
+    check_manifest,
     checkpoint_folder,
+    latest_checkpoint,
     list_checkpoints,
     save_model_folder,
     write_folder_atomically,
+    write_manifest,
 )
-from recipes.common.config import ConfigError, command_line_keys, run_config
+from recipes.common.config import ConfigError, RunStopped, command_line_keys, run_config
 from recipes.common.models import merge_adapters
 
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "config_changes",
     "finished_run_summary",
     "load_training_state",
+    "prune_checkpoints",
     "record_resume",
     "restore_rng_state",
     "resume_changes",
@@ -202,12 +207,41 @@ def save_checkpoint(
         optimizer_state = optimizer_state_dict if optimizer_state_dict is not None else optimizer.state_dict()
         payload = {**state, "step": step, "optimizer": optimizer_state}
         torch.save(payload, folder / STATE_FILE)
+        write_manifest(folder)  # last: what a resume checks the folder against
 
-    folder = write_folder_atomically(write, checkpoint_folder(root, step))
+    destination = checkpoint_folder(root, step)
+    try:
+        folder = write_folder_atomically(write, destination)
+    except (OSError, RuntimeError) as error:
+        if not _out_of_space(error):
+            raise
+        previous = latest_checkpoint(root)
+        kept = f"the previous checkpoint, {previous}, is intact" if previous else "no earlier checkpoint exists"
+        raise RunStopped(
+            f"No space left on {Path(root).resolve()} while saving the checkpoint of step {step} (its unfinished "
+            f"folder was removed; {kept}). Free space there (or set checkpoint.keep_last lower), then resume=true."
+        ) from None
     if keep_last is not None:
-        for _, old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(root, keep_last=keep_last)
     return folder
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """A write that failed for want of disk space: ``ENOSPC``, or torch's zip writer's own words for it."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    text = str(error)
+    return "unexpected pos" in text or "No space left" in text
+
+
+def prune_checkpoints(root: str | Path, *, keep_last: int) -> None:
+    """Deletes all but the ``keep_last`` newest checkpoints under ``root``, never the newest one whose files match
+    its manifest: a damaged newer checkpoint cannot cost the last good one."""
+    checkpoints = list_checkpoints(root)
+    verified = next((folder for _, folder in reversed(checkpoints) if not check_manifest(folder)), None)
+    for _, old in checkpoints[:-keep_last]:
+        if old != verified:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def load_training_state(folder: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:

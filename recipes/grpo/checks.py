@@ -15,11 +15,17 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from transformers import AutoConfig
 
-from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
+from recipes.common.checkpoint import (
+    MODEL_FOLDER,
+    broken_checkpoint_advice,
+    check_manifest,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from recipes.common.config import ConfigError, check_run_settings, first_items
 from recipes.common.lora import validate_lora_node
 from recipes.common.models import load_tokenizer, validate_model_node
-from recipes.common.run_folder import check_output_folder
+from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
 from recipes.grpo.checkpointing import checkpoint_policy_node, checkpoint_root, resume_changes, resumed_config
 from recipes.grpo.distributed import STRATEGIES
@@ -75,7 +81,13 @@ def _validate_settings(cfg: DictConfig) -> None:
             f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
             f"{cfg.data.prompt_column!r} column of prompts."
         )
-    check_output_folder(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    check_output_folder(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, inputs=input_paths(cfg))
+    if checkpoint_root(cfg).exists():  # a new one is made in the output folder, just checked
+        check_writable(
+            checkpoint_root(cfg),
+            what="the run's checkpoints folder",
+            fix="fix its permissions, or run in another folder",
+        )
     _validate_resume(cfg)
 
 
@@ -173,6 +185,14 @@ def _validate_resume(cfg: DictConfig) -> None:
     if cfg.resume:
         # The weights to resume from, checked as the model paths are: damaged ones fail before anything loads.
         step, checkpoint = list_checkpoints(checkpoint_root(cfg))[-1]
+        damage = check_manifest(checkpoint) or (
+            [] if (checkpoint / MODEL_FOLDER).is_dir() else [f"{MODEL_FOLDER}/ is missing"]
+        )
+        if damage:
+            raise ConfigError(
+                f"The checkpoint to resume, {checkpoint}, no longer matches what was saved ({'; '.join(damage)}): "
+                f"resuming from it would train from damaged files. {broken_checkpoint_advice(checkpoint)}"
+            )
         if cfg.train.steps < step:
             raise ConfigError(
                 f"train.steps={cfg.train.steps} is below the step of the checkpoint to resume ({step}, {checkpoint}): "

@@ -123,7 +123,7 @@ def make_training_stream(
     if cfg.buffer.path is not None and persist:
         folder = save_labelled_pairs(cfg.buffer.path, labelled, pairs_td, tokenizer=tokenizer, pair_keys=keys)
         if cfg.buffer.storage == "memmap":
-            pairs_td = TensorDict.load_memmap(folder / STORAGE_FOLDER)
+            pairs_td = TensorDict.load_memmap(folder / STORAGE_FOLDER, allow_pickle=False)  # what this run wrote
     longest = torch.maximum(
         pairs_td.get(tensordict_key(keys.chosen_length)), pairs_td.get(tensordict_key(keys.rejected_length))
     )

@@ -15,12 +15,12 @@ from recipes.common.config import ConfigError, check_run_settings
 from recipes.common.lora import validate_lora_node
 from recipes.common.models import validate_model_node
 from recipes.common.run import check_sharded_launch
-from recipes.common.run_folder import check_output_folder
+from recipes.common.run_folder import check_output_folder, input_paths
 from recipes.common.schema import checked_config
 from recipes.reward.pair_store import read_meta
 from recipes.reward.schema import RewardRecipeConfig, check_reward_config_keys
 
-__all__ = ["STORAGES", "validate"]
+__all__ = ["STORAGES", "kept_records", "validate"]
 
 STORAGES = ("lazy_tensor", "memmap")
 
@@ -62,7 +62,7 @@ def _validate_settings(cfg: DictConfig) -> None:
         raise ConfigError(
             f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."
         )
-    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite)
+    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, inputs=input_paths(cfg), keep=kept_records(cfg))
     check_sharded_launch(cfg.device)
     check_run_settings(
         cfg,
@@ -79,3 +79,8 @@ def _validate_settings(cfg: DictConfig) -> None:
             "model.lora is set, but this recipe trains the reward model, not the policy that samples the candidate "
             "responses. Set reward_model.lora instead (and keep model.lora null)."
         )
+
+
+def kept_records(cfg: DictConfig) -> list[str]:
+    """What ``overwrite=true`` keeps of the run folder: the buffer folder this run reloads, if it is there."""
+    return [cfg.buffer.load_from] if cfg.buffer.load_from else []

@@ -25,7 +25,7 @@ from tensordict import TensorDict
 from recipes.common.checkpoint import write_folder_atomically
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.data import BadJsonLine, parse_json_lines
-from recipes.reward.pairs import LabelledPairs, drop_identical_pairs
+from recipes.reward.pairs import LabelledPairs, drop_identical_pairs, tokenize_pairs
 
 __all__ = [
     "EVAL_PAIRS_FILE",
@@ -168,9 +168,15 @@ def _load_storage(folder: Path, meta: dict):
             f"{folder / META_FILE} (bytes written: {[expected.get(name) for name in changed]}, found: "
             f"{[found.get(name) for name in changed]}). {REBUILD_BUFFER}"
         )
+    pickled = sorted(str(file.relative_to(folder)) for file in path.rglob("*.pickle"))
+    if pickled:
+        raise ConfigError(_PICKLED.format(path=path, files=pickled, rebuild=REBUILD_BUFFER))
     try:
-        stored = TensorDict.load_memmap(path)
-    except Exception as err:  # a damaged memmap fails in many ways (json, sizes, missing files)
+        # allow_pickle=False: a pickled entry would run whatever code it holds as it loads.
+        stored = TensorDict.load_memmap(path, allow_pickle=False)
+    except Exception as err:  # a damaged memmap fails in many ways (json, sizes, missing files, pickled entries)
+        if "pickle" in str(err).lower():
+            raise ConfigError(_PICKLED.format(path=path, files="its entries", rebuild=REBUILD_BUFFER)) from None
         raise ConfigError(f"{path} cannot be read as a tensordict memmap ({err!r:.300}). {REBUILD_BUFFER}") from err
     rows = stored.batch_size[0] if stored.batch_size else None
     if rows != meta["num_pairs"]:
@@ -179,6 +185,34 @@ def _load_storage(folder: Path, meta: dict):
             f"the storage and the text disagree. {REBUILD_BUFFER}"
         )
     return stored
+
+
+_PICKLED = (
+    "{path} holds pickled entries ({files}): this project never unpickles a buffer folder, since a pickle runs "
+    "whatever code it holds as it loads. A buffer this recipe wrote holds tensors only; {rebuild}"
+)
+# At most this many rows of pairs.jsonl are tokenized again and compared with storage/ when a run reuses its ids.
+_TEXT_CHECK_ROWS = 64
+
+
+def _check_text_matches_storage(folder: Path, labelled: LabelledPairs, stored, tokenizer, pair_keys) -> None:
+    """Refuses a folder whose ``pairs.jsonl`` no longer says what ``storage/`` holds (chosen and rejected swapped, a
+    pair edited while the storage was kept): rows spread over the file are tokenized again and compared."""
+    count = len(labelled.train)
+    checked = min(count, _TEXT_CHECK_ROWS)
+    rows = sorted({round(i * (count - 1) / max(1, checked - 1)) for i in range(checked)})
+    expected = tokenize_pairs(tokenizer, [labelled.train[row] for row in rows], conversational=labelled.conversational)
+    for side, ids in zip(("chosen", "rejected"), expected, strict=True):
+        tokens = stored.get(tensordict_key(pair_keys[f"{side}_tokens"]))
+        lengths = stored.get(tensordict_key(pair_keys[f"{side}_length"]))
+        for row, row_ids in zip(rows, ids, strict=True):
+            if tokens[row, : int(lengths[row])].tolist() != row_ids:
+                raise ConfigError(
+                    f"{folder / TRAIN_PAIRS_FILE}, row {row} (counting from 0): its {side} text is not what "
+                    f"{folder / STORAGE_FOLDER} holds for that pair (the text was edited, or chosen and rejected "
+                    f"swapped, after the buffer was saved): training from the storage would learn other pairs than the "
+                    f"file says. {REBUILD_BUFFER}"
+                )
 
 
 def _why_tokenize_again(meta: dict, tokenizer, pair_keys: DictConfig) -> str | None:
@@ -217,6 +251,7 @@ def load_labelled_pairs(folder: str | os.PathLike, *, tokenizer, pair_keys: Dict
         missing = [key for key in needed if key not in stored.keys(include_nested=True)]
         if missing:
             raise ConfigError(f"{folder / STORAGE_FOLDER} lacks the keys {missing}. {REBUILD_BUFFER}")
+        _check_text_matches_storage(folder, labelled, stored, tokenizer, pair_keys)
         log.info("buffer.load_from=%s: training from its stored token ids (%s).", folder, STORAGE_FOLDER)
         labelled.train_tokens = stored
     return drop_identical_pairs(labelled, source=str(folder))

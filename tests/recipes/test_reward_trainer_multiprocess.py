@@ -93,7 +93,7 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
         "logger=csv",
         # Each process's own Hydra folder (as clocks a second apart give): rank 1 must follow the main process's.
         f"hydra.run.dir={tmp_path}/two${{oc.env:RANK}}",
-        script="tests/recipes/_batch_recording.py",
+        script="tests/_batch_recording.py",
     )
     assert sorted(p.name for p in (tmp_path / "two1").iterdir()) == [".hydra", "reward_trainer_from_buffer.log"]
 

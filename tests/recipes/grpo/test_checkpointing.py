@@ -1,13 +1,15 @@
-"""A checkpoint whose training state is missing or damaged: a ConfigError naming the file and the way out."""
+"""A checkpoint whose training state is missing or damaged, or whose files changed since its save: a ConfigError naming
+the file and the way out; pruning keeps the last good checkpoint; a full disk during a save says so."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _small_runs import GRPO_SMALL
 
-from recipes.common.checkpoint import STATE_FILE, checkpoint_folder
-from recipes.common.config import ConfigError
-from recipes.grpo.checkpointing import load_training_state
+from recipes.common.checkpoint import STATE_FILE, check_manifest, checkpoint_folder, list_checkpoints, write_manifest
+from recipes.common.config import ConfigError, RunStopped
+from recipes.grpo.checkpointing import load_training_state, prune_checkpoints
 
 
 def _checkpoints(root, steps):
@@ -47,3 +49,57 @@ def test_a_missing_state_is_named(tmp_path):
     pattern = f"The checkpoint {checkpoint_folder(tmp_path, 5)} has no {STATE_FILE}. Delete the corrupted"
     with pytest.raises(ConfigError, match=pattern):
         load_training_state(checkpoint_folder(tmp_path, 5))
+
+
+def _run(compose_config, tmp_path, *overrides):
+    import recipes.grpo_torchrl_rm as recipe
+
+    base = [*GRPO_SMALL, "checkpoint.every_n_steps=1", "checkpoint.keep_last=null", f"output_dir={tmp_path}"]
+    return recipe.train(compose_config("grpo_torchrl_rm", [*base, *overrides]))
+
+
+def test_a_checkpoint_damaged_after_its_save_is_refused_naming_the_last_good_one(compose_config, tmp_path):
+    """A tokenizer deleted from the newest checkpoint (its manifest says what was saved): resume refuses it and offers
+    the previous checkpoint, whose files still match; a good resume then continues."""
+    _run(compose_config, tmp_path, "train.steps=2")
+    (checkpoint_folder(tmp_path / "checkpoints", 2) / "model" / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError) as error:
+        _run(compose_config, tmp_path, "train.steps=3", "resume=true")
+    message = str(error.value)
+    assert f"{checkpoint_folder(tmp_path / 'checkpoints', 2)}, no longer matches" in message
+    assert "model/tokenizer.json is missing" in message
+    assert f"to resume from {checkpoint_folder(tmp_path / 'checkpoints', 1)}" in message
+
+
+def test_pruning_never_deletes_the_newest_checkpoint_that_matches_its_manifest(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        folder = checkpoint_folder(root, step)
+        folder.mkdir(parents=True)
+        torch.save({"step": step}, folder / STATE_FILE)
+        (folder / "weights.bin").write_bytes(b"w" * step)
+        write_manifest(folder)
+    for step in (2, 3):  # damaged after their save
+        (checkpoint_folder(root, step) / "weights.bin").write_bytes(b"cut")
+    prune_checkpoints(root, keep_last=1)
+    assert [step for step, _ in list_checkpoints(root)] == [1, 3]
+
+
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(compose_config, tmp_path, monkeypatch):
+    import recipes.grpo.checkpointing as checkpointing
+
+    saves = []
+    save = torch.save
+
+    def filling(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 470")
+        return save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.torch, "save", filling)
+    with pytest.raises(RunStopped, match=r"No space left on .* while saving the checkpoint of step 2 .*the previous "):
+        _run(compose_config, tmp_path, "train.steps=3")
+    assert [step for step, _ in list_checkpoints(tmp_path / "checkpoints")] == [1]
+    assert not check_manifest(checkpoint_folder(tmp_path / "checkpoints", 1))
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [checkpoint_folder(tmp_path, 1).name]

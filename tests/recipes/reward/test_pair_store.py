@@ -127,19 +127,10 @@ def test_saved_meta_records_the_tokenizer_the_counts_and_the_key_layout(saved_bu
 
 
 @pytest.mark.parametrize("storage", ["lazy_tensor", "memmap"])
-def test_reload_trains_from_the_stored_token_ids_not_the_text(
-    buffer_copy, tmp_path, caplog, storage, tiny_dir, record_batches
-):
+def test_reload_trains_from_the_stored_token_ids(buffer_copy, tmp_path, caplog, storage, record_batches):
     from tensordict import TensorDict
-    from transformers import AutoTokenizer
 
     stored = TensorDict.load_memmap(buffer_copy / "storage")
-    # Same row count, other text: a run that re-tokenized pairs.jsonl would train on these words.
-    tampered = _read(buffer_copy / "pairs.jsonl")
-    for i, pair in enumerate(tampered):
-        pair["chosen"][0]["content"], pair["rejected"][0]["content"] = f"tampered {i}", f"edited {i}"
-    _write(buffer_copy / "pairs.jsonl", tampered)
-
     overrides = [*TINY_RUN, f"buffer={storage}", f"buffer.load_from={buffer_copy}"]
     with caplog.at_level(logging.INFO, logger=pair_store.__name__):
         summary = recipe.train(_compose([*overrides, f"output_dir={tmp_path / 'run'}"]))
@@ -148,14 +139,45 @@ def test_reload_trains_from_the_stored_token_ids_not_the_text(
     assert f"buffer.load_from={buffer_copy}: training from its stored token ids" in caplog.text
     trained = _trained_pairs(tmp_path / "run")
     assert len(trained) >= 16 and trained <= _stored_pairs(stored)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
-    from_text = set(
-        zip(*(map(tuple, side) for side in preference.tokenize_pairs(tokenizer, tampered, conversational=True)))
-    )
-    assert not trained & from_text
     if storage == "memmap":  # the run's own buffer folder holds the same tensors it sampled from
         written = TensorDict.load_memmap(tmp_path / "run" / "buffer" / "storage")
         assert (written == stored).all()
+
+
+@pytest.mark.parametrize("edit", ["swapped", "rewritten"])
+def test_text_that_disagrees_with_the_kept_storage_is_refused(buffer_copy, tmp_path, no_model_loads, edit):
+    """pairs.jsonl edited after the save (chosen and rejected swapped, or a pair rewritten) while storage/ was kept:
+    training from the storage would learn other pairs than the file says."""
+    pairs = _read(buffer_copy / "pairs.jsonl")
+    row = len(pairs) // 2
+    if edit == "swapped":
+        pairs[row]["chosen"], pairs[row]["rejected"] = pairs[row]["rejected"], pairs[row]["chosen"]
+    else:
+        pairs[row]["chosen"][0]["content"] = "it is great and it is great."
+    _write(buffer_copy / "pairs.jsonl", pairs)
+    with pytest.raises(ConfigError, match=rf"pairs.jsonl, row {row} \(counting from 0\): its chosen text is not what"):
+        recipe.train(_compose([*TINY_RUN, f"buffer.load_from={buffer_copy}", f"output_dir={tmp_path / 'run'}"]))
+
+
+def test_a_storage_with_pickled_entries_is_refused_without_running_them(buffer_copy, tmp_path, no_model_loads):
+    import os
+
+    from tensordict import NonTensorData, TensorDict
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    crafted = TensorDict({"x": NonTensorData(Payload(), batch_size=[NUM_TRAIN])}, batch_size=[NUM_TRAIN])
+    crafted.memmap(buffer_copy / "storage" / "extra")
+    meta = json.loads((buffer_copy / "meta.json").read_text())
+    meta.pop("storage_bytes")  # an older folder's meta: the size check cannot see the extra entry
+    (buffer_copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"storage holds pickled entries \(\['storage/extra/x/other.pickle'\]\)"):
+        recipe.train(_compose([*TINY_RUN, f"buffer.load_from={buffer_copy}", f"output_dir={tmp_path / 'run'}"]))
+    assert not marker.exists()
 
 
 def test_another_tokenizer_re_tokenizes_the_text_and_says_so(

@@ -8,7 +8,7 @@ In-process tests call :func:`install_batch_recorder` with ``monkeypatch.setattr`
 under ``accelerate launch`` / ``torchrun`` starts this file in place of the recipe, with the recipe's overrides; it
 installs the recorder and runs ``recipes/reward_trainer_from_buffer.py`` as ``__main__``, as a user's launch does::
 
-    python -m accelerate.commands.launch --multi_gpu --num_processes 2 tests/recipes/_batch_recording.py seed=1
+    python -m accelerate.commands.launch --multi_gpu --num_processes 2 tests/_batch_recording.py seed=1
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from trl import RewardTrainer
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "reward_trainer_from_buffer.py"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reward_trainer_from_buffer.py"
 
 
 def batches_file(args) -> Path:

@@ -1,0 +1,61 @@
+"""recipes/common/run_folder.py: overwrite=true deletes only the records a recipe writes, never through a link and never
+what the run reads; one run per folder at a time; a folder the run cannot write fails at start-up."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from _small_runs import GRPO_SMALL, REWARD_SMALL
+
+from recipes.common.config import ConfigError
+from recipes.common.run_folder import RunFolderLock, check_writable, clear_records
+
+
+def test_overwrite_deletes_a_linked_record_as_a_link(tmp_path):
+    kept = tmp_path / "elsewhere" / "my_model"
+    kept.mkdir(parents=True)
+    (kept / "weights.safetensors").write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model").symlink_to(kept, target_is_directory=True)
+    (run / "metrics.csv").write_text("step\n1\n")
+    assert clear_records(run) == ["metrics.csv", "model"]
+    assert not (run / "model").exists() and (kept / "weights.safetensors").read_text() == "precious"
+
+
+@pytest.mark.parametrize("root", ["grpo_torchrl_rm", "reward_trainer_from_buffer"])
+def test_overwrite_never_deletes_what_the_run_reads(compose_config, tmp_path, tiny_dir, root):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_dir / "reward_model", run / "model")
+    (run / "summary.json").write_text("{}")
+    small = GRPO_SMALL if root == "grpo_torchrl_rm" else REWARD_SMALL
+    cfg = compose_config(
+        root, [*small, f"output_dir={run}", "overwrite=true", f"reward_model.name_or_path={run}/model"]
+    )
+    module = __import__(f"recipes.{root}", fromlist=["train"])
+    with pytest.raises(ConfigError, match=rf"overwrite=true would delete {run}/model, which reward_model.name_or_path"):
+        module.train(cfg)
+    assert (run / "model" / "model.safetensors").is_file() and (run / "summary.json").is_file()
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_first(compose_config, tmp_path):
+    import recipes.grpo_torchrl_rm as recipe
+
+    lock = RunFolderLock(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match=rf"{tmp_path} is in use by another run \(process {os.getpid()}\)"):
+            recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", "train.steps=1"]))
+    finally:
+        lock.release()
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", "train.steps=1"]))
+    assert summary["train/steps"] == 1
+    RunFolderLock(tmp_path).release()  # the run let go of it
+
+
+def test_a_folder_the_run_cannot_write_fails_at_start_up(tmp_path):
+    (tmp_path / "checkpoints").write_text("a file where the run keeps its checkpoints")
+    with pytest.raises(ConfigError, match=r"Cannot write the run's checkpoints folder .*checkpoints"):
+        check_writable(tmp_path / "checkpoints", what="the run's checkpoints folder", fix="fix it")
