@@ -192,10 +192,12 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             conversation including the new response is at ``("history", "full")``. Defaults to ``None``.
         micro_batch_size (int or None): largest number of sequences sent through the model at once. Defaults to
             ``None`` (the whole batch).
-        max_length (int or None): truncate each sequence to this many tokens. ``trl.RewardTrainer`` drops longer
-            pairs at training time instead, so scores of truncated sequences are outside what the model was
-            trained on. Defaults to ``None``.
+        max_length (int or None): truncate each sequence to this many of its real tokens (its padding apart,
+            whichever side it is on). ``trl.RewardTrainer`` drops longer pairs at training time instead, so scores
+            of truncated sequences are outside what the model was trained on. Defaults to ``None``.
         padding_side (str): ``"right"`` or ``"left"``, where ragged sequences are padded. Defaults to ``"right"``.
+        check_finite (bool): raise, naming the model and the rows, when a reward is NaN or infinite (a broken
+            reward model would otherwise train a policy on garbage). Defaults to ``False``.
 
     Examples:
         >>> import torch
@@ -242,6 +244,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         micro_batch_size: int | None = None,
         max_length: int | None = None,
         padding_side: Literal["right", "left"] = "right",
+        check_finite: bool = False,
     ) -> None:
         _check_wrapper_arguments(model, tokenizer, history_key, micro_batch_size, max_length, padding_side)
         config = getattr(model, "config", None)
@@ -272,6 +275,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         self.padding_side = padding_side
+        self.check_finite = check_finite
         self._mode = mode
         self._pad_token_id = model_pad if model_pad is not None else tokenizer_pad
 
@@ -431,11 +435,17 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             ids, mask = self._read_tokens(tensordict)
             if out_device is None:
                 out_device = ids.device if isinstance(ids, torch.Tensor) else ids[0].device
-            if isinstance(ids, torch.Tensor):
-                if self.max_length is not None and ids.shape[-1] > self.max_length:
-                    # Every row has the same length: truncating each one is truncating the columns.
+            if isinstance(ids, torch.Tensor) and self.max_length is not None and ids.shape[-1] > self.max_length:
+                if mask is None or bool(mask.all()):
+                    # Every row is all real tokens: truncating each one is truncating the columns.
                     ids = ids[..., self._truncation_window]
                     mask = mask[..., self._truncation_window] if mask is not None else None
+                else:
+                    # Padded rows: each keeps max_length of its own real tokens, wherever its padding is, and is
+                    # padded again on padding_side (cutting columns would cut the real tokens of left-padded rows).
+                    keep = mask.bool()
+                    ids, mask = list(ids[keep].split(keep.sum(-1).tolist())), None
+            if isinstance(ids, torch.Tensor):
                 chunks = self._dense_chunks(ids, mask, model_device)
             else:
                 chunks = self._ragged_chunks(ids, mask, model_device, pass_mask=self.attention_mask_key is not None)
@@ -454,8 +464,20 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             )
         if out_device is None:
             out_device = torch.device("cpu")
+        if self.check_finite:
+            self._check_finite(reward)
         tensordict.set(self.reward_key, reward.to(out_device).reshape(batch_size))
         return tensordict
+
+    def _check_finite(self, reward: torch.Tensor) -> None:
+        bad = (~torch.isfinite(reward)).nonzero().flatten().tolist()
+        if bad:
+            name = getattr(getattr(self.model, "config", None), "_name_or_path", "") or type(self.model).__name__
+            raise ValueError(
+                f"HFRewardModelWrapper: the reward model {name!r} gave {len(bad)} non-finite reward(s) (rows "
+                f"{bad[:10]}{'...' if len(bad) > 10 else ''}: {reward[bad[:3]].tolist()}); its weights or inputs are "
+                "broken (a model saved with NaN weights, a dtype that overflows). Check the model."
+            )
 
     def _dense_chunks(self, ids, mask, device):
         size = self.micro_batch_size or ids.shape[0]
@@ -524,6 +546,9 @@ class RewardModelTransform(Transform):
             (TorchRL's LLM convention, required by ``GRPOLoss``); use ``(1,)`` for classic envs.
         accumulate (bool): add the score to a reward already present at ``("next", reward_key)`` (for instance a
             rule-based reward from an earlier transform) instead of overwriting it. Defaults to ``False``.
+        check_finite (bool): raise, naming the reward module (``name``), when it returns a NaN or infinite reward.
+            Defaults to ``False``.
+        name (str, optional): what the messages call the reward module (e.g. the config key it came from).
 
     Examples:
         >>> import torch
@@ -566,6 +591,8 @@ class RewardModelTransform(Transform):
         read_from: Literal["root", "next"] = "root",
         reward_shape: Sequence[int] = (1, 1),
         accumulate: bool = False,
+        check_finite: bool = False,
+        name: str | None = None,
     ) -> None:
         if not callable(reward_module):
             raise TypeError(
@@ -591,6 +618,8 @@ class RewardModelTransform(Transform):
         self.read_from = read_from
         self.reward_shape = reward_shape
         self.accumulate = accumulate
+        self.check_finite = check_finite
+        self.name = name or type(reward_module).__name__
         self._module_reward_key = unravel_key(module_out_keys[0])
         self._reward_tuple = self.reward_key if isinstance(self.reward_key, tuple) else (self.reward_key,)
 
@@ -611,6 +640,13 @@ class RewardModelTransform(Transform):
             raise RuntimeError(
                 f"RewardModelTransform: the reward module returned {reward.numel()} rewards for a batch of "
                 f"{tuple(source.batch_size)}; it must return one reward per sample."
+            )
+        if self.check_finite and not bool(torch.isfinite(reward).all()):
+            bad = (~torch.isfinite(reward.reshape(-1))).nonzero().flatten().tolist()
+            raise ValueError(
+                f"RewardModelTransform: the reward source {self.name!r} returned {len(bad)} non-finite reward(s) "
+                f"(rows {bad[:10]}{'...' if len(bad) > 10 else ''}); a policy trained on them would learn garbage. "
+                "Fix the source."
             )
         return reward
 

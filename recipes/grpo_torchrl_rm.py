@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import load_prompts
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
@@ -60,8 +60,8 @@ from recipes.grpo.checkpointing import (
 )
 from recipes.grpo.checks import check_prompt_lengths, validate
 from recipes.grpo.distributed import check_ranks_in_sync, mean_over_processes, pool_over_processes
-from recipes.grpo.learner import Learner, make_learner, optimize
-from recipes.grpo.policy import load_policy
+from recipes.grpo.learner import Learner, check_weights_finite, make_learner, optimize
+from recipes.grpo.policy import load_policy, trainable_parameters
 from recipes.grpo.report import (
     closing_message,
     report_step,
@@ -227,8 +227,12 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
     updates.update(step_timings(collector.last_timings, timings, lag=lag, waited=waited, update_start=update_start))
     metrics.update(mean_over_processes(updates))  # each rank's diagnostics and times; the rollout figures are global
     metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
-    if not all(math.isfinite(v) for v in metrics.values()):
-        raise FloatingPointError(f"Non-finite metrics at step {step}: {metrics}; lower optimizer.lr.")
+    unfinished = sorted(key for key, value in metrics.items() if not math.isfinite(value))
+    if unfinished:
+        raise RunStopped(
+            f"Step {step}: {unfinished} are not finite ({[metrics[key] for key in unfinished]}); the run stops before "
+            "any checkpoint is written after it. Lower optimizer.lr, or check the reward sources, then start again."
+        )
     return metrics, tokens
 
 
@@ -258,6 +262,7 @@ def save_if_due(run: Run, step: int, models: Models, optimizer, progress: Traini
     every = cfg.checkpoint.every_n_steps
     if not (step == cfg.train.steps or (every is not None and step % every == 0)):
         return
+    check_weights_finite(trainable_parameters(models.policy), cfg)
     check_ranks_in_sync(models.policy)
     rng_by_rank = gather_object([capture_rng_state()])
     model, model_state, optimizer_state = models.policy, None, None

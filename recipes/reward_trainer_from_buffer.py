@@ -43,16 +43,18 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
 import hydra
+import torch
 from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, TrainerCallback
 
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, RunStopped
 from recipes.common.lora import make_lora_config
 from recipes.common.metrics import MetricLogger
 from recipes.common.models import load_reward_model, load_tokenizer
@@ -146,27 +148,54 @@ def make_reward_config(cfg: DictConfig):
 
 
 def make_metrics_callback(logger: MetricLogger, *, total_steps: int):
-    """A TrainerCallback writing trl's training logs to ``logger`` as ``train/...`` metrics, one row per log, and a
-    progress line to the run's log (every ``train.logging_steps`` steps).
-
-    trl's periodic eval logs and end-of-training figures are in ``trainer_log.json``, and the final evaluation in
-    ``summary.json`` (and the wandb run's summary).
+    """A TrainerCallback writing trl's logs to ``logger``: its training logs as ``train/...`` metrics and its
+    periodic evaluations (``train.eval_strategy=steps``) as ``eval/...``, one row per log, and a progress line to the
+    run's log (every ``train.logging_steps`` steps). The final evaluation goes to ``summary.json`` (and the wandb run's
+    summary); everything trl logged is also in ``trainer_log.json``.
     """
+
+    def numbers(logs: dict) -> dict:
+        return {k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     class MetricLoggerCallback(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
             if "loss" in logs:
-                metrics = {
-                    f"train/{name}": value
-                    for name, value in logs.items()
-                    if isinstance(value, (int, float)) and not isinstance(value, bool)
-                }
-                logger.log(metrics, step=state.global_step)
+                logger.log({f"train/{name}": value for name, value in numbers(logs).items()}, step=state.global_step)
                 shown = [f"{name} {logs[name]:.4g}" for name in ("loss", "accuracy", "margin") if name in logs]
                 log.info("Step %d/%d: %s", state.global_step, total_steps, ", ".join(shown))
+            elif "eval_loss" in logs:
+                evaluated = {f"eval/{name.removeprefix('eval_')}": value for name, value in numbers(logs).items()}
+                logger.log(evaluated, step=state.global_step)
 
     return MetricLoggerCallback()
+
+
+def make_finite_guard():
+    """A TrainerCallback that stops training at the first non-finite gradient or logged loss (every process runs
+    it: DDP's gradients are the same everywhere, so all stop together); ``reason`` says what and when, and the
+    recipe then saves nothing and fails naming it."""
+
+    class StopOnNonFinite(TrainerCallback):
+        reason: str | None = None
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads = [p.grad for p in model.parameters() if p.grad is not None] if model is not None else []
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            if local and not all(bool(torch.isfinite(g).all()) for g in local):
+                self._stop(control, f"a non-finite gradient at step {state.global_step + 1}")
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            for key in ("loss", "grad_norm", "eval_loss"):
+                value = (logs or {}).get(key)
+                if isinstance(value, float) and not math.isfinite(value):
+                    self._stop(control, f"{key} = {value} at step {state.global_step}")
+
+        def _stop(self, control, reason: str) -> None:
+            self.reason = self.reason or reason
+            control.should_training_stop = True
+
+    return StopOnNonFinite()
 
 
 def log_run_plan(cfg: DictConfig, facts: dict, *, num_eval_pairs: int) -> None:
@@ -283,7 +312,11 @@ def train(cfg: DictConfig) -> dict:
         model = load_reward_model(
             cfg.reward_model, device=args.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id, trained=False
         )
-        callbacks = [make_metrics_callback(run.logger, total_steps=cfg.train.max_steps)] if run.is_main else None
+        guard = make_finite_guard()
+        callbacks = [
+            guard,
+            *([make_metrics_callback(run.logger, total_steps=cfg.train.max_steps)] if run.is_main else []),
+        ]
         trainer = make_trainer(
             model,
             tokenizer,
@@ -295,6 +328,11 @@ def train(cfg: DictConfig) -> dict:
             lora=cfg.reward_model.lora,
         )
         train_s = fit(trainer, facts=facts, max_length=cfg.train.max_length)
+        if guard.reason is not None:
+            raise RunStopped(
+                f"Training stopped at {guard.reason}: a model trained on would be garbage, so none is saved. Lower "
+                f"train.learning_rate (now {cfg.train.learning_rate}), or check the pairs, then run again."
+            )
         full_state = gather_trained_weights(trainer.model)  # every process takes part; None unless sharded
         summary = None
         if run.is_main:

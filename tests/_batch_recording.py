@@ -60,5 +60,8 @@ def install_batch_recorder(patch=setattr) -> None:
 
 if __name__ == "__main__":
     install_batch_recorder()
+    # Started as a script, this folder comes first on sys.path, where tests/recipes would stand in for the project's
+    # recipes package: the recipe runs with the repository first, as `python recipes/...` runs it.
+    sys.path[0] = str(RECIPE.parents[1])
     sys.argv = [str(RECIPE), *sys.argv[1:]]
     runpy.run_path(str(RECIPE), run_name="__main__")

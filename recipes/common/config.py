@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ __all__ = [
     "check_run_settings",
     "command_line_keys",
     "first_items",
+    "hub_reachable",
     "register_resolvers",
     "resolved",
     "run_config",
@@ -90,12 +92,38 @@ def check_local_path(value: str, *, key: str, what: str) -> None:
             f"{key}={value!r}: no such {what} folder. Pass an existing local folder or a hub id (org/name); for the "
             "built-in tiny models run `python scripts/build_tiny_models.py` (they ship in tiny/)."
         )
-    if not looks_local and _offline():
-        if not isinstance(try_to_load_from_cache(value, "config.json"), str):
-            raise ConfigError(
-                f"{key}={value!r}: not a local folder, and not in the Hugging Face cache while offline "
-                "(HF_HUB_OFFLINE=1). Download it where the hub is reachable, or pass a local folder."
-            )
+    if looks_local:
+        return
+    cached = isinstance(try_to_load_from_cache(value, "config.json"), str)
+    if not cached and _offline():
+        raise ConfigError(
+            f"{key}={value!r}: not a local folder, and not in the Hugging Face cache while offline "
+            "(HF_HUB_OFFLINE=1). Download it where the hub is reachable, or pass a local folder."
+        )
+    if not cached and not hub_reachable():
+        # from_pretrained would retry for about a minute, then fail with a raw OSError.
+        raise ConfigError(
+            f"{key}={value!r}: not a local folder, not in the Hugging Face cache, and the hub "
+            f"({_HUB_HOST}) cannot be reached from here. Pass a local folder, or download it where the hub is "
+            "reachable; offline, set HF_HUB_OFFLINE=1 so that cached models load without trying the network."
+        )
+
+
+_HUB_HOST = "huggingface.co"
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within ``timeout_s`` (asked once per process)."""
+    import socket
+
+    endpoint = os.environ.get("HF_ENDPOINT", f"https://{_HUB_HOST}")
+    host = endpoint.split("://", 1)[-1].split("/", 1)[0].split(":", 1)[0]
+    try:
+        with socket.create_connection((host, 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def check_run_settings(cfg: DictConfig, *, lr_key: str, max_grad_norm_key: str, batch_size_key: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _load_file(path: Path, *, key: str, columns: list[str]):
     if path.suffix not in _FILE_FORMATS:
         raise ConfigError(f"{key}={str(path)!r}: unknown file type; use one of {sorted(_FILE_FORMATS)}.")
     # The text formats are read once here, for the checks; parquet is binary (its reader says what is wrong).
-    text = None if path.suffix == ".parquet" else path.read_text(errors="replace")
+    text = None if path.suffix == ".parquet" else _read_utf8(path, key=key)
     if path.stat().st_size == 0 or (text is not None and not text.strip()):
         raise ConfigError(f"{key}={str(path)!r}: the file is empty. {_what_a_file_holds(path, columns)}")
     if path.suffix in (".jsonl", ".json"):
@@ -81,6 +82,20 @@ def _load_file(path: Path, *, key: str, columns: list[str]):
     if len(table) == 0:
         raise ConfigError(f"{key}={str(path)!r}: the file has no rows. {_what_a_file_holds(path, columns)}")
     return table
+
+
+def _read_utf8(path: Path, *, key: str) -> str:
+    """The file's text; a file that is not UTF-8 (latin-1, say) is refused naming where it stops being so."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{key}={str(path)!r}, line {line}: not UTF-8 (byte {data[error.start]:#04x} at offset {error.start}). "
+            f"Datasets read text files as UTF-8: re-encode it, e.g. `iconv -f latin1 -t utf-8 {path.name} > "
+            f"{path.stem}.utf8{path.suffix}`."
+        ) from None
 
 
 def _what_a_file_holds(path: Path, columns: list[str]) -> str:
@@ -159,7 +174,21 @@ def _load_hf(data: DictConfig, split: str):
         return None
     location = Path(str(data.name_or_path)).expanduser()
     if not location.exists():
-        return datasets.load_dataset(str(data.name_or_path), split=split_name)
+        try:
+            return datasets.load_dataset(str(data.name_or_path), split=split_name)
+        except (ConnectionError, FileNotFoundError, OSError, ValueError) as error:
+            raise ConfigError(
+                f"data.name_or_path={str(data.name_or_path)!r}: no such folder, and the hub dataset of that name "
+                f"cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0][:200]}). Offline, a hub "
+                "dataset must be in the local cache; or save it with `Dataset.save_to_disk(folder)` and pass the "
+                "folder."
+            ) from None
+    if not any((location / name).is_file() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
+        raise ConfigError(
+            f"data.name_or_path={str(location)!r} is a folder, but not one `save_to_disk` wrote (no "
+            "dataset_dict.json or state.json). data=hf reads such folders (or hub names); for files of rows use "
+            "data=file data.path=<file>."
+        )
     loaded = datasets.load_from_disk(str(location))
     if not isinstance(loaded, datasets.DatasetDict):
         return loaded
@@ -247,8 +276,13 @@ def load_prompts(data: DictConfig, split: str) -> list:
 
 def _has_content(prompt) -> bool:
     if isinstance(prompt, str):
-        return bool(prompt.strip())
-    return any(str(message["content"]).strip() for message in prompt)
+        return _visible(prompt)
+    return any(_visible(str(message["content"])) for message in prompt)
+
+
+def _visible(text: str) -> bool:
+    """Whether ``text`` holds a character that shows: not only spaces, line breaks, zero-width or control ones."""
+    return any(not (char.isspace() or unicodedata.category(char) in ("Cf", "Cc", "Zs", "Zl", "Zp")) for char in text)
 
 
 def load_preference_pairs(data: DictConfig, split: str) -> list[dict]:

@@ -26,7 +26,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.common.config import ConfigError
 
-__all__ = ["LORA_KEYS", "is_peft_model", "make_lora_config", "settle_lora_node", "validate_lora_node"]
+__all__ = [
+    "LORA_KEYS",
+    "check_lora_targets",
+    "is_peft_model",
+    "make_lora_config",
+    "settle_lora_node",
+    "validate_lora_node",
+]
 
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 _EXAMPLE = "{r:16,alpha:32,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]}"
@@ -112,3 +119,28 @@ def make_lora_config(lora: DictConfig, *, task_type: str, modules_to_save: Seque
 def is_peft_model(model) -> bool:
     """Whether ``model`` carries peft adapters (what switches GRPO's reference to the adapter-disabled policy)."""
     return callable(getattr(model, "disable_adapter", None)) and callable(getattr(model, "get_base_model", None))
+
+
+def check_lora_targets(lora: DictConfig, model, *, key: str) -> None:
+    """Refuses ``target_modules`` names that match no linear layer of ``model`` (a meta-device model does: nothing
+    loads), as peft would only after loading the weights. A name matches a layer whose dotted name is it or ends in
+    ``.<name>``, as peft matches a list; a single string other than ``all-linear`` is peft's regular expression."""
+    import re
+
+    from torch import nn
+
+    targets = lora.target_modules
+    if targets == "all-linear":
+        return
+    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if isinstance(targets, str):
+        unmatched = [] if any(re.fullmatch(targets, name) for name in linear) else [targets]
+    else:
+        unmatched = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in linear)]
+    if unmatched:
+        layer_names = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        raise ConfigError(
+            f"{key}.target_modules: {unmatched} match no linear layer of the model, so no adapter would go there (peft "
+            f"refuses it only after loading the weights). Its linear layers are named {layer_names}; pick among "
+            f"them, or {key}.target_modules=all-linear."
+        )

@@ -25,9 +25,11 @@ from recipes.common.config import ConfigError, check_local_path, first_items
 
 __all__ = [
     "check_pad_token",
+    "check_tokenizer_fits_model",
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
+    "meta_model",
     "read_adapter_config",
     "resolve_dtype",
     "validate_model_node",
@@ -165,8 +167,27 @@ def validate_model_node(node: DictConfig, *, key: str, kind: str | None = None) 
         return
     config = _saved_config(str(node.name_or_path), key=key)
     if config is not None:
+        _check_remote_code(config, node, key=key)
         _check_kind(config, key=key, name_or_path=str(node.name_or_path), kind=kind)
         _check_weights(Path(str(node.name_or_path)).expanduser(), key=key)
+
+
+def _check_remote_code(config: dict, node: DictConfig, *, key: str) -> None:
+    """A checkpoint whose model class is code in its own folder (``auto_map``) loads only with trust_remote_code, which
+    runs that code: refused by name unless the config turns it on."""
+    if "auto_map" in config and not node.trust_remote_code and config.get("model_type") not in _known_model_types():
+        raise ConfigError(
+            f"{key}.name_or_path={str(node.name_or_path)!r} defines its model in code of its own (config.json "
+            f"auto_map: {sorted(config['auto_map'])}), which transformers loads only by running that code. If you "
+            f"trust where the folder came from, set {key}.trust_remote_code=true; otherwise use a checkpoint of a "
+            "model type transformers ships."
+        )
+
+
+def _known_model_types() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
 
 
 def read_adapter_config(node: DictConfig, *, key: str, kind: str | None = None) -> dict | None:
@@ -230,6 +251,43 @@ def merge_adapters(model):
         if hasattr(base.config, "get_text_config"):
             base.config.get_text_config().tie_word_embeddings = False
     return model.merge_and_unload()
+
+
+def check_tokenizer_fits_model(node: DictConfig, *, key: str) -> None:
+    """Refuses a tokenizer whose ids reach past the model's embedding table (a tokenizer of another model, say):
+    the first forward pass would index out of range. Reads the tokenizer and ``config.json`` only."""
+    from transformers import AutoTokenizer
+
+    adapter = read_adapter_config(node, key=key)
+    config = _loaded_config(_base_node(node, adapter) if adapter is not None else node)
+    vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
+    tokenizer_path = node.tokenizer_name_or_path or node.name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=node.trust_remote_code)
+    # The ids text tokenizes into (its base vocabulary) and those the recipes write (pad, EOS, BOS): an added token
+    # that no text of the run spells (Qwen2Tokenizer adds <|endoftext|>, as unk, to any vocabulary) is no harm.
+    written = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
+    used = max([tokenizer.vocab_size - 1, *(i for i in written if i is not None)])
+    if vocab is not None and used >= vocab:
+        raise ConfigError(
+            f"{key}: the tokenizer of {str(tokenizer_path)!r} gives ids up to {used}, but the model "
+            f"{str(node.name_or_path)!r} embeds only {vocab} (vocab_size): ids past {vocab - 1} would index out of its "
+            f"embedding table. Use the model's own tokenizer ({key}.tokenizer_name_or_path=null) or one of its "
+            "vocabulary."
+        )
+
+
+def meta_model(node: DictConfig, *, kind: str):
+    """The model of ``node`` built from its config alone on the meta device (no weights, no memory): its modules'
+    names and shapes, for checks that must not load it. ``kind``: ``"policy"`` or ``"reward_model"``."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    adapter = read_adapter_config(node, key=kind)
+    config = _loaded_config(_base_node(node, adapter) if adapter is not None else node)
+    auto = AutoModelForCausalLM if kind == "policy" else AutoModelForSequenceClassification
+    if kind != "policy":
+        config.num_labels = 1
+    with torch.device("meta"):
+        return auto.from_config(config, trust_remote_code=node.trust_remote_code)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -357,7 +415,16 @@ def _load_adapter_reward_model(node: DictConfig, adapter: dict, *, device: str, 
 def _loaded_config(node: DictConfig):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(node.name_or_path, trust_remote_code=node.trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(node.name_or_path, trust_remote_code=node.trust_remote_code)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise ConfigError(
+            f"{node.name_or_path!r} needs its own code to load (transformers: {str(error).splitlines()[0]}). If you "
+            "trust where it came from, set trust_remote_code=true on its model node (model.trust_remote_code, "
+            "reward_model.trust_remote_code): that runs the folder's code."
+        ) from None
 
 
 def _from_pretrained(auto_class, node: DictConfig, *, key: str, **options):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -76,7 +77,7 @@ class Run:
         finally:
             self.logger.close()
         if self.is_main:
-            (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+            (self.output_dir / SUMMARY_FILE).write_text(json.dumps(_json_numbers(summary), indent=2, allow_nan=False))
             log.info(closing_message)
         return summary
 
@@ -94,6 +95,12 @@ class Run:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _json_numbers(summary: dict) -> dict:
+    """``summary`` with NaN and infinities as null: ``summary.json`` stays valid JSON (a Spearman coefficient over
+    constant scores is NaN)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
 
 
 def start_run(

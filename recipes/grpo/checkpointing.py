@@ -58,6 +58,7 @@ __all__ = [
     "finished_run_summary",
     "load_training_state",
     "prune_checkpoints",
+    "read_metrics_rows",
     "record_resume",
     "restore_rng_state",
     "resume_changes",
@@ -271,19 +272,41 @@ def truncate_metrics_csv(path: str | Path, last_step: int) -> None:
     path = Path(path)
     if not path.exists():
         return
-    with open(path, newline="") as handle:
-        rows = list(csv.reader(handle))
-    if not rows:
+    header, rows = read_metrics_rows(path)
+    if header is None:
         return
-    header, body = rows[0], rows[1:]
-    step_column = header.index("step")
-    kept = [row for row in body if row and int(float(row[step_column])) <= last_step]
     staging = path.with_name(f".{path.name}.tmp")
     with open(staging, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
-        writer.writerows(kept)
+        writer.writerows(row for step, row in rows if step <= last_step)
     staging.replace(path)
+
+
+def read_metrics_rows(path: str | Path) -> tuple[list[str] | None, list[tuple[float, list[str]]]]:
+    """``metrics.csv``'s header and its rows with their step; a file this recipe did not write (no step column, a
+    step that is no number) is refused naming the line."""
+    path = Path(path)
+    with open(path, newline="") as handle:
+        rows = list(csv.reader(handle))
+    if not rows:
+        return None, []
+    header, body = rows[0], rows[1:]
+    if "step" not in header:
+        raise ConfigError(f"{path} has no step column (its header: {header}); it is no metrics file this recipe wrote.")
+    column = header.index("step")
+    stepped = []
+    for number, row in enumerate(body, 2):
+        if not row:
+            continue
+        try:
+            stepped.append((float(row[column]), row))
+        except (ValueError, IndexError):
+            raise ConfigError(
+                f"{path}, line {number}: its step {row[column] if len(row) > column else None!r} is no number: the "
+                "file was edited or damaged. Fix or delete that line (the checkpoint holds the run's history)."
+            ) from None
+    return header, stepped
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -23,11 +23,17 @@ from recipes.common.checkpoint import (
     list_checkpoints,
 )
 from recipes.common.config import ConfigError, check_run_settings, first_items
-from recipes.common.lora import validate_lora_node
-from recipes.common.models import load_tokenizer, validate_model_node
+from recipes.common.lora import check_lora_targets, validate_lora_node
+from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, meta_model, validate_model_node
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
-from recipes.grpo.checkpointing import checkpoint_policy_node, checkpoint_root, resume_changes, resumed_config
+from recipes.grpo.checkpointing import (
+    checkpoint_policy_node,
+    checkpoint_root,
+    read_metrics_rows,
+    resume_changes,
+    resumed_config,
+)
 from recipes.grpo.distributed import STRATEGIES
 from recipes.grpo.policy import MIXED_PRECISIONS
 from recipes.grpo.prompt_env import PromptTable
@@ -72,10 +78,13 @@ def _validate_settings(cfg: DictConfig) -> None:
     check_run_settings(
         cfg, lr_key="optimizer.lr", max_grad_norm_key="train.max_grad_norm", batch_size_key="train.mini_batch_size"
     )
+    _validate_optimizer(cfg.optimizer)
     _validate_distributed(cfg)
     validate_model_node(cfg.model, key="model", kind="policy")
     validate_model_node(cfg.reward_model, key="reward_model", kind="reward_model")
     _validate_lora(cfg)
+    check_tokenizer_fits_model(cfg.model, key="model")
+    check_tokenizer_fits_model(cfg.reward_model, key="reward_model")
     if cfg.data.source == "file" and not Path(str(cfg.data.path)).expanduser().exists():
         raise ConfigError(
             f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
@@ -140,8 +149,27 @@ def _validate_reporting(cfg: DictConfig) -> None:
         )
 
 
+# What restore_progress and the schema's optimizer node know how to set: Adam's family.
+OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam")
+
+
+def _validate_optimizer(optimizer: DictConfig) -> None:
+    if optimizer._target_ not in OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer._target_={optimizer._target_!r}: the recipe trains with {list(OPTIMIZERS)} (their lr, betas "
+            "and weight_decay are what its config holds and a resume restores); use one of them."
+        )
+    if optimizer.lr > 1.0:
+        raise ConfigError(
+            f"optimizer.lr={optimizer.lr}: an Adam step moves every weight by about lr, so above 1 the weights blow "
+            "up (past 3.4e38 they overflow float32). Use a learning rate <= 1 (1e-6 to 1e-3 for real models)."
+        )
+
+
 def _validate_lora(cfg: DictConfig) -> None:
     validate_lora_node(cfg.model.lora, key="model.lora")
+    if cfg.model.lora is not None:
+        check_lora_targets(cfg.model.lora, meta_model(cfg.model, kind="policy"), key="model.lora")
     if cfg.reward_model.lora is not None:
         raise ConfigError(
             "reward_model.lora is set, but GRPO's reward model is frozen: it trains no adapters. Drop it (to score "
@@ -185,13 +213,16 @@ def _validate_resume(cfg: DictConfig) -> None:
     if cfg.resume:
         # The weights to resume from, checked as the model paths are: damaged ones fail before anything loads.
         step, checkpoint = list_checkpoints(checkpoint_root(cfg))[-1]
+        if (Path(cfg.output_dir) / "metrics.csv").is_file():
+            read_metrics_rows(Path(cfg.output_dir) / "metrics.csv")  # a damaged file is named now, not after loading
         damage = check_manifest(checkpoint) or (
             [] if (checkpoint / MODEL_FOLDER).is_dir() else [f"{MODEL_FOLDER}/ is missing"]
         )
         if damage:
             raise ConfigError(
-                f"The checkpoint to resume, {checkpoint}, no longer matches what was saved ({'; '.join(damage)}): "
-                f"resuming from it would train from damaged files. {broken_checkpoint_advice(checkpoint)}"
+                f"The checkpoint to resume, {checkpoint}, no longer matches what was saved: its files are corrupted "
+                f"or truncated, or were changed since ({'; '.join(f'{checkpoint}/{line}' for line in damage)}). "
+                f"Resuming from it would train from damaged files. {broken_checkpoint_advice(checkpoint)}"
             )
         if cfg.train.steps < step:
             raise ConfigError(

@@ -24,13 +24,14 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
 
+from recipes.common.config import RunStopped
 from recipes.common.sharding import is_sharded, shard_frozen_model
 from recipes.grpo.batch import LOG_PROBS, PROMPT_INDEX, REF_LOG_PROBS
 from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs, make_policy_scorer, make_reference_scorer
 from recipes.grpo.loss import GroupAdvantage, ResponseGRPOLoss, make_loss, training_loss
 from recipes.grpo.policy import enable_activation_checkpointing, trainable_parameters, update_forward
 
-__all__ = ["Learner", "PrepareBatch", "make_learner", "make_replay_buffer", "optimize"]
+__all__ = ["Learner", "PrepareBatch", "check_weights_finite", "make_learner", "make_replay_buffer", "optimize"]
 
 
 class PrepareBatch:
@@ -159,10 +160,12 @@ def optimize(
             with forward_context():
                 out = loss_module(buffer.sample().contiguous())
                 loss = training_loss(out, entropy_coeff=cfg.loss.entropy_coeff)
+            _stop_unless_finite(loss, "loss", cfg)
             loss.backward()
-            # null: no clipping, but the norm is still measured (train/grad_norm).
-            max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm is not None else math.inf
+            # null or 0: no clipping (trl's meaning of 0), but the norm is still measured (train/grad_norm).
+            max_norm = cfg.train.max_grad_norm or math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+            _stop_unless_finite(grad_norm, "gradient norm", cfg)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             updates += 1
@@ -173,3 +176,27 @@ def optimize(
             for key, value in values.items():
                 sums[key] = sums.get(key, 0.0) + float(value.detach().mean())
     return {key: total / updates for key, total in sums.items()}
+
+
+# The settings that drive each value, named when it stops being finite.
+_DRIVERS = {
+    "loss": "the rewards (their sources), loss.clip_epsilon, loss.kl_to_ref_coeff and optimizer.lr",
+    "gradient norm": "optimizer.lr and train.max_grad_norm (the loss was finite)",
+    "weights": "optimizer.lr (and train.max_grad_norm)",
+}
+
+
+def _stop_unless_finite(value: torch.Tensor, what: str, cfg: DictConfig) -> None:
+    if not bool(torch.isfinite(value.detach()).all()):
+        raise RunStopped(
+            f"The policy's {what} is {float(value.detach().float().flatten()[0])}: training on would save garbage, so "
+            f"the run stops here (no checkpoint is written after it). What drives it: {_DRIVERS[what]}. Lower "
+            "optimizer.lr, or check the reward sources, then start again or resume=true from the last checkpoint."
+        )
+
+
+def check_weights_finite(parameters: list, cfg: DictConfig) -> None:
+    """Stops the run (before a checkpoint is written) if a trainable weight is no longer finite."""
+    with torch.no_grad():
+        norms = torch._foreach_norm([p.detach() for p in parameters])
+    _stop_unless_finite(torch.stack(norms).float().sum(), "weights", cfg)

@@ -149,6 +149,7 @@ def make_reward_transforms(
         "inference_mode": True,
         "micro_batch_size": cfg.reward.micro_batch_size,
         "max_length": cfg.reward.max_length,
+        "check_finite": True,  # a NaN reward stops the run, naming the reward model
     }
     if cfg.reward.input == "tokens":
         if reward_tokenizer.get_vocab() != policy_tokenizer.get_vocab():
@@ -163,10 +164,14 @@ def make_reward_transforms(
         scorer = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, text_key=keys["text"], **common)
     else:
         scorer = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, history_key=keys["history"], **common)
+    names = ["reward_model", *(f"reward.terms.{name}" for name in cfg.reward.terms)]
     modules = [scorer, *(instantiate(term) for term in cfg.reward.terms.values())]
     if prompts is not None:
         modules = [_with_response_text(module, prompts, policy_tokenizer) for module in modules]
-    return [RewardModelTransform(modules[0])] + [RewardModelTransform(m, accumulate=True) for m in modules[1:]]
+    return [
+        RewardModelTransform(module, accumulate=index > 0, check_finite=True, name=name)
+        for index, (module, name) in enumerate(zip(modules, names, strict=True))
+    ]
 
 
 class ResponseText(TensorDictModuleBase):

@@ -12,8 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.common.chat import check_chat_generation_settings
 from recipes.common.config import ConfigError, check_run_settings
-from recipes.common.lora import validate_lora_node
-from recipes.common.models import validate_model_node
+from recipes.common.lora import check_lora_targets, validate_lora_node
+from recipes.common.models import check_tokenizer_fits_model, meta_model, validate_model_node
 from recipes.common.run import check_sharded_launch
 from recipes.common.run_folder import check_output_folder, input_paths
 from recipes.common.schema import checked_config
@@ -73,7 +73,11 @@ def _validate_settings(cfg: DictConfig) -> None:
     if not 0.0 < cfg.eval.holdout_fraction < 1.0:
         raise ConfigError(f"eval.holdout_fraction={cfg.eval.holdout_fraction}: expected a fraction in (0, 1).")
     validate_model_node(cfg.reward_model, key="reward_model")
+    check_tokenizer_fits_model(cfg.reward_model, key="reward_model")
     validate_lora_node(cfg.reward_model.lora, key="reward_model.lora")
+    if cfg.reward_model.lora is not None:
+        model = meta_model(cfg.reward_model, kind="reward_model")
+        check_lora_targets(cfg.reward_model.lora, model, key="reward_model.lora")
     if cfg.model.lora is not None:
         raise ConfigError(
             "model.lora is set, but this recipe trains the reward model, not the policy that samples the candidate "

@@ -48,6 +48,7 @@ def score_sequences(model, tokenizer, sequences: list, eval_cfg: DictConfig, *, 
         reward_key=tensordict_key(eval_cfg.reward_key),
         inference_mode=True,
         micro_batch_size=eval_cfg.micro_batch_size,
+        check_finite=True,
     )
     td = TensorDict(batch_size=[len(sequences)])
     if conversational:

@@ -457,6 +457,38 @@ def test_max_length_truncation(rm, rm_tok, _batch_recorder):
     torch.testing.assert_close(out, score_alone(rm, ids[-6:]).view(1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_max_length_keeps_each_padded_rows_own_real_tokens(rm, side):
+    """A dense row of 22 real tokens among padding: max_length keeps the first 12 of its real tokens, wherever its
+    padding is (cutting columns would keep pads and lose real tokens on a left-padded row)."""
+    rows = [list(range(3, 25)), list(range(30, 36))]
+    width = 26
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        place = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[i, place], mask[i, place] = torch.tensor(row), True
+    dense = TensorDict({"tokens": {"full": ids}, "masks": {"all_attention_mask": mask}}, batch_size=[2])
+    out = HFRewardModelWrapper(rm, inference_mode=True, max_length=12)(dense)["reward"]
+    expected = torch.stack([score_alone(rm, row[:12]) for row in rows])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_check_finite_names_the_model_and_the_rows():
+    class HalfBroken(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return torch.tensor([[1.0], [float("nan")], [float("inf")]])
+
+    dense = TensorDict({"tokens": {"full": torch.ones(3, 4, dtype=torch.long)}}, batch_size=[3])
+    reward = HFRewardModelWrapper(HalfBroken(), attention_mask_key=None, inference_mode=True)(dense.clone())["reward"]
+    assert torch.isnan(reward[1])  # off by default: the library call of TorchRL's wrapper
+    checked = HFRewardModelWrapper(HalfBroken(), attention_mask_key=None, inference_mode=True, check_finite=True)
+    with pytest.raises(
+        ValueError, match=r"the reward model 'HalfBroken' gave 2 non-finite reward\(s\) \(rows \[1, 2\]"
+    ):
+        checked(dense)
+
+
 def test_bf16_model_gives_float32_reward(rm_tok):
     model32 = reward_model(rm_tok)
     model16 = reward_model(rm_tok).to(torch.bfloat16)

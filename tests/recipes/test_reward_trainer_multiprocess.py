@@ -106,6 +106,7 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
     # Everything in the run folder: one of each output (no per-process copies, no staging folder of a second writer).
     assert sorted(p.name for p in two.iterdir()) == [
         ".hydra",
+        ".run.lock",  # the main process's lock on the folder (recipes.common.run_folder.RunFolderLock)
         "batches",
         "buffer",
         "eval_pairs.jsonl",

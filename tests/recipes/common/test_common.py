@@ -139,6 +139,9 @@ class TestModels:
             validate_model_node(hub_id, key="model")
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
         monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+        import recipes.common.config as config
+
+        monkeypatch.setattr(config, "hub_reachable", lambda: True)  # online (nothing is sent from the tests)
         validate_model_node(hub_id, key="model")
 
     def test_a_causal_lm_is_no_reward_model_and_a_reward_model_no_policy(self, tiny_dir):

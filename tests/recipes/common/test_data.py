@@ -115,3 +115,29 @@ class TestRows:
         path = _write_lines(tmp_path / "pairs.jsonl", [json.dumps({"chosen": None, "rejected": "b"})] * 12)
         with pytest.raises(ConfigError, match=r"column data.chosen_column='chosen' \(rows \[0, 1, .*, 9\]\.\.\."):
             load_preference_pairs(file_node(path), "train")
+
+
+def test_a_file_that_is_not_utf8_names_the_line_and_the_fix(file_node, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"prompt": "Review the mug."}\n{"prompt": "Caf\xe9 review."}\n')
+    with pytest.raises(ConfigError, match=r"prompts.jsonl', line 2: not UTF-8 \(byte 0xe9 at offset .*iconv -f latin1"):
+        load_prompts(file_node(path), "train")
+
+
+@pytest.mark.parametrize("prompt", ["\u200b\u200b", " \u200c\t\u2060 ", ""])
+def test_prompts_of_invisible_characters_only_are_refused_as_empty(file_node, tmp_path, prompt):
+    path = _write_lines(
+        tmp_path / "prompts.jsonl", [json.dumps({"prompt": "Review the mug."}), json.dumps({"prompt": prompt})]
+    )
+    with pytest.raises(ConfigError, match=r"1 empty prompt\(s\) in column 'prompt' \(rows \[1\]\)"):
+        load_prompts(file_node(path), "train")
+
+
+def test_data_hf_names_a_plain_folder_and_an_unreachable_hub_name(compose_config, tmp_path):
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "Review the mug."}) + "\n")
+    plain = compose_config("grpo_torchrl_rm", ["data=hf", f"data.name_or_path={tmp_path}"]).data
+    with pytest.raises(ConfigError, match=r"is a folder, but not one `save_to_disk` wrote .* use data=file"):
+        load_prompts(plain, "train")
+    offline = compose_config("grpo_torchrl_rm", ["data=hf", "data.name_or_path=someone/no-such-dataset"]).data
+    with pytest.raises(ConfigError, match=r"no such folder, and the hub dataset of that name cannot be loaded"):
+        load_prompts(offline, "train")

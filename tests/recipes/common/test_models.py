@@ -96,3 +96,44 @@ def test_a_safetensors_error_inside_from_pretrained_is_named(policy_copy, monkey
     monkeypatch.setattr("recipes.common.models._check_weights", lambda folder, *, key: None)
     with pytest.raises(ConfigError, match="model.name_or_path=.*: its safetensors weights: corrupted or truncated"):
         load_causal_lm(_node(policy_copy), device="cpu", dtype="float32")
+
+
+def test_a_model_of_its_own_code_names_trust_remote_code(policy_copy):
+    config = json.loads((policy_copy / "config.json").read_text())
+    config.update({"model_type": "my_own_model", "auto_map": {"AutoModelForCausalLM": "modeling_mine.MyModel"}})
+    (policy_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"defines its model in code of its own .* set model.trust_remote_code=true"):
+        validate_model_node(_node(policy_copy), key="model", kind="policy")
+
+
+def test_a_hub_id_the_hub_cannot_serve_is_refused_at_once(monkeypatch):
+    import recipes.common.config as config
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(config, "hub_reachable", lambda: False)  # as on a machine without network; nothing is sent
+    with pytest.raises(ConfigError, match=r"the hub \(huggingface.co\) cannot be reached from here.*HF_HUB_OFFLINE=1"):
+        validate_model_node(_node("someone/some-model"), key="model", kind="policy")
+
+
+def test_a_tokenizer_with_ids_past_the_model_vocabulary_is_refused(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from recipes.common.models import check_tokenizer_fits_model
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_model")
+    # A pad token added without resizing the model's embeddings: every padded batch would index past them.
+    tokenizer.add_special_tokens({"pad_token": "<a_new_pad>"})
+    tokenizer.save_pretrained(tmp_path / "bigger")
+    node = OmegaConf.create(
+        {
+            "name_or_path": str(tiny_dir / "reward_model"),
+            "tokenizer_name_or_path": str(tmp_path / "bigger"),
+            "trust_remote_code": False,
+        }
+    )
+    with pytest.raises(
+        ConfigError, match=r"reward_model: the tokenizer of .* gives ids up to \d+, but the model .* embeds"
+    ):
+        check_tokenizer_fits_model(node, key="reward_model")
+    check_tokenizer_fits_model(_node(tiny_dir / "reward_model"), key="reward_model")

@@ -67,11 +67,11 @@ def test_a_failed_run_leaves_its_reason_in_the_log(tmp_path):
     assert "[ERROR] - rollout.group_size=1: GRPO normalises" in text and "Traceback" not in text
     assert "Traceback" not in bad_setting.stderr + bad_setting.stdout
 
-    failing = _run_grpo(tmp_path / "fail", "train.steps=2", "optimizer._target_=torch.optim.NoSuchOptimizer")
+    failing = _run_grpo(tmp_path / "fail", "train.steps=2", "data.oracle._target_=recipes.common.synthetic.no_oracle")
     assert failing.returncode == 1
     text = (tmp_path / "fail" / "grpo_torchrl_rm.log").read_text()
     assert "[ERROR] - The run failed; the traceback follows." in text
-    assert "Traceback (most recent call last)" in text and "NoSuchOptimizer" in text
+    assert "Traceback (most recent call last)" in text and "no_oracle" in text
 
 
 def test_wandb_keeps_one_run_across_resumes_with_the_summary_and_sample_tables(compose_config, tmp_path, monkeypatch):

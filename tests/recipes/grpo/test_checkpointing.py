@@ -67,7 +67,7 @@ def test_a_checkpoint_damaged_after_its_save_is_refused_naming_the_last_good_one
         _run(compose_config, tmp_path, "train.steps=3", "resume=true")
     message = str(error.value)
     assert f"{checkpoint_folder(tmp_path / 'checkpoints', 2)}, no longer matches" in message
-    assert "model/tokenizer.json is missing" in message
+    assert "/model/tokenizer.json is missing" in message
     assert f"to resume from {checkpoint_folder(tmp_path / 'checkpoints', 1)}" in message
 
 

@@ -122,3 +122,55 @@ def test_a_resume_below_the_checkpoint_or_without_the_run_config_is_refused(comp
     (tmp_path / "resolved_config.yaml").unlink()
     with pytest.raises(ConfigError, match=r"resolved_config.yaml is missing: the run's settings cannot be restored"):
         validate(compose_config("grpo_torchrl_rm", ["resume=true", f"output_dir={tmp_path}"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.lora.target_modules=[q_prj,v_proj]", r"model.lora.target_modules: \['q_prj'\] match no linear layer"),
+        ("optimizer._target_=torch.optim.SGD", r"optimizer._target_='torch.optim.SGD': the recipe trains with"),
+        ("optimizer.lr=1e39", r"optimizer.lr=1e\+39: an Adam step moves every weight by about lr"),
+    ],
+)
+def test_settings_that_fail_after_loading_are_refused_before(
+    compose_config, tmp_path, nothing_loads, override, message
+):
+    with pytest.raises(ConfigError, match=message):
+        recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", override]))
+
+
+def test_max_grad_norm_0_means_no_clipping_as_in_trl(compose_config, tmp_path):
+    """0 clipped every gradient to nothing (the weights never moved); it now reads as trl reads it: no clipping."""
+    from safetensors.torch import load_file
+
+    from recipes.common.config import PROJECT_ROOT
+
+    run = [*GRPO_SMALL, "train.steps=1", "train.max_grad_norm=0", f"output_dir={tmp_path}"]
+    recipe.train(compose_config("grpo_torchrl_rm", run))
+    trained = load_file(tmp_path / "checkpoints" / "step_0000001" / "model" / "model.safetensors")
+    initial = load_file(PROJECT_ROOT / "tiny" / "policy" / "model.safetensors")
+    assert any(not (trained[name] == initial[name]).all() for name in initial)
+    assert read_metrics(tmp_path)[0]["train/grad_norm"] > 0  # measured all the same
+
+
+def test_a_metrics_file_with_a_step_that_is_no_number_is_named_before_loading(compose_config, tmp_path):
+    run = [*GRPO_SMALL, "train.steps=1", f"output_dir={tmp_path}"]
+    recipe.train(compose_config("grpo_torchrl_rm", run))
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    (tmp_path / "metrics.csv").write_text("\n".join([lines[0], "one" + lines[1][1:]]) + "\n")
+    with pytest.raises(ConfigError, match=r"metrics.csv, line 2: its step 'one' is no number"):
+        validate(compose_config("grpo_torchrl_rm", ["resume=true", f"output_dir={tmp_path}", "train.steps=2"]))
+
+
+def test_a_non_finite_reward_stops_the_run_naming_its_source(compose_config, tmp_path, monkeypatch):
+    import torch
+
+    class NaNRewardModel(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return torch.full((input_ids.shape[0], 1), float("nan"))
+
+    monkeypatch.setattr(recipe, "load_reward_model", lambda *args, **kwargs: NaNRewardModel())
+    run = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"output_dir={tmp_path}"]
+    with pytest.raises(ValueError, match=r"the reward model 'NaNRewardModel' gave 4 non-finite reward\(s\)"):
+        recipe.train(compose_config("grpo_torchrl_rm", run))
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())

@@ -43,3 +43,15 @@ def test_bad_keys_and_values_are_refused_before_anything_loads(
     cfg = compose_config("reward_trainer_from_buffer", [*REWARD_SMALL, f"output_dir={tmp_path}", override])
     with pytest.raises(ConfigError, match=message):
         recipe.train(cfg)
+
+
+def test_a_learning_rate_that_blows_up_stops_training_and_saves_nothing(compose_config, tmp_path):
+    """train.learning_rate=1e8 used to exit 0 with NaN weights saved as model/ and NaN in summary.json."""
+    from recipes.common.config import RunStopped
+
+    overrides = [*REWARD_SMALL, "train.max_steps=6", "train.learning_rate=1e8", f"output_dir={tmp_path}"]
+    with pytest.raises(
+        RunStopped, match=r"Training stopped at .*non-finite.* none is saved. Lower train.learning_rate"
+    ):
+        recipe.train(compose_config("reward_trainer_from_buffer", overrides))
+    assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
