@@ -516,7 +516,9 @@ class TorchRLBufferDataset(IterableDataset):
         # A one-item batch read by index (no RNG, no sampler state) through the buffer's collate and transforms.
         batch = rb[torch.zeros(1, dtype=torch.long)]
         samples = _lazy_samples(batch)
-        keys, names = self._resolve_keys(samples[0] if samples is not None else batch, warned=set(), warn=False)
+        first = samples[0] if samples is not None else batch
+        keys, names = self._resolve_keys(first, warned=set(), warn=False)
+        self._refuse_missing_keys(first, keys)
         features = {}
         others = {}
         for key, name in zip(keys, names, strict=True):
@@ -611,6 +613,24 @@ class TorchRLBufferDataset(IterableDataset):
                     self._warn_missing(key, warned, f"is not in the sampled batch (its keys: {_names_of(leaves)})")
         return keys, _names_of(keys)
 
+    def _refuse_missing_keys(self, sample: TensorDictBase, resolved: list[NestedKey]) -> None:
+        """A Hugging Face view names its columns once: a requested key the buffer lacks is an error there (a typo
+        would otherwise give a dataset without that column), naming the keys the buffer holds."""
+        if self._keys is None:
+            return
+        found = set(_names_of(resolved))
+        missing = [
+            key
+            for key in self._keys
+            if _key_name(key) not in found and not any(name.startswith(_key_name(key) + ".") for name in found)
+        ]
+        if missing:
+            leaves = _names_of(list(sample.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf)))
+            raise KeyError(
+                f"TorchRLBufferDataset.as_hf_dataset: keys {missing} are not in the buffer's samples (they hold "
+                f"{leaves}); fix keys=[...]."
+            )
+
     @staticmethod
     def _warn_missing(key: NestedKey, warned: set, why: str) -> None:
         if key in warned:
@@ -637,9 +657,11 @@ class TorchRLBufferDataset(IterableDataset):
                 resolved = dense_keys = self._resolve_keys(batch, warned)
                 names, columns = self._read_batch(batch, samples, resolved, device, python, warned)
             if not columns:
-                for _ in range(batch.batch_size[0]):
-                    yield {}
-                continue
+                leaves = batch.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf)
+                raise KeyError(
+                    f"TorchRLBufferDataset: none of keys {self._keys} is in the sampled batch (its keys: "
+                    f"{_names_of(list(leaves))}): every sample would be empty. Fix keys=[...]."
+                )
             yield from _row_builder(names)(columns)
 
     def _read_batch(

@@ -42,7 +42,7 @@ from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import load_prompts
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
-from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
+from recipes.common.run import Run, end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
 from recipes.common.sharding import gather_full_state, is_sharded, load_full_optimizer_state
 from recipes.grpo.batch import POLICY_VERSION
 from recipes.grpo.checkpointing import (
@@ -381,3 +381,4 @@ def main(cfg: DictConfig) -> float:
 if __name__ == "__main__":
     main()
     end_processes()
+    exit_if_jobs_failed()

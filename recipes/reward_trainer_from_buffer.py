@@ -58,7 +58,7 @@ from recipes.common.config import ConfigError, RunStopped
 from recipes.common.lora import make_lora_config
 from recipes.common.metrics import MetricLogger
 from recipes.common.models import load_reward_model, load_tokenizer
-from recipes.common.run import Run, end_processes, run_recipe, seed_everything, start_run
+from recipes.common.run import Run, end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
 from recipes.common.sharding import gather_full_model_state, is_sharded
 from recipes.reward.buffer import make_eval_dataset, make_training_stream
 from recipes.reward.checks import kept_records, validate
@@ -387,3 +387,4 @@ def main(cfg: DictConfig) -> float:
 if __name__ == "__main__":
     main()
     end_processes()
+    exit_if_jobs_failed()

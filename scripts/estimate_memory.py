@@ -127,22 +127,21 @@ def compose_config(overrides: list[str]):
 
 
 def meta_model(node, *, kind: str, dtype: torch.dtype):
-    """The model of ``node`` built from its config alone, on the meta device: shapes and dtypes, no memory. Built once
-    per model and dtype: ``largest_fitting`` estimates the same models at many batch sizes."""
-    return _meta_model(str(node.name_or_path), bool(node.trust_remote_code), kind, dtype)
+    """The model of ``node`` (an adapter folder's base, for one) built from its config alone, on the meta device:
+    shapes and dtypes, no memory (``recipes.common.models.meta_model``). Built once per model and dtype:
+    ``largest_fitting`` estimates the same models at many batch sizes."""
+    from omegaconf import OmegaConf
+
+    return _meta_model(OmegaConf.to_yaml(node), kind, dtype)
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model(name_or_path: str, trust_remote_code: bool, kind: str, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+def _meta_model(node_yaml: str, kind: str, dtype: torch.dtype):
+    from omegaconf import OmegaConf
 
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    if kind == "reward_model":
-        config.num_labels = 1
-    auto = AutoModelForCausalLM if kind == "policy" else AutoModelForSequenceClassification
-    with torch.device("meta"):
-        model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    return model
+    from recipes.common import models
+
+    return models.meta_model(OmegaConf.create(node_yaml), kind=kind, dtype=dtype)
 
 
 def parameter_bytes(model) -> int:
@@ -368,13 +367,17 @@ def largest_fitting(cfg, *, processes: int, prompt_tokens: int, device_memory: i
             return figures["peak"] <= device_memory
 
         low, high = 0, 1
-        while fits(high) and high < 2**20:  # doubling, then bisection
+        while high <= _SEARCH_CAP and fits(high):  # doubling, then bisection
             low, high = high, high * 2
-        while high - low > 1:
+        capped = high > _SEARCH_CAP  # every size tried fits: the answer is "at least", not a size
+        while not capped and high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
-        rows.append({"max_new_tokens": new_tokens, "responses_per_step": low * group})
+        rows.append({"max_new_tokens": new_tokens, "responses_per_step": low * group, "at_least": capped})
     return rows
+
+
+_SEARCH_CAP = 2**20  # groups per step: past this the search stops and says "at least"
 
 
 # glibc's mallopt parameter M_MMAP_THRESHOLD (malloc.h).
@@ -486,7 +489,12 @@ def report(figures: dict, fitting: list[dict] | None, device_memory: int | None)
     if fitting is not None:
         lines.append(f"Fits in {human(device_memory)} (responses per step, multiples of the group size):")
         lines += [
-            f"  max_new_tokens={row['max_new_tokens']:<6} responses_per_step <= {row['responses_per_step']}"
+            f"  max_new_tokens={row['max_new_tokens']:<6} responses_per_step "
+            + (
+                f">= {row['responses_per_step']} (every size up to the search's cap fits)"
+                if row["at_least"]
+                else f"<= {row['responses_per_step']}"
+            )
             for row in fitting
         ]
     if "measured_update" in figures:

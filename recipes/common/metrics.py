@@ -65,7 +65,9 @@ class MetricLogger:
         if self._csv_path is not None:
             self._append_csv(row)
         if self._wandb_run is not None:
-            self._wandb_run.log(metrics, step=step)
+            # Committed now: a row wandb still held would be flushed at finish(), after the summary, and its values
+            # (the last step's perf/tokens_per_s...) would replace the run's own figures in the wandb summary.
+            self._wandb_run.log(metrics, step=step, commit=True)
 
     def log_samples(self, rows: list[dict], step: int) -> None:
         """A table of sample rollouts (one dict per row, the same keys in each) under ``samples`` in wandb, as

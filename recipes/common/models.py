@@ -276,9 +276,10 @@ def check_tokenizer_fits_model(node: DictConfig, *, key: str) -> None:
         )
 
 
-def meta_model(node: DictConfig, *, kind: str):
-    """The model of ``node`` built from its config alone on the meta device (no weights, no memory): its modules'
-    names and shapes, for checks that must not load it. ``kind``: ``"policy"`` or ``"reward_model"``."""
+def meta_model(node: DictConfig, *, kind: str, dtype: torch.dtype | None = None):
+    """The model of ``node`` (or of the base an adapter folder names) built from its config alone on the meta device
+    (no weights, no memory): its modules' names, shapes and dtypes, for checks and estimates that must not load it.
+    ``kind``: ``"policy"`` or ``"reward_model"``."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     adapter = read_adapter_config(node, key=kind)
@@ -286,8 +287,9 @@ def meta_model(node: DictConfig, *, kind: str):
     auto = AutoModelForCausalLM if kind == "policy" else AutoModelForSequenceClassification
     if kind != "policy":
         config.num_labels = 1
+    options = {"dtype": dtype} if dtype is not None else {}
     with torch.device("meta"):
-        return auto.from_config(config, trust_remote_code=node.trust_remote_code)
+        return auto.from_config(config, trust_remote_code=node.trust_remote_code, **options)
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -13,12 +13,16 @@ A plain ``python recipes/x.py`` run is process 0 of 1, and every collective here
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,17 +33,20 @@ from omegaconf import DictConfig
 from tensordict import set_list_to_stack
 from transformers import set_seed
 
-from recipes.common.checkpoint import recover_interrupted_writes
+from recipes.common.checkpoint import latest_checkpoint, recover_interrupted_writes
 from recipes.common.config import ConfigError, RunStopped, run_config, write_run_config
 from recipes.common.metrics import MetricLogger, make_logger
 from recipes.common.run_folder import RunFolderLock, clear_records
 
 __all__ = [
+    "FAILED_FILE",
     "SUMMARY_FILE",
+    "Interrupted",
     "Run",
     "accelerate_shards_on",
     "check_sharded_launch",
     "end_processes",
+    "exit_if_jobs_failed",
     "run_recipe",
     "seed_everything",
     "start_run",
@@ -188,19 +195,85 @@ def end_processes() -> None:
     PartialState().destroy_process_group()
 
 
+class Interrupted(BaseException):
+    """The run got SIGINT or SIGTERM (a BaseException, as KeyboardInterrupt: no ``except Exception`` swallows it)."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+@contextlib.contextmanager
+def _interruptions_raised() -> Iterator[None]:
+    """SIGTERM (a scheduler's or ``kill``'s stop) raises :class:`Interrupted` in the run, as SIGINT raises
+    KeyboardInterrupt, so that ``finally`` blocks run (a background collector is stopped) and the log says so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupted(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# Jobs of this process's Hydra multirun that failed (their folders hold failed.json); the sweep goes on past them.
+_FAILED_JOBS: list[str] = []
+FAILED_FILE = "failed.json"
+
+
 def run_recipe(train: Callable[[DictConfig], dict], cfg: DictConfig) -> dict:
-    """Runs ``train(cfg)`` and returns its summary; on failure, logs why and exits with status 1.
+    """Runs ``train(cfg)`` and returns its summary; on failure, logs why and exits with status 1 (in a Hydra
+    multirun: records the failure in the job's folder and returns, so that the sweep goes on; the process exits
+    non-zero at the end, listing the failed jobs: :func:`exit_if_jobs_failed`).
 
     A :class:`ConfigError` (bad settings or data, raised before the expensive work) or a
     :class:`~recipes.common.config.RunStopped` (a full disk, a non-finite value) is logged as its message alone:
     the message names the setting and the fix, and a traceback would only bury it. Any other error is logged with its
-    traceback. Python warnings go to the log as well.
+    traceback. SIGINT and SIGTERM are logged with the run's last checkpoint. Python warnings go to the log as well.
     """
     logging.captureWarnings(True)
     try:
-        return train(cfg)
+        with _interruptions_raised():
+            return train(cfg)
+    except (KeyboardInterrupt, Interrupted) as stop:
+        name = stop.signal_name if isinstance(stop, Interrupted) else "SIGINT"
+        checkpoint = latest_checkpoint(Path(str(cfg.output_dir)) / "checkpoints")
+        log.error(
+            "The run was interrupted by %s. Its last checkpoint: %s.",
+            name,
+            f"{checkpoint} (resume=true continues from it)" if checkpoint else "none",
+        )
+        raise SystemExit(128 + signal.Signals[name].value) from None
     except (ConfigError, RunStopped) as error:
         log.error("%s", error)
-    except Exception:
+        reason = str(error)
+    except Exception as error:
         log.exception("The run failed; the traceback follows.")
-    raise SystemExit(1)
+        reason = f"{type(error).__name__}: {error}"
+    if not _in_multirun():
+        raise SystemExit(1)
+    _FAILED_JOBS.append(str(cfg.output_dir))
+    Path(str(cfg.output_dir)).mkdir(parents=True, exist_ok=True)
+    (Path(str(cfg.output_dir)) / FAILED_FILE).write_text(json.dumps({"reason": reason}, indent=2))
+    return {cfg.metric: float("nan")}
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def exit_if_jobs_failed() -> None:
+    """At the end of a Hydra multirun: exits with status 1 listing the jobs that failed (each folder's
+    ``failed.json`` says why); nothing when every job finished."""
+    if _FAILED_JOBS:
+        listed = "\n".join(f"  {folder} (see its {FAILED_FILE})" for folder in _FAILED_JOBS)
+        print(f"{len(_FAILED_JOBS)} job(s) of the sweep failed:\n{listed}", file=sys.stderr)
+        raise SystemExit(1)

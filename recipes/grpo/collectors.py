@@ -15,19 +15,19 @@ the policy, and it never starts a batch that would be more than ``max_policy_lag
 Each batch carries the version it was sampled with (``"policy_version"``, written by the policy module), from which
 the learner measures the lag.
 
-Process hygiene: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and a check of the parent at every
-wait), a failure in the child is raised in the learner with the child's traceback, and :meth:`shutdown` (also on a
-learner crash, from a ``finally``) stops and joins it.
+Process hygiene: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, set before it imports anything
+heavy: ``recipes.grpo.collector_child``; and a check of the parent at every wait), a failure in the child is raised in
+the learner with the child's traceback, and :meth:`shutdown` (also on a learner crash, from a ``finally``) stops and
+joins it.
 
 Dependencies: torch, tensordict.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import multiprocessing
 import queue as queue_module
-import signal
 import sys
 import time
 import traceback
@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
-__all__ = ["BackgroundCollector", "LocalCollector", "timed_batches"]
+from recipes.grpo import collector_child
+
+__all__ = ["BackgroundCollector", "LocalCollector", "collect", "timed_batches"]
 
 _POLL_S = 0.5  # how often a waiting side checks that the other is still alive
 
@@ -97,13 +99,20 @@ class LocalCollector:
         self.collector.shutdown()
 
 
-def _die_with_parent() -> None:
-    """Asks Linux to SIGKILL this process when its parent dies, even by SIGKILL (elsewhere: the polling suffices)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-        except OSError:
-            pass
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """A spawned process re-imports its parent's ``__main__`` (the recipe script, with all its imports) before it runs
+    any of its own code; the collector needs nothing from it, so it is hidden from multiprocessing while the process
+    starts: the child is ready to die with its parent in milliseconds, not seconds."""
+    main = sys.modules["__main__"]
+    spec, path = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if path is not None:
+            main.__file__ = path
 
 
 def _parent_alive() -> bool:
@@ -111,7 +120,7 @@ def _parent_alive() -> bool:
     return parent is None or parent.is_alive()
 
 
-def _collect(
+def collect(
     factory: Callable[[], tuple[Any, Any]],
     weights: dict[str, torch.Tensor],
     version,
@@ -124,8 +133,8 @@ def _collect(
     num_threads: int,
     seed: int,
 ) -> None:
-    """The child: builds the collector, then produces batches under the lag bound until told to stop."""
-    _die_with_parent()
+    """The child: builds the collector, then produces batches under the lag bound until told to stop (its process
+    starts in ``recipes.grpo.collector_child.start``, which set it to die with its parent)."""
     torch.set_num_threads(num_threads)
     set_list_to_stack(True).set()
     try:
@@ -202,19 +211,22 @@ class BackgroundCollector:
         self.max_policy_lag = max_policy_lag
         self.last_timings = {"collect_s": 0.0, "generate_s": 0.0}
         self._stopped = False
+        # The process gets only light arguments (the pipe and the synchronisation primitives, which can only be
+        # inherited): it sets its parent-death signal before the factory and the shared weights, whose unpickling
+        # imports torch and the recipe's modules, come through the pipe.
+        receiving, sending = context.Pipe(duplex=False)
         self.process = context.Process(
-            target=_collect,
-            args=(factory, self._weights, self._version, self._condition, self._batches, self._stop),
-            kwargs={
-                "start_version": start_version,
-                "max_policy_lag": max_policy_lag,
-                "num_threads": num_threads,
-                "seed": seed,
-            },
+            target=collector_child.start,
+            args=(receiving, self._version, self._condition, self._batches, self._stop),
             daemon=True,
             name="grpo-collector",
         )
-        self.process.start()
+        with _main_module_hidden():
+            self.process.start()
+        receiving.close()
+        options = {"start_version": start_version, "max_policy_lag": max_policy_lag, "num_threads": num_threads}
+        sending.send((factory, self._weights, {**options, "seed": seed}))
+        sending.close()
         self._pid = self.process.pid
         # Building the collector (imports, models) takes seconds: that is setup, not the first step's collection.
         kind, payload, _ = self._receive()

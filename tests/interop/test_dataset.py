@@ -642,3 +642,12 @@ def test_benchmark_quick_run(repo_root):
     for row in ["LazyTensorStorage", "ListStorage", "LazyStackStorage (ragged)", "ours/reference >= 4x"]:
         assert row in result.stdout
     assert "crash (RuntimeError" in result.stdout  # the reference on ragged rollouts
+
+
+def test_keys_that_would_leave_samples_empty_or_a_hf_view_without_a_column_raise():
+    rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    rb.extend(dense_batch(8))
+    with pytest.raises(KeyError, match=r"none of keys \['rejectd'\] is in the sampled batch \(its keys: \["):
+        next(iter(TorchRLBufferDataset(rb, batch_size=4, keys=["rejectd"], num_batches=1)))
+    with pytest.raises(KeyError, match=r"as_hf_dataset: keys \['rejectd'\] are not in the buffer's samples"):
+        TorchRLBufferDataset(rb, batch_size=4, keys=["id", "rejectd"], num_batches=1).as_hf_dataset()

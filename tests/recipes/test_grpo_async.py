@@ -129,3 +129,38 @@ def test_async_grpo_raises_the_oracle_score(compose_config, tmp_path, seed):
     )
     summary = recipe.train(cfg)
     assert summary["rollout/oracle_mean_first"] < 0.3 and summary["rollout/oracle_mean_last"] >= 0.9, summary
+
+
+_SLOW_MAIN = """
+import functools, os, sys, time
+sys.path.insert(0, {root!r})
+if __name__ != "__main__":  # a spawned child importing this script again: a recipe's heavy imports take this long
+    time.sleep(60)
+if __name__ == "__main__":
+    import torch
+    from recipes.grpo.collectors import BackgroundCollector
+    print(os.getpid(), flush=True)
+    BackgroundCollector(functools.partial(time.sleep, 60), torch.nn.Linear(2, 2), start_version=0)
+"""
+
+
+def test_a_learner_killed_while_its_collector_starts_takes_the_collector_with_it(tmp_path):
+    """The collector process sets its parent-death signal before importing anything heavy, and never re-imports the
+    recipe script: killed while the child starts, the learner leaves no process behind."""
+    script = tmp_path / "learner.py"
+    script.write_text(_SLOW_MAIN.format(root=str(REPO_ROOT)))
+    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(learner.stdout.readline())
+        deadline = time.monotonic() + 60
+        children = []
+        while time.monotonic() < deadline and not children:
+            children = psutil.Process(pid).children()
+            time.sleep(0.05)
+        assert children, "the collector process never started"
+        time.sleep(1.0)  # the child is in its start-up now (the script it must not import would sleep 60 s)
+        learner.kill()
+        learner.wait(timeout=30)
+        assert all(_gone(child.pid, timeout=5.0) for child in children)
+    finally:
+        learner.kill()

@@ -161,3 +161,27 @@ def test_measure_under_torchrun_with_fsdp_reports_once_and_close_to_the_estimate
     assert figures["fsdp_gathered_weights"] > 0
     # The README's measurements at this size lie within 0.85-1.11; the band leaves room for the allocator.
     assert 0.7 <= figures["measured_update"] / figures["measured_estimate"] <= 1.4
+
+
+def test_a_device_memory_past_the_search_says_at_least_and_refused_configs_are_not_estimated(tiny_dir, tmp_path):
+    huge = estimate_memory.main(["--prompt-tokens", "16", "--device-memory", "1000000TiB"])["fitting"]
+    assert all(row["at_least"] and row["responses_per_step"] > 0 for row in huge)
+    assert not any(row["at_least"] for row in estimate_memory.main(["--device-memory", "4GiB"])["fitting"])
+    with pytest.raises(SystemExit, match=r"the recipe refuses this config: model.lora.target_modules: \['q_prj'\]"):
+        estimate_memory.main(["model.lora.target_modules=[q_prj]"])
+    with pytest.raises(SystemExit, match=r"the recipe refuses this config: model.name_or_path=.*no such model folder"):
+        estimate_memory.main([f"model.name_or_path={tmp_path / 'absent'}"])
+
+
+def test_an_adapter_reward_model_is_estimated_as_its_base(tiny_dir, tmp_path):
+    """GRPO scores with an adapter folder as its reward model: the estimate counts its base (the adapter merged)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_dir / "reward_model", num_labels=1)
+    adapted = get_peft_model(base, LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["q_proj"]))
+    adapted.save_pretrained(tmp_path / "adapter")
+    AutoTokenizer.from_pretrained(tiny_dir / "reward_model").save_pretrained(tmp_path / "adapter")
+    plain = estimate_memory.main(["--prompt-tokens", "16"])
+    with_adapter = estimate_memory.main(["--prompt-tokens", "16", f"reward_model.name_or_path={tmp_path / 'adapter'}"])
+    assert with_adapter["reward_model"] == plain["reward_model"]

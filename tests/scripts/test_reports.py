@@ -59,3 +59,26 @@ def test_sweep_report_ranks_jobs_by_the_recipe_metric(tmp_path, repo_root):
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="no summary.json"):
         sweep_report.main([str(tmp_path / "0" / ".hydra")])
+
+
+def test_sweep_report_lists_failed_and_missing_jobs_and_groups_seeds(tmp_path, repo_root):
+    sys.path.insert(0, str(repo_root / "scripts"))
+    try:
+        import sweep_report
+    finally:
+        sys.path.pop(0)
+    _write_run(tmp_path / "0", [0.1], ["optimizer.lr=1e-3", "seed=0"], 0.50)
+    _write_run(tmp_path / "1", [0.1], ["optimizer.lr=1e-3", "seed=1"], 0.54)
+    _write_run(tmp_path / "2", [0.1], ["optimizer.lr=3e-3", "seed=0"], 0.61)
+    (tmp_path / "2" / "summary.json").unlink()
+    (tmp_path / "2" / "failed.json").write_text(json.dumps({"reason": "optimizer.lr=3e-3 diverged"}))
+    (tmp_path / "multirun.yaml").write_text(
+        "hydra:\n  overrides:\n    task:\n    - optimizer.lr=1e-3,3e-3\n    - seed=0,1\n"
+    )
+    sweep_report.main([str(tmp_path)])
+    report = (tmp_path / "report.md").read_text()
+    assert "Failed jobs (1):\n- 2 (optimizer.lr=3e-3 seed=0): optimizer.lr=3e-3 diverged" in report
+    assert "1 job(s) the sweep asked for were never started" in report
+    groups = sweep_report.group_by_setting(sweep_report.collect(tmp_path), "rollout/oracle_mean_last")
+    assert groups == {"optimizer.lr=1e-3": [0.50, 0.54]}  # the two seeds of one setting, together
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"

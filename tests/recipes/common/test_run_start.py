@@ -111,3 +111,65 @@ def test_wandb_keeps_one_run_across_resumes_with_the_summary_and_sample_tables(c
     fresh = tmp_path / "fresh"
     recipe.train(compose_config("grpo_torchrl_rm", [*overrides, "train.steps=1", f"output_dir={fresh}"]))
     assert (fresh / WANDB_ID_FILE).read_text() != run_id  # a new run, a new wandb run
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_an_interrupted_run_says_so_with_its_last_checkpoint(tmp_path, stop):
+    import signal
+    import time
+
+    overrides = [
+        *GRPO_SMALL,
+        "train.steps=200",
+        "checkpoint.every_n_steps=1",
+        "logger=csv",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not list((tmp_path / "checkpoints").glob("step_*/training_state.pt")):
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(getattr(signal, stop))
+        code = process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert code == 128 + getattr(signal, stop).value
+    text = (tmp_path / "grpo_torchrl_rm.log").read_text()
+    assert f"[ERROR] - The run was interrupted by {stop}. Its last checkpoint: {tmp_path}/checkpoints/step_" in text
+    assert "(resume=true continues from it)" in text
+
+
+def test_wandb_rows_are_committed_before_the_summary_is_written(tmp_path, monkeypatch):
+    """wandb keeps a row logged with step= until the next step or finish(): flushed after the summary, the last
+    step's values (perf/tokens_per_s) would replace the run's figures in the wandb run's summary."""
+    import wandb
+    from omegaconf import OmegaConf
+
+    from recipes.common.metrics import MetricLogger
+
+    events = []
+
+    class Recording:
+        summary = type("Summary", (), {"update": lambda self, values: events.append(("summary", dict(values)))})()
+
+        def log(self, metrics, step=None, commit=None):
+            events.append(("log", step, commit))
+
+        def finish(self):
+            events.append(("finish",))
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: Recording())
+    settings = OmegaConf.create({"project": "p", "group": None, "name": None, "mode": "offline"})
+    logger = MetricLogger("wandb", tmp_path, wandb_settings=settings)
+    for step in (1, 2):
+        logger.log({"perf/tokens_per_s": 100.0 * step}, step=step)
+    logger.log_summary({"perf/tokens_per_s": 150.0})
+    logger.close()
+    assert events == [("log", 1, True), ("log", 2, True), ("summary", {"perf/tokens_per_s": 150.0}), ("finish",)]

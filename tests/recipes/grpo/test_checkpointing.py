@@ -58,16 +58,20 @@ def _run(compose_config, tmp_path, *overrides):
     return recipe.train(compose_config("grpo_torchrl_rm", [*base, *overrides]))
 
 
-def test_a_checkpoint_damaged_after_its_save_is_refused_naming_the_last_good_one(compose_config, tmp_path):
-    """A tokenizer deleted from the newest checkpoint (its manifest says what was saved): resume refuses it and offers
-    the previous checkpoint, whose files still match; a good resume then continues."""
+@pytest.mark.parametrize("damage", ["tokenizer", "model folder"])
+def test_a_checkpoint_damaged_after_its_save_is_refused_naming_the_last_good_one(compose_config, tmp_path, damage):
+    """A tokenizer (or the whole model/) deleted from the newest checkpoint (its manifest says what was saved): resume
+    refuses it and offers the previous checkpoint, whose files still match."""
+    import shutil
+
     _run(compose_config, tmp_path, "train.steps=2")
-    (checkpoint_folder(tmp_path / "checkpoints", 2) / "model" / "tokenizer.json").unlink()
+    model = checkpoint_folder(tmp_path / "checkpoints", 2) / "model"
+    (model / "tokenizer.json").unlink() if damage == "tokenizer" else shutil.rmtree(model)
     with pytest.raises(ConfigError) as error:
         _run(compose_config, tmp_path, "train.steps=3", "resume=true")
     message = str(error.value)
     assert f"{checkpoint_folder(tmp_path / 'checkpoints', 2)}, no longer matches" in message
-    assert "/model/tokenizer.json is missing" in message
+    assert "/model/tokenizer.json is missing" in message and "build_tiny_models" not in message
     assert f"to resume from {checkpoint_folder(tmp_path / 'checkpoints', 1)}" in message
 
 

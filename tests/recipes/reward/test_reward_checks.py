@@ -55,3 +55,14 @@ def test_a_learning_rate_that_blows_up_stops_training_and_saves_nothing(compose_
     ):
         recipe.train(compose_config("reward_trainer_from_buffer", overrides))
     assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
+
+
+def test_trl_evaluations_during_training_reach_the_run_logger(compose_config, tmp_path):
+    import csv
+
+    overrides = [*REWARD_SMALL, "train.max_steps=4", "train.eval_strategy=steps", "train.eval_steps=2", "logger=csv"]
+    recipe.train(compose_config("reward_trainer_from_buffer", [*overrides, f"output_dir={tmp_path}"]))
+    with open(tmp_path / "metrics.csv", newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("eval/loss")]
+    assert [float(row["step"]) for row in rows] == [2.0, 4.0]
+    assert all(0.0 <= float(row["eval/accuracy"]) <= 1.0 for row in rows)
