@@ -43,9 +43,10 @@ from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import load_prompts
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 from recipes.common.run import Run, end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
-from recipes.common.sharding import gather_full_state, is_sharded, load_full_optimizer_state
-from recipes.grpo.batch import POLICY_VERSION
+from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
+from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, merge_batches
 from recipes.grpo.checkpointing import (
+    REFERENCE_FOLDER,
     TrainingProgress,
     capture_rng_state,
     checkpoint_policy_node,
@@ -60,8 +61,8 @@ from recipes.grpo.checkpointing import (
 )
 from recipes.grpo.checks import check_prompt_lengths, validate
 from recipes.grpo.distributed import check_ranks_in_sync, mean_over_processes, pool_over_processes
-from recipes.grpo.learner import Learner, check_weights_finite, make_learner, optimize
-from recipes.grpo.policy import load_policy, trainable_parameters
+from recipes.grpo.learner import Learner, check_weights_finite, informative_batch, make_learner, optimize
+from recipes.grpo.policy import load_policy
 from recipes.grpo.report import (
     closing_message,
     report_step,
@@ -99,7 +100,11 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
     seed_everything(cfg.seed)
     reference = None
     if cfg.loss.kl_to_ref_coeff and cfg.model.lora is None:
-        reference = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
+        # The initial policy; with loss.sync_ref_model, the reference as the checkpoint saved it (it moves).
+        reference_node = cfg.model
+        if resume_from is not None and (resume_from / REFERENCE_FOLDER).is_dir():
+            reference_node = OmegaConf.merge(cfg.model, {"name_or_path": str(resume_from / REFERENCE_FOLDER)})
+        reference = load_causal_lm(reference_node, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
     reward_tokenizer = reward_model = None
     if cfg.rollout.mode == "sync":
         reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
@@ -118,19 +123,28 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
     )
 
 
-def restore_progress(cfg: DictConfig, run: Run, state: dict | None, optimizer, *, policy) -> TrainingProgress:
-    """The run's running totals (history, times, tokens): empty, or the checkpoint's with its optimizer state."""
+def restore_progress(cfg: DictConfig, run: Run, state: dict | None, learner: Learner, *, policy) -> TrainingProgress:
+    """The run's running totals (history, times, tokens): empty, or the checkpoint's, with its optimizer state and
+    learning-rate schedule put back into ``learner``."""
     progress = TrainingProgress()
     if state is None:
         return progress
+    optimizer = learner.optimizer
     if is_sharded(policy):  # the full state save_if_due gathered: each rank keeps its shard
         load_full_optimizer_state(policy, optimizer, state["optimizer"])
     else:
         optimizer.load_state_dict(state["optimizer"])
-    # The config's optimizer settings win over the checkpoint's (an allowed resume change, e.g. the lr, applies).
+    learner.scheduler.load_state_dict(state["scheduler"])
+    learner.optimizer_steps_done = state["optimizer_steps_done"]
+    # The config's optimizer settings win over the checkpoint's (an allowed resume change, e.g. the lr, applies: the
+    # schedule then scales the new rate from where it stopped).
     settings = {k: v for k, v in OmegaConf.to_container(cfg.optimizer).items() if not k.startswith("_")}
     for group in optimizer.param_groups:
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in group})
+        group["initial_lr"] = settings["lr"]
+    learner.scheduler.base_lrs = [settings["lr"]] * len(optimizer.param_groups)
+    for group, lr in zip(optimizer.param_groups, learner.scheduler.get_lr(), strict=True):
+        group["lr"] = lr
     if run.is_main:
         truncate_metrics_csv(run.output_dir / "metrics.csv", state["step"])
     progress.load_state_dict(state)
@@ -181,21 +195,36 @@ def train_loop(
         for step in range(start_step + 1, cfg.train.steps + 1):
             step_start = time.perf_counter()
             batch = next(batches)  # env -> policy -> reward, here or in the background collector
-            waited = time.perf_counter() - step_start
-            metrics, tokens = train_step(cfg, step, batch, learner, models, collector, oracle, waited=waited)
+            drawn, filtered = [batch], 0
+            if cfg.advantage.filter_zero_std_groups:  # DAPO's dynamic sampling: more batches, informative groups only
+                batch, drawn, filtered = informative_batch(
+                    batch,
+                    batches,
+                    group_size=cfg.rollout.group_size,
+                    max_extra_batches=cfg.advantage.max_extra_batches,
+                    pad_token_id=models.tokenizer.pad_token_id,
+                )
+            waited = {"perf/wait_s": time.perf_counter() - step_start}
+            extra = {**waited, "rollout/groups_filtered": float(filtered), "rollout/extra_batches": len(drawn) - 1.0}
+            sampled = merge_batches(drawn, pad_token_id=models.tokenizer.pad_token_id)
+            metrics, tokens = train_step(
+                cfg, step, batch, learner, models, collector, oracle, sampled=sampled, extra=extra
+            )
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
             progress.add_step(metrics, tokens=tokens)
             samples = functools.partial(sample_rollouts, batch, prompts, models.tokenizer, oracle)
             report_step(run, step, metrics, bar, samples=samples)
-            save_if_due(run, step, models, learner.optimizer, progress)
+            save_if_due(run, step, models, learner, progress)
     finally:
         bar.close()
 
 
-def train_step(cfg, step, batch, learner: Learner, models: Models, collector, oracle, *, waited) -> tuple[dict, int]:
-    """One GRPO update on ``batch``: advantages and reference log-probs, the loss over mini-batches, the new weights
-    handed to the collector. Returns the step's metrics (averaged over the processes) and its generated tokens."""
-    timings = learner.prepare(batch)  # group advantages, reference (and missing old) log-probs
+def train_step(cfg, step, batch, learner: Learner, models: Models, collector, oracle, *, sampled, extra) -> tuple:
+    """One GRPO update on ``batch``: advantages, loss mask and reference log-probs, the loss over mini-batches, the new
+    weights handed to the collector. ``sampled``: every response the step drew (``batch``, or more with dynamic
+    sampling), which its rollout figures describe; ``extra``: more of this rank's figures. Returns the step's metrics
+    (averaged over the processes) and its generated tokens."""
+    timings = learner.prepare(batch)  # group advantages, loss mask, reference (and missing old) log-probs
     lag = step - 1 - int(batch[POLICY_VERSION].min())
     if lag > cfg.rollout.max_policy_lag:
         raise RuntimeError(
@@ -203,28 +232,16 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
             f"{cfg.rollout.max_policy_lag}; the collector did not wait for the weights."
         )
     metrics, tokens = rollout_metrics(
-        batch, models.tokenizer, oracle, group_size=cfg.rollout.group_size, gather=pool_over_processes
+        sampled, models.tokenizer, oracle, group_size=cfg.rollout.group_size, gather=pool_over_processes
     )
-    if metrics["rollout/frac_reward_zero_std"] == 1.0:
-        log.warning(
-            "Step %d: in every group the responses got the same reward, so this step teaches nothing. A reward model "
-            "that scores everything alike, reward.max_length shorter than the prompts, or responses that are all the "
-            "same (temperature too low) do this.",
-            step,
-        )
+    warn_about_the_batch(cfg, step, batch, metrics)
     learner.buffer.extend(batch)
     update_start = time.perf_counter()
-    updates = optimize(
-        cfg,
-        learner.loss,
-        learner.optimizer,
-        learner.buffer,
-        learner.parameters,
-        forward_context=learner.forward_context,
-    )
+    updates = optimize(cfg, learner, batch)
     learner.buffer.empty()
     collector.update_policy_weights_(models.policy, version=step)
-    updates.update(step_timings(collector.last_timings, timings, lag=lag, waited=waited, update_start=update_start))
+    updates.update(step_timings(collector.last_timings, timings, lag=lag, update_start=update_start))
+    updates.update(extra)
     metrics.update(mean_over_processes(updates))  # each rank's diagnostics and times; the rollout figures are global
     metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
     unfinished = sorted(key for key, value in metrics.items() if not math.isfinite(value))
@@ -236,7 +253,27 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
     return metrics, tokens
 
 
-def step_timings(collected: dict, prepared: dict, *, lag: int, waited: float, update_start: float) -> dict:
+def warn_about_the_batch(cfg, step: int, batch, metrics: dict) -> None:
+    """Says when a step teaches nothing: every group's rewards tie, or every response is masked as truncated."""
+    if metrics["rollout/frac_reward_zero_std"] == 1.0 and not cfg.advantage.filter_zero_std_groups:
+        log.warning(
+            "Step %d: in every group the responses got the same reward, so this step teaches nothing. A reward model "
+            "that scores everything alike, reward.max_length shorter than the prompts, or responses that are all the "
+            "same (temperature too low) do this.",
+            step,
+        )
+    if cfg.loss.mask_truncated_completions and not bool(batch.get(LOSS_MASK).any()):
+        log.warning(
+            "Step %d: every response hit rollout.generation.max_new_tokens=%d, and "
+            "loss.mask_truncated_completions=true leaves them all out of the loss: this step trains nothing. Raise "
+            "max_new_tokens, or set "
+            "loss.mask_truncated_completions=false.",
+            step,
+            cfg.rollout.generation.max_new_tokens,
+        )
+
+
+def step_timings(collected: dict, prepared: dict, *, lag: int, update_start: float) -> dict:
     """A step's phase times (``perf/*``) and its policy lag, from the collector's and the preparation's timings."""
     return {
         "train/policy_lag": float(lag),
@@ -245,7 +282,6 @@ def step_timings(collected: dict, prepared: dict, *, lag: int, waited: float, up
         "perf/advantage_s": prepared["advantage_s"],
         "perf/reference_s": prepared["log_probs_s"],
         "perf/update_s": time.perf_counter() - update_start,
-        "perf/wait_s": waited,
         # Where the responses were collected (here or in the background), plus their preparation.
         "perf/rollout_time_s": collected["collect_s"] + prepared["advantage_s"] + prepared["log_probs_s"],
     }
@@ -254,20 +290,27 @@ def step_timings(collected: dict, prepared: dict, *, lag: int, waited: float, up
 # ---------------------------------------------------------------------------------------------------------- checkpoint
 
 
-def save_if_due(run: Run, step: int, models: Models, optimizer, progress: TrainingProgress) -> None:
-    """A checkpoint every ``checkpoint.every_n_steps`` steps and at the last: the policy, the optimizer, the running
-    totals and every rank's RNG state (so that a resumed run samples as this one would have). A sharded policy's
-    weights and optimizer state are gathered whole onto rank 0 first: one ``from_pretrained`` folder, as under DDP."""
-    cfg = run.cfg
+def save_if_due(run: Run, step: int, models: Models, learner: Learner, progress: TrainingProgress) -> None:
+    """A checkpoint every ``checkpoint.every_n_steps`` steps and at the last: the policy, the optimizer and its
+    schedule, the running totals, every rank's RNG state (so that a resumed run samples as this one would have) and,
+    with ``loss.sync_ref_model``, the reference as it moved. A sharded model's weights and optimizer state are
+    gathered whole onto rank 0 first: one ``from_pretrained`` folder, as under DDP."""
+    cfg, optimizer = run.cfg, learner.optimizer
     every = cfg.checkpoint.every_n_steps
     if not (step == cfg.train.steps or (every is not None and step % every == 0)):
         return
-    check_weights_finite(trainable_parameters(models.policy), cfg)
+    check_weights_finite(learner.parameters)
     check_ranks_in_sync(models.policy)
     rng_by_rank = gather_object([capture_rng_state()])
     model, model_state, optimizer_state = models.policy, None, None
     if is_sharded(models.policy):
         model_state, optimizer_state = gather_full_state(models.policy, optimizer)
+    reference = None
+    if learner.synced_reference is not None:
+        reference = (
+            models.reference,
+            gather_full_model_state(models.reference) if is_sharded(models.reference) else None,
+        )
     if run.is_main:
         if model_state is not None and cfg.checkpoint.save_merged:
             # The merge runs on a whole LoRA policy: rebuilt on this process's CPU from the gathered weights.
@@ -278,11 +321,17 @@ def save_if_due(run: Run, step: int, models: Models, optimizer, progress: Traini
             model=model,
             tokenizer=models.tokenizer,
             optimizer=optimizer,
-            state={**progress.state_dict(), "rng_by_rank": rng_by_rank},
+            state={
+                **progress.state_dict(),
+                "rng_by_rank": rng_by_rank,
+                "scheduler": learner.scheduler.state_dict(),
+                "optimizer_steps_done": learner.optimizer_steps_done,
+            },
             keep_last=cfg.checkpoint.keep_last,
             model_state_dict=model_state,
             optimizer_state_dict=optimizer_state,
             save_merged=cfg.checkpoint.save_merged,
+            reference=reference,
         )
 
 
@@ -345,7 +394,7 @@ def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> d
     start_step = state["step"] if state is not None else 0
     models = load_models(cfg, resume_from=resume_from)
     learner = make_learner(cfg, models)
-    progress = restore_progress(cfg, run, state, learner.optimizer, policy=models.policy)
+    progress = restore_progress(cfg, run, state, learner, policy=models.policy)
     processes, collector = run.processes, None
     try:
         # Last, and inside the try: an async collector is a child process, which the finally below always stops.

@@ -13,8 +13,10 @@ Every side runs the same job, read from ONE composed recipe config (``conf/grpo_
 given on the command line): the same policy (``model.name_or_path``), reward model (``reward_model.name_or_path``,
 an ``AutoModelForSequenceClassification``), prompts (``data=``; the synthetic task's by default, conversational
 ``[{"role": "user", ...}]`` prompts for trl), group size, responses per generation batch, maximum new tokens,
-sampling (temperature, top-k, top-p), clip epsilon, KL coefficient (``loss.kl_to_ref_coeff`` = trl's ``beta``, both
-with a frozen reference model), AdamW settings, gradient clipping, a constant learning rate and float32.
+sampling (temperature, top-k, top-p), the algorithm (``loss.type`` = trl's ``loss_type``, dapo by default; the clip
+range = ``epsilon``/``epsilon_high``; ``loss.kl_to_ref_coeff`` = trl's ``beta``, both with a frozen reference model;
+``advantage.scale_rewards``...; ``--loss-type`` runs the bench for another type), AdamW settings, gradient clipping,
+the learning-rate schedule and float32.
 
 - ours (sync) and ours (async): the recipe's own ``train(cfg)`` with ``rollout.mode=sync|async`` (composed with Hydra,
   no intermediate checkpoints), timed by the recipe itself: ``summary.json``'s ``perf/wall_time_s`` (the training steps,
@@ -171,9 +173,13 @@ def make_trl_config(cfg, *, output_dir: str):
     from omegaconf import OmegaConf
     from trl import GRPOConfig
 
+    from recipes.grpo.loss import clip_bounds
+
     per_step, mini = cfg.rollout.responses_per_step, cfg.train.mini_batch_size
-    updates_per_generation = per_step // mini
+    accumulation = cfg.train.gradient_accumulation_steps
+    micro_batches_per_generation = per_step // mini  # trl's steps_per_generation counts micro-batches
     generation = cfg.rollout.generation
+    low, high = clip_bounds(cfg.loss.clip_epsilon, cfg.loss.clip_epsilon_high)
     if not generation.do_sample:
         raise ValueError("bench_grpo: rollout.generation.do_sample=false; trl's GRPOTrainer always samples.")
     betas = list(cfg.optimizer.betas)
@@ -186,8 +192,8 @@ def make_trl_config(cfg, *, output_dir: str):
         activation_checkpointing=False,  # trl turns it on by default; the recipe does not recompute activations
         disable_dropout=True,  # the recipe runs the policy in eval() mode
         per_device_train_batch_size=mini,
-        gradient_accumulation_steps=1,
-        steps_per_generation=updates_per_generation,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=micro_batches_per_generation,
         num_iterations=cfg.train.epochs_per_step,
         num_generations=cfg.rollout.group_size,
         max_completion_length=generation.max_new_tokens,
@@ -197,21 +203,28 @@ def make_trl_config(cfg, *, output_dir: str):
         min_p=OmegaConf.select(generation, "min_p", default=None),
         repetition_penalty=OmegaConf.select(generation, "repetition_penalty", default=1.0),
         generation_kwargs=extra_generation_kwargs(cfg) or None,
-        max_steps=cfg.train.steps * updates_per_generation * cfg.train.epochs_per_step,
+        max_steps=cfg.train.steps * micro_batches_per_generation // accumulation * cfg.train.epochs_per_step,
         learning_rate=cfg.optimizer.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type=cfg.train.lr_scheduler,
+        warmup_steps=cfg.train.warmup_steps,
         optim="adamw_torch",
         adam_beta1=betas[0],
         adam_beta2=betas[1],
         weight_decay=cfg.optimizer.weight_decay,
         max_grad_norm=cfg.train.max_grad_norm,
+        # The recipe's algorithm, in trl's names: the two sides always run the same one.
         beta=cfg.loss.kl_to_ref_coeff or 0.0,
-        epsilon=cfg.loss.clip_epsilon,
+        epsilon=low,
+        epsilon_high=high,
+        delta=cfg.loss.delta,
         entropy_coef=cfg.loss.entropy_coeff,
-        # GRPOLoss's token_mean averages over every token of the mini-batch: trl's "dapo"; prompt_mean is "grpo".
-        loss_type="dapo" if cfg.loss.aggregation == "token_mean" else "grpo",
-        scale_rewards="group",  # MCAdvantage divides by the group's standard deviation
+        loss_type=cfg.loss.type,
+        importance_sampling_level=cfg.loss.importance_sampling_level,
+        use_bias_correction_kl=cfg.loss.kl_bias_correction,
+        top_entropy_quantile=cfg.loss.top_entropy_quantile,
+        mask_truncated_completions=cfg.loss.mask_truncated_completions,
+        off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold,
+        scale_rewards=cfg.advantage.scale_rewards,
         report_to="none",
         logging_steps=1,
         save_strategy="no",
@@ -366,6 +379,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="1,2",
         help="torch threads ours (sync) runs with (the recipe's num_threads); the fastest is compared (default 1,2)",
     )
+    parser.add_argument(
+        "--loss-type", default=None, help="loss.type for every side (trl's loss_type; default: the recipe's, dapo)"
+    )
     parser.add_argument("--sync-target", type=float, default=1.0, help="the ratio ours (sync) / trl to reach")
     parser.add_argument("--async-target", type=float, default=1.5, help="the ratio ours (async) / trl to reach")
     parser.add_argument(
@@ -415,6 +431,7 @@ def _config_for(args, side: str, run_index: int, scratch: Path):
         f"train.steps={args.steps}",
         f"seed={run_index}",
         f"rollout.mode={'async' if side == ASYNC else 'sync'}",
+        *([f"loss.type={args.loss_type}"] if args.loss_type else []),
         *args.overrides,
     ]
     if side.startswith("ours (sync"):
@@ -528,7 +545,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
         f"{cfg.rollout.generation.max_new_tokens}, temperature {cfg.rollout.generation.temperature}, top_k "
         f"{cfg.rollout.generation.top_k}, top_p {cfg.rollout.generation.top_p}, "
         f"{'responses end at EOS' if args.natural_length else 'every response max_new_tokens long'}\n"
-        f"  KL coefficient (trl beta) {cfg.loss.kl_to_ref_coeff}, clip {cfg.loss.clip_epsilon}, lr "
+        f"  loss_type {cfg.loss.type}, KL coefficient (trl beta) {cfg.loss.kl_to_ref_coeff}, clip "
+        f"{cfg.loss.clip_epsilon}/{cfg.loss.clip_epsilon_high}, lr "
         f"{cfg.optimizer.lr}, {cfg.device} {cfg.dtype}; torch threads: ours (sync) "
         f"{' and '.join(map(str, args.sync_threads))}, ours (async) {async_cfg.num_threads} + a collector process of "
         f"{async_cfg.rollout.collector_threads}, trl {' and '.join(map(str, args.trl_threads))}",

@@ -1,4 +1,4 @@
-"""What the GRPO loss tests share: TorchRL's own LLM actor as the reference, and one loss-and-gradients evaluation."""
+"""What the GRPO loss tests share: TorchRL's own LLM actor, the reference the response-only scorer must agree with."""
 
 from __future__ import annotations
 
@@ -19,13 +19,28 @@ def torchrl_actor(model, tokenizer, *, padded: bool):
     )
 
 
-def grpo_loss_and_gradients(loss_class, actor, batch, **options):
-    """One GRPO loss (KL and entropy terms on) over ``batch`` and the gradients it gives the actor's model."""
-    settings = {"kl_to_ref_coeff": 0.1, "entropy_bonus": True, "entropy_coeff": 0.01, "masking_strategy": "sft"}
-    loss = loss_class(actor, **{**settings, **options})
-    actor.model.zero_grad()
-    out = loss(batch)
-    (out.loss_objective + out.loss_entropy + out.loss_kl_to_ref).backward()
-    grads = [p.grad.clone() for p in actor.model.parameters()]
-    actor.model.zero_grad()
-    return out, grads
+def loss_settings(**changes):
+    """``LossSettings`` of a bnpo loss without a KL term or masks (trl's values for sapo's and vespo's own), with
+    ``changes`` on top."""
+    from recipes.grpo.loss import LossSettings
+
+    settings = {
+        "type": "bnpo",
+        "importance_sampling_level": "token",
+        "clip_epsilon": 0.2,
+        "clip_epsilon_high": 0.2,
+        "delta": None,
+        "kl_to_ref_coeff": 0.0,
+        "kl_bias_correction": True,
+        "entropy_coeff": 0.0,
+        "top_entropy_quantile": 1.0,
+        "off_policy_mask_threshold": None,
+        "max_completion_length": 48,
+        "sapo_temperature_pos": 1.0,
+        "sapo_temperature_neg": 1.05,
+        "vespo_k_pos": 2.0,
+        "vespo_lambda_pos": 3.0,
+        "vespo_k_neg": 3.0,
+        "vespo_lambda_neg": 2.0,
+    }
+    return LossSettings(**{**settings, **changes})

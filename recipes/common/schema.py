@@ -92,7 +92,7 @@ class Variant:
     schemas: Mapping[str, type]
 
 
-def check_config(cfg, schema: type, *, recipe: str) -> None:
+def check_config(cfg, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}) -> None:
     """Refuses a config that does not fit ``schema`` (see the module docstring), with one message naming the key.
 
     Args:
@@ -102,6 +102,7 @@ def check_config(cfg, schema: type, *, recipe: str) -> None:
 
     Keyword Args:
         recipe: the recipe's name, for the messages.
+        renamed: keys of earlier versions of the recipe and what replaced them (named when a config still sets one).
 
     Raises:
         ConfigError: the first key that does not fit.
@@ -120,15 +121,22 @@ def check_config(cfg, schema: type, *, recipe: str) -> None:
         recipes.common.config.ConfigError: clip_epsilon=nan: not a finite number. ...
     """
     values = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    for old, new in renamed.items():
+        parent, _, name = old.rpartition(".")
+        node = values
+        for part in parent.split(".") if parent else []:
+            node = node.get(part, {}) if isinstance(node, Mapping) else {}
+        if isinstance(node, Mapping) and name in node:
+            raise ConfigError(f"{old} is gone from {recipe}: use {new}.")
     _check(values, schema, "", recipe)
 
 
-def checked_config(cfg: DictConfig, schema: type, *, recipe: str) -> DictConfig:
+def checked_config(cfg: DictConfig, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}) -> DictConfig:
     """The config a run trains with: ``cfg``'s settings resolved once (``recipes.common.config.resolved``), checked
     against ``schema`` (:func:`check_config`), LoRA on or off in its ``model`` and ``reward_model`` nodes as the
     command line says (``recipes.common.lora.settle_lora_node``)."""
     cfg = resolved(cfg)
-    check_config(cfg, schema, recipe=recipe)
+    check_config(cfg, schema, recipe=recipe, renamed=renamed)
     command_line = command_line_keys()
     for key in ("model", "reward_model"):
         settle_lora_node(cfg, key, command_line)

@@ -12,11 +12,14 @@ starting at the same column (``generate``'s layout, what TorchRL's padded ``GRPO
   or "old", log-probs), 0 elsewhere (TorchRL's layout of ``("log_probs", "full")``);
 - :data:`PROMPT_INDEX` ``[B]``: the prompt's row in the run's prompt table, the group id of GRPO's normalisation;
 - :data:`POLICY_VERSION` ``[B]``: how many updates the sampling weights had had;
+- :data:`TRUNCATED` ``[B]``: the response hit ``max_new_tokens`` before an EOS;
 - :data:`REWARD` ``[B, 1, 1]`` and :data:`DONE` ``[B, 1]``: TorchRL's LLM reward and done layout.
 
-The learner then adds :data:`ADVANTAGE` (``[B, 1, 1]``) and :data:`REF_LOG_PROBS` (``[B, P + R]``, the frozen
-reference's). :data:`BATCH_KEYS` is what a collector hands over; :func:`response_start` and :func:`response_mask` are
-the one way to find the responses in it.
+The learner then adds :data:`ADVANTAGE` (``[B, 1, 1]``), :data:`REF_LOG_PROBS` (``[B, P + R]``, the frozen
+reference's) and :data:`LOSS_MASK` (``[B, R]``: the response tokens the loss counts, truncated responses left out
+with ``loss.mask_truncated_completions``). :data:`BATCH_KEYS` is what a collector hands over; :func:`response_start`
+and :func:`response_mask` are the one way to find the responses in it, :func:`merge_batches` the one way to join
+batches of different widths.
 
 Dependencies: torch, tensordict.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
+from torch.nn import functional
 
 __all__ = [
     "ADVANTAGE",
@@ -32,6 +36,7 @@ __all__ = [
     "BATCH_KEYS",
     "DONE",
     "LOG_PROBS",
+    "LOSS_MASK",
     "POLICY_VERSION",
     "PROMPT_INDEX",
     "PROMPT_MASK",
@@ -40,6 +45,8 @@ __all__ = [
     "RESPONSE_TOKENS",
     "REWARD",
     "TOKENS",
+    "TRUNCATED",
+    "merge_batches",
     "response_mask",
     "response_start",
 ]
@@ -51,11 +58,13 @@ TOKENS = ("tokens", "full")
 ATTENTION_MASK = ("masks", "all_attention_mask")
 LOG_PROBS = ("log_probs", "full")
 PROMPT_INDEX = "prompt_index"
+TRUNCATED = "truncated"
 POLICY_VERSION = "policy_version"
 REWARD = ("next", "reward")
 DONE = ("next", "done")
 ADVANTAGE = "advantage"
 REF_LOG_PROBS = ("next", "ref_log_probs", "full")
+LOSS_MASK = ("masks", "loss")
 
 # What a step hands the learner: the dense sequences, the behaviour log-probs, the group ids, rewards and the policy
 # version the responses were sampled with.
@@ -67,6 +76,7 @@ BATCH_KEYS = (
     LOG_PROBS,
     PROMPT_INDEX,
     POLICY_VERSION,
+    TRUNCATED,
     REWARD,
     DONE,
 )
@@ -93,3 +103,38 @@ def response_mask(batch: TensorDictBase) -> torch.Tensor:
                 [ True,  True]])
     """
     return batch.get(ATTENTION_MASK)[:, response_start(batch) :].bool()
+
+
+def merge_batches(batches: list[TensorDictBase], *, pad_token_id: int) -> TensorDictBase:
+    """Dense batches of different widths as one: each widened to the longest prompt (padding on the left) and the
+    longest response (on the right), so that every response still starts at one column. Pads carry ``pad_token_id``,
+    a False mask and a log-prob of 0.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> def batch(prompt, response):
+        ...     full = torch.tensor([prompt + response])
+        ...     return TensorDict({"tokens": {"prompt": torch.tensor([prompt]), "response": torch.tensor([response]),
+        ...                                   "full": full}, "masks": {"all_attention_mask": full > 0}}, batch_size=[1])
+        >>> merge_batches([batch([5], [6, 7]), batch([8, 9], [4])], pad_token_id=0)["tokens", "full"]
+        tensor([[0, 5, 6, 7],
+                [8, 9, 4, 0]])
+    """
+    if len(batches) == 1:
+        return batches[0]
+    prompt = max(batch.get(PROMPT_TOKENS).shape[-1] for batch in batches)
+    response = max(batch.get(RESPONSE_TOKENS).shape[-1] for batch in batches)
+    widened = []
+    for batch in batches:
+        batch = batch.clone(recurse=False) if hasattr(batch, "clone") else batch
+        left = prompt - batch.get(PROMPT_TOKENS).shape[-1]
+        right = response - batch.get(RESPONSE_TOKENS).shape[-1]
+        pads = {TOKENS: pad_token_id, ATTENTION_MASK: False, LOG_PROBS: 0.0, REF_LOG_PROBS: 0.0, LOSS_MASK: False}
+        for key, value in pads.items():
+            if key in batch.keys(include_nested=True):
+                columns = (0, right) if key == LOSS_MASK else (left, right)
+                batch.set(key, functional.pad(batch.get(key), columns, value=value))
+        batch.set(PROMPT_TOKENS, functional.pad(batch.get(PROMPT_TOKENS), (left, 0), value=pad_token_id))
+        batch.set(RESPONSE_TOKENS, functional.pad(batch.get(RESPONSE_TOKENS), (0, right), value=pad_token_id))
+        widened.append(batch)
+    return torch.cat(widened)

@@ -48,6 +48,7 @@ from recipes.common.config import ConfigError, RunStopped, command_line_keys, ru
 from recipes.common.models import merge_adapters
 
 __all__ = [
+    "REFERENCE_FOLDER",
     "RESUMES_FILE",
     "RESUME_FREE_KEYS",
     "TrainingProgress",
@@ -69,6 +70,7 @@ __all__ = [
 ]
 
 RESUMES_FILE = "resumes.jsonl"  # one line per resume of the run: when, from which step, what changed
+REFERENCE_FOLDER = "reference_model"  # loss.sync_ref_model: the reference as it moved
 # Settings a resumed run may change freely: where and how it runs and reports, not what it trains. Any other change
 # (group size, batch sizes, models, data, learning rate...) must be named in resume_allow_changes.
 RESUME_FREE_KEYS = (
@@ -175,6 +177,7 @@ def save_checkpoint(
     model_state_dict: dict[str, torch.Tensor] | None = None,
     optimizer_state_dict: dict[str, Any] | None = None,
     save_merged: bool = False,
+    reference: tuple | None = None,
 ) -> Path:
     """Writes ``<root>/step_<step>`` atomically, then deletes all but the ``keep_last`` newest checkpoints.
 
@@ -193,6 +196,8 @@ def save_checkpoint(
             ``recipes.common.sharding.gather_full_state``).
         optimizer_state_dict: the optimizer state to save instead of ``optimizer.state_dict()`` (likewise).
         save_merged: a LoRA model's merged full model too, in ``merged_model/``.
+        reference: ``(model, state_dict or None)``: a reference model that moves with the policy
+            (``loss.sync_ref_model``), saved in ``reference_model/``.
     """
 
     if save_merged and model_state_dict is not None:
@@ -205,6 +210,8 @@ def save_checkpoint(
         save_model_folder(model, tokenizer, folder / MODEL_FOLDER, state_dict=model_state_dict)
         if save_merged:
             save_merged_model_folder(model, tokenizer, folder / MERGED_MODEL_FOLDER)
+        if reference is not None:
+            save_model_folder(reference[0], tokenizer, folder / REFERENCE_FOLDER, state_dict=reference[1])
         optimizer_state = optimizer_state_dict if optimizer_state_dict is not None else optimizer.state_dict()
         payload = {**state, "step": step, "optimizer": optimizer_state}
         torch.save(payload, folder / STATE_FILE)

@@ -35,17 +35,28 @@ from recipes.grpo.checkpointing import (
     resumed_config,
 )
 from recipes.grpo.distributed import STRATEGIES
+from recipes.grpo.loss import LOSS_TYPES
 from recipes.grpo.policy import MIXED_PRECISIONS
 from recipes.grpo.prompt_env import PromptTable
 from recipes.grpo.report import SUMMARY_KEYS
 from recipes.grpo.rewards import REWARD_INPUTS, check_reward_keys, reward_prompt_lengths
 from recipes.grpo.rollout import ROLLOUT_ENVS, check_generation_settings
 from recipes.grpo.sampling import SamplingSettings
-from recipes.grpo.schema import GRPOConfig
+from recipes.grpo.schema import RENAMED, GRPOConfig
 
 __all__ = ["BACKENDS", "ROLLOUT_MODES", "check_prompt_lengths", "validate"]
 
 BACKENDS = ("auto", "gloo", "nccl")
+# transformers' get_scheduler names that take no extra settings.
+LR_SCHEDULERS = (
+    "constant",
+    "constant_with_warmup",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+)
 ROLLOUT_MODES = ("sync", "async")
 
 log = logging.getLogger(__name__)
@@ -58,7 +69,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     command line says (``recipes.common.lora.settle_lora_node``)."""
     if cfg.resume:
         cfg = resumed_config(cfg)
-    cfg = checked_config(cfg, GRPOConfig, recipe="grpo_torchrl_rm")
+    cfg = checked_config(cfg, GRPOConfig, recipe="grpo_torchrl_rm", renamed=RENAMED)
     _validate_settings(cfg)
     return cfg
 
@@ -71,10 +82,7 @@ def _validate_settings(cfg: DictConfig) -> None:
     if cfg.reward.input not in REWARD_INPUTS:
         raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
     check_reward_keys(cfg)
-    if cfg.loss.aggregation not in ("token_mean", "prompt_mean"):
-        raise ConfigError(f"loss.aggregation={cfg.loss.aggregation!r}: expected 'token_mean' or 'prompt_mean'.")
-    if cfg.loss.kl_to_ref_coeff is not None and cfg.loss.kl_to_ref_coeff < 0:
-        raise ConfigError(f"loss.kl_to_ref_coeff={cfg.loss.kl_to_ref_coeff} must be >= 0 (or null: no reference).")
+    _validate_algorithm(cfg)
     check_run_settings(
         cfg, lr_key="optimizer.lr", max_grad_norm_key="train.max_grad_norm", batch_size_key="train.mini_batch_size"
     )
@@ -122,6 +130,58 @@ def _validate_batches(cfg: DictConfig) -> None:
     for key in ("train.steps", "train.epochs_per_step"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 1.")
+    accumulation = cfg.train.gradient_accumulation_steps
+    if (per_step // mini) % accumulation:
+        raise ConfigError(
+            f"train.gradient_accumulation_steps={accumulation} does not divide the {per_step // mini} mini-batches of "
+            f"a step (rollout.responses_per_step={per_step} / train.mini_batch_size={mini}): every optimizer step "
+            "accumulates as many. Pick a divisor."
+        )
+
+
+def _validate_algorithm(cfg: DictConfig) -> None:
+    """The loss menu, the advantage and the schedule: choices, and what cannot combine, with the reason."""
+    loss = cfg.loss
+    if loss.type not in LOSS_TYPES:
+        raise ConfigError(f"loss.type={loss.type!r}: expected one of {list(LOSS_TYPES)} (trl's loss_type).")
+    if OmegaConf.is_list(loss.clip_epsilon):
+        if len(loss.clip_epsilon) != 2 or loss.clip_epsilon_high is not None:
+            raise ConfigError(
+                f"loss.clip_epsilon={list(loss.clip_epsilon)}: a list is TorchRL's (low, high) pair, two numbers, with "
+                "loss.clip_epsilon_high null; or give loss.clip_epsilon=<low> loss.clip_epsilon_high=<high>."
+            )
+    if loss.type == "cispo" and loss.clip_epsilon_high is None and not OmegaConf.is_list(loss.clip_epsilon):
+        log.warning(
+            "loss.type=cispo clamps the importance ratio itself at loss.clip_epsilon_high, which is null: it takes "
+            "loss.clip_epsilon=%s, as trl does, and clamps every ratio below 1. Set loss.clip_epsilon_high (1.28 "
+            "learns the tiny task; ScaleRL's 4 collapsed it at step 29).",
+            loss.clip_epsilon,
+        )
+    if loss.sync_ref_model and not loss.kl_to_ref_coeff:
+        raise ConfigError(
+            "loss.sync_ref_model=true with no KL term (loss.kl_to_ref_coeff is 0 or null): there is no reference to "
+            "keep in sync. Set a KL coefficient, or loss.sync_ref_model=false."
+        )
+    if loss.sync_ref_model and cfg.model.lora is not None:
+        raise ConfigError(
+            "loss.sync_ref_model=true with model.lora: the reference is the base model with the adapters switched off, "
+            "which no update may move (the policy is built on it). Use full fine-tuning (model.lora=null) to sync the "
+            "reference, or loss.sync_ref_model=false."
+        )
+    if cfg.advantage.filter_zero_std_groups and cfg.rollout.mode == "async":
+        raise ConfigError(
+            "advantage.filter_zero_std_groups=true with rollout.mode=async: the background collector samples one batch "
+            "per update under the policy-lag bound, and the extra batches dynamic sampling draws would break that "
+            "bound. Use rollout.mode=sync with it."
+        )
+    warmup = cfg.train.warmup_steps
+    if isinstance(warmup, float) and not 0 <= warmup < 1:
+        raise ConfigError(f"train.warmup_steps={warmup}: a float is a fraction of the optimizer steps, in [0, 1).")
+    if cfg.train.lr_scheduler not in LR_SCHEDULERS:
+        raise ConfigError(
+            f"train.lr_scheduler={cfg.train.lr_scheduler!r}: expected one of {list(LR_SCHEDULERS)} (transformers' "
+            "schedules that need no more settings)."
+        )
 
 
 def _validate_reporting(cfg: DictConfig) -> None:

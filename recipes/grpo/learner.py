@@ -1,12 +1,17 @@
 """The learner's side of a GRPO step: complete the batch, update the policy over mini-batches.
 
-- :class:`Learner` and :func:`make_learner`: the batch preparation, replay buffer, loss, optimizer, the parameters it
-  clips and the context of each loss forward, built from the config and the loaded models.
-- :class:`PrepareBatch`: group advantages (``MCAdvantage``), then the reference's (and, where a batch lacks them and
-  a step makes several updates, the old policy's) log-probs over the response positions.
-- :func:`optimize`: ``train.epochs_per_step`` passes over the step's responses in mini-batches.
+- :class:`Learner` and :func:`make_learner`: the batch preparation, replay buffer, loss, optimizer and its learning
+  rate schedule, the parameters it clips, the context of each loss forward and the reference to keep in sync, built
+  from the config and the loaded models.
+- :class:`PrepareBatch`: group advantages (``advantage.scale_rewards``), the loss mask (``loss.mask_truncated_
+  completions``), then the reference's (and, where a batch lacks them and a step makes several updates, the old
+  policy's) log-probs over the response positions.
+- :func:`informative_batch`: DAPO's dynamic sampling (``advantage.filter_zero_std_groups``): groups whose rewards all
+  tie are dropped and more are drawn, up to ``advantage.max_extra_batches`` batches.
+- :func:`optimize`: ``train.epochs_per_step`` passes over the step's responses, ``train.gradient_accumulation_steps``
+  mini-batches per optimizer step.
 
-Dependencies: torch, tensordict, torchrl, hydra.
+Dependencies: torch, tensordict, torchrl, hydra, transformers, accelerate.
 """
 
 from __future__ import annotations
@@ -19,28 +24,44 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+from transformers import get_scheduler
 
 from recipes.common.config import RunStopped
 from recipes.common.sharding import is_sharded, shard_frozen_model
-from recipes.grpo.batch import LOG_PROBS, PROMPT_INDEX, REF_LOG_PROBS
+from recipes.grpo.batch import LOG_PROBS, LOSS_MASK, REF_LOG_PROBS, REWARD, TRUNCATED, merge_batches, response_mask
+from recipes.grpo.distributed import pool_over_processes
 from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs, make_policy_scorer, make_reference_scorer
-from recipes.grpo.loss import GroupAdvantage, ResponseGRPOLoss, make_loss, training_loss
+from recipes.grpo.loss import GroupAdvantage, GRPOObjective, Scale, make_loss
 from recipes.grpo.policy import enable_activation_checkpointing, trainable_parameters, update_forward
 
-__all__ = ["Learner", "PrepareBatch", "check_weights_finite", "make_learner", "make_replay_buffer", "optimize"]
+__all__ = [
+    "Learner",
+    "PrepareBatch",
+    "check_weights_finite",
+    "informative_batch",
+    "make_learner",
+    "make_replay_buffer",
+    "optimize",
+    "optimizer_steps",
+]
 
 
 class PrepareBatch:
-    """The learner's side of a step: group advantages, then the log-probs a batch still needs, in place.
+    """The learner's side of a step: group advantages, the loss mask, then the log-probs a batch still needs, in
+    place.
 
     Args:
         group_size: responses per prompt (each batch holds whole groups).
 
     Keyword Args:
+        scale_rewards: ``advantage.scale_rewards`` (``group``, ``batch`` or ``none``).
+        mask_truncated: leave the responses that hit ``max_new_tokens`` out of the loss
+            (``loss.mask_truncated_completions``).
         reference: a ``ResponseLogProbs`` over the frozen reference model, or ``None`` (no KL term).
         policy: a ``ResponseLogProbs`` over the policy, to score the old log-probs of batches whose collector records
             none usable (TorchRL's ``TransformersWrapper``) when a step makes several updates; ``None``: the batch
@@ -52,11 +73,14 @@ class PrepareBatch:
         self,
         group_size: int,
         *,
+        scale_rewards: str,
+        mask_truncated: bool,
         reference: ResponseLogProbs | None,
         policy: ResponseLogProbs | None = None,
         micro_batch_size: int | None = None,
     ) -> None:
-        self.advantage = GroupAdvantage(group_size, prompt_key=PROMPT_INDEX)
+        self.advantage = GroupAdvantage(group_size, scale=scale_rewards)
+        self.mask_truncated = mask_truncated
         self.reference = None
         if reference is not None:
             self.reference = ScoreLogProbs(reference, out_key=REF_LOG_PROBS, micro_batch_size=micro_batch_size)
@@ -66,6 +90,10 @@ class PrepareBatch:
         """Completes ``batch`` in place; returns how long it took (``advantage_s``, ``log_probs_s``)."""
         start = time.perf_counter()
         self.advantage(batch)
+        mask = response_mask(batch)
+        if self.mask_truncated:
+            mask = mask & ~batch.get(TRUNCATED).reshape(-1, 1)
+        batch.set(LOSS_MASK, mask)
         scored = time.perf_counter()
         if self.reference is not None:
             self.reference(batch)
@@ -76,16 +104,22 @@ class PrepareBatch:
 
 @dataclass
 class Learner:
-    """What updates the policy: the batch preparation (advantages, reference log-probs), the replay buffer, the loss
-    (over the policy's log-prob scorer, DDP-wrapped under a launcher), the optimizer and the parameters it clips, and
-    the context of each loss forward (``train.mixed_precision``, ``train.gradient_checkpointing``)."""
+    """What updates the policy: the batch preparation (advantages, loss mask, reference log-probs), the replay buffer,
+    the loss (over the policy's log-prob scorer, DDP-wrapped under a launcher), the optimizer, its learning-rate
+    schedule and the parameters it clips, the context of each loss forward (``train.mixed_precision``,
+    ``train.gradient_checkpointing``), and the reference model kept in sync with the policy (``loss.sync_ref_model``:
+    TR-DPO), if any."""
 
     prepare: PrepareBatch
     buffer: Any
-    loss: ResponseGRPOLoss
+    loss: GRPOObjective
     optimizer: torch.optim.Optimizer
+    scheduler: Any
     parameters: list
     forward_context: Any = contextlib.nullcontext
+    policy: Any = None
+    synced_reference: Any = None
+    optimizer_steps_done: int = 0
 
 
 def make_learner(cfg: DictConfig, models) -> Learner:
@@ -103,16 +137,34 @@ def make_learner(cfg: DictConfig, models) -> Learner:
             if frozen is not None:
                 shard_frozen_model(frozen)
     parameters = trainable_parameters(models.policy)  # all, or LoRA's adapters; a list: clipped at every update
+    optimizer = instantiate(cfg.optimizer)(parameters)
     return Learner(
         prepare=make_batch_preparation(cfg, models, scorer),
         buffer=make_replay_buffer(cfg),
         loss=make_loss(cfg, scorer),
-        optimizer=instantiate(cfg.optimizer)(parameters),
+        optimizer=optimizer,
+        scheduler=make_scheduler(cfg, optimizer),
         parameters=parameters,
         forward_context=functools.partial(
             update_forward, models.policy, mixed_precision=cfg.train.mixed_precision, device=cfg.device
         ),
+        policy=models.policy,
+        synced_reference=models.reference if cfg.loss.sync_ref_model else None,
     )
+
+
+def optimizer_steps(cfg: DictConfig) -> int:
+    """Optimizer steps per pass over a step's responses: ``train.gradient_accumulation_steps`` mini-batches each."""
+    return cfg.rollout.responses_per_step // (cfg.train.mini_batch_size * cfg.train.gradient_accumulation_steps)
+
+
+def make_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
+    """``train.lr_scheduler`` through ``transformers.get_scheduler``, over every optimizer step of the run, with
+    ``train.warmup_steps`` steps of warmup (a float in [0, 1): that fraction of them, as transformers reads it)."""
+    total = cfg.train.steps * cfg.train.epochs_per_step * optimizer_steps(cfg)
+    warmup = cfg.train.warmup_steps
+    warmup = math.ceil(total * warmup) if isinstance(warmup, float) else int(warmup)
+    return get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
 
 def make_replay_buffer(cfg: DictConfig) -> ReplayBuffer:
@@ -126,56 +178,73 @@ def make_replay_buffer(cfg: DictConfig) -> ReplayBuffer:
 
 def is_on_policy(cfg: DictConfig) -> bool:
     """One update per step: the responses train the very policy that sampled them, old log-probs = current ones."""
-    return cfg.train.epochs_per_step == 1 and cfg.train.mini_batch_size == cfg.rollout.responses_per_step
+    return cfg.train.epochs_per_step == 1 and optimizer_steps(cfg) == 1
 
 
 def make_batch_preparation(cfg: DictConfig, models, scorer) -> PrepareBatch:
-    """Advantages and reference log-probs; the old log-probs too where the collector records none (``chat``) and a
-    step makes several updates. On-policy, the loss takes its own (as trl does with one update per batch)."""
+    """Advantages, the loss mask and reference log-probs; the old log-probs too where the collector records none
+    (``chat``) and a step makes several updates. On-policy, the loss takes its own (as trl does with one update per
+    batch)."""
     scores_old = cfg.rollout.env == "chat" and not is_on_policy(cfg)
     reference = None
     if cfg.loss.kl_to_ref_coeff:
         reference = make_reference_scorer(models.reference, policy=models.policy, policy_scorer=scorer)
     return PrepareBatch(
         cfg.rollout.group_size,
+        scale_rewards=cfg.advantage.scale_rewards,
+        mask_truncated=cfg.loss.mask_truncated_completions,
         reference=reference,
         policy=scorer if scores_old else None,
         micro_batch_size=cfg.rollout.log_prob_micro_batch_size,
     )
 
 
-def optimize(
-    cfg: DictConfig, loss_module, optimizer, buffer, parameters: list, *, forward_context=contextlib.nullcontext
-) -> dict[str, float]:
-    """``train.epochs_per_step`` passes over the buffer in mini-batches; returns the updates' mean diagnostics.
+# ------------------------------------------------------------------------------------------------ dynamic sampling
 
-    Each loss forward runs in ``forward_context()`` (bf16 autocast, checkpointed layers: ``Learner.forward_context``),
-    its backward outside it."""
-    sums: dict[str, float] = {}
-    updates = 0
-    for _ in range(cfg.train.epochs_per_step):
-        for _ in range(cfg.rollout.responses_per_step // cfg.train.mini_batch_size):
-            # LazyStackStorage hands out a lazy stack of samples: stacked once here, the loss's logits are not split
-            # into per-sample tensors and re-stacked (whose backward copies the whole gradient once per sample).
-            with forward_context():
-                out = loss_module(buffer.sample().contiguous())
-                loss = training_loss(out, entropy_coeff=cfg.loss.entropy_coeff)
-            _stop_unless_finite(loss, "loss", cfg)
-            loss.backward()
-            # null or 0: no clipping (trl's meaning of 0), but the norm is still measured (train/grad_norm).
-            max_norm = cfg.train.max_grad_norm or math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-            _stop_unless_finite(grad_norm, "gradient norm", cfg)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            updates += 1
-            values = {"train/loss": loss, "train/clip_fraction": out.clip_fraction, "train/entropy": out.entropy}
-            if out.kl_to_ref is not None:
-                values["train/kl_to_ref"] = out.kl_to_ref
-            values["train/grad_norm"] = grad_norm
-            for key, value in values.items():
-                sums[key] = sums.get(key, 0.0) + float(value.detach().mean())
-    return {key: total / updates for key, total in sums.items()}
+
+def _any_process(flag: bool) -> bool:
+    if not PartialState().use_distributed:
+        return flag
+    value = torch.tensor([float(flag)], device=PartialState().device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def informative_batch(first: TensorDictBase, batches, *, group_size: int, max_extra_batches: int, pad_token_id: int):
+    """DAPO's dynamic sampling: the groups of ``first`` whose rewards do not all tie, topped up from ``batches`` (the
+    collector's next batches) until there are as many responses as in ``first``; every process draws as many
+    batches as the one that needs most (their collectives stay in step).
+
+    Returns:
+        ``(batch, drawn, filtered)``: the batch to train on (informative groups only), every batch drawn (for the
+        step's metrics and token count), and how many groups were dropped.
+
+    Raises:
+        RunStopped: still short after ``max_extra_batches`` more batches (every group ties: a reward that cannot tell
+            responses apart, or a task the policy always or never solves).
+    """
+    wanted = first.shape[0]
+    drawn, kept, filtered = [first], [], 0
+    while True:
+        rewards = drawn[-1].get(REWARD).reshape(-1, group_size)
+        informative = (rewards.max(-1).values != rewards.min(-1).values).repeat_interleave(group_size)
+        kept.append(drawn[-1][informative])
+        filtered += int((~informative).sum()) // group_size
+        have = sum(part.shape[0] for part in kept)
+        if not _any_process(have < wanted):
+            break
+        if len(drawn) > max_extra_batches:
+            raise RunStopped(
+                f"advantage.filter_zero_std_groups: after {len(drawn)} batches, only {have} of {wanted} responses "
+                f"came from groups whose rewards differ ({filtered} groups dropped): the rewards cannot tell this "
+                "policy's responses apart. Check the reward sources, raise rollout.generation.temperature or "
+                "advantage.max_extra_batches, or set advantage.filter_zero_std_groups=false."
+            )
+        drawn.append(next(batches))
+    return merge_batches(kept, pad_token_id=pad_token_id)[:wanted], drawn, filtered
+
+
+# ------------------------------------------------------------------------------------------------ the update
 
 
 # The settings that drive each value, named when it stops being finite.
@@ -186,7 +255,7 @@ _DRIVERS = {
 }
 
 
-def _stop_unless_finite(value: torch.Tensor, what: str, cfg: DictConfig) -> None:
+def _stop_unless_finite(value: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(value.detach()).all()):
         raise RunStopped(
             f"The policy's {what} is {float(value.detach().float().flatten()[0])}: training on would save garbage, so "
@@ -195,8 +264,70 @@ def _stop_unless_finite(value: torch.Tensor, what: str, cfg: DictConfig) -> None
         )
 
 
-def check_weights_finite(parameters: list, cfg: DictConfig) -> None:
+def check_weights_finite(parameters: list) -> None:
     """Stops the run (before a checkpoint is written) if a trainable weight is no longer finite."""
     with torch.no_grad():
         norms = torch._foreach_norm([p.detach() for p in parameters])
-    _stop_unless_finite(torch.stack(norms).float().sum(), "weights", cfg)
+    _stop_unless_finite(torch.stack(norms).float().sum(), "weights")
+
+
+def step_scale(cfg: DictConfig, batch: TensorDictBase) -> Scale:
+    """The normalisation of this step's mini-batches: the accumulation, and ``dapo``'s response tokens of one
+    optimizer step per process (every process's loss-mask tokens of the step, averaged per process and step)."""
+    tokens = pool_over_processes(batch.get(LOSS_MASK).sum().reshape(1).float()).sum()
+    processes = PartialState().num_processes
+    return Scale(cfg.train.gradient_accumulation_steps, float(tokens) / processes / optimizer_steps(cfg))
+
+
+def optimize(cfg: DictConfig, learner: Learner, batch: TensorDictBase) -> dict[str, float]:
+    """``train.epochs_per_step`` passes over the step's responses (in ``learner.buffer``), each optimizer step
+    accumulating ``train.gradient_accumulation_steps`` mini-batches; returns the optimizer steps' mean diagnostics.
+
+    Each loss forward runs in ``learner.forward_context()`` (bf16 autocast, checkpointed layers), its backward
+    outside it; the learning-rate schedule steps with the optimizer."""
+    scale = step_scale(cfg, batch)
+    sums: dict[str, float] = {}
+    for _ in range(cfg.train.epochs_per_step * optimizer_steps(cfg)):
+        values = _accumulate(cfg, learner, scale)
+        # null or 0: no clipping (trl's meaning of 0), but the norm is still measured (train/grad_norm).
+        grad_norm = torch.nn.utils.clip_grad_norm_(learner.parameters, cfg.train.max_grad_norm or math.inf)
+        _stop_unless_finite(grad_norm, "gradient norm")
+        values["train/lr"] = learner.optimizer.param_groups[0]["lr"]
+        learner.optimizer.step()
+        learner.scheduler.step()
+        learner.optimizer.zero_grad(set_to_none=True)
+        learner.optimizer_steps_done += 1
+        _sync_reference(cfg, learner)
+        values["train/grad_norm"] = float(grad_norm)
+        for key, value in values.items():
+            sums[key] = sums.get(key, 0.0) + value
+    steps = cfg.train.epochs_per_step * optimizer_steps(cfg)
+    return {key: total / steps for key, total in sums.items()}
+
+
+def _accumulate(cfg: DictConfig, learner: Learner, scale: Scale) -> dict[str, float]:
+    """The forward and backward passes of one optimizer step's mini-batches; their summed loss and mean diagnostics."""
+    values: dict[str, float] = {}
+    for _ in range(scale.accumulation):
+        # LazyStackStorage hands out a lazy stack of samples: stacked once here, the loss's logits are not split
+        # into per-sample tensors and re-stacked (whose backward copies the whole gradient once per sample).
+        with learner.forward_context():
+            out = learner.loss(learner.buffer.sample().contiguous(), scale=scale)
+        _stop_unless_finite(out["loss"], "loss")
+        out["loss"].backward()
+        values["train/loss"] = values.get("train/loss", 0.0) + float(out["loss"].detach())
+        for name, value in out.items():
+            if name != "loss":
+                values[f"train/{name}"] = values.get(f"train/{name}", 0.0) + float(value) / scale.accumulation
+    return values
+
+
+def _sync_reference(cfg: DictConfig, learner: Learner) -> None:
+    """TR-DPO: every ``loss.ref_model_sync_steps`` optimizer steps the reference moves towards the policy,
+    ``ref = alpha * policy + (1 - alpha) * ref`` (``loss.ref_model_mixup_alpha``), as trl's ``sync_ref_model``."""
+    if learner.synced_reference is None or learner.optimizer_steps_done % cfg.loss.ref_model_sync_steps:
+        return
+    alpha = cfg.loss.ref_model_mixup_alpha
+    with torch.no_grad():
+        for reference, current in zip(learner.synced_reference.parameters(), learner.policy.parameters(), strict=True):
+            reference.mul_(1 - alpha).add_(current.detach(), alpha=alpha)

@@ -232,7 +232,7 @@ class ResponseLogProbs(nn.Module):
 class ScoreLogProbs:
     """Writes a model's log-probs of a dense batch's response tokens into the batch, in place, without gradients.
 
-    The frozen reference's go to ``("next", "ref_log_probs", "full")`` (what ``GRPOLoss`` reads for its KL term);
+    The frozen reference's go to ``("next", "ref_log_probs", "full")`` (what the loss reads for its KL term);
     the policy's own, when the batch lacks the sampling log-probs, to ``("log_probs", "full")``.
 
     Args:

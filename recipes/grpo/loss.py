@@ -1,170 +1,422 @@
-"""TorchRL advantages and losses as the recipes use them.
+"""GRPO's advantages and policy losses, with trl 1.16's menu and trl's own normalisation of each.
 
-- :class:`GroupAdvantage`: TorchRL's ``MCAdvantage`` (GRPO's group normalisation) run over the three entries it reads.
-- :class:`ResponseGRPOLoss`: TorchRL's ``GRPOLoss`` whose policy log-probs are computed over the response positions
-  of a dense batch only (``recipes.grpo.log_probs.ResponseLogProbs``), never as ``[B, T, V]`` logits.
-- :func:`make_loss`: the loss of the recipe's ``loss:`` node; :func:`training_loss`: the sum its backward runs on.
+- :func:`group_advantages`: each response's reward against its group's (``advantage.scale_rewards``: ``group``,
+  ``batch`` or ``none``, as trl's ``scale_rewards``); :class:`GroupAdvantage` writes them into a batch.
+- :class:`GRPOObjective`: the loss of one mini-batch, for every ``loss.type`` of trl (``grpo``, ``bnpo``,
+  ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``), token- or sequence-level importance sampling
+  (GSPO), clip-higher (``clip_epsilon_high``), two-sided clipping (``delta``), the high-entropy token mask
+  (``top_entropy_quantile``), the off-policy sequence mask (``off_policy_mask_threshold``) and a KL penalty to the
+  reference with trl's ``beta`` semantics: a per-response-token term (``kl_to_ref_coeff``), bias-corrected by the
+  importance ratio (``kl_bias_correction``), normalised exactly as the policy term of the loss type.
+- :data:`POLICY_LOSSES` and :data:`NORMALIZERS`: name -> rule tables (verl's registry style), one entry per type.
 
-Dependencies: torch, tensordict, torchrl.
+Why not TorchRL's ``GRPOLoss`` (or its ``DAPO``/``CISPOLoss`` subclasses): 0.14.1 aggregates per mini-batch only
+(``token_mean``/``prompt_mean``), has no sequence-level ratio, no SAPO/LUSPO/VESPO, no two-sided clip, no entropy or
+off-policy masks, and takes the KL term's mean over every position of the ``[B, T]`` batch, prompt and padding
+included, which scales the applied coefficient down by the response's share of the sequence. trl's DAPO normalises
+by the tokens of the whole accumulated batch, which no per-mini-batch aggregation reproduces. The log-probs and
+entropies come from ``recipes.grpo.log_probs`` (response positions only); everything here works on ``[B, R]`` response
+columns.
+
+Dependencies: torch, tensordict, accelerate.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather, pad_across_processes
 from omegaconf import DictConfig
-from tensordict import NestedKey, TensorDictBase
-from torch.distributions import Distribution
-from torchrl.objectives.llm import GRPOLoss, MCAdvantage
+from tensordict import TensorDictBase
+from torch import nn
 
-from recipes.grpo.batch import ADVANTAGE, ATTENTION_MASK, DONE, PROMPT_INDEX, REWARD, response_start
+from recipes.grpo.batch import (
+    ADVANTAGE,
+    ATTENTION_MASK,
+    LOG_PROBS,
+    LOSS_MASK,
+    REF_LOG_PROBS,
+    REWARD,
+    TOKENS,
+    response_start,
+)
 
-__all__ = ["GroupAdvantage", "ResponseGRPOLoss", "make_loss", "training_loss"]
+__all__ = [
+    "IS_LEVELS",
+    "LOSS_TYPES",
+    "NORMALIZERS",
+    "POLICY_LOSSES",
+    "SCALE_REWARDS",
+    "GRPOObjective",
+    "GroupAdvantage",
+    "LossSettings",
+    "group_advantages",
+    "make_loss",
+]
+
+SCALE_REWARDS = ("group", "batch", "none")
+IS_LEVELS = ("token", "sequence")
+
+
+# ------------------------------------------------------------------------------------------------ advantages
+
+
+def _unbiased_std(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return values.std(dim=dim) if dim is not None else values.std()
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str) -> torch.Tensor:
+    """Each reward minus its group's mean (``group_size`` contiguous responses per prompt), divided by the standard
+    deviation (plus 1e-4) of its group (``scale="group"``), of the whole batch (``"batch"``), or by nothing
+    (``"none"``), as trl's ``scale_rewards`` does.
+
+    Examples:
+        >>> group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2, scale="none")
+        tensor([-1.,  1.,  0.,  0.])
+    """
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"group_advantages: scale={scale!r}, expected one of {list(SCALE_REWARDS)}.")
+    grouped = rewards.reshape(-1, group_size)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+    if scale == "none":
+        return centred
+    if scale == "group":
+        std = _unbiased_std(grouped, dim=1).repeat_interleave(group_size)
+    else:
+        std = _unbiased_std(rewards).expand_as(rewards)
+    return centred / (std + 1e-4)
 
 
 class GroupAdvantage:
-    """Writes GRPO advantages into a batch of whole groups: TorchRL's ``MCAdvantage`` over a slim copy of it.
-
-    ``MCAdvantage`` queues, concatenates and re-splits every sample it is given, one at a time, with all its entries;
-    given the prompt id, reward and done flag alone (and a sample index, to put each advantage back in its row), it
-    computes the same advantages at a third of the cost of going through a replay buffer's transforms with the token
-    tensors. The batch must hold whole groups (``group_size`` samples per prompt id), as a GRPO step does.
+    """Writes GRPO advantages into a batch of whole groups (``group_size`` contiguous responses per prompt, as every
+    rollout of the recipe lays them out), shaped like its rewards (``[B, 1, 1]``).
 
     Args:
-        group_size: samples per prompt (``MCAdvantage``'s ``grpo_size``).
+        group_size: responses per prompt.
 
     Keyword Args:
-        prompt_key: the group id of each sample.
-        reward_key: the reward of each sample (``[N, 1, 1]`` for single-turn rollouts).
-        done_key: the done flag of each sample.
-        advantage_key: where the advantages go, shaped like the rewards.
+        scale: ``advantage.scale_rewards`` (:func:`group_advantages`).
 
     Examples:
-        >>> import torch
         >>> from tensordict import TensorDict
-        >>> rewards = torch.tensor([1.0, 5.0, 3.0, 5.0]).view(4, 1, 1)
-        >>> batch = TensorDict(
-        ...     {"prompt_index": torch.tensor([0, 1, 0, 1]),
-        ...      "next": {"reward": rewards, "done": torch.ones(4, 1, dtype=torch.bool)}},
-        ...     batch_size=[4],
-        ... )
-        >>> GroupAdvantage(2)(batch)["advantage"].view(-1)
-        tensor([-0.7071,  0.0000,  0.7071,  0.0000])
+        >>> batch = TensorDict({"next": {"reward": torch.tensor([1.0, 3.0, 5.0, 5.0]).view(4, 1, 1)}}, batch_size=[4])
+        >>> GroupAdvantage(2, scale="group")(batch)["advantage"].view(-1)
+        tensor([-0.7071,  0.7071,  0.0000,  0.0000])
     """
 
-    def __init__(
-        self,
-        group_size: int,
-        *,
-        prompt_key: NestedKey = PROMPT_INDEX,
-        reward_key: NestedKey = REWARD,
-        done_key: NestedKey = DONE,
-        advantage_key: NestedKey = ADVANTAGE,
-    ) -> None:
-        self.keys = (prompt_key, reward_key, done_key)
-        self.advantage_key = advantage_key
-        self.transform = MCAdvantage(
-            grpo_size=group_size,
-            prompt_key=prompt_key,
-            rewards_key=reward_key,
-            done_key=done_key,
-            advantage_key=advantage_key,
-        )
+    def __init__(self, group_size: int, *, scale: str) -> None:
+        self.group_size = group_size
+        self.scale = scale
 
     def __call__(self, batch: TensorDictBase) -> TensorDictBase:
-        if batch.ndim != 1:
-            raise ValueError(f"GroupAdvantage: expected a flat batch, got batch size {tuple(batch.batch_size)}.")
-        slim = batch.select(*self.keys).to_tensordict()
-        slim.set("_row", torch.arange(batch.shape[0]))
-        scored = self.transform.inv(slim)
-        if scored is None or scored.shape[0] != batch.shape[0]:
-            self.transform.queues.clear()  # never leave a partial group to mix with the next batch
+        rewards = batch.get(REWARD)
+        if batch.ndim != 1 or batch.shape[0] % self.group_size:
             raise ValueError(
-                f"GroupAdvantage: the batch of {batch.shape[0]} samples does not hold whole groups of "
-                f"{self.transform.grpo_size} samples per {self.keys[0]!r}."
+                f"GroupAdvantage: expected a flat batch of whole groups of {self.group_size}, got batch size "
+                f"{tuple(batch.batch_size)}."
             )
-        advantage = torch.empty_like(scored.get(self.advantage_key))
-        advantage[scored.get("_row")] = scored.get(self.advantage_key)
-        batch.set(self.advantage_key, advantage)
+        advantages = group_advantages(rewards.reshape(-1).float(), self.group_size, scale=self.scale)
+        batch.set(ADVANTAGE, advantages.reshape(rewards.shape))
         return batch
 
 
-class _ScoredTokens(Distribution):
-    """What ``GRPOLoss`` reads of a token distribution, already computed: the log-probs of the tokens it is asked
-    about, the entropies, and the mask of the positions that count (the response tokens)."""
-
-    arg_constraints = {}
-
-    def __init__(self, log_probs: torch.Tensor, entropy: torch.Tensor | None, mask: torch.Tensor) -> None:
-        super().__init__(batch_shape=log_probs.shape, validate_args=False)
-        self._log_probs, self._entropy, self.mask = log_probs, entropy, mask
-
-    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        return self._log_probs
-
-    def entropy(self) -> torch.Tensor:
-        if self._entropy is None:
-            raise RuntimeError("ResponseGRPOLoss: entropies were not computed (entropy_bonus=False).")
-        return self._entropy
+# ------------------------------------------------------------------------------------------------ the loss
 
 
-class ResponseGRPOLoss(GRPOLoss):
-    """``GRPOLoss`` over dense ``[B, T]`` batches, scoring the response positions only.
-
-    TorchRL's LLM actors compute ``[B, T, V]`` logits and a log-softmax over every position, prompt included, to take
-    the response tokens' log-probs and entropies. This loss gets them from a
-    :class:`~recipes.grpo.log_probs.ResponseLogProbs` (chunked LM head over the response positions), in the same
-    ``[B, T]`` layout, zero outside the response, with the response tokens as the mask (``masking_strategy="sft"``):
-    the objective, clipping, KL terms, aggregation and diagnostics are ``GRPOLoss``'s own, with the same values.
-
-    A batch without old log-probs (at ``tensor_keys.sample_log_prob``) is read as on-policy: it trains the very
-    policy that sampled it, so the current log-probs, detached, stand in for them (as ``trl.GRPOTrainer`` does with
-    one update per generation batch): the ratio is exactly 1, and a forward pass is saved.
-
-    Args:
-        scorer: a ``ResponseLogProbs`` over the policy (or a ``DistributedDataParallel`` wrapping one, so that the
-            backward averages the gradients over the processes).
+@dataclass(frozen=True)
+class LossSettings:
+    """What ``loss:`` sets (trl's ``GRPOConfig`` names in brackets).
 
     Keyword Args:
-        The keyword arguments of ``GRPOLoss`` (``masking_strategy`` must stay ``"sft"``).
+        type: one of :data:`LOSS_TYPES` (``loss_type``).
+        importance_sampling_level: ``token`` or ``sequence`` (GSPO) (``importance_sampling_level``).
+        clip_epsilon: the lower clip of the ratio (``epsilon``); clip_epsilon_high: the upper one (``epsilon_high``;
+            ``cispo``'s clamp of the ratio).
+        delta: two-sided clipping: the ratio's upper bound on the unclipped branch, or None (``delta``).
+        kl_to_ref_coeff: the KL penalty's weight (``beta``); kl_bias_correction: the KL term times the importance
+            ratio (``use_bias_correction_kl``).
+        entropy_coeff: the entropy bonus's weight (``entropy_coef``), a token mean over the trained tokens.
+        top_entropy_quantile: train only the tokens whose entropy is in this top fraction (``top_entropy_quantile``).
+        off_policy_mask_threshold: drop the negative-advantage responses whose mean KL to the sampling policy exceeds
+            it, or None (``off_policy_mask_threshold``).
+        max_completion_length: ``dr_grpo``'s constant normaliser (``max_completion_length``).
+        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg:
+            ``sapo``'s and ``vespo``'s own settings (the same names in trl).
     """
 
-    def __init__(self, scorer, **kwargs) -> None:
-        if kwargs.get("masking_strategy", "sft") != "sft":
-            raise ValueError("ResponseGRPOLoss: the loss counts the response tokens only (masking_strategy='sft').")
-        super().__init__(scorer, **kwargs)
+    type: str
+    importance_sampling_level: str
+    clip_epsilon: float
+    clip_epsilon_high: float
+    delta: float | None
+    kl_to_ref_coeff: float
+    kl_bias_correction: bool
+    entropy_coeff: float
+    top_entropy_quantile: float
+    off_policy_mask_threshold: float | None
+    max_completion_length: int
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
 
-    def _get_cur_log_prob(self, tensordict):
-        tokens = tensordict.get(self.tensor_keys.action)
-        mask = tensordict.get(ATTENTION_MASK).bool()
-        start = response_start(tensordict)
-        log_prob, entropy = self.actor_network(tokens, mask, response_start=start, with_entropy=self.entropy_bonus)
-        response = mask.clone()
-        response[:, :start] = False
-        # GRPOLoss.forward works on a shallow copy of the batch: writing here leaves the caller's batch untouched.
-        if tensordict.get(self.tensor_keys.sample_log_prob, None) is None:
-            tensordict.set(self.tensor_keys.sample_log_prob, log_prob.detach())
-        return log_prob, _ScoredTokens(log_prob, entropy, response), False
+    @classmethod
+    def from_config(cls, config: DictConfig) -> LossSettings:
+        """The settings of the recipe config's ``loss:`` node (and ``dr_grpo``'s length, the sampler's
+        ``max_new_tokens``)."""
+        loss = config.loss
+        low, high = clip_bounds(loss.clip_epsilon, loss.clip_epsilon_high)
+        return cls(
+            type=loss.type,
+            importance_sampling_level=loss.importance_sampling_level,
+            clip_epsilon=low,
+            clip_epsilon_high=high,
+            delta=loss.delta,
+            kl_to_ref_coeff=float(loss.kl_to_ref_coeff or 0.0),
+            kl_bias_correction=loss.kl_bias_correction,
+            entropy_coeff=loss.entropy_coeff,
+            top_entropy_quantile=loss.top_entropy_quantile,
+            off_policy_mask_threshold=loss.off_policy_mask_threshold,
+            max_completion_length=config.rollout.generation.max_new_tokens,
+            **{f"sapo_{key}": value for key, value in loss.sapo.items()},
+            **{f"vespo_{key}": value for key, value in loss.vespo.items()},
+        )
 
 
-def make_loss(cfg: DictConfig, scorer) -> ResponseGRPOLoss:
-    """``GRPOLoss`` over the response positions of the policy's ``scorer``, as ``loss:`` sets it; a batch without old
-    log-probs (on-policy chat) takes the current ones."""
-    return ResponseGRPOLoss(
-        scorer,
-        clip_epsilon=cfg.loss.clip_epsilon,
-        entropy_bonus=True,  # also what reports train/entropy; its weight in the loss is entropy_coeff
-        entropy_coeff=cfg.loss.entropy_coeff,
-        kl_to_ref_coeff=cfg.loss.kl_to_ref_coeff or None,
-        aggregation=cfg.loss.aggregation,
-        masking_strategy="sft",
-    )
+def clip_bounds(clip_epsilon, clip_epsilon_high) -> tuple[float, float]:
+    """``(low, high)`` from ``loss.clip_epsilon`` (a number, or TorchRL's ``[low, high]`` pair) and
+    ``loss.clip_epsilon_high`` (null: the same as the low one)."""
+    if isinstance(clip_epsilon, (list, tuple)) or hasattr(clip_epsilon, "__len__"):
+        low, high = (float(value) for value in clip_epsilon)
+        return low, high
+    return float(clip_epsilon), float(clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
 
 
-def training_loss(out, *, entropy_coeff: float) -> torch.Tensor:
-    """The sum of ``GRPOLoss``'s ``loss_*`` terms, without the entropy term when its coefficient is 0.
+@dataclass
+class _Tokens:
+    """One mini-batch in response columns ``[B, R]``: what every loss rule reads."""
 
-    That term is then ``0 * entropy``: nothing to the loss, but its backward would run through a softmax over the whole
-    vocabulary at every position of the batch (``entropy_bonus=True`` stays on for the ``train/entropy`` metric)."""
-    skipped = set() if entropy_coeff else {"loss_entropy"}
-    terms = [value for key, value in out.items() if key.startswith("loss_") and key not in skipped]
-    return sum(value for value in terms if value is not None)
+    log_probs: torch.Tensor  # the policy's, with gradients
+    old_log_probs: torch.Tensor  # the sampling policy's
+    entropies: torch.Tensor
+    mask: torch.Tensor  # float: the response tokens that count (truncated responses out, when masked)
+    advantages: torch.Tensor  # [B, 1]
+    log_ratio: torch.Tensor
+    coef_1: torch.Tensor  # the importance ratio: [B, R] (token level) or [B, 1] (sequence level)
+
+
+def _clipped(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+    coef_2 = torch.clamp(tokens.coef_1, 1 - s.clip_epsilon, 1 + s.clip_epsilon_high)
+    coef_1 = tokens.coef_1 if s.delta is None else torch.clamp(tokens.coef_1, max=s.delta)
+    return -torch.min(coef_1 * tokens.advantages, coef_2 * tokens.advantages)
+
+
+def _cispo(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+    # The ratio itself clipped and detached, weighting the log-prob: every token keeps its gradient.
+    return -torch.clamp(tokens.coef_1, max=s.clip_epsilon_high).detach() * tokens.advantages * tokens.log_probs
+
+
+def _sapo(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+    temperatures = torch.where(tokens.advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+    return -torch.sigmoid(temperatures * (tokens.coef_1 - 1)) * 4 / temperatures * tokens.advantages
+
+
+@torch.no_grad()
+def _gamma_weights(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+    """VESPO's phi(w) = e^lambda w^k e^(-lambda w) of the sequence ratio w, in log space (a gradient scale only)."""
+    floor = math.log(1e-8)
+    seq_log_ratio = (torch.clamp(tokens.log_ratio, -20.0, 20.0) * tokens.mask).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq_log_ratio, floor, 20.0)
+    positive = tokens.advantages >= 0
+    k = torch.where(positive, s.vespo_k_pos, s.vespo_k_neg)
+    lam = torch.where(positive, s.vespo_lambda_pos, s.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _vespo(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+    return -_gamma_weights(tokens, s) * tokens.advantages * tokens.log_probs
+
+
+# The per-token policy loss of each type (before masks, the KL term and the normaliser).
+POLICY_LOSSES: dict[str, Callable[[_Tokens, LossSettings], torch.Tensor]] = {
+    "grpo": _clipped,
+    "bnpo": _clipped,
+    "dr_grpo": _clipped,
+    "dapo": _clipped,
+    "luspo": _clipped,
+    "cispo": _cispo,
+    "sapo": _sapo,
+    "vespo": _vespo,
+}
+LOSS_TYPES = tuple(POLICY_LOSSES)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """What a normaliser needs beyond the mini-batch: the accumulation of one optimizer step, and ``dapo``'s token
+    count (the response tokens of one optimizer step's accumulated batch per process, averaged over the step)."""
+
+    accumulation: int
+    step_tokens: float
+
+
+def _sequence_mean(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / scale.accumulation
+
+
+def _token_mean(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0) / scale.accumulation
+
+
+def _constant_length(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+    return (loss * mask).sum() / (loss.shape[0] * s.max_completion_length) / scale.accumulation
+
+
+def _step_tokens(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+    return (loss * mask).sum() / max(scale.step_tokens, 1.0)
+
+
+def _sequence_sum(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+    return (loss * mask).sum(-1).mean() / scale.accumulation
+
+
+# How each type turns per-token losses into the mini-batch's loss (trl's normalisation; the gradients of an optimizer
+# step's accumulated mini-batches add up, as trl's do).
+NORMALIZERS: dict[str, Callable[[torch.Tensor, torch.Tensor, Scale, LossSettings], torch.Tensor]] = {
+    "grpo": _sequence_mean,
+    "sapo": _sequence_mean,
+    "bnpo": _token_mean,
+    "dr_grpo": _constant_length,
+    "dapo": _step_tokens,
+    "cispo": _step_tokens,
+    "vespo": _step_tokens,
+    "luspo": _sequence_sum,
+}
+
+
+def _high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The trained tokens whose entropy is at or above the ``1 - quantile`` quantile of every process's trained
+    tokens of this mini-batch."""
+    local = entropies[mask.bool()].detach().float()
+    if PartialState().use_distributed:
+        local = gather(pad_across_processes(local, dim=0, pad_index=-1e9))
+        local = local[local != -1e9]  # entropies are never negative: the padding cannot collide with one
+    if local.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    threshold = torch.quantile(local, 1 - quantile)
+    return ((entropies * mask) >= threshold) & mask.bool()
+
+
+def _off_policy_mask(tokens: _Tokens, threshold: float) -> torch.Tensor:
+    """``[B, 1]``: keep a response unless its advantage is negative and its mean KL to the sampling policy
+    (``old - current``, over its trained tokens) exceeds ``threshold``."""
+    kl = (tokens.old_log_probs - tokens.log_probs.detach()).nan_to_num(nan=0.0)
+    mean_kl = (kl * tokens.mask).sum(-1, keepdim=True) / tokens.mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((tokens.advantages >= 0) | (mean_kl <= threshold)).to(tokens.mask.dtype)
+
+
+class GRPOObjective(nn.Module):
+    """The GRPO loss of a dense ``[B, T]`` mini-batch (``recipes.grpo.batch``), as :class:`LossSettings` sets it.
+
+    It reads the sequences, the attention mask, the loss mask (the response tokens that count), the old (sampling)
+    log-probs (missing: on-policy, the current ones detached stand in, as trl does with one update per generation),
+    the reference's log-probs (with a KL term) and the advantages, scores the policy's log-probs and entropies over the
+    response positions only, and returns the loss to back-propagate with its diagnostics.
+
+    Args:
+        scorer: a ``ResponseLogProbs`` over the policy (or a DDP/FSDP2 form of one: ``make_policy_scorer``).
+        settings: the :class:`LossSettings`.
+    """
+
+    def __init__(self, scorer: nn.Module, settings: LossSettings) -> None:
+        super().__init__()
+        if settings.type not in POLICY_LOSSES:
+            raise ValueError(f"GRPOObjective: type={settings.type!r}, expected one of {list(LOSS_TYPES)}.")
+        if settings.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(f"GRPOObjective: importance_sampling_level must be one of {list(IS_LEVELS)}.")
+        self.scorer = scorer
+        self.settings = settings
+
+    def forward(self, batch: TensorDictBase, *, scale: Scale) -> dict[str, torch.Tensor]:
+        s = self.settings
+        tokens = self._tokens(batch)
+        per_token = POLICY_LOSSES[s.type](tokens, s)
+        if s.off_policy_mask_threshold is not None:
+            per_token = per_token * _off_policy_mask(tokens, s.off_policy_mask_threshold)
+        entropy_mask = None
+        if s.top_entropy_quantile < 1.0:
+            entropy_mask = _high_entropy_mask(tokens.entropies, tokens.mask, s.top_entropy_quantile)
+            per_token = per_token * entropy_mask
+        kl = None
+        if s.kl_to_ref_coeff:
+            kl = self._kl(batch, tokens)
+            per_token = per_token + s.kl_to_ref_coeff * kl
+        loss = NORMALIZERS[s.type](per_token, tokens.mask, scale, s)
+        out = {"policy_loss": loss.detach(), "entropy": _masked_mean(tokens.entropies, tokens.mask)}
+        if s.entropy_coeff:
+            trained = tokens.mask if entropy_mask is None else tokens.mask * entropy_mask
+            loss = loss - s.entropy_coeff * _masked_mean(tokens.entropies, trained) / scale.accumulation
+        out["loss"] = loss
+        if kl is not None:
+            out["kl_to_ref"] = _masked_mean(kl.detach().expand_as(tokens.mask), tokens.mask)
+        out.update(self._clip_fractions(tokens))
+        return out
+
+    def _tokens(self, batch: TensorDictBase) -> _Tokens:
+        s = self.settings
+        start = response_start(batch)
+        log_probs, entropies = self.scorer(
+            batch.get(TOKENS), batch.get(ATTENTION_MASK).bool(), response_start=start, with_entropy=True
+        )
+        log_probs, entropies = log_probs[:, start:], entropies[:, start:]
+        mask = batch.get(LOSS_MASK).float()
+        old = batch.get(LOG_PROBS, None)
+        old = log_probs.detach() if old is None else old[:, start:]
+        log_ratio = log_probs - old
+        if s.importance_sampling_level == "token":
+            log_weights = log_ratio
+        else:  # GSPO: one ratio per response, the mean of its tokens' log-ratios
+            log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        advantages = batch.get(ADVANTAGE).reshape(-1, 1).to(log_probs.dtype)
+        return _Tokens(log_probs, old, entropies, mask, advantages, log_ratio, torch.exp(log_weights))
+
+    def _kl(self, batch: TensorDictBase, tokens: _Tokens) -> torch.Tensor:
+        """The k3 estimate of KL(policy || reference) per response token, times the importance ratio when
+        bias-corrected (the tokens were sampled by the old policy)."""
+        difference = batch.get(REF_LOG_PROBS)[:, response_start(batch) :] - tokens.log_probs
+        kl = torch.exp(difference) - difference - 1
+        return kl * tokens.coef_1 if self.settings.kl_bias_correction else kl
+
+    def _clip_fractions(self, tokens: _Tokens) -> dict[str, torch.Tensor]:
+        s, ratio, advantages = self.settings, tokens.coef_1.detach(), tokens.advantages
+        if s.type == "cispo":
+            return {"clip_fraction": _masked_mean(((ratio > s.clip_epsilon_high) & (advantages > 0)).float(), tokens)}
+        if POLICY_LOSSES[s.type] is not _clipped:
+            return {}
+        low = ((ratio < 1 - s.clip_epsilon) & (advantages < 0)).float()
+        high = ((ratio > 1 + s.clip_epsilon_high) & (advantages > 0)).float()
+        return {
+            "clip_fraction": _masked_mean(torch.maximum(low, high), tokens),
+            "clip_fraction_low": _masked_mean(low, tokens),
+            "clip_fraction_high": _masked_mean(high, tokens),
+        }
+
+
+def _masked_mean(values: torch.Tensor, mask) -> torch.Tensor:
+    """A token mean over ``mask`` (a ``[B, R]`` mask, or the tokens' own): a per-response value counts once per
+    response when ``values`` is ``[B, 1]``."""
+    mask = mask.mask if isinstance(mask, _Tokens) else mask
+    if values.shape[-1] == 1 and mask.shape[-1] != 1:
+        return values.sum() / max(values.shape[0], 1)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def make_loss(cfg: DictConfig, scorer: nn.Module) -> GRPOObjective:
+    """The :class:`GRPOObjective` of the recipe's ``loss:`` node, over the policy's ``scorer``."""
+    return GRPOObjective(scorer, LossSettings.from_config(cfg))

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from recipes.common.run import Run
-from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, response_mask
+from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, TRUNCATED, response_mask
 from recipes.grpo.checkpointing import TrainingProgress
 
 __all__ = [
@@ -62,6 +62,7 @@ def rollout_metrics(data, tokenizer, oracle, *, group_size: int, gather=None) ->
     values = {
         "reward": data.get(REWARD).reshape(-1).float(),
         "length": mask.sum(-1).double(),
+        "truncated": data.get(TRUNCATED).reshape(-1).double(),
     }
     if oracle is not None:
         responses = [row[keep] for row, keep in zip(data.get(RESPONSE_TOKENS), mask, strict=True)]
@@ -77,6 +78,7 @@ def rollout_metrics(data, tokenizer, oracle, *, group_size: int, gather=None) ->
     if oracle is not None:
         metrics["rollout/oracle_mean"] = values["oracle"].mean().item()
     metrics["rollout/response_length"] = values["length"].mean().item()
+    metrics["rollout/frac_truncated"] = values["truncated"].mean().item()  # hit max_new_tokens before an EOS
     return metrics, int(values["length"].sum().item())
 
 

@@ -37,12 +37,12 @@ from recipes.common.chat import (
 from recipes.common.config import run_config
 from recipes.common.data import load_prompts
 from recipes.common.models import load_reward_model, load_tokenizer
-from recipes.grpo.batch import BATCH_KEYS, DONE, POLICY_VERSION, PROMPT_INDEX, REWARD
+from recipes.grpo.batch import BATCH_KEYS, DONE, POLICY_VERSION, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, TRUNCATED
 from recipes.grpo.collectors import BackgroundCollector, LocalCollector
 from recipes.grpo.policy import load_policy
 from recipes.grpo.prompt_env import PromptEnv, PromptTable
 from recipes.grpo.rewards import make_reward_transforms
-from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
+from recipes.grpo.sampling import SamplingPolicy, SamplingSettings, end_of_response_ids
 
 __all__ = ["ROLLOUT_ENVS", "build_prompt_collector", "check_generation_settings", "make_collector"]
 
@@ -182,6 +182,7 @@ def _chat_collector(
     )
     version = torch.zeros((), dtype=torch.long)
     pad_token_id = models.tokenizer.pad_token_id
+    eos = torch.tensor(end_of_response_ids(models.policy, models.tokenizer))
     policy = make_policy(
         models.policy,
         models.tokenizer,
@@ -198,13 +199,18 @@ def _chat_collector(
         batch = pad_rollout(rollout, pad_token_id=pad_token_id)
         batch.update(rollout.select(PROMPT_INDEX, REWARD, DONE).to_tensordict())
         batch.set(POLICY_VERSION, version.expand(batch.shape[0]).clone())
+        # A response that ends without an EOS hit max_new_tokens (what trl calls truncated).
+        last = torch.stack([response[-1] for response in rollout.get(RESPONSE_TOKENS, as_list=True)])
+        batch.set(TRUNCATED, ~torch.isin(last, eos))
         return batch
 
+    # Enough turns for every step, and for the extra batches dynamic sampling may draw.
+    batches_per_step = 1 + (cfg.advantage.max_extra_batches if cfg.advantage.filter_zero_std_groups else 0)
     collector = LLMCollector(
         env,
         policy=policy,
         dialog_turns_per_batch=per_step,
-        total_dialog_turns=max(cfg.train.steps - start_step, 1) * per_step,
+        total_dialog_turns=max(cfg.train.steps - start_step, 1) * per_step * batches_per_step,
         postproc=to_dense,
     )
     return LocalCollector(collector, policy, version)

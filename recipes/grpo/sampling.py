@@ -41,9 +41,10 @@ from recipes.grpo.batch import (
     PROMPT_TOKENS,
     RESPONSE_TOKENS,
     TOKENS,
+    TRUNCATED,
 )
 
-__all__ = ["SampledResponses", "SamplingPolicy", "SamplingSettings", "sample_responses"]
+__all__ = ["SampledResponses", "SamplingPolicy", "SamplingSettings", "end_of_response_ids", "sample_responses"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class SampledResponses:
     tokens: torch.Tensor  # the sampled tokens, the pad id after EOS
     mask: torch.Tensor  # bool, True up to and including EOS
     log_probs: torch.Tensor  # float32, each sampled token's log-prob under the model; 0 after EOS
+    truncated: torch.Tensor  # [B] bool: no EOS within max_new_tokens
 
 
 def _forward_options(model) -> tuple[dict, str]:
@@ -292,7 +294,16 @@ class _ResponsesSoFar:
     def sampled(self) -> SampledResponses:
         width = int(self.lengths.max())
         mask = torch.arange(width, device=self.tokens.device) < self.lengths[:, None]
-        return SampledResponses(self.tokens[:, :width], mask, self.log_probs[:, :width])
+        return SampledResponses(self.tokens[:, :width], mask, self.log_probs[:, :width], self.running.clone())
+
+
+def end_of_response_ids(model, tokenizer) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and those the model's generation config adds."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if configured is not None:
+        ids += configured if isinstance(configured, (list, tuple)) else [configured]
+    return sorted(set(ids))
 
 
 class SamplingPolicy(TensorDictModuleBase):
@@ -306,9 +317,10 @@ class SamplingPolicy(TensorDictModuleBase):
       ``[pads | prompt | response | pads]``, every response starting at column ``P``;
     - ``("masks", "all_attention_mask")`` ``[B, P + R]`` (bool, True on real tokens);
     - ``("log_probs", "full")`` ``[B, P + R]``: the sampled tokens' log-probs under the sampling weights (the
-      behaviour policy's, which ``GRPOLoss`` reads as the old log-probs), 0 on the prompt and padding;
+      behaviour policy's, which the loss reads as the old log-probs), 0 on the prompt and padding;
     - ``"policy_version"`` ``[B]``: :attr:`version` when sampled, so that a learner can tell how many updates old
-      a batch is.
+      a batch is;
+    - ``"truncated"`` ``[B]``: the response reached ``max_new_tokens`` without an EOS.
 
     Tensors only: a reward that reads text decodes the responses itself (``recipes.grpo.rewards.ResponseText``).
 
@@ -328,6 +340,7 @@ class SamplingPolicy(TensorDictModuleBase):
         ATTENTION_MASK,
         LOG_PROBS,
         POLICY_VERSION,
+        TRUNCATED,
     )
 
     def __init__(
@@ -343,12 +356,9 @@ class SamplingPolicy(TensorDictModuleBase):
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
-        if eos_token_ids is None:
-            eos_token_ids = [tokenizer.eos_token_id]
-            configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-            if configured is not None:
-                eos_token_ids += configured if isinstance(configured, (list, tuple)) else [configured]
-        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.eos_token_ids = (
+            sorted(set(eos_token_ids)) if eos_token_ids is not None else end_of_response_ids(model, tokenizer)
+        )
         # Bumped by whoever updates the weights; written into every batch, so that the batch says its age.
         self.register_buffer("version", torch.zeros((), dtype=torch.long))
         self.in_keys = [PROMPT_TOKENS, PROMPT_MASK]
@@ -372,4 +382,5 @@ class SamplingPolicy(TensorDictModuleBase):
         prompt_log_probs = torch.zeros_like(prompt, dtype=torch.float32)
         tensordict.set(LOG_PROBS, torch.cat([prompt_log_probs, sampled.log_probs], dim=-1))
         tensordict.set(POLICY_VERSION, self.version.expand(batch).clone())
+        tensordict.set(TRUNCATED, sampled.truncated)
         return tensordict

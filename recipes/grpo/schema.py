@@ -12,7 +12,10 @@ from typing import Annotated, Any, Literal
 
 from recipes.common.schema import OPEN, DataNode, LoggerNode, ModelNode, Range
 
-__all__ = ["GRPOConfig"]
+__all__ = ["RENAMED", "GRPOConfig"]
+
+# Keys of earlier versions: what replaced each (a config that still sets one is refused, saying so).
+RENAMED = {"loss.aggregation": "loss.type (aggregation=token_mean is loss.type=bnpo, prompt_mean is loss.type=grpo)"}
 
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
@@ -58,11 +61,45 @@ class Reward:
 
 
 @dataclass
+class Advantage:
+    scale_rewards: Literal["group", "batch", "none"]
+    filter_zero_std_groups: bool
+    max_extra_batches: NonNegative
+
+
+@dataclass
+class Sapo:
+    temperature_pos: Annotated[float, Range(gt=0)]
+    temperature_neg: Annotated[float, Range(gt=0)]
+
+
+@dataclass
+class Vespo:
+    k_pos: float
+    lambda_pos: float
+    k_neg: float
+    lambda_neg: float
+
+
+@dataclass
 class Loss:
-    clip_epsilon: Annotated[float, Range(gt=0)]
+    type: str
+    importance_sampling_level: Literal["token", "sequence"]
+    # A number, or TorchRL's [low, high] pair.
+    clip_epsilon: Annotated[float, Range(gt=0)] | list[Annotated[float, Range(gt=0)]]
+    clip_epsilon_high: Annotated[float, Range(gt=0)] | None
+    delta: Annotated[float, Range(gt=1)] | None
+    kl_to_ref_coeff: Annotated[float, Range(ge=0)] | None
+    kl_bias_correction: bool
     entropy_coeff: float
-    kl_to_ref_coeff: float | None
-    aggregation: str
+    top_entropy_quantile: Annotated[float, Range(gt=0, le=1)]
+    mask_truncated_completions: bool
+    off_policy_mask_threshold: Annotated[float, Range(ge=0)] | None
+    sync_ref_model: bool
+    ref_model_mixup_alpha: Annotated[float, Range(ge=0, le=1)]
+    ref_model_sync_steps: Positive
+    sapo: Sapo
+    vespo: Vespo
 
 
 @dataclass
@@ -79,6 +116,10 @@ class Train:
     steps: int
     epochs_per_step: int
     mini_batch_size: int
+    gradient_accumulation_steps: Positive
+    lr_scheduler: str
+    # A number of optimizer steps, or a float in [0, 1): that fraction of them.
+    warmup_steps: Annotated[int, Range(ge=0)] | Annotated[float, Range(ge=0, lt=1)]
     max_grad_norm: float | None
     gradient_checkpointing: bool
     mixed_precision: str
@@ -124,6 +165,7 @@ class GRPOConfig:
     samples: Samples
     rollout: Rollout
     reward: Reward
+    advantage: Advantage
     loss: Loss
     optimizer: Optimizer
     train: Train

@@ -20,7 +20,6 @@ from recipes.common.checkpoint import MODEL_FOLDER, latest_checkpoint, list_chec
 from recipes.common.config import ConfigError
 from recipes.grpo import learner
 from recipes.grpo.checkpointing import load_training_state
-from recipes.grpo.loss import training_loss
 from recipes.grpo.prompt_env import PromptTable
 from recipes.grpo.rewards import make_reward_transforms, reward_prompt_lengths
 
@@ -302,22 +301,6 @@ def test_every_update_clips_the_gradients_of_all_parameters(compose_config, tmp_
     num_parameters = len(list(AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path).parameters()))
     assert clipped == [(num_parameters, max_norm)] * 2  # 4 responses in mini-batches of 2: two updates
     assert read_metrics(tmp_path)[0]["train/grad_norm"] > 0
-
-
-@pytest.mark.parametrize("entropy_coeff", [0.0, 0.01])
-def test_the_entropy_term_is_backpropagated_only_when_it_weighs(entropy_coeff):
-    from tensordict import TensorDict
-
-    objective, entropy = torch.tensor(2.0, requires_grad=True), torch.tensor(3.0, requires_grad=True)
-    out = TensorDict({"loss_objective": objective * 1.0, "loss_entropy": -entropy_coeff * entropy, "entropy": entropy})
-    loss = training_loss(out, entropy_coeff=entropy_coeff)
-    loss.backward()
-    assert float(loss) == pytest.approx(2.0 - entropy_coeff * 3.0)
-    assert objective.grad == 1.0
-    if entropy_coeff:
-        assert entropy.grad == pytest.approx(-entropy_coeff)
-    else:
-        assert entropy.grad is None  # never reached by the backward pass
 
 
 @pytest.mark.parametrize(

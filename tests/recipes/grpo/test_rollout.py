@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _chat_rollouts import GENERATION, sample_two_prompts
-from _grpo_helpers import grpo_loss_and_gradients, torchrl_actor
+from _grpo_helpers import loss_settings, torchrl_actor
 from omegaconf import OmegaConf
 
 from recipes.common.chat import pad_rollout
 from recipes.common.config import ConfigError
 from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs
-from recipes.grpo.loss import ResponseGRPOLoss
 from recipes.grpo.rollout import check_generation_settings
 
 
@@ -76,12 +75,16 @@ class TestPaddedBatches:
         return sample_two_prompts(tiny_policy, group_size=3, seed=3, generation=GENERATION)
 
     def test_grpo_loss_and_gradients_match_the_ragged_layout(self, tiny_policy, rollout):
-        """The recipe's padded batch and response-only loss (``ResponseGRPOLoss``) train as TorchRL's ``GRPOLoss``
-        with its ragged actor trains on the rollout as sampled: a faster layout, not another objective."""
+        """The recipe's padded batch and response-only loss (``GRPOObjective``, bnpo: a token mean, as TorchRL's
+        ``aggregation="token_mean"``) train as TorchRL's ``GRPOLoss`` with its ragged actor trains on the rollout as
+        sampled: a faster layout, not another objective."""
         from torchrl.objectives.llm import GRPOLoss
 
+        from recipes.grpo.batch import ADVANTAGE, LOSS_MASK, REF_LOG_PROBS, response_mask
+        from recipes.grpo.loss import GRPOObjective, Scale
+
         model, tokenizer = tiny_policy
-        advantage = torch.linspace(-1.0, 1.0, 6).reshape(6, 1, 1)  # as MCAdvantage writes it
+        advantage = torch.linspace(-1.0, 1.0, 6).reshape(6, 1, 1)  # as the recipe writes it
         ragged = rollout.copy()
         ragged_actor = torchrl_actor(model, tokenizer, padded=False)
         with torch.no_grad():
@@ -89,18 +92,27 @@ class TestPaddedBatches:
         for sample, log_probs, value in zip(
             ragged.unbind(0), scored.get(("log_probs", "full"), as_list=True), advantage, strict=True
         ):
-            sample.set(("next", "ref_log_probs", "full"), log_probs)
             sample.set(("log_probs", "full"), log_probs * 1.3)  # an older policy: ratios differ from 1, some clip
             sample.set("advantage", value)
         padded = pad_rollout(rollout, pad_token_id=tokenizer.pad_token_id)
-        ScoreLogProbs(ResponseLogProbs(model), out_key=("next", "ref_log_probs", "full"))(padded)
-        padded.set(("log_probs", "full"), padded.get(("next", "ref_log_probs", "full")) * 1.3)
-        padded.set("advantage", advantage)
+        ScoreLogProbs(ResponseLogProbs(model), out_key=REF_LOG_PROBS)(padded)
+        padded.set(("log_probs", "full"), padded.get(REF_LOG_PROBS) * 1.3)
+        padded.set(ADVANTAGE, advantage)
+        padded.set(LOSS_MASK, response_mask(padded))
 
-        ragged_out, ragged_grads = grpo_loss_and_gradients(GRPOLoss, ragged_actor, ragged)
-        padded_out, padded_grads = grpo_loss_and_gradients(ResponseGRPOLoss, ResponseLogProbs(model), padded)
+        model.zero_grad()
+        ragged_out = GRPOLoss(ragged_actor, masking_strategy="sft", entropy_bonus=False, aggregation="token_mean")(
+            ragged
+        )
+        ragged_out.loss_objective.backward()
+        ragged_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        settings = loss_settings(max_completion_length=12)
+        padded_out = GRPOObjective(ResponseLogProbs(model), settings)(padded, scale=Scale(1, 1.0))
+        padded_out["loss"].backward()
+        padded_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
         assert ragged_out.clip_fraction > 0
-        for name in ("loss_objective", "loss_entropy", "loss_kl_to_ref", "clip_fraction", "kl_to_ref", "entropy"):
-            torch.testing.assert_close(padded_out.get(name), ragged_out.get(name), atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(padded_out["loss"], ragged_out.loss_objective, atol=1e-5, rtol=1e-4)
         for got, expected in zip(padded_grads, ragged_grads, strict=True):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)

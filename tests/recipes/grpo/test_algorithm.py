@@ -1,0 +1,171 @@
+"""The GRPO recipe's algorithm settings end to end: what cannot combine is refused with the reason, dynamic sampling
+trains on informative groups only, TR-DPO moves the reference (and the checkpoint keeps it), the learning-rate
+schedule and gradient accumulation resume as they would have run, and truncated responses are counted and masked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _small_runs import GRPO_SMALL, read_metrics
+
+import recipes.grpo_torchrl_rm as recipe
+from recipes.common.config import ConfigError, RunStopped
+from recipes.grpo import learner as learner_module
+from recipes.grpo.batch import ADVANTAGE, REWARD
+
+SMALL = [*GRPO_SMALL, "logger=csv"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["+loss.aggregation=token_mean"],
+            r"loss.aggregation is gone .*use loss.type \(aggregation=token_mean is .*bnpo",
+        ),
+        (["loss.type=ppo"], r"loss.type='ppo': expected one of \['grpo', 'bnpo', 'dr_grpo', 'dapo'"),
+        (["loss.importance_sampling_level=prompt"], r"loss.importance_sampling_level='prompt': expected one of"),
+        (["loss.clip_epsilon=[0.2,0.28,0.3]"], r"loss.clip_epsilon=\[0.2, 0.28, 0.3\]: a list is TorchRL's"),
+        (["loss.clip_epsilon=[0.2,0.28]", "loss.clip_epsilon_high=0.3"], r"a list is TorchRL's \(low, high\) pair"),
+        (["loss.sync_ref_model=true", "loss.kl_to_ref_coeff=0"], r"loss.sync_ref_model=true with no KL term"),
+        (["loss.sync_ref_model=true", "model.lora.r=4"], r"loss.sync_ref_model=true with model.lora: the reference"),
+        (["advantage.filter_zero_std_groups=true", "rollout.mode=async"], r"filter_zero_std_groups=true with .*async"),
+        (["advantage.scale_rewards=max"], r"advantage.scale_rewards='max': expected one of \['group', 'batch', 'none'"),
+        (["train.gradient_accumulation_steps=3"], r"train.gradient_accumulation_steps=3 does not divide the 2 mini"),
+        (["train.lr_scheduler=warmup_stable_decay"], r"train.lr_scheduler='warmup_stable_decay': expected one of"),
+        (["train.warmup_steps=1.5"], r"train.warmup_steps=1.5 must be >= 0 and < 1"),
+        (["loss.top_entropy_quantile=0"], r"loss.top_entropy_quantile=0 must be > 0 and <= 1"),
+        (["loss.delta=0.9"], r"loss.delta=0.9 must be > 1"),
+    ],
+)
+def test_what_cannot_work_is_refused_before_anything_loads(compose_config, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        recipe.validate(compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", *overrides]))
+
+
+def test_a_clip_epsilon_list_is_the_low_and_high_pair(compose_config, tmp_path):
+    from recipes.grpo.loss import LossSettings
+
+    cfg = recipe.validate(
+        compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "loss.clip_epsilon=[0.2,0.28]"])
+    )
+    settings = LossSettings.from_config(cfg)
+    assert (settings.clip_epsilon, settings.clip_epsilon_high) == (0.2, 0.28)
+
+
+def test_dynamic_sampling_trains_on_informative_groups_only(compose_config, tmp_path, monkeypatch):
+    """Every trained batch holds groups whose rewards differ, as many responses as a step takes; the dropped groups
+    and the extra batches are logged."""
+    trained = []
+    optimize = learner_module.optimize
+
+    def recording(cfg, learner, batch):
+        trained.append(batch.clone())
+        return optimize(cfg, learner, batch)
+
+    monkeypatch.setattr(recipe, "optimize", recording)
+    # The untrained reward base scores responses alike often enough at 4 tokens for some groups to tie.
+    overrides = ["train.steps=3", "rollout.generation.max_new_tokens=2", "advantage.filter_zero_std_groups=true"]
+    recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides, f"output_dir={tmp_path}"]))
+    for batch in trained:
+        rewards = batch.get(REWARD).reshape(-1, 2)
+        assert batch.shape[0] == 4 and (rewards.max(-1).values != rewards.min(-1).values).all()
+        assert (batch.get(ADVANTAGE).abs() > 0).all()
+    rows = read_metrics(tmp_path)
+    assert sum(row["rollout/groups_filtered"] for row in rows) > 0  # the case under test: some groups tied
+    for row in rows:  # a batch is drawn again only when groups were dropped
+        assert row["rollout/extra_batches"] == 0 or row["rollout/groups_filtered"] > 0
+
+
+def test_dynamic_sampling_on_a_reward_that_ties_everything_stops_clearly(compose_config, tmp_path, monkeypatch):
+    class ConstantRewardModel(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return torch.full((input_ids.shape[0], 1), 1.0)
+
+    monkeypatch.setattr(recipe, "load_reward_model", lambda *args, **kwargs: ConstantRewardModel())
+    overrides = ["train.steps=2", "advantage.filter_zero_std_groups=true", "advantage.max_extra_batches=2"]
+    with pytest.raises(
+        RunStopped, match=r"after 3 batches, only 0 of 4 responses came from groups whose rewards differ"
+    ):
+        recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides, f"output_dir={tmp_path}"]))
+
+
+def test_sync_ref_model_moves_the_reference_and_the_checkpoint_keeps_it(compose_config, tmp_path):
+    from safetensors.torch import load_file
+
+    from recipes.common.config import PROJECT_ROOT
+
+    overrides = [
+        "train.steps=2",
+        "loss.sync_ref_model=true",
+        "loss.ref_model_sync_steps=1",
+        "checkpoint.every_n_steps=1",
+    ]
+    recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides, f"output_dir={tmp_path}"]))
+    initial = load_file(PROJECT_ROOT / "tiny" / "policy" / "model.safetensors")
+    step = tmp_path / "checkpoints" / "step_0000002"
+    reference = load_file(step / "reference_model" / "model.safetensors")
+    policy = load_file(step / "model" / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    # ref = 0.6 policy + 0.4 ref after each of the 2 optimizer steps per step: between the two, off both.
+    assert not torch.equal(reference[name], initial[name]) and not torch.equal(reference[name], policy[name])
+    resumed = recipe.train(
+        compose_config(
+            "grpo_torchrl_rm", [*SMALL, *overrides, f"output_dir={tmp_path}", "resume=true", "train.steps=3"]
+        )
+    )
+    assert resumed["train/steps"] == 3
+
+
+def test_a_schedule_and_accumulation_resume_as_the_run_would_have_gone(compose_config, tmp_path):
+    """4 steps straight, and 2 + 2 with a resume: the same learning rates, losses and weights."""
+    settings = [
+        "train.lr_scheduler=cosine",
+        "train.warmup_steps=0.25",
+        "train.gradient_accumulation_steps=2",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=null",
+    ]
+    straight = [*SMALL, *settings, "train.steps=4", f"output_dir={tmp_path / 'straight'}"]
+    recipe.train(compose_config("grpo_torchrl_rm", straight))
+    first = [*SMALL, *settings, "train.steps=2", f"output_dir={tmp_path / 'resumed'}"]
+    recipe.train(compose_config("grpo_torchrl_rm", first))
+    second = ["resume=true", "train.steps=4", f"output_dir={tmp_path / 'resumed'}"]
+    recipe.train(compose_config("grpo_torchrl_rm", second))
+    straight_rows, resumed_rows = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [row["train/lr"] for row in resumed_rows] == pytest.approx([row["train/lr"] for row in straight_rows])
+    assert len({row["train/lr"] for row in straight_rows}) > 2  # warming up, then decaying
+    for key in ("train/loss", "rollout/reward_mean", "train/kl_to_ref"):
+        assert [row[key] for row in resumed_rows] == pytest.approx([row[key] for row in straight_rows], rel=1e-4)
+
+
+def test_truncated_responses_are_counted_and_masked_with_a_warning_when_all_are(compose_config, tmp_path, caplog):
+    overrides = ["train.steps=1", "loss.mask_truncated_completions=true", "+rollout.generation.min_new_tokens=8"]
+    with caplog.at_level("WARNING"):
+        recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides, f"output_dir={tmp_path}"]))
+    (row,) = read_metrics(tmp_path)
+    assert row["rollout/frac_truncated"] == 1.0
+    assert (
+        "every response hit rollout.generation.max_new_tokens=8, and loss.mask_truncated_completions=true"
+        in caplog.text
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        *([f"loss.type={loss_type}"] for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo", "vespo")),
+        ["loss.type=cispo", "loss.clip_epsilon_high=1.28"],  # cispo clamps the ratio itself at this bound
+        ["loss.type=grpo", "loss.importance_sampling_level=sequence"],  # GSPO
+        ["loss.clip_epsilon_high=0.28"],  # DAPO's clip-higher
+        ["advantage.filter_zero_std_groups=true"],
+    ],
+    ids=lambda overrides: " ".join(overrides),
+)
+def test_every_loss_type_learns_the_default_task(compose_config, tmp_path, overrides):
+    """The default task and step count, seed 0: the oracle of the sampled reviews rises by at least 0.8."""
+    summary = recipe.train(
+        compose_config("grpo_torchrl_rm", [*overrides, "progress_bar=false", f"output_dir={tmp_path}"])
+    )
+    assert summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"] >= 0.8
