@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import load_prompts
+from recipes.common.metrics import peak_device_memory
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 from recipes.common.run import Run, end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
 from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
@@ -415,6 +416,7 @@ def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> d
         if collector is not None:
             collector.shutdown()
     summary = summarize(progress, window=cfg.summary.window, num_processes=processes.num_processes)
+    summary.update(peak_device_memory(cfg.device))
     return run.finish(summary, closing_message(summary, run.output_dir))
 
 

@@ -56,7 +56,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.lora import make_lora_config
-from recipes.common.metrics import MetricLogger
+from recipes.common.metrics import MetricLogger, peak_device_memory
 from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.common.run import Run, end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
 from recipes.common.sharding import gather_full_model_state, is_sharded
@@ -359,6 +359,7 @@ def summarize(trainer, metrics: dict, facts: dict, *, pairs_s: float, train_s: f
         "perf/pairs_s": pairs_s,
         "perf/train_s": train_s,
         "perf/wall_time_s": wall_time_s,
+        **peak_device_memory(trainer.args.device),
     }
 
 

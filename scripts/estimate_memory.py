@@ -321,6 +321,7 @@ def estimate(
         "strategy": strategy,
         "processes": processes,
         "lora": with_lora,
+        "device": str(cfg.device),
         "dtype": str(cfg.dtype),
         "mixed_precision": str(cfg.train.mixed_precision),
         "gradient_checkpointing": bool(cfg.train.gradient_checkpointing),
@@ -406,11 +407,12 @@ def _resident_bytes() -> int:
 
 
 def measure_update(cfg, *, prompt_tokens: int) -> int:
-    """Peak resident memory added by one real update on CPU: a forward of ``train.mini_batch_size`` random sequences
-    through the recipe's log-prob scorer (in the recipe's update context), backward, AdamW step (which allocates the
-    moments). Sampled every millisecond from /proc. The policy is the recipe's (LoRA adapters with ``model.lora``);
-    under ``torchrun`` it is wrapped as the recipe wraps it (``distributed.strategy``: DDP, or FSDP2 shards), and each
-    process measures its own."""
+    """Peak memory added by one real update on the config's device: a forward of ``train.mini_batch_size`` random
+    sequences through the recipe's log-prob scorer (in the recipe's update context), backward, AdamW step (which
+    allocates the moments). On CPU the process's resident memory, sampled every millisecond from /proc; on CUDA the
+    allocator's peak (``torch.cuda.max_memory_allocated``) over its level before the update. The policy is the
+    recipe's (LoRA adapters with ``model.lora``); under ``torchrun`` it is wrapped as the recipe wraps it
+    (``distributed.strategy``: DDP, or FSDP2 shards), and each process measures its own."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -419,26 +421,36 @@ def measure_update(cfg, *, prompt_tokens: int) -> int:
 
     _return_freed_memory_to_the_system()
     torch.manual_seed(0)
-    policy = load_policy(cfg.model, device="cpu", dtype=cfg.dtype).eval()
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is None:  # under torchrun, each process its own GPU
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    policy = load_policy(cfg.model, device=device, dtype=cfg.dtype).eval()
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(policy)
     strategy = OmegaConf.select(cfg, "distributed.strategy", default="ddp")
-    scorer = make_policy_scorer(policy, strategy=strategy, device="cpu")
+    scorer = make_policy_scorer(policy, strategy=strategy, device=device)
     optimizer = instantiate(cfg.optimizer)(trainable_parameters(policy))
     new_tokens = cfg.rollout.generation.max_new_tokens
     vocab = policy.get_output_embeddings().weight.shape[0]
-    tokens = torch.randint(0, vocab, (cfg.train.mini_batch_size, prompt_tokens + new_tokens))
+    tokens = torch.randint(0, vocab, (cfg.train.mini_batch_size, prompt_tokens + new_tokens), device=device)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     # A warm-up update on one short sequence first: the first backward and optimizer step initialise library state
     # (autograd threads, kernels, FSDP2's lazy set-up) that no estimate of the run's tensors should be compared with.
     # Then the gradients and AdamW moments are dropped, so the measured step allocates them again.
-    with update_forward(policy, mixed_precision=cfg.train.mixed_precision, device="cpu"):
+    with update_forward(policy, mixed_precision=cfg.train.mixed_precision, device=device):
         warm_up = scorer(tokens[:1, : prompt_tokens + 1], mask[:1, : prompt_tokens + 1], response_start=prompt_tokens)
     warm_up[0].sum().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     optimizer.state.clear()
     del warm_up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _one_update(policy, scorer, optimizer, tokens, mask, cfg=cfg, prompt_tokens=prompt_tokens, device=device)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - baseline
     peak, done = [0], threading.Event()
 
     def sample() -> None:
@@ -449,15 +461,22 @@ def measure_update(cfg, *, prompt_tokens: int) -> int:
     baseline = _resident_bytes()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    with update_forward(policy, mixed_precision=cfg.train.mixed_precision, device="cpu"):
-        log_probs, _ = scorer(tokens, mask, response_start=prompt_tokens, with_entropy=True)
-        loss = -log_probs.sum() / mask.sum()
-    loss.backward()
-    optimizer.step()
+    _one_update(policy, scorer, optimizer, tokens, mask, cfg=cfg, prompt_tokens=prompt_tokens, device=device)
     peak[0] = max(peak[0], _resident_bytes())
     done.set()
     sampler.join()
     return peak[0] - baseline
+
+
+def _one_update(policy, scorer, optimizer, tokens, mask, *, cfg, prompt_tokens: int, device) -> None:
+    """The measured update: forward through the scorer, backward, optimizer step."""
+    from recipes.grpo.policy import update_forward
+
+    with update_forward(policy, mixed_precision=cfg.train.mixed_precision, device=device):
+        log_probs, _ = scorer(tokens, mask, response_start=prompt_tokens, with_entropy=True)
+        loss = -log_probs.sum() / mask.sum()
+    loss.backward()
+    optimizer.step()
 
 
 def report(figures: dict, fitting: list[dict] | None, device_memory: int | None) -> str:
@@ -500,7 +519,7 @@ def report(figures: dict, fitting: list[dict] | None, device_memory: int | None)
     if "measured_update" in figures:
         estimated = figures["measured_estimate"]
         lines.append(
-            f"Measured one update on CPU (AdamW's first step): +{human(figures['measured_update'])} resident; "
+            f"Measured one update on {setting['device']} (AdamW's first step): +{human(figures['measured_update'])}; "
             f"estimated: {human(estimated)} (measured / estimated {figures['measured_update'] / estimated:.2f})"
         )
     return "\n".join(lines)
@@ -516,7 +535,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--prompt-tokens", type=int, default=None, help="prompt width; default: the longest rendered training prompt"
     )
-    parser.add_argument("--measure", action="store_true", help="also run one update on CPU and measure it")
+    parser.add_argument(
+        "--measure", action="store_true", help="also run one update on the config's device and measure it"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
     if args.processes < 1:

@@ -16,9 +16,10 @@ import csv
 import secrets
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["WANDB_ID_FILE", "MetricLogger", "make_logger"]
+__all__ = ["WANDB_ID_FILE", "MetricLogger", "make_logger", "peak_device_memory"]
 
 WANDB_ID_FILE = "wandb_run_id"
 
@@ -123,3 +124,14 @@ class MetricLogger:
 def make_logger(logger_cfg: DictConfig, run_dir: Path, *, config=None, resume: bool = False) -> MetricLogger:
     """The logger a ``logger=`` config node asks for; ``resume``: continue the run folder's wandb run."""
     return MetricLogger(logger_cfg.kind, run_dir, wandb_settings=logger_cfg.get("wandb"), config=config, resume=resume)
+
+
+def peak_device_memory(device) -> dict[str, float]:
+    """``perf/peak_cuda_memory_gib``: the most CUDA memory this process's tensors held at once over the run (PyTorch's
+    allocator, ``torch.cuda.max_memory_allocated``), for summary.json; empty off CUDA, where no such counter exists."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return {}
+    # "cuda" without an index is the process's current device (its rank's, under torchrun).
+    peak = torch.cuda.max_memory_allocated(device if device.index is not None else None)
+    return {"perf/peak_cuda_memory_gib": peak / 2**30}
