@@ -358,7 +358,7 @@ class GRPOObjective(nn.Module):
             kl = self._kl(batch, tokens)
             per_token = per_token + s.kl_to_ref_coeff * kl
         loss = NORMALIZERS[s.type](per_token, tokens.mask, scale, s)
-        out = {"policy_loss": loss.detach(), "entropy": _masked_mean(tokens.entropies, tokens.mask)}
+        out = {"policy_loss": loss.detach(), "entropy": _masked_mean(tokens.entropies.detach(), tokens.mask)}
         if s.entropy_coeff:
             trained = tokens.mask if entropy_mask is None else tokens.mask * entropy_mask
             loss = loss - s.entropy_coeff * _masked_mean(tokens.entropies, trained) / scale.accumulation
