@@ -23,6 +23,7 @@ process gets the same ``hydra.run.dir`` (pass one explicitly, so that Hydra does
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import time
@@ -40,9 +41,9 @@ from tqdm.auto import tqdm
 
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError, RunStopped
-from recipes.common.data import load_prompts
+from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.metrics import peak_device_memory
-from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
+from recipes.common.models import load_causal_lm, load_tokenizer
 from recipes.common.run import Run, end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
 from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
 from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, merge_batches
@@ -62,6 +63,7 @@ from recipes.grpo.checkpointing import (
 )
 from recipes.grpo.checks import check_prompt_lengths, validate
 from recipes.grpo.distributed import check_ranks_in_sync, mean_over_processes, pool_over_processes
+from recipes.grpo.evaluation import Evaluator, eval_due
 from recipes.grpo.learner import Learner, check_weights_finite, informative_batch, make_learner, optimize
 from recipes.grpo.policy import load_policy
 from recipes.grpo.report import (
@@ -72,6 +74,7 @@ from recipes.grpo.report import (
     sample_rollouts,
     summarize,
 )
+from recipes.grpo.rewards import load_reward_scorer, source_names
 from recipes.grpo.rollout import make_collector
 
 log = logging.getLogger(__name__)
@@ -108,10 +111,7 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
         reference = load_causal_lm(reference_node, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
     reward_tokenizer = reward_model = None
     if cfg.rollout.mode == "sync":
-        reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
-        reward_model = load_reward_model(
-            cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
-        ).eval()
+        reward_tokenizer, reward_model = load_reward_scorer(cfg)
     return Models(
         tokenizer=load_tokenizer(policy_node, padding_side="left"),
         # eval(): GRPO's importance ratios compare forward passes that must not differ by dropout.
@@ -178,12 +178,56 @@ def seed_sampling(cfg: DictConfig, state: dict | None, start_step: int) -> None:
 # ---------------------------------------------------------------------------------------------------------- loop
 
 
+def make_evaluator(cfg: DictConfig, models: Models, eval_prompts: PromptRows) -> Evaluator:
+    """The held-out evaluation, with the learner's policy; in async mode the reward model is loaded here too (the
+    collector's process holds its own)."""
+    reward_tokenizer, reward_model = models.reward_tokenizer, models.reward_model
+    if reward_model is None:
+        reward_tokenizer, reward_model = load_reward_scorer(cfg)
+    return Evaluator(
+        cfg,
+        eval_prompts,
+        policy=models.policy,
+        tokenizer=models.tokenizer,
+        reward_model=reward_model,
+        reward_tokenizer=reward_tokenizer,
+        oracle=instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None,
+    )
+
+
+def evaluate(run: Run, evaluator: Evaluator, progress: TrainingProgress, step: int) -> dict[str, float]:
+    """The held-out figures after ``step`` (0: before training), recorded in the run's evaluations; a few of the
+    answers go to the log."""
+    figures = evaluator(step)
+    progress.evaluations.append({"step": step, **figures})
+    if run.is_main:
+        shown = ", ".join(f"{key.removeprefix('eval/')} {value:.3f}" for key, value in figures.items())
+        log.info("Eval after step %d: %s", step, shown)
+        for sample in evaluator.samples[: run.cfg.samples.print_count]:
+            log.info("Eval sample: %s", json.dumps(_sample_line(sample), ensure_ascii=False))
+    return figures
+
+
+def _sample_line(sample: dict) -> dict:
+    return {"prompt": sample["prompt"], "response": sample["response"], "reward": round(sample["reward"], 4)}
+
+
 def train_loop(
-    run: Run, collector, models: Models, learner: Learner, progress: TrainingProgress, *, prompts, start_step
+    run: Run,
+    collector,
+    models: Models,
+    learner: Learner,
+    progress: TrainingProgress,
+    *,
+    prompts,
+    start_step,
+    evaluator: Evaluator | None = None,
 ) -> None:
-    """Steps ``start_step + 1 ... train.steps``: collect, update, report, checkpoint."""
+    """Steps ``start_step + 1 ... train.steps``: collect, update, (evaluate,) report, checkpoint."""
     cfg = run.cfg
     oracle = instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
+    if evaluator is not None and start_step == 0:
+        run.logger.log(evaluate(run, evaluator, progress, 0), step=0)
     bar = tqdm(
         total=cfg.train.steps,
         initial=start_step,
@@ -212,8 +256,12 @@ def train_loop(
                 cfg, step, batch, learner, models, collector, oracle, sampled=sampled, extra=extra
             )
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
+            if evaluator is not None and eval_due(cfg, step):
+                metrics.update(evaluate(run, evaluator, progress, step))
             progress.add_step(metrics, tokens=tokens)
-            samples = functools.partial(sample_rollouts, batch, prompts, models.tokenizer, oracle)
+            samples = functools.partial(
+                sample_rollouts, batch, prompts.prompts, models.tokenizer, oracle, source_names=source_names(cfg)
+            )
             report_step(run, step, metrics, bar, samples=samples)
             save_if_due(run, step, models, learner, progress)
     finally:
@@ -233,7 +281,12 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
             f"{cfg.rollout.max_policy_lag}; the collector did not wait for the weights."
         )
     metrics, tokens = rollout_metrics(
-        sampled, models.tokenizer, oracle, group_size=cfg.rollout.group_size, gather=pool_over_processes
+        sampled,
+        models.tokenizer,
+        oracle,
+        group_size=cfg.rollout.group_size,
+        gather=pool_over_processes,
+        source_names=source_names(cfg),
     )
     warn_about_the_batch(cfg, step, batch, metrics)
     learner.buffer.extend(batch)
@@ -371,10 +424,16 @@ def train(cfg: DictConfig) -> dict:
         )
         return finished
     # The prompts are read (and refused: missing column, empty prompts, too long...) before any model loads.
-    prompts = load_prompts(cfg.data, "train")
+    prompts = load_prompt_rows(cfg.data, "train")
     if not prompts:
         raise ConfigError(f"data={cfg.data.source} holds no training prompts; check data.path / data.split.")
     check_prompt_lengths(cfg, prompts)
+    eval_prompts = None
+    if cfg.eval.every_n_steps is not None:
+        eval_prompts = load_prompt_rows(cfg.data, "eval")
+        if not eval_prompts:
+            raise ConfigError(f"eval.every_n_steps is set, but data={cfg.data.source}'s eval split holds no prompts.")
+        check_prompt_lengths(cfg, eval_prompts)
 
     run = start_run(
         cfg,
@@ -384,10 +443,12 @@ def train(cfg: DictConfig) -> dict:
         backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend,
     )
     with run:  # the logger closes however the run ends: Hydra multirun jobs share this process
-        return _train(cfg, run, prompts=prompts, setup_start=setup_start)
+        return _train(cfg, run, prompts=prompts, eval_prompts=eval_prompts, setup_start=setup_start)
 
 
-def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> dict:
+def _train(
+    cfg: DictConfig, run: Run, *, prompts: PromptRows, eval_prompts: PromptRows | None, setup_start: float
+) -> dict:
     """Loads the models (the policy from the newest checkpoint when resuming), builds the learner and the collector,
     trains and summarises."""
     resume_from = latest_checkpoint(checkpoint_root(cfg)) if cfg.resume else None
@@ -396,6 +457,7 @@ def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> d
     models = load_models(cfg, resume_from=resume_from)
     learner = make_learner(cfg, models)
     progress = restore_progress(cfg, run, state, learner, policy=models.policy)
+    evaluator = make_evaluator(cfg, models, eval_prompts) if eval_prompts is not None else None
     processes, collector = run.processes, None
     try:
         # Last, and inside the try: an async collector is a child process, which the finally below always stops.
@@ -411,7 +473,9 @@ def _train(cfg: DictConfig, run: Run, *, prompts: list, setup_start: float) -> d
         if run.is_main:
             log.info(run_description(cfg, num_prompts=len(prompts), world_size=processes.num_processes))
         progress.setup_time_s = time.perf_counter() - setup_start
-        train_loop(run, collector, models, learner, progress, prompts=prompts, start_step=start_step)
+        train_loop(
+            run, collector, models, learner, progress, prompts=prompts, start_step=start_step, evaluator=evaluator
+        )
     finally:
         if collector is not None:
             collector.shutdown()

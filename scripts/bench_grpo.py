@@ -536,6 +536,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
     sides = [*sync_sides, ASYNC, *trl_sides]
     cfg = _config_for(args, sync_sides[0], 0, scratch)
     async_cfg = _config_for(args, ASYNC, 0, scratch)
+    if cfg.reward_model is None:
+        raise SystemExit(
+            "bench_grpo.py times both sides with the same reward model (trl's reward_funcs=[model]); "
+            "reward_model=none leaves trl nothing to score with. Keep a reward_model (the default, tiny, or "
+            "reward_model.name_or_path=...)."
+        )
     print(
         f"GRPO, ours (recipes/grpo_torchrl_rm.py) vs trl {__import__('trl').__version__} GRPOTrainer, "
         f"{'quick, ' if args.quick else ''}{args.rounds} rounds (+1 warm-up) of {args.steps} generation batches each\n"

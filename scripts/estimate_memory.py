@@ -286,7 +286,11 @@ def estimate(
         "optimizer": 2 * trainable_count * trainable_element / shards,  # AdamW: exp_avg, exp_avg_sq
         "autocast_weight_copies": (sum(p.numel() for p in policy.parameters()) * 2 / shards) if mixed else 0,
         "reference_model": parameter_bytes(policy) / shards if cfg.loss.kl_to_ref_coeff and not with_lora else 0,
-        "reward_model": parameter_bytes(meta_model(cfg.reward_model, kind="reward_model", dtype=dtype)) / shards,
+        "reward_model": (
+            parameter_bytes(meta_model(cfg.reward_model, kind="reward_model", dtype=dtype)) / shards
+            if cfg.reward_model is not None  # reward_model=none: the reward functions alone score
+            else 0
+        ),
         "fsdp_gathered_weights": gathered_unit_bytes(policy) if shards > 1 else 0,
     }
     length = prompt_tokens + new_tokens

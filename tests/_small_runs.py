@@ -24,6 +24,7 @@ REWARD_SMALL = ["data.num_train_prompts=48", "data.num_eval_prompts=12", "train.
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
-    """The rows of a run's ``metrics.csv`` as numbers."""
+    """The rows of a run's ``metrics.csv`` as numbers; a row holds the figures logged at its step (an evaluation-only
+    row, step 0, has no training figures)."""
     with open(run_dir / "metrics.csv", newline="") as handle:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(handle)]

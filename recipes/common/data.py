@@ -12,14 +12,15 @@ import itertools
 import json
 import unicodedata
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
+from recipes.common import arithmetic, synthetic
 from recipes.common.config import ConfigError, first_items
-from recipes.common.synthetic import make_prompts
 
 # datasets is imported where a file or hub dataset loads: it takes about half a second, which the synthetic task,
 # `--help` and config validation need not spend.
@@ -27,7 +28,11 @@ from recipes.common.synthetic import make_prompts
 __all__ = [
     "BadJsonLine",
     "EndlessShuffleSampler",
+    "RESERVED_COLUMNS",
+    "SYNTHETIC_TASKS",
+    "PromptRows",
     "load_preference_pairs",
+    "load_prompt_rows",
     "load_prompts",
     "load_table",
     "parse_json_lines",
@@ -245,15 +250,52 @@ def _source(data: DictConfig, split: str) -> str:
     return f"{data.source}: {data.get('name_or_path')}"
 
 
+# The built-in tasks (data.source): name -> (the training prompts' maker, the eval prompts'), each
+# ``make(count, seed=...) -> (prompts, columns)``.
+SYNTHETIC_TASKS = {
+    "synthetic": (synthetic.make_task, synthetic.make_task),
+    "arithmetic": (arithmetic.make_task, arithmetic.make_eval_task),
+}
+
+# The arguments trl passes every reward function besides the data's columns: a column of one of these names would
+# reach it twice.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The prompts of a split and every other column of their rows, row-aligned (what trl hands a reward function
+    beside the prompt and the completion, e.g. a ``solution``).
+
+    Args:
+        prompts: text or message lists, one per row.
+        columns: column name -> one value per row.
+    """
+
+    prompts: list
+    columns: dict[str, list] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
 def load_prompts(data: DictConfig, split: str) -> list:
     """The prompts of ``split`` ("train" or "eval"): text or message lists. Empty list when no eval set is set."""
-    if data.source == "synthetic":
+    return load_prompt_rows(data, split).prompts
+
+
+def load_prompt_rows(data: DictConfig, split: str) -> PromptRows:
+    """The prompts of ``split`` ("train" or "eval") with their rows' other columns (:class:`PromptRows`); empty when
+    no eval set is set. The synthetic tasks provide their own columns (``recipes.common.synthetic``)."""
+    if data.source in SYNTHETIC_TASKS:
         count = data.num_train_prompts if split == "train" else data.num_eval_prompts
         # Distinct seeds keep the eval prompts' draws independent of the train prompts'.
-        return make_prompts(count, seed=data.seed if split == "train" else data.seed + 1)
+        make = SYNTHETIC_TASKS[data.source][0 if split == "train" else 1]
+        prompts, columns = make(count, seed=data.seed if split == "train" else data.seed + 1)
+        return PromptRows(prompts, columns)
     table = load_table(data, split, columns=[data.prompt_column])
     if table is None:
-        return []
+        return PromptRows([])
     _require_columns(table, [data.prompt_column], data=data, what="prompt")
     prompts = []
     for row, prompt in enumerate(table[data.prompt_column]):
@@ -271,7 +313,14 @@ def load_prompts(data: DictConfig, split: str) -> list:
             f"column {data.prompt_column!r} (rows {first_items(empty)}): "
             "a model asked nothing learns nothing. Remove or fill them."
         )
-    return prompts
+    others = [name for name in table.column_names if name != data.prompt_column]
+    clashing = [name for name in others if name in RESERVED_COLUMNS]
+    if clashing:
+        raise ConfigError(
+            f"The prompt data ({_source(data, split)}) has column(s) {clashing}, which are the names of arguments trl "
+            f"passes every reward function ({', '.join(RESERVED_COLUMNS)}): rename them in the data."
+        )
+    return PromptRows(prompts, {name: list(table[name]) for name in others})
 
 
 def _has_content(prompt) -> bool:

@@ -36,6 +36,7 @@ from recipes.common.lora import settle_lora_node
 
 __all__ = [
     "OPEN",
+    "ArithmeticData",
     "DataNode",
     "FileData",
     "HFData",
@@ -364,6 +365,15 @@ class SyntheticData:
 
 
 @dataclass
+class ArithmeticData:
+    source: Literal["arithmetic"]
+    num_train_prompts: Annotated[int, Range(ge=1)]
+    num_eval_prompts: Annotated[int, Range(ge=0)]
+    seed: int
+    oracle: None
+
+
+@dataclass
 class FileData:
     source: Literal["file"]
     path: str
@@ -386,7 +396,10 @@ class HFData:
     oracle: Any
 
 
-DataNode = Annotated[dict, Variant("source", {"synthetic": SyntheticData, "file": FileData, "hf": HFData})]
+DataNode = Annotated[
+    dict,
+    Variant("source", {"synthetic": SyntheticData, "arithmetic": ArithmeticData, "file": FileData, "hf": HFData}),
+]
 
 
 @dataclass

@@ -21,6 +21,7 @@ __all__ = [
     "make_prompts",
     "make_review",
     "make_sft_conversations",
+    "make_task",
     "oracle_score",
 ]
 
@@ -46,6 +47,18 @@ def make_prompts(num_prompts: int, *, seed: int) -> list[str]:
     """
     rng = random.Random(seed)
     return [rng.choice(_PROMPT_TEMPLATES).format(rng.choice(PRODUCTS)) for _ in range(num_prompts)]
+
+
+def make_task(num_prompts: int, *, seed: int) -> tuple[list[str], dict[str, list]]:
+    """The task's prompts (:func:`make_prompts`) and their rows' columns: ``product``, the product each asks about
+    (what a reward function may check the review against).
+
+    Examples:
+        >>> make_task(2, seed=0)
+        (['Review the chair.', 'Write a review of the bike.'], {'product': ['chair', 'bike']})
+    """
+    prompts = make_prompts(num_prompts, seed=seed)
+    return prompts, {"product": [next(p for p in PRODUCTS if p in prompt) for prompt in prompts]}
 
 
 def make_review(product: str, rng: random.Random, *, sentiment: float | None = None) -> str:

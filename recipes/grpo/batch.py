@@ -13,7 +13,9 @@ starting at the same column (``generate``'s layout, what TorchRL's padded ``GRPO
 - :data:`PROMPT_INDEX` ``[B]``: the prompt's row in the run's prompt table, the group id of GRPO's normalisation;
 - :data:`POLICY_VERSION` ``[B]``: how many updates the sampling weights had had;
 - :data:`TRUNCATED` ``[B]``: the response hit ``max_new_tokens`` before an EOS;
-- :data:`REWARD` ``[B, 1, 1]`` and :data:`DONE` ``[B, 1]``: TorchRL's LLM reward and done layout.
+- :data:`REWARD` ``[B, 1, 1]`` and :data:`DONE` ``[B, 1]``: TorchRL's LLM reward and done layout; the reward is the
+  weighted sum of :data:`SOURCE_REWARDS` ``[B, K]``, each reward source's own value (NaN where a trl reward function
+  returned ``None``), in ``recipes.grpo.rewards.reward_sources`` order.
 
 The learner then adds :data:`ADVANTAGE` (``[B, 1, 1]``), :data:`REF_LOG_PROBS` (``[B, P + R]``, the frozen
 reference's) and :data:`LOSS_MASK` (``[B, R]``: the response tokens the loss counts, truncated responses left out
@@ -44,6 +46,7 @@ __all__ = [
     "REF_LOG_PROBS",
     "RESPONSE_TOKENS",
     "REWARD",
+    "SOURCE_REWARDS",
     "TOKENS",
     "TRUNCATED",
     "merge_batches",
@@ -61,6 +64,7 @@ PROMPT_INDEX = "prompt_index"
 TRUNCATED = "truncated"
 POLICY_VERSION = "policy_version"
 REWARD = ("next", "reward")
+SOURCE_REWARDS = ("next", "source_rewards")
 DONE = ("next", "done")
 ADVANTAGE = "advantage"
 REF_LOG_PROBS = ("next", "ref_log_probs", "full")
@@ -78,6 +82,7 @@ BATCH_KEYS = (
     POLICY_VERSION,
     TRUNCATED,
     REWARD,
+    SOURCE_REWARDS,
     DONE,
 )
 

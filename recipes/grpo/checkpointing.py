@@ -104,6 +104,7 @@ class TrainingProgress:
         tokens_total: generated response tokens.
         rollout_time_s: of the wall time, the rollout phase's (generation, reward, advantages, log-prob scoring).
         setup_time_s: this invocation's setup time (not saved: a resumed run measures its own).
+        evaluations: every held-out evaluation's figures, with its ``step`` (0: before training).
     """
 
     history: list[dict[str, float]] = field(default_factory=list)
@@ -111,8 +112,9 @@ class TrainingProgress:
     tokens_total: int = 0
     rollout_time_s: float = 0.0
     setup_time_s: float = 0.0
+    evaluations: list[dict[str, float]] = field(default_factory=list)
 
-    _SAVED = ("history", "wall_time_s", "tokens_total", "rollout_time_s")
+    _SAVED = ("history", "wall_time_s", "tokens_total", "rollout_time_s", "evaluations")
 
     def add_step(self, metrics: dict[str, float], *, tokens: int) -> None:
         """Records one step's metrics (with its ``perf/step_time_s`` and ``perf/rollout_time_s``) and tokens."""
@@ -126,7 +128,7 @@ class TrainingProgress:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name in self._SAVED:
-            setattr(self, name, state[name])
+            setattr(self, name, state.get(name, []) if name == "evaluations" else state[name])
 
 
 def checkpoint_root(cfg: DictConfig) -> Path:

@@ -35,11 +35,13 @@ from recipes.grpo.checkpointing import (
     resumed_config,
 )
 from recipes.grpo.distributed import STRATEGIES
+from recipes.grpo.evaluation import check_eval_settings
 from recipes.grpo.loss import LOSS_TYPES
 from recipes.grpo.policy import MIXED_PRECISIONS
 from recipes.grpo.prompt_env import PromptTable
-from recipes.grpo.report import SUMMARY_KEYS
-from recipes.grpo.rewards import REWARD_INPUTS, check_reward_keys, reward_prompt_lengths
+from recipes.grpo.report import summary_keys
+from recipes.grpo.reward_functions import check_reward_functions
+from recipes.grpo.rewards import REWARD_INPUTS, check_reward_keys, check_reward_sources, reward_prompt_lengths
 from recipes.grpo.rollout import ROLLOUT_ENVS, check_generation_settings
 from recipes.grpo.sampling import SamplingSettings
 from recipes.grpo.schema import RENAMED, GRPOConfig
@@ -79,9 +81,8 @@ def _validate_settings(cfg: DictConfig) -> None:
     _validate_reporting(cfg)
     _validate_memory(cfg)
     _validate_rollout(cfg.rollout)
-    if cfg.reward.input not in REWARD_INPUTS:
-        raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
-    check_reward_keys(cfg)
+    _validate_rewards(cfg)
+    check_eval_settings(cfg)
     _validate_algorithm(cfg)
     check_run_settings(
         cfg, lr_key="optimizer.lr", max_grad_norm_key="train.max_grad_norm", batch_size_key="train.mini_batch_size"
@@ -89,10 +90,12 @@ def _validate_settings(cfg: DictConfig) -> None:
     _validate_optimizer(cfg.optimizer)
     _validate_distributed(cfg)
     validate_model_node(cfg.model, key="model", kind="policy")
-    validate_model_node(cfg.reward_model, key="reward_model", kind="reward_model")
+    if cfg.reward_model is not None:
+        validate_model_node(cfg.reward_model, key="reward_model", kind="reward_model")
     _validate_lora(cfg)
     check_tokenizer_fits_model(cfg.model, key="model")
-    check_tokenizer_fits_model(cfg.reward_model, key="reward_model")
+    if cfg.reward_model is not None:
+        check_tokenizer_fits_model(cfg.reward_model, key="reward_model")
     if cfg.data.source == "file" and not Path(str(cfg.data.path)).expanduser().exists():
         raise ConfigError(
             f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
@@ -106,6 +109,21 @@ def _validate_settings(cfg: DictConfig) -> None:
             fix="fix its permissions, or run in another folder",
         )
     _validate_resume(cfg)
+
+
+def _validate_rewards(cfg: DictConfig) -> None:
+    """The reward sources: at least one, distinct names, the reward model's input, the keys every source reads; the
+    trl functions themselves are checked once the data's columns are known (:func:`check_prompt_lengths`)."""
+    check_reward_sources(cfg)
+    if cfg.reward_model is not None and cfg.reward.input not in REWARD_INPUTS:
+        raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
+    if cfg.reward.functions and cfg.rollout.env == "chat":
+        raise ConfigError(
+            "reward.functions run on rollout.env=prompt steps (they read each prompt's data row); with "
+            "rollout.env=chat use reward.terms (TensorDict modules reading TorchRL's chat layout), or "
+            "rollout.env=prompt."
+        )
+    check_reward_keys(cfg)
 
 
 def _validate_batches(cfg: DictConfig) -> None:
@@ -200,8 +218,9 @@ def _validate_reporting(cfg: DictConfig) -> None:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0.")
     metric = str(cfg.metric)
-    if metric not in SUMMARY_KEYS:
-        raise ConfigError(f"metric={metric!r} is not a summary.json entry; use one of {sorted(SUMMARY_KEYS)}.")
+    known = summary_keys(cfg)
+    if metric not in known:
+        raise ConfigError(f"metric={metric!r} is not a summary.json entry; use one of {sorted(known)}.")
     if "oracle" in metric and cfg.data.oracle is None:
         raise ConfigError(
             f"metric={metric!r} needs an oracle, but data.oracle is null for data.source={cfg.data.source!r}; "
@@ -230,7 +249,7 @@ def _validate_lora(cfg: DictConfig) -> None:
     validate_lora_node(cfg.model.lora, key="model.lora")
     if cfg.model.lora is not None:
         check_lora_targets(cfg.model.lora, meta_model(cfg.model, kind="policy"), key="model.lora")
-    if cfg.reward_model.lora is not None:
+    if cfg.reward_model is not None and cfg.reward_model.lora is not None:
         raise ConfigError(
             "reward_model.lora is set, but GRPO's reward model is frozen: it trains no adapters. Drop it (to score "
             "with a LoRA reward model, point reward_model.name_or_path at the adapter folder the reward recipe saved)."
@@ -300,10 +319,12 @@ def _validate_resume(cfg: DictConfig) -> None:
             )
 
 
-def check_prompt_lengths(cfg: DictConfig, prompts: list) -> None:
+def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
     """Prompts the models cannot read whole: refused when the policy's positions cannot hold the rendered prompt plus
     ``max_new_tokens``; warned (refused if every prompt) when ``reward.max_length`` cuts the reward model's input
-    before the response starts, where every response to the prompt gets the same reward. Tokenizers only, no model.
+    before the response starts, where every response to the prompt gets the same reward. The trl reward functions
+    are checked against the prompts' columns (``recipes.grpo.reward_functions.check_reward_functions``). Tokenizers
+    only, no model.
     """
 
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
@@ -322,8 +343,9 @@ def check_prompt_lengths(cfg: DictConfig, prompts: list) -> None:
                 f"{positions} positions of model.name_or_path={str(cfg.model.name_or_path)!r} "
                 "(max_position_embeddings). Shorten or drop those prompts, or lower rollout.generation.max_new_tokens."
             )
+    check_reward_functions(cfg, columns=list(table.columns))
     max_length = cfg.reward.max_length
-    if max_length is None:
+    if max_length is None or cfg.reward_model is None:
         return
     reward_lengths = torch.tensor(reward_prompt_lengths(cfg, table, lengths))
     rows = (reward_lengths >= max_length).nonzero().flatten().tolist()

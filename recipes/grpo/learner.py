@@ -38,6 +38,7 @@ from recipes.grpo.distributed import pool_over_processes
 from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs, make_policy_scorer, make_reference_scorer
 from recipes.grpo.loss import GroupAdvantage, GRPOObjective, Scale, make_loss
 from recipes.grpo.policy import enable_activation_checkpointing, trainable_parameters, update_forward
+from recipes.grpo.rewards import reward_sources
 
 __all__ = [
     "Learner",
@@ -67,6 +68,7 @@ class PrepareBatch:
             none usable (TorchRL's ``TransformersWrapper``) when a step makes several updates; ``None``: the batch
             carries them, or is trained on-policy (the loss takes its own log-probs).
         micro_batch_size: sequences per scoring forward pass; ``None``: all at once.
+        aggregation: ``reward.aggregation``; weights: the reward sources' weights (``normalize_then_sum`` only).
     """
 
     def __init__(
@@ -78,8 +80,10 @@ class PrepareBatch:
         reference: ResponseLogProbs | None,
         policy: ResponseLogProbs | None = None,
         micro_batch_size: int | None = None,
+        aggregation: str = "sum_then_normalize",
+        weights: torch.Tensor | None = None,
     ) -> None:
-        self.advantage = GroupAdvantage(group_size, scale=scale_rewards)
+        self.advantage = GroupAdvantage(group_size, scale=scale_rewards, aggregation=aggregation, weights=weights)
         self.mask_truncated = mask_truncated
         self.reference = None
         if reference is not None:
@@ -196,6 +200,8 @@ def make_batch_preparation(cfg: DictConfig, models, scorer) -> PrepareBatch:
         reference=reference,
         policy=scorer if scores_old else None,
         micro_batch_size=cfg.rollout.log_prob_micro_batch_size,
+        aggregation=cfg.reward.aggregation,
+        weights=torch.tensor([source.weight for source in reward_sources(cfg)]),
     )
 
 

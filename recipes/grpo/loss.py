@@ -41,6 +41,7 @@ from recipes.grpo.batch import (
     LOSS_MASK,
     REF_LOG_PROBS,
     REWARD,
+    SOURCE_REWARDS,
     TOKENS,
     response_start,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "LossSettings",
     "group_advantages",
     "make_loss",
+    "normalized_sum_advantages",
 ]
 
 SCALE_REWARDS = ("group", "batch", "none")
@@ -91,6 +93,32 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str) -> t
     return centred / (std + 1e-4)
 
 
+def _nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The unbiased standard deviation of the non-NaN values, over ``dim`` (all of them when None)."""
+    dims = tuple(range(values.ndim)) if dim is None else (dim,)
+    mean = values.nanmean(dim=dims, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dims, keepdim=keepdim)
+    return (((values - mean) ** 2).nansum(dim=dims, keepdim=keepdim) / (count - 1)).sqrt()
+
+
+def normalized_sum_advantages(values: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """trl's ``multi_objective_aggregation="normalize_then_sum"``: each source's values (``[N, K]``, NaN where a
+    source does not apply) standardised within each group, their weighted sum (NaN left out), then standardised
+    over the batch (the 1e-4 guard in both).
+
+    Examples:
+        >>> values = torch.tensor([[1.0, 0.0], [3.0, 1.0], [5.0, 1.0], [5.0, 0.0]])
+        >>> normalized_sum_advantages(values, torch.tensor([1.0, 1.0]), 2)
+        tensor([-1.0954,  1.0954,  0.5477, -0.5477])
+    """
+    grouped = values.reshape(-1, group_size, values.shape[-1])
+    mean = grouped.nanmean(dim=1, keepdim=True)
+    std = _nanstd(grouped, dim=1, keepdim=True)
+    normalized = ((grouped - mean) / (std + 1e-4)).reshape(-1, values.shape[-1])
+    rewards = (normalized * weights.to(values)).nansum(dim=-1)
+    return (rewards - rewards.nanmean()) / (_nanstd(rewards) + 1e-4)
+
+
 class GroupAdvantage:
     """Writes GRPO advantages into a batch of whole groups (``group_size`` contiguous responses per prompt, as every
     rollout of the recipe lays them out), shaped like its rewards (``[B, 1, 1]``).
@@ -108,9 +136,22 @@ class GroupAdvantage:
         tensor([-0.7071,  0.7071,  0.0000,  0.0000])
     """
 
-    def __init__(self, group_size: int, *, scale: str) -> None:
+    def __init__(
+        self,
+        group_size: int,
+        *,
+        scale: str,
+        aggregation: str = "sum_then_normalize",
+        weights: torch.Tensor | None = None,
+    ) -> None:
+        if aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ValueError(f"GroupAdvantage: aggregation={aggregation!r}.")
+        if aggregation == "normalize_then_sum" and weights is None:
+            raise ValueError("GroupAdvantage: normalize_then_sum needs the sources' weights.")
         self.group_size = group_size
         self.scale = scale
+        self.aggregation = aggregation
+        self.weights = weights
 
     def __call__(self, batch: TensorDictBase) -> TensorDictBase:
         rewards = batch.get(REWARD)
@@ -119,7 +160,12 @@ class GroupAdvantage:
                 f"GroupAdvantage: expected a flat batch of whole groups of {self.group_size}, got batch size "
                 f"{tuple(batch.batch_size)}."
             )
-        advantages = group_advantages(rewards.reshape(-1).float(), self.group_size, scale=self.scale)
+        if self.aggregation == "normalize_then_sum":
+            # trl normalises per source, then over the batch, whatever scale_rewards says.
+            values = batch.get(SOURCE_REWARDS).reshape(batch.shape[0], -1).float()
+            advantages = normalized_sum_advantages(values, self.weights, self.group_size)
+        else:
+            advantages = group_advantages(rewards.reshape(-1).float(), self.group_size, scale=self.scale)
         batch.set(ADVANTAGE, advantages.reshape(rewards.shape))
         return batch
 

@@ -24,7 +24,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import EnvBase
 
-from recipes.common.data import EndlessShuffleSampler
+from recipes.common.data import EndlessShuffleSampler, PromptRows
 from recipes.grpo.batch import PROMPT_INDEX, PROMPT_MASK, PROMPT_TOKENS
 
 __all__ = ["PromptEnv", "PromptTable", "non_tensor_rows"]
@@ -44,21 +44,32 @@ def non_tensor_rows(values: Sequence) -> NonTensorStack:
 
 
 class PromptTable:
-    """The prompts of a run as conversations, each rendered with the policy's chat template on first use.
+    """The prompts of a run as conversations, each rendered with the policy's chat template on first use, and their
+    rows' other columns.
 
     Args:
-        prompts: prompt texts, or conversations as lists of ``{"role", "content"}`` messages.
+        prompts: prompt texts, or conversations as lists of ``{"role", "content"}`` messages; or a
+            ``recipes.common.data.PromptRows``, which brings its columns.
 
     Keyword Args:
         tokenizer: the policy's tokenizer.
         system_prompt: optional system message put before every prompt that has none.
+
+    Attributes:
+        prompts: the prompts as the data holds them (what trl hands a reward function: no system prompt added).
+        conversations: the prompts as message lists, the system prompt added.
+        columns: column name -> one value per prompt.
     """
 
-    def __init__(self, prompts: Sequence, *, tokenizer, system_prompt: str | None = None) -> None:
+    def __init__(self, prompts: Sequence | PromptRows, *, tokenizer, system_prompt: str | None = None) -> None:
+        columns = prompts.columns if isinstance(prompts, PromptRows) else {}
+        prompts = prompts.prompts if isinstance(prompts, PromptRows) else list(prompts)
         if len(prompts) == 0:
             raise ValueError("PromptTable: no prompts; check the data= config (e.g. data.path).")
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.columns = dict(columns)
         self.conversations = [self._as_messages(prompt, system) for prompt in prompts]
         self._rendered: dict[int, tuple[str, torch.Tensor]] = {}
 

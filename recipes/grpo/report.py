@@ -13,14 +13,24 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from recipes.common.run import Run
-from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, TRUNCATED, response_mask
+from recipes.grpo.batch import (
+    ADVANTAGE,
+    PROMPT_INDEX,
+    RESPONSE_TOKENS,
+    REWARD,
+    SOURCE_REWARDS,
+    TRUNCATED,
+    response_mask,
+)
 from recipes.grpo.checkpointing import TrainingProgress
+from recipes.grpo.rewards import reward_sources
 
 __all__ = [
     "RUN_FIGURES",
@@ -33,6 +43,8 @@ __all__ = [
     "run_description",
     "sample_rollouts",
     "summarize",
+    "summary_keys",
+    "summary_series",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,19 +63,31 @@ SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref
 SUMMARY_KEYS = (*RUN_FIGURES, *(f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")))
 
 
-def rollout_metrics(data, tokenizer, oracle, *, group_size: int, gather=None) -> tuple[dict[str, float], int]:
+def _nanstd(values: torch.Tensor) -> torch.Tensor:
+    """The unbiased standard deviation of the non-NaN values (NaN when fewer than two), as trl's ``nanstd``."""
+    kept = values[~torch.isnan(values)]
+    return kept.std() if kept.numel() > 1 else torch.tensor(float("nan"))
+
+
+def rollout_metrics(
+    data, tokenizer, oracle, *, group_size: int, gather=None, source_names=()
+) -> tuple[dict[str, float], int]:
     """Reward, oracle and length statistics of one step's responses, and how many tokens were generated.
 
     ``rollout/frac_reward_zero_std`` is the fraction of groups (each prompt's ``group_size`` contiguous responses)
     whose rewards are all equal: they teach nothing, their advantages are 0. ``gather`` (``pool_over_processes``)
     pools the per-response values of every data-parallel rank first, so that the figures are those of the whole
-    step's responses."""
+    step's responses. ``source_names`` (``recipes.grpo.rewards.reward_sources``' names, in order) adds each reward
+    source's ``rollout/rewards/<name>/mean`` and ``/std`` over the responses it applies to (trl's
+    ``rewards/<name>/mean``)."""
     mask = response_mask(data)
     values = {
         "reward": data.get(REWARD).reshape(-1).float(),
         "length": mask.sum(-1).double(),
         "truncated": data.get(TRUNCATED).reshape(-1).double(),
     }
+    if source_names:
+        values["sources"] = data.get(SOURCE_REWARDS).reshape(len(data), -1).float()
     if oracle is not None:
         responses = [row[keep] for row, keep in zip(data.get(RESPONSE_TOKENS), mask, strict=True)]
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -75,6 +99,10 @@ def rollout_metrics(data, tokenizer, oracle, *, group_size: int, gather=None) ->
         "rollout/reward_std": values["reward"].std().item(),
         "rollout/frac_reward_zero_std": (values["reward"].view(-1, group_size).std(-1) == 0).float().mean().item(),
     }
+    for column, name in enumerate(source_names):
+        source = values["sources"][:, column]
+        metrics[f"rollout/rewards/{name}/mean"] = source.nanmean().item()
+        metrics[f"rollout/rewards/{name}/std"] = _nanstd(source).item()
     if oracle is not None:
         metrics["rollout/oracle_mean"] = values["oracle"].mean().item()
     metrics["rollout/response_length"] = values["length"].mean().item()
@@ -102,12 +130,24 @@ def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
     bar.update(1)
 
 
+def _reward_description(cfg: DictConfig) -> str:
+    """``reward model <path> (reward.input=history) x 1.0 + accuracy (reward function) x 0.5 ...``"""
+    parts = []
+    for source in reward_sources(cfg):
+        if source.kind == "model":
+            what = f"reward model {cfg.reward_model.name_or_path} (reward.input={cfg.reward.input})"
+        else:
+            what = f"{source.name} (reward {source.kind})"
+        parts.append(what if source.weight == 1.0 else f"{what} x {source.weight:g}")
+    return " + ".join(parts)
+
+
 def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> str:
     """What the run trains, on what, where: the first line of its log."""
     processes = f" x {world_size} processes" if world_size > 1 else ""
     return (
-        f"GRPO ({cfg.rollout.env} env, {cfg.rollout.mode}): policy {cfg.model.name_or_path}, reward model "
-        f"{cfg.reward_model.name_or_path} (reward.input={cfg.reward.input}), data={cfg.data.source} "
+        f"GRPO ({cfg.rollout.env} env, {cfg.rollout.mode}): policy {cfg.model.name_or_path}, rewarded by "
+        f"{_reward_description(cfg)}, data={cfg.data.source} "
         f"({num_prompts} prompts); {cfg.train.steps} steps of {cfg.rollout.responses_per_step} responses{processes} "
         f"(groups of {cfg.rollout.group_size}, up to {cfg.rollout.generation.max_new_tokens} new tokens), lr "
         f"{cfg.optimizer.lr}, seed {cfg.seed}, {cfg.device} {cfg.dtype}; run folder {cfg.output_dir}"
@@ -126,14 +166,17 @@ def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
     return f"Step {step}/{steps}: {', '.join(shown)}"
 
 
-def sample_rollouts(batch, prompts: list, tokenizer, oracle, *, count: int) -> list[dict]:
+def sample_rollouts(batch, prompts, tokenizer, oracle, *, count: int, source_names=()) -> list[dict]:
     """``count`` of a step's rollouts, spread over its groups: the prompt as the data gives it, the response's text,
-    its reward and, where the data has one, its oracle score."""
+    its reward, each reward source's value (``None``: not applicable), its advantage and, where the data has one, its
+    oracle score."""
     if count < 1:
         return []
     rows = torch.linspace(0, batch.shape[0] - 1, count).round().long().unique().tolist()
     mask = response_mask(batch)
     rewards = batch.get(REWARD).reshape(batch.shape[0], -1)[:, 0]
+    sources = batch.get(SOURCE_REWARDS).reshape(batch.shape[0], -1) if source_names else None
+    advantages = batch.get(ADVANTAGE).reshape(batch.shape[0], -1)[:, 0] if ADVANTAGE in batch.keys() else None
     samples = []
     for row in rows:
         response = tokenizer.decode(batch.get(RESPONSE_TOKENS)[row][mask[row]], skip_special_tokens=True)
@@ -141,6 +184,11 @@ def sample_rollouts(batch, prompts: list, tokenizer, oracle, *, count: int) -> l
         if not isinstance(prompt, str):  # a conversation
             prompt = "\n".join(f"{message['role']}: {message['content']}" for message in prompt)
         sample = {"prompt": prompt, "response": response, "reward": round(float(rewards[row]), 4)}
+        for column, name in enumerate(source_names):
+            value = float(sources[row, column])
+            sample[f"rewards/{name}"] = None if math.isnan(value) else round(value, 4)
+        if advantages is not None:
+            sample["advantage"] = round(float(advantages[row]), 4)
         if oracle is not None:
             sample["oracle"] = round(float(oracle(response)), 4)
         samples.append(sample)
@@ -161,6 +209,27 @@ def closing_message(summary: dict, output_dir: Path) -> str:
     )
 
 
+def summary_keys(cfg: DictConfig) -> list[str]:
+    """Every entry summary.json of a run of ``cfg`` holds (what ``metric=`` may name): :data:`SUMMARY_KEYS` and each
+    reward source's mean, first and last."""
+    names = [source.name for source in reward_sources(cfg)]
+    series = [f"rollout/rewards/{name}/mean" for name in names]
+    if cfg.eval.every_n_steps is not None:
+        series += ["eval/reward_mean", "eval/response_length", *(f"eval/rewards/{name}/mean" for name in names)]
+        series += ["eval/oracle_mean"] if cfg.data.oracle is not None else []
+        # eval/accuracy: when a source turns out to be a 0/1 check (known once it has scored).
+        series += ["eval/accuracy"] if any(source.kind != "model" for source in reward_sources(cfg)) else []
+    return [*SUMMARY_KEYS, *(f"{name}_{end}" for name in series for end in ("first", "last"))]
+
+
+def summary_series(history: list[dict]) -> list[str]:
+    """The training series summary.json gives ``_first``/``_last`` of: :data:`SUMMARY_SERIES`, then each reward
+    source's mean (``rollout/rewards/<name>/mean``) that the run logged."""
+    logged = dict.fromkeys(key for row in history for key in row)
+    per_source = [key for key in logged if key.startswith("rollout/rewards/") and key.endswith("/mean")]
+    return [*SUMMARY_SERIES, *per_source]
+
+
 def summarize(progress: TrainingProgress, *, window: int, num_processes: int) -> dict:
     """The run's :data:`SUMMARY_KEYS`. ``perf/wall_time_s``: the training steps' time over every invocation (setup
     apart); ``perf/tokens_per_s``: generated tokens per second of rollout (generation, reward, log-prob scoring)."""
@@ -174,10 +243,16 @@ def summarize(progress: TrainingProgress, *, window: int, num_processes: int) ->
         progress.setup_time_s,
     )
     summary = dict(zip(RUN_FIGURES, figures, strict=True))
-    for name in SUMMARY_SERIES:
+    for name in summary_series(history):
         values = [row[name] for row in history if name in row]
         if values:
             # The first step samples from the initial policy: the starting point. The end is averaged for stability.
             summary[f"{name}_first"] = values[0]
             summary[f"{name}_last"] = sum(values[-window:]) / len(values[-window:])
+    # Held-out figures: the evaluation before training, and the last one (not averaged: they are few and far apart).
+    if progress.evaluations:
+        first, last = progress.evaluations[0], progress.evaluations[-1]
+        for name in (key for key in last if key.startswith("eval/")):
+            summary[f"{name}_first"] = first.get(name, float("nan"))
+            summary[f"{name}_last"] = last[name]
     return summary

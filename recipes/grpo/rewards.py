@@ -19,34 +19,51 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from hydra.utils import get_object, instantiate
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from tensordict import NestedKey, TensorDictBase
 from tensordict.nn import TensorDictModuleBase, TensorDictSequential
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import Transform
+from transformers import TrainerState
 
-from interop import HFRewardModelWrapper, RewardModelTransform
+from interop import HFRewardModelWrapper
 from recipes.common.chat import CHAT_STEP_KEYS
 from recipes.common.config import ConfigError, tensordict_key
-from recipes.common.models import load_tokenizer
+from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
 from recipes.grpo.prompt_env import PromptEnv, PromptTable, non_tensor_rows
+from recipes.grpo.reward_functions import RewardFunction, resolve_function
 from recipes.grpo.sampling import SamplingPolicy
 
 __all__ = [
+    "AGGREGATIONS",
     "READ_KEYS_OF_INPUT",
     "REWARD_INPUTS",
     "LengthPenalty",
     "ResponseText",
+    "RewardSource",
+    "ScoreRewards",
     "TextScoreReward",
     "check_reward_keys",
-    "make_reward_transforms",
+    "check_reward_sources",
+    "load_reward_scorer",
+    "make_reward_transform",
     "reward_prompt_lengths",
+    "reward_sources",
     "rollout_step_keys",
+    "source_names",
 ]
 
 REWARD_INPUTS = ("history", "text", "tokens")
+# trl's multi_objective_aggregation: the weighted sum normalised per group (GRPO), or each source normalised per
+# group, then summed and normalised over the batch.
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+REWARD_KEY = "reward"
+SOURCE_REWARDS_KEY = "source_rewards"
 # The reward.read_keys entries the reward model reads, for each reward.input.
 READ_KEYS_OF_INPUT = {"history": ("history",), "text": ("text",), "tokens": ("tokens", "attention_mask")}
 
@@ -102,7 +119,7 @@ def check_reward_keys(cfg: DictConfig) -> None:
     held = rollout_step_keys(cfg)
     listed = ", ".join(f"[{', '.join(entry)}]" for entry in held)
     read = {}
-    for name in READ_KEYS_OF_INPUT[cfg.reward.input]:
+    for name in READ_KEYS_OF_INPUT[cfg.reward.input] if cfg.reward_model is not None else ():
         if name not in cfg.reward.read_keys:
             raise ConfigError(
                 f"reward.input={cfg.reward.input} reads reward.read_keys.{name}, which is not set. Set it to the entry "
@@ -135,15 +152,115 @@ def _with_response_text(module, prompts: PromptTable, tokenizer):
     )
 
 
-def make_reward_transforms(
-    cfg: DictConfig, reward_model, reward_tokenizer, policy_tokenizer, *, prompts: PromptTable | None = None
-) -> list:
-    """``RewardModelTransform`` over the reward model, then one accumulating transform per extra reward term.
+@dataclass(frozen=True)
+class RewardSource:
+    """One named, weighted reward of a step: the reward model, a trl reward function or a TorchRL reward term.
+
+    Attributes:
+        name: ``reward_model``, or the key under ``reward.functions`` / ``reward.terms`` (the metrics'
+            ``rollout/rewards/<name>/*``, trl's ``rewards/<name>/*``).
+        setting: where the config sets it.
+        weight: its weight in the sum (trl's ``reward_weights``).
+        kind: ``model``, ``function`` or ``term``.
+    """
+
+    name: str
+    setting: str
+    weight: float
+    kind: str
+
+
+def reward_sources(cfg: DictConfig) -> list[RewardSource]:
+    """The step's reward sources in their fixed order (the columns of ``("next", "source_rewards")``): the reward
+    model (unless ``reward_model=null``), then ``reward.functions``, then ``reward.terms``. Reads the config only."""
+    sources = []
+    if cfg.reward_model is not None:
+        sources.append(RewardSource("reward_model", "reward_model", float(cfg.reward.model_weight), "model"))
+    for name, node in cfg.reward.functions.items():
+        weight = float(node.get("weight", 1.0)) if isinstance(node, DictConfig) else 1.0
+        sources.append(RewardSource(str(name), f"reward.functions.{name}", weight, "function"))
+    for name, node in cfg.reward.terms.items():
+        weight = float(node.get("weight", 1.0)) if isinstance(node, DictConfig) else 1.0
+        sources.append(RewardSource(str(name), f"reward.terms.{name}", weight, "term"))
+    return sources
+
+
+def source_names(cfg: DictConfig) -> list[str]:
+    """The names of :func:`reward_sources`, in order: the columns of ``("next", "source_rewards")``."""
+    return [source.name for source in reward_sources(cfg)]
+
+
+def check_reward_sources(cfg: DictConfig) -> None:
+    """Refuses a run with no reward source, or two sources of one name, before anything loads."""
+    sources = reward_sources(cfg)
+    if not sources:
+        raise ConfigError(
+            "reward_model=null and no reward.functions or reward.terms: nothing would score the responses. Set "
+            "reward_model=<a group option>, or add a function, e.g. "
+            "'+reward.functions.format={function:trl.rewards.think_format_reward}'."
+        )
+    seen: dict[str, str] = {}
+    for source in sources:
+        if source.name in seen:
+            raise ConfigError(
+                f"{source.setting} and {seen[source.name]} share the name {source.name!r}, which names both in the "
+                "metrics (rollout/rewards/<name>/mean); rename one."
+            )
+        seen[source.name] = source.setting
+    if cfg.reward.aggregation not in AGGREGATIONS:
+        raise ConfigError(f"reward.aggregation={cfg.reward.aggregation!r}: expected one of {list(AGGREGATIONS)}.")
+
+
+def _term_module(node: DictConfig):
+    """A reward term's module: its node without ``weight`` (the source's weight, applied in the sum)."""
+    return instantiate(OmegaConf.create({key: node[key] for key in node if key != "weight"}))
+
+
+def load_reward_scorer(cfg: DictConfig) -> tuple:
+    """The reward model (eval mode) and its tokenizer, or ``(None, None)`` with ``reward_model=null``."""
+    if cfg.reward_model is None:
+        return None, None
+    tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+    model = load_reward_model(cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer, model.eval()
+
+
+def make_reward_transform(
+    cfg: DictConfig,
+    reward_model,
+    reward_tokenizer,
+    policy_tokenizer,
+    *,
+    prompts: PromptTable | None = None,
+    start_step: int = 0,
+) -> ScoreRewards:
+    """The env's reward transform: every source of :func:`reward_sources`, scored and summed.
 
     ``prompts``: the :class:`PromptTable` of a ``PromptEnv``, whose steps hold tokens only: text and conversations
-    are then decoded for the modules that read them (:class:`ResponseText`), inside the transform. ``None`` for
-    TorchRL's ``ChatEnv``, whose policy writes them.
+    are then decoded for the modules that read them (:class:`ResponseText`), inside the transform, and trl reward
+    functions read the prompts and columns there. ``None`` for TorchRL's ``ChatEnv``, whose policy writes them.
+    ``start_step``: the GRPO steps done before the first batch this transform scores (a resumed run's), from which
+    the ``trainer_state`` handed to reward functions counts.
     """
+    trainer_state = TrainerState(global_step=start_step, max_steps=cfg.train.steps)
+    modules = []
+    for source in reward_sources(cfg):
+        if source.kind == "model":
+            module = _reward_model_module(cfg, reward_model, reward_tokenizer, policy_tokenizer)
+        elif source.kind == "function":
+            function = resolve_function(f"{source.setting}.function", cfg.reward.functions[source.name].function)
+            module = RewardFunction(
+                function, name=source.name, prompts=prompts, tokenizer=policy_tokenizer, trainer_state=trainer_state
+            )
+        else:
+            module = _term_module(cfg.reward.terms[source.name])
+        if prompts is not None and source.kind != "function":
+            module = _with_response_text(module, prompts, policy_tokenizer)
+        modules.append((source, module))
+    return ScoreRewards(modules, aggregation=cfg.reward.aggregation, trainer_state=trainer_state)
+
+
+def _reward_model_module(cfg: DictConfig, reward_model, reward_tokenizer, policy_tokenizer) -> HFRewardModelWrapper:
     keys = {name: tensordict_key(key) for name, key in cfg.reward.read_keys.items()}
     common = {
         "inference_mode": True,
@@ -157,21 +274,117 @@ def make_reward_transforms(
                 "reward.input=tokens feeds the policy's token ids to the reward model, but the two tokenizers differ "
                 f"({cfg.model.name_or_path} vs {cfg.reward_model.name_or_path}); use reward.input=history or text."
             )
-        scorer = HFRewardModelWrapper(
+        return HFRewardModelWrapper(
             reward_model, token_key=keys["tokens"], attention_mask_key=keys["attention_mask"], **common
         )
-    elif cfg.reward.input == "text":
-        scorer = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, text_key=keys["text"], **common)
-    else:
-        scorer = HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, history_key=keys["history"], **common)
-    names = ["reward_model", *(f"reward.terms.{name}" for name in cfg.reward.terms)]
-    modules = [scorer, *(instantiate(term) for term in cfg.reward.terms.values())]
-    if prompts is not None:
-        modules = [_with_response_text(module, prompts, policy_tokenizer) for module in modules]
-    return [
-        RewardModelTransform(module, accumulate=index > 0, check_finite=True, name=name)
-        for index, (module, name) in enumerate(zip(modules, names, strict=True))
-    ]
+    if cfg.reward.input == "text":
+        return HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, text_key=keys["text"], **common)
+    return HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, history_key=keys["history"], **common)
+
+
+class ScoreRewards(Transform):
+    """The reward of an LLM env step from several weighted sources, as trl's ``GRPOTrainer`` sums its
+    ``reward_funcs`` with ``reward_weights``.
+
+    At each step every source module scores the step's responses (a scratch selection of the keys it reads, under
+    ``torch.no_grad()``); the transform writes each source's raw values at ``("next", "source_rewards")``
+    (``batch + (K,)``, NaN where a trl function returned ``None``) and their weighted sum, NaN values left out, at
+    ``("next", "reward")`` (``batch + (1, 1)``, TorchRL's LLM reward layout). A response that no source scores, or a
+    non-finite value from a reward model or a term, stops the step naming the sources.
+
+    Args:
+        sources: ``(RewardSource, module)`` pairs; each module writes one value per response in its one out key.
+
+    Keyword Args:
+        aggregation: ``reward.aggregation``; recorded here, applied where the advantages are computed
+            (``recipes.grpo.loss.GroupAdvantage``): the reward written is the weighted sum either way, as trl logs.
+        trainer_state: the ``TrainerState`` the reward functions get; its ``global_step`` moves by one per batch.
+    """
+
+    def __init__(self, sources: Sequence, *, aggregation: str = "sum_then_normalize", trainer_state=None) -> None:
+        super().__init__(in_keys=[], out_keys=[REWARD_KEY, SOURCE_REWARDS_KEY])
+        self.sources = [source for source, _ in sources]
+        self.modules = [module for _, module in sources]
+        for index, module in enumerate(self.modules):  # registered, so that .to() and repr see them
+            if isinstance(module, torch.nn.Module):
+                self.add_module(f"source_{index}", module)
+        self.aggregation = aggregation
+        self.trainer_state = trainer_state
+        self.weights = torch.tensor([source.weight for source in self.sources], dtype=torch.float32)
+
+    def score(self, source: TensorDictBase) -> torch.Tensor:
+        """Every source's values for the rows of ``source``, ``[N, K]`` (NaN: not applicable)."""
+        columns = []
+        count = source.batch_size.numel()
+        for spec, module in zip(self.sources, self.modules, strict=True):
+            in_keys = list(getattr(module, "in_keys", None) or [])
+            scratch = source.select(*in_keys, strict=False) if in_keys else source.copy()
+            with torch.no_grad():
+                scored = module(scratch)
+            scored = scratch if scored is None else scored
+            values = scored.get(module.out_keys[0]).reshape(-1).to(torch.float32).cpu()
+            if values.numel() != count:
+                raise RuntimeError(
+                    f"The reward source {spec.setting} returned {values.numel()} values for {count} responses; it must "
+                    "return one per response."
+                )
+            bad = ~torch.isfinite(values) if spec.kind != "function" else torch.isinf(values)
+            if bool(bad.any()):
+                rows = bad.nonzero().flatten().tolist()
+                raise ValueError(
+                    f"The reward source {spec.setting} returned {len(rows)} non-finite reward(s) (rows "
+                    f"{rows[:10]}{'...' if len(rows) > 10 else ''}); a policy trained on them would learn garbage. "
+                    "Fix the source."
+                )
+            columns.append(values)
+        values = torch.stack(columns, dim=-1)
+        unscored = torch.isnan(values).all(dim=-1)
+        if bool(unscored.any()):
+            rows = unscored.nonzero().flatten().tolist()
+            names = [spec.setting for spec in self.sources]
+            raise RuntimeError(
+                f"Every reward source ({', '.join(names)}) returned None for {len(rows)} response(s) (rows "
+                f"{rows[:10]}{'...' if len(rows) > 10 else ''}): nothing scores them. Make at least one source apply "
+                "to every response, or add one that always does."
+            )
+        return values
+
+    def total(self, values: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each row's values, NaN (not applicable) left out: ``[N]``."""
+        return (values * self.weights).nansum(dim=-1)
+
+    def _write(self, tensordict: TensorDictBase, prefix: tuple, values: torch.Tensor) -> None:
+        shape = tensordict.batch_size
+        device = tensordict.device
+        total = self.total(values)
+        if device is not None:
+            values, total = values.to(device), total.to(device)
+        tensordict.set((*prefix, SOURCE_REWARDS_KEY), values.reshape(*shape, len(self.sources)))
+        tensordict.set((*prefix, REWARD_KEY), total.reshape(*shape, 1, 1))
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        self._write(next_tensordict, (), self.score(tensordict))
+        if self.trainer_state is not None:
+            self.trainer_state.global_step += 1
+        return next_tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Scores stored responses outside an env: writes ``("next", "reward")`` and ``("next", "source_rewards")``."""
+        self._write(tensordict, ("next",), self.score(tensordict))
+        return tensordict
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        if REWARD_KEY not in reward_spec.keys():
+            reward_spec[REWARD_KEY] = Unbounded(
+                shape=(*reward_spec.shape, 1, 1), dtype=torch.float32, device=reward_spec.device
+            )
+        return reward_spec
+
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        observation_spec[SOURCE_REWARDS_KEY] = Unbounded(
+            shape=(*observation_spec.shape, len(self.sources)), dtype=torch.float32, device=observation_spec.device
+        )
+        return observation_spec
 
 
 class ResponseText(TensorDictModuleBase):
@@ -295,13 +508,13 @@ class LengthPenalty(TensorDictModuleBase):
 
 
 class TextScoreReward(TensorDictModuleBase):
-    """Reward term ``weight * score(response_text)`` from any text scorer (a rule, a verifier, the task's oracle).
+    """Reward term ``score(response_text)`` from any text scorer (a rule, a verifier, the task's oracle); as a
+    ``reward.terms`` entry its ``weight`` scales it in the sum.
 
     Args:
         score: ``callable(str) -> float``, e.g. ``recipes.common.synthetic.oracle_score``.
 
     Keyword Args:
-        weight: multiplies the score.
         text_key: the response text (TorchRL's wrappers write ``("text", "response")``, special tokens included).
         strip: substrings removed from the text before scoring (e.g. the EOS string).
         reward_key: the entry written, one float per sample.
@@ -309,15 +522,14 @@ class TextScoreReward(TensorDictModuleBase):
     Examples:
         >>> from tensordict import TensorDict
         >>> td = TensorDict({"text": {"response": ["it is good.", "it is bad."]}}, batch_size=[2])
-        >>> TextScoreReward(len, weight=2.0)(td)["text_score"]
-        tensor([22., 20.])
+        >>> TextScoreReward(len)(td)["text_score"]
+        tensor([11., 10.])
     """
 
     def __init__(
         self,
         score: Callable[[str], float],
         *,
-        weight: float = 1.0,
         text_key: NestedKey = ("text", "response"),
         strip: Sequence[str] = (),
         reward_key: NestedKey = "text_score",
@@ -326,7 +538,6 @@ class TextScoreReward(TensorDictModuleBase):
         if not callable(score):
             raise TypeError(f"TextScoreReward: score must be callable(str) -> float, got {type(score).__name__}.")
         self.score = score
-        self.weight = weight
         self.text_key = text_key
         self.strip = tuple(strip)
         self.in_keys = [text_key]
@@ -339,7 +550,7 @@ class TextScoreReward(TensorDictModuleBase):
         for text in texts:
             for piece in self.strip:
                 text = text.replace(piece, "")
-            values.append(self.weight * float(self.score(text)))
+            values.append(float(self.score(text)))
         tensordict.set(self.out_keys[0], torch.tensor(values).reshape(tensordict.batch_size))
         return tensordict
 

@@ -35,13 +35,22 @@ from recipes.common.chat import (
     pad_rollout,
 )
 from recipes.common.config import run_config
-from recipes.common.data import load_prompts
-from recipes.common.models import load_reward_model, load_tokenizer
-from recipes.grpo.batch import BATCH_KEYS, DONE, POLICY_VERSION, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, TRUNCATED
+from recipes.common.data import PromptRows, load_prompt_rows
+from recipes.common.models import load_tokenizer
+from recipes.grpo.batch import (
+    BATCH_KEYS,
+    DONE,
+    POLICY_VERSION,
+    PROMPT_INDEX,
+    RESPONSE_TOKENS,
+    REWARD,
+    SOURCE_REWARDS,
+    TRUNCATED,
+)
 from recipes.grpo.collectors import BackgroundCollector, LocalCollector
 from recipes.grpo.policy import load_policy
 from recipes.grpo.prompt_env import PromptEnv, PromptTable
-from recipes.grpo.rewards import make_reward_transforms
+from recipes.grpo.rewards import load_reward_scorer, make_reward_transform
 from recipes.grpo.sampling import SamplingPolicy, SamplingSettings, end_of_response_ids
 
 __all__ = ["ROLLOUT_ENVS", "build_prompt_collector", "check_generation_settings", "make_collector"]
@@ -90,7 +99,7 @@ def _stream_start(cfg: DictConfig, start_step: int, num_replicas: int) -> int:
 
 def _prompt_collector(
     cfg: DictConfig,
-    prompts: list,
+    prompts: PromptRows,
     *,
     policy_model,
     tokenizer,
@@ -114,8 +123,9 @@ def _prompt_collector(
         rank=rank,
         device=cfg.device,
     )
-    for transform in make_reward_transforms(cfg, reward_model, reward_tokenizer, tokenizer, prompts=prompts):
-        env = env.append_transform(transform)
+    env = env.append_transform(
+        make_reward_transform(cfg, reward_model, reward_tokenizer, tokenizer, prompts=prompts, start_step=start_step)
+    )
     policy = SamplingPolicy(policy_model, tokenizer, settings=SamplingSettings.from_mapping(cfg.rollout.generation))
     # One env step per batch: B dialogs of one turn each. Endless: the learner decides when to stop.
     collector = Collector(
@@ -140,13 +150,10 @@ def build_prompt_collector(
     """
     cfg = OmegaConf.create(dict(config))
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
-    reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
-    reward_model = load_reward_model(
-        cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
-    ).eval()
+    reward_tokenizer, reward_model = load_reward_scorer(cfg)
     return _prompt_collector(
         cfg,
-        load_prompts(cfg.data, "train"),
+        load_prompt_rows(cfg.data, "train"),
         # The weights are the learner's, loaded over these by the background collector before every batch.
         # With LoRA, built as the learner builds its policy: the parameter names match, so all of them (the
         # unchanging base included) are copied; a resumed run's adapter weights arrive the same way.
@@ -178,7 +185,11 @@ def _chat_collector(
         group_size=group,
         num_prompts=per_step // group,
         system_prompt=cfg.rollout.system_prompt,
-        transforms=make_reward_transforms(cfg, models.reward_model, models.reward_tokenizer, models.tokenizer),
+        transforms=[
+            make_reward_transform(
+                cfg, models.reward_model, models.reward_tokenizer, models.tokenizer, start_step=start_step
+            )
+        ],
     )
     version = torch.zeros((), dtype=torch.long)
     pad_token_id = models.tokenizer.pad_token_id
@@ -197,7 +208,7 @@ def _chat_collector(
         # zeroes the first response log-prob: the old log-probs are scored again where a step needs them.
         rollout = rollout.reshape(-1)  # [B, 1]: one step per dialog
         batch = pad_rollout(rollout, pad_token_id=pad_token_id)
-        batch.update(rollout.select(PROMPT_INDEX, REWARD, DONE).to_tensordict())
+        batch.update(rollout.select(PROMPT_INDEX, REWARD, SOURCE_REWARDS, DONE).to_tensordict())
         batch.set(POLICY_VERSION, version.expand(batch.shape[0]).clone())
         # A response that ends without an EOS hit max_new_tokens (what trl calls truncated).
         last = torch.stack([response[-1] for response in rollout.get(RESPONSE_TOKENS, as_list=True)])
@@ -216,15 +227,19 @@ def _chat_collector(
     return LocalCollector(collector, policy, version)
 
 
-def make_collector(cfg: DictConfig, models, *, prompts: list, start_step: int, num_replicas: int = 1, rank: int = 0):
+def make_collector(
+    cfg: DictConfig, models, *, prompts: PromptRows, start_step: int, num_replicas: int = 1, rank: int = 0
+):
     """The collector of ``cfg.rollout``: yields one step's dense batch (:data:`BATCH_KEYS`) per iteration and takes
     the learner's weights with ``update_policy_weights_(model, version=...)``; ``shutdown()`` when done.
 
     ``models``: the learner's models (``policy``, ``tokenizer``, and, unless the collector runs in the background,
-    ``reward_model`` and ``reward_tokenizer``). ``prompts``: the training prompts, already read (a background
-    collector reads them again in its own process)."""
+    ``reward_model`` and ``reward_tokenizer``). ``prompts``: the training prompts and their columns, already read (a
+    background collector reads them again in its own process)."""
     if cfg.rollout.env == "chat":
-        return _chat_collector(cfg, prompts, models, start_step=start_step, num_replicas=num_replicas, rank=rank)
+        return _chat_collector(
+            cfg, prompts.prompts, models, start_step=start_step, num_replicas=num_replicas, rank=rank
+        )
     if cfg.rollout.mode == "async":
         factory = functools.partial(
             build_prompt_collector,

@@ -56,8 +56,21 @@ class Reward:
     read_keys: ReadKeys
     micro_batch_size: Positive | None
     max_length: Positive | None
-    # name -> a _target_ node building a TensorDict reward term: the names are the user's.
+    model_weight: float
+    # name -> {function, weight}: the names are the user's (recipes.grpo.reward_functions checks each node).
+    functions: Annotated[dict[str, Any], OPEN]
+    # name -> a _target_ node building a TensorDict reward term (and its weight): the names are the user's.
     terms: Annotated[dict[str, Any], OPEN]
+    aggregation: Literal["sum_then_normalize", "normalize_then_sum"]
+
+
+@dataclass
+class Eval:
+    every_n_steps: Positive | None
+    num_prompts: Positive | None
+    group_size: Positive
+    # Sampler settings over rollout.generation's (recipes.grpo.evaluation.check_eval_settings checks the keys).
+    generation: Annotated[dict[str, Any], OPEN]
 
 
 @dataclass
@@ -148,7 +161,7 @@ class GRPOConfig:
     """``conf/grpo_torchrl_rm.yaml`` with its groups (``model``, ``reward_model``, ``data``, ``logger``)."""
 
     model: ModelNode
-    reward_model: ModelNode
+    reward_model: ModelNode | None
     data: DataNode
     logger: LoggerNode
     seed: NonNegative
@@ -165,6 +178,7 @@ class GRPOConfig:
     samples: Samples
     rollout: Rollout
     reward: Reward
+    eval: Eval
     advantage: Advantage
     loss: Loss
     optimizer: Optimizer

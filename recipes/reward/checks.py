@@ -48,6 +48,11 @@ def _validate_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"buffer.storage={cfg.buffer.storage!r}: expected one of {STORAGES} (buffer=memmap ...).")
     if cfg.buffer.storage == "memmap" and cfg.buffer.path is None:
         raise ConfigError("buffer=memmap needs buffer.path, the folder its pairs are written to.")
+    if cfg.data.source == "arithmetic":
+        raise ConfigError(
+            "data=arithmetic is a GRPO task (prompts with a solution checked by a reward function): it has no "
+            "preference pairs to train a reward model on. Use data=synthetic, data=file or data=hf."
+        )
     if cfg.buffer.load_from is not None:
         read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
     elif cfg.data.source == "synthetic":

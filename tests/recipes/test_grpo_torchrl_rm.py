@@ -15,13 +15,14 @@ import pytest
 import torch
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
+import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.checkpoint import MODEL_FOLDER, latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError
 from recipes.grpo import learner
 from recipes.grpo.checkpointing import load_training_state
 from recipes.grpo.prompt_env import PromptTable
-from recipes.grpo.rewards import make_reward_transforms, reward_prompt_lengths
+from recipes.grpo.rewards import make_reward_transform, reward_prompt_lengths
 
 SMALL = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", "logger=csv"]
 
@@ -35,7 +36,7 @@ class TestValidation:
             raise AssertionError("a model was loaded before the config was validated")
 
         monkeypatch.setattr(recipe, "load_causal_lm", refuse)
-        monkeypatch.setattr(recipe, "load_reward_model", refuse)
+        monkeypatch.setattr(rewards_module, "load_reward_model", refuse)
         monkeypatch.setattr(recipe, "load_tokenizer", refuse)
 
     @pytest.mark.parametrize(
@@ -121,7 +122,7 @@ def _refuse_model_loading(monkeypatch):
         raise AssertionError("a model was loaded before the prompts were checked")
 
     monkeypatch.setattr(recipe, "load_causal_lm", refuse)
-    monkeypatch.setattr(recipe, "load_reward_model", refuse)
+    monkeypatch.setattr(rewards_module, "load_reward_model", refuse)
 
 
 def test_prompts_too_long_for_the_policy_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch):
@@ -147,14 +148,13 @@ def test_a_reward_max_length_that_cuts_every_response_is_refused(compose_config,
 
 def test_a_reward_max_length_that_cuts_some_responses_is_reported(compose_config, tmp_path, caplog):
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.max_length=13"])
-    table = PromptTable(
-        recipe.load_prompts(cfg.data, "train"), tokenizer=recipe.load_tokenizer(cfg.model, padding_side="left")
-    )
+    prompts = recipe.load_prompt_rows(cfg.data, "train")
+    table = PromptTable(prompts, tokenizer=recipe.load_tokenizer(cfg.model, padding_side="left"))
     reward_lengths = reward_prompt_lengths(cfg, table, torch.tensor(table.rendered_lengths()))
     cut = sum(length >= 13 for length in reward_lengths)
     assert 0 < cut < len(reward_lengths)  # the case under test: some prompts, not all
     with caplog.at_level("WARNING"):
-        recipe.check_prompt_lengths(cfg, recipe.load_prompts(cfg.data, "train"))
+        recipe.check_prompt_lengths(cfg, prompts)
     assert f"for {cut} of {len(reward_lengths)} prompts" in caplog.text
 
 
@@ -243,7 +243,7 @@ def test_a_step_whose_groups_all_tie_is_reported(compose_config, tmp_path, monke
         def forward(self, input_ids, attention_mask=None):
             return torch.zeros(input_ids.shape[0], 1)
 
-    monkeypatch.setattr(recipe, "load_reward_model", lambda *args, **kwargs: ConstantRewardModel())
+    monkeypatch.setattr(rewards_module, "load_reward_model", lambda *args, **kwargs: ConstantRewardModel())
     with caplog.at_level("WARNING", logger=recipe.__name__):
         recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}"]))
     assert [row["rollout/frac_reward_zero_std"] for row in read_metrics(tmp_path)] == [1.0, 1.0]
@@ -387,7 +387,7 @@ def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
     rm = AutoModelForSequenceClassification.from_pretrained(other_rm_dir).eval()
     assert rm_tokenizer.get_vocab() != policy_tokenizer.get_vocab()
 
-    transforms = make_reward_transforms(cfg, rm, rm_tokenizer, policy_tokenizer)
+    transforms = [make_reward_transform(cfg, rm, rm_tokenizer, policy_tokenizer)]
     env = make_chat_env(
         make_prompt_dataloader(["Review the mug.", "Review the lamp."], seed=0, shuffle=False),
         tokenizer=policy_tokenizer,
@@ -431,7 +431,7 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
     ]
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.input=tokens", *terms])
     model, tokenizer = tiny_policy
-    transforms = make_reward_transforms(cfg, ConstantRewardModel(), tokenizer, tokenizer)
+    transforms = [make_reward_transform(cfg, ConstantRewardModel(), tokenizer, tokenizer)]
     loader = make_prompt_dataloader(["Review the mug."], seed=0)
     env = make_chat_env(loader, tokenizer=tokenizer, group_size=4, transforms=transforms)
     policy = make_policy(model, tokenizer, generation=cfg.rollout.generation)

@@ -270,3 +270,40 @@ def test_build_script_writes_loadable_checkpoints(tmp_path, repo_root):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "policy").config.vocab_size == len(tokenizer)
     reward_base = AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward_base")
     assert reward_base.config.num_labels == 1 and reward_base.config.pad_token_id == tokenizer.pad_token_id
+
+
+def test_build_script_writes_the_arithmetic_policy(tmp_path, repo_root):
+    command = [
+        sys.executable,
+        str(repo_root / "scripts" / "build_tiny_models.py"),
+        f"--out={tmp_path}",
+        "--task=arithmetic",
+        "--num-conversations=200",
+        "--pretrain-steps=5",
+        "--vocab-size=300",
+    ]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["arithmetic_policy"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "arithmetic_policy")
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "arithmetic_policy")
+    assert policy.config.vocab_size == len(tokenizer) and policy.generation_config.max_new_tokens == 16
+
+
+def test_the_build_script_pretrains_on_the_tokens_the_loaded_tokenizer_makes(repo_root):
+    """The BPE the script trains merges " 1" into one token; the tokenizer from_pretrained loads beside a Qwen2 policy
+    splits every digit. The corpus is tokenized by the latter (as_loaded), or "17" in a prompt would be tokens the
+    policy never saw."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_tiny_models", repo_root / "scripts" / "build_tiny_models.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    from recipes.common.arithmetic import make_sft_conversations
+
+    corpus = [f"{m['role']}\n{m['content']}" for c in make_sft_conversations(200, seed=0) for m in c]
+    trained = build.build_tokenizer(corpus, vocab_size=300)
+    loaded = build.as_loaded(trained, build.build_policy(trained, hidden_size=16, num_layers=1))
+    assert "Ġ1" in trained.tokenize("What is 13 + 4?")
+    assert loaded.tokenize("What is 13 + 4?") == ["What", "Ġis", "Ġ", "1", "3", "Ġ+", "Ġ", "4", "?"]

@@ -54,7 +54,9 @@ def test_the_run_log_tells_the_run_from_start_to_end(tmp_path):
     assert [line.split(" - ")[1].split(" sample")[0] for line in text.splitlines() if " sample: " in line] == [
         f"Step {step}" for step in (1, 1, 2, 2, 4, 4)
     ]
-    assert all(set(sample) == {"prompt", "response", "reward", "oracle"} for sample in samples)
+    # Each source's value and the advantage beside the reward (one source here: the reward model).
+    keys = {"prompt", "response", "reward", "rewards/reward_model", "advantage", "oracle"}
+    assert all(set(sample) == keys for sample in samples)
     assert all(sample["prompt"] and isinstance(sample["reward"], float) for sample in samples)
     assert "GRPO done: 4 steps" in text
 
@@ -105,7 +107,9 @@ def test_wandb_keeps_one_run_across_resumes_with_the_summary_and_sample_tables(c
     assert calls["summary"][0] == first and calls["summary"][1] == resumed
     assert [step for step, _ in calls["samples"]] == [1, 2, 3]  # first, every 2nd and last steps; no step twice
     assert all(
-        len(rows) == 3 and {"prompt", "response", "reward", "oracle"} == set(rows[0]) for _, rows in calls["samples"]
+        len(rows) == 3
+        and {"prompt", "response", "reward", "rewards/reward_model", "advantage", "oracle"} == set(rows[0])
+        for _, rows in calls["samples"]
     )
 
     fresh = tmp_path / "fresh"

@@ -8,6 +8,7 @@ import pytest
 import torch
 from _small_runs import GRPO_SMALL, read_metrics
 
+import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.config import ConfigError, RunStopped
 from recipes.grpo import learner as learner_module
@@ -82,7 +83,7 @@ def test_dynamic_sampling_on_a_reward_that_ties_everything_stops_clearly(compose
         def forward(self, input_ids, attention_mask=None):
             return torch.full((input_ids.shape[0], 1), 1.0)
 
-    monkeypatch.setattr(recipe, "load_reward_model", lambda *args, **kwargs: ConstantRewardModel())
+    monkeypatch.setattr(rewards_module, "load_reward_model", lambda *args, **kwargs: ConstantRewardModel())
     overrides = ["train.steps=2", "advantage.filter_zero_std_groups=true", "advantage.max_extra_batches=2"]
     with pytest.raises(
         RunStopped, match=r"after 3 batches, only 0 of 4 responses came from groups whose rewards differ"

@@ -10,6 +10,7 @@ import pytest
 from _small_runs import GRPO_SMALL, read_metrics
 from omegaconf import OmegaConf
 
+import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.config import ConfigError
 from recipes.grpo.checks import validate
@@ -20,8 +21,9 @@ def nothing_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was validated")
 
-    for name in ("load_causal_lm", "load_reward_model", "load_tokenizer", "load_policy"):
+    for name in ("load_causal_lm", "load_tokenizer", "load_policy"):
         monkeypatch.setattr(recipe, name, refuse)
+    monkeypatch.setattr(rewards_module, "load_reward_model", refuse)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +171,7 @@ def test_a_non_finite_reward_stops_the_run_naming_its_source(compose_config, tmp
         def forward(self, input_ids, attention_mask=None):
             return torch.full((input_ids.shape[0], 1), float("nan"))
 
-    monkeypatch.setattr(recipe, "load_reward_model", lambda *args, **kwargs: NaNRewardModel())
+    monkeypatch.setattr(rewards_module, "load_reward_model", lambda *args, **kwargs: NaNRewardModel())
     run = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"output_dir={tmp_path}"]
     with pytest.raises(ValueError, match=r"the reward model 'NaNRewardModel' gave 4 non-finite reward\(s\)"):
         recipe.train(compose_config("grpo_torchrl_rm", run))

@@ -21,7 +21,7 @@ from recipes.grpo.rewards import (
     ResponseText,
     TextScoreReward,
     check_reward_keys,
-    make_reward_transforms,
+    make_reward_transform,
     rollout_step_keys,
 )
 from recipes.grpo.rollout import build_prompt_collector
@@ -42,13 +42,12 @@ def other_rm(other_rm_dir):
 
 
 def _rollout_step(compose_config, tiny_policy, reward_model, reward_tokenizer, reward_input, overrides=()):
-    """One step of PromptEnv + make_reward_transforms + SamplingPolicy: the responses and their rewards."""
+    """One step of PromptEnv + make_reward_transform + SamplingPolicy: the responses and their rewards."""
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"reward.input={reward_input}", *overrides])
     model, tokenizer = tiny_policy
     table = PromptTable(PROMPTS, tokenizer=tokenizer)
     env = PromptEnv(table, tokenizer=tokenizer, group_size=2, num_prompts=2, shuffle=False)
-    for transform in make_reward_transforms(cfg, reward_model, reward_tokenizer, tokenizer, prompts=table):
-        env = env.append_transform(transform)
+    env = env.append_transform(make_reward_transform(cfg, reward_model, reward_tokenizer, tokenizer, prompts=table))
     policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=16, top_k=50))
     torch.manual_seed(0)
     step = env.step(policy(env.reset()))
@@ -269,8 +268,8 @@ def test_a_top_level_key_given_as_a_name_is_read_as_one(compose_config, tiny_pol
     """``reward.read_keys.text=query``: the key ``"query"``, not the nested key ``("q", "u", "e", "r", "y")``."""
     cfg = compose_config("grpo_torchrl_rm", ["reward.input=text", "reward.read_keys.text=query"])
     _, tokenizer = tiny_policy
-    (transform,) = make_reward_transforms(cfg, torch.nn.Identity(), tokenizer, tokenizer)
-    assert transform.reward_module.in_keys == ["query"]
+    transform = make_reward_transform(cfg, torch.nn.Identity(), tokenizer, tokenizer)
+    assert transform.modules[0].in_keys == ["query"]
 
 
 GENERATION = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "do_sample": True}
@@ -293,7 +292,7 @@ class TestRewardTerms:
 
         transforms = [
             RewardModelTransform(HFRewardModelWrapper(ConstantRewardModel(), inference_mode=True)),
-            RewardModelTransform(TextScoreReward(oracle_score, weight=10.0), accumulate=True),
+            RewardModelTransform(TextScoreReward(lambda text: 10.0 * oracle_score(text)), accumulate=True),
             RewardModelTransform(LengthPenalty(coefficient=0.1), accumulate=True),
         ]
         loader = make_prompt_dataloader(["Review the mug."], seed=0)

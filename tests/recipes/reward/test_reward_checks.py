@@ -35,6 +35,7 @@ def nothing_loads(monkeypatch):
         ("train.learning_rate=nan", r"train.learning_rate=nan: not a finite number"),
         ("reward_model.lora.alpha=true", r"reward_model.lora.alpha=True: expected a number"),
         ("seed=-1", r"seed=-1 must be >= 0"),
+        ("data=arithmetic", r"data=arithmetic is a GRPO task .* no preference pairs .* Use data=synthetic"),
     ],
 )
 def test_bad_keys_and_values_are_refused_before_anything_loads(

@@ -1,0 +1,174 @@
+"""Held-out evaluation during GRPO training: trl's ``eval_dataset`` / ``eval_steps``, with the run's reward sources.
+
+``eval.every_n_steps`` (null: off) evaluates the policy before the first step, every N steps and after the last, on
+the data's eval split (``data.num_eval_prompts`` of a built-in task, ``data.eval_path`` of a file, ``data.eval_split``
+of an HF dataset), ``eval.num_prompts`` of them, ``eval.group_size`` responses each, sampled with
+``rollout.generation`` updated by ``eval.generation`` (``do_sample: false`` for greedy answers). Every response is
+scored by the same sources as training (``recipes.grpo.rewards``), in the learner's process with the learner's
+current weights (also in async mode, where the collector's process holds its own copy), in chunks of
+``rollout.responses_per_step``. Under torchrun the prompts are dealt out between the processes and the figures pooled.
+
+Figures: ``eval/reward_mean``, ``eval/rewards/<name>/mean`` per source, ``eval/oracle_mean`` where the data has an
+oracle, ``eval/accuracy`` (the mean of the first source whose values are all 0 or 1: a verifier's check),
+``eval/response_length``. Sampling runs on a random stream of its own (seeded by ``seed`` and the step), so that the
+same seed gives the same figures and the training run samples exactly as it would without evaluation.
+
+Dependencies: torch, tensordict, accelerate, and the recipe's own modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.common.config import ConfigError
+from recipes.common.data import PromptRows
+from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS, response_mask
+from recipes.grpo.prompt_env import PromptEnv, PromptTable
+from recipes.grpo.rewards import make_reward_transform, source_names
+from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
+
+__all__ = ["Evaluator", "check_eval_settings", "eval_due", "has_eval_split"]
+
+
+def has_eval_split(data: DictConfig) -> bool:
+    """Whether the ``data=`` node names held-out prompts."""
+    if data.source in ("file",):
+        return data.eval_path is not None
+    if data.source == "hf":
+        return data.eval_split is not None
+    return int(data.num_eval_prompts) > 0
+
+
+def check_eval_settings(cfg: DictConfig) -> None:
+    """Refuses, before anything loads, an evaluation the data cannot feed, or settings the sampler does not take."""
+    every = cfg.eval.every_n_steps
+    if every is None:
+        return
+    if not has_eval_split(cfg.data):
+        key = {"file": "data.eval_path", "hf": "data.eval_split"}.get(cfg.data.source, "data.num_eval_prompts")
+        raise ConfigError(
+            f"eval.every_n_steps={every}, but data={cfg.data.source} has no held-out prompts: set {key} (or "
+            "eval.every_n_steps=null)."
+        )
+    if cfg.rollout.env != "prompt":
+        raise ConfigError(
+            "eval.every_n_steps samples with the recipe's own sampler (rollout.env=prompt); with rollout.env=chat "
+            "set eval.every_n_steps=null."
+        )
+    SamplingSettings.check_keys(eval_generation(cfg), key="eval.generation")
+
+
+def eval_generation(cfg: DictConfig) -> dict:
+    """``rollout.generation`` with ``eval.generation``'s settings on top."""
+    return {**OmegaConf.to_container(cfg.rollout.generation), **OmegaConf.to_container(cfg.eval.generation)}
+
+
+def eval_due(cfg: DictConfig, step: int) -> bool:
+    """Whether the policy is evaluated after ``step`` (0: before the first step)."""
+    every = cfg.eval.every_n_steps
+    return every is not None and (step % every == 0 or step == cfg.train.steps)
+
+
+class Evaluator:
+    """Evaluates the policy on the held-out prompts: one call, one dict of ``eval/*`` figures (the same on every
+    process).
+
+    Args:
+        cfg: the run's config.
+        prompts: the eval split's prompts and columns (``recipes.common.data.load_prompt_rows(data, "eval")``).
+        policy: the policy being trained (its current weights sample).
+        tokenizer: the policy's tokenizer.
+        reward_model, reward_tokenizer: the reward model and its tokenizer (``None`` with ``reward_model=null``).
+        oracle: the data's oracle, or ``None``.
+    """
+
+    def __init__(
+        self, cfg: DictConfig, prompts: PromptRows, *, policy, tokenizer, reward_model, reward_tokenizer, oracle
+    ):
+        processes = PartialState()
+        count = len(prompts) if cfg.eval.num_prompts is None else min(int(cfg.eval.num_prompts), len(prompts))
+        if count < processes.num_processes:
+            raise ConfigError(
+                f"eval: {count} held-out prompts cannot be shared by {processes.num_processes} processes; raise "
+                "eval.num_prompts (or the data's eval split)."
+            )
+        # Every process gets as many prompts (what is left over is not evaluated): under FSDP2 the processes must run
+        # the same forward passes.
+        per_process = count // processes.num_processes
+        start = processes.process_index * per_process
+        self.cfg = cfg
+        self.table = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
+        self.indices = list(range(start, start + per_process))
+        self.policy = SamplingPolicy(policy, tokenizer, settings=SamplingSettings.from_mapping(eval_generation(cfg)))
+        self.tokenizer = tokenizer
+        self.oracle = oracle
+        self.group_size = int(cfg.eval.group_size)
+        self.names = source_names(cfg)
+        self.scorer = make_reward_transform(cfg, reward_model, reward_tokenizer, tokenizer, prompts=self.table)
+        self.samples: list[dict] = []
+
+    def __call__(self, step: int) -> dict[str, float]:
+        """The figures of the policy as it is after ``step`` (0: before training); keeps a few samples."""
+        chunk = max(1, self.cfg.rollout.responses_per_step // self.group_size)
+        rows = []
+        devices = [self.policy.model.device] if self.policy.model.device.type == "cuda" else []
+        if self.scorer.trainer_state is not None:  # what trl reward functions read as the step
+            self.scorer.trainer_state.global_step = step
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(self.cfg.seed * 1_000_003 + step)
+            for begin in range(0, len(self.indices), chunk):
+                rows.extend(self._evaluate(self.indices[begin : begin + chunk]))
+        rows = [row for share in gather_object([rows]) for row in share] if PartialState().use_distributed else rows
+        self.samples = rows[:: max(1, len(rows) // 8)][:8]
+        return self._figures(rows)
+
+    def _evaluate(self, indices: list[int]) -> list[dict]:
+        # The indices are consecutive rows of the table: an unshuffled PromptEnv started at the first deals them.
+        env = PromptEnv(
+            self.table,
+            tokenizer=self.tokenizer,
+            group_size=self.group_size,
+            num_prompts=len(indices),
+            start=indices[0],
+            shuffle=False,
+            device=self.cfg.device,
+        )
+        step = self.policy(env.reset())
+        self.scorer(step)
+        mask = response_mask(step)
+        responses = [row[keep] for row, keep in zip(step.get(RESPONSE_TOKENS), mask, strict=True)]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        rewards = step.get(REWARD).reshape(-1).tolist()
+        sources = step.get(SOURCE_REWARDS).reshape(len(texts), -1).tolist()
+        prompt_index = step.get(PROMPT_INDEX).tolist()
+        return [
+            {
+                "prompt": self.table.prompts[index],
+                "response": text,
+                "reward": reward,
+                "sources": values,
+                "length": int(row_mask.sum()),
+            }
+            for index, text, reward, values, row_mask in zip(prompt_index, texts, rewards, sources, mask, strict=True)
+        ]
+
+    def _figures(self, rows: list[dict]) -> dict[str, float]:
+        figures = {"eval/reward_mean": sum(row["reward"] for row in rows) / len(rows)}
+        accuracy = None
+        for column, name in enumerate(self.names):
+            values = [row["sources"][column] for row in rows if not math.isnan(row["sources"][column])]
+            mean = sum(values) / len(values) if values else math.nan
+            figures[f"eval/rewards/{name}/mean"] = mean
+            if accuracy is None and values and all(value in (0.0, 1.0) for value in values):
+                accuracy = mean
+        if accuracy is not None:
+            figures["eval/accuracy"] = accuracy
+        if self.oracle is not None:
+            figures["eval/oracle_mean"] = sum(float(self.oracle(row["response"])) for row in rows) / len(rows)
+        figures["eval/response_length"] = sum(row["length"] for row in rows) / len(rows)
+        return figures

@@ -1,0 +1,240 @@
+"""trl reward functions as reward sources of the TorchRL env: called exactly as ``trl.GRPOTrainer`` calls them.
+
+A trl reward function is ``f(prompts, completions, completion_ids, **kwargs) -> list[float | None]``, where the
+keyword arguments are every other column of the data row each prompt came from (repeated per completion),
+``trainer_state`` (transformers' ``TrainerState``: the step, the total steps), and trl's ``log_extra`` /
+``log_metric`` callbacks. ``reward.functions.<name>.function`` names one by its dotted path
+(``trl.rewards.think_format_reward``), or builds one with a ``_target_`` node (a factory such as
+``trl.rewards.get_soft_overlong_punishment``).
+
+- :func:`resolve_function`: the callable a config node names; :func:`check_reward_functions`: every function
+  importable, callable, able to take what trl passes with this data's columns, its weight finite, before any model
+  loads.
+- :class:`RewardFunction`: a TensorDict module over a ``PromptEnv`` step that decodes the responses as trl does,
+  looks up each row's prompt and columns, calls the function once for the whole batch, and writes one reward per
+  response, NaN where it returned ``None`` (trl's "not applicable"). A function that raises fails the step naming
+  itself and the first row it fails on; a wrong count or a NaN fails it naming the function.
+
+Dependencies: torch, tensordict, hydra, transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from transformers import TrainerState
+
+from recipes.common.config import ConfigError
+from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
+
+__all__ = ["RewardFunction", "check_reward_functions", "function_name", "resolve_function"]
+
+log = logging.getLogger(__name__)
+
+# trl's accuracy reward parses LaTeX with math-verify, an optional extra here.
+_NEEDS_MATH_VERIFY = ("trl.rewards.accuracy_reward", "trl.rewards.accuracy_rewards.accuracy_reward")
+
+
+def function_name(node) -> str:
+    """The dotted path a ``reward.functions.<name>.function`` node names (its ``_target_`` for a factory)."""
+    if isinstance(node, str):
+        return node
+    return str(node.get("_target_", "<no _target_>"))
+
+
+def resolve_function(setting: str, node) -> Callable:
+    """The callable ``node`` names: a dotted path (imported) or a ``_target_`` node (instantiated, e.g. a factory that
+    returns the function).
+
+    Raises:
+        ConfigError: naming ``setting``, when it cannot be imported or built, or is not callable.
+    """
+    path = function_name(node)
+    if path in _NEEDS_MATH_VERIFY and importlib.util.find_spec("math_verify") is None:
+        raise ConfigError(
+            f"{setting}={path} needs the math-verify package (trl's accuracy reward parses LaTeX with it): "
+            "pip install -e '.[math]'."
+        )
+    try:
+        function = get_object(node) if isinstance(node, str) else instantiate(node)
+    except Exception as error:  # whatever the import or the factory raised, the user needs the setting named
+        raise ConfigError(
+            f"{setting}={path} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0][:200]}); give "
+            "the dotted path of a reward function, e.g. trl.rewards.think_format_reward, or a {_target_: ...} node "
+            "whose target returns one."
+        ) from None
+    if not callable(function):
+        raise ConfigError(f"{setting}={path} is a {type(function).__name__}, not a function.")
+    return function
+
+
+def _call_arguments(columns: Sequence[str]) -> list[str]:
+    return ["prompts", "completions", "completion_ids", *columns, "trainer_state", "log_extra", "log_metric"]
+
+
+def check_reward_functions(cfg: DictConfig, columns: Sequence[str]) -> None:
+    """Refuses, before anything loads, a ``reward.functions`` entry that is not a ``{function, weight}`` node, whose
+    function cannot be loaded, or cannot be called with what trl passes (``prompts``, ``completions``,
+    ``completion_ids``, the data's ``columns``, ``trainer_state``, ``log_extra``, ``log_metric``): a parameter it
+    requires that none of these provides (a column the data lacks, say) is named with the columns there are."""
+    for name, node in cfg.reward.functions.items():
+        setting = f"reward.functions.{name}"
+        if not isinstance(node, DictConfig) or "function" not in node:
+            raise ConfigError(
+                f"{setting}: expected {{function: <dotted path or _target_ node>, weight: <float>}}, got {node!r}."
+            )
+        unknown = sorted(set(node) - {"function", "weight"})
+        if unknown:
+            raise ConfigError(f"{setting}: unknown key(s) {unknown}; a reward function node takes function and weight.")
+        weight = node.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"{setting}.weight={weight!r}: expected a finite number.")
+        function = resolve_function(f"{setting}.function", node.function)
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check here
+            continue
+        arguments = _call_arguments(columns)
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+        required = [
+            p.name
+            for p in signature.parameters.values()
+            if p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
+        missing = [parameter for parameter in required if parameter not in arguments]
+        if missing:
+            raise ConfigError(
+                f"{setting}.function={function_name(node.function)} requires {missing}, which trl's call does not "
+                f"provide here: it passes prompts, completions, completion_ids, trainer_state, log_extra, "
+                f"log_metric and the data's columns {list(columns)}. Add the column to the data, or give the "
+                "parameter a default."
+            )
+        if not takes_any:
+            raise ConfigError(
+                f"{setting}.function={function_name(node.function)} takes no **kwargs: trl passes every column and "
+                "more to each reward function, so it must accept them (def f(completions, **kwargs))."
+            )
+
+
+class RewardFunction(TensorDictModuleBase):
+    """A trl reward function over a ``PromptEnv`` step, called once for the whole batch as trl calls it.
+
+    Args:
+        function: the reward function.
+
+    Keyword Args:
+        name: what messages call it (``reward.functions.<name>``).
+        prompts: the env's ``PromptTable`` (the prompts as the data holds them, and their columns).
+        tokenizer: the policy's tokenizer (responses are decoded without special tokens, as trl decodes them).
+        trainer_state: the ``TrainerState`` handed to the function; its owner moves its step.
+
+    Writes ``"score"``: one float per response, NaN where the function returned ``None``.
+    """
+
+    def __init__(self, function: Callable, *, name: str, prompts, tokenizer, trainer_state: TrainerState) -> None:
+        super().__init__()
+        self.function = function
+        self.name = name
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.trainer_state = trainer_state
+        self.logged_metrics: dict[str, list[float]] = {}
+        self.logged_columns: dict[str, list] = {}
+        self.in_keys = [RESPONSE_TOKENS, ATTENTION_MASK, PROMPT_INDEX]
+        self.out_keys = ["score"]
+
+    def arguments(self, tensordict: TensorDictBase) -> dict:
+        """What trl passes the function for these responses (keyword arguments)."""
+        tokens = tensordict.get(RESPONSE_TOKENS)
+        mask = tensordict.get(ATTENTION_MASK)[..., -tokens.shape[-1] :]
+        flat_tokens, flat_mask = tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu()
+        completion_ids = [row[keep].tolist() for row, keep in zip(flat_tokens, flat_mask, strict=True)]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        indices = tensordict.get(PROMPT_INDEX).reshape(-1).tolist()
+        prompts = [self.prompts.prompts[index] for index in indices]
+        conversational = not isinstance(prompts[0], str)
+        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        columns = {name: [values[index] for index in indices] for name, values in self.prompts.columns.items()}
+        return {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **columns,
+            "trainer_state": self.trainer_state,
+            "log_extra": self._log_extra,
+            "log_metric": self._log_metric,
+        }
+
+    def _log_extra(self, column: str, values: list) -> None:
+        self.logged_columns[column] = list(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self.logged_metrics.setdefault(name, []).append(float(value))
+        log.debug("reward function %s logged %s=%s", self.name, name, value)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        kwargs = self.arguments(tensordict)
+        count = len(kwargs["completions"])
+        try:
+            values = self.function(**kwargs)
+        except Exception as error:
+            raise RuntimeError(
+                f"The reward function reward.functions.{self.name} raised {type(error).__name__}: {error}"
+                f"{self._first_failing_row(kwargs)}. Fix the function (or the data): a reward it cannot compute is "
+                "never counted as 0."
+            ) from error
+        values = list(values) if values is not None else []
+        if len(values) != count:
+            raise RuntimeError(
+                f"The reward function reward.functions.{self.name} returned {len(values)} rewards for {count} "
+                "completions; a trl reward function returns one per completion (None where it does not apply)."
+            )
+        scores = []
+        for row, value in enumerate(values):
+            if value is None:
+                scores.append(math.nan)  # trl's "not applicable": left out of this source's mean and the sum
+                continue
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = math.nan
+            if not math.isfinite(number):
+                raise RuntimeError(
+                    f"The reward function reward.functions.{self.name} returned {value!r} for row {row} (prompt "
+                    f"{_shown(kwargs['prompts'][row])}, completion {_shown(kwargs['completions'][row])}): a reward "
+                    "must be a finite number, or None where the function does not apply."
+                )
+            scores.append(number)
+        shape = tensordict.batch_size
+        tensordict.set("score", torch.tensor(scores, dtype=torch.float32).reshape(shape))
+        return tensordict
+
+    def _first_failing_row(self, kwargs: dict) -> str:
+        """`` on row i (prompt ..., completion ...)``: the function called again row by row (only now that it
+        failed) to find the first row it fails on; empty if every row alone passes."""
+        per_row = [key for key, value in kwargs.items() if isinstance(value, list)]
+        for row in range(len(kwargs["completions"])):
+            single = {key: ([value[row]] if key in per_row else value) for key, value in kwargs.items()}
+            try:
+                self.function(**single)
+            except Exception:  # noqa: BLE001 - looking for the row, the error itself is reported above
+                return (
+                    f" on row {row} of the step's responses (prompt {_shown(kwargs['prompts'][row])}, completion "
+                    f"{_shown(kwargs['completions'][row])})"
+                )
+        return ""
+
+
+def _shown(value, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
