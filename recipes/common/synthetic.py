@@ -23,6 +23,7 @@ __all__ = [
     "make_sft_conversations",
     "make_task",
     "oracle_score",
+    "well_formed_score",
 ]
 
 PRODUCTS = ("phone", "laptop", "camera", "kettle", "bike", "lamp", "chair", "watch", "radio", "bag", "desk", "mug")
@@ -36,6 +37,18 @@ _VERBS = ("is", "looks", "feels", "seems")
 _ADVERBS = ("", "very ", "really ", "quite ")
 _POSITIVE, _NEGATIVE, _NEUTRAL = set(POSITIVE_WORDS), set(NEGATIVE_WORDS), set(NEUTRAL_WORDS)
 _WORD = re.compile(r"[a-z]+")
+# A clause of the grammar make_review writes: "<subject> <verb> [adverb] <adjective>".
+_CLAUSE = re.compile(
+    "(?:"
+    + "|".join(dict.fromkeys(re.escape(subject.format(product)) for subject in _SUBJECTS for product in PRODUCTS))
+    + ") (?:"
+    + "|".join(_VERBS)
+    + ") (?:(?:"
+    + "|".join(adverb.strip() for adverb in _ADVERBS if adverb)
+    + ") )?("
+    + "|".join(POSITIVE_WORDS + NEGATIVE_WORDS + NEUTRAL_WORDS)
+    + ")"
+)
 
 
 def make_prompts(num_prompts: int, *, seed: int) -> list[str]:
@@ -106,6 +119,45 @@ def oracle_score(response: str) -> float:
     neutral = sum(w in _NEUTRAL for w in words)
     total = positive + negative + neutral
     return (positive - negative) / total if total else 0.0
+
+
+def well_formed_score(response: str) -> float:
+    """A stricter ground truth than :func:`oracle_score`, in [-1, 1]: positive, and well-formed.
+
+    The response is read as the task's own grammar writes reviews: clauses ``<subject> <verb> [adverb] <adjective>``
+    joined by " and ", ending with a period. Each well-formed clause counts +1 (positive adjective), -1 (negative) or
+    0 (neutral), once: a clause said again, a clause off the grammar (a word salad, a broken character) and a last
+    clause cut off before its period count 0. The sum is divided by the number of clauses. So a review whose clauses
+    are all distinct, well-formed and positive scores 1, and neither repeating a good clause nor stringing positive
+    words together earns anything: the reward hacks that :func:`oracle_score` (which counts adjectives) and the tiny
+    reward model trained from it let through. Not yet the task's default oracle (``data.oracle``): a reward model
+    trained from it does not yet teach the default run varied reviews; pass
+    ``data.oracle._target_=recipes.common.synthetic.well_formed_score`` to measure a run with it.
+
+    Examples:
+        >>> well_formed_score("the phone is great and it looks nice.")
+        1.0
+        >>> well_formed_score("it is great and the box is awful and the color is red.")
+        0.0
+        >>> well_formed_score("it seems very nice and it seems very nice and it seems very nice.")
+        0.3333333333333333
+        >>> well_formed_score("good great superb nice perfect.")
+        0.0
+    """
+    text = response.strip().lower()
+    if not text:
+        return 0.0
+    finished = text.endswith(".")
+    clauses = [clause.strip() for clause in text.removesuffix(".").split(" and ")]
+    seen, total = set(), 0
+    for index, clause in enumerate(clauses):
+        match = _CLAUSE.fullmatch(clause)
+        if match is None or clause in seen or (index == len(clauses) - 1 and not finished):
+            continue
+        seen.add(clause)
+        adjective = match.group(1)
+        total += 1 if adjective in _POSITIVE else -1 if adjective in _NEGATIVE else 0
+    return total / len(clauses)
 
 
 class OracleLabeler:

@@ -59,7 +59,7 @@ RUN_FIGURES = (
     "perf/tokens_per_s",
     "perf/setup_time_s",
 )
-SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "train/kl_to_ref")
+SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/distinct_2", "train/kl_to_ref")
 SUMMARY_KEYS = (*RUN_FIGURES, *(f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")))
 
 
@@ -107,7 +107,23 @@ def rollout_metrics(
         metrics["rollout/oracle_mean"] = values["oracle"].mean().item()
     metrics["rollout/response_length"] = values["length"].mean().item()
     metrics["rollout/frac_truncated"] = values["truncated"].mean().item()  # hit max_new_tokens before an EOS
+    metrics["rollout/distinct_2"] = distinct_bigrams(data.get(RESPONSE_TOKENS), mask)
     return metrics, int(values["length"].sum().item())
+
+
+def distinct_bigrams(tokens: torch.Tensor, mask: torch.Tensor) -> float:
+    """Distinct-2 of a step's responses: distinct token bigrams over all token bigrams (1.0: no bigram repeats; a
+    policy that says one thing again and again drifts towards 0). Under torchrun, each process's responses (the
+    logged figure is rank 0's).
+
+    Examples:
+        >>> tokens = torch.tensor([[5, 6, 5, 6, 0], [5, 6, 7, 0, 0]])
+        >>> distinct_bigrams(tokens, tokens != 0)  # (5,6) (6,5) (5,6) | (5,6) (6,7): 3 distinct of 5
+        0.6
+    """
+    pairs = tokens[:, :-1].long() * (1 << 32) + tokens[:, 1:].long()
+    kept = pairs[mask[:, :-1] & mask[:, 1:]]
+    return kept.unique().numel() / kept.numel() if kept.numel() else 0.0
 
 
 def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
@@ -159,6 +175,8 @@ def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
     shown = [f"reward {metrics['rollout/reward_mean']:.3f}"]
     if "rollout/oracle_mean" in metrics:
         shown.append(f"oracle {metrics['rollout/oracle_mean']:.3f}")
+    if "rollout/distinct_2" in metrics:
+        shown.append(f"distinct-2 {metrics['rollout/distinct_2']:.2f}")
     if "train/kl_to_ref" in metrics:
         shown.append(f"KL {metrics['train/kl_to_ref']:.4f}")
     shown.append(f"length {metrics['rollout/response_length']:.1f}")

@@ -187,6 +187,7 @@ def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config
         "perf/tokens_per_s",
         "perf/step_time_s",
         "rollout/frac_reward_zero_std",
+        "rollout/distinct_2",
         "perf/generate_s",
         "perf/reward_s",
         "perf/reference_s",
@@ -195,6 +196,8 @@ def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config
     ):
         assert all(torch.isfinite(torch.tensor(row[name])) for row in rows), name
     assert all(1 <= row["rollout/response_length"] <= 8 for row in rows)
+    assert all(0.0 < row["rollout/distinct_2"] <= 1.0 for row in rows)
+    assert {"rollout/distinct_2_first", "rollout/distinct_2_last"} <= set(summary)
     assert [row["train/policy_lag"] for row in rows] == [0.0, 0.0]  # sync: every batch sampled by the current policy
     # One update per step: the first one starts from the reference weights and from the recomputed old log-probs,
     # so the importance ratio is exactly 1 (nothing clipped) and the KL is 0; after it, the policy has moved.

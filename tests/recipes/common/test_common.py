@@ -15,7 +15,13 @@ from recipes.common.config import ConfigError
 from recipes.common.data import load_preference_pairs, load_prompts
 from recipes.common.metrics import MetricLogger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
-from recipes.common.synthetic import OracleLabeler, make_prompts, make_sft_conversations, oracle_score
+from recipes.common.synthetic import (
+    OracleLabeler,
+    make_prompts,
+    make_sft_conversations,
+    oracle_score,
+    well_formed_score,
+)
 
 
 def _node(**values):
@@ -40,6 +46,19 @@ class TestSyntheticTask:
         assert oracle_score("it is broken.") == -1.0
         assert oracle_score("it is great and it looks red.") == 0.5
         assert oracle_score("") == 0.0
+
+    def test_well_formed_score_gives_no_credit_for_repeats_salad_or_broken_text(self):
+        assert well_formed_score("the phone is great and it looks nice.") == 1.0
+        assert well_formed_score("it is great and it looks red.") == 0.5  # a neutral clause counts 0, as oracle_score
+        # What the default run learns to write (oracle_score 1.0 for each):
+        assert well_formed_score("it seems very nice and it seems very nice and it seems very nice.") == 1 / 3
+        assert well_formed_score("good good perfect good superb good.") == 0.0
+        assert well_formed_score("the design design\ufffd feels solid and it is great.") == 0.5
+        assert well_formed_score("it is great and it looks nice and it is good") == 2 / 3  # cut off before its period
+        # The task's own reviews score as oracle_score scores them, unless they happen to repeat a clause.
+        reviews = [c[1]["content"] for c in make_sft_conversations(400, seed=0)]
+        differ = [r for r in reviews if well_formed_score(r) != oracle_score(r)]
+        assert len(differ) <= 4 and all(len(set(r[:-1].split(" and "))) < len(r.split(" and ")) for r in differ)
 
     def test_prompts_are_deterministic_and_seed_dependent(self):
         assert make_prompts(20, seed=3) == make_prompts(20, seed=3)
