@@ -586,6 +586,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(report(figures, fitting, args.device_memory))
         if args.json is not None:
             args.json.write_text(json.dumps(figures, indent=2))
+    if args.measure and launched > 1:
+        from accelerate import PartialState
+
+        # Leave the process group before the interpreter exits: a gloo thread still alive at exit aborted a rank
+        # now and then ("terminate called without an active exception", exit -6), as the recipes' run.finish avoids.
+        PartialState().destroy_process_group()
     return figures
 
 

@@ -171,8 +171,22 @@ def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> st
 
 
 def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
-    """One step's headline figures, for the log every ``log_every_n_steps`` steps."""
+    """One step's headline figures, for the log every ``log_every_n_steps`` steps; with two or more reward sources,
+    each source's mean after the reward (trl's ``rewards/<name>/mean``).
+
+    Examples:
+        >>> progress_line(3, 30, {"rollout/reward_mean": 1.5, "rollout/rewards/rm/mean": 1.0,
+        ...     "rollout/rewards/format/mean": 0.5, "rollout/response_length": 9.0, "perf/step_time_s": 0.2})
+        'Step 3/30: reward 1.500 (rm 1.000, format 0.500), length 9.0, 0.20 s/step'
+    """
     shown = [f"reward {metrics['rollout/reward_mean']:.3f}"]
+    sources = {
+        key.removeprefix("rollout/rewards/").removesuffix("/mean"): value
+        for key, value in metrics.items()
+        if key.startswith("rollout/rewards/") and key.endswith("/mean")
+    }
+    if len(sources) > 1:
+        shown[0] += " (" + ", ".join(f"{name} {value:.3f}" for name, value in sources.items()) + ")"
     if "rollout/oracle_mean" in metrics:
         shown.append(f"oracle {metrics['rollout/oracle_mean']:.3f}")
     if "rollout/distinct_2" in metrics:
