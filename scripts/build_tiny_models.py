@@ -158,7 +158,7 @@ def as_loaded(tokenizer: PreTrainedTokenizerFast, policy: Qwen2ForCausalLM):
 
 def pretrained_policy(conversations: list, args: argparse.Namespace) -> tuple[Qwen2ForCausalLM, object, str]:
     """A tokenizer trained on ``conversations`` and a Qwen2 policy pretrained on them; returns both and a line saying
-    the policy's size and loss."""
+    the pretraining loss."""
     tokenizer = build_tokenizer(
         [f"{m['role']}\n{m['content']}" for c in conversations for m in c], vocab_size=args.vocab_size
     )
@@ -166,8 +166,11 @@ def pretrained_policy(conversations: list, args: argparse.Namespace) -> tuple[Qw
     tokenizer = as_loaded(tokenizer, policy)
     corpus = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
     first, last = pretrain(policy, tokenizer, corpus, steps=args.pretrain_steps, batch_size=args.batch_size, lr=args.lr)
-    n_params = sum(p.numel() for p in policy.parameters())
-    return policy, tokenizer, f"{n_params / 1e6:.2f}M parameters, pretraining loss {first:.2f} -> {last:.2f}"
+    return policy, tokenizer, f"pretraining loss {first:.2f} -> {last:.2f}"
+
+
+def parameter_count(policy: Qwen2ForCausalLM) -> str:
+    return f"{sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters"
 
 
 def save_policy(policy: Qwen2ForCausalLM, tokenizer, folder: Path, *, max_new_tokens: int) -> None:
@@ -192,7 +195,7 @@ def build_arithmetic_policy(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     conversations = arithmetic.make_sft_conversations(args.num_conversations, seed=args.seed)
     policy, tokenizer, description = pretrained_policy(conversations, args)
-    print(f"arithmetic policy: {description}")
+    print(f"arithmetic policy: {parameter_count(policy)}, {description}")
     save_policy(policy, tokenizer, args.out / "arithmetic_policy", max_new_tokens=16)
     print(f"wrote {args.out / 'arithmetic_policy'} in {time.perf_counter() - start:.0f}s")
 
@@ -244,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.resize_vocab < len(tokenizer):
             parser.error(f"--resize-vocab {args.resize_vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
         policy.resize_token_embeddings(args.resize_vocab, mean_resizing=True)
-    print(f"policy: {description}")
+    print(f"policy: {parameter_count(policy)}, {description}")  # after any resize: the size a run pays for
     save_policy(policy, tokenizer, args.out / "policy", max_new_tokens=48)
 
     def save_reward_base(folder: Path) -> None:

@@ -40,7 +40,6 @@ from recipes.grpo.reward_functions import RewardFunction, resolve_function
 from recipes.grpo.sampling import SamplingPolicy
 
 __all__ = [
-    "AGGREGATIONS",
     "READ_KEYS_OF_INPUT",
     "REWARD_INPUTS",
     "LengthPenalty",
@@ -59,9 +58,6 @@ __all__ = [
 ]
 
 REWARD_INPUTS = ("history", "text", "tokens")
-# trl's multi_objective_aggregation: the weighted sum normalised per group (GRPO), or each source normalised per
-# group, then summed and normalised over the batch.
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 REWARD_KEY = "reward"
 SOURCE_REWARDS_KEY = "source_rewards"
 # The reward.read_keys entries the reward model reads, for each reward.input.
@@ -176,12 +172,10 @@ def reward_sources(cfg: DictConfig) -> list[RewardSource]:
     sources = []
     if cfg.reward_model is not None:
         sources.append(RewardSource("reward_model", "reward_model", float(cfg.reward.model_weight), "model"))
-    for name, node in cfg.reward.functions.items():
-        weight = float(node.get("weight", 1.0)) if isinstance(node, DictConfig) else 1.0
-        sources.append(RewardSource(str(name), f"reward.functions.{name}", weight, "function"))
-    for name, node in cfg.reward.terms.items():
-        weight = float(node.get("weight", 1.0)) if isinstance(node, DictConfig) else 1.0
-        sources.append(RewardSource(str(name), f"reward.terms.{name}", weight, "term"))
+    for kind, group in (("function", "functions"), ("term", "terms")):
+        for name, node in cfg.reward[group].items():
+            weight = float(node.get("weight", 1.0)) if isinstance(node, DictConfig) else 1.0
+            sources.append(RewardSource(str(name), f"reward.{group}.{name}", weight, kind))
     return sources
 
 
@@ -207,8 +201,6 @@ def check_reward_sources(cfg: DictConfig) -> None:
                 "metrics (rollout/rewards/<name>/mean); rename one."
             )
         seen[source.name] = source.setting
-    if cfg.reward.aggregation not in AGGREGATIONS:
-        raise ConfigError(f"reward.aggregation={cfg.reward.aggregation!r}: expected one of {list(AGGREGATIONS)}.")
 
 
 def _term_module(node: DictConfig):
@@ -257,7 +249,7 @@ def make_reward_transform(
         if prompts is not None and source.kind != "function":
             module = _with_response_text(module, prompts, policy_tokenizer)
         modules.append((source, module))
-    return ScoreRewards(modules, aggregation=cfg.reward.aggregation, trainer_state=trainer_state)
+    return ScoreRewards(modules, trainer_state=trainer_state)
 
 
 def _reward_model_module(cfg: DictConfig, reward_model, reward_tokenizer, policy_tokenizer) -> HFRewardModelWrapper:
@@ -296,19 +288,16 @@ class ScoreRewards(Transform):
         sources: ``(RewardSource, module)`` pairs; each module writes one value per response in its one out key.
 
     Keyword Args:
-        aggregation: ``reward.aggregation``; recorded here, applied where the advantages are computed
-            (``recipes.grpo.loss.GroupAdvantage``): the reward written is the weighted sum either way, as trl logs.
         trainer_state: the ``TrainerState`` the reward functions get; its ``global_step`` moves by one per batch.
     """
 
-    def __init__(self, sources: Sequence, *, aggregation: str = "sum_then_normalize", trainer_state=None) -> None:
+    def __init__(self, sources: Sequence, *, trainer_state=None) -> None:
         super().__init__(in_keys=[], out_keys=[REWARD_KEY, SOURCE_REWARDS_KEY])
         self.sources = [source for source, _ in sources]
         self.modules = [module for _, module in sources]
         for index, module in enumerate(self.modules):  # registered, so that .to() and repr see them
             if isinstance(module, torch.nn.Module):
                 self.add_module(f"source_{index}", module)
-        self.aggregation = aggregation
         self.trainer_state = trainer_state
         self.weights = torch.tensor([source.weight for source in self.sources], dtype=torch.float32)
 
