@@ -1,0 +1,332 @@
+"""A TorchRL LLM policy as trl's ``rollout_func``: trl's ``GRPOTrainer`` sampling through TorchRL.
+
+Public names:
+
+- :class:`TorchRLRolloutFunc`: wraps a TensorDict policy that reads left-padded prompt tokens and writes response
+  tokens and their log-probs in TorchRL's layout (TorchRL's ``TransformersWrapper`` in generate mode, or any module
+  with the same keys) as the ``rollout_func`` of ``trl.GRPOTrainer``. Optionally writes every rollout into a TorchRL
+  ``ReplayBuffer``.
+
+trl's contract (trl 1.16, ``GRPOTrainer._generate``): the function gets the process's prompts (trl's sampler has already
+repeated each prompt ``num_generations`` times, consecutively) and the trainer, and returns one completion per prompt:
+``prompt_ids``, ``completion_ids`` and ``logprobs`` as lists of lists (the sampled tokens' log-probs under the sampling
+weights). Chat templating is the function's job: conversational prompts go through the tokenizer's chat template
+with ``add_generation_prompt=True`` and the trainer's ``chat_template_kwargs``, plain ones through the tokenizer, as
+trl's own generation tokenizes them, so that both paths train on the same tokens.
+
+Which weights sample: the policy module must hold the very model trl trains (the same ``nn.Module``, not a copy), so
+that every optimizer step is seen by the next generation with no weight sync. The adapter checks it on each call.
+
+Dependencies: ``torch``, ``tensordict``, ``torchrl``; ``transformers`` tokenizers are duck-typed (``pad_token_id``,
+``__call__``, ``apply_chat_template``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase
+from tensordict.utils import unravel_key
+from torch.nn.utils.rnn import pad_sequence
+
+__all__ = ["TorchRLRolloutFunc"]
+
+PROMPT_TOKENS = ("tokens", "prompt")
+PROMPT_MASK = ("masks", "prompt")
+RESPONSE_TOKENS = ("tokens", "response")
+ATTENTION_MASK = ("masks", "all_attention_mask")
+RESPONSE_LOG_PROBS = ("log_probs", "response")
+FULL_LOG_PROBS = ("log_probs", "full")
+# The keys the adapter can fill for a policy: the prompts, left-padded, and their mask.
+_INPUTS = (PROMPT_TOKENS, PROMPT_MASK)
+
+
+def _is_conversational(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], Mapping) and "role" in prompt[0]
+
+
+def _declares(out_keys: Sequence[NestedKey], key: tuple) -> bool:
+    """Whether ``out_keys`` names ``key`` or a parent of it (TorchRL's wrapper declares ``"log_probs"`` whole)."""
+    for declared in out_keys:
+        declared = unravel_key(declared)
+        declared = (declared,) if isinstance(declared, str) else declared
+        if key[: len(declared)] == declared:
+            return True
+    return False
+
+
+def _model_of(module: torch.nn.Module) -> torch.nn.Module:
+    """The innermost model a (DDP / accelerate / PEFT) wrapper holds."""
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+class TorchRLRolloutFunc:
+    """A TorchRL LLM policy as ``trl.GRPOTrainer(rollout_func=...)``.
+
+    Args:
+        policy: a TensorDict module that reads ``("tokens", "prompt")`` (left-padded ``[B, P]``; it may also read
+            ``("masks", "prompt")``, True on real tokens) and writes ``("tokens", "response")`` and the sampled tokens'
+            log-probs, either ``("log_probs", "response")`` (``[B, R]``, TorchRL's ``TransformersWrapper``) or
+            ``("log_probs", "full")`` (``[B, P + R]``, the response from column ``P``). The response mask is read from
+            ``("masks", "all_attention_mask")`` when written (``[B, P + R]``), else it is the response tokens that are
+            not the pad id. Ragged (lazily stacked) outputs are padded on read.
+        tokenizer: the policy's tokenizer (its pad id must differ from EOS, and its chat template renders
+            conversational prompts).
+
+    Keyword Args:
+        replay_buffer: a TorchRL ``ReplayBuffer`` that every rollout is written into, one entry per completion, each
+            unpadded (TorchRL's ragged LLM layout: give it a ``LazyStackStorage``): ``prompt_ids``,
+            ``completion_ids``, ``logprobs``, ``truncated`` and ``step`` (the trainer's ``global_step`` when it was
+            sampled); ``None``: none.
+        model: the ``nn.Module`` that samples, checked against the trainer's model at each call; ``None``: the
+            policy's ``model`` attribute (TorchRL's wrappers and the recipes' sampling policy have one).
+
+    TorchRL 0.14.1's ``TransformersWrapper`` writes 0 as the first response token's log-prob in generate mode; the
+    adapter computes that one log-prob again from a forward pass over the prompts (logits of the last position only),
+    so the log-probs trl gets are the sampling policy's from the first token.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModuleBase
+        >>> class Echo(TensorDictModuleBase):  # "samples" the prompt's last token twice, log-prob -1 each
+        ...     in_keys, out_keys = [("tokens", "prompt")], [("tokens", "response"), ("log_probs", "response")]
+        ...     def forward(self, td):
+        ...         last = td["tokens", "prompt"][:, -1:]
+        ...         td["tokens", "response"] = last.repeat(1, 2)
+        ...         td["log_probs", "response"] = -torch.ones(last.shape[0], 2)
+        ...         return td
+        >>> class Tokenizer:
+        ...     pad_token_id = 0
+        ...     def __call__(self, text):
+        ...         return {"input_ids": [[ord(c) for c in t] for t in text]}
+        >>> rollout_func = TorchRLRolloutFunc(Echo(), Tokenizer(), model=torch.nn.Linear(1, 1))
+        >>> out = rollout_func(["ab", "ab", "c", "c"], trainer=None)
+        >>> out["prompt_ids"], out["completion_ids"], out["logprobs"][0]
+        ([[97, 98], [97, 98], [99], [99]], [[98, 98], [98, 98], [99, 99], [99, 99]], [-1.0, -1.0])
+    """
+
+    def __init__(self, policy, tokenizer, *, replay_buffer=None, model: torch.nn.Module | None = None) -> None:
+        self._check_policy(policy)
+        if getattr(tokenizer, "pad_token_id", None) is None:
+            raise ValueError(
+                "TorchRLRolloutFunc: the tokenizer has no pad token; give it one distinct from EOS "
+                "(tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and resize the model's embeddings)."
+            )
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.replay_buffer = replay_buffer
+        self.model = model if model is not None else getattr(policy, "model", None)
+        if not isinstance(self.model, torch.nn.Module):
+            raise ValueError(
+                f"TorchRLRolloutFunc: {type(policy).__name__} has no `model` attribute; pass model=<the nn.Module that "
+                "samples>, so that the adapter can check it is the model trl trains."
+            )
+        # TorchRL 0.14.1's TransformersWrapper writes 0 for the first response token's log-prob when generating.
+        self._first_log_prob_missing = type(policy).__name__ == "TransformersWrapper" and bool(
+            getattr(policy, "generate", False)
+        )
+        self.last_rollout: TensorDictBase | None = None
+
+    @staticmethod
+    def _check_policy(policy) -> None:
+        in_keys = [unravel_key(key) for key in getattr(policy, "in_keys", [])]
+        unknown = [key for key in in_keys if key not in _INPUTS]
+        if unknown:
+            raise ValueError(
+                f"TorchRLRolloutFunc: the policy reads {unknown}, which a rollout_func cannot give it; it gets the "
+                f"prompts as {list(_INPUTS)} (left-padded tokens and their mask). For TorchRL's TransformersWrapper "
+                "use input_mode='tokens'."
+            )
+        if PROMPT_TOKENS not in in_keys:
+            raise ValueError(
+                f"TorchRLRolloutFunc: the policy does not read {PROMPT_TOKENS} (its in_keys: {in_keys}); it must "
+                "generate from prompt tokens (TransformersWrapper(input_mode='tokens', generate=True))."
+            )
+        out_keys = list(getattr(policy, "out_keys", []))
+        missing = []
+        if not _declares(out_keys, RESPONSE_TOKENS):
+            missing.append(RESPONSE_TOKENS)
+        if not (_declares(out_keys, RESPONSE_LOG_PROBS) or _declares(out_keys, FULL_LOG_PROBS)):
+            missing.append(f"{RESPONSE_LOG_PROBS} or {FULL_LOG_PROBS}")
+        if missing:
+            raise ValueError(
+                f"TorchRLRolloutFunc: the policy writes no {' and no '.join(map(str, missing))} (its out_keys: "
+                f"{out_keys}); trl needs the response tokens and the sampling log-probs. For TorchRL's "
+                "TransformersWrapper set generate=True and return_log_probs=True."
+            )
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        """trl's ``rollout_func``: one completion per prompt, in the prompts' order."""
+        if trainer is not None:
+            self._check_same_model(trainer)
+        rollout = self.rollout(prompts, trainer=trainer)
+        rollout.set("step", torch.full((rollout.shape[0],), self._step(trainer), dtype=torch.long))
+        self.last_rollout = rollout
+        if self.replay_buffer is not None:
+            self.replay_buffer.extend(self._ragged_rows(rollout))
+        prompt_lengths = rollout.get("prompt_length").tolist()
+        lengths = rollout.get("completion_length").tolist()
+        prompt_ids = rollout.get("prompt_ids").tolist()
+        completion_ids = rollout.get("completion_ids").tolist()
+        log_probs = rollout.get("logprobs").tolist()
+        width = rollout.get("prompt_ids").shape[-1]
+        return {
+            "prompt_ids": [row[width - n :] for row, n in zip(prompt_ids, prompt_lengths, strict=True)],
+            "completion_ids": [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
+            "logprobs": [row[:n] for row, n in zip(log_probs, lengths, strict=True)],
+        }
+
+    @staticmethod
+    def _ragged_rows(rollout: TensorDictBase) -> LazyStackedTensorDict:
+        """One entry per completion, each unpadded: TorchRL's ragged LLM layout (a ``LazyStackStorage`` keeps it)."""
+        width = rollout.get("prompt_ids").shape[-1]
+        rows = []
+        for row in rollout.unbind(0):
+            prompt, length = int(row.get("prompt_length")), int(row.get("completion_length"))
+            rows.append(
+                TensorDict(
+                    {
+                        "prompt_ids": row.get("prompt_ids")[width - prompt :],
+                        "completion_ids": row.get("completion_ids")[:length],
+                        "logprobs": row.get("logprobs")[:length],
+                        "truncated": row.get("truncated"),
+                        "step": row.get("step"),
+                    }
+                )
+            )
+        return LazyStackedTensorDict(*rows)
+
+    @staticmethod
+    def _step(trainer) -> int:
+        state = getattr(trainer, "state", None)
+        return int(getattr(state, "global_step", 0) or 0)
+
+    def _check_same_model(self, trainer) -> None:
+        trained = _model_of(trainer.model)
+        sampling = _model_of(self.model)
+        if sampling is trained:
+            return
+        trained_first = next(trained.parameters(), None)
+        sampling_first = next(sampling.parameters(), None)
+        if trained_first is not None and sampling_first is not None and trained_first is sampling_first:
+            return  # e.g. a PEFT model and its base: the same parameters
+        raise ValueError(
+            f"TorchRLRolloutFunc: the policy samples with a {type(sampling).__name__} that is not the model the "
+            f"trainer trains ({type(trained).__name__}); its samples would come from weights no update reaches. Build "
+            "the policy around the trainer's model (e.g. TransformersWrapper(trainer.model, ...)) or the model you "
+            "pass to GRPOTrainer."
+        )
+
+    def tokenize(self, prompts: list, trainer=None) -> list[list[int]]:
+        """The prompts' token ids as trl tokenizes them for its own generation (``GRPOTrainer._tokenize_prompts``)."""
+        if not prompts:
+            raise ValueError("TorchRLRolloutFunc: no prompts to generate for.")
+        if _is_conversational(prompts[0]):
+            ids = self.tokenizer.apply_chat_template(
+                conversation=prompts,
+                chat_template=getattr(trainer, "chat_template", None),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **(getattr(trainer, "chat_template_kwargs", None) or {}),
+            )["input_ids"]
+        else:
+            ids = self.tokenizer(text=list(prompts))["input_ids"]
+        return [list(map(int, row)) for row in ids]
+
+    @torch.no_grad()
+    def rollout(self, prompts: list, *, trainer=None) -> TensorDict:
+        """Samples one completion per prompt; returns a ``[B]`` TensorDict, one row per completion:
+
+        - ``prompt_ids`` ``[B, P]`` (left-padded with the pad id) and ``prompt_length`` ``[B]``;
+        - ``completion_ids`` ``[B, R]`` (right-padded) and ``completion_length`` ``[B]`` (EOS included);
+        - ``logprobs`` ``[B, R]``: each sampled token's log-prob under the sampling weights, 0 on padding;
+        - ``truncated`` ``[B]``: the completion has no EOS.
+        """
+        prompt_ids = self.tokenize(prompts, trainer)
+        device = self._device()
+        rows = [torch.tensor(row, dtype=torch.long) for row in prompt_ids]
+        pad = self.tokenizer.pad_token_id
+        tokens = pad_sequence(rows, batch_first=True, padding_value=pad, padding_side="left").to(device)
+        mask = pad_sequence(
+            [torch.ones_like(row, dtype=torch.bool) for row in rows],
+            batch_first=True,
+            padding_value=False,
+            padding_side="left",
+        ).to(device)
+        inputs = TensorDict({PROMPT_TOKENS: tokens, PROMPT_MASK: mask}, batch_size=[len(rows)], device=device)
+        output = self.policy(inputs)
+        response, response_mask, log_probs = self._read_response(output, tokens, mask)
+        lengths = response_mask.sum(-1)
+        log_probs = torch.where(response_mask, log_probs.float(), 0.0)
+        response = torch.where(response_mask, response, pad)
+        eos = set(self._eos_ids())
+        last = response.gather(-1, (lengths - 1).clamp_min(0)[:, None]).squeeze(-1)
+        truncated = torch.tensor([int(token) not in eos for token in last.tolist()], device=device) | (lengths == 0)
+        return TensorDict(
+            {
+                "prompt_ids": tokens,
+                "prompt_length": mask.sum(-1),
+                "completion_ids": response,
+                "completion_length": lengths,
+                "logprobs": log_probs,
+                "truncated": truncated,
+            },
+            batch_size=[len(rows)],
+        ).cpu()
+
+    def _device(self) -> torch.device:
+        parameter = next(self.model.parameters(), None)
+        return parameter.device if parameter is not None else torch.device("cpu")
+
+    def _eos_ids(self) -> list[int]:
+        ids = [getattr(self.tokenizer, "eos_token_id", None)]
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids += configured if isinstance(configured, (list, tuple)) else [configured]
+        return [int(i) for i in ids if i is not None]
+
+    def _get_padded(self, output: TensorDictBase, key: tuple, value) -> torch.Tensor:
+        if isinstance(output, LazyStackedTensorDict):
+            return output.get(key, as_padded_tensor=True, padding_side="right", padding_value=value)
+        return output.get(key)
+
+    def _read_response(self, output: TensorDictBase, prompt: torch.Tensor, prompt_mask: torch.Tensor):
+        keys = set(output.keys(include_nested=True, leaves_only=True))
+        if RESPONSE_TOKENS not in keys:
+            raise ValueError(
+                f"TorchRLRolloutFunc: the policy's output has no {RESPONSE_TOKENS} (it wrote {sorted(map(str, keys))})."
+            )
+        pad = self.tokenizer.pad_token_id
+        response = self._get_padded(output, RESPONSE_TOKENS, pad)
+        width, response_width = prompt.shape[-1], response.shape[-1]
+        if RESPONSE_LOG_PROBS in keys and output.get(RESPONSE_LOG_PROBS) is not None:
+            log_probs = self._get_padded(output, RESPONSE_LOG_PROBS, 0.0)
+        elif FULL_LOG_PROBS in keys and output.get(FULL_LOG_PROBS) is not None:
+            log_probs = self._get_padded(output, FULL_LOG_PROBS, 0.0)[:, width : width + response_width]
+        else:
+            raise ValueError(
+                f"TorchRLRolloutFunc: the policy's output has neither {RESPONSE_LOG_PROBS} nor {FULL_LOG_PROBS} (it "
+                f"wrote {sorted(map(str, keys))}); trl needs the sampling log-probs (TransformersWrapper: "
+                "return_log_probs=True)."
+            )
+        if ATTENTION_MASK in keys and not isinstance(output, LazyStackedTensorDict):
+            attention = output.get(ATTENTION_MASK)
+            response_mask = attention[:, width : width + response_width].bool()
+        else:
+            response_mask = response != pad
+        if self._first_log_prob_missing and response_width:
+            log_probs = log_probs.clone()
+            log_probs[:, 0] = self._first_token_log_probs(prompt, prompt_mask, response[:, 0])
+        return response, response_mask, log_probs
+
+    def _first_token_log_probs(self, prompt, prompt_mask, first) -> torch.Tensor:
+        """The first response token's log-prob under the model: one forward pass over the prompts."""
+        positions = (prompt_mask.long().cumsum(-1) - 1).clamp_min(0)
+        logits = self.model(input_ids=prompt, attention_mask=prompt_mask.long(), position_ids=positions).logits
+        last = logits[:, -1].float().log_softmax(-1)
+        return last.gather(-1, first[:, None]).squeeze(-1)
