@@ -1,11 +1,19 @@
-"""Processes for the multi-process tests: forked ranks in one gloo group (no launcher), and a free port for those a
-launcher starts."""
+"""Processes for the multi-process tests: forked ranks in one gloo group (no launcher), a free port for those a
+launcher starts, and a recipe run killed with SIGKILL once it has got somewhere."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_gloo_ranks(worker: Callable[[int, str], None], folder: str, *, world_size: int = 2, timeout: float = 120):
@@ -42,3 +50,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def kill_recipe_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], bool], timeout: float = 240) -> None:
+    """Runs ``python recipes/<recipe> <overrides>`` and kills it with SIGKILL as soon as ``ready()`` holds (a checkpoint
+    written, a step logged...). Fails, with the run's stderr, if the run ends or the timeout passes first."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, f"recipes/{recipe}", *overrides]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None and not ready():
+            time.sleep(0.02)
+        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -48,6 +48,7 @@ __all__ = [
     "Variant",
     "WandbLogger",
     "check_config",
+    "check_trainer_config_keys",
     "checked_config",
 ]
 
@@ -422,3 +423,31 @@ class WandbLogger:
 
 
 LoggerNode = Annotated[dict, Variant("kind", {"none": _NoLogger, "csv": _NoLogger, "wandb": WandbLogger})]
+
+
+# ------------------------------------------------------------------------------------------------ trl's configs
+
+
+def check_trainer_config_keys(train: Mapping, config_class: type, *, key: str = "train") -> None:
+    """Refuses a ``train:`` key that the trl config class (``trl.RewardConfig``, ``trl.GRPOConfig``) does not have,
+    naming the nearest ones, and the keys the recipe decides itself (``report_to``: the run's ``logger=``; ``use_cpu``:
+    its ``device``)."""
+    fields = {field.name for field in dataclasses.fields(config_class) if field.init}
+    trl_name = f"trl.{config_class.__name__}"
+    for name in train:
+        if name == "_target_":
+            continue
+        if name == "report_to":
+            raise ConfigError(
+                f"{key}.report_to is set by the recipe (its metrics go through logger=): use logger=wandb (or csv, "
+                f"none) and drop {key}.report_to."
+            )
+        if name == "use_cpu":
+            raise ConfigError(f"{key}.use_cpu is set by the recipe from device=: use device=cpu or device=cuda.")
+        if name not in fields:
+            nearest = difflib.get_close_matches(str(name), sorted(fields), n=3, cutoff=0.6)
+            hint = f" Did you mean {' or '.join(f'{key}.{n}' for n in nearest)}?" if nearest else ""
+            raise ConfigError(
+                f"{key}.{name}: {trl_name} has no such field, so it would be ignored or fail inside trl.{hint} "
+                f"{key}: takes {trl_name}'s fields (trl's documentation lists them)."
+            )

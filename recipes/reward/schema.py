@@ -8,15 +8,12 @@ Dependencies: the project's ``recipes.common.schema``; ``trl`` for the ``train:`
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from omegaconf import DictConfig
 
-from recipes.common.config import ConfigError
-from recipes.common.schema import OPEN, DataNode, LoggerNode, ModelNode, Range
+from recipes.common.schema import OPEN, DataNode, LoggerNode, ModelNode, Range, check_trainer_config_keys
 
 __all__ = ["RewardRecipeConfig", "check_reward_config_keys"]
 
@@ -89,21 +86,4 @@ def check_reward_config_keys(train: DictConfig) -> None:
     recipe decides itself (``report_to``: the run's ``logger=``; ``use_cpu``: its ``device``)."""
     from trl import RewardConfig  # trl prints a notice on import: only where the reward recipe runs
 
-    fields = {field.name for field in dataclasses.fields(RewardConfig) if field.init}
-    for name in train:
-        if name == "_target_":
-            continue
-        if name == "report_to":
-            raise ConfigError(
-                "train.report_to is set by the recipe (its metrics go through logger=): use logger=wandb (or csv, "
-                "none) and drop train.report_to."
-            )
-        if name == "use_cpu":
-            raise ConfigError("train.use_cpu is set by the recipe from device=: use device=cpu or device=cuda.")
-        if name not in fields:
-            nearest = difflib.get_close_matches(str(name), sorted(fields), n=3, cutoff=0.6)
-            hint = f" Did you mean {' or '.join(f'train.{n}' for n in nearest)}?" if nearest else ""
-            raise ConfigError(
-                f"train.{name}: trl.RewardConfig has no such field, so it would be ignored or fail inside trl.{hint} "
-                "train: takes trl.RewardConfig's fields (trl's documentation lists them)."
-            )
+    check_trainer_config_keys(train, RewardConfig)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from _processes import kill_recipe_run_when
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
 import recipes.grpo.rewards as rewards_module
@@ -341,22 +340,12 @@ def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
     """A run killed between checkpoints resumes from the latest one and ends as if never interrupted."""
     run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
     overrides = [*SMALL, "train.steps=7", "checkpoint.every_n_steps=3", "checkpoint.keep_last=null"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides, f"hydra.run.dir={run_dir}"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None:
-            metrics = run_dir / "metrics.csv"
-            if metrics.exists() and any(row["step"] == 4.0 for row in read_metrics(metrics.parent)):
-                break
-            time.sleep(0.02)
-        assert process.poll() is None, process.stderr.read().decode()[-3000:]
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
+
+    def step_4_logged() -> bool:
+        metrics = run_dir / "metrics.csv"
+        return metrics.exists() and any(row["step"] == 4.0 for row in read_metrics(run_dir))
+
+    kill_recipe_run_when("grpo_torchrl_rm.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=step_4_logged)
     logged_before_kill = max(row["step"] for row in read_metrics(run_dir))
     assert latest_checkpoint(run_dir / "checkpoints").name == "step_0000003"
     assert 4 <= logged_before_kill < 6  # killed between the checkpoints of steps 3 and 6
