@@ -23,6 +23,7 @@ Dependencies: ``torch``, ``tensordict``, ``torchrl``; ``transformers`` tokenizer
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,8 @@ RESPONSE_TOKENS = ("tokens", "response")
 ATTENTION_MASK = ("masks", "all_attention_mask")
 RESPONSE_LOG_PROBS = ("log_probs", "response")
 FULL_LOG_PROBS = ("log_probs", "full")
+# Distinct prompts whose token ids are kept (a dataset's worth; past it the cache starts again).
+_MAX_CACHED_PROMPTS = 1 << 16
 # The keys the adapter can fill for a policy: the prompts, left-padded, and their mask.
 _INPUTS = (PROMPT_TOKENS, PROMPT_MASK)
 
@@ -131,6 +134,7 @@ class TorchRLRolloutFunc:
             getattr(policy, "generate", False)
         )
         self.last_rollout: TensorDictBase | None = None
+        self._ids: dict[tuple[str, str], list[int]] = {}  # prompt -> token ids (:meth:`tokenize`)
 
     @staticmethod
     def _check_policy(policy) -> None:
@@ -223,23 +227,35 @@ class TorchRLRolloutFunc:
         )
 
     def tokenize(self, prompts: list, trainer=None) -> list[list[int]]:
-        """The prompts' token ids as trl tokenizes them for its own generation (``GRPOTrainer._tokenize_prompts``)."""
+        """The prompts' token ids as trl tokenizes them for its own generation (``GRPOTrainer._tokenize_prompts``).
+
+        trl hands over each prompt ``num_generations`` times and the same prompts again every epoch: each distinct
+        prompt is tokenized once (per chat template settings) and kept.
+        """
         if not prompts:
             raise ValueError("TorchRLRolloutFunc: no prompts to generate for.")
-        if _is_conversational(prompts[0]):
-            ids = self.tokenizer.apply_chat_template(
-                conversation=prompts,
-                chat_template=getattr(trainer, "chat_template", None),
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **(getattr(trainer, "chat_template_kwargs", None) or {}),
-            )["input_ids"]
-        else:
-            ids = self.tokenizer(text=list(prompts))["input_ids"]
-        return [list(map(int, row)) for row in ids]
+        conversational = _is_conversational(prompts[0])
+        options = {
+            "chat_template": getattr(trainer, "chat_template", None),
+            **(getattr(trainer, "chat_template_kwargs", None) or {}),
+        }
+        settings = json.dumps(options, sort_keys=True, default=str) if conversational else ""
+        keys = [(settings, json.dumps(prompt, sort_keys=True, default=str)) for prompt in prompts]
+        missing = list({key: prompt for key, prompt in zip(keys, prompts, strict=True) if key not in self._ids}.items())
+        if missing:
+            new = [prompt for _, prompt in missing]
+            if conversational:
+                ids = self.tokenizer.apply_chat_template(
+                    conversation=new, add_generation_prompt=True, tokenize=True, return_dict=True, **options
+                )["input_ids"]
+            else:
+                ids = self.tokenizer(text=new)["input_ids"]
+            if len(self._ids) + len(missing) > _MAX_CACHED_PROMPTS:
+                self._ids.clear()
+            self._ids.update({key: list(map(int, row)) for (key, _), row in zip(missing, ids, strict=True)})
+        return [list(self._ids[key]) for key in keys]
 
-    @torch.no_grad()
+    @torch.inference_mode()  # nothing sampled here is differentiated; cheaper than no_grad per decoding step
     def rollout(self, prompts: list, *, trainer=None) -> TensorDict:
         """Samples one completion per prompt; returns a ``[B]`` TensorDict, one row per completion:
 
