@@ -53,6 +53,7 @@ RECORDS = (
     "trainer_log.json",
     "eval_pairs.jsonl",
     "batches",
+    "rollouts",
     WANDB_ID_FILE,
 )
 

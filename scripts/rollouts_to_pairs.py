@@ -1,0 +1,87 @@
+"""Preference pairs from the rollouts a GRPO run stored: the best and the worst completion of each group.
+
+    python recipes/trl_grpo_torchrl_rollouts.py hydra.run.dir=outputs/trl_rollouts
+    python scripts/rollouts_to_pairs.py outputs/trl_rollouts/rollouts --out outputs/pairs.jsonl
+    python recipes/reward_trainer_from_buffer.py data=file data.path=outputs/pairs.jsonl
+
+Reads ``<run dir>/rollouts`` (``recipes.trl_rollouts.rollout_store.load_rollouts``: every process's rows, oldest
+first). A group is the completions trl sampled for one prompt in one step (consecutive rows of a process with the same
+prompt). Each group whose best and worst rewards differ by at least ``--min-gap`` gives one pair, in trl's
+conversational preference format: ``{"prompt": [user message], "chosen": [assistant message], "rejected": [...]}``,
+the format ``reward_trainer_from_buffer.py data=file`` reads. ``--steps-from N`` keeps the groups of step N onwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def groups(rows) -> list[list[int]]:
+    """Row indices of each group: consecutive rows of one process and step with the same prompt."""
+    from recipes.trl_rollouts.rollout_store import texts
+
+    prompts = texts(rows, "prompt")
+    steps, ranks = rows["step"].tolist(), rows["rank"].tolist()
+    found: list[list[int]] = []
+    for index, key in enumerate(zip(ranks, steps, prompts, strict=True)):
+        if found and index - 1 == found[-1][-1] and key == (ranks[index - 1], steps[index - 1], prompts[index - 1]):
+            found[-1].append(index)
+        else:
+            found.append([index])
+    return found
+
+
+def best_and_worst_pairs(rows, *, min_gap: float, steps_from: int) -> list[dict]:
+    from recipes.trl_rollouts.rollout_store import texts
+
+    prompts, completions = texts(rows, "prompt"), texts(rows, "completion")
+    rewards, steps = rows["reward"].tolist(), rows["step"].tolist()
+    pairs = []
+    for group in groups(rows):
+        scored = [i for i in group if not math.isnan(rewards[i]) and steps[i] >= steps_from]
+        if len(scored) < 2:
+            continue
+        best, worst = max(scored, key=rewards.__getitem__), min(scored, key=rewards.__getitem__)
+        if rewards[best] - rewards[worst] < min_gap or completions[best] == completions[worst]:
+            continue
+        pairs.append(
+            {
+                "prompt": [{"role": "user", "content": prompts[best]}],
+                "chosen": [{"role": "assistant", "content": completions[best]}],
+                "rejected": [{"role": "assistant", "content": completions[worst]}],
+            }
+        )
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rollouts", type=Path, help="a run's rollouts/ folder")
+    parser.add_argument("--out", type=Path, required=True, help="the JSON-lines file of pairs to write")
+    parser.add_argument("--min-gap", type=float, default=1e-6, help="the smallest reward gap a pair keeps")
+    parser.add_argument("--steps-from", type=int, default=1, help="only the groups of this step onwards")
+    args = parser.parse_args(argv)
+
+    from recipes.trl_rollouts.rollout_store import load_rollouts
+
+    rows = load_rollouts(args.rollouts)
+    pairs = best_and_worst_pairs(rows, min_gap=args.min_gap, steps_from=args.steps_from)
+    if not pairs:
+        raise SystemExit(f"rollouts_to_pairs: no group of {args.rollouts} has two completions whose rewards differ.")
+    partial = args.out.with_name(args.out.name + ".partial")
+    partial.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    partial.replace(args.out)
+    print(f"{len(pairs)} pairs from {rows.shape[0]} stored completions written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
