@@ -263,7 +263,10 @@ class _Clock:
                 self.on_phase("other")
 
 
-def run_trl(cfg, *, output_dir: str, threads: int, on_phase=None) -> Run:
+def run_trl(cfg, *, output_dir: str, threads: int, on_phase=None, torchrl_rollouts: bool = False) -> Run:
+    """trl's ``GRPOTrainer`` on ``cfg``'s job, timed by phase. ``torchrl_rollouts``: its completions come from the
+    recipes' TorchRL sampler through ``interop.TorchRLRolloutFunc`` (trl's ``rollout_func``), sampling with the
+    model trl trains and ``rollout.generation``'s settings; everything else is trl's, unchanged."""
     import datasets
     import torch
     from transformers import PrinterCallback, TrainerCallback
@@ -321,6 +324,13 @@ def run_trl(cfg, *, output_dir: str, threads: int, on_phase=None) -> Run:
     reward_model = load_reward_model(
         cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
     ).eval()
+    rollout_func = None
+    if torchrl_rollouts:
+        from interop import TorchRLRolloutFunc
+        from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
+
+        settings = SamplingSettings.from_mapping(cfg.rollout.generation)
+        rollout_func = TorchRLRolloutFunc(SamplingPolicy(policy, tokenizer, settings=settings), tokenizer)
     torch.manual_seed(cfg.seed)
     step_clock = StepClock()
     trainer = TimedGRPOTrainer(
@@ -331,6 +341,7 @@ def run_trl(cfg, *, output_dir: str, threads: int, on_phase=None) -> Run:
         processing_class=tokenizer,
         reward_processing_classes=reward_tokenizer,
         callbacks=[step_clock],
+        rollout_func=rollout_func,
     )
     trainer.remove_callback(PrinterCallback)  # keep the output to the measurements
     trainer.train()

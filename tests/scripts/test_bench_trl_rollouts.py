@@ -1,0 +1,42 @@
+"""scripts/bench_trl_rollouts.py: trl's GRPOTrainer with its own generation and with TorchRL rollouts run side by side
+on equal work, and the report compares them: structure and arithmetic, never speed (a timed assertion would fail on a
+busy machine)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+SIDES = ("trl", "trl + TorchRL rollouts")
+
+
+def test_quick_bench_runs_both_sides_on_equal_work_and_reports_the_ratio(repo_root, tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "bench_trl_rollouts.py"), "--quick", f"--json={report_path}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=repo_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "group 4, 8 completions x 8 tokens per step (every completion that long)" in out
+    runs = re.findall(r"(warm-up|round 1)\s+(trl \+ TorchRL rollouts|trl)\s.*\((\d+) tokens, (\d+) steps\)", out)
+    assert sorted((label, side) for label, side, _, _ in runs) == sorted(
+        (label, side) for label in ("warm-up", "round 1") for side in SIDES
+    )
+    # The same work on both sides: 3 steps of 8 completions of exactly 8 tokens.
+    assert all(int(tokens) == 3 * 8 * 8 and int(steps) == 3 for _, _, tokens, steps in runs)
+
+    report = json.loads(report_path.read_text())
+    medians = report["medians"]
+    assert report["ratio"] == medians[SIDES[1]]["tokens_per_s"] / medians[SIDES[0]]["tokens_per_s"]
+    line = re.search(r"^trl with TorchRL rollouts runs at (\d+\.\d\d)x trl's generated tokens per second", out, re.M)
+    assert line and line.group(1) == f"{report['ratio']:.2f}", out
+    for side in SIDES:
+        phases = report["phases"][side]
+        parts = sum(value for name, value in phases.items() if name != "total")
+        assert abs(parts - phases["total"]) < 1e-6 * max(1.0, phases["total"])
