@@ -168,7 +168,10 @@ def command_line_keys() -> dict[str, str]:
 
     if not HydraConfig.initialized():
         return {}
-    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    # Unresolved: an override's value may be an interpolation (labeler.score=${data.oracle}), which read through the
+    # config would become the node it points to, not an override Hydra can parse again.
+    task = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+    overrides = OverridesParser.create().parse_overrides(list(task))
     kinds = {}
     for override in overrides:
         if override.key_or_group == "hydra" or override.key_or_group.startswith("hydra."):
