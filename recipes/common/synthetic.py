@@ -1,9 +1,11 @@
-"""The synthetic task: product reviews whose sentiment an oracle can count.
+"""The synthetic task: product reviews whose quality an oracle can score.
 
-Prompts ask for a review of a product; a response is a short review built from a small word list. The oracle scores
-a response by the balance of positive and negative adjectives among all the adjectives it uses, in [-1, 1], so the
-task has a ground truth that (a) labels preference pairs, (b) measures a GRPO policy's true quality independently of
-the learned reward model and (c) makes learning testable. Everything here is offline and deterministic given a seed.
+Prompts ask for a review of a product; a response is a short review built from a small word list and grammar. The
+oracle (:func:`well_formed_score`, the task's ``data.oracle``) scores a good review, positive and well-formed, in
+[-1, 1], so the task has a ground truth that (a) labels preference pairs (:class:`OracleLabeler`, with
+:func:`corrupt_review`'s broken copies), (b) measures a GRPO policy's true quality independently of the learned reward
+model and (c) makes learning testable. :func:`oracle_score` counts adjectives only: the task's first oracle, which a
+policy games by repeating a positive clause. Everything here is offline and deterministic given a seed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "POSITIVE_WORDS",
     "PRODUCTS",
     "OracleLabeler",
+    "corrupt_review",
     "make_prompts",
     "make_review",
     "make_sft_conversations",
@@ -130,9 +133,8 @@ def well_formed_score(response: str) -> float:
     clause cut off before its period count 0. The sum is divided by the number of clauses. So a review whose clauses
     are all distinct, well-formed and positive scores 1, and neither repeating a good clause nor stringing positive
     words together earns anything: the reward hacks that :func:`oracle_score` (which counts adjectives) and the tiny
-    reward model trained from it let through. Not yet the task's default oracle (``data.oracle``): a reward model
-    trained from it does not yet teach the default run varied reviews; pass
-    ``data.oracle._target_=recipes.common.synthetic.well_formed_score`` to measure a run with it.
+    reward model trained from it let through. The task's oracle (``data.oracle``), and the labeler's score of the
+    reward model's pairs (with :func:`corrupt_review`'s broken copies, so that the reward model knows those hacks).
 
     Examples:
         >>> well_formed_score("the phone is great and it looks nice.")
@@ -160,15 +162,64 @@ def well_formed_score(response: str) -> float:
     return total / len(clauses)
 
 
+def corrupt_review(review: str, rng: random.Random) -> str:
+    """``review`` broken one of the ways a policy that games a reward model breaks it: a clause said again, a word
+    stuttered ("very very"), adjectives heaped on a clause, a stray word of the task's vocabulary ("it watch seems"),
+    a word left out ("the box feels quite."), a broken character, a last clause cut off, or a bare adjective.
+
+    Examples:
+        >>> review = "it is great and the box looks nice."
+        >>> [corrupt_review(review, random.Random(seed)) for seed in (1, 5, 11)]
+        ['it is is great and the box looks nice.', 'it is great and box looks nice.', 'nice.']
+        >>> rng = random.Random(0)
+        >>> all(well_formed_score(corrupt_review(review, rng)) <= well_formed_score(review) for _ in range(100))
+        True
+    """
+    clauses = review.strip().removesuffix(".").split(" and ")
+    index = rng.randrange(len(clauses))
+    words = clauses[index].split()
+    kind = rng.randrange(8)
+    if kind == 0:  # a clause said again
+        clauses += [clauses[index]] * rng.randint(1, 3)
+    elif kind == 1:  # a word stuttered
+        position = rng.randrange(len(words))
+        words[position:position] = [words[position]] * rng.randint(1, 2)
+    elif kind == 2:  # adjectives heaped on
+        words += rng.sample(POSITIVE_WORDS, rng.randint(1, 3))
+    elif kind == 3:  # a broken character
+        position = rng.randrange(len(words))
+        cut = rng.randrange(len(words[position]) + 1)
+        words[position] = words[position][:cut] + "\ufffd" + words[position][cut:]
+    elif kind == 4:  # a stray word of the task's own vocabulary
+        stray = rng.choice(PRODUCTS + _VERBS + tuple(adverb.strip() for adverb in _ADVERBS if adverb))
+        words.insert(rng.randrange(len(words) + 1), stray)
+    elif kind == 5:  # a word left out
+        del words[rng.randrange(len(words))]
+    elif kind == 6:  # a last clause cut off, no period
+        return " and ".join(clauses + [" ".join(words[: rng.randint(1, max(1, len(words) - 1))])])
+    else:  # a bare adjective
+        return f"{words[-1]}."
+    clauses[index] = " ".join(words)
+    return " and ".join(clauses) + "."
+
+
 class OracleLabeler:
-    """Turns several responses to one prompt into preference pairs ranked by :func:`oracle_score`.
+    """Turns several responses to one prompt into preference pairs ranked by a ground-truth score.
 
     The labeler of the preference stage is application specific; this is the synthetic task's. Pairs whose scores
-    differ by less than ``min_margin`` are dropped, never labelled at random.
+    differ by less than ``min_margin`` are dropped, never labelled at random. With ``corrupted_pairs_per_prompt``, the
+    best response, when it scores above 0, is also paired with broken copies of itself (:func:`corrupt_review`) that
+    score lower: the reward model then sees, from the start, the reward hacks a policy would otherwise find (a
+    pretrained policy rarely writes them, so pairs of its own samples never show them).
 
-    Args:
-        max_pairs_per_prompt: at most this many pairs per prompt (best vs worst first, then the next ones inwards).
-        min_margin: the smallest oracle-score difference that makes a pair.
+    Keyword Args:
+        max_pairs_per_prompt: at most this many pairs of sampled responses per prompt (best vs worst first, then the
+            next ones inwards).
+        min_margin: the smallest score difference that makes a pair.
+        score: the ground truth, ``text -> float`` (the task's ``data.oracle`` in the reward recipe; ``None``:
+            :func:`oracle_score`).
+        corrupted_pairs_per_prompt: broken copies of the best response paired against it.
+        seed: the corruptions' random stream.
 
     Examples:
         >>> labeler = OracleLabeler(max_pairs_per_prompt=1)
@@ -176,20 +227,46 @@ class OracleLabeler:
         [{'chosen': 'it is good.', 'rejected': 'it is bad.', 'margin': 2.0}]
     """
 
-    def __init__(self, *, max_pairs_per_prompt: int = 1, min_margin: float = 1e-6) -> None:
+    def __init__(
+        self,
+        *,
+        max_pairs_per_prompt: int = 1,
+        min_margin: float = 1e-6,
+        score=None,
+        corrupted_pairs_per_prompt: int = 0,
+        seed: int = 0,
+    ) -> None:
         if max_pairs_per_prompt < 1:
             raise ValueError(f"OracleLabeler: max_pairs_per_prompt must be >= 1, got {max_pairs_per_prompt}.")
+        if corrupted_pairs_per_prompt < 0:
+            raise ValueError(
+                f"OracleLabeler: corrupted_pairs_per_prompt must be >= 0, got {corrupted_pairs_per_prompt}."
+            )
         self.max_pairs_per_prompt = max_pairs_per_prompt
         self.min_margin = min_margin
+        self.score = score if score is not None else oracle_score
+        self.corrupted_pairs_per_prompt = corrupted_pairs_per_prompt
+        self._rng = random.Random(seed)
 
     def __call__(self, prompt: str, responses: Sequence[str]) -> list[dict[str, object]]:
-        ranked = sorted(((oracle_score(r), r) for r in responses), key=lambda pair: pair[0], reverse=True)
+        ranked = sorted(((self.score(r), r) for r in responses), key=lambda pair: pair[0], reverse=True)
         pairs = []
         for i in range(min(self.max_pairs_per_prompt, len(ranked) // 2)):
             (best_score, best), (worst_score, worst) = ranked[i], ranked[-1 - i]
             if best_score - worst_score >= self.min_margin and best != worst:
                 pairs.append({"chosen": best, "rejected": worst, "margin": best_score - worst_score})
+        best_score, best = ranked[0]
+        if best_score > 0:
+            for _ in range(self.corrupted_pairs_per_prompt):
+                broken = corrupt_review(best, self._rng)
+                margin = best_score - self.score(broken)
+                if margin >= self.min_margin:
+                    pairs.append({"chosen": best, "rejected": broken, "margin": margin})
         return pairs
 
     def __repr__(self) -> str:
-        return f"OracleLabeler(max_pairs_per_prompt={self.max_pairs_per_prompt}, min_margin={self.min_margin})"
+        return (
+            f"OracleLabeler(max_pairs_per_prompt={self.max_pairs_per_prompt}, min_margin={self.min_margin}, "
+            f"score={getattr(self.score, '__name__', self.score)}, "
+            f"corrupted_pairs_per_prompt={self.corrupted_pairs_per_prompt})"
+        )

@@ -418,7 +418,7 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
     """``+reward.terms.<name>={_target_: ...}`` (as the config's comment shows) adds a term to every reward."""
 
     from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
-    from recipes.common.synthetic import oracle_score
+    from recipes.common.synthetic import well_formed_score
 
     class ConstantRewardModel(torch.nn.Module):
         def forward(self, input_ids, attention_mask=None):
@@ -438,7 +438,7 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
     step = env.step(policy(env.reset()))
     lengths = [t.numel() for t in step.get(("tokens", "response"), as_list=True)]
     texts = step.get(("text", "response")).tolist()
-    expected = [-1.0 - 0.25 * max(0, n - 2) + 3.0 * oracle_score(t) for n, t in zip(lengths, texts, strict=True)]
+    expected = [-1.0 - 0.25 * max(0, n - 2) + 3.0 * well_formed_score(t) for n, t in zip(lengths, texts, strict=True)]
     torch.testing.assert_close(step["next", "reward"].reshape(-1), torch.tensor(expected))
 
 

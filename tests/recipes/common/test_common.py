@@ -80,6 +80,22 @@ class TestSyntheticTask:
         assert labeler("Review the mug.", ["it is red.", "it is new."]) == []
         assert labeler("Review the mug.", ["it is good.", "it is nice."]) == []
 
+    def test_labeler_pairs_the_best_positive_review_against_broken_copies_of_itself(self):
+        """With the well-formed oracle, each broken copy (a repeated clause, a stray word...) scores lower than the
+        review it came from and is its rejected side; a best review that is not positive gets none."""
+        labeler = OracleLabeler(max_pairs_per_prompt=1, score=well_formed_score, corrupted_pairs_per_prompt=3, seed=0)
+        best = "it is great and the box looks nice."
+        pairs = labeler("Review the mug.", [best, "it is bad."])
+        assert pairs[0]["chosen"] == best and pairs[0]["rejected"] == "it is bad."
+        corrupted = pairs[1:]
+        assert 1 <= len(corrupted) <= 3
+        for pair in corrupted:
+            assert pair["chosen"] == best and pair["rejected"] != best
+            assert pair["margin"] == well_formed_score(best) - well_formed_score(pair["rejected"]) > 0
+        assert OracleLabeler(score=well_formed_score, corrupted_pairs_per_prompt=3)(
+            "Q", ["it is bad.", "it is red."]
+        ) == [{"chosen": "it is red.", "rejected": "it is bad.", "margin": 1.0}]
+
 
 class TestDataSources:
     def test_prompts_from_jsonl(self, tmp_path):
@@ -326,3 +342,12 @@ def test_the_build_script_pretrains_on_the_tokens_the_loaded_tokenizer_makes(rep
     loaded = build.as_loaded(trained, build.build_policy(trained, hidden_size=16, num_layers=1))
     assert "Ġ1" in trained.tokenize("What is 13 + 4?")
     assert loaded.tokenize("What is 13 + 4?") == ["What", "Ġis", "Ġ", "1", "3", "Ġ+", "Ġ", "4", "?"]
+
+
+def test_command_line_keys_read_an_override_whose_value_is_an_interpolation(compose_config):
+    """``labeler.score=${data.oracle}`` on the command line: read unresolved, not as the node it points to (which
+    Hydra's override parser cannot read back)."""
+    from recipes.common.config import command_line_keys
+
+    compose_config("reward_trainer_from_buffer", ["labeler.score=${data.oracle}", "seed=3"])
+    assert command_line_keys() == {"labeler.score": "change", "seed": "change"}

@@ -13,7 +13,7 @@ from tensordict.nn import TensorDictModuleBase
 from interop import HFRewardModelWrapper
 from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
 from recipes.common.config import ConfigError
-from recipes.common.synthetic import oracle_score
+from recipes.common.synthetic import oracle_score, well_formed_score
 from recipes.grpo.batch import BATCH_KEYS
 from recipes.grpo.prompt_env import PromptEnv, PromptTable
 from recipes.grpo.rewards import (
@@ -138,7 +138,9 @@ def test_reward_terms_read_the_decoded_responses(compose_config, tiny_policy):
         tokenizer.decode(row[:n], skip_special_tokens=True)
         for row, n in zip(step["tokens", "response"], lengths, strict=True)
     ]
-    expected = [-1.0 - 0.25 * max(0, int(n) - 2) + 3.0 * oracle_score(t) for n, t in zip(lengths, texts, strict=True)]
+    expected = [
+        -1.0 - 0.25 * max(0, int(n) - 2) + 3.0 * well_formed_score(t) for n, t in zip(lengths, texts, strict=True)
+    ]
     torch.testing.assert_close(step["next", "reward"].reshape(-1), torch.tensor(expected))
     # The decoded text never enters the rollout: the transforms scored a scratch copy.
     assert ("text", "response") not in step.keys(True)
