@@ -30,6 +30,9 @@ import hydra
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
 from transformers import TrainerCallback
 
 from interop import TorchRLBufferDataset, TorchRLRolloutFunc
@@ -54,7 +57,7 @@ log = logging.getLogger(__name__)
 
 def make_grpo_config(cfg: DictConfig):
     """``trl.GRPOConfig`` from ``train:``, with the device and reward weights this run decides. trl reports to nothing
-    itself: its logs go through the recipe's logger (:func:`make_metrics_callback`)."""
+    itself: its logs go through the recipe's logger (:class:`MetricsCallback`)."""
     weights = ([cfg.reward.model_weight] if cfg.reward_model is not None else []) + [
         float(node.get("weight", 1.0)) for node in cfg.reward.functions.values()
     ]
@@ -66,11 +69,6 @@ def make_grpo_config(cfg: DictConfig):
 def make_prompt_stream(table: PromptTable, *, batch_size: int, seed: int):
     """The prompts and their columns in a TorchRL buffer, drawn without replacement (a new order every pass), as the
     Hugging Face ``IterableDataset`` trl reads."""
-    import torch
-    from tensordict import NonTensorData, NonTensorStack, TensorDict
-    from torchrl.data import LazyTensorStorage, ReplayBuffer
-    from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
-
     columns = {"prompt": table.conversations, **table.columns}
     rows = TensorDict(
         {name: NonTensorStack(*[NonTensorData(value) for value in values]) for name, values in columns.items()},

@@ -63,6 +63,7 @@ def _validate_settings(cfg: DictConfig) -> None:
                 "responses to the same prompt; use 2 or more."
             )
         check_chat_generation_settings(cfg.generation.generate_kwargs, key="generation.generate_kwargs")
+        _check_labeler(cfg.labeler)
     elif cfg.margin_in_loss:
         raise ConfigError(
             f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."
@@ -93,3 +94,14 @@ def _validate_settings(cfg: DictConfig) -> None:
 def kept_records(cfg: DictConfig) -> list[str]:
     """What ``overwrite=true`` keeps of the run folder: the buffer folder this run reloads, if it is there."""
     return [cfg.buffer.load_from] if cfg.buffer.load_from else []
+
+
+def _check_labeler(node: DictConfig) -> None:
+    """Builds the labeler (no model needed) so that a bad setting of it is refused now, not after generation."""
+    import hydra
+
+    try:
+        hydra.utils.instantiate(node)
+    except Exception as error:  # Hydra wraps the constructor's own error; its message names the setting
+        cause = error.__cause__ or error
+        raise ConfigError(f"labeler: {cause} Fix the labeler's settings (labeler.*).") from None

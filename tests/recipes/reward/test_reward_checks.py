@@ -67,3 +67,14 @@ def test_trl_evaluations_during_training_reach_the_run_logger(compose_config, tm
         rows = [row for row in csv.DictReader(handle) if row.get("eval/loss")]
     assert [float(row["step"]) for row in rows] == [2.0, 4.0]
     assert all(0.0 <= float(row["eval/accuracy"]) <= 1.0 for row in rows)
+
+
+def test_a_bad_labeler_setting_is_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch):
+    import recipes.reward_trainer_from_buffer as recipe
+
+    monkeypatch.setattr(recipe, "load_sampling_policy", pytest.fail)
+    cfg = compose_config(
+        "reward_trainer_from_buffer", ["labeler.corrupted_pairs_per_prompt=-1", f"output_dir={tmp_path}"]
+    )
+    with pytest.raises(ConfigError, match=r"labeler: .*corrupted_pairs_per_prompt must be >= 0, got -1"):
+        recipe.train(cfg)
