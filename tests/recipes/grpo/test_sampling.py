@@ -145,6 +145,105 @@ class TestSampleResponses:
         assert repeats(50.0) < repeats(1.0) / 2
 
 
+def _generate_distribution(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """The distribution ``model.generate`` samples from: transformers' own warpers, in generate's order."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList()
+    if settings.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.top_k:
+        warpers.append(TopKLogitsWarper(settings.top_k))
+    if settings.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(settings.top_p))
+    if settings.min_p:
+        warpers.append(MinPLogitsWarper(settings.min_p))
+    return warpers(None, logits.clone()).softmax(-1)
+
+
+class TestDrawnDistribution:
+    """The sampler draws each token with the probability ``generate`` gives it, and never one it rules out."""
+
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=1),
+            SamplingSettings(max_new_tokens=1, temperature=0.7),
+            SamplingSettings(max_new_tokens=1, top_k=5),
+            SamplingSettings(max_new_tokens=1, top_k=6, temperature=1.5),
+            SamplingSettings(max_new_tokens=1, top_p=0.8),
+            SamplingSettings(max_new_tokens=1, min_p=0.15),
+            SamplingSettings(max_new_tokens=1, top_k=8, top_p=0.9, min_p=0.05, temperature=0.8),
+        ],
+        ids=["plain", "temperature", "top_k", "top_k+temperature", "top_p", "min_p", "all"],
+    )
+    def test_frequencies_match_generates_warpers(self, settings):
+        from recipes.grpo.sampling import _choose
+
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randn(1, 24, generator=generator) * 2
+        expected = _generate_distribution(logits, settings)[0]
+        draws = 40_000
+        torch.manual_seed(1)
+        tokens = _choose(logits.expand(draws, -1).clone(), settings)
+        frequencies = torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
+        assert (frequencies[expected == 0] == 0).all()  # a token generate rules out is never drawn
+        # Within 5 standard errors of a binomial frequency (plus float slack): a wrong cut-off moves a token's
+        # frequency by its whole probability, far more than this.
+        tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
+        assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
+
+    def test_all_the_mass_on_the_last_column_draws_it(self):
+        from recipes.grpo.sampling import _draw
+
+        probs = torch.tensor([[0.0, 0.0, 1.0], [0.5, 0.5, 0.0], [0.0, 1e-30, 0.0]]).repeat(1000, 1)
+        torch.manual_seed(0)
+        columns = _draw(probs).view(1000, 3)
+        assert (columns[:, 0] == 2).all() and (columns[:, 1] < 2).all() and (columns[:, 2] == 1).all()
+
+
+class TestSharedPrefill:
+    """GRPO samples a group of responses per prompt: each distinct prompt is run once through the model and its
+    KV cache copied to the group's rows, with what each row samples unchanged."""
+
+    PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[0]]  # ragged, repeated, unordered
+
+    def test_each_distinct_prompt_is_run_once_and_rows_sample_as_alone(self, tiny_policy):
+        model, tokenizer = tiny_policy
+        settings = SamplingSettings(max_new_tokens=8, do_sample=False)
+        sizes = []
+        handle = model.register_forward_pre_hook(
+            lambda _, args, kwargs: sizes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+        )
+        try:
+            tokens, _, together = _sample(tiny_policy, settings, prompts=self.PROMPTS)
+        finally:
+            handle.remove()
+        assert sizes[0] == (3, tokens.shape[1])  # the prefill: 3 distinct prompts of 6 rows
+        assert all(size == (6, 1) for size in sizes[1:])  # then every row decodes
+        for row, prompt in enumerate(self.PROMPTS):
+            _, _, alone = _sample(tiny_policy, settings, prompts=[prompt])
+            width = int(alone.mask.sum())
+            assert together.tokens[row, :width].tolist() == alone.tokens[0, :width].tolist()
+            torch.testing.assert_close(together.log_probs[row, :width], alone.log_probs[0, :width], atol=1e-5, rtol=0)
+
+    def test_a_cache_that_cannot_be_copied_runs_every_row(self, tiny_policy, monkeypatch):
+        import recipes.grpo.sampling as sampling
+
+        settings = SamplingSettings(max_new_tokens=6, do_sample=False)
+        _, _, shared = _sample(tiny_policy, settings, prompts=self.PROMPTS)
+        monkeypatch.setattr(sampling, "_rows_can_be_copied", lambda cache: False)
+        _, _, every_row = _sample(tiny_policy, settings, prompts=self.PROMPTS)
+        assert torch.equal(shared.tokens, every_row.tokens)
+        torch.testing.assert_close(shared.log_probs, every_row.log_probs, atol=1e-5, rtol=0)
+
+
 class TestSamplingPolicy:
     def test_writes_the_dense_layout_the_loss_reads(self, tiny_policy):
         from tensordict import TensorDict
