@@ -7,7 +7,9 @@
    each token's log-prob) around the very model trl trains: every optimizer step is in the next batch's weights,
    with no copy and no sync. Its settings are trl's (``train.max_completion_length``, ``temperature``, ``top_k``...).
 3. Rewards and the update: trl's, unchanged (``reward_funcs``: the reward model and ``reward.functions``, weighted by
-   ``reward_weights``; its advantages, loss, optimizer, scheduler, checkpoints and accelerate).
+   ``reward_weights``; its advantages, loss, optimizer, scheduler, checkpoints and accelerate). ``model.lora``
+   becomes trl's ``peft_config``: trl trains the adapters, the sampler samples with them, and the reference is the
+   model with them off.
 4. Storage. Every completion trl trains on, with its rewards, advantage and step, lands in
    ``<run dir>/rollouts/rank_<r>/part_<k>/`` (``recipes.trl_rollouts.rollout_store``), readable while the run trains.
 
@@ -40,6 +42,7 @@ from recipes.common.callbacks import make_finite_guard
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
 from recipes.common.config import RunStopped
 from recipes.common.data import load_prompt_rows
+from recipes.common.lora import make_lora_config
 from recipes.common.metrics import MetricLogger, peak_device_memory
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 from recipes.common.run import end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
@@ -213,6 +216,7 @@ def train(cfg: DictConfig) -> dict:
             reward_classes=reward_classes,
             rollout_func=rollout_func,
             oracle=oracle,
+            peft_config=make_lora_config(cfg.model.lora, task_type="CAUSAL_LM") if cfg.model.lora else None,
         )
         trainer.rollout_store = make_rollout_store(cfg, run, table, rollout_func, trainer)
         guard = make_finite_guard()
@@ -245,8 +249,14 @@ def train(cfg: DictConfig) -> dict:
         return run.finish(summary, closing_message(summary, run.output_dir))
 
 
-def make_trainer(model, tokenizer, args, train_dataset, *, reward_funcs, reward_classes, rollout_func, oracle):
-    """trl's ``GRPOTrainer`` (recording what it trains on) with the TorchRL rollout function."""
+def make_trainer(
+    model, tokenizer, args, train_dataset, *, reward_funcs, reward_classes, rollout_func, oracle, peft_config=None
+):
+    """trl's ``GRPOTrainer`` (recording what it trains on) with the TorchRL rollout function.
+
+    ``peft_config`` (``model.lora``): trl adds the adapters to ``model`` in place (peft's ``get_peft_model``), so the
+    rollout function, built around ``model``, samples with them; trl's reference is the model with them switched off.
+    """
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is what this recipe is for
     from recipes.trl_rollouts.recording import RecordingGRPOTrainer  # imports trl: only once the config is valid
 
@@ -259,6 +269,7 @@ def make_trainer(model, tokenizer, args, train_dataset, *, reward_funcs, reward_
         reward_processing_classes=reward_classes,
         rollout_func=rollout_func,
         oracle=oracle,
+        peft_config=peft_config,
     )
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "make_lora_config",
     "settle_lora_node",
     "validate_lora_node",
+    "validate_policy_lora",
 ]
 
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
@@ -93,6 +94,22 @@ def validate_lora_node(lora, *, key: str) -> None:
         raise ConfigError(
             f"{key}.target_modules={modules!r}: expected a non-empty list of module names (the last part of the "
             "names of the linear layers to adapt, e.g. [q_proj,v_proj] in Qwen or Llama models), or all-linear."
+        )
+
+
+def validate_policy_lora(cfg: DictConfig) -> None:
+    """The LoRA checks of a recipe that trains a policy against a frozen reward model (``cfg.model``,
+    ``cfg.reward_model``): a sensible ``model.lora`` whose target modules exist in the policy (read on the meta device:
+    nothing loads), and no ``reward_model.lora``, which would train nothing."""
+    from recipes.common.models import meta_model  # models imports the checkpoint helpers; only when checking
+
+    validate_lora_node(cfg.model.lora, key="model.lora")
+    if cfg.model.lora is not None:
+        check_lora_targets(cfg.model.lora, meta_model(cfg.model, kind="policy"), key="model.lora")
+    if cfg.reward_model is not None and cfg.reward_model.lora is not None:
+        raise ConfigError(
+            "reward_model.lora is set, but the reward model is frozen here: it trains no adapters. Drop it (to score "
+            "with a LoRA reward model, point reward_model.name_or_path at the adapter folder the reward recipe saved)."
         )
 
 

@@ -23,8 +23,8 @@ from recipes.common.checkpoint import (
     list_checkpoints,
 )
 from recipes.common.config import ConfigError, check_run_settings, first_items
-from recipes.common.lora import check_lora_targets, validate_lora_node
-from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, meta_model, validate_model_node
+from recipes.common.lora import validate_policy_lora
+from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, validate_model_node
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
 from recipes.grpo.checkpointing import (
@@ -246,14 +246,7 @@ def _validate_optimizer(optimizer: DictConfig) -> None:
 
 
 def _validate_lora(cfg: DictConfig) -> None:
-    validate_lora_node(cfg.model.lora, key="model.lora")
-    if cfg.model.lora is not None:
-        check_lora_targets(cfg.model.lora, meta_model(cfg.model, kind="policy"), key="model.lora")
-    if cfg.reward_model is not None and cfg.reward_model.lora is not None:
-        raise ConfigError(
-            "reward_model.lora is set, but GRPO's reward model is frozen: it trains no adapters. Drop it (to score "
-            "with a LoRA reward model, point reward_model.name_or_path at the adapter folder the reward recipe saved)."
-        )
+    validate_policy_lora(cfg)
     if cfg.checkpoint.save_merged and cfg.model.lora is None:
         raise ConfigError(
             "checkpoint.save_merged=true merges LoRA adapters into a full model, but model.lora is null: the "

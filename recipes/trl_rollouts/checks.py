@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from recipes.common.config import ConfigError, check_run_settings
 from recipes.common.data import load_prompt_rows
+from recipes.common.lora import validate_policy_lora
 from recipes.common.models import validate_model_node
 from recipes.common.run import check_sharded_launch
 from recipes.common.run_folder import check_output_folder, input_paths
@@ -118,6 +119,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     validate_model_node(cfg.model, key="model", kind="policy")
     if cfg.reward_model is not None:
         validate_model_node(cfg.reward_model, key="reward_model")
+    validate_policy_lora(cfg)
+    _check_lora_for_trl(cfg.model.lora)
     check_run_settings(
         cfg,
         lr_key="train.learning_rate",
@@ -134,6 +137,20 @@ def validate(cfg: DictConfig) -> DictConfig:
     rows = load_prompt_rows(cfg.data, "train")
     check_reward_functions(cfg, columns=list(rows.columns))
     return cfg
+
+
+def _check_lora_for_trl(lora) -> None:
+    """trl's GRPOTrainer refuses an adapter on the output head (it computes log-probs from ``lm_head.weight``
+    directly, so the adapter would never train): said here, before any model loads."""
+    if lora is None or isinstance(lora.target_modules, str):
+        return
+    heads = [name for name in lora.target_modules if name == "lm_head" or str(name).endswith(".lm_head")]
+    if heads:
+        raise ConfigError(
+            f"model.lora.target_modules names {heads[0]}: trl's GRPOTrainer computes log-probs from lm_head.weight "
+            "directly, so an adapter there would never train (trl refuses it). Drop it from model.lora.target_modules "
+            "(all-linear leaves the head out)."
+        )
 
 
 def _check_trainer_settings(cfg: DictConfig) -> None:

@@ -174,6 +174,9 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         (["reward_model=none"], "nothing would score the completions"),
         (["+reward.functions.exact.function=recipes.common.arithmetic.exact_answer_reward"], "solution"),
         (["resume=true"], "holds no trl checkpoint"),
+        (["model.lora.target_modules=[q_proj,lm_head]"], "model.lora.target_modules names lm_head"),
+        (["model.lora.target_modules=[q_projection]"], "model.lora.target_modules"),
+        (["reward_model.lora.r=8"], "reward_model.lora is set, but the reward model is frozen"),
     ],
 )
 def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):
@@ -185,6 +188,52 @@ def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_pat
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         recipe.train(cfg)
     assert loads == []
+
+
+def test_model_lora_trains_adapters_that_the_torchrl_sampler_samples_with(compose_config, tmp_path, monkeypatch):
+    """``model.lora`` becomes trl's ``peft_config``: the sampler's model holds the very adapter parameters trl's
+    optimizer trains, the base weights stay as loaded, the reference is the model with its adapters off (a KL > 0 once
+    they moved), and ``<run>/model`` is the adapter folder."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    made = []
+    make_trainer = recipe.make_trainer
+
+    def recorded_make_trainer(*args, **kwargs):
+        made.append((make_trainer(*args, **kwargs), kwargs))
+        return made[-1][0]
+
+    monkeypatch.setattr(recipe, "make_trainer", recorded_make_trainer)
+    lora = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj]}"
+    summary = recipe.train(compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", lora]))
+    trainer, built_with = made[0]
+
+    sampler_model = built_with["rollout_func"].policy.model
+    adapters = {id(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert adapters and adapters <= {id(p) for p in sampler_model.parameters()}  # the same tensors, no copy
+    assert any(isinstance(module, LoraLayer) for module in sampler_model.modules())
+    trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert all(".lora_" in name for name in trained)
+    assert any(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)  # lora_B starts at 0: it trained
+    assert summary["train/kl_to_ref_last"] > 0
+
+    base = AutoModelForCausalLM.from_pretrained(REPO_ROOT / "tiny" / "policy")
+    shipped = load_file(REPO_ROOT / "tiny" / "policy" / "model.safetensors")
+    compared = 0
+    for name, weight in trainer.model.get_base_model().state_dict().items():
+        plain = name.replace(".base_layer", "")
+        if plain in shipped:
+            torch.testing.assert_close(weight, shipped[plain], rtol=0, atol=0)
+            compared += 1
+    assert compared == len(shipped)  # every shipped weight, the adapted q_proj / v_proj ones included
+    assert (tmp_path / "model" / "adapter_config.json").is_file()
+    reloaded = PeftModel.from_pretrained(base, str(tmp_path / "model"))
+    tokens = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=tokens).logits, trainer.model(input_ids=tokens).logits)
 
 
 def test_a_folder_holding_another_runs_rollouts_is_refused(compose_config, tmp_path):
