@@ -161,6 +161,12 @@ def _check_trainer_settings(cfg: DictConfig) -> None:
             f"train.max_steps={max_steps!r}: trl reads the prompt buffer as a stream (no length), so the number of "
             "optimizer steps must be given: train.max_steps=<positive int>."
         )
+    if str(train.get("eval_strategy", "no")) != "no" or train.get("do_eval"):
+        raise ConfigError(
+            f"train.eval_strategy={train.get('eval_strategy')!r} / train.do_eval: this recipe hands trl no "
+            "eval_dataset yet (its rollout store and figures would take evaluation batches for training ones). Drop "
+            "them; held-out evaluation of a GRPO policy: recipes/grpo_torchrl_rm.py eval.every_n_steps=N."
+        )
     if train.get("use_vllm"):
         raise ConfigError(
             "train.use_vllm=true: this recipe's completions come from TorchRL (interop.TorchRLRolloutFunc), not vLLM; "

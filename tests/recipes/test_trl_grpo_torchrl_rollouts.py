@@ -177,6 +177,7 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         (["model.lora.target_modules=[q_proj,lm_head]"], "model.lora.target_modules names lm_head"),
         (["model.lora.target_modules=[q_projection]"], "model.lora.target_modules"),
         (["reward_model.lora.r=8"], "reward_model.lora is set, but the reward model is frozen"),
+        (["+train.eval_strategy=steps", "+train.eval_steps=1"], "this recipe hands trl no eval_dataset yet"),
     ],
 )
 def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):
