@@ -29,7 +29,6 @@ from dataclasses import dataclass, fields
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from recipes.common.config import ConfigError
 from recipes.common.models import check_pad_token
@@ -44,9 +43,6 @@ from recipes.grpo.batch import (
     TOKENS,
     TRUNCATED,
 )
-
-# Cache layers whose rows batch_select_indices copies whole (keys and values only).
-_COPYABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 __all__ = ["SampledResponses", "SamplingPolicy", "SamplingSettings", "end_of_response_ids", "sample_responses"]
 
@@ -174,108 +170,43 @@ def _penalise_repetitions(scores: torch.Tensor, seen: torch.Tensor, penalty: flo
     return torch.where(seen, penalised, scores)
 
 
-def _draw(probs: torch.Tensor) -> torch.Tensor:
-    """One column per row, column ``i`` with probability ``probs[i] / sum(probs)`` (``probs`` >= 0, unnormalised).
-
-    Inverse-CDF sampling: one uniform number per row and a binary search of the row's cumulative sum. A column of
-    probability 0 spans an empty interval and is never drawn. Why not ``torch.multinomial`` or ``argmax(p / E)``
-    with ``E ~ Exp(1)``: both draw a random number per column, which on CPU costs about as much as the model's
-    forward pass when sampling over a real vocabulary (64 x 152k on one core: 0.40 s per token against 0.08 s).
-    """
-    cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    # rand() < 1, but rand() * total can round up to total: keep the point strictly inside the last interval.
-    point = torch.minimum(torch.rand_like(total) * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
-
-
 def _choose(scores: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     """One token per row from already penalised scores: greedy, or sampled after temperature, top-k, top-p, min-p."""
     if not settings.do_sample:
         return scores.argmax(-1)
+    scores = scores / settings.temperature
     candidates = None  # column -> token id, when the scores are narrowed or sorted
-    nucleus = settings.top_p < 1.0  # the only filter that needs the candidates in order
     if settings.top_k:
-        k = min(settings.top_k, scores.shape[-1])
-        scores, candidates = scores.topk(k, dim=-1, sorted=nucleus)
-    elif nucleus:
+        scores, candidates = scores.topk(min(settings.top_k, scores.shape[-1]), dim=-1)  # sorted, largest first
+    elif settings.top_p < 1.0 or settings.min_p:
         scores, candidates = scores.sort(dim=-1, descending=True)
-    if settings.temperature != 1.0:
-        # After narrowing, which a positive temperature does not change: k divisions instead of V.
-        scores = scores / settings.temperature
     probs = scores.softmax(-1)
-    if nucleus:
+    if settings.top_p < 1.0:
         # Keep a token while the tokens more likely than it add up to less than top_p (always the most likely one).
         probs = probs.masked_fill(probs.cumsum(-1) - probs >= settings.top_p, 0.0)
     if settings.min_p:
-        probs = probs.masked_fill(probs < settings.min_p * probs.amax(-1, keepdim=True), 0.0)
-    column = _draw(probs)
+        probs = probs.masked_fill(probs < settings.min_p * probs[:, :1], 0.0)
+    # argmax(p / E) with E ~ Exp(1) draws column i with probability p_i / sum(p): one pass, no renormalisation.
+    column = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
     return column if candidates is None else candidates.gather(-1, column[:, None]).squeeze(-1)
 
 
-def _logsumexp(logits: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
-    """``logits.logsumexp(-1)`` with its ``[B, V]`` intermediate written into ``workspace``, one buffer for the whole
-    decoding loop: torch allocates that intermediate at every call, and at a real vocabulary its page faults cost as
-    much as the arithmetic (64 x 152k on one core: 42 ms -> 23 ms)."""
-    peak = logits.amax(-1, keepdim=True)
-    peak = peak.masked_fill(~peak.isfinite(), 0.0)
-    torch.sub(logits, peak, out=workspace)
-    return workspace.exp_().sum(-1).log_().add_(peak.squeeze(-1))
-
-
-def _next_tokens(logits: torch.Tensor, *, step: int, settings: SamplingSettings, eos: torch.Tensor, seen, workspace):
+def _next_tokens(logits: torch.Tensor, *, step: int, settings: SamplingSettings, eos: torch.Tensor, seen):
     """Every row's next token from the raw logits of its last position (repetition penalty, ``min_new_tokens``, then
-    :func:`_choose`), and each token's log-prob under those raw logits.
-
-    ``logits`` (``[B, V]`` float32) is this step's own and is written over: held-back EOS columns are set to -inf in
-    place (a copy of ``[B, V]`` per step otherwise), which changes no log-prob read here, a held-back EOS never being
-    the sampled token.
-    """
-    normaliser = _logsumexp(logits, workspace)
+    :func:`_choose`), and each token's log-prob under those raw logits."""
     scores = logits
     if seen is not None:
         scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
     if step < settings.min_new_tokens:
-        scores.index_fill_(-1, eos, float("-inf"))
+        scores = scores.index_fill(-1, eos, float("-inf"))
     token = _choose(scores, settings)
-    return token, logits.gather(-1, token[:, None]).squeeze(-1) - normaliser
+    return token, logits.gather(-1, token[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
-def _cache_of(out):
-    return out["cache"] if "cache" in out else out["past_key_values"]
-
-
-def _rows_can_be_copied(cache) -> bool:
-    """Whether the rows of a KV cache can be copied to other rows (``batch_select_indices``): a ``DynamicCache`` of
-    attention layers. A recurrent, static or quantized layer keeps state that the copy would leave behind."""
-    return type(cache) is DynamicCache and all(type(layer) in _COPYABLE_LAYERS for layer in cache.layers)
-
-
-def _prefill(model, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, options: dict, *, share: bool):
-    """The forward pass over the prompts: the logits of their last position ``[B, V]`` and the KV cache.
-
-    ``share``: a prompt that appears in several rows (GRPO samples a group of responses to each prompt) is run once
-    and its cache rows copied to the others: the same keys and values, a fraction of the prefill's cost. Otherwise,
-    or when the model's cache cannot be copied row to row, every row is run.
-    """
-    if share:
-        distinct, inverse = torch.unique(tokens.masked_fill(mask == 0, -1), dim=0, return_inverse=True)
-        if distinct.shape[0] < tokens.shape[0]:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
-            first = rows.new_empty(distinct.shape[0]).scatter_(0, inverse, rows)  # one row of each distinct prompt
-            out = model(
-                input_ids=tokens[first],
-                attention_mask=mask[first],
-                position_ids=positions[first],
-                use_cache=True,
-                **options,
-            )
-            cache = _cache_of(out)
-            if _rows_can_be_copied(cache):
-                cache.batch_select_indices(inverse)
-                return out.logits[:, -1][inverse], cache
-    out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **options)
-    return out.logits[:, -1], _cache_of(out)
+def _forward_next(model, out, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache_argument: str):
+    """The forward pass of one new token per row, over the KV cache the previous pass returned."""
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    return model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True, **{cache_argument: cache})
 
 
 @torch.no_grad()
@@ -317,21 +248,18 @@ def sample_responses(
     prefill, cache_argument = _forward_options(model)
     synced = _forwards_are_collective(model)
     decoding = True  # a row of this rank has not sampled EOS yet
-    # Sharded ranks share nothing: a rank whose cache cannot be copied would run a second prefill, out of step.
-    logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
+    out = model(input_ids=prompt_tokens, attention_mask=mask, position_ids=positions, use_cache=True, **prefill)
     seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
     if settings.repetition_penalty != 1.0:
-        seen = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, mask.float()) > 0
-    workspace = torch.empty_like(logits, dtype=torch.float32)  # [B, V], reused by every step's log-prob
+        seen = torch.zeros_like(out.logits[:, -1], dtype=torch.float32).scatter_add_(-1, prompt_tokens, mask.float())
+        seen = seen > 0
     next_position = positions[:, -1:] + 1
     for step in range(settings.max_new_tokens):
         # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
         # it leaves its RNG where a rank decoding alone would have left it.
         if decoding:
-            logits = logits.float()
-            token, token_log_prob = _next_tokens(
-                logits, step=step, settings=settings, eos=eos, seen=seen, workspace=workspace
-            )
+            logits = out.logits[:, -1].float()
+            token, token_log_prob = _next_tokens(logits, step=step, settings=settings, eos=eos, seen=seen)
             decoding = responses.record(step, token, token_log_prob)
             if seen is not None:
                 seen.scatter_(-1, token[:, None], True)
@@ -339,14 +267,7 @@ def sample_responses(
             break
         # Finished rows go on decoding pads (their outputs are discarded), so that the batch keeps one shape.
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-        out = model(
-            input_ids=responses.tokens[:, step : step + 1],
-            attention_mask=mask,
-            position_ids=next_position,
-            use_cache=True,
-            **{cache_argument: cache},
-        )
-        logits, cache = out.logits[:, -1], _cache_of(out)
+        out = _forward_next(model, out, responses.tokens[:, step : step + 1], mask, next_position, cache_argument)
         next_position = next_position + 1
     return responses.sampled()
 
