@@ -145,6 +145,61 @@ class TestSampleResponses:
         assert repeats(50.0) < repeats(1.0) / 2
 
 
+def _generate_distribution(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """The distribution ``model.generate`` samples from: transformers' own warpers, in generate's order."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList()
+    if settings.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.top_k:
+        warpers.append(TopKLogitsWarper(settings.top_k))
+    if settings.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(settings.top_p))
+    if settings.min_p:
+        warpers.append(MinPLogitsWarper(settings.min_p))
+    return warpers(None, logits.clone()).softmax(-1)
+
+
+class TestDrawnDistribution:
+    """The sampler draws each token with the probability ``generate`` gives it, and never one it rules out."""
+
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=1),
+            SamplingSettings(max_new_tokens=1, temperature=0.7),
+            SamplingSettings(max_new_tokens=1, top_k=5),
+            SamplingSettings(max_new_tokens=1, top_k=6, temperature=1.5),
+            SamplingSettings(max_new_tokens=1, top_p=0.8),
+            SamplingSettings(max_new_tokens=1, min_p=0.15),
+            SamplingSettings(max_new_tokens=1, top_k=8, top_p=0.9, min_p=0.05, temperature=0.8),
+        ],
+        ids=["plain", "temperature", "top_k", "top_k+temperature", "top_p", "min_p", "all"],
+    )
+    def test_frequencies_match_generates_warpers(self, settings):
+        from recipes.grpo.sampling import _choose
+
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randn(1, 24, generator=generator) * 2
+        expected = _generate_distribution(logits, settings)[0]
+        draws = 40_000
+        torch.manual_seed(1)
+        tokens = _choose(logits.expand(draws, -1).clone(), settings)
+        frequencies = torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
+        assert (frequencies[expected == 0] == 0).all()  # a token generate rules out is never drawn
+        # Within 5 standard errors of a binomial frequency (plus float slack): a wrong cut-off moves a token's
+        # frequency by its whole probability, far more than this.
+        tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
+        assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
+
+
 class TestSamplingPolicy:
     def test_writes_the_dense_layout_the_loss_reads(self, tiny_policy):
         from tensordict import TensorDict
