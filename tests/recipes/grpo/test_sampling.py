@@ -61,10 +61,19 @@ class TestSettings:
 
 
 class TestSampleResponses:
-    def test_recorded_log_probs_equal_a_forward_pass_of_each_sequence(self, tiny_policy):
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=12, top_k=50),
+            # EOS held back at every step (set to -inf in place) and a temperature: the log-probs stay the raw model's.
+            SamplingSettings(max_new_tokens=12, min_new_tokens=12, top_k=50, temperature=0.7),
+        ],
+        ids=["top_k", "min_new_tokens+temperature"],
+    )
+    def test_recorded_log_probs_equal_a_forward_pass_of_each_sequence(self, tiny_policy, settings):
         """The behaviour log-probs, first response token included, are the model's log-softmax at each token."""
         model, tokenizer = tiny_policy
-        tokens, mask, sampled = _sample(tiny_policy, SamplingSettings(max_new_tokens=12, top_k=50))
+        tokens, mask, sampled = _sample(tiny_policy, settings)
         assert sampled.log_probs.dtype == torch.float32
         for row in range(tokens.shape[0]):
             prompt = tokens[row][mask[row]]
