@@ -7,7 +7,7 @@
 How a step flows (env -> policy -> reward -> collector -> advantage -> buffer -> loss) is told once, in the README's
 GRPO section. This file reads top to bottom: :func:`train` validates the config (``recipes.grpo.checks``), reads the
 prompts, starts the run, loads the models (:func:`load_models`), builds the learner (``recipes.grpo.learner``) and the
-collector (``recipes.grpo.rollout``), then :func:`train_loop` runs one :func:`train_step` per step, reports it
+collector (``recipes.grpo.collector``), then :func:`train_loop` runs one :func:`train_step` per step, reports it
 (``recipes.grpo.report``) and checkpoints it (:func:`save_if_due`, ``recipes.grpo.checkpointing``); the run ends with
 ``summary.json`` and a closing message.
 
@@ -62,6 +62,7 @@ from recipes.grpo.checkpointing import (
     truncate_metrics_csv,
 )
 from recipes.grpo.checks import check_prompt_lengths, validate
+from recipes.grpo.collector import make_collector
 from recipes.grpo.distributed import check_ranks_in_sync, mean_over_processes, pool_over_processes
 from recipes.grpo.evaluation import Evaluator, eval_due
 from recipes.grpo.learner import Learner, check_weights_finite, informative_batch, make_learner, optimize
@@ -75,7 +76,6 @@ from recipes.grpo.report import (
     summarize,
 )
 from recipes.grpo.rewards import load_reward_scorer, source_names
-from recipes.grpo.rollout import make_collector
 
 log = logging.getLogger(__name__)
 

@@ -3,15 +3,16 @@
 1. Prompts. The data's prompts (``data=``), as message lists with their rows' other columns, fill a TorchRL
    ``ReplayBuffer`` that trl reads as a stream: ``interop.TorchRLBufferDataset(...).as_hf_dataset()``.
 2. Rollouts. trl hands each process's prompts to ``interop.TorchRLRolloutFunc`` (its ``rollout_func``), which samples
-   with the recipes' TorchRL sampling policy (``recipes.grpo.sampling.SamplingPolicy``: one decoding loop that records
-   each token's log-prob) around the very model trl trains: every optimizer step is in the next batch's weights,
-   with no copy and no sync. Its settings are trl's (``train.max_completion_length``, ``temperature``, ``top_k``...).
+   with the library's TorchRL sampler (``interop.CausalLMSampler``: one decoding loop that records each token's
+   log-prob) around the very model trl trains: every optimizer step is in the next batch's weights, with no copy and
+   no sync. Its settings are trl's (``train.max_completion_length``, ``temperature``, ``top_k``...).
 3. Rewards and the update: trl's, unchanged (``reward_funcs``: the reward model and ``reward.functions``, weighted by
    ``reward_weights``; its advantages, loss, optimizer, scheduler, checkpoints and accelerate). ``model.lora``
    becomes trl's ``peft_config``: trl trains the adapters, the sampler samples with them, and the reference is the
    model with them off.
-4. Storage. Every completion trl trains on, with its rewards, advantage and step, lands in
-   ``<run dir>/rollouts/rank_<r>/part_<k>/`` (``recipes.trl_rollouts.rollout_store``), readable while the run trains.
+4. Storage. ``interop.TorchRLGRPOTrainer`` (trl's trainer, reading what it scored) writes every completion trl trains
+   on, with its rewards, advantage and step, to ``<run dir>/rollouts/rank_<r>/part_<k>/``
+   (``recipes.trl_grpo.rollout_store``), readable while the run trains.
 
     python recipes/trl_grpo_torchrl_rollouts.py
     python recipes/trl_grpo_torchrl_rollouts.py -m seed=0,1,2
@@ -24,7 +25,6 @@ import functools
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -32,25 +32,22 @@ import hydra
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
-from tensordict import NonTensorData, NonTensorStack, TensorDict
-from torchrl.data import LazyTensorStorage, ReplayBuffer
-from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
 from transformers import TrainerCallback
 
-from interop import TorchRLBufferDataset, TorchRLRolloutFunc
+from interop import TorchRLRolloutFunc
 from recipes.common.callbacks import make_finite_guard
-from recipes.common.checkpoint import save_model_folder, write_folder_atomically
+from recipes.common.checkpoint import latest_trl_checkpoint, save_model_folder, write_folder_atomically
 from recipes.common.config import RunStopped
 from recipes.common.data import load_prompt_rows
 from recipes.common.lora import make_lora_config
 from recipes.common.metrics import MetricLogger, peak_device_memory
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
+from recipes.common.prompts import PromptTable, make_prompt_stream
+from recipes.common.reward_functions import resolve_function
 from recipes.common.run import end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
-from recipes.grpo.prompt_env import PromptTable
-from recipes.grpo.reward_functions import resolve_function
-from recipes.grpo.sampling import SamplingPolicy
-from recipes.trl_rollouts.checks import latest_trainer_checkpoint, sampling_settings, validate
-from recipes.trl_rollouts.rollout_store import ROLLOUTS_DIR, RolloutStore
+from recipes.common.text_metrics import distinct_bigrams
+from recipes.trl_grpo.checks import validate
+from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, RolloutStore
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +64,6 @@ def make_grpo_config(cfg: DictConfig):
     return hydra.utils.instantiate(
         cfg.train, _convert_="all", use_cpu=cfg.device == "cpu", report_to="none", reward_weights=weights
     )
-
-
-def make_prompt_stream(table: PromptTable, *, batch_size: int, seed: int):
-    """The prompts and their columns in a TorchRL buffer, drawn without replacement (a new order every pass), as the
-    Hugging Face ``IterableDataset`` trl reads."""
-    columns = {"prompt": table.conversations, **table.columns}
-    rows = TensorDict(
-        {name: NonTensorStack(*[NonTensorData(value) for value in values]) for name, values in columns.items()},
-        batch_size=[len(table)],
-    )
-    generator = torch.Generator().manual_seed(seed)
-    buffer = ReplayBuffer(
-        storage=LazyTensorStorage(len(table)), sampler=SamplerWithoutReplacement(), generator=generator
-    )
-    buffer.extend(rows)
-    return TorchRLBufferDataset(buffer, batch_size=batch_size, keys=list(columns), num_batches=None).as_hf_dataset()
 
 
 def make_reward_funcs(cfg: DictConfig, *, device: str):
@@ -106,21 +87,16 @@ def make_reward_funcs(cfg: DictConfig, *, device: str):
     return funcs, classes
 
 
-def make_rollout_func(model, tokenizer, cfg: DictConfig) -> TorchRLRolloutFunc:
-    """trl's ``rollout_func``: the TorchRL sampling policy around the model trl trains (not a copy)."""
-    return TorchRLRolloutFunc(SamplingPolicy(model, tokenizer, settings=sampling_settings(cfg.train)), tokenizer)
-
-
 def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, trainer) -> RolloutStore:
     prompt_width = max(len(ids) for ids in rollout_func.tokenize(table.conversations, trainer))
     return RolloutStore(
         run.output_dir / ROLLOUTS_DIR,
         rank=run.processes.process_index,
-        max_rows=cfg.rollouts.max_rows,
+        max_rows=cfg.rollout.store.max_rows,
         prompt_width=prompt_width,
         completion_width=cfg.train.max_completion_length,
         source_names=list(trainer.reward_func_names),
-        max_text_bytes=cfg.rollouts.max_text_bytes,
+        max_text_bytes=cfg.rollout.store.max_text_bytes,
         pad_token_id=rollout_func.tokenizer.pad_token_id,
     )
 
@@ -152,14 +128,39 @@ def metric_name(trl_key: str) -> str:
 
 
 class MetricsCallback(TrainerCallback):
-    """trl's training logs, renamed (:func:`metric_name`), with the recorder's figures of the steps they cover
-    (the oracle's mean, distinct-2), to the run's logger; a progress line every ``every`` steps; the series the summary
-    reports (:attr:`series`: name -> [value per log])."""
+    """trl's training logs, renamed (:func:`metric_name`), with the recipe's figures of the batches they cover (the
+    oracle's mean over every process's completions, distinct-2), to the run's logger; a progress line every ``every``
+    steps; the series the summary reports (:attr:`series`: name -> [value per log]).
 
-    def __init__(self, logger: MetricLogger, trainer_figures: dict, *, total_steps: int, every: int) -> None:
-        self.logger, self.trainer_figures = logger, trainer_figures
+    Args:
+        logger: the run's metric logger.
+        trainer: the ``interop.TorchRLGRPOTrainer`` (its ``last_scored`` rows and ``rollout_func.last_rollout``).
+        oracle: ``text -> float``, the data's ground truth, or ``None``.
+    """
+
+    def __init__(self, logger: MetricLogger, trainer, oracle, *, total_steps: int, every: int) -> None:
+        self.logger, self.trainer, self.oracle = logger, trainer, oracle
         self.total_steps, self.every = total_steps, every
         self.series: dict[str, list[float]] = {}
+        self.trainer_figures: dict[int, dict[str, float]] = {}  # step -> the figures of the batch it trained first
+        self._batches_seen = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.scored_batches != self._batches_seen:  # a new generation batch trained in this step
+            self._batches_seen = self.trainer.scored_batches
+            self.trainer_figures[state.global_step] = self._batch_figures()
+
+    def _batch_figures(self) -> dict[str, float]:
+        rollout = self.trainer.rollout_func.last_rollout
+        mask = torch.arange(rollout.get("completion_ids").shape[-1]) < rollout.get("completion_length")[:, None]
+        figures = {"rollout/distinct_2": distinct_bigrams(rollout.get("completion_ids"), mask)}
+        if self.oracle is not None:
+            texts = self.trainer.last_scored.get("completion_text")
+            scores = [float(self.oracle(text)) for text in (texts.tolist() if hasattr(texts, "tolist") else texts)]
+            device = self.trainer.accelerator.device
+            totals = self.trainer.accelerator.gather(torch.tensor([[sum(scores), len(scores)]], device=device)).sum(0)
+            figures["rollout/oracle_mean"] = float(totals[0] / totals[1])
+        return figures
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -205,7 +206,8 @@ def train(cfg: DictConfig) -> dict:
         model = load_causal_lm(cfg.model, device=args.device, dtype=cfg.dtype)
         table = PromptTable(load_prompt_rows(cfg.data, "train"), tokenizer=tokenizer, system_prompt=cfg.system_prompt)
         reward_funcs, reward_classes = make_reward_funcs(cfg, device=args.device)
-        rollout_func = make_rollout_func(model, tokenizer, cfg)
+        # The library's default sampler: a CausalLMSampler around the model trl trains, at train:'s sampling settings.
+        rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer)
         oracle = hydra.utils.instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
         trainer = make_trainer(
             model,
@@ -215,21 +217,21 @@ def train(cfg: DictConfig) -> dict:
             reward_funcs=reward_funcs,
             reward_classes=reward_classes,
             rollout_func=rollout_func,
-            oracle=oracle,
             peft_config=make_lora_config(cfg.model.lora, task_type="CAUSAL_LM") if cfg.model.lora else None,
         )
-        trainer.rollout_store = make_rollout_store(cfg, run, table, rollout_func, trainer)
+        store = make_rollout_store(cfg, run, table, rollout_func, trainer)
+        rollout_func.replay_buffer = store  # every scored batch is written there (interop.TorchRLGRPOTrainer)
         guard = make_finite_guard()
         trainer.add_callback(guard)
         metrics = MetricsCallback(
-            run.logger, trainer.figures, total_steps=args.max_steps, every=max(1, args.max_steps // 6)
+            run.logger, trainer, oracle, total_steps=args.max_steps, every=max(1, args.max_steps // 6)
         )
-        trainer.add_callback(metrics)  # every process: it consumes the recorder's figures (logged by the main one)
+        trainer.add_callback(metrics)  # every process: it gathers each batch's figures (logged by the main one)
         log_run_plan(cfg, args, trainer, run)
         train_start = time.perf_counter()
-        trainer.train(resume_from_checkpoint=latest_trainer_checkpoint(args.output_dir) if cfg.resume else None)
+        trainer.train(resume_from_checkpoint=latest_trl_checkpoint(args.output_dir) if cfg.resume else None)
         train_s = time.perf_counter() - train_start
-        local_tokens = torch.tensor([trainer.rollout_store.tokens], device=trainer.accelerator.device)
+        local_tokens = torch.tensor([store.tokens], device=trainer.accelerator.device)
         generated_tokens = int(trainer.accelerator.gather(local_tokens).sum())
         if guard.reason is not None:
             raise RunStopped(
@@ -243,24 +245,30 @@ def train(cfg: DictConfig) -> dict:
             )
             (run.output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
             summary = summarize(
-                trainer, metrics.series, generated_tokens, train_s=train_s, wall_time_s=time.perf_counter() - start
+                trainer,
+                store,
+                metrics.series,
+                generated_tokens,
+                train_s=train_s,
+                wall_time_s=time.perf_counter() - start,
             )
         summary = run.broadcast(summary)
         return run.finish(summary, closing_message(summary, run.output_dir))
 
 
 def make_trainer(
-    model, tokenizer, args, train_dataset, *, reward_funcs, reward_classes, rollout_func, oracle, peft_config=None
+    model, tokenizer, args, train_dataset, *, reward_funcs, reward_classes, rollout_func, peft_config=None
 ):
-    """trl's ``GRPOTrainer`` (recording what it trains on) with the TorchRL rollout function.
+    """trl's ``GRPOTrainer`` sampling through ``rollout_func``, each scored batch written to the rollout function's
+    buffer (``interop.TorchRLGRPOTrainer``).
 
     ``peft_config`` (``model.lora``): trl adds the adapters to ``model`` in place (peft's ``get_peft_model``), so the
-    rollout function, built around ``model``, samples with them; trl's reference is the model with them switched off.
+    rollout function's sampler, built around the trainer's model, samples with them; trl's reference is the model with
+    them switched off.
     """
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is what this recipe is for
-    from recipes.trl_rollouts.recording import RecordingGRPOTrainer  # imports trl: only once the config is valid
+    from interop import TorchRLGRPOTrainer  # imports trl: only once the config is valid
 
-    return RecordingGRPOTrainer(
+    return TorchRLGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
         args=args,
@@ -268,7 +276,6 @@ def make_trainer(
         processing_class=tokenizer,
         reward_processing_classes=reward_classes,
         rollout_func=rollout_func,
-        oracle=oracle,
         peft_config=peft_config,
     )
 
@@ -293,7 +300,13 @@ def log_run_plan(cfg: DictConfig, args, trainer, run) -> None:
 
 
 def summarize(
-    trainer, series: dict[str, list[float]], generated_tokens: int, *, train_s: float, wall_time_s: float
+    trainer,
+    store: RolloutStore,
+    series: dict[str, list[float]],
+    generated_tokens: int,
+    *,
+    train_s: float,
+    wall_time_s: float,
 ) -> dict:
     """First and last of every logged rollout figure and of the loss, the rollouts stored (this process's), the
     completion tokens generated (every process's) and the times."""
@@ -301,7 +314,6 @@ def summarize(
     for name, values in sorted(series.items()):
         if name.startswith("rollout/") or name in ("train/loss", "train/kl_to_ref", "train/entropy"):
             summary[f"{name}_first"], summary[f"{name}_last"] = values[0], values[-1]
-    store = trainer.rollout_store
     summary.update(
         {
             "train/steps": trainer.state.global_step,
@@ -328,7 +340,7 @@ def closing_message(summary: dict, output_dir: Path) -> str:
     return (
         f"trl GRPO with TorchRL rollouts: {summary['train/steps']} steps, reward {first:.3f} -> {last:.3f}{oracle}; "
         f"model in {output_dir / 'model'}, {summary['rollouts/rows']} rollouts in {output_dir / ROLLOUTS_DIR} "
-        "(recipes.trl_rollouts.rollout_store.load_rollouts reads them)."
+        "(recipes.trl_grpo.rollout_store.load_rollouts reads them)."
     )
 
 

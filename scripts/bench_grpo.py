@@ -327,10 +327,10 @@ def run_trl(cfg, *, output_dir: str, threads: int, on_phase=None, torchrl_rollou
     rollout_func = None
     if torchrl_rollouts:
         from interop import TorchRLRolloutFunc
-        from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
+        from interop.sampling import CausalLMSampler, SamplingSettings
 
         settings = SamplingSettings.from_mapping(cfg.rollout.generation)
-        rollout_func = TorchRLRolloutFunc(SamplingPolicy(policy, tokenizer, settings=settings), tokenizer)
+        rollout_func = TorchRLRolloutFunc(CausalLMSampler(policy, tokenizer, settings=settings), tokenizer)
     torch.manual_seed(cfg.seed)
     step_clock = StepClock()
     trainer = TimedGRPOTrainer(

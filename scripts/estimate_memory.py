@@ -185,7 +185,7 @@ def prompt_tokens_of(cfg) -> int:
     """The longest training prompt rendered with the policy's chat template: the batch's prompt width."""
     from recipes.common.data import load_prompts
     from recipes.common.models import load_tokenizer
-    from recipes.grpo.prompt_env import PromptTable
+    from recipes.common.prompts import PromptTable
 
     prompts = load_prompts(cfg.data, "train")
     table = PromptTable(prompts, tokenizer=load_tokenizer(cfg.model, padding_side="left"))

@@ -4,7 +4,7 @@
     python scripts/rollouts_to_pairs.py outputs/trl_rollouts/rollouts --out outputs/pairs.jsonl
     python recipes/reward_trainer_from_buffer.py data=file data.path=outputs/pairs.jsonl
 
-Reads ``<run dir>/rollouts`` (``recipes.trl_rollouts.rollout_store.load_rollouts``: every process's rows, oldest
+Reads ``<run dir>/rollouts`` (``recipes.trl_grpo.rollout_store.load_rollouts``: every process's rows, oldest
 first). A group is the completions trl sampled for one prompt in one step (consecutive rows of a process with the same
 prompt). Each group whose best and worst rewards differ by at least ``--min-gap`` gives one pair, in trl's
 conversational preference format: ``{"prompt": [user message], "chosen": [assistant message], "rejected": [...]}``,
@@ -26,7 +26,7 @@ if str(REPO_ROOT) not in sys.path:
 
 def groups(rows) -> list[list[int]]:
     """Row indices of each group: consecutive rows of one process and step with the same prompt."""
-    from recipes.trl_rollouts.rollout_store import texts
+    from recipes.trl_grpo.rollout_store import texts
 
     prompts = texts(rows, "prompt")
     steps, ranks = rows["step"].tolist(), rows["rank"].tolist()
@@ -40,7 +40,7 @@ def groups(rows) -> list[list[int]]:
 
 
 def best_and_worst_pairs(rows, *, min_gap: float, steps_from: int) -> list[dict]:
-    from recipes.trl_rollouts.rollout_store import texts
+    from recipes.trl_grpo.rollout_store import texts
 
     prompts, completions = texts(rows, "prompt"), texts(rows, "completion")
     rewards, steps = rows["reward"].tolist(), rows["step"].tolist()
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-from", type=int, default=1, help="only the groups of this step onwards")
     args = parser.parse_args(argv)
 
-    from recipes.trl_rollouts.rollout_store import load_rollouts
+    from recipes.trl_grpo.rollout_store import load_rollouts
 
     rows = load_rollouts(args.rollouts)
     pairs = best_and_worst_pairs(rows, min_gap=args.min_gap, steps_from=args.steps_from)

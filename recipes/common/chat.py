@@ -1,4 +1,4 @@
-"""TorchRL's chat stack as both recipes use it: prompts -> ``ChatEnv`` -> ``TransformersWrapper`` -> rewards.
+"""TorchRL's chat stack as the recipes use it: prompts -> ``ChatEnv`` -> ``TransformersWrapper`` -> rewards.
 
 A single-turn LLM rollout with TorchRL's chat stack (what ``recipes/grpo_torchrl_rm.py`` collects with
 ``rollout.env=chat``, for TorchRL's multi-turn and tool transforms, and what the reward-model recipe samples candidate
@@ -11,7 +11,7 @@ responses with)::
     rollout = policy(env.reset())                      # P prompts x G responses, prompts grouped contiguously
     batch = pad_rollout(rollout, pad_token_id=tok.pad_token_id)   # dense [B, T] tensors, what the loss trains on
 
-The GRPO recipe's default rollout is denser and faster: ``recipes.grpo.prompt_env`` + ``recipes.grpo.sampling``.
+The GRPO recipe's default rollout is denser and faster: ``recipes.grpo.prompt_env`` + ``interop.sampling``.
 
 Public functions and classes:
 

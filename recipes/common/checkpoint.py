@@ -33,6 +33,7 @@ __all__ = [
     "check_manifest",
     "checkpoint_folder",
     "latest_checkpoint",
+    "latest_trl_checkpoint",
     "list_checkpoints",
     "recover_interrupted_writes",
     "save_model_folder",
@@ -137,6 +138,15 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The checkpoint with the highest step under ``root``, or None."""
     checkpoints = list_checkpoints(root)
     return checkpoints[-1][1] if checkpoints else None
+
+
+def latest_trl_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest of a trl trainer's ``checkpoint-<step>`` folders in ``output_dir`` (its ``output_dir``), or
+    ``None``."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = Path(output_dir)
+    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
 
 
 def broken_checkpoint_advice(folder: str | os.PathLike) -> str:

@@ -27,6 +27,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Union
 
 from omegaconf import DictConfig, OmegaConf
@@ -50,6 +51,7 @@ __all__ = [
     "check_config",
     "check_trainer_config_keys",
     "checked_config",
+    "trainer_config_view",
 ]
 
 
@@ -451,3 +453,23 @@ def check_trainer_config_keys(train: Mapping, config_class: type, *, key: str = 
                 f"{key}.{name}: {trl_name} has no such field, so it would be ignored or fail inside trl.{hint} "
                 f"{key}: takes {trl_name}'s fields (trl's documentation lists them)."
             )
+
+
+def trainer_config_view(train: Mapping, config_class: type) -> SimpleNamespace:
+    """``train:`` as the trl config class will read it, without building it (a ``TrainingArguments`` sets up devices
+    and processes when built): every field at trl's own default, the config's values on top, read by attribute.
+
+    Examples:
+        >>> from trl import GRPOConfig
+        >>> args = trainer_config_view({"temperature": 0.7}, GRPOConfig)
+        >>> args.temperature, args.top_p == GRPOConfig.__dataclass_fields__["top_p"].default
+        (0.7, True)
+    """
+    values = {}
+    for field in dataclasses.fields(config_class):
+        if field.default is not dataclasses.MISSING:
+            values[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            values[field.name] = field.default_factory()
+    values.update({str(key): value for key, value in dict(train).items() if key != "_target_"})
+    return SimpleNamespace(**values)

@@ -32,6 +32,18 @@ import torch
 from tensordict import TensorDictBase
 from torch.nn import functional
 
+# What the sampler writes (interop.CausalLMSampler, TorchRL's layout) is the batch's own.
+from interop.sampling import (
+    ATTENTION_MASK,
+    LOG_PROBS,
+    POLICY_VERSION,
+    PROMPT_MASK,
+    PROMPT_TOKENS,
+    RESPONSE_TOKENS,
+    TOKENS,
+    TRUNCATED,
+)
+
 __all__ = [
     "ADVANTAGE",
     "ATTENTION_MASK",
@@ -54,15 +66,7 @@ __all__ = [
     "response_start",
 ]
 
-PROMPT_TOKENS = ("tokens", "prompt")
-PROMPT_MASK = ("masks", "prompt")
-RESPONSE_TOKENS = ("tokens", "response")
-TOKENS = ("tokens", "full")
-ATTENTION_MASK = ("masks", "all_attention_mask")
-LOG_PROBS = ("log_probs", "full")
 PROMPT_INDEX = "prompt_index"
-TRUNCATED = "truncated"
-POLICY_VERSION = "policy_version"
 REWARD = ("next", "reward")
 SOURCE_REWARDS = ("next", "source_rewards")
 DONE = ("next", "done")

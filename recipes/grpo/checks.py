@@ -25,6 +25,8 @@ from recipes.common.checkpoint import (
 from recipes.common.config import ConfigError, check_run_settings, first_items
 from recipes.common.lora import validate_policy_lora
 from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, validate_model_node
+from recipes.common.prompts import PromptTable
+from recipes.common.reward_functions import check_reward_functions
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
 from recipes.grpo.checkpointing import (
@@ -34,17 +36,14 @@ from recipes.grpo.checkpointing import (
     resume_changes,
     resumed_config,
 )
+from recipes.grpo.collector import ROLLOUT_ENVS, check_generation_settings, sampler_settings
 from recipes.grpo.distributed import STRATEGIES
 from recipes.grpo.evaluation import check_eval_settings
 from recipes.grpo.loss import LOSS_TYPES
 from recipes.grpo.policy import MIXED_PRECISIONS
-from recipes.grpo.prompt_env import PromptTable
 from recipes.grpo.report import summary_keys
-from recipes.grpo.reward_functions import check_reward_functions
 from recipes.grpo.rewards import REWARD_INPUTS, check_reward_keys, check_reward_sources, reward_prompt_lengths
-from recipes.grpo.rollout import ROLLOUT_ENVS, check_generation_settings
-from recipes.grpo.sampling import SamplingSettings
-from recipes.grpo.schema import RENAMED, GRPOConfig
+from recipes.grpo.schema import RENAMED, GRPORecipeConfig
 
 __all__ = ["BACKENDS", "ROLLOUT_MODES", "check_prompt_lengths", "validate"]
 
@@ -71,7 +70,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     command line says (``recipes.common.lora.settle_lora_node``)."""
     if cfg.resume:
         cfg = resumed_config(cfg)
-    cfg = checked_config(cfg, GRPOConfig, recipe="grpo_torchrl_rm", renamed=RENAMED)
+    cfg = checked_config(cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED)
     _validate_settings(cfg)
     return cfg
 
@@ -316,7 +315,7 @@ def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
     """Prompts the models cannot read whole: refused when the policy's positions cannot hold the rendered prompt plus
     ``max_new_tokens``; warned (refused if every prompt) when ``reward.max_length`` cuts the reward model's input
     before the response starts, where every response to the prompt gets the same reward. The trl reward functions
-    are checked against the prompts' columns (``recipes.grpo.reward_functions.check_reward_functions``). Tokenizers
+    are checked against the prompts' columns (``recipes.common.reward_functions.check_reward_functions``). Tokenizers
     only, no model.
     """
 
@@ -385,10 +384,7 @@ def _validate_rollout(rollout: DictConfig) -> None:
             "responses within a group."
         )
     if rollout.env == "prompt":
-        try:
-            SamplingSettings.from_mapping(generation)
-        except ValueError as error:
-            raise ConfigError(f"rollout.generation: {error}") from None
+        sampler_settings(generation)
 
 
 def _validate_distributed(cfg: DictConfig) -> None:

@@ -5,8 +5,8 @@ collector's module and its shared weights import torch and TorchRL, seconds of w
 by SIGKILL would leave the child running on its own. So the target is :func:`start`, here, with only the standard
 library imported: it asks Linux to kill this process with its parent (``PR_SET_PDEATHSIG``), then receives what the
 collector needs (its factory, the shared weights) through a pipe and hands over to
-``recipes.grpo.collectors.collect``. (The parent also starts it without re-importing its own ``__main__``:
-``recipes.grpo.collectors.BackgroundCollector``.)
+``recipes.grpo.collector_modes.collect``. (The parent also starts it without re-importing its own ``__main__``:
+``recipes.grpo.collector_modes.BackgroundCollector``.)
 
 Dependencies: the standard library.
 """
@@ -35,6 +35,6 @@ def start(connection, version, condition, batches, stop) -> None:
     die_with_parent()
     factory, weights, options = connection.recv()  # the heavy imports (torch, the recipe's modules) happen here
     connection.close()
-    from recipes.grpo.collectors import collect
+    from recipes.grpo.collector_modes import collect
 
     collect(factory, weights, version, condition, batches, stop, **options)

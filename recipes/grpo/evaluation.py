@@ -25,12 +25,14 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
 
+from interop.sampling import CausalLMSampler
 from recipes.common.config import ConfigError
 from recipes.common.data import PromptRows
+from recipes.common.prompts import PromptTable
 from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS, response_mask
-from recipes.grpo.prompt_env import PromptEnv, PromptTable
+from recipes.grpo.collector import sampler_settings
+from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import make_reward_transform, source_names
-from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
 
 __all__ = ["Evaluator", "check_eval_settings", "eval_due", "has_eval_split"]
 
@@ -60,7 +62,7 @@ def check_eval_settings(cfg: DictConfig) -> None:
             "eval.every_n_steps samples with the recipe's own sampler (rollout.env=prompt); with rollout.env=chat "
             "set eval.every_n_steps=null."
         )
-    SamplingSettings.check_keys(eval_generation(cfg), key="eval.generation")
+    sampler_settings(eval_generation(cfg), key="eval.generation", check_only=True)
 
 
 def eval_generation(cfg: DictConfig) -> dict:
@@ -104,7 +106,9 @@ class Evaluator:
         self.cfg = cfg
         self.table = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
         self.indices = list(range(start, start + per_process))
-        self.policy = SamplingPolicy(policy, tokenizer, settings=SamplingSettings.from_mapping(eval_generation(cfg)))
+        self.policy = CausalLMSampler(
+            policy, tokenizer, settings=sampler_settings(eval_generation(cfg), key="eval.generation")
+        )
         self.tokenizer = tokenizer
         self.oracle = oracle
         self.group_size = int(cfg.eval.group_size)

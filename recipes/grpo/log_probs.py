@@ -139,7 +139,7 @@ class ResponseLogProbs(nn.Module):
     """The log-prob (and entropy) of every response token of a dense batch under ``model``, response positions only.
 
     A batch row is ``[pads | prompt | response | pads]`` with every response starting at column ``response_start``
-    (``recipes.grpo.sampling.SamplingPolicy`` and ``recipes.common.chat.pad_rollout`` lay them out so).
+    (``interop.sampling.CausalLMSampler`` and ``recipes.common.chat.pad_rollout`` lay them out so).
     Positions follow the attention mask (``cumsum - 1``), as generation set them. The result is ``[B, T]``, zero
     outside the response tokens: column ``t`` holds ``log p(tokens[t] | tokens[:t])``, TorchRL's layout of
     ``("log_probs", "full")``.

@@ -4,7 +4,7 @@
 endless, seeded, resumable stream (``recipes.common.data.EndlessShuffleSampler``), renders each with the policy
 tokenizer's chat template (once per prompt for the whole run, not once per sample and step), left-pads them into one
 ``[B, P]`` tensor and repeats every prompt ``group_size`` times by indexing. The policy (e.g.
-``recipes.grpo.sampling.SamplingPolicy``) answers every row; the step ends every dialog (single turn) and the
+``interop.sampling.CausalLMSampler``) answers every row; the step ends every dialog (single turn) and the
 env's transforms (``interop.RewardModelTransform``...) write ``("next", "reward")``.
 
 It is what TorchRL's ``ChatEnv`` + ``StepCounter(max_steps=1)`` does for single-turn prompts, without a
@@ -19,93 +19,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import EnvBase
 
-from recipes.common.data import EndlessShuffleSampler, PromptRows
+from recipes.common.data import EndlessShuffleSampler
+from recipes.common.prompts import PromptTable
 from recipes.grpo.batch import PROMPT_INDEX, PROMPT_MASK, PROMPT_TOKENS
 
-__all__ = ["PromptEnv", "PromptTable", "non_tensor_rows"]
+__all__ = ["PromptEnv"]
 
 # What a step carries over from its input: the prompt, unchanged (one turn: nothing else happens to the state).
 _PROMPT_KEYS = (PROMPT_TOKENS, PROMPT_MASK, PROMPT_INDEX)
-
-
-def non_tensor_rows(values: Sequence) -> NonTensorStack:
-    """One Python object per row (a string, a conversation as a list of message dicts...), as a ``NonTensorStack``
-    of shape ``[len(values)]``.
-
-    Setting a list directly depends on tensordict's list-to-stack mode, and stacks lists of messages into a
-    ``[B, n_messages]`` structure, which breaks as soon as two conversations differ in length.
-    """
-    return NonTensorStack(*[NonTensorData(value) for value in values])
-
-
-class PromptTable:
-    """The prompts of a run as conversations, each rendered with the policy's chat template on first use, and their
-    rows' other columns.
-
-    Args:
-        prompts: prompt texts, or conversations as lists of ``{"role", "content"}`` messages; or a
-            ``recipes.common.data.PromptRows``, which brings its columns.
-
-    Keyword Args:
-        tokenizer: the policy's tokenizer.
-        system_prompt: optional system message put before every prompt that has none.
-
-    Attributes:
-        prompts: the prompts as the data holds them (what trl hands a reward function: no system prompt added).
-        conversations: the prompts as message lists, the system prompt added.
-        columns: column name -> one value per prompt.
-    """
-
-    def __init__(self, prompts: Sequence | PromptRows, *, tokenizer, system_prompt: str | None = None) -> None:
-        columns = prompts.columns if isinstance(prompts, PromptRows) else {}
-        prompts = prompts.prompts if isinstance(prompts, PromptRows) else list(prompts)
-        if len(prompts) == 0:
-            raise ValueError("PromptTable: no prompts; check the data= config (e.g. data.path).")
-        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        self.tokenizer = tokenizer
-        self.prompts = prompts
-        self.columns = dict(columns)
-        self.conversations = [self._as_messages(prompt, system) for prompt in prompts]
-        self._rendered: dict[int, tuple[str, torch.Tensor]] = {}
-
-    @staticmethod
-    def _as_messages(prompt, system: list[dict]) -> list[dict]:
-        if isinstance(prompt, str):
-            return [*system, {"role": "user", "content": prompt}]
-        messages = [dict(message) for message in prompt]
-        has_system = bool(messages) and messages[0].get("role") == "system"
-        return messages if has_system else [*system, *messages]
-
-    def __len__(self) -> int:
-        return len(self.conversations)
-
-    def rendered(self, index: int) -> tuple[str, torch.Tensor]:
-        """The prompt's text with the chat template and generation prompt applied, and its token ids."""
-        rendered = self._rendered.get(index)
-        if rendered is None:
-            text = self.tokenizer.apply_chat_template(
-                self.conversations[index], add_generation_prompt=True, tokenize=False
-            )
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            rendered = self._rendered[index] = (text, torch.tensor(ids, dtype=torch.long))
-        return rendered
-
-    def rendered_lengths(self) -> list[int]:
-        """Every prompt's length in tokens once rendered, in one batched tokenizer call (the renders are kept)."""
-        missing = [index for index in range(len(self)) if index not in self._rendered]
-        if missing:
-            texts = self.tokenizer.apply_chat_template(
-                [self.conversations[index] for index in missing], add_generation_prompt=True, tokenize=False
-            )
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            for index, text, row in zip(missing, texts, ids, strict=True):
-                self._rendered[index] = (text, torch.tensor(row, dtype=torch.long))
-        return [len(self._rendered[index][1]) for index in range(len(self))]
 
 
 class PromptEnv(EnvBase):

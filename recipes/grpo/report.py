@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from recipes.common.run import Run
+from recipes.common.text_metrics import distinct_bigrams
 from recipes.grpo.batch import (
     ADVANTAGE,
     PROMPT_INDEX,
@@ -109,21 +110,6 @@ def rollout_metrics(
     metrics["rollout/frac_truncated"] = values["truncated"].mean().item()  # hit max_new_tokens before an EOS
     metrics["rollout/distinct_2"] = distinct_bigrams(data.get(RESPONSE_TOKENS), mask)
     return metrics, int(values["length"].sum().item())
-
-
-def distinct_bigrams(tokens: torch.Tensor, mask: torch.Tensor) -> float:
-    """Distinct-2 of a step's responses: distinct token bigrams over all token bigrams (1.0: no bigram repeats; a
-    policy that says one thing again and again drifts towards 0). Under torchrun, each process's responses (the
-    logged figure is rank 0's).
-
-    Examples:
-        >>> tokens = torch.tensor([[5, 6, 5, 6, 0], [5, 6, 7, 0, 0]])
-        >>> distinct_bigrams(tokens, tokens != 0)  # (5,6) (6,5) (5,6) | (5,6) (6,7): 3 distinct of 5
-        0.6
-    """
-    pairs = tokens[:, :-1].long() * (1 << 32) + tokens[:, 1:].long()
-    kept = pairs[mask[:, :-1] & mask[:, 1:]]
-    return kept.unique().numel() / kept.numel() if kept.numel() else 0.0
 
 
 def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:

@@ -31,13 +31,14 @@ from torchrl.envs import Transform
 from transformers import TrainerState
 
 from interop import HFRewardModelWrapper
+from interop.sampling import CausalLMSampler
 from recipes.common.chat import CHAT_STEP_KEYS
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.models import load_reward_model, load_tokenizer
+from recipes.common.prompts import PromptTable, non_tensor_rows
+from recipes.common.reward_functions import RewardFunction, resolve_function
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
-from recipes.grpo.prompt_env import PromptEnv, PromptTable, non_tensor_rows
-from recipes.grpo.reward_functions import RewardFunction, resolve_function
-from recipes.grpo.sampling import SamplingPolicy
+from recipes.grpo.prompt_env import PromptEnv
 
 __all__ = [
     "READ_KEYS_OF_INPUT",
@@ -71,7 +72,7 @@ def _as_tuple(key: NestedKey) -> tuple:
 def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
     """The entries a step of ``cfg.rollout.env``'s rollout holds when the reward transforms read it.
 
-    ``prompt``: what :class:`PromptEnv` resets, what :class:`SamplingPolicy` writes, and the text and conversations
+    ``prompt``: what :class:`PromptEnv` resets, what :class:`CausalLMSampler` writes, and the text and conversations
     :class:`ResponseText` decodes for the rewards that read them. ``chat``: TorchRL's layout
     (``recipes.common.chat.CHAT_STEP_KEYS``), with ``("log_probs", "response")`` when
     ``rollout.generation.return_log_probs`` asks for it.
@@ -82,7 +83,7 @@ def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
         if "return_log_probs" in generation and generation.return_log_probs:
             keys.append(("log_probs", "response"))
     else:
-        keys = [*PromptEnv.RESET_KEYS, *SamplingPolicy.OUT_KEYS, *ResponseText.KEYS]
+        keys = [*PromptEnv.RESET_KEYS, *CausalLMSampler.OUT_KEYS, *ResponseText.KEYS]
     return [_as_tuple(key) for key in keys]
 
 
@@ -442,7 +443,7 @@ class LengthPenalty(TensorDictModuleBase):
         tokens_key: the response token ids: one tensor per sample (TorchRL's ragged layout), or a dense ``[B, R]``
             tensor, whose length per row is then read from the last ``R`` columns of ``mask_key``.
         mask_key: the attention mask of dense rows (``[pads | prompt | response | pads]``, as
-            ``recipes.grpo.sampling.SamplingPolicy`` writes it); ignored for ragged samples.
+            ``interop.sampling.CausalLMSampler`` writes it); ignored for ragged samples.
         pad_token_id: with ragged samples, or dense ones without a mask: the id not counted as a token; ``None``
             counts every position.
         reward_key: the entry written, one float per sample.

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from recipes.common.schema import OPEN, DataNode, LoggerNode, ModelNode, Range
 
-__all__ = ["RENAMED", "GRPOConfig"]
+__all__ = ["RENAMED", "GRPORecipeConfig"]
 
 # Keys of earlier versions: what replaced each (a config that still sets one is refused, saying so).
 RENAMED = {"loss.aggregation": "loss.type (aggregation=token_mean is loss.type=bnpo, prompt_mean is loss.type=grpo)"}
@@ -37,7 +37,7 @@ class Rollout:
     group_size: int
     responses_per_step: int
     system_prompt: str | None
-    # The settings of the sampler rollout.env picks (recipes.grpo.rollout.check_generation_settings checks the keys).
+    # The settings of the sampler rollout.env picks (recipes.grpo.collector.check_generation_settings checks the keys).
     generation: Annotated[dict[str, Any], OPEN]
     log_prob_micro_batch_size: Positive | None
 
@@ -57,7 +57,7 @@ class Reward:
     micro_batch_size: Positive | None
     max_length: Positive | None
     model_weight: float
-    # name -> {function, weight}: the names are the user's (recipes.grpo.reward_functions checks each node).
+    # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
     functions: Annotated[dict[str, Any], OPEN]
     # name -> a _target_ node building a TensorDict reward term (and its weight): the names are the user's.
     terms: Annotated[dict[str, Any], OPEN]
@@ -157,7 +157,7 @@ class Summary:
 
 
 @dataclass
-class GRPOConfig:
+class GRPORecipeConfig:
     """``conf/grpo_torchrl_rm.yaml`` with its groups (``model``, ``reward_model``, ``data``, ``logger``)."""
 
     model: ModelNode

@@ -12,7 +12,7 @@ from tensordict.nn import TensorDictModuleBase
 from torchrl.data import LazyStackStorage, ReplayBuffer
 
 from interop import TorchRLRolloutFunc
-from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
+from interop.sampling import CausalLMSampler, SamplingSettings
 
 PLAIN = ["Review the mug.", "Write a short review of the new electric kettle please.", "Hi"]
 CONVERSATIONAL = [[{"role": "user", "content": text}] for text in PLAIN]
@@ -24,7 +24,7 @@ def _repeated(prompts, group: int = 2) -> list:
 
 
 def _sampling_policy(model, tokenizer, **settings):
-    return SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=24, top_k=50, **settings))
+    return CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=24, top_k=50, **settings))
 
 
 def _transformers_wrapper(model, tokenizer, *, return_log_probs=True):

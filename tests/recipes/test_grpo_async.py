@@ -139,7 +139,7 @@ if __name__ != "__main__":  # a spawned child importing this script again: a rec
     time.sleep(60)
 if __name__ == "__main__":
     import torch
-    from recipes.grpo.collectors import BackgroundCollector
+    from recipes.grpo.collector_modes import BackgroundCollector
     print(os.getpid(), flush=True)
     BackgroundCollector(functools.partial(time.sleep, 60), torch.nn.Linear(2, 2), start_version=0)
 """

@@ -18,9 +18,9 @@ import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.checkpoint import MODEL_FOLDER, latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError
+from recipes.common.prompts import PromptTable
 from recipes.grpo import learner
 from recipes.grpo.checkpointing import load_training_state
-from recipes.grpo.prompt_env import PromptTable
 from recipes.grpo.rewards import make_reward_transform, reward_prompt_lengths
 
 SMALL = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", "logger=csv"]

@@ -1,6 +1,6 @@
-"""LoRA through peft in both recipes: only the adapters train, GRPO's reference is the adapter-disabled base (no second
-model loaded), checkpoints hold an adapter that peft reloads and a resume continues, and a LoRA reward model saved by
-the reward recipe loads where GRPO loads its reward model."""
+"""LoRA through peft in every recipe: only the adapters train, GRPO's reference is the adapter-disabled base (no
+second model loaded), checkpoints hold an adapter that peft reloads and a resume continues, and a LoRA reward model
+saved by the reward recipe loads where GRPO loads its reward model."""
 
 from __future__ import annotations
 

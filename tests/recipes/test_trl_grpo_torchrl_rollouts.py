@@ -19,11 +19,11 @@ from transformers import AutoTokenizer
 
 import recipes.trl_grpo_torchrl_rollouts as recipe
 from interop import TorchRLRolloutFunc
+from interop.sampling import CausalLMSampler, SamplingSettings
+from interop.trl_grpo import TorchRLGRPOTrainer
 from recipes.common.config import ConfigError
 from recipes.common.synthetic import make_prompts
-from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
-from recipes.trl_rollouts.recording import RecordingGRPOTrainer
-from recipes.trl_rollouts.rollout_store import load_rollouts, texts
+from recipes.trl_grpo.rollout_store import load_rollouts, texts
 
 # 3 steps of 8 completions (2 prompts x 4) of at most 8 tokens, 16 prompts.
 SMALL = [
@@ -39,7 +39,7 @@ SMALL = [
 def _capture_batches(monkeypatch) -> list[dict]:
     """What trl trains on: every batch ``_generate_and_score_completions`` returns, with the rewards it computed."""
     batches = []
-    generate_and_score = RecordingGRPOTrainer._generate_and_score_completions
+    generate_and_score = TorchRLGRPOTrainer._generate_and_score_completions
 
     def recorded(self, inputs):
         output = generate_and_score(self, inputs)
@@ -52,7 +52,7 @@ def _capture_batches(monkeypatch) -> list[dict]:
         )
         return output
 
-    monkeypatch.setattr(RecordingGRPOTrainer, "_generate_and_score_completions", recorded)
+    monkeypatch.setattr(TorchRLGRPOTrainer, "_generate_and_score_completions", recorded)
     return batches
 
 
@@ -111,6 +111,7 @@ def _trainer(tiny_policy, tmp_path, *, rollout_func_for):
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=10,
+        top_k=50,  # the adapter's sampler below samples among the top 50, as trl is told
         beta=0.1,
         disable_tqdm=True,
         activation_checkpointing=False,
@@ -134,7 +135,7 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         tiny_policy,
         tmp_path,
         rollout_func_for=lambda model, tokenizer: TorchRLRolloutFunc(
-            SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=10, top_k=50)), tokenizer
+            CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=10, top_k=50)), tokenizer
         ),
     )
     prompts = ["Review the mug.", "Write a review of the new kettle."]

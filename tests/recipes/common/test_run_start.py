@@ -1,4 +1,4 @@
-"""How a run starts and reports itself, in both recipes: the output folder, the log file, the wandb run."""
+"""How a run starts and reports itself, in every recipe: the output folder, the log file, the wandb run."""
 
 from __future__ import annotations
 

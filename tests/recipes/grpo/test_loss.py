@@ -35,13 +35,13 @@ def test_advantages_are_normalised_within_each_contiguous_group():
 
 @pytest.fixture(scope="module")
 def batch(tiny_policy):
+    from interop.sampling import CausalLMSampler, SamplingSettings
     from recipes.grpo.prompt_env import PromptEnv
-    from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
 
     model, tokenizer = tiny_policy
     prompts = ["Review the mug.", "What do you think of the bike and of its color?"]
     env = PromptEnv(prompts, tokenizer=tokenizer, group_size=3, num_prompts=2, shuffle=False)
-    policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=48, top_k=50))
+    policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=48, top_k=50))
     torch.manual_seed(5)
     batch = policy(env.reset()).select(
         ("tokens", "prompt"), ("tokens", "full"), ("masks", "all_attention_mask"), ("log_probs", "full")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.grpo.prompt_env import PromptEnv, PromptTable
+from recipes.common.prompts import PromptTable
+from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import ResponseText
 
 

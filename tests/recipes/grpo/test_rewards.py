@@ -11,11 +11,14 @@ from tensordict import TensorDict, lazy_stack
 from tensordict.nn import TensorDictModuleBase
 
 from interop import HFRewardModelWrapper
+from interop.sampling import CausalLMSampler, SamplingSettings
 from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
 from recipes.common.config import ConfigError
+from recipes.common.prompts import PromptTable
 from recipes.common.synthetic import oracle_score, well_formed_score
 from recipes.grpo.batch import BATCH_KEYS
-from recipes.grpo.prompt_env import PromptEnv, PromptTable
+from recipes.grpo.collector import build_prompt_collector
+from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import (
     LengthPenalty,
     ResponseText,
@@ -24,8 +27,6 @@ from recipes.grpo.rewards import (
     make_reward_transform,
     rollout_step_keys,
 )
-from recipes.grpo.rollout import build_prompt_collector
-from recipes.grpo.sampling import SamplingPolicy, SamplingSettings
 
 PROMPTS = ["Review the mug.", "What do you think of the bike and of its color?"]
 SMALL = ["rollout.group_size=2", "rollout.responses_per_step=4", "rollout.generation.max_new_tokens=8"]
@@ -42,13 +43,13 @@ def other_rm(other_rm_dir):
 
 
 def _rollout_step(compose_config, tiny_policy, reward_model, reward_tokenizer, reward_input, overrides=()):
-    """One step of PromptEnv + make_reward_transform + SamplingPolicy: the responses and their rewards."""
+    """One step of PromptEnv + make_reward_transform + CausalLMSampler: the responses and their rewards."""
     cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"reward.input={reward_input}", *overrides])
     model, tokenizer = tiny_policy
     table = PromptTable(PROMPTS, tokenizer=tokenizer)
     env = PromptEnv(table, tokenizer=tokenizer, group_size=2, num_prompts=2, shuffle=False)
     env = env.append_transform(make_reward_transform(cfg, reward_model, reward_tokenizer, tokenizer, prompts=table))
-    policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=16, top_k=50))
+    policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=16, top_k=50))
     torch.manual_seed(0)
     step = env.step(policy(env.reset()))
     return step, table
@@ -58,7 +59,7 @@ def _alone(wrapper, key, value):
     """``wrapper`` scoring one sequence, conversation or text on its own (a batch of one)."""
     from tensordict import TensorDict
 
-    from recipes.grpo.prompt_env import non_tensor_rows
+    from recipes.common.prompts import non_tensor_rows
 
     td = TensorDict(batch_size=[1])
     td.set(key, non_tensor_rows([value]))
@@ -211,7 +212,7 @@ def test_rollout_step_keys_are_what_a_step_holds(compose_config, tiny_policy, en
     spy = _SeenKeys()
     if env == "prompt":
         rollout_env = PromptEnv(PROMPTS, tokenizer=tokenizer, group_size=2).append_transform(RewardModelTransform(spy))
-        policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings.from_mapping(cfg.rollout.generation))
+        policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings.from_mapping(cfg.rollout.generation))
         decoded = set(ResponseText.KEYS)  # written inside the transform, for the rewards that read them
     else:
         loader = make_prompt_dataloader(PROMPTS, seed=0)

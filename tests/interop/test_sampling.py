@@ -1,11 +1,11 @@
-"""recipes/grpo/sampling.py on the shipped tiny policy: the decoding loop, its recorded log-probs, the policy."""
+"""interop/sampling.py on the shipped tiny policy: the decoding loop, its recorded log-probs, the policy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from recipes.grpo.sampling import SamplingPolicy, SamplingSettings, sample_responses
+from interop.sampling import CausalLMSampler, SamplingSettings, sample_responses
 
 
 def _prompts(tokenizer, texts):
@@ -193,7 +193,7 @@ class TestDrawnDistribution:
         ids=["plain", "temperature", "top_k", "top_k+temperature", "top_p", "min_p", "all"],
     )
     def test_frequencies_match_generates_warpers(self, settings):
-        from recipes.grpo.sampling import _choose
+        from interop.sampling import _choose
 
         generator = torch.Generator().manual_seed(0)
         logits = torch.randn(1, 24, generator=generator) * 2
@@ -209,13 +209,13 @@ class TestDrawnDistribution:
         assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
 
 
-class TestSamplingPolicy:
+class TestCausalLMSampler:
     def test_writes_the_dense_layout_the_loss_reads(self, tiny_policy):
         from tensordict import TensorDict
 
         model, tokenizer = tiny_policy
         tokens, mask = _prompts(tokenizer, PROMPTS)
-        policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=8, top_k=50))
+        policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=8, top_k=50))
         policy.version.fill_(3)
         td = TensorDict({"tokens": {"prompt": tokens}, "masks": {"prompt": mask}}, batch_size=[3])
         torch.manual_seed(0)
@@ -237,7 +237,7 @@ class TestSamplingPolicy:
         broken = copy.deepcopy(tokenizer)
         broken.pad_token = broken.eos_token
         with pytest.raises(ValueError, match="pad token distinct from EOS"):
-            SamplingPolicy(model, broken, settings=SamplingSettings(max_new_tokens=4))
+            CausalLMSampler(model, broken, settings=SamplingSettings(max_new_tokens=4))
 
     def test_eos_ids_include_the_generation_configs(self, tiny_policy):
         import copy
@@ -245,7 +245,7 @@ class TestSamplingPolicy:
         model, tokenizer = tiny_policy
         model = copy.deepcopy(model)
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, 7]
-        policy = SamplingPolicy(model, tokenizer, settings=SamplingSettings(max_new_tokens=4))
+        policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=4))
         assert policy.eos_token_ids == sorted({tokenizer.eos_token_id, 7})
 
 

@@ -1,4 +1,4 @@
-"""trl reward functions in the recipe (recipes/grpo/reward_functions.py, rewards.ScoreRewards): called as
+"""trl reward functions in the recipe (recipes/common/reward_functions.py, rewards.ScoreRewards): called as
 ``trl.GRPOTrainer`` calls them (compared with trl's own call), columns row-aligned, ``None`` / raising / wrong count /
 NaN handled as the issue says, several weighted sources aggregated as trl aggregates them (trl's code, called)."""
 
@@ -15,10 +15,10 @@ from transformers import TrainerState
 
 from recipes.common.config import ConfigError
 from recipes.common.data import PromptRows
+from recipes.common.prompts import PromptTable
+from recipes.common.reward_functions import RewardFunction, check_reward_functions
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
 from recipes.grpo.loss import normalized_sum_advantages
-from recipes.grpo.prompt_env import PromptTable
-from recipes.grpo.reward_functions import RewardFunction, check_reward_functions
 from recipes.grpo.rewards import RewardSource, ScoreRewards
 
 GROUP = 4

@@ -3,9 +3,9 @@
 Two rollouts, chosen by ``rollout.env``:
 
 - ``prompt`` (the default): :class:`~recipes.grpo.prompt_env.PromptEnv` (dense prompt batches) + the reward
-  transforms (``recipes.grpo.rewards``), stepped by :class:`~recipes.grpo.sampling.SamplingPolicy` (one decoding loop
+  transforms (``recipes.grpo.rewards``), stepped by :class:`~interop.sampling.CausalLMSampler` (one decoding loop
   per step, recording the behaviour log-probs), driven by a TorchRL ``Collector``. With ``rollout.mode=async`` that
-  collector runs in a child process (:class:`~recipes.grpo.collectors.BackgroundCollector`) one batch ahead of the
+  collector runs in a child process (:class:`~recipes.grpo.collector_modes.BackgroundCollector`) one batch ahead of the
   learner.
 - ``chat``: TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector`` (``recipes.common.chat``), for users
   who plug in TorchRL's multi-turn and tool transforms; its ragged rollout is padded into the same dense layout.
@@ -27,6 +27,7 @@ from tensordict import TensorDictBase
 from torchrl.collectors import Collector
 from torchrl.collectors.llm import LLMCollector
 
+from interop.sampling import CausalLMSampler, SamplingSettings, end_of_response_ids
 from recipes.common.chat import (
     check_chat_generation_settings,
     make_chat_env,
@@ -34,9 +35,10 @@ from recipes.common.chat import (
     make_prompt_dataloader,
     pad_rollout,
 )
-from recipes.common.config import run_config
+from recipes.common.config import ConfigError, run_config
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
+from recipes.common.prompts import PromptTable
 from recipes.grpo.batch import (
     BATCH_KEYS,
     DONE,
@@ -47,13 +49,12 @@ from recipes.grpo.batch import (
     SOURCE_REWARDS,
     TRUNCATED,
 )
-from recipes.grpo.collectors import BackgroundCollector, LocalCollector
+from recipes.grpo.collector_modes import BackgroundCollector, LocalCollector
 from recipes.grpo.policy import load_policy
-from recipes.grpo.prompt_env import PromptEnv, PromptTable
+from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import load_reward_scorer, make_reward_transform
-from recipes.grpo.sampling import SamplingPolicy, SamplingSettings, end_of_response_ids
 
-__all__ = ["ROLLOUT_ENVS", "build_prompt_collector", "check_generation_settings", "make_collector"]
+__all__ = ["ROLLOUT_ENVS", "build_prompt_collector", "check_generation_settings", "make_collector", "sampler_settings"]
 
 ROLLOUT_ENVS = ("prompt", "chat")
 
@@ -61,8 +62,8 @@ ROLLOUT_ENVS = ("prompt", "chat")
 def check_generation_settings(generation: Mapping, *, env: str, key: str = "rollout.generation") -> None:
     """Refuses a ``generation`` key that the rollout's sampler does not take, before anything loads.
 
-    ``env="prompt"`` (:class:`~recipes.grpo.sampling.SamplingPolicy`) takes the
-    :class:`~recipes.grpo.sampling.SamplingSettings` fields; ``env="chat"`` (TorchRL's ``TransformersWrapper``) any
+    ``env="prompt"`` (:class:`~interop.sampling.CausalLMSampler`) takes the
+    :class:`~interop.sampling.SamplingSettings` fields; ``env="chat"`` (TorchRL's ``TransformersWrapper``) any
     ``transformers.GenerationConfig`` field, and ``return_log_probs``.
 
     Keyword Args:
@@ -80,9 +81,37 @@ def check_generation_settings(generation: Mapping, *, env: str, key: str = "roll
         recipes.common.config.ConfigError: rollout.generation: ['max_new_token'] are not generation settings ...
     """
     if env == "prompt":
-        SamplingSettings.check_keys(generation, key=key)
+        sampler_settings(generation, key=key, check_only=True)
     else:
         check_chat_generation_settings(generation, key=key)
+
+
+def sampler_settings(generation: Mapping, *, key: str = "rollout.generation", check_only: bool = False):
+    """The :class:`~interop.sampling.SamplingSettings` of a config's generation node (``rollout.generation``, or the
+    evaluation's), or a :class:`ConfigError` naming the key and the way out (``rollout.env=chat`` takes any
+    ``transformers.GenerationConfig`` field). ``check_only``: the keys alone are checked (values come later).
+
+    Examples:
+        >>> sampler_settings({"max_new_tokens": 8, "typical_p": 0.9})
+        Traceback (most recent call last):
+        ...
+        recipes.common.config.ConfigError: rollout.generation.typical_p: not a generation setting of CausalLMSampler ...
+    """
+    try:
+        if check_only:
+            SamplingSettings.check_keys(generation, key=key)
+            return None
+        return SamplingSettings.from_mapping(generation, key=key)
+    except ValueError as error:
+        message = str(error)
+        if not message.startswith(key):
+            message = f"{key}: {message}"
+        if "not a generation setting" in message:
+            message = message.rstrip(".") + (
+                ", or use rollout.env=chat (TorchRL's TransformersWrapper passes any transformers GenerationConfig "
+                "field to generate())."
+            )
+        raise ConfigError(message) from None
 
 
 def _dense_batch(rollout: TensorDictBase) -> TensorDictBase:
@@ -108,8 +137,8 @@ def _prompt_collector(
     start_step: int,
     num_replicas: int,
     rank: int,
-) -> tuple[Collector, SamplingPolicy]:
-    """``PromptEnv`` + reward transforms, stepped by a ``SamplingPolicy``, driven by a TorchRL ``Collector``."""
+) -> tuple[Collector, CausalLMSampler]:
+    """``PromptEnv`` + reward transforms, stepped by a ``CausalLMSampler``, driven by a TorchRL ``Collector``."""
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
     prompts = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
     env = PromptEnv(
@@ -126,7 +155,7 @@ def _prompt_collector(
     env = env.append_transform(
         make_reward_transform(cfg, reward_model, reward_tokenizer, tokenizer, prompts=prompts, start_step=start_step)
     )
-    policy = SamplingPolicy(policy_model, tokenizer, settings=SamplingSettings.from_mapping(cfg.rollout.generation))
+    policy = CausalLMSampler(policy_model, tokenizer, settings=sampler_settings(cfg.rollout.generation))
     # One env step per batch: B dialogs of one turn each. Endless: the learner decides when to stop.
     collector = Collector(
         env,
@@ -142,7 +171,7 @@ def _prompt_collector(
 
 def build_prompt_collector(
     config: Mapping, *, start_step: int, num_replicas: int, rank: int
-) -> tuple[Collector, SamplingPolicy]:
+) -> tuple[Collector, CausalLMSampler]:
     """Loads the models a ``rollout.env=prompt`` collector needs and builds it: what a background collector runs.
 
     Args:

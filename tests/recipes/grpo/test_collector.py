@@ -1,4 +1,4 @@
-"""GRPO's rollout choices (recipes/grpo/rollout.py): the generation settings each ``rollout.env`` takes, and the
+"""GRPO's rollout choices (recipes/grpo/collector.py): the generation settings each ``rollout.env`` takes, and the
 ``chat`` rollout (TorchRL's chat stack) trained in the recipe's dense layout as TorchRL trains it ragged."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from recipes.common.chat import pad_rollout
 from recipes.common.config import ConfigError
+from recipes.grpo.collector import check_generation_settings
 from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs
-from recipes.grpo.rollout import check_generation_settings
 
 
 class TestGenerationSettings:

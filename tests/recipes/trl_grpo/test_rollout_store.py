@@ -1,4 +1,4 @@
-"""recipes.trl_rollouts.rollout_store: the ring of max_rows (oldest dropped, counted), readable while written, a
+"""recipes.trl_grpo.rollout_store: the ring of max_rows (oldest dropped, counted), readable while written, a
 resumed run's part replacing the steps it trained again, text kept as UTF-8; and scripts/rollouts_to_pairs.py's best
 vs worst pair of each group."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from recipes.trl_rollouts.rollout_store import RolloutStore, load_rollouts, texts
+from recipes.trl_grpo.rollout_store import RolloutStore, load_rollouts, texts
 
 
 def _store(folder, *, max_rows=100, rank=0):

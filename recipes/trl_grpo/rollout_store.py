@@ -30,6 +30,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
+from interop.rollout_func import message_text
+
 __all__ = ["ROLLOUTS_DIR", "RolloutStore", "load_rollouts", "texts"]
 
 ROLLOUTS_DIR = "rollouts"
@@ -156,9 +158,46 @@ class RolloutStore:
             },
         )
 
+    def extend(self, rows: TensorDictBase) -> None:
+        """Appends the rows ``interop.TorchRLRolloutFunc`` writes for one scored generation batch (ragged, one per
+        completion, in order: ids, log-probs, ``prompt``, ``completion_text``, ``rewards``, ``reward``,
+        ``advantage``, ``step``): the store's ``replay_buffer`` face. ``step`` there counts the updates the sampling
+        weights had had; here it is the optimizer step the batch trains first (that + 1)."""
+        pad = self.pad_token_id
+        prompts = rows.get("prompt_ids", as_list=True)
+        completions = rows.get("completion_ids", as_list=True)
+        rollout = TensorDict(
+            {
+                "prompt_ids": rows.get("prompt_ids", as_padded_tensor=True, padding_side="left", padding_value=pad),
+                "prompt_length": torch.tensor([len(ids) for ids in prompts]),
+                "completion_ids": rows.get(
+                    "completion_ids", as_padded_tensor=True, padding_side="right", padding_value=pad
+                ),
+                "completion_length": torch.tensor([len(ids) for ids in completions]),
+                "logprobs": rows.get("logprobs", as_padded_tensor=True, padding_side="right", padding_value=0.0),
+                "truncated": rows.get("truncated"),
+            },
+            batch_size=[len(prompts)],
+        )
+        self.write(
+            rollout,
+            prompt_texts=[message_text(prompt) for prompt in _objects(rows, "prompt")],
+            completion_texts=list(_objects(rows, "completion_text")),
+            rewards=rows.get("rewards"),
+            reward=rows.get("reward"),
+            advantages=rows.get("advantage"),
+            step=int(rows.get("step")[0]) + 1,
+        )
+
     @property
     def dropped(self) -> int:
         return max(0, self.rows - self.max_rows)
+
+
+def _objects(rows: TensorDictBase, key: str) -> list:
+    """One Python object per row of a non-tensor entry."""
+    values = rows.get(key)
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def _read_part(part: Path) -> tuple[TensorDictBase, dict] | None:

@@ -3,9 +3,10 @@
 Public names:
 
 - :class:`TorchRLRolloutFunc`: wraps a TensorDict policy that reads left-padded prompt tokens and writes response
-  tokens and their log-probs in TorchRL's layout (TorchRL's ``TransformersWrapper`` in generate mode, or any module
-  with the same keys) as the ``rollout_func`` of ``trl.GRPOTrainer``. Optionally writes every rollout into a TorchRL
-  ``ReplayBuffer``.
+  tokens and their log-probs in TorchRL's layout (``interop.CausalLMSampler``, TorchRL's ``TransformersWrapper`` in
+  generate mode, or any module with the same keys) as the ``rollout_func`` of ``trl.GRPOTrainer``. Built without a
+  policy, it samples with a :class:`~interop.sampling.CausalLMSampler` around the trainer's model, with the
+  trainer's ``GRPOConfig`` sampling settings. Optionally writes every rollout into a TorchRL ``ReplayBuffer``.
 
 trl's contract (trl 1.16, ``GRPOTrainer._generate``): the function gets the process's prompts (trl's sampler has already
 repeated each prompt ``num_generations`` times, consecutively) and the trainer, and returns one completion per prompt:
@@ -15,10 +16,13 @@ with ``add_generation_prompt=True`` and the trainer's ``chat_template_kwargs``, 
 trl's own generation tokenizes them, so that both paths train on the same tokens.
 
 Which weights sample: the policy module must hold the very model trl trains (the same ``nn.Module``, not a copy), so
-that every optimizer step is seen by the next generation with no weight sync. The adapter checks it on each call.
+that every optimizer step is seen by the next generation with no weight sync. The adapter checks it on each call, and
+that the policy samples as the trainer's ``GRPOConfig`` says (``max_completion_length``, ``temperature``, ``top_k``,
+``top_p``, ``min_p``, ``repetition_penalty``, ``generation_kwargs``): a policy built with other settings is refused,
+naming both values.
 
 Dependencies: ``torch``, ``tensordict``, ``torchrl``; ``transformers`` tokenizers are duck-typed (``pad_token_id``,
-``__call__``, ``apply_chat_template``).
+``__call__``, ``apply_chat_template``, ``batch_decode``).
 """
 
 from __future__ import annotations
@@ -32,18 +36,33 @@ from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictB
 from tensordict.utils import unravel_key
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["TorchRLRolloutFunc"]
+from interop.sampling import (
+    ATTENTION_MASK,
+    PROMPT_MASK,
+    PROMPT_TOKENS,
+    RESPONSE_TOKENS,
+    CausalLMSampler,
+    SamplingSettings,
+    check_pad_token,
+)
+from interop.sampling import LOG_PROBS as FULL_LOG_PROBS
 
-PROMPT_TOKENS = ("tokens", "prompt")
-PROMPT_MASK = ("masks", "prompt")
-RESPONSE_TOKENS = ("tokens", "response")
-ATTENTION_MASK = ("masks", "all_attention_mask")
-RESPONSE_LOG_PROBS = ("log_probs", "response")
-FULL_LOG_PROBS = ("log_probs", "full")
+__all__ = ["TorchRLRolloutFunc", "message_text"]
+
+RESPONSE_LOG_PROBS = ("log_probs", "response")  # TorchRL's TransformersWrapper writes the response's alone
 # Distinct prompts whose token ids are kept (a dataset's worth; past it the cache starts again).
 _MAX_CACHED_PROMPTS = 1 << 16
 # The keys the adapter can fill for a policy: the prompts, left-padded, and their mask.
 _INPUTS = (PROMPT_TOKENS, PROMPT_MASK)
+# TorchRL TransformersWrapper generate_kwargs -> the trl GRPOConfig field that sets the same thing.
+_WRAPPER_SETTINGS = {
+    "max_new_tokens": "max_completion_length",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
 
 
 def _is_conversational(prompt: Any) -> bool:
@@ -60,6 +79,19 @@ def _declares(out_keys: Sequence[NestedKey], key: tuple) -> bool:
     return False
 
 
+def message_text(value: Any) -> str:
+    """The text of a prompt or completion as trl passes it: a string, or a message list (its last message's).
+
+    Examples:
+        >>> message_text("Hi"), message_text([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+        ('Hi', 'b')
+    """
+    if isinstance(value, str):
+        return value
+    content = value[-1]["content"]
+    return content if isinstance(content, str) else " ".join(part.get("text", "") for part in content)
+
+
 def _model_of(module: torch.nn.Module) -> torch.nn.Module:
     """The innermost model a (DDP / accelerate / PEFT) wrapper holds."""
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
@@ -74,19 +106,25 @@ class TorchRLRolloutFunc:
         policy: a TensorDict module that reads ``("tokens", "prompt")`` (left-padded ``[B, P]``; it may also read
             ``("masks", "prompt")``, True on real tokens) and writes ``("tokens", "response")`` and the sampled tokens'
             log-probs, either ``("log_probs", "response")`` (``[B, R]``, TorchRL's ``TransformersWrapper``) or
-            ``("log_probs", "full")`` (``[B, P + R]``, the response from column ``P``). The response mask is read from
-            ``("masks", "all_attention_mask")`` when written (``[B, P + R]``), else it is the response tokens that are
-            not the pad id. Ragged (lazily stacked) outputs are padded on read.
+            ``("log_probs", "full")`` (``[B, P + R]``, the response from column ``P``: :class:`CausalLMSampler`).
+            The response mask is read from ``("masks", "all_attention_mask")`` when written (``[B, P + R]``), else it
+            is the response tokens that are not the pad id. Ragged (lazily stacked) outputs are padded on read.
+            ``None``: at the first call, a :class:`~interop.sampling.CausalLMSampler` around the trainer's model, with
+            its ``GRPOConfig``'s sampling settings (:meth:`SamplingSettings.from_grpo_config`) and its log-probs at
+            trl's temperature.
         tokenizer: the policy's tokenizer (its pad id must differ from EOS, and its chat template renders
-            conversational prompts).
+            conversational prompts); ``None``: the trainer's ``processing_class``, at the first call.
 
     Keyword Args:
         replay_buffer: a TorchRL ``ReplayBuffer`` that every rollout is written into, one entry per completion, each
             unpadded (TorchRL's ragged LLM layout: give it a ``LazyStackStorage``): ``prompt_ids``,
-            ``completion_ids``, ``logprobs``, ``truncated`` and ``step`` (the trainer's ``global_step`` when it was
-            sampled); ``None``: none.
+            ``completion_ids``, ``logprobs``, ``truncated``, ``step`` (the trainer's ``global_step`` when it was
+            sampled: the updates the sampling weights had had) and ``completion_text``. Under
+            ``interop.TorchRLGRPOTrainer`` the rows are written once trl has scored them, with ``prompt``, ``rewards``
+            (``[K]``, each reward function's value, NaN where one returned ``None``), ``reward`` (trl's weighted sum)
+            and ``advantage`` (trl's) too. ``None``: none.
         model: the ``nn.Module`` that samples, checked against the trainer's model at each call; ``None``: the
-            policy's ``model`` attribute (TorchRL's wrappers and the recipes' sampling policy have one).
+            policy's ``model`` attribute (TorchRL's wrappers and :class:`CausalLMSampler` have one).
 
     TorchRL 0.14.1's ``TransformersWrapper`` writes 0 as the first response token's log-prob in generate mode; the
     adapter computes that one log-prob again from a forward pass over the prompts (logits of the last position only),
@@ -104,27 +142,33 @@ class TorchRLRolloutFunc:
         ...         td["log_probs", "response"] = -torch.ones(last.shape[0], 2)
         ...         return td
         >>> class Tokenizer:
-        ...     pad_token_id = 0
+        ...     pad_token_id, eos_token_id = 0, 1
         ...     def __call__(self, text):
         ...         return {"input_ids": [[ord(c) for c in t] for t in text]}
+        ...     def batch_decode(self, rows, skip_special_tokens=True):
+        ...         return ["".join(map(chr, row)) for row in rows]
         >>> rollout_func = TorchRLRolloutFunc(Echo(), Tokenizer(), model=torch.nn.Linear(1, 1))
         >>> out = rollout_func(["ab", "ab", "c", "c"], trainer=None)
         >>> out["prompt_ids"], out["completion_ids"], out["logprobs"][0]
         ([[97, 98], [97, 98], [99], [99]], [[98, 98], [98, 98], [99, 99], [99, 99]], [-1.0, -1.0])
+
+        With trl, the policy and tokenizer can come from the trainer (a ``CausalLMSampler`` at the ``GRPOConfig``'s
+        settings)::
+
+            trainer = GRPOTrainer(model=model, reward_funcs=..., args=GRPOConfig(max_completion_length=16, ...),
+                                  train_dataset=..., processing_class=tokenizer, rollout_func=TorchRLRolloutFunc())
     """
 
-    def __init__(self, policy, tokenizer, *, replay_buffer=None, model: torch.nn.Module | None = None) -> None:
-        self._check_policy(policy)
-        if getattr(tokenizer, "pad_token_id", None) is None:
-            raise ValueError(
-                "TorchRLRolloutFunc: the tokenizer has no pad token; give it one distinct from EOS "
-                "(tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and resize the model's embeddings)."
-            )
+    def __init__(self, policy=None, tokenizer=None, *, replay_buffer=None, model: torch.nn.Module | None = None):
+        if policy is not None:
+            self._check_policy(policy)
+        if tokenizer is not None:
+            self._check_tokenizer(tokenizer)
         self.policy = policy
         self.tokenizer = tokenizer
         self.replay_buffer = replay_buffer
         self.model = model if model is not None else getattr(policy, "model", None)
-        if not isinstance(self.model, torch.nn.Module):
+        if policy is not None and not isinstance(self.model, torch.nn.Module):
             raise ValueError(
                 f"TorchRLRolloutFunc: {type(policy).__name__} has no `model` attribute; pass model=<the nn.Module that "
                 "samples>, so that the adapter can check it is the model trl trains."
@@ -135,6 +179,16 @@ class TorchRLRolloutFunc:
         )
         self.last_rollout: TensorDictBase | None = None
         self._ids: dict[tuple[str, str], list[int]] = {}  # prompt -> token ids (:meth:`tokenize`)
+        # Rows are written once trl has scored them when a trainer reports the scores (record_scored).
+        self.writes_scored_rows = False
+
+    @staticmethod
+    def _check_tokenizer(tokenizer) -> None:
+        if getattr(tokenizer, "pad_token_id", None) is None:
+            raise ValueError(
+                "TorchRLRolloutFunc: the tokenizer has no pad token; give it one distinct from EOS "
+                "(tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and resize the model's embeddings)."
+            )
 
     @staticmethod
     def _check_policy(policy) -> None:
@@ -166,12 +220,15 @@ class TorchRLRolloutFunc:
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         """trl's ``rollout_func``: one completion per prompt, in the prompts' order."""
+        if self.policy is None:
+            self._build_policy(trainer)
         if trainer is not None:
             self._check_same_model(trainer)
+            self._check_settings(trainer)
         rollout = self.rollout(prompts, trainer=trainer)
         rollout.set("step", torch.full((rollout.shape[0],), self._step(trainer), dtype=torch.long))
         self.last_rollout = rollout
-        if self.replay_buffer is not None:
+        if self.replay_buffer is not None and not self.writes_scored_rows:
             self.replay_buffer.extend(self._ragged_rows(rollout))
         prompt_lengths = rollout.get("prompt_length").tolist()
         lengths = rollout.get("completion_length").tolist()
@@ -185,25 +242,100 @@ class TorchRLRolloutFunc:
             "logprobs": [row[:n] for row, n in zip(log_probs, lengths, strict=True)],
         }
 
-    @staticmethod
-    def _ragged_rows(rollout: TensorDictBase) -> LazyStackedTensorDict:
-        """One entry per completion, each unpadded: TorchRL's ragged LLM layout (a ``LazyStackStorage`` keeps it)."""
-        width = rollout.get("prompt_ids").shape[-1]
-        rows = []
-        for row in rollout.unbind(0):
-            prompt, length = int(row.get("prompt_length")), int(row.get("completion_length"))
-            rows.append(
-                TensorDict(
-                    {
-                        "prompt_ids": row.get("prompt_ids")[width - prompt :],
-                        "completion_ids": row.get("completion_ids")[:length],
-                        "logprobs": row.get("logprobs")[:length],
-                        "truncated": row.get("truncated"),
-                        "step": row.get("step"),
-                    }
-                )
+    def _build_policy(self, trainer) -> None:
+        """The default policy: a :class:`CausalLMSampler` around the trainer's model, at its ``GRPOConfig``'s
+        sampling settings, recording log-probs as trl scores them (logits divided by its temperature)."""
+        if trainer is None or getattr(trainer, "args", None) is None:
+            raise ValueError(
+                "TorchRLRolloutFunc: built without a policy, it samples with the trainer's model and GRPOConfig, but "
+                "was called without a trainer; pass a policy (e.g. CausalLMSampler(model, tokenizer, settings=...)) "
+                "or use it as trl.GRPOTrainer's rollout_func."
             )
+        if self.tokenizer is None:
+            self.tokenizer = getattr(trainer, "processing_class", None)
+            self._check_tokenizer(self.tokenizer)
+        model = _model_of(trainer.model)
+        check_pad_token(self.tokenizer, owner="TorchRLRolloutFunc: the trainer's processing_class")
+        self.policy = CausalLMSampler(
+            model,
+            self.tokenizer,
+            settings=SamplingSettings.from_grpo_config(trainer.args),
+            log_probs_at_temperature=True,
+        )
+        self.model = model
+
+    def _check_settings(self, trainer) -> None:
+        """Refuses a policy that samples otherwise than the trainer's ``GRPOConfig`` asks, naming both values."""
+        args = getattr(trainer, "args", None)
+        if args is None or not hasattr(args, "max_completion_length"):
+            return
+        if isinstance(self.policy, CausalLMSampler):
+            wanted = SamplingSettings.from_grpo_config(args)
+            differences = self.policy.settings.differences(wanted)
+            if not differences and wanted.temperature != 1.0 and not self.policy.log_probs_at_temperature:
+                differences = {"log_probs_at_temperature": (False, True)}
+        else:
+            given = dict(getattr(self.policy, "generate_kwargs", None) or {})
+            differences = {
+                name: (given[name], getattr(args, field))
+                for name, field in _WRAPPER_SETTINGS.items()
+                if name in given and (given[name] or None) != (getattr(args, field) or None)
+            }
+        if differences:
+            shown = ", ".join(
+                f"{name}: policy {mine!r}, GRPOConfig {theirs!r}" for name, (mine, theirs) in differences.items()
+            )
+            raise ValueError(
+                f"TorchRLRolloutFunc: the policy samples otherwise than the trainer's GRPOConfig asks ({shown}); trl "
+                "scores and logs the completions with its own settings. Build the policy with the GRPOConfig's "
+                "settings (CausalLMSampler(model, tokenizer, settings=SamplingSettings.from_grpo_config(args), "
+                "log_probs_at_temperature=True)), or pass no policy: TorchRLRolloutFunc() builds that one."
+            )
+
+    def _ragged_rows(self, rollout: TensorDictBase, scored: Mapping | None = None) -> LazyStackedTensorDict:
+        """One entry per completion, each unpadded: TorchRL's ragged LLM layout (a ``LazyStackStorage`` keeps it),
+        with trl's scores when ``scored`` holds them (``prompts``, ``completions``, ``rewards`` ``[B, K]``,
+        ``reward`` ``[B]``, ``advantages`` ``[B]``)."""
+        width = rollout.get("prompt_ids").shape[-1]
+        texts = self._completion_texts(rollout) if scored is None else [message_text(c) for c in scored["completions"]]
+        rows = []
+        for index, row in enumerate(rollout.unbind(0)):
+            prompt, length = int(row.get("prompt_length")), int(row.get("completion_length"))
+            entry = TensorDict(
+                {
+                    "prompt_ids": row.get("prompt_ids")[width - prompt :],
+                    "completion_ids": row.get("completion_ids")[:length],
+                    "logprobs": row.get("logprobs")[:length],
+                    "truncated": row.get("truncated"),
+                    "step": row.get("step"),
+                }
+            )
+            entry.set_non_tensor("completion_text", texts[index])
+            if scored is not None:
+                entry.set_non_tensor("prompt", scored["prompts"][index])
+                entry.set("rewards", scored["rewards"][index].float())
+                entry.set("reward", scored["reward"][index].float())
+                entry.set("advantage", scored["advantages"][index].float())
+            rows.append(entry)
         return LazyStackedTensorDict(*rows)
+
+    def _completion_texts(self, rollout: TensorDictBase) -> list[str]:
+        """The completions' text as trl decodes them (special tokens skipped)."""
+        lengths = rollout.get("completion_length").tolist()
+        ids = [row[:n] for row, n in zip(rollout.get("completion_ids").tolist(), lengths, strict=True)]
+        return list(self.tokenizer.batch_decode(ids, skip_special_tokens=True))
+
+    def record_scored(self, *, prompts: list, completions: list, rewards, reward, advantages) -> TensorDictBase:
+        """Writes the last rollout, as trl scored it, into the replay buffer (one row per completion, in order); returns
+        the rows. ``interop.TorchRLGRPOTrainer`` calls it once trl has scored each generation batch (and then the rows
+        are written only here, not when sampled)."""
+        if self.last_rollout is None:
+            raise RuntimeError("TorchRLRolloutFunc.record_scored: nothing was sampled yet.")
+        scored = {"prompts": prompts, "completions": completions, "rewards": rewards, "reward": reward}
+        rows = self._ragged_rows(self.last_rollout, {**scored, "advantages": advantages})
+        if self.replay_buffer is not None:
+            self.replay_buffer.extend(rows)
+        return rows
 
     @staticmethod
     def _step(trainer) -> int:

@@ -1,23 +1,26 @@
-"""Batched sampling of responses from a causal LM, with the log-probs of the sampled tokens recorded as it goes.
+"""An HF causal LM as a TorchRL policy: batched sampling with a KV cache that records each sampled token's log-prob.
 
-What the GRPO recipe's default rollout (``rollout.env=prompt``) generates with:
+Public names:
 
-- :class:`SamplingSettings`: the sampling settings a rollout supports (``max_new_tokens``, ``min_new_tokens``,
-  ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``), read from a config
-  mapping, with an error that names any other key.
+- :class:`SamplingSettings`: how responses are sampled (``max_new_tokens``, ``min_new_tokens``, ``do_sample``,
+  ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``: the ``transformers.GenerationConfig``
+  fields of the same names), from keyword arguments, a mapping (:meth:`SamplingSettings.from_mapping`) or a trl
+  ``GRPOConfig`` (:meth:`SamplingSettings.from_grpo_config`).
 - :func:`sample_responses`: one decoding loop over a dense left-padded batch of prompts, with a KV cache. At every
-  step it keeps the log-prob of the sampled token under the model (temperature 1, before top-k/top-p: what the loss
-  computes), so the behaviour policy's log-probs cost nothing, the first response token's included.
-- :class:`SamplingPolicy`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
+  step it keeps the sampled token's log-prob (under the raw logits, or at the sampling temperature as trl scores
+  them), so the behaviour policy's log-probs cost no second forward pass, the first response token's included.
+- :class:`CausalLMSampler`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
   wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and the policy version (tensors
-  only: a reward that reads text decodes it itself, ``recipes.grpo.rewards.ResponseText``).
+  only). ``interop.TorchRLRolloutFunc`` samples with it for ``trl.GRPOTrainer``.
+- :func:`end_of_response_ids`: the token ids that end a response (the tokenizer's EOS and the model's).
 
 Why not ``model.generate``: ``generate`` returns processed scores or, with ``output_logits=True``, every step's
 ``[B, V]`` logits (1.2 GB for 64 responses x 32 tokens at a 152k vocabulary); this loop keeps one log-prob per
 token. It also samples among the top-k candidates instead of over the whole vocabulary, which is the same
 distribution at a fraction of the cost.
 
-Dependencies: torch, tensordict, and the ``transformers`` model and tokenizer the caller passes in.
+Dependencies: torch, tensordict, and the ``transformers`` model and tokenizer the caller passes in (duck-typed: a
+causal LM with a KV cache; a tokenizer with ``pad_token_id`` and ``eos_token_id``).
 """
 
 from __future__ import annotations
@@ -30,21 +33,26 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from recipes.common.config import ConfigError
-from recipes.common.models import check_pad_token
-from recipes.common.sharding import is_sharded
-from recipes.grpo.batch import (
-    ATTENTION_MASK,
-    LOG_PROBS,
-    POLICY_VERSION,
-    PROMPT_MASK,
-    PROMPT_TOKENS,
-    RESPONSE_TOKENS,
-    TOKENS,
-    TRUNCATED,
-)
+__all__ = [
+    "CausalLMSampler",
+    "check_pad_token",
+    "SampledResponses",
+    "SamplingSettings",
+    "end_of_response_ids",
+    "sample_responses",
+]
 
-__all__ = ["SampledResponses", "SamplingPolicy", "SamplingSettings", "end_of_response_ids", "sample_responses"]
+# The keys :class:`CausalLMSampler` reads and writes: TorchRL's LLM layout (``TransformersWrapper``'s names).
+PROMPT_TOKENS = ("tokens", "prompt")
+PROMPT_MASK = ("masks", "prompt")
+RESPONSE_TOKENS = ("tokens", "response")
+TOKENS = ("tokens", "full")
+ATTENTION_MASK = ("masks", "all_attention_mask")
+LOG_PROBS = ("log_probs", "full")
+TRUNCATED = "truncated"
+POLICY_VERSION = "policy_version"
+# trl.GRPOConfig's generation_kwargs that are sampler settings (trl names the others as GRPOConfig fields).
+_GENERATION_KWARGS = ("min_new_tokens", "do_sample")
 
 
 @dataclass(frozen=True)
@@ -96,32 +104,31 @@ class SamplingSettings:
         return [field.name for field in fields(cls)]
 
     @classmethod
-    def check_keys(cls, generation: Mapping, *, key: str = "rollout.generation") -> None:
+    def check_keys(cls, generation: Mapping, *, key: str = "settings") -> None:
         """Refuses a key of ``generation`` that is not a setting, naming it and the settings there are.
 
         Keyword Args:
-            key: where ``generation`` sits in the config, named in the error.
+            key: where ``generation`` sits (a config key, an argument), named in the error.
 
         Raises:
-            ConfigError: an unknown key.
+            ValueError: an unknown key.
 
         Examples:
-            >>> SamplingSettings.check_keys({"max_new_tokens": 8, "typical_p": 0.9})
+            >>> SamplingSettings.check_keys({"max_new_tokens": 8, "typical_p": 0.9}, key="generation")
             Traceback (most recent call last):
             ...
-            recipes.common.config.ConfigError: rollout.generation.typical_p: not a generation setting of ...
+            ValueError: generation.typical_p: not a generation setting of CausalLMSampler (['typical_p'] not ...
         """
         unknown = sorted(set(map(str, generation)) - set(cls.names()))
         if unknown:
-            raise ConfigError(
-                f"{key}.{unknown[0]}: not a generation setting of rollout.env=prompt's sampler ({unknown} not "
-                f"supported; the settings are {cls.names()}); check the spelling, or use rollout.env=chat (TorchRL's "
-                "TransformersWrapper passes any transformers GenerationConfig field to generate())."
+            raise ValueError(
+                f"{key}.{unknown[0]}: not a generation setting of CausalLMSampler ({unknown} not supported; the "
+                f"settings are {cls.names()}); check the spelling."
             )
 
     @classmethod
-    def from_mapping(cls, generation: Mapping) -> SamplingSettings:
-        """The settings of a config mapping (e.g. ``rollout.generation``); a key that is not a field is refused
+    def from_mapping(cls, generation: Mapping, *, key: str = "settings") -> SamplingSettings:
+        """The settings of a mapping (e.g. a config's generation node); a key that is not a field is refused
         (:meth:`check_keys`).
 
         Examples:
@@ -129,8 +136,57 @@ class SamplingSettings:
             >>> settings.top_k, settings.temperature, settings.min_new_tokens
             (50, 1.0, 0)
         """
-        cls.check_keys(generation)
-        return cls(**{str(key): value for key, value in dict(generation).items()})
+        cls.check_keys(generation, key=key)
+        return cls(**{str(name): value for name, value in dict(generation).items()})
+
+    @classmethod
+    def from_grpo_config(cls, args) -> SamplingSettings:
+        """The settings a ``trl.GRPOConfig`` asks its generation for: ``max_completion_length``, ``temperature``,
+        ``top_k`` (0 or ``None``: off), ``top_p``, ``min_p``, ``repetition_penalty``, and ``generation_kwargs``'
+        ``min_new_tokens`` / ``do_sample``. Any other ``generation_kwargs`` entry is refused (the sampler would not
+        apply it). ``args`` is read by attribute: a ``GRPOConfig``, or any object with those fields.
+
+        Examples:
+            >>> from types import SimpleNamespace
+            >>> args = SimpleNamespace(max_completion_length=16, temperature=0.7, top_k=0, top_p=1.0, min_p=None,
+            ...                        repetition_penalty=1.0, generation_kwargs=None)
+            >>> SamplingSettings.from_grpo_config(args)
+            SamplingSettings(max_new_tokens=16, min_new_tokens=0, do_sample=True, temperature=0.7, top_k=None, ...)
+        """
+        extra = dict(getattr(args, "generation_kwargs", None) or {})
+        unknown = sorted(set(map(str, extra)) - set(_GENERATION_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs.{unknown[0]}: CausalLMSampler does not take it (it takes "
+                f"{list(_GENERATION_KWARGS)} there, and temperature, top_k, top_p, min_p, repetition_penalty as "
+                "GRPOConfig fields); drop it."
+            )
+        return cls(
+            max_new_tokens=int(args.max_completion_length),
+            min_new_tokens=int(extra.get("min_new_tokens", 0)),
+            do_sample=bool(extra.get("do_sample", True)),
+            temperature=float(args.temperature),
+            top_k=int(args.top_k) if args.top_k else None,
+            top_p=float(args.top_p if args.top_p is not None else 1.0),
+            min_p=args.min_p,
+            repetition_penalty=float(args.repetition_penalty if args.repetition_penalty is not None else 1.0),
+        )
+
+    def differences(self, other: SamplingSettings) -> dict[str, tuple]:
+        """The settings whose values differ: name -> (this value, the other's); ``top_k`` 0 and ``None`` alike.
+
+        Examples:
+            >>> SamplingSettings(max_new_tokens=8, top_k=0).differences(SamplingSettings(max_new_tokens=16))
+            {'max_new_tokens': (8, 16)}
+        """
+        mine, theirs = self._normalised(), other._normalised()
+        return {name: (mine[name], theirs[name]) for name in self.names() if mine[name] != theirs[name]}
+
+    def _normalised(self) -> dict:
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        values["top_k"] = values["top_k"] or None
+        values["min_p"] = values["min_p"] or None
+        return values
 
 
 @dataclass
@@ -153,7 +209,9 @@ def _forward_options(model) -> tuple[dict, str]:
 
 def _forwards_are_collective(model) -> bool:
     # FSDP2 gathers the weights in each forward: every rank of the group must run as many forward passes.
-    return is_sharded(model) and torch.distributed.is_initialized()
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) and torch.distributed.is_initialized()
 
 
 def _any_rank_running(decoding: bool, synced: bool, device: torch.device) -> bool:
@@ -194,22 +252,25 @@ def _choose(scores: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     return column if candidates is None else candidates.gather(-1, column[:, None]).squeeze(-1)
 
 
-def _next_tokens(logits: torch.Tensor, *, step: int, settings: SamplingSettings, eos: torch.Tensor, seen):
+def _next_tokens(logits: torch.Tensor, *, step: int, settings: SamplingSettings, eos: torch.Tensor, seen, scaled):
     """Every row's next token from the raw logits of its last position (repetition penalty, ``min_new_tokens``, then
-    :func:`_choose`), and each token's log-prob under those raw logits.
+    :func:`_choose`), and each token's log-prob under those logits (divided by ``settings.temperature`` first when
+    ``scaled``, as trl scores them).
 
     ``logits`` (``[B, V]``) is this step's own and is written over: held-back EOS columns are set to -inf in place,
     after the log-prob's normaliser is taken and without changing any sampled token's logit (a held-back EOS is
     never sampled). A copy would cost a ``[B, V]`` write per token (37 ms for 64 rows at a 152k vocabulary).
     """
-    normaliser = logits.logsumexp(-1)
+    temperature = settings.temperature if scaled and settings.temperature != 1.0 else None
+    normaliser = (logits / temperature if temperature else logits).logsumexp(-1)
     scores = logits
     if seen is not None:
         scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
     if step < settings.min_new_tokens:
         scores.index_fill_(-1, eos, float("-inf"))
     token = _choose(scores, settings)
-    return token, logits.gather(-1, token[:, None]).squeeze(-1) - normaliser
+    chosen = logits.gather(-1, token[:, None]).squeeze(-1)
+    return token, (chosen / temperature if temperature else chosen) - normaliser
 
 
 def _forward_next(model, out, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache_argument: str):
@@ -227,12 +288,13 @@ def sample_responses(
     settings: SamplingSettings,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
+    log_probs_at_temperature: bool = False,
 ) -> SampledResponses:
     """Samples one response per row of a left-padded batch of prompts.
 
     Positions follow the attention mask (``cumsum - 1``), as ``generate`` sets them, so a row scores the same
     whatever padding it shares a batch with. Decoding stops once every row has sampled an EOS id, or after
-    ``settings.max_new_tokens`` tokens. A model sharded with FSDP2 (``recipes.common.sharding``) all-gathers its
+    ``settings.max_new_tokens`` tokens. A model sharded with FSDP2 (``torch``'s ``fully_shard``) all-gathers its
     weights in every forward pass, a collective that every rank must join: decoding then stops once every row of
     every rank has sampled an EOS id, and the responses are those the rank would have sampled alone.
 
@@ -245,10 +307,13 @@ def sample_responses(
         settings: the sampling settings.
         eos_token_ids: the ids that end a response (the tokenizer's EOS, and any the model's generation config adds).
         pad_token_id: written after a row's EOS.
+        log_probs_at_temperature: record ``log_softmax(logits / temperature)[token]``, as trl's ``GRPOTrainer``
+            scores its completions, instead of the raw logits' log-prob.
 
     Returns:
         :class:`SampledResponses`. Each log-prob is ``log_softmax(logits)[token]`` of the model's raw logits
-        (float32), before any temperature, top-k, top-p or penalty: the quantity a loss recomputes.
+        (float32; divided by the temperature first with ``log_probs_at_temperature``), before any top-k, top-p or
+        penalty: the quantity a loss recomputes.
     """
     mask = prompt_mask.long()
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -268,7 +333,9 @@ def sample_responses(
         # it leaves its RNG where a rank decoding alone would have left it.
         if decoding:
             logits = out.logits[:, -1].float()
-            token, token_log_prob = _next_tokens(logits, step=step, settings=settings, eos=eos, seen=seen)
+            token, token_log_prob = _next_tokens(
+                logits, step=step, settings=settings, eos=eos, seen=seen, scaled=log_probs_at_temperature
+            )
             decoding = responses.record(step, token, token_log_prob)
             if seen is not None:
                 seen.scatter_(-1, token[:, None], True)
@@ -315,32 +382,73 @@ def end_of_response_ids(model, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-class SamplingPolicy(TensorDictModuleBase):
-    """A TorchRL policy that samples one response per row of a batch of prompts: :func:`sample_responses` in
-    TensorDict form, in the dense layout the GRPO recipe trains on.
+def check_pad_token(tokenizer, *, owner: str) -> None:
+    """Refuses a tokenizer whose pad token is missing or is EOS: responses are masked with ``tokens != pad`` (here and
+    in TorchRL's wrappers), so a pad equal to EOS would mask the generated EOS out as padding.
 
-    It reads the left-padded ``("tokens", "prompt")`` and ``("masks", "prompt")`` an env wrote (e.g.
-    ``recipes.grpo.prompt_env.PromptEnv``) and writes, every ``[B, ...]`` tensor dense:
+    Raises:
+        ValueError: naming ``owner``, the two tokens and the fix.
+    """
+    pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    if pad is None or pad == eos:
+        raise ValueError(
+            f"{owner} has no pad token distinct from EOS (pad={getattr(tokenizer, 'pad_token', pad)!r}, "
+            f"eos={getattr(tokenizer, 'eos_token', eos)!r}); with pad == EOS the generated EOS is masked out as "
+            "padding. Use a tokenizer with its own pad token (e.g. Qwen's <|endoftext|> when EOS is <|im_end|>), or "
+            "add one: tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and resize the model's embeddings."
+        )
+
+
+class CausalLMSampler(TensorDictModuleBase):
+    """An HF causal LM as a TorchRL policy that samples one response per row of a batch of prompts:
+    :func:`sample_responses` in TensorDict form, in the dense layout a GRPO learner trains on.
+
+    It reads the left-padded ``("tokens", "prompt")`` and ``("masks", "prompt")`` (True on real tokens) an env wrote
+    and writes, every ``[B, ...]`` tensor dense:
 
     - ``("tokens", "response")`` ``[B, R]`` (pad after EOS) and ``("tokens", "full")`` ``[B, P + R]``: every row is
       ``[pads | prompt | response | pads]``, every response starting at column ``P``;
     - ``("masks", "all_attention_mask")`` ``[B, P + R]`` (bool, True on real tokens);
     - ``("log_probs", "full")`` ``[B, P + R]``: the sampled tokens' log-probs under the sampling weights (the
-      behaviour policy's, which the loss reads as the old log-probs), 0 on the prompt and padding;
+      behaviour policy's, which a loss reads as the old log-probs), 0 on the prompt and padding;
     - ``"policy_version"`` ``[B]``: :attr:`version` when sampled, so that a learner can tell how many updates old
       a batch is;
     - ``"truncated"`` ``[B]``: the response reached ``max_new_tokens`` without an EOS.
 
-    Tensors only: a reward that reads text decodes the responses itself (``recipes.grpo.rewards.ResponseText``).
+    Tensors only: a reward that reads text decodes the responses itself.
 
     Args:
         model: a ``transformers`` causal LM.
-        tokenizer: its tokenizer (pad id, EOS id, decoding).
+        tokenizer: its tokenizer (its pad id, distinct from EOS, and its EOS id).
 
     Keyword Args:
         settings: the :class:`SamplingSettings`.
         eos_token_ids: ids that end a response; ``None``: the tokenizer's EOS and those of
             ``model.generation_config.eos_token_id``.
+        log_probs_at_temperature: record each token's log-prob under ``logits / settings.temperature``, as trl's
+            ``GRPOTrainer`` scores completions (``TorchRLRolloutFunc`` sets it); ``False``: under the raw logits.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1)
+        >>> model = LlamaForCausalLM(config).eval()
+        >>> class Tokenizer:  # the sampler reads the pad and EOS ids only
+        ...     pad_token_id, eos_token_id = 0, 1
+        >>> sampler = CausalLMSampler(model, Tokenizer(), settings=SamplingSettings(max_new_tokens=5, top_k=8))
+        >>> prompts = TensorDict(
+        ...     {("tokens", "prompt"): torch.tensor([[0, 5, 6], [7, 8, 9]]),
+        ...      ("masks", "prompt"): torch.tensor([[False, True, True], [True, True, True]])},
+        ...     batch_size=[2],
+        ... )
+        >>> out = sampler(prompts)
+        >>> out["tokens", "full"].shape == out["log_probs", "full"].shape == out["masks", "all_attention_mask"].shape
+        True
+        >>> bool((out["log_probs", "full"][:, 3:][out["masks", "all_attention_mask"][:, 3:]] < 0).all())
+        True
     """
 
     OUT_KEYS = (
@@ -359,12 +467,19 @@ class SamplingPolicy(TensorDictModuleBase):
         *,
         settings: SamplingSettings,
         eos_token_ids: Sequence[int] | None = None,
+        log_probs_at_temperature: bool = False,
     ) -> None:
         super().__init__()
-        check_pad_token(tokenizer, owner="SamplingPolicy: the tokenizer")
+        if not isinstance(settings, SamplingSettings):
+            raise TypeError(
+                f"CausalLMSampler: settings must be a SamplingSettings, got {type(settings).__name__} (build one with "
+                "SamplingSettings(max_new_tokens=...) or SamplingSettings.from_mapping({...}))."
+            )
+        check_pad_token(tokenizer, owner="CausalLMSampler: the tokenizer")
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
+        self.log_probs_at_temperature = log_probs_at_temperature
         self.eos_token_ids = (
             sorted(set(eos_token_ids)) if eos_token_ids is not None else end_of_response_ids(model, tokenizer)
         )
@@ -383,6 +498,7 @@ class SamplingPolicy(TensorDictModuleBase):
             settings=self.settings,
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
+            log_probs_at_temperature=self.log_probs_at_temperature,
         )
         batch = prompt.shape[0]
         tensordict.set(RESPONSE_TOKENS, sampled.tokens)
