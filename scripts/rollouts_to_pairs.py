@@ -7,8 +7,10 @@
 Reads ``<run dir>/rollouts`` (``recipes.trl_grpo.rollout_store.load_rollouts``: every process's rows, oldest
 first). A group is the completions trl sampled for one prompt in one step (consecutive rows of a process with the same
 prompt). Each group whose best and worst rewards differ by at least ``--min-gap`` gives one pair, in trl's
-conversational preference format: ``{"prompt": [user message], "chosen": [assistant message], "rejected": [...]}``,
-the format ``reward_trainer_from_buffer.py data=file`` reads. ``--steps-from N`` keeps the groups of step N onwards.
+conversational preference format: ``{"prompt": [the whole prompt: system message, earlier turns, the request],
+"chosen": [assistant message], "rejected": [...]}``, the format ``reward_trainer_from_buffer.py data=file`` reads.
+``--steps-from N`` keeps the groups of step N onwards. A completion or prompt whose stored text was cut at the store's
+``max_text_bytes`` is left out (a pair of cut texts would teach the reward model the cut), and counted.
 """
 
 from __future__ import annotations
@@ -39,27 +41,41 @@ def groups(rows) -> list[list[int]]:
     return found
 
 
-def best_and_worst_pairs(rows, *, min_gap: float, steps_from: int) -> list[dict]:
-    from recipes.trl_grpo.rollout_store import texts
+def best_and_worst_pairs(rows, *, min_gap: float, steps_from: int) -> tuple[list[dict], int]:
+    """The pairs, and the number of completions left out because their text (or their prompt's) was cut."""
+    from recipes.trl_grpo.rollout_store import prompts, texts, texts_cut
 
-    prompts, completions = texts(rows, "prompt"), texts(rows, "completion")
+    completions = texts(rows, "completion")
+    cut = [a or b for a, b in zip(texts_cut(rows, "completion"), texts_cut(rows, "prompt"), strict=True)]
     rewards, steps = rows["reward"].tolist(), rows["step"].tolist()
-    pairs = []
+    pairs, left_out = [], 0
     for group in groups(rows):
-        scored = [i for i in group if not math.isnan(rewards[i]) and steps[i] >= steps_from]
+        left_out += sum(cut[i] for i in group if steps[i] >= steps_from)
+        scored = [i for i in group if not math.isnan(rewards[i]) and steps[i] >= steps_from and not cut[i]]
         if len(scored) < 2:
             continue
         best, worst = max(scored, key=rewards.__getitem__), min(scored, key=rewards.__getitem__)
         if rewards[best] - rewards[worst] < min_gap or completions[best] == completions[worst]:
             continue
+        prompt = prompts(rows[best : best + 1])[0]
         pairs.append(
             {
-                "prompt": [{"role": "user", "content": prompts[best]}],
+                "prompt": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
                 "chosen": [{"role": "assistant", "content": completions[best]}],
                 "rejected": [{"role": "assistant", "content": completions[worst]}],
             }
         )
-    return pairs
+    return pairs, left_out
+
+
+def _refuse_output_inside(rollouts: Path, out: Path) -> None:
+    """No script writes into its input: a file of the storage it reads would be overwritten."""
+    folder, target = rollouts.resolve(), out.resolve()
+    if target == folder or folder in target.parents:
+        raise SystemExit(
+            f"rollouts_to_pairs: --out {out} is inside the rollouts folder it reads ({rollouts}); writing there could "
+            "overwrite the storage's own files. Write the pairs elsewhere, e.g. --out pairs.jsonl."
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,13 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-gap", type=float, default=1e-6, help="the smallest reward gap a pair keeps")
     parser.add_argument("--steps-from", type=int, default=1, help="only the groups of this step onwards")
     args = parser.parse_args(argv)
+    _refuse_output_inside(args.rollouts, args.out)
 
-    from recipes.trl_grpo.rollout_store import load_rollouts
+    from recipes.trl_grpo.rollout_store import DamagedRollouts, load_rollouts
 
-    rows = load_rollouts(args.rollouts)
-    pairs = best_and_worst_pairs(rows, min_gap=args.min_gap, steps_from=args.steps_from)
+    try:
+        rows = load_rollouts(args.rollouts)
+        pairs, left_out = best_and_worst_pairs(rows, min_gap=args.min_gap, steps_from=args.steps_from)
+    except (FileNotFoundError, DamagedRollouts) as error:
+        raise SystemExit(f"rollouts_to_pairs: {error}") from None
+    if left_out:
+        print(
+            f"rollouts_to_pairs: {left_out} completions left out: their text or their prompt's was cut at the store's "
+            "max_text_bytes (raise rollout.store.max_text_bytes in the run to keep them).",
+            file=sys.stderr,
+        )
     if not pairs:
         raise SystemExit(f"rollouts_to_pairs: no group of {args.rollouts} has two completions whose rewards differ.")
+    if not args.out.parent.is_dir():
+        raise SystemExit(f"rollouts_to_pairs: --out {args.out}: no folder {args.out.parent}; create it first.")
     partial = args.out.with_name(args.out.name + ".partial")
     partial.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
     partial.replace(args.out)

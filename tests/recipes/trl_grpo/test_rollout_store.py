@@ -109,3 +109,150 @@ def test_rollouts_to_pairs_takes_the_best_and_worst_of_each_group(tmp_path):
             "rejected": [{"role": "assistant", "content": "meh"}],
         }
     ]
+
+
+# ------------------------------------------------------------------------------------- damaged, cut, concurrent reads
+
+
+def _pairs_script():
+    import sys
+    from pathlib import Path
+
+    scripts = str(Path(__file__).resolve().parents[3] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import rollouts_to_pairs
+
+    return rollouts_to_pairs
+
+
+def test_a_reader_leaves_out_the_rows_a_batch_is_overwriting(tmp_path):
+    """The write protocol: rows whose ring slots a batch announced (progress.json's ``writing``) are not read, even
+    though the batch has not finished; every row read is whole."""
+    store = _store(tmp_path, max_rows=8)
+    _write(store, 1)
+    _write(store, 2)  # rows 0-7 fill the ring
+    store._write_progress(writing=[8, 12])  # batch 3 announced: its rows go to the slots of rows 0-3
+    half = TensorDict({"row": torch.arange(8, 10), "step": torch.full((2,), 3)}, batch_size=[2])
+    store.buffer.storage.set(torch.arange(2), half)  # and it has written two slots, not yet the others
+    stored = load_rollouts(tmp_path)
+    assert stored["row"].tolist() == [4, 5, 6, 7], "rows 0-3 are being overwritten: left out"
+    assert texts(stored, "completion") == [f"step 2 row {i}" for i in range(4)]
+
+
+def test_a_reader_running_beside_a_writer_never_sees_a_half_written_row(tmp_path, repo_root):
+    """A writer wraps a ring of 8 rows again and again while this process reads it: every row read has the text of
+    its own ids."""
+    import subprocess
+    import sys
+
+    writer = f"""
+import torch
+from tensordict import TensorDict
+from recipes.trl_grpo.rollout_store import RolloutStore
+store = RolloutStore({str(tmp_path)!r}, rank=0, max_rows=8, prompt_width=3, completion_width=2, source_names=["rm"],
+                     max_text_bytes=16, pad_token_id=0)
+for step in range(1, 300):
+    ids = torch.arange(4 * step, 4 * step + 8).reshape(4, 2)
+    rollout = TensorDict({{"prompt_ids": torch.ones(4, 3, dtype=torch.long), "prompt_length": torch.full((4,), 3),
+        "completion_ids": ids, "completion_length": torch.full((4,), 2), "logprobs": -torch.ones(4, 2),
+        "truncated": torch.zeros(4, dtype=torch.bool)}}, batch_size=[4])
+    store.write(rollout, prompt_texts=["p"] * 4, completion_texts=[str(row.tolist()) for row in ids],
+                rewards=torch.zeros(4, 1), reward=torch.zeros(4), advantages=torch.zeros(4), step=step)
+"""
+    process = subprocess.Popen(
+        [sys.executable, "-c", writer], env={**__import__("os").environ, "PYTHONPATH": str(repo_root)}
+    )
+    try:
+        reads = 0
+        while process.poll() is None or reads == 0:
+            try:
+                stored = load_rollouts(tmp_path)
+            except FileNotFoundError:
+                continue  # not started yet
+            for row, text in zip(stored["completion_ids"].tolist(), texts(stored, "completion"), strict=True):
+                assert text == str(row), "a row whose text is another completion's: torn"
+            reads += 1
+    finally:
+        process.wait(timeout=60)
+    assert process.returncode == 0 and reads > 5
+
+
+def test_a_storage_file_cut_short_is_refused_naming_it_and_left_as_it_is(tmp_path):
+    from recipes.trl_grpo.rollout_store import DamagedRollouts
+
+    _write(_store(tmp_path), 1)
+    victim = tmp_path / "rank_0" / "part_0" / "storage" / "completion_ids.memmap"
+    with open(victim, "r+b") as handle:
+        handle.truncate(100)
+    with pytest.raises(DamagedRollouts, match=r"completion_ids\.memmap holds 100 bytes"):
+        load_rollouts(tmp_path)
+    assert victim.stat().st_size == 100, "the reader does not re-extend a damaged file"
+
+
+def test_a_row_count_no_slot_agrees_with_is_refused(tmp_path):
+    from recipes.trl_grpo.rollout_store import DamagedRollouts
+
+    _write(_store(tmp_path, max_rows=100), 1)
+    progress_file = tmp_path / "rank_0" / "part_0" / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    progress["rows_written"] = 60  # 4 were written
+    progress_file.write_text(json.dumps(progress))
+    with pytest.raises(DamagedRollouts, match="says 60 rows were written, but slot 4"):
+        load_rollouts(tmp_path)
+
+
+def test_pairs_keep_the_whole_prompt_and_leave_out_text_cut_by_the_store(tmp_path, capsys):
+    rollouts_to_pairs = _pairs_script()
+    conversation = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Review it."}]
+    store = _store(tmp_path / "rollouts")  # max_text_bytes=16: the conversation's JSON is cut
+    _write(store, 1, prompts=["a", "a", "b", "b"], completions=["meh", "a much longer answer", "x", "y"])
+    wide = RolloutStore(
+        tmp_path / "rollouts",
+        rank=1,
+        max_rows=10,
+        prompt_width=5,
+        completion_width=4,
+        source_names=["rm", "fmt"],
+        max_text_bytes=400,
+        pad_token_id=0,
+    )
+    _write(wide, 1, prompts=[conversation] * 2 + ["b"] * 2, completions=["bad", "good", "x", "y"])
+    out = tmp_path / "pairs.jsonl"
+    assert rollouts_to_pairs.main([str(tmp_path / "rollouts"), "--out", str(out)]) == 0
+    pairs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [pair["prompt"] for pair in pairs] == [
+        [{"role": "user", "content": "b"}],
+        conversation,
+        [{"role": "user", "content": "b"}],
+    ]
+    assert all("a much longer" not in json.dumps(pair) for pair in pairs), "a cut completion makes no pair"
+    assert "1 completions left out" in capsys.readouterr().err
+
+
+def test_the_pairs_script_never_writes_into_its_input_and_says_what_is_wrong(tmp_path):
+    rollouts_to_pairs = _pairs_script()
+    _write(_store(tmp_path / "rollouts"), 1)
+    progress_file = tmp_path / "rollouts" / "rank_0" / "part_0" / "progress.json"
+    before = progress_file.read_bytes()
+    with pytest.raises(SystemExit, match="inside the rollouts folder it reads"):
+        rollouts_to_pairs.main([str(tmp_path / "rollouts"), "--out", str(progress_file)])
+    assert progress_file.read_bytes() == before
+    progress_file.write_text("{not json")
+    with pytest.raises(SystemExit, match=r"rollouts_to_pairs: .*progress\.json is damaged"):
+        rollouts_to_pairs.main([str(tmp_path / "rollouts"), "--out", str(tmp_path / "pairs.jsonl")])
+
+
+def test_a_disk_too_full_for_the_next_batch_stops_the_run_with_a_message(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from recipes.common.config import RunStopped
+
+    store = _store(tmp_path)
+    _write(store, 1)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 20))
+    with pytest.raises(RunStopped, match="1 MiB free.*rollout.store.max_rows"):
+        _write(store, 2)
+    assert load_rollouts(tmp_path)["step"].tolist() == [1] * 4, "what was written before stays readable"
