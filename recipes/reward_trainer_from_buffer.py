@@ -51,9 +51,9 @@ from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, TrainerCallback
 
-from recipes.common.callbacks import make_finite_guard
+from recipes.common.callbacks import make_finite_guard, make_record_masker
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
-from recipes.common.config import ConfigError, RunStopped
+from recipes.common.config import ConfigError, RunStopped, hand_token_to_environment, masked_fields
 from recipes.common.lora import make_lora_config
 from recipes.common.metrics import MetricLogger, peak_device_memory
 from recipes.common.models import load_reward_model, load_tokenizer
@@ -138,12 +138,14 @@ def make_reward_config(cfg: DictConfig):
 
     trl reports to nothing itself: its logs go through the recipe's own logger (``logger=``), csv or wandb, as the
     GRPO recipe's do (:func:`make_metrics_callback`)."""
-    return hydra.utils.instantiate(
+    args = hydra.utils.instantiate(
         cfg.train,
         _convert_="all",  # trl/transformers check for plain lists and dicts
         use_cpu=cfg.device == "cpu",
         report_to="none",
     )
+    hand_token_to_environment(args)  # never pickled into trl's checkpoints
+    return args
 
 
 def make_metrics_callback(logger: MetricLogger, *, total_steps: int):
@@ -287,6 +289,7 @@ def train(cfg: DictConfig) -> dict:
         guard = make_finite_guard()
         callbacks = [
             guard,
+            make_record_masker(masked_fields(cfg, "train")),
             *([make_metrics_callback(run.logger, total_steps=cfg.train.max_steps)] if run.is_main else []),
         ]
         trainer = make_trainer(

@@ -35,9 +35,9 @@ from omegaconf import DictConfig
 from transformers import TrainerCallback
 
 from interop import TorchRLRolloutFunc
-from recipes.common.callbacks import make_finite_guard
+from recipes.common.callbacks import make_finite_guard, make_record_masker
 from recipes.common.checkpoint import latest_trl_checkpoint, save_model_folder, write_folder_atomically
-from recipes.common.config import RunStopped
+from recipes.common.config import RunStopped, hand_token_to_environment, masked_fields
 from recipes.common.data import load_prompt_rows
 from recipes.common.lora import make_lora_config
 from recipes.common.metrics import MetricLogger, peak_device_memory
@@ -61,9 +61,11 @@ def make_grpo_config(cfg: DictConfig):
     weights = ([cfg.reward.model_weight] if cfg.reward_model is not None else []) + [
         float(node.get("weight", 1.0)) for node in cfg.reward.functions.values()
     ]
-    return hydra.utils.instantiate(
+    args = hydra.utils.instantiate(
         cfg.train, _convert_="all", use_cpu=cfg.device == "cpu", report_to="none", reward_weights=weights
     )
+    hand_token_to_environment(args)  # never pickled into trl's checkpoints
+    return args
 
 
 def make_reward_funcs(cfg: DictConfig, *, device: str):
@@ -223,6 +225,7 @@ def train(cfg: DictConfig) -> dict:
         rollout_func.replay_buffer = store  # every scored batch is written there (interop.TorchRLGRPOTrainer)
         guard = make_finite_guard()
         trainer.add_callback(guard)
+        trainer.add_callback(make_record_masker(masked_fields(cfg, "train")))
         metrics = MetricsCallback(
             run.logger, trainer, oracle, total_steps=args.max_steps, every=max(1, args.max_steps // 6)
         )
@@ -346,7 +349,7 @@ def closing_message(summary: dict, output_dir: Path) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="trl_grpo_torchrl_rollouts")
 def main(cfg: DictConfig) -> float:
-    summary = run_recipe(train, cfg)
+    summary = run_recipe(train, cfg, last_checkpoint=lambda cfg: latest_trl_checkpoint(str(cfg.train.output_dir)))
     if PartialState().is_main_process:
         print(json.dumps(summary, indent=2))
     return summary[cfg.metric]

@@ -1,18 +1,22 @@
 """transformers ``TrainerCallback`` s that both trl-based recipes use (``RewardTrainer``, ``GRPOTrainer``).
 
 - :func:`make_finite_guard`: stops training at the first non-finite gradient or logged loss, saying where.
+- :func:`make_record_masker`: keeps secrets out of the trainer config each checkpoint pickles (``training_args.bin``).
 
 Dependencies: torch, transformers.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import os
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-__all__ = ["make_finite_guard"]
+__all__ = ["make_finite_guard", "make_record_masker"]
 
 
 def make_finite_guard():
@@ -40,3 +44,23 @@ def make_finite_guard():
             control.should_training_stop = True
 
     return StopOnNonFinite()
+
+
+def make_record_masker(masked: dict[str, str]):
+    """A TrainerCallback that rewrites each checkpoint's ``training_args.bin`` (transformers pickles its whole config
+    there) with the fields of ``masked`` replaced by their record (``field -> "${oc.env:NAME}"`` or ``"<FIELD>"``):
+    the trainer itself keeps and uses the real values; the run folder never holds them in clear."""
+
+    class MaskTrainingArgs(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / "training_args.bin"
+            if not masked or not state.is_world_process_zero or not path.is_file():
+                return
+            record = copy.copy(args)
+            for field, shown in masked.items():
+                setattr(record, field, shown)
+            partial = path.with_name(path.name + ".partial")
+            torch.save(record, partial)
+            os.replace(partial, path)
+
+    return MaskTrainingArgs()

@@ -18,8 +18,14 @@ __all__ = [
     "check_local_path",
     "check_run_settings",
     "command_line_keys",
+    "config_record",
     "first_items",
+    "hand_token_to_environment",
     "hub_reachable",
+    "is_secret_key",
+    "mask_hydra_records",
+    "mask_secrets_in_text",
+    "masked_fields",
     "register_resolvers",
     "resolved",
     "run_config",
@@ -188,17 +194,145 @@ def run_config(cfg: DictConfig) -> DictConfig:
 def resolved(cfg: DictConfig) -> DictConfig:
     """The run's settings (:func:`run_config`) with every interpolation resolved, once: whoever reads the config
     later (the logged config, a background process) sees the same values. Struct mode stays on (a key read that the
-    config lacks raises)."""
+    config lacks raises). The settings that came from the environment (``${oc.env:...}``) are remembered, so that
+    what the run records shows the interpolation, never the value (:func:`config_record`)."""
     settled = OmegaConf.create(OmegaConf.to_container(run_config(cfg), resolve=True))
     OmegaConf.set_struct(settled, True)
+    from_environment = {**_from_environment(run_config(cfg)), **getattr(cfg, "__dict__", {}).get(_FROM_ENV, {})}
+    object.__setattr__(settled, _FROM_ENV, from_environment)
     return settled
+
+
+# Where a resolved config keeps the text of the settings it read from the environment: path -> "${oc.env:NAME}".
+_FROM_ENV = "_from_environment"
+# Leaf names whose values are secrets: transformers masks every TrainingArguments field ending in "_token" (hub_token);
+# the rest are the usual names of keys and passwords.
+_SECRET_SUFFIXES = ("_token", "_api_key", "_apikey", "_secret", "_password", "_access_key", "_secret_key")
+_SECRET_NAMES = ("token", "api_key", "apikey", "secret", "password", "access_key", "secret_key", "credentials")
+
+
+def is_secret_key(name: str) -> bool:
+    """Whether a setting named ``name`` holds a secret (``hub_token``, ``api_key``, ``password``...).
+
+    Examples:
+        >>> is_secret_key("hub_token"), is_secret_key("max_new_tokens"), is_secret_key("WANDB_API_KEY")
+        (True, False, True)
+    """
+    name = name.lower()
+    return name in _SECRET_NAMES or name.endswith(_SECRET_SUFFIXES)
+
+
+def _from_environment(cfg: DictConfig, prefix: str = "") -> dict[str, str]:
+    """Every setting of ``cfg`` that is (or contains) an ``${oc.env:...}`` interpolation: its path and its text."""
+    found = {}
+    keys = list(cfg.keys()) if isinstance(cfg, DictConfig) else range(len(cfg))
+    for key in keys:
+        node = cfg._get_node(key)
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(node, (DictConfig, ListConfig)):
+            found.update(_from_environment(node, path))
+        elif node._is_interpolation() and "oc.env" in str(node._value()):
+            found[path] = str(node._value())
+    return found
+
+
+def config_record(cfg: DictConfig) -> dict:
+    """The run's settings as the run records them (``resolved_config.yaml``, the wandb run config): resolved, except
+    that every setting read from the environment keeps its ``${oc.env:...}`` text and every other secret (a key named
+    like ``hub_token``, ``api_key``, ``password``) shows as ``<HUB_TOKEN>``, as transformers shows it.
+
+    Examples:
+        >>> cfg = resolved(OmegaConf.create({"train": {"hub_token": "hf_abc", "lr": 0.1}}))
+        >>> config_record(cfg)
+        {'train': {'hub_token': '<HUB_TOKEN>', 'lr': 0.1}}
+    """
+    record = OmegaConf.to_container(run_config(cfg), resolve=True)
+    from_environment = getattr(cfg, "__dict__", {}).get(_FROM_ENV, {})
+
+    def mask(node, path: str):
+        if isinstance(node, dict):
+            return {key: mask(value, f"{path}.{key}" if path else str(key)) for key, value in node.items()}
+        if isinstance(node, list):
+            return [mask(value, f"{path}.{index}") for index, value in enumerate(node)]
+        if path in from_environment:
+            return from_environment[path]
+        name = path.rsplit(".", 1)[-1]
+        if isinstance(node, str) and node and is_secret_key(name):
+            return f"<{name.upper()}>"
+        return node
+
+    return mask(record, "")
+
+
+def masked_fields(cfg: DictConfig, node: str) -> dict[str, str]:
+    """The settings of ``cfg[node]`` (a trainer config such as ``train:``) that its record masks
+    (:func:`config_record`), with what the record shows instead: ``field -> "${oc.env:NAME}"`` or ``"<FIELD>"``."""
+    record = config_record(cfg).get(node) or {}
+    values = OmegaConf.to_container(cfg[node], resolve=True) if node in cfg else {}
+    return {str(key): shown for key, shown in record.items() if key in values and shown != values[key]}
+
+
+def hand_token_to_environment(args) -> None:
+    """Moves a trl / transformers config's ``hub_token`` to ``HF_TOKEN`` in this process's environment (where
+    ``huggingface_hub`` reads it, for pushes too): the trainer pickles its whole config into every checkpoint
+    (``training_args.bin``), which would otherwise keep the token in clear in the run folder."""
+    token = getattr(args, "hub_token", None)
+    if token:
+        os.environ["HF_TOKEN"] = token
+        args.hub_token = None
 
 
 def write_run_config(cfg: DictConfig, output_dir: Path) -> None:
     """Creates ``output_dir`` and writes ``resolved_config.yaml`` there: the run's settings, interpolations resolved
-    (what ``scripts/sweep_report.py`` reads the ranking metric from)."""
+    (what ``scripts/sweep_report.py`` reads the ranking metric from), secrets masked (:func:`config_record`). Hydra's
+    own copies of the config in ``output_dir/.hydra/`` are masked the same way (:func:`mask_hydra_records`)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(run_config(cfg), output_dir / "resolved_config.yaml", resolve=True)
+    OmegaConf.save(OmegaConf.create(config_record(cfg)), output_dir / "resolved_config.yaml")
+    mask_hydra_records(output_dir)
+
+
+def mask_hydra_records(output_dir: Path) -> None:
+    """Hydra writes the composed config and the command line's overrides to ``<run>/.hydra/`` as typed: a secret given
+    there in clear (``+train.hub_token=hf_...``) is replaced by ``<HUB_TOKEN>`` (an ``${oc.env:...}`` interpolation
+    is already just its text)."""
+    folder = output_dir / ".hydra"
+    for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        masked = mask_secrets_in_text(text)
+        if masked != text:
+            partial = path.with_name(name + ".partial")
+            partial.write_text(masked)
+            os.replace(partial, path)
+
+
+def mask_secrets_in_text(text: str) -> str:
+    """Each ``name: value`` or ``name=value`` (one of a comma-separated list too, as Hydra's ``override_dirname`` and
+    a command line write them) of a secret-named key whose value is not an interpolation, masked.
+
+    Examples:
+        >>> mask_secrets_in_text("+train.hub_token=hf_abc,seed=1")
+        '+train.hub_token=<HUB_TOKEN>,seed=1'
+        >>> mask_secrets_in_text("  hub_token: hf_abc")
+        '  hub_token: <HUB_TOKEN>'
+        >>> mask_secrets_in_text("hub_token: ${oc.env:HF_TOKEN}")
+        'hub_token: ${oc.env:HF_TOKEN}'
+    """
+    import re
+
+    def replace(match: re.Match) -> str:
+        key, separator, value = match.group("key"), match.group("sep"), match.group("value")
+        name = key.rsplit(".", 1)[-1].lstrip("+~")
+        bare = value.strip(" '\"")
+        if not is_secret_key(name) or bare.startswith("${") or bare in ("", "null") or bare.startswith("<"):
+            return match.group(0)
+        return f"{key}{separator}<{name.upper()}>"
+
+    assignments = r"(?P<key>[+~]?[A-Za-z_][\w.]*)(?P<sep>=)(?P<value>[^,\n\]]*)"
+    entries = r"(?P<key>[A-Za-z_][\w.]*)(?P<sep>: )(?P<value>[^\n]*)"
+    return re.sub(entries, replace, re.sub(assignments, replace, text))
 
 
 register_resolvers()

@@ -12,16 +12,31 @@ wandb run, from the step it continues at.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import secrets
+import sys
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from recipes.common.config import mask_secrets_in_text
+
 __all__ = ["WANDB_ID_FILE", "MetricLogger", "make_logger", "peak_device_memory"]
 
 WANDB_ID_FILE = "wandb_run_id"
+
+
+@contextlib.contextmanager
+def _command_line_masked():
+    """``sys.argv`` with every secret given in clear masked (``+train.hub_token=hf_...``), while wandb reads it."""
+    saved = list(sys.argv)
+    sys.argv[:] = [mask_secrets_in_text(argument) for argument in saved]
+    try:
+        yield
+    finally:
+        sys.argv[:] = saved
 
 
 class MetricLogger:
@@ -49,17 +64,18 @@ class MetricLogger:
             resuming = resume and id_file.is_file()
             run_id = id_file.read_text().strip() if resuming else secrets.token_hex(4)
             id_file.write_text(run_id)
-            self._wandb_run = wandb.init(
-                id=run_id,
-                resume="allow" if resuming else None,
-                project=wandb_settings.project,
-                group=wandb_settings.group,
-                name=wandb_settings.name,
-                mode=wandb_settings.mode,
-                dir=str(run_dir),
-                config=OmegaConf.to_container(config, resolve=True) if config is not None else None,
-                reinit="finish_previous",
-            )
+            with _command_line_masked():  # wandb records sys.argv with the run
+                self._wandb_run = wandb.init(
+                    id=run_id,
+                    resume="allow" if resuming else None,
+                    project=wandb_settings.project,
+                    group=wandb_settings.group,
+                    name=wandb_settings.name,
+                    mode=wandb_settings.mode,
+                    dir=str(run_dir),
+                    config=OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config,
+                    reinit="finish_previous",
+                )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}

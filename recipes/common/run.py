@@ -34,7 +34,7 @@ from tensordict import set_list_to_stack
 from transformers import set_seed
 
 from recipes.common.checkpoint import latest_checkpoint, recover_interrupted_writes
-from recipes.common.config import ConfigError, RunStopped, run_config, write_run_config
+from recipes.common.config import ConfigError, RunStopped, config_record, mask_hydra_records, write_run_config
 from recipes.common.metrics import MetricLogger, make_logger
 from recipes.common.run_folder import RunFolderLock, clear_records
 
@@ -152,7 +152,7 @@ def start_run(
             before_config(run.output_dir)
         write_run_config(cfg, run.output_dir)
         if cfg.logger.kind != "none":
-            run.logger = make_logger(cfg.logger, run.output_dir, config=run_config(cfg), resume=resume)
+            run.logger = make_logger(cfg.logger, run.output_dir, config=config_record(cfg), resume=resume)
     processes.wait_for_everyone()  # the others go on once the folder is ready
     return run
 
@@ -226,7 +226,12 @@ _FAILED_JOBS: list[str] = []
 FAILED_FILE = "failed.json"
 
 
-def run_recipe(train: Callable[[DictConfig], dict], cfg: DictConfig) -> dict:
+def run_recipe(
+    train: Callable[[DictConfig], dict],
+    cfg: DictConfig,
+    *,
+    last_checkpoint: Callable[[DictConfig], Path | str | None] | None = None,
+) -> dict:
     """Runs ``train(cfg)`` and returns its summary; on failure, logs why and exits with status 1 (in a Hydra
     multirun: records the failure in the job's folder and returns, so that the sweep goes on; the process exits
     non-zero at the end, listing the failed jobs: :func:`exit_if_jobs_failed`).
@@ -234,15 +239,23 @@ def run_recipe(train: Callable[[DictConfig], dict], cfg: DictConfig) -> dict:
     A :class:`ConfigError` (bad settings or data, raised before the expensive work) or a
     :class:`~recipes.common.config.RunStopped` (a full disk, a non-finite value) is logged as its message alone:
     the message names the setting and the fix, and a traceback would only bury it. Any other error is logged with its
-    traceback. SIGINT and SIGTERM are logged with the run's last checkpoint. Python warnings go to the log as well.
+    traceback. SIGINT and SIGTERM are logged with the run's last checkpoint (``last_checkpoint(cfg)``; by default the
+    newest of ``<output_dir>/checkpoints``). Python warnings go to the log as well. Hydra's own records of the config
+    in the run folder (``.hydra/``) have their secrets masked before anything else runs.
     """
     logging.captureWarnings(True)
+    with contextlib.suppress(Exception):  # outside a Hydra run there is no .hydra/ to mask
+        mask_hydra_records(Path(str(cfg.output_dir)))
     try:
         with _interruptions_raised():
             return train(cfg)
     except (KeyboardInterrupt, Interrupted) as stop:
         name = stop.signal_name if isinstance(stop, Interrupted) else "SIGINT"
-        checkpoint = latest_checkpoint(Path(str(cfg.output_dir)) / "checkpoints")
+        checkpoint = (
+            last_checkpoint(cfg)
+            if last_checkpoint is not None
+            else latest_checkpoint(Path(str(cfg.output_dir)) / "checkpoints")
+        )
         log.error(
             "The run was interrupted by %s. Its last checkpoint: %s.",
             name,

@@ -177,3 +177,39 @@ def test_wandb_rows_are_committed_before_the_summary_is_written(tmp_path, monkey
     logger.log_summary({"perf/tokens_per_s": 150.0})
     logger.close()
     assert events == [("log", 1, True), ("log", 2, True), ("summary", {"perf/tokens_per_s": 150.0}), ("finish",)]
+
+
+def test_an_interrupted_trl_run_names_trls_last_checkpoint(tmp_path):
+    """trl keeps its checkpoints in train.output_dir (<run>/trainer/checkpoint-N): the message names the newest."""
+    import signal
+    import time
+
+    overrides = [
+        "train.max_steps=200",
+        "train.per_device_train_batch_size=8",
+        "train.num_generations=4",
+        "train.max_completion_length=8",
+        "data.num_train_prompts=16",
+        "rollout.prompts_per_draw=8",
+        "train.save_strategy=steps",
+        "train.save_steps=1",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "recipes/trl_grpo_torchrl_rollouts.py", *overrides],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not list((tmp_path / "trainer").glob("checkpoint-*/trainer_state.json")):
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert code == 128 + signal.SIGTERM.value
+    text = (tmp_path / "trl_grpo_torchrl_rollouts.log").read_text()
+    assert f"The run was interrupted by SIGTERM. Its last checkpoint: {tmp_path}/trainer/checkpoint-" in text

@@ -1,0 +1,94 @@
+"""No secret reaches a run folder, a log or wandb in clear: settings read from the environment keep their
+``${oc.env:...}`` text in what the run records, secrets given in clear (``+train.hub_token=hf_...``) are masked in the
+resolved config, Hydra's own records, wandb's copy of the command line, and trl's pickled checkpoint config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from _small_runs import REPO_ROOT
+from omegaconf import OmegaConf
+
+from recipes.common.config import config_record, hand_token_to_environment, mask_secrets_in_text, resolved
+
+
+def test_the_record_keeps_environment_interpolations_and_masks_secrets_given_in_clear(monkeypatch):
+    monkeypatch.setenv("PROBE_ID", "me/secret-repo")
+    monkeypatch.setenv("PROBE_TOKEN", "hf_env_secret")
+    cfg = OmegaConf.create(
+        {
+            "train": {"hub_token": "hf_clear_secret", "hub_model_id": "${oc.env:PROBE_ID}", "lr": 0.1},
+            "logger": {"wandb": {"api_key": "${oc.env:PROBE_TOKEN}", "project": "p-${oc.env:PROBE_ID}"}},
+            "rollout": {"generation": {"max_new_tokens": 8}},
+        }
+    )
+    settled = resolved(cfg)
+    assert settled.train.hub_model_id == "me/secret-repo", "the run itself reads the value"
+    record = config_record(settled)
+    assert record["train"] == {"hub_token": "<HUB_TOKEN>", "hub_model_id": "${oc.env:PROBE_ID}", "lr": 0.1}
+    assert record["logger"]["wandb"] == {"api_key": "${oc.env:PROBE_TOKEN}", "project": "p-${oc.env:PROBE_ID}"}
+    assert record["rollout"]["generation"]["max_new_tokens"] == 8, "max_new_tokens is not a token"
+
+
+def test_command_lines_and_hydra_records_are_masked():
+    assert mask_secrets_in_text("+train.hub_token=hf_x,data.num_train_prompts=16") == (
+        "+train.hub_token=<HUB_TOKEN>,data.num_train_prompts=16"
+    )
+    assert mask_secrets_in_text("- +train.hub_token=hf_x") == "- +train.hub_token=<HUB_TOKEN>"
+    assert mask_secrets_in_text("  hub_token: hf_x\n  lr: 1") == "  hub_token: <HUB_TOKEN>\n  lr: 1"
+    assert mask_secrets_in_text("hub_token: null") == "hub_token: null"
+
+
+def test_trainer_configs_hand_their_token_to_the_environment_not_to_checkpoints(monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    args = SimpleNamespace(hub_token="hf_x")
+    hand_token_to_environment(args)
+    assert args.hub_token is None and os.environ["HF_TOKEN"] == "hf_x"
+
+
+def test_a_trl_run_given_a_token_in_clear_and_one_from_the_environment_writes_neither(tmp_path):
+    """As a user types it (logger=wandb offline, trl checkpoints saved): no file of the run folder, and not the log,
+    holds either secret."""
+    run_dir = tmp_path / "run"
+    env = dict(
+        os.environ,
+        PROBE_REPO="me/probe-repo-4321",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+    )
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "recipes/trl_grpo_torchrl_rollouts.py",
+            f"hydra.run.dir={run_dir}",
+            "logger=wandb",
+            "train.max_steps=2",
+            "train.per_device_train_batch_size=8",
+            "train.num_generations=4",
+            "train.max_completion_length=8",
+            "data.num_train_prompts=16",
+            "rollout.prompts_per_draw=8",
+            "train.save_strategy=steps",
+            "train.save_steps=1",
+            "+train.hub_token=hf_clear_8765",
+            "+train.hub_model_id=${oc.env:PROBE_REPO}",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert any(run_dir.glob("trainer/checkpoint-*/training_args.bin")) and any(run_dir.glob("wandb/*/*.wandb"))
+    for secret in (b"hf_clear_8765", b"me/probe-repo-4321"):
+        leaks = [str(path) for path in run_dir.rglob("*") if path.is_file() and secret in path.read_bytes()]
+        assert not leaks, (secret, leaks)
+        assert secret.decode() not in completed.stdout + completed.stderr
+    record = (run_dir / "resolved_config.yaml").read_text()
+    assert "hub_token: <HUB_TOKEN>" in record and "hub_model_id: ${oc.env:PROBE_REPO}" in record
