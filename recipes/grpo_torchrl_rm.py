@@ -58,6 +58,7 @@ from recipes.grpo.checkpointing import (
     record_resume,
     restore_rng_state,
     resume_changes,
+    resumed_config,
     save_checkpoint,
     truncate_metrics_csv,
 )
@@ -490,7 +491,9 @@ def main(cfg: DictConfig) -> float:
     warnings.filterwarnings("ignore", message="size_average and reduce args will be deprecated")
     warnings.filterwarnings("ignore", message="The env passed to LLMCollector is missing transforms")
     summary = run_recipe(train, cfg)
-    return summary[cfg.metric]
+    # A resumed run reports the metric its own config names (its resolved_config.yaml), not the YAML default's.
+    metric = resumed_config(cfg).metric if cfg.resume else cfg.metric
+    return summary.get(metric, float("nan"))
 
 
 if __name__ == "__main__":

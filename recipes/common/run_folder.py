@@ -54,6 +54,8 @@ RECORDS = (
     "eval_pairs.jsonl",
     "batches",
     "rollouts",
+    "resumes.jsonl",  # the resumes of the run (recipes.grpo.checkpointing)
+    "failed.json",  # why a multirun job failed (recipes.common.run)
     WANDB_ID_FILE,
 )
 

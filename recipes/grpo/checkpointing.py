@@ -383,6 +383,8 @@ def finished_run_summary(cfg: DictConfig) -> dict | None:
 def resumed_config(cfg: DictConfig) -> DictConfig:
     """The config a resumed run trains with: the run's own ``resolved_config.yaml``, with what this command line sets
     on top (a setting it leaves out keeps the run's value, not the YAML default: ``train.steps``, ``logger``...).
+    ``output_dir`` is always this run's own: a copied or moved run folder resumes as itself, where it is, and never
+    writes into the folder it was copied from.
 
     Raises:
         ConfigError: the folder holds no ``resolved_config.yaml`` (no run of this recipe to continue).
@@ -402,6 +404,7 @@ def resumed_config(cfg: DictConfig) -> DictConfig:
             _delete(saved, key)
         else:
             _copy_setting(saved, cfg, key)
+    saved.output_dir = str(cfg.output_dir)
     OmegaConf.set_struct(saved, True)
     return saved
 

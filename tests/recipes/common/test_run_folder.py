@@ -59,3 +59,10 @@ def test_a_folder_the_run_cannot_write_fails_at_start_up(tmp_path):
     (tmp_path / "checkpoints").write_text("a file where the run keeps its checkpoints")
     with pytest.raises(ConfigError, match=r"Cannot write the run's checkpoints folder .*checkpoints"):
         check_writable(tmp_path / "checkpoints", what="the run's checkpoints folder", fix="fix it")
+
+
+def test_overwrite_clears_the_earlier_runs_resumes_and_failure_too(tmp_path):
+    for name in ("metrics.csv", "resumes.jsonl", "failed.json"):
+        (tmp_path / name).write_text("from the earlier run\n")
+    assert sorted(clear_records(tmp_path)) == ["failed.json", "metrics.csv", "resumes.jsonl"]
+    assert not any(tmp_path.iterdir())

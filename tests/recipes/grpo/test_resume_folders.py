@@ -1,0 +1,62 @@
+"""A resumed GRPO run writes where it was told to and reports as the run it continues: a copy of a run folder resumes
+as itself (the original untouched), a moved folder resumes where it is, and main() returns the metric the run's own
+config names (an experiment=arithmetic run resumed without repeating experiment=arithmetic)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+from _small_runs import GRPO_SMALL, REPO_ROOT
+
+
+def _files(folder):
+    return {str(path.relative_to(folder)): path.stat().st_mtime_ns for path in folder.rglob("*") if path.is_file()}
+
+
+def _run(*overrides):
+    return subprocess.run(
+        [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+
+
+def test_a_copied_run_folder_resumes_as_itself_and_leaves_the_original_alone(tmp_path):
+    """As a user does it: ``cp -r D D2`` then ``resume=true hydra.run.dir=D2``."""
+    original, copy = tmp_path / "D", tmp_path / "D2"
+    first = _run(*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"hydra.run.dir={original}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.copytree(original, copy)
+    before = _files(original)
+
+    resumed = _run(f"hydra.run.dir={copy}", "resume=true", "train.steps=4")
+
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _files(original) == before, "the folder the copy came from is untouched"
+    assert sorted(path.name for path in (copy / "checkpoints").iterdir()) == ["step_0000003", "step_0000004"]
+    assert f"output_dir: {copy}\n" in (copy / "resolved_config.yaml").read_text()
+
+
+def test_a_moved_run_folder_resumes_where_it_is(tmp_path):
+    first = _run(*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"hydra.run.dir={tmp_path / 'D'}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    (tmp_path / "D").rename(tmp_path / "moved")
+    resumed = _run(f"hydra.run.dir={tmp_path / 'moved'}", "resume=true", "train.steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (tmp_path / "moved" / "checkpoints" / "step_0000003").is_dir() and not (tmp_path / "D").exists()
+
+
+def test_a_resumed_experiment_reports_the_metric_its_own_config_names(tmp_path):
+    """The arithmetic experiment's metric is eval/accuracy_last; a resume that does not repeat experiment=arithmetic
+    must not look for the YAML default's rollout/oracle_mean_last."""
+    common = [*GRPO_SMALL[1:], "eval.every_n_steps=2", "eval.num_prompts=4", f"hydra.run.dir={tmp_path}"]
+    first = [sys.executable, "recipes/grpo_torchrl_rm.py", "experiment=arithmetic", "train.steps=2", *common]
+    assert subprocess.run(first, cwd=REPO_ROOT, capture_output=True).returncode == 0
+    resumed = subprocess.run(
+        [sys.executable, "recipes/grpo_torchrl_rm.py", "resume=true", "train.steps=3", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "KeyError" not in resumed.stderr
