@@ -44,7 +44,15 @@ from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.metrics import peak_device_memory
 from recipes.common.models import load_causal_lm, load_tokenizer
-from recipes.common.run import Run, end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
+from recipes.common.run import (
+    Run,
+    end_processes,
+    exit_if_jobs_failed,
+    run_recipe,
+    seed_everything,
+    start_run,
+    track_failed_jobs,
+)
 from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
 from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, merge_batches
 from recipes.grpo.checkpointing import (
@@ -497,6 +505,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    track_failed_jobs()
     main()
     end_processes()
     exit_if_jobs_failed()

@@ -57,7 +57,15 @@ from recipes.common.config import ConfigError, RunStopped, hand_token_to_environ
 from recipes.common.lora import make_lora_config
 from recipes.common.metrics import MetricLogger, peak_device_memory
 from recipes.common.models import load_reward_model, load_tokenizer
-from recipes.common.run import Run, end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
+from recipes.common.run import (
+    Run,
+    end_processes,
+    exit_if_jobs_failed,
+    run_recipe,
+    seed_everything,
+    start_run,
+    track_failed_jobs,
+)
 from recipes.common.sharding import gather_full_model_state, is_sharded
 from recipes.reward.buffer import make_eval_dataset, make_training_stream
 from recipes.reward.checks import kept_records, validate
@@ -355,12 +363,13 @@ def main(cfg: DictConfig) -> float:
         lambda record: "The used dataset had no length" not in record.getMessage()
     )
     summary = run_recipe(train, cfg)
-    if PartialState().is_main_process:
+    if PartialState().is_main_process and "train/steps" in summary:  # a failed sweep job says so in its log instead
         print(json.dumps(summary, indent=2))
     return summary[cfg.metric]
 
 
 if __name__ == "__main__":
+    track_failed_jobs()
     main()
     end_processes()
     exit_if_jobs_failed()

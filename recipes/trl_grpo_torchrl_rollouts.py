@@ -44,7 +44,14 @@ from recipes.common.metrics import MetricLogger, peak_device_memory
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 from recipes.common.prompts import PromptTable, make_prompt_stream
 from recipes.common.reward_functions import resolve_function
-from recipes.common.run import end_processes, exit_if_jobs_failed, run_recipe, seed_everything, start_run
+from recipes.common.run import (
+    end_processes,
+    exit_if_jobs_failed,
+    run_recipe,
+    seed_everything,
+    start_run,
+    track_failed_jobs,
+)
 from recipes.common.text_metrics import distinct_bigrams
 from recipes.trl_grpo.checks import validate
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, RolloutStore
@@ -350,12 +357,13 @@ def closing_message(summary: dict, output_dir: Path) -> str:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="trl_grpo_torchrl_rollouts")
 def main(cfg: DictConfig) -> float:
     summary = run_recipe(train, cfg, last_checkpoint=lambda cfg: latest_trl_checkpoint(str(cfg.train.output_dir)))
-    if PartialState().is_main_process:
+    if PartialState().is_main_process and "train/steps" in summary:  # a failed sweep job says so in its log instead
         print(json.dumps(summary, indent=2))
     return summary[cfg.metric]
 
 
 if __name__ == "__main__":
+    track_failed_jobs()
     main()
     end_processes()
     exit_if_jobs_failed()

@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +48,7 @@ __all__ = [
     "check_sharded_launch",
     "end_processes",
     "exit_if_jobs_failed",
+    "track_failed_jobs",
     "run_recipe",
     "seed_everything",
     "start_run",
@@ -224,6 +226,29 @@ def _interruptions_raised() -> Iterator[None]:
 # Jobs of this process's Hydra multirun that failed (their folders hold failed.json); the sweep goes on past them.
 _FAILED_JOBS: list[str] = []
 FAILED_FILE = "failed.json"
+# A file the jobs of a sweep append their failures to, one folder a line: a launcher that runs the jobs in other
+# processes (joblib's workers) leaves the sweep's own process no other way to learn of them.
+FAILED_JOBS_ENV = "RECIPES_FAILED_JOBS_FILE"
+_OWN_FAILED_JOBS_FILE: str | None = None
+
+
+def track_failed_jobs() -> None:
+    """Called before Hydra starts the jobs (a recipe's ``__main__``): every job process, a launcher's workers included,
+    inherits the file its failures go to (:data:`FAILED_JOBS_ENV`), which :func:`exit_if_jobs_failed` reads."""
+    global _OWN_FAILED_JOBS_FILE
+    if FAILED_JOBS_ENV in os.environ:
+        return
+    handle, path = tempfile.mkstemp(prefix="recipes_failed_jobs_", suffix=".txt")
+    os.close(handle)
+    os.environ[FAILED_JOBS_ENV] = _OWN_FAILED_JOBS_FILE = path
+
+
+def _record_failed_job(folder: str) -> None:
+    _FAILED_JOBS.append(folder)
+    path = os.environ.get(FAILED_JOBS_ENV)
+    if path:
+        with open(path, "a") as handle:  # one short line per append: whole lines, whatever the process
+            handle.write(folder + "\n")
 
 
 def run_recipe(
@@ -270,7 +295,7 @@ def run_recipe(
         reason = f"{type(error).__name__}: {error}"
     if not _in_multirun():
         raise SystemExit(1)
-    _FAILED_JOBS.append(str(cfg.output_dir))
+    _record_failed_job(str(cfg.output_dir))
     Path(str(cfg.output_dir)).mkdir(parents=True, exist_ok=True)
     (Path(str(cfg.output_dir)) / FAILED_FILE).write_text(json.dumps({"reason": reason}, indent=2))
     return {cfg.metric: float("nan")}
@@ -284,9 +309,17 @@ def _in_multirun() -> bool:
 
 
 def exit_if_jobs_failed() -> None:
-    """At the end of a Hydra multirun: exits with status 1 listing the jobs that failed (each folder's
-    ``failed.json`` says why); nothing when every job finished."""
-    if _FAILED_JOBS:
-        listed = "\n".join(f"  {folder} (see its {FAILED_FILE})" for folder in _FAILED_JOBS)
-        print(f"{len(_FAILED_JOBS)} job(s) of the sweep failed:\n{listed}", file=sys.stderr)
+    """At the end of a Hydra multirun, whatever its launcher: exits with status 1 listing the jobs that failed (each
+    folder's ``failed.json`` says why); nothing when every job finished."""
+    failed = list(_FAILED_JOBS)
+    path = os.environ.get(FAILED_JOBS_ENV)
+    if path and os.path.isfile(path):
+        with open(path) as handle:
+            failed += [line.strip() for line in handle if line.strip()]
+        if path == _OWN_FAILED_JOBS_FILE:
+            os.remove(path)
+    failed = list(dict.fromkeys(failed))
+    if failed:
+        listed = "\n".join(f"  {folder} (see its {FAILED_FILE})" for folder in failed)
+        print(f"{len(failed)} job(s) of the sweep failed:\n{listed}", file=sys.stderr)
         raise SystemExit(1)

@@ -80,3 +80,43 @@ def test_a_failed_job_does_not_stop_the_sweep_and_the_sweep_says_so(tmp_path, re
         text=True,
     )
     assert "Failed jobs (1):" in report.stdout and "optimizer.lr=5" in report.stdout
+
+
+def test_a_sweep_whose_jobs_run_in_other_processes_still_fails_naming_them(tmp_path, repo_root):
+    """With joblib's launcher the jobs run in worker processes: their failures still reach the sweep's exit status."""
+    sweep_dir = tmp_path / "sweep"
+    command = [
+        sys.executable,
+        str(repo_root / "recipes" / "grpo_torchrl_rm.py"),
+        "-m",
+        "optimizer.lr=5,7",
+        *GRPO_SMALL,
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "2 job(s) of the sweep failed" in result.stderr
+    assert str(sweep_dir / "0") in result.stderr and str(sweep_dir / "1") in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("recipe", "preset", "schema"),
+    [
+        ("grpo_torchrl_rm", "grpo_lr_seed", "recipes.grpo.schema:GRPORecipeConfig"),
+        ("reward_trainer_from_buffer", "reward_lr_seed", "recipes.reward.schema:RewardRecipeConfig"),
+    ],
+)
+def test_every_sweep_preset_composes_into_a_config_its_recipe_accepts(compose_config, recipe, preset, schema):
+    import importlib
+
+    from recipes.common.schema import check_config
+
+    module, name = schema.split(":")
+    cfg = compose_config(recipe, [f"sweep={preset}", "output_dir=/tmp/unused"])
+    from recipes.common.config import run_config
+
+    check_config(run_config(cfg), getattr(importlib.import_module(module), name), recipe=recipe)
+    assert cfg.logger.kind == "wandb" and cfg.hydra.mode.name == "MULTIRUN"
