@@ -702,8 +702,7 @@ class RewardModelTransform(Transform):
         for key, weight in weights.items():
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 raise ValueError(f"RewardModelTransform: weights[{key!r}] must be a finite number, got {weight!r}.")
-        if isinstance(allow_nan, str):
-            allow_nan = [allow_nan]
+        allow_nan = [allow_nan] if isinstance(allow_nan, str) else list(allow_nan)
         _check_source_names("allow_nan", allow_nan, sources)
         reward_key = unravel_key(reward_key)
         if source_rewards_key is not None:
