@@ -14,8 +14,9 @@ Public classes and functions:
   optionally writing every rollout into a TorchRL ``ReplayBuffer``.
 - :class:`TorchRLGRPOTrainer`: ``trl.GRPOTrainer`` sampling through a :class:`TorchRLRolloutFunc`, each generation
   batch written to a TorchRL buffer once trl has scored it (text, rewards per function, reward, advantage).
-- :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores each step with a reward module and writes
-  the reward with the env's reward-spec shape (what ``MCAdvantage`` and ``GRPOLoss`` expect).
+- :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores each step with a reward module, or with
+  several named and weighted ones (their NaN-skipping weighted sum, as trl sums ``reward_funcs``), and writes the
+  reward with the env's reward-spec shape (what ``MCAdvantage`` and ``GRPOLoss`` expect).
 
 Dependencies: ``torch``, ``tensordict`` and ``torchrl``; ``datasets``, ``transformers`` and ``trl`` are imported
 lazily, only by the features that need them. This package knows nothing of Hydra or of the recipes.

@@ -7,9 +7,10 @@ Public classes:
   the same calls as ``torchrl.modules.llm.trl_interop.HFRewardModelWrapper`` and adds what real LLM rollouts need:
   ragged (unpadded) batches, the reward model's own tokenizer (plain text or chat ``History``), micro-batching,
   truncation, device and dtype handling.
-- :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores every step with such a module and writes the
-  reward at ``("next", "reward")`` with the env's reward-spec shape (``batch + (1, 1)`` for LLM chat envs), which is
-  what ``MCAdvantage`` and ``GRPOLoss`` read.
+- :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores every step with such a module, or with several
+  named and weighted reward modules (trl's ``reward_funcs`` and ``reward_weights``: NaN-skipping weighted sum, each
+  source's own values optionally kept), and writes the reward at ``("next", "reward")`` with the env's reward-spec
+  shape (``batch + (1, 1)`` for LLM chat envs), which is what ``MCAdvantage`` and ``GRPOLoss`` read.
 
 Dependencies: ``torch``, ``tensordict`` and ``torchrl``. ``transformers`` is never imported here: the wrapper only
 calls the model and tokenizer objects it is given.
@@ -18,7 +19,8 @@ calls the model and tokenizer objects it is given.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -516,8 +518,58 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         )
 
 
+def _named_sources(reward_module: Any, name: str | None) -> dict[str, Any]:
+    """``{name: module}`` for one reward module or a mapping of them, each checked to be a module with one out key."""
+    if isinstance(reward_module, Mapping):
+        if name is not None:
+            raise ValueError(
+                "RewardModelTransform: name names a single reward_module; the keys of a mapping of reward sources "
+                "name them. Drop name=, or pass one module."
+            )
+        if not reward_module:
+            raise ValueError("RewardModelTransform: the mapping of reward sources is empty; give at least one module.")
+        sources = dict(reward_module)
+        labels = {key: f"reward_module[{key!r}]" for key in sources}
+    else:
+        sources = {name or type(reward_module).__name__: reward_module}
+        labels = dict.fromkeys(sources, "reward_module")
+    for key, module in sources.items():
+        if not isinstance(key, str):
+            raise TypeError(f"RewardModelTransform: reward sources are named by strings, got {key!r}.")
+        if not callable(module):
+            raise TypeError(
+                f"RewardModelTransform: {labels[key]} must be a TensorDict module, got {type(module).__name__}."
+            )
+        out_keys = list(getattr(module, "out_keys", None) or [])
+        if len(out_keys) != 1:
+            raise ValueError(
+                f"RewardModelTransform: {labels[key]} must declare exactly one out_key (the reward), got "
+                f"{out_keys!r}. Wrap it so it writes a single reward entry."
+            )
+    return sources
+
+
+def _check_source_names(what: str, names: Any, sources: Mapping) -> None:
+    unknown = [key for key in names if key not in sources]
+    if unknown:
+        raise ValueError(
+            f"RewardModelTransform: {what} names {unknown}, which are not reward sources; the sources are "
+            f"{list(sources)}."
+        )
+
+
+def _as_tuple(key: NestedKey) -> tuple:
+    return key if isinstance(key, tuple) else (key,)
+
+
+def _rows(mask: torch.Tensor) -> str:
+    rows = mask.nonzero().flatten().tolist()
+    return f"{len(rows)} row(s) (rows {rows[:10]}{'...' if len(rows) > 10 else ''})"
+
+
 class RewardModelTransform(Transform):
-    """Scores each env step with a reward module and writes the reward with the env's reward-spec shape.
+    """Scores each env step with a reward module, or several named and weighted ones, and writes the reward with the
+    env's reward-spec shape.
 
     ``ChatEnv`` declares no reward; appending this transform declares one (``Unbounded``, float32, shape
     ``env.batch_size + reward_shape``, ``(1, 1)`` by default as TorchRL's LLM reward transforms do) and fills it at
@@ -534,9 +586,20 @@ class RewardModelTransform(Transform):
     :class:`HFRewardModelWrapper`) never leaks into the rollout; the transform then writes the reward at
     ``("next", reward_key)``.
 
+    **Several sources.** Given a mapping ``{name: module}`` instead of one module, the transform scores the step with
+    every module in turn, each on its own selection, and writes their weighted sum, as ``trl.GRPOTrainer`` sums its
+    ``reward_funcs`` with ``reward_weights``: ``reward = sum_k weights[name_k] * value_k``. A source named in
+    ``allow_nan`` may return NaN for a row it does not apply to (what a trl reward function's ``None`` becomes): that
+    value is left out of the sum. A row that every source leaves out has no reward and stops the step, naming the
+    sources. With ``source_rewards_key`` each source's own value (before weighting, NaN where it does not apply) is
+    written too, at ``("next", source_rewards_key)`` with shape ``batch + (number of sources,)``, in the mapping's
+    order, and declared in the observation spec (a reset writes NaN there: nothing scored yet). A single module is
+    the one-source case (weight 1).
+
     Args:
-        reward_module (TensorDictModuleBase): a module with ``in_keys`` and exactly one ``out_keys`` entry holding
-            one reward per sample, typically :class:`HFRewardModelWrapper`.
+        reward_module (TensorDictModuleBase or Mapping[str, TensorDictModuleBase]): a module with ``in_keys`` and
+            exactly one ``out_keys`` entry holding one reward per sample, typically :class:`HFRewardModelWrapper`;
+            or several such modules by name (the names are what the error messages call them).
 
     Keyword Args:
         reward_key (NestedKey): the reward entry of the env, written under ``"next"``. Defaults to ``"reward"``.
@@ -546,9 +609,16 @@ class RewardModelTransform(Transform):
             (TorchRL's LLM convention, required by ``GRPOLoss``); use ``(1,)`` for classic envs.
         accumulate (bool): add the score to a reward already present at ``("next", reward_key)`` (for instance a
             rule-based reward from an earlier transform) instead of overwriting it. Defaults to ``False``.
-        check_finite (bool): raise, naming the reward module (``name``), when it returns a NaN or infinite reward.
-            Defaults to ``False``.
-        name (str, optional): what the messages call the reward module (e.g. the config key it came from).
+        check_finite (bool): raise, naming the source, when one returns an infinite value or a NaN that it is not
+            allowed (``allow_nan``). Without it such a NaN makes the row's reward NaN. Defaults to ``False``.
+        name (str, optional): what the messages call a single reward module (e.g. the config key it came from).
+            With a mapping the keys name the sources.
+        weights (Mapping[str, float], optional): each source's weight in the sum, by name; a source not listed
+            weighs 1. Defaults to ``None`` (all 1).
+        allow_nan (Collection[str]): the sources whose NaN means "does not apply to this row": left out of the sum
+            and never an error (an infinite value still is, under ``check_finite``). Defaults to ``()``.
+        source_rewards_key (NestedKey, optional): where, under ``"next"``, each source's own value is written.
+            Defaults to ``None`` (not written).
 
     Examples:
         >>> import torch
@@ -571,6 +641,27 @@ class RewardModelTransform(Transform):
         >>> transform(td)["next", "reward"].shape
         torch.Size([2, 1, 1])
 
+        Several weighted sources, one of which applies to long sequences only (NaN elsewhere):
+
+        >>> from tensordict.nn import TensorDictModule
+        >>> mask = ("masks", "all_attention_mask")
+        >>> bonus = TensorDictModule(
+        ...     lambda m: torch.where(m.sum(-1) > 3, 1.0, torch.nan), in_keys=[mask], out_keys=["bonus"]
+        ... )
+        >>> transform = RewardModelTransform(
+        ...     {"length": HFRewardModelWrapper(LengthRewardModel()), "bonus": bonus},
+        ...     weights={"bonus": 10.0},
+        ...     allow_nan=["bonus"],
+        ...     source_rewards_key="source_rewards",
+        ...     check_finite=True,
+        ... )
+        >>> out = transform(td)
+        >>> out["next", "source_rewards"]
+        tensor([[4., 1.],
+                [2., nan]])
+        >>> out["next", "reward"].view(-1)
+        tensor([14.,  2.])
+
         In an LLM chat env (``ChatEnv``) with TorchRL's ``TransformersWrapper`` policy::
 
             env = ChatEnv.from_dataloader(dataloader=..., repeats=G, batch_size=(G,), tokenizer=policy_tokenizer)
@@ -585,7 +676,7 @@ class RewardModelTransform(Transform):
 
     def __init__(
         self,
-        reward_module: TensorDictModuleBase,
+        reward_module: TensorDictModuleBase | Mapping[str, TensorDictModuleBase],
         *,
         reward_key: NestedKey = "reward",
         read_from: Literal["root", "next"] = "root",
@@ -593,17 +684,11 @@ class RewardModelTransform(Transform):
         accumulate: bool = False,
         check_finite: bool = False,
         name: str | None = None,
+        weights: Mapping[str, float] | None = None,
+        allow_nan: Collection[str] = (),
+        source_rewards_key: NestedKey | None = None,
     ) -> None:
-        if not callable(reward_module):
-            raise TypeError(
-                f"RewardModelTransform: reward_module must be a TensorDict module, got {type(reward_module).__name__}."
-            )
-        module_out_keys = list(getattr(reward_module, "out_keys", None) or [])
-        if len(module_out_keys) != 1:
-            raise ValueError(
-                "RewardModelTransform: reward_module must declare exactly one out_key (the reward), got "
-                f"{module_out_keys!r}. Wrap it so it writes a single reward entry."
-            )
+        sources = _named_sources(reward_module, name)
         if read_from not in ("root", "next"):
             raise ValueError(f"RewardModelTransform: read_from must be 'root' or 'next', got {read_from!r}.")
         reward_shape = tuple(int(s) for s in reward_shape)
@@ -612,65 +697,142 @@ class RewardModelTransform(Transform):
                 f"RewardModelTransform: reward_shape must hold one element per sample (e.g. (1, 1) or (1,)), got "
                 f"{reward_shape!r}."
             )
-        super().__init__(in_keys=[], out_keys=[unravel_key(reward_key)])
-        self.reward_module = reward_module
-        self.reward_key = unravel_key(reward_key)
+        weights = dict(weights or {})
+        _check_source_names("weights", weights, sources)
+        for key, weight in weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(f"RewardModelTransform: weights[{key!r}] must be a finite number, got {weight!r}.")
+        allow_nan = [allow_nan] if isinstance(allow_nan, str) else list(allow_nan)
+        _check_source_names("allow_nan", allow_nan, sources)
+        reward_key = unravel_key(reward_key)
+        if source_rewards_key is not None:
+            source_rewards_key = unravel_key(source_rewards_key)
+            if source_rewards_key == reward_key:
+                raise ValueError(
+                    f"RewardModelTransform: source_rewards_key and reward_key are both {reward_key!r}; the sum and the "
+                    "per-source values need entries of their own."
+                )
+        out_keys = [reward_key] if source_rewards_key is None else [reward_key, source_rewards_key]
+        super().__init__(in_keys=[], out_keys=out_keys)
+        if isinstance(reward_module, Mapping):
+            self.reward_module = None
+            for index, module in enumerate(sources.values()):  # registered, so that .to() and repr see them
+                if isinstance(module, nn.Module):
+                    self.add_module(f"source_{index}", module)
+        else:
+            self.reward_module = reward_module
+        self.reward_modules = sources
+        self.reward_key = reward_key
+        self.source_rewards_key = source_rewards_key
         self.read_from = read_from
         self.reward_shape = reward_shape
         self.accumulate = accumulate
         self.check_finite = check_finite
-        self.name = name or type(reward_module).__name__
-        self._module_reward_key = unravel_key(module_out_keys[0])
-        self._reward_tuple = self.reward_key if isinstance(self.reward_key, tuple) else (self.reward_key,)
+        self.name = None if isinstance(reward_module, Mapping) else next(iter(sources))
+        self.weights = torch.tensor([float(weights.get(key, 1.0)) for key in sources], dtype=torch.float32)
+        self.allow_nan = frozenset(allow_nan)
+        self._allow_nan_mask = torch.tensor([key in self.allow_nan for key in sources])
+        self._module_reward_keys = [unravel_key(module.out_keys[0]) for module in sources.values()]
+        self._reward_tuple = _as_tuple(reward_key)
+        self._source_rewards_tuple = _as_tuple(source_rewards_key) if source_rewards_key is not None else None
 
-    def _score(self, source: TensorDictBase) -> torch.Tensor:
-        in_keys = list(getattr(self.reward_module, "in_keys", None) or [])
+    def _score_one(self, name: str, module: Any, out_key: NestedKey, source: TensorDictBase) -> torch.Tensor:
+        """One source's float32 values for the rows of ``source``, flat, checked."""
+        in_keys = list(getattr(module, "in_keys", None) or [])
         scratch = source.select(*in_keys, strict=False) if in_keys else source.copy()
         with torch.no_grad():
-            scored = self.reward_module(scratch)
+            scored = module(scratch)
         if scored is None:
             scored = scratch
-        reward = scored.get(self._module_reward_key, None)
+        reward = scored.get(out_key, None)
         if reward is None:
             raise KeyError(
-                f"RewardModelTransform: the reward module wrote no {self._module_reward_key!r} entry; check its "
-                "out_keys."
+                f"RewardModelTransform: the reward source {name!r} wrote no {out_key!r} entry; check its out_keys."
             )
         if reward.numel() != source.batch_size.numel():
             raise RuntimeError(
-                f"RewardModelTransform: the reward module returned {reward.numel()} rewards for a batch of "
+                f"RewardModelTransform: the reward source {name!r} returned {reward.numel()} rewards for a batch of "
                 f"{tuple(source.batch_size)}; it must return one reward per sample."
             )
-        if self.check_finite and not bool(torch.isfinite(reward).all()):
-            bad = (~torch.isfinite(reward.reshape(-1))).nonzero().flatten().tolist()
-            raise ValueError(
-                f"RewardModelTransform: the reward source {self.name!r} returned {len(bad)} non-finite reward(s) "
-                f"(rows {bad[:10]}{'...' if len(bad) > 10 else ''}); a policy trained on them would learn garbage. "
-                "Fix the source."
-            )
+        reward = reward.reshape(-1).to(torch.float32)
+        if self.check_finite:
+            allowed = name in self.allow_nan
+            bad = torch.isinf(reward) if allowed else ~torch.isfinite(reward)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"RewardModelTransform: the reward source {name!r} returned non-finite rewards for {_rows(bad)}"
+                    f"{' (NaN, not applicable, is allowed; inf is not)' if allowed else ''}; a policy trained on them "
+                    "would learn garbage. Fix the source."
+                )
         return reward
 
-    def _write(self, tensordict: TensorDictBase, key: tuple, reward: torch.Tensor, shape: torch.Size) -> None:
-        reward = reward.to(torch.float32).reshape(shape)
-        if tensordict.device is not None:
-            reward = reward.to(tensordict.device)
+    def score(self, source: TensorDictBase, device: torch.device | None = None) -> torch.Tensor:
+        """Every source's values for the rows of ``source`` (flattened), unweighted.
+
+        Args:
+            source (TensorDictBase): what the sources read (the step's input or output, see ``read_from``).
+            device (torch.device, optional): where the values go. Defaults to the first source's output device.
+
+        Returns:
+            a float32 tensor ``[N, number of sources]``, NaN where an ``allow_nan`` source does not apply.
+        """
+        names = list(self.reward_modules)
+        columns = [
+            self._score_one(name, module, out_key, source)
+            for name, module, out_key in zip(names, self.reward_modules.values(), self._module_reward_keys, strict=True)
+        ]
+        device = device if device is not None else columns[0].device
+        values = torch.stack([column.to(device) for column in columns], dim=-1)
+        if bool(self._allow_nan_mask.all()):  # a source that must always score gives every row a reward
+            unscored = torch.isnan(values).all(dim=-1)
+            if bool(unscored.any()):
+                raise RuntimeError(
+                    f"RewardModelTransform: {_rows(unscored)} are scored by no source. Every reward source "
+                    f"({', '.join(names)}) returned NaN (not applicable) for them. Make at least one source apply to "
+                    "every row, or add one that always does."
+                )
+        return values
+
+    def total(self, values: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each row of :meth:`score`'s values, an ``allow_nan`` source's NaN left out: ``[N]``."""
+        total = (values * self.weights.to(values.device)).nansum(dim=-1)
+        strict = ~self._allow_nan_mask.to(values.device)
+        if bool(strict.any()):  # a NaN from a source that must score is not "not applicable": it stays NaN
+            total = torch.where(torch.isnan(values[..., strict]).any(dim=-1), torch.nan, total)
+        return total
+
+    def _write(self, tensordict: TensorDictBase, prefix: tuple, source: TensorDictBase) -> None:
+        shape = torch.Size(tensordict.batch_size)
+        values = self.score(source, tensordict.device)
+        reward = self.total(values).reshape(shape + self.reward_shape)
+        key = (*prefix, *self._reward_tuple)
         if self.accumulate:
             previous = tensordict.get(key, None)
             if previous is not None:
-                reward = previous.reshape(shape).to(reward) + reward
+                reward = previous.reshape(reward.shape).to(reward) + reward
         tensordict.set(key, reward)
+        if self._source_rewards_tuple is not None:
+            tensordict.set((*prefix, *self._source_rewards_tuple), values.reshape(*shape, len(self.reward_modules)))
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        source = tensordict if self.read_from == "root" else next_tensordict
-        shape = torch.Size(next_tensordict.batch_size) + self.reward_shape
-        self._write(next_tensordict, self._reward_tuple, self._score(source), shape)
+        self._write(next_tensordict, (), tensordict if self.read_from == "root" else next_tensordict)
         return next_tensordict
 
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        # source_rewards_key is an observation: a reset writes it too, NaN (nothing scored yet), as its spec says.
+        if self._source_rewards_tuple is not None:
+            shape = (*tensordict_reset.batch_size, len(self.reward_modules))
+            tensordict_reset.set(
+                self._source_rewards_tuple, torch.full(shape, torch.nan, device=tensordict_reset.device)
+            )
+        return tensordict_reset
+
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Scores stored transitions outside an env: reads as in a step and writes ``("next", reward_key)``.
+        """Scores stored transitions outside an env: reads as in a step and writes ``("next", reward_key)`` (and
+        ``("next", source_rewards_key)``).
 
         Args:
-            tensordict (TensorDictBase): transitions holding the reward module's inputs at the root (or under
+            tensordict (TensorDictBase): transitions holding the reward modules' inputs at the root (or under
                 ``"next"`` with ``read_from="next"``).
 
         Returns:
@@ -682,8 +844,7 @@ class RewardModelTransform(Transform):
             source = tensordict.get("next", None)
             if source is None:
                 raise KeyError("RewardModelTransform: read_from='next' but the tensordict has no 'next' entry.")
-        shape = torch.Size(tensordict.batch_size) + self.reward_shape
-        self._write(tensordict, ("next", *self._reward_tuple), self._score(source), shape)
+        self._write(tensordict, ("next",), source)
         return tensordict
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
@@ -695,8 +856,25 @@ class RewardModelTransform(Transform):
         )
         return reward_spec
 
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        """Declares ``source_rewards_key`` when set: ``Unbounded`` float32 of shape ``batch + (number of sources,)``."""
+        if self.source_rewards_key is not None:
+            observation_spec[self.source_rewards_key] = Unbounded(
+                shape=(*observation_spec.shape, len(self.reward_modules)),
+                dtype=torch.float32,
+                device=observation_spec.device,
+            )
+        return observation_spec
+
     def __repr__(self) -> str:
+        if self.reward_module is not None:
+            modules = f"reward_module={type(self.reward_module).__name__}"
+        else:
+            sources = ", ".join(f"{key!r}: {type(module).__name__}" for key, module in self.reward_modules.items())
+            weights = dict(zip(self.reward_modules, self.weights.tolist(), strict=True))
+            modules = f"reward_module={{{sources}}}, weights={weights}, allow_nan={sorted(self.allow_nan)}"
+        extra = "" if self.source_rewards_key is None else f", source_rewards_key={self.source_rewards_key!r}"
         return (
-            f"{type(self).__name__}(reward_module={type(self.reward_module).__name__}, reward_key={self.reward_key!r}, "
-            f"read_from={self.read_from!r}, reward_shape={self.reward_shape}, accumulate={self.accumulate})"
+            f"{type(self).__name__}({modules}, reward_key={self.reward_key!r}{extra}, read_from={self.read_from!r}, "
+            f"reward_shape={self.reward_shape}, accumulate={self.accumulate})"
         )

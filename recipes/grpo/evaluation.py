@@ -13,7 +13,8 @@ oracle, ``eval/accuracy`` (the mean of the first source whose values are all 0 o
 ``eval/response_length``. Sampling runs on a random stream of its own (seeded by ``seed`` and the step), so that the
 same seed gives the same figures and the training run samples exactly as it would without evaluation.
 
-Dependencies: torch, tensordict, accelerate, and the recipe's own modules.
+Dependencies: torch, tensordict, accelerate, transformers (the ``TrainerState`` reward functions read), and the
+recipe's own modules.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
+from transformers import TrainerState
 
 from interop.sampling import CausalLMSampler
 from recipes.common.config import ConfigError
@@ -32,7 +34,7 @@ from recipes.common.prompts import PromptTable
 from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS, response_mask
 from recipes.grpo.collector import sampler_settings
 from recipes.grpo.prompt_env import PromptEnv
-from recipes.grpo.rewards import make_reward_transform, source_names
+from recipes.grpo.rewards import make_reward_scorer, source_names
 
 __all__ = ["Evaluator", "check_eval_settings", "eval_due", "has_eval_split"]
 
@@ -113,7 +115,10 @@ class Evaluator:
         self.oracle = oracle
         self.group_size = int(cfg.eval.group_size)
         self.names = source_names(cfg)
-        self.scorer = make_reward_transform(cfg, reward_model, reward_tokenizer, tokenizer, prompts=self.table)
+        self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what trl reward functions read as the step
+        self.scorer = make_reward_scorer(
+            cfg, reward_model, reward_tokenizer, tokenizer, prompts=self.table, trainer_state=self.trainer_state
+        )
         self.samples: list[dict] = []
 
     def __call__(self, step: int) -> dict[str, float]:
@@ -121,8 +126,7 @@ class Evaluator:
         chunk = max(1, self.cfg.rollout.responses_per_step // self.group_size)
         rows = []
         devices = [self.policy.model.device] if self.policy.model.device.type == "cuda" else []
-        if self.scorer.trainer_state is not None:  # what trl reward functions read as the step
-            self.scorer.trainer_state.global_step = step
+        self.trainer_state.global_step = step
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(self.cfg.seed * 1_000_003 + step)
             for begin in range(0, len(self.indices), chunk):

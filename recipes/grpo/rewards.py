@@ -1,14 +1,19 @@
 """The reward of a GRPO step: what scores each response, how it is built from the config, and what it may read.
 
-The env's reward transforms (``interop.RewardModelTransform``) score every step where it is collected (in the
-learner's process, or in the background collector's): the reward model through ``interop.HFRewardModelWrapper``, then
-each extra term of ``reward.terms`` added on top.
+Every reward is a named, weighted source (trl's ``reward_funcs`` and ``reward_weights``): the reward model
+(``interop.HFRewardModelWrapper``), the trl reward functions of ``reward.functions``
+(``recipes.common.reward_functions.RewardFunction``) and the TorchRL reward terms of ``reward.terms``. One
+``interop.RewardModelTransform`` scores them all at every step where the step is collected (in the learner's process,
+or in the background collector's) and writes their NaN-skipping weighted sum and each source's own values.
 
-- :func:`make_reward_transforms`: the transforms of ``reward:`` (``reward.input`` picks what the reward model reads).
+- :func:`reward_sources`: the sources the config names, in order; :func:`check_reward_sources` refuses none or a
+  name used twice.
+- :func:`make_reward_transform`: the env's reward transform (the sources scored by :func:`make_reward_scorer`, then
+  :class:`TrainerStepCounter` moving the step trl reward functions read); :func:`score_sources` the scorer of
+  ``(RewardSource, module)`` pairs.
 - :class:`ResponseText`: decodes a ``PromptEnv`` step's responses into the text and conversations text-reading
   rewards read, on a scratch copy inside the transform.
-- Reward terms, TensorDict modules with one reward per sample that ``RewardModelTransform(term, accumulate=True)``
-  adds to the reward model's score: :class:`LengthPenalty`, :class:`TextScoreReward`.
+- Reward terms, TensorDict modules with one reward per sample: :class:`LengthPenalty`, :class:`TextScoreReward`.
 - Checks before anything loads: :func:`check_reward_keys` (every key a reward reads is one the rollout holds,
   :func:`rollout_step_keys`), :func:`reward_prompt_lengths` (how long each prompt is as the reward model reads it).
 
@@ -26,18 +31,17 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tensordict import NestedKey, TensorDictBase
 from tensordict.nn import TensorDictModuleBase, TensorDictSequential
-from torchrl.data import Composite, Unbounded
-from torchrl.envs import Transform
+from torchrl.envs import Compose, Transform
 from transformers import TrainerState
 
-from interop import HFRewardModelWrapper
+from interop import HFRewardModelWrapper, RewardModelTransform
 from interop.sampling import CausalLMSampler
 from recipes.common.chat import CHAT_STEP_KEYS
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.common.prompts import PromptTable, non_tensor_rows
 from recipes.common.reward_functions import RewardFunction, resolve_function
-from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
+from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS
 from recipes.grpo.prompt_env import PromptEnv
 
 __all__ = [
@@ -46,21 +50,21 @@ __all__ = [
     "LengthPenalty",
     "ResponseText",
     "RewardSource",
-    "ScoreRewards",
     "TextScoreReward",
+    "TrainerStepCounter",
     "check_reward_keys",
     "check_reward_sources",
     "load_reward_scorer",
+    "make_reward_scorer",
     "make_reward_transform",
     "reward_prompt_lengths",
     "reward_sources",
     "rollout_step_keys",
+    "score_sources",
     "source_names",
 ]
 
 REWARD_INPUTS = ("history", "text", "tokens")
-REWARD_KEY = "reward"
-SOURCE_REWARDS_KEY = "source_rewards"
 # The reward.read_keys entries the reward model reads, for each reward.input.
 READ_KEYS_OF_INPUT = {"history": ("history",), "text": ("text",), "tokens": ("tokens", "attention_mask")}
 
@@ -226,8 +230,9 @@ def make_reward_transform(
     *,
     prompts: PromptTable | None = None,
     start_step: int = 0,
-) -> ScoreRewards:
-    """The env's reward transform: every source of :func:`reward_sources`, scored and summed.
+) -> Compose:
+    """The env's reward transform: every source of :func:`reward_sources` scored and summed
+    (:func:`make_reward_scorer`), then the step the trl reward functions read moved on (:class:`TrainerStepCounter`).
 
     ``prompts``: the :class:`PromptTable` of a ``PromptEnv``, whose steps hold tokens only: text and conversations
     are then decoded for the modules that read them (:class:`ResponseText`), inside the transform, and trl reward
@@ -236,7 +241,25 @@ def make_reward_transform(
     the ``trainer_state`` handed to reward functions counts.
     """
     trainer_state = TrainerState(global_step=start_step, max_steps=cfg.train.steps)
-    modules = []
+    scorer = make_reward_scorer(
+        cfg, reward_model, reward_tokenizer, policy_tokenizer, prompts=prompts, trainer_state=trainer_state
+    )
+    return Compose(scorer, TrainerStepCounter(trainer_state))
+
+
+def make_reward_scorer(
+    cfg: DictConfig,
+    reward_model,
+    reward_tokenizer,
+    policy_tokenizer,
+    *,
+    prompts: PromptTable | None = None,
+    trainer_state: TrainerState,
+) -> RewardModelTransform:
+    """The modules of :func:`reward_sources` built from the config, scored by :func:`score_sources`; the trl reward
+    functions get ``trainer_state`` (whoever holds it moves its step). ``prompts``: as in
+    :func:`make_reward_transform`."""
+    sources = []
     for source in reward_sources(cfg):
         if source.kind == "model":
             module = _reward_model_module(cfg, reward_model, reward_tokenizer, policy_tokenizer)
@@ -249,8 +272,51 @@ def make_reward_transform(
             module = _term_module(cfg.reward.terms[source.name])
         if prompts is not None and source.kind != "function":
             module = _with_response_text(module, prompts, policy_tokenizer)
-        modules.append((source, module))
-    return ScoreRewards(modules, trainer_state=trainer_state)
+        sources.append((source, module))
+    return score_sources(sources)
+
+
+def score_sources(sources: Sequence[tuple[RewardSource, TensorDictModuleBase]]) -> RewardModelTransform:
+    """The ``interop.RewardModelTransform`` that scores ``(RewardSource, module)`` pairs at every step, as trl's
+    ``GRPOTrainer`` sums its ``reward_funcs`` with ``reward_weights``.
+
+    Each module scores a scratch selection of the keys it reads, under ``torch.no_grad()``. The transform writes each
+    source's own values at ``("next", "source_rewards")`` (``batch + (K,)``, NaN where a trl function returned
+    ``None``) and their weighted sum, that NaN left out, at ``("next", "reward")`` (``batch + (1, 1)``). Messages name
+    each source by its setting (``reward.functions.<name>``): a non-finite value from the reward model or a term (an
+    infinite one from a function) stops the step, and so does a response that no source scores.
+    """
+    return RewardModelTransform(
+        {source.setting: module for source, module in sources},
+        weights={source.setting: source.weight for source, _ in sources},
+        allow_nan=[source.setting for source, _ in sources if source.kind == "function"],  # trl's None
+        reward_key=REWARD[-1],  # both written under "next", where the batch reads them
+        source_rewards_key=SOURCE_REWARDS[-1],
+        check_finite=True,
+    )
+
+
+class TrainerStepCounter(Transform):
+    """Moves ``trainer_state.global_step`` on by one per env step, after the step's rewards are scored: the
+    ``trainer_state`` trl hands its reward functions, whose step trl moves once per scored generation batch.
+
+    Append it after the reward transform (:func:`make_reward_transform` does). Outside an env (``forward``, scoring
+    stored responses) it moves nothing: whoever scores them sets the step.
+
+    Args:
+        trainer_state: the ``transformers.TrainerState`` the reward functions share.
+    """
+
+    def __init__(self, trainer_state: TrainerState) -> None:
+        super().__init__(in_keys=[], out_keys=[])
+        self.trainer_state = trainer_state
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        self.trainer_state.global_step += 1
+        return next_tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return tensordict
 
 
 def _reward_model_module(cfg: DictConfig, reward_model, reward_tokenizer, policy_tokenizer) -> HFRewardModelWrapper:
@@ -273,108 +339,6 @@ def _reward_model_module(cfg: DictConfig, reward_model, reward_tokenizer, policy
     if cfg.reward.input == "text":
         return HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, text_key=keys["text"], **common)
     return HFRewardModelWrapper(reward_model, tokenizer=reward_tokenizer, history_key=keys["history"], **common)
-
-
-class ScoreRewards(Transform):
-    """The reward of an LLM env step from several weighted sources, as trl's ``GRPOTrainer`` sums its
-    ``reward_funcs`` with ``reward_weights``.
-
-    At each step every source module scores the step's responses (a scratch selection of the keys it reads, under
-    ``torch.no_grad()``); the transform writes each source's raw values at ``("next", "source_rewards")``
-    (``batch + (K,)``, NaN where a trl function returned ``None``) and their weighted sum, NaN values left out, at
-    ``("next", "reward")`` (``batch + (1, 1)``, TorchRL's LLM reward layout). A response that no source scores, or a
-    non-finite value from a reward model or a term, stops the step naming the sources.
-
-    Args:
-        sources: ``(RewardSource, module)`` pairs; each module writes one value per response in its one out key.
-
-    Keyword Args:
-        trainer_state: the ``TrainerState`` the reward functions get; its ``global_step`` moves by one per batch.
-    """
-
-    def __init__(self, sources: Sequence, *, trainer_state=None) -> None:
-        super().__init__(in_keys=[], out_keys=[REWARD_KEY, SOURCE_REWARDS_KEY])
-        self.sources = [source for source, _ in sources]
-        self.modules = [module for _, module in sources]
-        for index, module in enumerate(self.modules):  # registered, so that .to() and repr see them
-            if isinstance(module, torch.nn.Module):
-                self.add_module(f"source_{index}", module)
-        self.trainer_state = trainer_state
-        self.weights = torch.tensor([source.weight for source in self.sources], dtype=torch.float32)
-
-    def score(self, source: TensorDictBase) -> torch.Tensor:
-        """Every source's values for the rows of ``source``, ``[N, K]`` (NaN: not applicable)."""
-        columns = []
-        count = source.batch_size.numel()
-        for spec, module in zip(self.sources, self.modules, strict=True):
-            in_keys = list(getattr(module, "in_keys", None) or [])
-            scratch = source.select(*in_keys, strict=False) if in_keys else source.copy()
-            with torch.no_grad():
-                scored = module(scratch)
-            scored = scratch if scored is None else scored
-            values = scored.get(module.out_keys[0]).reshape(-1).to(torch.float32).cpu()
-            if values.numel() != count:
-                raise RuntimeError(
-                    f"The reward source {spec.setting} returned {values.numel()} values for {count} responses; it must "
-                    "return one per response."
-                )
-            bad = ~torch.isfinite(values) if spec.kind != "function" else torch.isinf(values)
-            if bool(bad.any()):
-                rows = bad.nonzero().flatten().tolist()
-                raise ValueError(
-                    f"The reward source {spec.setting} returned {len(rows)} non-finite reward(s) (rows "
-                    f"{rows[:10]}{'...' if len(rows) > 10 else ''}); a policy trained on them would learn garbage. "
-                    "Fix the source."
-                )
-            columns.append(values)
-        values = torch.stack(columns, dim=-1)
-        unscored = torch.isnan(values).all(dim=-1)
-        if bool(unscored.any()):
-            rows = unscored.nonzero().flatten().tolist()
-            names = [spec.setting for spec in self.sources]
-            raise RuntimeError(
-                f"Every reward source ({', '.join(names)}) returned None for {len(rows)} response(s) (rows "
-                f"{rows[:10]}{'...' if len(rows) > 10 else ''}): nothing scores them. Make at least one source apply "
-                "to every response, or add one that always does."
-            )
-        return values
-
-    def total(self, values: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of each row's values, NaN (not applicable) left out: ``[N]``."""
-        return (values * self.weights).nansum(dim=-1)
-
-    def _write(self, tensordict: TensorDictBase, prefix: tuple, values: torch.Tensor) -> None:
-        shape = tensordict.batch_size
-        device = tensordict.device
-        total = self.total(values)
-        if device is not None:
-            values, total = values.to(device), total.to(device)
-        tensordict.set((*prefix, SOURCE_REWARDS_KEY), values.reshape(*shape, len(self.sources)))
-        tensordict.set((*prefix, REWARD_KEY), total.reshape(*shape, 1, 1))
-
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        self._write(next_tensordict, (), self.score(tensordict))
-        if self.trainer_state is not None:
-            self.trainer_state.global_step += 1
-        return next_tensordict
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Scores stored responses outside an env: writes ``("next", "reward")`` and ``("next", "source_rewards")``."""
-        self._write(tensordict, ("next",), self.score(tensordict))
-        return tensordict
-
-    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        if REWARD_KEY not in reward_spec.keys():
-            reward_spec[REWARD_KEY] = Unbounded(
-                shape=(*reward_spec.shape, 1, 1), dtype=torch.float32, device=reward_spec.device
-            )
-        return reward_spec
-
-    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
-        observation_spec[SOURCE_REWARDS_KEY] = Unbounded(
-            shape=(*observation_spec.shape, len(self.sources)), dtype=torch.float32, device=observation_spec.device
-        )
-        return observation_spec
 
 
 class ResponseText(TensorDictModuleBase):

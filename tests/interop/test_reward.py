@@ -1,4 +1,5 @@
-"""Tests of :class:`interop.HFRewardModelWrapper` (and the env-free part of :class:`interop.RewardModelTransform`).
+"""Tests of :class:`interop.HFRewardModelWrapper` and :class:`interop.RewardModelTransform` (one reward module, or
+several named and weighted sources, in a toy env and on stored transitions).
 
 Everything runs offline on tiny models built here: tokenizers are trained in memory and saved to a temporary folder,
 reward models are random or trained for a few steps by ``trl.RewardTrainer``.
@@ -12,7 +13,10 @@ import random
 import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
-from tensordict.nn import TensorDictModuleBase
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
+from torchrl.data import Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase, TransformedEnv
+from torchrl.envs.utils import check_env_specs
 
 from interop.reward import HFRewardModelWrapper, RewardModelTransform
 
@@ -631,3 +635,234 @@ def test_transform_errors(rm):
         RewardModelTransform(HFRewardModelWrapper(rm), read_from="elsewhere")
     with pytest.raises(ValueError, match="RewardModelTransform: reward_shape"):
         RewardModelTransform(HFRewardModelWrapper(rm), reward_shape=(2,))
+
+
+# ---------------------------------------------------------------- several named, weighted sources
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _source(function, out_key, in_key="action"):
+    """A reward source: ``function`` of one entry, one value per row."""
+    return TensorDictModule(function, in_keys=[in_key], out_keys=[out_key])
+
+
+def _values(*values):
+    """A source returning these values whatever it reads."""
+    return lambda action: torch.tensor(values, dtype=torch.float32)
+
+
+def _actions(*actions):
+    return TensorDict({"action": torch.tensor(actions, dtype=torch.float32)}, batch_size=[len(actions)])
+
+
+class OneStepEnv(EnvBase):
+    """A 3-row env that declares no reward (as ``ChatEnv``): the action is what the reward sources read."""
+
+    def __init__(self):
+        super().__init__(batch_size=[3])
+        self.full_observation_spec = Composite(observation=Unbounded((3,)), shape=(3,))
+        self.full_action_spec = Composite(action=Unbounded((3,)), shape=(3,))
+        self.full_reward_spec = Composite(shape=(3,))
+        flag = Categorical(2, (3, 1), dtype=torch.bool)
+        self.full_done_spec = Composite(done=flag, terminated=flag.clone(), shape=(3,))
+
+    def _reset(self, tensordict):
+        done = torch.zeros(3, 1, dtype=torch.bool)
+        return TensorDict({"observation": torch.zeros(3), "done": done, "terminated": done.clone()}, batch_size=[3])
+
+    def _step(self, tensordict):
+        done = torch.ones(3, 1, dtype=torch.bool)
+        return TensorDict(
+            {"observation": tensordict["action"], "done": done, "terminated": done.clone()}, batch_size=[3]
+        )
+
+    def _set_seed(self, seed):
+        return seed
+
+
+def _three_sources(**kwargs):
+    """``length`` (the action), ``bonus`` (1 where the action exceeds 1, NaN: not applicable, elsewhere) and ``flat``
+    (-0.5), weighted 1, 2 and 4."""
+    sources = {
+        "length": _source(lambda action: action, "length"),
+        "bonus": _source(lambda action: torch.where(action > 1, 1.0, torch.nan), "bonus"),
+        "flat": _source(lambda action: torch.full_like(action, -0.5), "flat"),
+    }
+    options = {"weights": {"bonus": 2.0, "flat": 4.0}, "allow_nan": ["bonus"], "check_finite": True, **kwargs}
+    return RewardModelTransform(sources, **options)
+
+
+def test_sources_give_their_weighted_sum_and_their_own_values_in_an_env():
+    env = TransformedEnv(OneStepEnv(), _three_sources(source_rewards_key="source_rewards"))
+    assert env.full_reward_spec["reward"].shape == (3, 1, 1)
+    assert env.full_observation_spec["source_rewards"].shape == (3, 3)
+    check_env_specs(env)  # the reset writes every entry the specs declare
+    reset = env.reset()
+    assert torch.isnan(reset["source_rewards"]).all()  # nothing scored yet
+    reset["action"] = torch.tensor([0.0, 1.0, 3.0])
+    step = env.step(reset)["next"]
+    expected = torch.tensor([[0.0, NAN, -0.5], [1.0, NAN, -0.5], [3.0, 1.0, -0.5]])
+    torch.testing.assert_close(step["source_rewards"], expected, equal_nan=True)
+    # 1 * length + 2 * bonus (left out where NaN) + 4 * flat, as trl sums reward_funcs with reward_weights
+    assert step["reward"].view(-1).tolist() == [-2.0, -1.0, 3.0]
+    assert step["reward"].dtype == torch.float32
+    assert not {"length", "bonus", "flat"} & set(step.keys())  # the sources' own outputs stay out of the rollout
+
+
+def test_forward_scores_stored_transitions_as_a_step_does():
+    transform = _three_sources(source_rewards_key=("rewards", "per_source"))
+    td = transform(_actions(0.0, 1.0, 3.0))
+    assert td["next", "reward"].shape == (3, 1, 1) and td["next", "reward"].view(-1).tolist() == [-2.0, -1.0, 3.0]
+    assert td["next", "rewards", "per_source"].shape == (3, 3)
+    assert set(td.keys()) == {"action", "next"}
+    # accumulate adds the sum to a reward already there; the per-source values are the step's own
+    accumulating = _three_sources(accumulate=True, reward_shape=(1,))
+    td = _actions(0.0, 1.0, 3.0)
+    td.set(("next", "reward"), torch.ones(3, 1))
+    assert accumulating(td)["next", "reward"].view(-1).tolist() == [-1.0, 0.0, 4.0]
+
+
+def test_score_and_total_match_a_nan_skipping_weighted_sum():
+    transform = _three_sources()
+    values = transform.score(_actions(0.0, 2.0, 5.0, 1.5))
+    assert values.shape == (4, 3)
+    torch.testing.assert_close(transform.total(values), (values * torch.tensor([1.0, 2.0, 4.0])).nansum(-1))
+
+
+def test_a_source_allowed_nan_may_return_it_for_every_row_another_source_scores():
+    transform = _three_sources()
+    assert transform(_actions(0.0, 0.5))["next", "reward"].view(-1).tolist() == [-2.0, -1.5]
+
+
+def test_a_row_no_source_scores_stops_the_step_naming_the_sources():
+    transform = RewardModelTransform(
+        {"f": _source(_values(1.0, NAN, NAN), "f"), "g": _source(_values(NAN, NAN, 2.0), "g")},
+        allow_nan=["f", "g"],
+    )
+    with pytest.raises(RuntimeError, match=r"1 row\(s\) \(rows \[1\]\) are scored by no source. Every reward source "):
+        transform(_actions(0.0, 0.0, 0.0))
+    with pytest.raises(RuntimeError, match=r"Every reward source \(f, g\) returned NaN \(not applicable\)"):
+        transform.score(_actions(0.0, 0.0, 0.0))
+
+
+@pytest.mark.parametrize(
+    ("values", "allow_nan", "match"),
+    [
+        ((1.0, NAN, NAN), (), r"'reward\.terms\.b' returned non-finite rewards for 2 row\(s\) \(rows \[1, 2\]\)"),
+        ((1.0, -INF, 2.0), (), r"'reward\.terms\.b' returned non-finite rewards for 1 row\(s\) \(rows \[1\]\)"),
+        (
+            (1.0, INF, NAN),
+            ("reward.terms.b",),
+            r"'reward\.terms\.b' returned non-finite rewards for 1 row\(s\) \(rows \[1\]\) \(NaN, not applicable, is "
+            r"allowed; inf is not\)",
+        ),
+    ],
+)
+def test_a_non_finite_value_stops_the_step_naming_the_source(values, allow_nan, match):
+    transform = RewardModelTransform(
+        {"reward_model": _source(_values(0.0, 1.0, 2.0), "r"), "reward.terms.b": _source(_values(*values), "b")},
+        allow_nan=allow_nan,
+        check_finite=True,
+    )
+    with pytest.raises(ValueError, match=r"RewardModelTransform: the reward source " + match):
+        transform(_actions(0.0, 0.0, 0.0))
+
+
+def test_without_check_finite_a_nan_not_allowed_stays_in_the_reward():
+    transform = RewardModelTransform({"a": _source(_values(1.0, NAN), "a"), "b": _source(_values(NAN, 2.0), "b")})
+    reward = transform(_actions(0.0, 0.0))["next", "reward"].view(-1)
+    assert torch.isnan(reward).all()  # not "not applicable": nobody said b may skip a row
+    single = RewardModelTransform(_source(_values(NAN, 2.0), "a"))  # one module, as before: its NaN is the reward
+    assert torch.isnan(single(_actions(0.0, 0.0))["next", "reward"].view(-1)[0])
+
+
+def test_a_source_returning_a_wrong_count_or_no_entry_is_named():
+    class TwoValues(TensorDictModuleBase):
+        in_keys, out_keys = ["action"], ["x"]
+
+        def forward(self, td):
+            return TensorDict({"x": torch.ones(2)}, batch_size=[2])
+
+    wrong_count = RewardModelTransform({"x": TwoValues()})
+    with pytest.raises(RuntimeError, match=r"the reward source 'x' returned 2 rewards for a batch of \(3,\)"):
+        wrong_count(_actions(0.0, 1.0, 2.0))
+
+    class WritesNothing(TensorDictModuleBase):
+        in_keys, out_keys = ["action"], ["r"]
+
+        def forward(self, td):
+            return td
+
+    with pytest.raises(KeyError, match=r"the reward source 'y' wrote no 'r' entry"):
+        RewardModelTransform({"x": _source(_values(1.0), "x"), "y": WritesNothing()})(_actions(0.0))
+
+
+def test_each_source_scores_a_selection_of_its_keys_without_gradients():
+    seen = {}
+
+    class Scaled(TensorDictModuleBase):
+        """Records the keys it is given; a parameter, so that a graph would be built without no_grad."""
+
+        def __init__(self, in_keys):
+            super().__init__()
+            self.in_keys, self.out_keys = in_keys, ["scaled"]
+            self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, td):
+            seen[tuple(self.in_keys)] = set(td.keys())
+            td.set("scaled", td["action"] * self.scale)
+            return td
+
+    declared, undeclared = Scaled(["action"]), Scaled([])
+    transform = RewardModelTransform({"declared": declared, "undeclared": undeclared}, source_rewards_key="values")
+    td = _actions(1.0, 2.0)
+    td.set("other", torch.zeros(2))
+    out = transform(td)
+    assert seen[("action",)] == {"action"} and seen[()] == {"action", "other"}  # no in_keys: a copy of everything
+    assert out["next", "reward"].requires_grad is False and out["next", "reward"].view(-1).tolist() == [4.0, 8.0]
+    assert set(out.keys()) == {"action", "other", "next"}
+    # the sources are registered: .parameters() and .to() reach them
+    assert [p.data_ptr() for p in transform.parameters()] == [declared.scale.data_ptr(), undeclared.scale.data_ptr()]
+    text = repr(transform)
+    assert text.startswith("RewardModelTransform(reward_module={'declared': Scaled, 'undeclared': Scaled}, weights=")
+    assert "source_rewards_key='values'" in text
+
+
+def test_one_module_may_write_its_values_as_one_source():
+    transform = RewardModelTransform(_source(_values(1.5, 2.5), "r"), name="rm", source_rewards_key="per_source")
+    out = transform(_actions(0.0, 0.0))
+    assert out["next", "per_source"].tolist() == [[1.5], [2.5]]
+    assert out["next", "reward"].view(-1).tolist() == [1.5, 2.5]
+    assert transform.reward_modules == {"rm": transform.reward_module}
+
+
+def test_source_argument_errors():
+    one = _source(_values(1.0), "a")
+    with pytest.raises(
+        ValueError, match=r"RewardModelTransform: weights names \['c'\], which are not reward sources; "
+    ):
+        RewardModelTransform({"a": one}, weights={"c": 1.0})
+    with pytest.raises(ValueError, match=r"RewardModelTransform: allow_nan names \['b'\], .* sources are \['a'\]"):
+        RewardModelTransform({"a": one}, allow_nan=["b"])
+    with pytest.raises(ValueError, match=r"RewardModelTransform: weights\['a'\] must be a finite number, got nan"):
+        RewardModelTransform({"a": one}, weights={"a": NAN})
+    with pytest.raises(ValueError, match=r"RewardModelTransform: name names a single reward_module"):
+        RewardModelTransform({"a": one}, name="a")
+    with pytest.raises(ValueError, match=r"RewardModelTransform: the mapping of reward sources is empty"):
+        RewardModelTransform({})
+    with pytest.raises(ValueError, match=r"RewardModelTransform: source_rewards_key and reward_key are both"):
+        RewardModelTransform({"a": one}, source_rewards_key="reward")
+
+    class TwoOut(TensorDictModuleBase):
+        in_keys, out_keys = ["a"], ["r1", "r2"]
+
+        def forward(self, td):
+            return td
+
+    with pytest.raises(
+        ValueError, match=r"RewardModelTransform: reward_module\['b'\] must declare exactly one out_key"
+    ):
+        RewardModelTransform({"a": one, "b": TwoOut()})
+    with pytest.raises(TypeError, match=r"RewardModelTransform: reward_module\['b'\] must be a TensorDict module"):
+        RewardModelTransform({"a": one, "b": 3})

@@ -1,4 +1,4 @@
-"""trl reward functions in the recipe (recipes/common/reward_functions.py, rewards.ScoreRewards): called as
+"""trl reward functions in the recipe (recipes/common/reward_functions.py, rewards.score_sources): called as
 ``trl.GRPOTrainer`` calls them (compared with trl's own call), columns row-aligned, ``None`` / raising / wrong count /
 NaN handled as the issue says, several weighted sources aggregated as trl aggregates them (trl's code, called)."""
 
@@ -11,15 +11,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
+from torchrl.envs import Compose
 from transformers import TrainerState
 
+from interop import RewardModelTransform
 from recipes.common.config import ConfigError
 from recipes.common.data import PromptRows
 from recipes.common.prompts import PromptTable
 from recipes.common.reward_functions import RewardFunction, check_reward_functions
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
 from recipes.grpo.loss import normalized_sum_advantages
-from recipes.grpo.rewards import RewardSource, ScoreRewards
+from recipes.grpo.rewards import RewardSource, TrainerStepCounter, score_sources
 
 GROUP = 4
 PROMPTS = ["What is 1 + 2?", "Add 3 and 4."]
@@ -156,13 +158,13 @@ def test_columns_reach_the_function_row_aligned(tiny_policy):
     assert scores.tolist() == [1.0] * 8
 
 
-def _transform(tokenizer, *functions, weights=None) -> ScoreRewards:
+def _transform(tokenizer, *functions, weights=None) -> RewardModelTransform:
     weights = weights or [1.0] * len(functions)
     sources = [
         (RewardSource(f"f{index}", f"reward.functions.f{index}", weight, "function"), _adapter(function, tokenizer))
         for index, (function, weight) in enumerate(zip(functions, weights, strict=True))
     ]
-    return ScoreRewards(sources)
+    return score_sources(sources)
 
 
 def _scored(tokenizer, *functions):
@@ -212,8 +214,9 @@ def test_the_trainer_state_moves_one_step_per_batch(tiny_policy):
     _, tokenizer = tiny_policy
     recorder = Recorder()
     function = _adapter(recorder, tokenizer, step=5)
-    transform = ScoreRewards(
-        [(RewardSource("f", "reward.functions.f", 1.0, "function"), function)], trainer_state=function.trainer_state
+    transform = Compose(
+        score_sources([(RewardSource("f", "reward.functions.f", 1.0, "function"), function)]),
+        TrainerStepCounter(function.trainer_state),
     )
     step = _dense_step(_completion_ids(tokenizer), tokenizer.pad_token_id)
     for _ in range(2):

@@ -147,6 +147,37 @@ def test_reward_terms_read_the_decoded_responses(compose_config, tiny_policy):
     assert ("text", "response") not in step.keys(True)
 
 
+class _ConstantRewardModel(torch.nn.Module):
+    def forward(self, input_ids, attention_mask=None):
+        return torch.full((input_ids.shape[0], 1), 0.5)
+
+
+def test_the_reward_transform_declares_the_reward_and_each_sources_values(compose_config, tiny_policy):
+    """One interop.RewardModelTransform over every source: the env declares ("next", "reward") ``batch + (1, 1)`` and
+    ("next", "source_rewards") ``batch + (K,)``, in reward_sources order, and fills both."""
+    length = "+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.5,weight:2.0}"
+    cfg = compose_config("grpo_torchrl_rm", [*SMALL, "reward.input=tokens", length])
+    model, tokenizer = tiny_policy
+    table = PromptTable(PROMPTS, tokenizer=tokenizer)
+    env = PromptEnv(table, tokenizer=tokenizer, group_size=2, num_prompts=2, shuffle=False)
+    env = env.append_transform(make_reward_transform(cfg, _ConstantRewardModel(), tokenizer, tokenizer, prompts=table))
+    assert env.full_reward_spec["reward"].shape == (4, 1, 1)
+    assert env.full_observation_spec["source_rewards"].shape == (4, 2)
+    policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=8, top_k=50))
+    torch.manual_seed(0)
+    step = env.step(policy(env.reset()))["next"]
+    values = step["source_rewards"]
+    assert (values[:, 0] == 0.5).all() and (values[:, 1] < 0).all()  # the reward model's score, then the term's
+    torch.testing.assert_close(step["reward"].reshape(-1), values[:, 0] + 2.0 * values[:, 1])
+
+
+def test_a_non_finite_term_stops_the_step_naming_its_setting(compose_config, tiny_policy):
+    _, tokenizer = tiny_policy
+    infinite = ["+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:inf}"]
+    with pytest.raises(ValueError, match=r"the reward source 'reward.terms.length' returned non-finite rewards for"):
+        _rollout_step(compose_config, tiny_policy, _ConstantRewardModel(), tokenizer, "tokens", infinite)
+
+
 def test_the_collector_hands_over_dense_batches_of_whole_groups(compose_config, tmp_path):
     """``build_prompt_collector`` (what the background process runs): batches of BATCH_KEYS, flat, whole groups,
     from a prompt stream that continues where a resumed run stopped."""
@@ -272,7 +303,7 @@ def test_a_top_level_key_given_as_a_name_is_read_as_one(compose_config, tiny_pol
     cfg = compose_config("grpo_torchrl_rm", ["reward.input=text", "reward.read_keys.text=query"])
     _, tokenizer = tiny_policy
     transform = make_reward_transform(cfg, torch.nn.Identity(), tokenizer, tokenizer)
-    assert transform.modules[0].in_keys == ["query"]
+    assert transform[0].reward_modules["reward_model"].in_keys == ["query"]
 
 
 GENERATION = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "do_sample": True}
