@@ -326,7 +326,8 @@ def train(cfg: DictConfig) -> dict:
                 trainer, metrics, facts, pairs_s=pairs_s, train_s=train_s, wall_time_s=time.perf_counter() - start
             )
         summary = run.broadcast(summary)  # the others wait while the main process saves and evaluates
-        return run.finish(summary, closing_message(summary, run.output_dir))
+        message = closing_message(summary, run.output_dir, learning_rate=cfg.train.learning_rate)
+        return run.finish(summary, message, warn=not summary["eval/accuracy"] > CHANCE_ACCURACY)
 
 
 def summarize(trainer, metrics: dict, facts: dict, *, pairs_s: float, train_s: float, wall_time_s: float) -> dict:
@@ -346,13 +347,27 @@ def summarize(trainer, metrics: dict, facts: dict, *, pairs_s: float, train_s: f
     }
 
 
-def closing_message(summary: dict, output_dir: Path) -> str:
-    """Where the model is, its held-out figures and the GRPO command that uses it."""
+# Pairwise accuracy of a reward model that learned nothing: it ranks a held-out pair right half of the time.
+CHANCE_ACCURACY = 0.5
+
+
+def closing_message(summary: dict, output_dir: Path, *, learning_rate: float) -> str:
+    """Where the model is and its held-out figures; the GRPO command that uses it only when it ranks held-out pairs
+    better than chance (a model that learned nothing is never announced as ready)."""
     spearman = f", Spearman vs the oracle {summary['eval/spearman']:.3f}" if "eval/spearman" in summary else ""
+    figures = (
+        f"held-out accuracy {summary['eval/accuracy']:.3f}, margin {summary['eval/margin_mean']:.3f}{spearman}; "
+        f"saved to {output_dir / 'model'}"
+    )
+    if not summary["eval/accuracy"] > CHANCE_ACCURACY:  # NaN too
+        return (
+            f"The reward model learned nothing: {figures}. Its held-out accuracy is not above chance "
+            f"({CHANCE_ACCURACY}), so it is not ready for GRPO. Lower train.learning_rate (now {learning_rate}), train "
+            "longer, or check the pairs (a labeler that prefers at random teaches nothing)."
+        )
     return (
-        f"Reward model trained: held-out accuracy {summary['eval/accuracy']:.3f}, margin "
-        f"{summary['eval/margin_mean']:.3f}{spearman}; saved to {output_dir / 'model'}. Use it in GRPO: python "
-        f"recipes/grpo_torchrl_rm.py reward_model.name_or_path={output_dir / 'model'}"
+        f"Reward model trained: {figures}. Use it in GRPO: python recipes/grpo_torchrl_rm.py "
+        f"reward_model.name_or_path={output_dir / 'model'}"
     )
 
 

@@ -78,16 +78,16 @@ class Run:
         """The main process's ``obj`` on every process (the others wait for it)."""
         return broadcast_object_list([obj])[0] if self.processes.use_distributed else obj
 
-    def finish(self, summary: dict, closing_message: str) -> dict:
+    def finish(self, summary: dict, closing_message: str, *, warn: bool = False) -> dict:
         """Puts ``summary`` in the logger, closes it and, on the main process, writes ``summary.json`` and logs
-        ``closing_message`` (where the run is, its headline figures, what to run next)."""
+        ``closing_message`` (where the run is, its headline figures, what to run next; as a warning with ``warn``)."""
         try:
             self.logger.log_summary(summary)
         finally:
             self.logger.close()
         if self.is_main:
             (self.output_dir / SUMMARY_FILE).write_text(json.dumps(_json_numbers(summary), indent=2, allow_nan=False))
-            log.info(closing_message)
+            (log.warning if warn else log.info)(closing_message)
         return summary
 
     def close(self) -> None:
