@@ -1,6 +1,6 @@
 """Builds the tiny model kit, offline and deterministically: a tokenizer, a policy and a reward-model base.
 
-    python scripts/build_tiny_models.py                 # writes tiny/policy and tiny/reward_base
+    python scripts/build_tiny_models.py --overwrite     # rebuilds tiny/policy and tiny/reward_base
     python scripts/build_tiny_models.py --task arithmetic   # writes tiny/arithmetic_policy (about 4 minutes)
     python scripts/build_tiny_models.py --out /tmp/kit --pretrain-steps 50
     # a speed model at a real checkpoint's cost: ~97M parameters, Qwen2.5's 151,936-token vocabulary
@@ -200,6 +200,25 @@ def build_arithmetic_policy(args: argparse.Namespace) -> None:
     print(f"wrote {args.out / 'arithmetic_policy'} in {time.perf_counter() - start:.0f}s")
 
 
+def output_folders(args: argparse.Namespace) -> list[Path]:
+    """The checkpoint folders this build writes."""
+    if args.task == "arithmetic":
+        return [args.out / "arithmetic_policy"]
+    names = ["policy", "reward_base", *(["reward_model"] if args.train_reward_model else [])]
+    return [args.out / name for name in names]
+
+
+def refuse_to_overwrite(args: argparse.Namespace) -> None:
+    """Stops before any work when a folder this build writes already holds a checkpoint, unless ``--overwrite``: the
+    default ``--out`` is the committed tiny/ kit, which every test and default run loads."""
+    existing = [folder for folder in output_folders(args) if folder.is_dir() and any(folder.iterdir())]
+    if existing and not args.overwrite:
+        raise SystemExit(
+            f"build_tiny_models: {', '.join(map(str, existing))} already hold(s) a checkpoint (the default --out is "
+            "the committed tiny/ kit). Pass --overwrite to replace it, or --out <another folder> to build beside it."
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tiny", help="folder that receives the checkpoints")
@@ -231,7 +250,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="then run recipes/reward_trainer_from_buffer.py and store its model as <out>/reward_model",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace checkpoint folders that already exist in --out (the committed tiny/ kit included)",
+    )
     args = parser.parse_args(argv)
+    refuse_to_overwrite(args)
     for name, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -351,3 +351,14 @@ def test_command_line_keys_read_an_override_whose_value_is_an_interpolation(comp
 
     compose_config("reward_trainer_from_buffer", ["labeler.score=${data.oracle}", "seed=3"])
     assert command_line_keys() == {"labeler.score": "change", "seed": "change"}
+
+
+def test_the_build_script_never_replaces_a_checkpoint_without_overwrite(tmp_path, repo_root):
+    """Run as the README's first build command would be on a clone, it must not silently replace the committed kit."""
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "model.safetensors").write_bytes(b"committed")
+    command = [sys.executable, str(repo_root / "scripts" / "build_tiny_models.py"), f"--out={tmp_path}"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--overwrite" in refused.stderr and str(tmp_path / "policy") in refused.stderr
+    assert (tmp_path / "policy" / "model.safetensors").read_bytes() == b"committed"
+    assert not (tmp_path / "reward_base").exists(), "refused before any work"
