@@ -88,13 +88,14 @@ class MetricLogger:
 
     def log_samples(self, rows: list[dict], step: int) -> None:
         """A table of sample rollouts (one dict per row, the same keys in each) under ``samples`` in wandb, as
-        trl's completions table; csv and none keep no samples (the recipe prints a few in its log)."""
+        trl's completions table; csv and none keep no samples (the recipe prints a few in its log). Call it before
+        the step's :meth:`log`, which commits the step: wandb refuses anything logged to a committed step."""
         if self._wandb_run is not None and rows:
             import wandb
 
             columns = list(rows[0])
             table = wandb.Table(columns=["step", *columns], data=[[step, *(row[c] for c in columns)] for row in rows])
-            self._wandb_run.log({"samples": table}, step=step)
+            self._wandb_run.log({"samples": table}, step=step, commit=False)
 
     def log_summary(self, summary: dict) -> None:
         """The run's final figures, in the wandb run's summary (a csv run has them in the recipe's summary.json)."""

@@ -116,15 +116,17 @@ def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
     """The step's metrics to the logger, a progress line every ``log_every_n_steps`` steps and sample rollouts every
     ``samples.every_n_steps`` to the log (``samples(count=n)`` draws them), the live reward on the progress bar."""
     cfg = run.cfg
+    every = cfg.samples.every_n_steps
+    drawn = []
+    if run.is_main and every is not None and (step % every == 0 or step in (1, cfg.train.steps)):
+        drawn = samples(count=max(cfg.samples.log_count, cfg.samples.print_count))
+        # Before the step's metrics, which commit the step in wandb: a table logged after them would be refused.
+        run.logger.log_samples(drawn[: cfg.samples.log_count], step=step)
     run.logger.log(metrics, step=step)
     if run.is_main and (step % cfg.log_every_n_steps == 0 or step == cfg.train.steps):
         log.info(progress_line(step, cfg.train.steps, metrics))
-    every = cfg.samples.every_n_steps
-    if run.is_main and every is not None and (step % every == 0 or step in (1, cfg.train.steps)):
-        drawn = samples(count=max(cfg.samples.log_count, cfg.samples.print_count))
-        run.logger.log_samples(drawn[: cfg.samples.log_count], step=step)
-        for sample in drawn[: cfg.samples.print_count]:
-            log.info("Step %d sample: %s", step, json.dumps(sample, ensure_ascii=False))
+    for sample in drawn[: cfg.samples.print_count]:
+        log.info("Step %d sample: %s", step, json.dumps(sample, ensure_ascii=False))
     shown = {"reward": f"{metrics['rollout/reward_mean']:.3f}"}
     if "rollout/oracle_mean" in metrics:
         shown["oracle"] = f"{metrics['rollout/oracle_mean']:.3f}"

@@ -1,0 +1,41 @@
+"""wandb takes nothing more for a step once it is committed ("Tried to log to step 1 that is less than the current step
+2"): the GRPO recipe's sample tables must reach wandb with their step's metrics, not after them."""
+
+from __future__ import annotations
+
+from _small_runs import GRPO_SMALL
+
+
+class StrictRun:
+    """A wandb run that keeps wandb's rule: ``log(step=s)`` after step ``s`` was committed is dropped."""
+
+    def __init__(self):
+        self.history: dict[int, dict] = {}
+        self.dropped: list[tuple[int, list[str]]] = []
+        self.current_step = 0
+        self.summary = type("Summary", (), {"update": lambda self, values: None})()
+
+    def log(self, data, step=None, commit=None):
+        if step < self.current_step:
+            self.dropped.append((step, sorted(data)))
+            return
+        self.history.setdefault(step, {}).update(data)
+        if commit is not False:
+            self.current_step = step + 1
+
+    def finish(self):
+        pass
+
+
+def test_every_sample_table_reaches_wandb_with_its_step(compose_config, tmp_path, monkeypatch):
+    import wandb
+
+    import recipes.grpo_torchrl_rm as recipe
+
+    run = StrictRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    overrides = [*GRPO_SMALL, "train.steps=3", "samples.every_n_steps=1", "logger=wandb", f"output_dir={tmp_path}"]
+    recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    assert run.dropped == []
+    assert [step for step in sorted(run.history) if "samples" in run.history[step]] == [1, 2, 3]
+    assert all("rollout/reward_mean" in run.history[step] for step in (1, 2, 3))
