@@ -3,25 +3,27 @@ the recipe exactly as a user's module would be."""
 
 from __future__ import annotations
 
+from interop.rollout_func import message_text
 from recipes.common.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS
 
 # What record_rows saw: (prompt, product) per completion, in the order of the calls.
 SEEN: list[tuple[str, str]] = []
 
 
-def positivity_reward(completions: list[str], **kwargs) -> list[float]:
+def positivity_reward(completions: list, **kwargs) -> list[float]:
     """The share of a completion's words that are positive minus the share that are negative: a reward of its own, not
-    the synthetic task's oracle (which scores the balance of the adjectives)."""
+    the synthetic task's oracle (which scores the balance of the adjectives). Completions as trl passes them: texts, or
+    message lists."""
     rewards = []
     for completion in completions:
-        words = completion.lower().replace(".", " ").split()
+        words = message_text(completion).lower().replace(".", " ").split()
         positive = sum(word in POSITIVE_WORDS for word in words)
         negative = sum(word in NEGATIVE_WORDS for word in words)
         rewards.append((positive - negative) / max(len(words), 1))
     return rewards
 
 
-def record_rows(prompts: list[str], completions: list[str], product: list[str], **kwargs) -> list[float]:
-    """Records each completion's prompt and ``product`` column; rewards nothing."""
-    SEEN.extend(zip(prompts, product, strict=True))
+def record_rows(prompts: list, completions: list, product: list[str], **kwargs) -> list[float]:
+    """Records each completion's prompt (its request's text) and ``product`` column; rewards nothing."""
+    SEEN.extend(zip(map(message_text, prompts), product, strict=True))
     return [0.0] * len(completions)

@@ -12,8 +12,12 @@ keyword arguments are every other column of the data row each prompt came from (
   loads.
 - :class:`RewardFunction`: a TensorDict module over a ``PromptEnv`` step that decodes the responses as trl does,
   looks up each row's prompt and columns, calls the function once for the whole batch, and writes one reward per
-  response, NaN where it returned ``None`` (trl's "not applicable"). A function that raises fails the step naming
-  itself and the first row it fails on; a wrong count or a NaN fails it naming the function.
+  response, NaN where it returned ``None`` (trl's "not applicable"). The recipes render every prompt with the
+  policy's chat template, so the function gets what trl gives it for conversational data (and what the trl
+  recipe's ``GRPOTrainer`` gives it): ``prompts`` as message lists (the system prompt included) and
+  ``completions`` as ``[{"role": "assistant", "content": text}]``, whatever form the data's prompt column has. A
+  function that raises fails the step naming itself and the first row it fails on; a wrong count or a NaN fails it
+  naming the function.
 
 Dependencies: torch, tensordict, hydra, transformers.
 """
@@ -24,6 +28,8 @@ import importlib.util
 import inspect
 import logging
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -51,9 +57,18 @@ def function_name(node) -> str:
     return str(node.get("_target_", "<no _target_>"))
 
 
+def _import_from_the_working_folder() -> None:
+    """The folder the run was started from on the import path (after everything else, so it shadows nothing): trl
+    users keep their reward functions next to where they run, ``my_rewards.py``, while ``python
+    recipes/<recipe>.py`` puts only ``recipes/`` there."""
+    folder = os.getcwd()
+    if folder not in sys.path and os.path.abspath(folder) not in map(os.path.abspath, sys.path):
+        sys.path.append(folder)
+
+
 def resolve_function(setting: str, node) -> Callable:
-    """The callable ``node`` names: a dotted path (imported) or a ``_target_`` node (instantiated, e.g. a factory that
-    returns the function).
+    """The callable ``node`` names: a dotted path (imported; a module in the folder the run started from is found
+    too) or a ``_target_`` node (instantiated, e.g. a factory that returns the function).
 
     Raises:
         ConfigError: naming ``setting``, when it cannot be imported or built, or is not callable.
@@ -64,13 +79,22 @@ def resolve_function(setting: str, node) -> Callable:
             f"{setting}={path} needs the math-verify package (trl's accuracy reward parses LaTeX with it): "
             "pip install -e '.[math]'."
         )
+    _import_from_the_working_folder()
     try:
         function = get_object(node) if isinstance(node, str) else instantiate(node)
     except Exception as error:  # whatever the import or the factory raised, the user needs the setting named
+        module = path.rsplit(".", 1)[0] if "." in path else path
+        found = importlib.util.find_spec(module.split(".")[0]) is not None
+        where = (
+            f"the module {module} was found but has no such function, or failed to import"
+            if found
+            else f"no module {module.split('.')[0]} in {os.getcwd()} (the folder the run started from) or on the "
+            "Python path: run from the folder that holds it, or add that folder to PYTHONPATH"
+        )
         raise ConfigError(
-            f"{setting}={path} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0][:200]}); give "
-            "the dotted path of a reward function, e.g. trl.rewards.think_format_reward, or a {_target_: ...} node "
-            "whose target returns one."
+            f"{setting}={path} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
+            f"{where}. The setting takes a function's dotted path (<module>.<function>, e.g. my_rewards.exact_match "
+            "for my_rewards.py), or a {_target_: ...} node whose target returns one."
         ) from None
     if not callable(function):
         raise ConfigError(f"{setting}={path} is a {type(function).__name__}, not a function.")
@@ -161,9 +185,10 @@ class RewardFunction(TensorDictModuleBase):
         completion_ids = [row[keep].tolist() for row, keep in zip(flat_tokens, flat_mask, strict=True)]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         indices = tensordict.get(PROMPT_INDEX).reshape(-1).tolist()
-        prompts = [self.prompts.prompts[index] for index in indices]
-        conversational = not isinstance(prompts[0], str)
-        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        # The policy answers every prompt rendered with its chat template: a conversation, as trl's GRPOTrainer (and
+        # the trl recipe) passes it, with message-list completions.
+        prompts = [self.prompts.conversations[index] for index in indices]
+        completions = [[{"role": "assistant", "content": text}] for text in texts]
         columns = {name: [values[index] for index in indices] for name, values in self.prompts.columns.items()}
         return {
             "prompts": prompts,

@@ -25,6 +25,7 @@ from recipes.grpo.rewards import RewardSource, TrainerStepCounter, score_sources
 
 GROUP = 4
 PROMPTS = ["What is 1 + 2?", "Add 3 and 4."]
+CONVERSATIONS = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
 SOLUTIONS = ["3", "7"]
 
 
@@ -79,7 +80,8 @@ def _trl_trainer(tiny_policy, tmp_path, reward_funcs, **config):
         disable_tqdm=True,
         **config,
     )
-    dataset = datasets.Dataset.from_dict({"prompt": PROMPTS, "solution": SOLUTIONS})
+    # Conversational, as the recipes hand their prompts to trl (rendered with the policy's chat template).
+    dataset = datasets.Dataset.from_dict({"prompt": CONVERSATIONS, "solution": SOLUTIONS})
     return GRPOTrainer(
         model=copy.deepcopy(model),
         reward_funcs=reward_funcs,
@@ -92,15 +94,20 @@ def _trl_trainer(tiny_policy, tmp_path, reward_funcs, **config):
 def _trl_scores(trainer, tokenizer, completion_ids: list[list[int]]) -> dict:
     """trl's own ``_generate_and_score_completions`` on these completions (injected through its ``rollout_func``)."""
 
-    def rollout(prompt_texts, trainer):
+    def rollout(prompts, trainer):
         return {
-            "prompt_ids": [tokenizer(text)["input_ids"] for text in prompt_texts],
+            "prompt_ids": [
+                tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                    "input_ids"
+                ]
+                for prompt in prompts
+            ],
             "completion_ids": completion_ids,
             "logprobs": [[-1.0] * len(ids) for ids in completion_ids],
         }
 
     trainer.rollout_func = rollout
-    inputs = [{"prompt": p, "solution": s} for p, s in zip(PROMPTS, SOLUTIONS, strict=True) for _ in range(GROUP)]
+    inputs = [{"prompt": p, "solution": s} for p, s in zip(CONVERSATIONS, SOLUTIONS, strict=True) for _ in range(GROUP)]
     return trainer._generate_and_score_completions(inputs)
 
 
@@ -128,7 +135,8 @@ def test_the_function_gets_the_arguments_trl_gives_it(tiny_policy, tmp_path):
         assert recipe_call[key] == trl_call[key], key
     assert isinstance(recipe_call["trainer_state"], TrainerState) and recipe_call["trainer_state"].global_step == 0
     assert callable(recipe_call["log_extra"]) and callable(recipe_call["log_metric"])
-    assert recipe_call["completions"][1] == "The answer is 3."  # decoded without EOS, as trl decodes
+    # Decoded without EOS, as trl decodes; a message list, as trl passes a conversational prompt's completion.
+    assert recipe_call["completions"][1] == [{"role": "assistant", "content": "The answer is 3."}]
 
 
 def test_conversational_prompts_get_message_lists_as_trl_passes_them(tiny_policy):
@@ -147,7 +155,8 @@ def test_columns_reach_the_function_row_aligned(tiny_policy):
 
     def checks_alignment(prompts, completions, solution, **kwargs):
         for prompt, answer in zip(prompts, solution, strict=True):
-            numbers = [int(token) for token in prompt.replace("?", " ").replace(".", " ").split() if token.isdigit()]
+            text = prompt[-1]["content"]  # a conversation, as trl passes the recipes' prompts
+            numbers = [int(token) for token in text.replace("?", " ").replace(".", " ").split() if token.isdigit()]
             assert sum(numbers) == int(answer), (prompt, answer)
         return [1.0] * len(completions)
 
@@ -194,7 +203,7 @@ def test_a_raising_function_is_named_with_the_first_row_it_fails_on(tiny_policy)
     _, tokenizer = tiny_policy
 
     def fails_on_three(completions, **kwargs):
-        return [1.0 / (completion != "three") for completion in completions]
+        return [1.0 / (completion[0]["content"] != "three") for completion in completions]
 
     with pytest.raises(RuntimeError, match=r"reward.functions.recorder raised ZeroDivisionError.*row 3 .*'three'"):
         _adapter(fails_on_three, tokenizer)(_dense_step(_completion_ids(tokenizer), tokenizer.pad_token_id))
@@ -306,3 +315,52 @@ def test_accuracy_reward_without_math_verify_names_the_install_command(monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs the math-verify package.*pip install -e '.\[math\]'"):
         check_reward_functions(_cfg({"acc": {"function": "trl.rewards.accuracy_reward"}}), columns=["solution"])
+
+
+def test_trls_message_list_helpers_run_in_the_grpo_recipe(compose_config, tmp_path):
+    """trl.rewards.think_format_reward reads completion[0]["content"]: the recipe passes completions as trl does for
+    its (chat-templated) prompts, as the trl recipe does, so trl's helpers run in both (it crashed at step 1)."""
+    from _small_runs import GRPO_SMALL
+
+    import recipes.grpo_torchrl_rm as recipe
+
+    overrides = [
+        *GRPO_SMALL,
+        "train.steps=1",
+        "+reward.functions.format={function:trl.rewards.think_format_reward,weight:0.5}",
+        f"output_dir={tmp_path}",
+    ]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    assert summary["rollout/rewards/format/mean_first"] == 0.0, "no <think> block in the tiny policy's reviews"
+
+
+def test_a_reward_module_in_the_folder_the_run_starts_from_is_found(tmp_path, repo_root):
+    """As trl users keep them: my_rewards.py beside where they run, no PYTHONPATH."""
+    import os
+    import subprocess
+    import sys
+
+    from _small_runs import GRPO_SMALL
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact_match(completions, **kwargs):\n    return [float('great' in c[0]['content']) for c in completions]\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    command = [sys.executable, str(repo_root / "recipes" / "grpo_torchrl_rm.py"), *GRPO_SMALL, "train.steps=1"]
+    found = subprocess.run(
+        [*command, "+reward.functions.mine.function=my_rewards.exact_match", f"hydra.run.dir={tmp_path / 'a'}"],
+        cwd=tmp_path,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert found.returncode == 0, found.stderr[-2000:]
+    missing = subprocess.run(
+        [*command, "+reward.functions.mine.function=my_reward.exact_match", f"hydra.run.dir={tmp_path / 'b'}"],
+        cwd=tmp_path,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+    )
+    log = (tmp_path / "b" / "grpo_torchrl_rm.log").read_text()
+    assert missing.returncode == 1 and f"no module my_reward in {tmp_path}" in log and "PYTHONPATH" in log
