@@ -19,7 +19,7 @@ from recipes.common.run import check_sharded_launch
 from recipes.common.run_folder import check_output_folder, input_paths
 from recipes.common.schema import checked_config
 from recipes.reward.pair_store import read_meta
-from recipes.reward.schema import RewardRecipeConfig, reward_trainer_config
+from recipes.reward.schema import RewardRecipeConfig, checked_reward_trainer_config
 
 __all__ = ["kept_records", "validate"]
 
@@ -28,7 +28,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     """Every check that runs before any model, tokenizer or dataset loads; returns the config the run trains with
     (resolved once, LoRA on or off as the command line says: ``recipes.common.lora.settle_lora_node``)."""
     cfg = checked_config(cfg, RewardRecipeConfig, recipe="reward_trainer_from_buffer")
-    reward_trainer_config(cfg.train)
+    checked_reward_trainer_config(cfg.train)
     _validate_settings(cfg)
     return cfg
 

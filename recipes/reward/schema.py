@@ -26,9 +26,10 @@ from recipes.common.schema import (
     NumThreads,
     Range,
     checked_trainer_config,
+    trainer_config_view,
 )
 
-__all__ = ["Buffer", "RewardRecipeConfig", "Storage", "reward_trainer_config"]
+__all__ = ["Buffer", "RewardRecipeConfig", "Storage", "checked_reward_trainer_config", "reward_trainer_view"]
 
 Positive = Annotated[int, Range(ge=1)]
 Key = str | list[str]
@@ -102,15 +103,23 @@ class RewardRecipeConfig:
     generation: Generation
     labeler: Any  # a _target_ node: the labeler of generated responses
     margin_in_loss: bool
-    # trl.RewardConfig's own fields (reward_trainer_config), plus its _target_.
+    # trl.RewardConfig's own fields (checked_reward_trainer_config), plus its _target_.
     train: Annotated[dict[str, Any], OPEN]
     eval: Eval
 
 
-def reward_trainer_config(train: DictConfig) -> SimpleNamespace:
+def checked_reward_trainer_config(train: DictConfig) -> SimpleNamespace:
     """``train:`` as ``trl.RewardConfig`` will read it, once checked: no key ``RewardConfig`` lacks (the nearest ones
     named), none the recipe decides itself (``report_to``: the run's ``logger=``; ``use_cpu``: its ``device``), and the
     fields of ``recipes.common.schema.TrainerNode`` in range over trl's defaults."""
     from trl import RewardConfig  # trl prints a notice on import: only where the reward recipe runs
 
     return checked_trainer_config(train, RewardConfig)
+
+
+def reward_trainer_view(train: DictConfig) -> SimpleNamespace:
+    """``train:`` as ``trl.RewardConfig`` will read it (trl's defaults under the config's values), before it is built:
+    what the recipe reads of trl's settings, so that a key the YAML leaves to trl reads as trl's default."""
+    from trl import RewardConfig
+
+    return trainer_config_view(train, RewardConfig)

@@ -31,7 +31,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     from trl import GRPOConfig  # trl prints a notice on import: only where this recipe runs
 
     cfg = checked_config(cfg, TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", renamed=RENAMED)
-    _check_trainer_settings(checked_trainer_config(cfg.train, GRPOConfig, node=GRPOTrainerNode))
+    args = checked_trainer_config(cfg.train, GRPOConfig, node=GRPOTrainerNode)
+    _check_trainer_settings(args)
     if cfg.reward_model is None and not cfg.reward.functions:
         raise ConfigError(
             "reward_model=none and no reward.functions: nothing would score the completions. Keep a reward model "
@@ -45,9 +46,9 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_run_settings(cfg)
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=input_paths(cfg))
     check_sharded_launch(cfg.device)
-    if cfg.resume and latest_trl_checkpoint(cfg.train.output_dir) is None:
+    if cfg.resume and latest_trl_checkpoint(args.output_dir) is None:
         raise ConfigError(
-            f"resume=true, but {cfg.train.output_dir} holds no trl checkpoint (checkpoint-<step>/) to continue from: "
+            f"resume=true, but {args.output_dir} holds no trl checkpoint (checkpoint-<step>/) to continue from: "
             "the run must save them (train.save_strategy=steps, train.save_steps=N)."
         )
     rows = load_prompt_rows(cfg.data, "train")
