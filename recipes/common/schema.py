@@ -49,6 +49,7 @@ from recipes.common.lora import settle_lora_node
 
 __all__ = [
     "OPEN",
+    "DATA_SOURCES",
     "ArithmeticData",
     "DType",
     "DataNode",
@@ -476,16 +477,19 @@ def _build_node(values: Mapping, schema: type, key: str) -> Any:
 
 def _qualified(message: str, key: str, names: list[str]) -> str:
     """A node's message with its settings named in full: a node writes ``high=0.2`` (``name=`` or ``name.sub``);
-    under ``loss.clip`` it reads ``loss.clip.high=0.2``.
+    under ``loss.clip`` it reads ``loss.clip.high=0.2``. A message that names none of them starts with the node's key.
 
     Examples:
         >>> _qualified("sync=true needs coeff > 0: set coeff=0.1, or sync=false.", "loss", ["sync", "coeff"])
         'loss.sync=true needs coeff > 0: set loss.coeff=0.1, or loss.sync=false.'
+        >>> _qualified("the two bounds cross.", "loss.clip", ["low", "high"])
+        'loss.clip: the two bounds cross.'
     """
     if not key:
         return message
     mention = r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?==|\.\w)"
-    return re.sub(mention, lambda match: f"{key}.{match.group(1)}", message)
+    qualified = re.sub(mention, lambda match: f"{key}.{match.group(1)}", message)
+    return qualified if key in qualified else f"{key}: {qualified}"
 
 
 # ------------------------------------------------------------------------------------------------ shared nodes
@@ -576,10 +580,9 @@ class HFData:
     oracle: Any
 
 
-DataNode = Annotated[
-    dict,
-    Variant("source", {"synthetic": SyntheticData, "arithmetic": ArithmeticData, "file": FileData, "hf": HFData}),
-]
+# data.source -> its node (conf/data/<source>.yaml).
+DATA_SOURCES = {"synthetic": SyntheticData, "arithmetic": ArithmeticData, "file": FileData, "hf": HFData}
+DataNode = Annotated[dict, Variant("source", DATA_SOURCES)]
 
 
 @dataclass

@@ -34,11 +34,6 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
 def _validate_settings(cfg: DictConfig) -> None:
-    if cfg.data.source == "arithmetic":
-        raise ConfigError(
-            "data=arithmetic is a GRPO task (prompts with a solution checked by a reward function): it has no "
-            "preference pairs to train a reward model on. Use data=synthetic, data=file or data=hf."
-        )
     if cfg.buffer.load_from is not None:
         read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
     elif cfg.data.source == "synthetic":

@@ -17,14 +17,16 @@ from typing import Annotated, Any, Literal
 from omegaconf import DictConfig
 
 from recipes.common.schema import (
+    DATA_SOURCES,
     OPEN,
-    DataNode,
+    ArithmeticData,
     DType,
     Hint,
     LoggerNode,
     ModelNode,
     NumThreads,
     Range,
+    Variant,
     checked_trainer_config,
     trainer_config_view,
 )
@@ -35,6 +37,21 @@ Positive = Annotated[int, Range(ge=1)]
 Key = str | list[str]
 # lazy_tensor: in memory; memmap: written to buffer.path (recipes.reward.buffer).
 Storage = Literal["lazy_tensor", "memmap"]
+
+
+@dataclass
+class NoPairsData(ArithmeticData):
+    """``data=arithmetic`` here: prompts with a solution a reward function checks, no preference pairs to train on."""
+
+    def __post_init__(self) -> None:
+        raise ValueError(
+            "data=arithmetic is a GRPO task (prompts with a solution checked by a reward function): it has no "
+            "preference pairs to train a reward model on. Use data=synthetic, data=file or data=hf."
+        )
+
+
+# The data a reward model trains on: every source but the GRPO-only one.
+PairData = Annotated[dict, Variant("source", {**DATA_SOURCES, "arithmetic": NoPairsData})]
 
 
 @dataclass
@@ -90,7 +107,7 @@ class RewardRecipeConfig:
 
     model: ModelNode
     reward_model: ModelNode
-    data: DataNode
+    data: PairData
     buffer: Buffer
     logger: LoggerNode
     seed: Annotated[int, Range(ge=0)]
