@@ -3,10 +3,10 @@
 not one of its choices, or a node whose keys disagree is refused before anything loads. Defaults live in the YAML, not
 here; rules that cross nodes live in ``recipes.grpo.checks``.
 
-The choices are ``Literal`` types, which the modules that act on them read (``typing.get_args``): :data:`LossType`
-(``recipes.grpo.loss``), :data:`ScaleRewards`, :data:`MixedPrecision` (``recipes.grpo.policy``), :data:`Strategy`
-(``recipes.grpo.distributed``), :data:`RewardInput` (``recipes.grpo.rewards``). The :class:`Loss` node is what the loss
-reads (``recipes.grpo.loss.GRPOObjective``).
+The choices are ``Literal`` types, which the modules that act on them read (``typing.get_args``): :data:`LossType`,
+:data:`ScaleRewards`, :data:`ImportanceSamplingLevel`, :data:`RewardAggregation` (``recipes.grpo.loss``),
+:data:`MixedPrecision` (``recipes.grpo.policy``), :data:`Strategy` (``recipes.grpo.distributed``), :data:`RewardInput`
+(what ``reward.input`` may be). The :class:`Loss` node is what the loss reads (``recipes.grpo.loss.GRPOObjective``).
 
 Dependencies: the project's ``recipes.common.schema``.
 """
