@@ -78,6 +78,7 @@ from recipes.reward.pairs import (
     pairs_from_dataset,
     pairs_from_policy,
 )
+from recipes.reward.schema import reward_trainer_view
 
 # trl is imported where the trainer is made: it prints a notice on import and takes a second, which `--help` and a
 # config refused by validate() need not wait for (the same rule as recipes.common.data's datasets and
@@ -134,7 +135,8 @@ def make_data(cfg: DictConfig, tokenizer, run: Run) -> tuple[LabelledPairs, obje
     train_dataset, facts = make_training_stream(
         cfg, labelled, tokenizer, num_processes=run.processes.num_processes, persist=main_process
     )
-    labelled, eval_facts = limit_eval_to_max_length(labelled, tokenizer, cfg.train.max_length)
+    max_length = reward_trainer_view(cfg.train).max_length
+    labelled, eval_facts = limit_eval_to_max_length(labelled, tokenizer, max_length)
     return labelled, train_dataset, {**labelled.facts, **facts, **eval_facts}
 
 
@@ -180,7 +182,7 @@ def make_metrics_callback(logger: MetricLogger, *, total_steps: int):
     return MetricLoggerCallback()
 
 
-def log_run_plan(cfg: DictConfig, facts: dict, *, num_eval_pairs: int) -> None:
+def log_run_plan(cfg: DictConfig, args, facts: dict, *, num_eval_pairs: int) -> None:
     """Says in the run's log what is about to train, on what, and where the run writes."""
     log.info(
         "Reward model training: %s trained from a TorchRL buffer (%s storage) of %d preference pairs (data=%s), "
@@ -189,9 +191,9 @@ def log_run_plan(cfg: DictConfig, facts: dict, *, num_eval_pairs: int) -> None:
         cfg.buffer.storage,
         facts["train/num_pairs"],
         cfg.data.source,
-        cfg.train.max_steps,
+        args.max_steps,
         facts["train/pairs_per_step"],
-        cfg.train.learning_rate,
+        args.learning_rate,
         cfg.seed,
         cfg.device,
         cfg.dtype,
@@ -286,7 +288,7 @@ def train(cfg: DictConfig) -> dict:
         labelled, train_dataset, facts = make_data(cfg, tokenizer, run)
         if run.is_main:
             write_jsonl(run.output_dir / EVAL_PAIRS_FILE, labelled.eval)  # the held-out pairs this run evaluates
-            log_run_plan(cfg, facts, num_eval_pairs=len(labelled.eval))
+            log_run_plan(cfg, args, facts, num_eval_pairs=len(labelled.eval))
         pairs_s = time.perf_counter() - start
 
         # args.device: this process's own device (cuda:<local rank> under a launcher).
@@ -298,7 +300,7 @@ def train(cfg: DictConfig) -> dict:
         callbacks = [
             guard,
             make_record_masker(masked_fields(cfg, "train")),
-            *([make_metrics_callback(run.logger, total_steps=cfg.train.max_steps)] if run.is_main else []),
+            *([make_metrics_callback(run.logger, total_steps=args.max_steps)] if run.is_main else []),
         ]
         trainer = make_trainer(
             model,
@@ -310,11 +312,11 @@ def train(cfg: DictConfig) -> dict:
             callbacks=callbacks,
             lora=cfg.reward_model.lora,
         )
-        train_s = fit(trainer, facts=facts, max_length=cfg.train.max_length)
+        train_s = fit(trainer, facts=facts, max_length=args.max_length)
         if guard.reason is not None:
             raise RunStopped(
                 f"Training stopped at {guard.reason}: a model trained on would be garbage, so none is saved. Lower "
-                f"train.learning_rate (now {cfg.train.learning_rate}), or check the pairs, then run again."
+                f"train.learning_rate (now {args.learning_rate}), or check the pairs, then run again."
             )
         full_state = gather_trained_weights(trainer.model)  # every process takes part; None unless sharded
         summary = None
@@ -326,7 +328,7 @@ def train(cfg: DictConfig) -> dict:
                 trainer, metrics, facts, pairs_s=pairs_s, train_s=train_s, wall_time_s=time.perf_counter() - start
             )
         summary = run.broadcast(summary)  # the others wait while the main process saves and evaluates
-        message = closing_message(summary, run.output_dir, learning_rate=cfg.train.learning_rate)
+        message = closing_message(summary, run.output_dir, learning_rate=args.learning_rate)
         return run.finish(summary, message, warn=not summary["eval/accuracy"] > CHANCE_ACCURACY)
 
 

@@ -103,7 +103,7 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
         rank=run.processes.process_index,
         max_rows=cfg.rollout.store.max_rows,
         prompt_width=prompt_width,
-        completion_width=cfg.train.max_completion_length,
+        completion_width=trainer.args.max_completion_length,
         source_names=list(trainer.reward_func_names),
         max_text_bytes=cfg.rollout.store.max_text_bytes,
         pad_token_id=rollout_func.tokenizer.pad_token_id,
@@ -246,7 +246,7 @@ def train(cfg: DictConfig) -> dict:
         if guard.reason is not None:
             raise RunStopped(
                 f"Training stopped at {guard.reason}: a model trained on would be garbage, so none is saved. Lower "
-                f"train.learning_rate (now {cfg.train.learning_rate}), then run again."
+                f"train.learning_rate (now {args.learning_rate}), then run again."
             )
         summary = None
         if run.is_main:

@@ -162,24 +162,39 @@ def run_ours(cfg) -> Run:
     )
 
 
+# rollout.generation's settings that are GRPOConfig fields of the same name (max_new_tokens is its
+# max_completion_length; do_sample has no field: trl always samples).
+_GRPO_CONFIG_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def extra_generation_kwargs(cfg) -> dict:
     """Generation settings of the recipe config that ``GRPOConfig`` has no field for (``min_new_tokens``...)."""
-    known = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample"}
+    known = {"max_new_tokens", "do_sample", *_GRPO_CONFIG_SAMPLING}
     return {str(k): v for k, v in cfg.rollout.generation.items() if k not in known}
+
+
+def sampling_fields(cfg) -> dict:
+    """The ``GRPOConfig`` sampling fields the recipe config sets; the others keep trl's own defaults. trl reads
+    ``top_k=0`` as off, the recipe's sampler ``null``."""
+    generation = cfg.rollout.generation
+    fields = {name: generation[name] for name in _GRPO_CONFIG_SAMPLING if name in generation}
+    if "top_k" in fields:
+        fields["top_k"] = fields["top_k"] or 0
+    return fields
 
 
 def make_trl_config(cfg, *, output_dir: str):
     """``GRPOConfig`` doing what the recipe config ``cfg`` does, step for step."""
-    from omegaconf import OmegaConf
     from trl import GRPOConfig
 
-    from recipes.grpo.loss import clip_bounds
+    from recipes.common.schema import typed_config
+    from recipes.grpo.schema import Loss
 
     per_step, mini = cfg.rollout.responses_per_step, cfg.train.mini_batch_size
     accumulation = cfg.train.gradient_accumulation_steps
     micro_batches_per_generation = per_step // mini  # trl's steps_per_generation counts micro-batches
     generation = cfg.rollout.generation
-    low, high = clip_bounds(cfg.loss.clip_epsilon, cfg.loss.clip_epsilon_high)
+    loss = typed_config(cfg.loss, Loss, key="loss")
     if not generation.do_sample:
         raise ValueError("bench_grpo: rollout.generation.do_sample=false; trl's GRPOTrainer always samples.")
     betas = list(cfg.optimizer.betas)
@@ -197,11 +212,7 @@ def make_trl_config(cfg, *, output_dir: str):
         num_iterations=cfg.train.epochs_per_step,
         num_generations=cfg.rollout.group_size,
         max_completion_length=generation.max_new_tokens,
-        temperature=generation.temperature,
-        top_p=generation.top_p,
-        top_k=OmegaConf.select(generation, "top_k", default=None) or 0,
-        min_p=OmegaConf.select(generation, "min_p", default=None),
-        repetition_penalty=OmegaConf.select(generation, "repetition_penalty", default=1.0),
+        **sampling_fields(cfg),
         generation_kwargs=extra_generation_kwargs(cfg) or None,
         max_steps=cfg.train.steps * micro_batches_per_generation // accumulation * cfg.train.epochs_per_step,
         learning_rate=cfg.optimizer.lr,
@@ -213,17 +224,17 @@ def make_trl_config(cfg, *, output_dir: str):
         weight_decay=cfg.optimizer.weight_decay,
         max_grad_norm=cfg.train.max_grad_norm,
         # The recipe's algorithm, in trl's names: the two sides always run the same one.
-        beta=cfg.loss.kl_to_ref_coeff or 0.0,
-        epsilon=low,
-        epsilon_high=high,
-        delta=cfg.loss.delta,
-        entropy_coef=cfg.loss.entropy_coeff,
-        loss_type=cfg.loss.type,
-        importance_sampling_level=cfg.loss.importance_sampling_level,
-        use_bias_correction_kl=cfg.loss.kl_bias_correction,
-        top_entropy_quantile=cfg.loss.top_entropy_quantile,
-        mask_truncated_completions=cfg.loss.mask_truncated_completions,
-        off_policy_mask_threshold=cfg.loss.off_policy_mask_threshold,
+        beta=loss.kl_to_ref_coeff or 0.0,  # the recipe's null: no KL term, trl's 0
+        epsilon=loss.clip_epsilon,
+        epsilon_high=loss.clip_epsilon_high,
+        delta=loss.delta,
+        entropy_coef=loss.entropy_coeff,
+        loss_type=loss.type,
+        importance_sampling_level=loss.importance_sampling_level,
+        use_bias_correction_kl=loss.kl_bias_correction,
+        top_entropy_quantile=loss.top_entropy_quantile,
+        mask_truncated_completions=loss.mask_truncated_completions,
+        off_policy_mask_threshold=loss.off_policy_mask_threshold,
         scale_rewards=cfg.advantage.scale_rewards,
         report_to="none",
         logging_steps=1,

@@ -252,19 +252,13 @@ def update_activation_bytes(
 def estimate(
     cfg, *, processes: int, prompt_tokens: int, responses_per_step: int | None = None, new_tokens=None
 ) -> dict:
-    """Every figure of the module docstring, in bytes, for one process."""
-    from omegaconf import OmegaConf
-
+    """Every figure of the module docstring, in bytes, for one process (``cfg``: validated, :func:`compose_config`)."""
     from recipes.common.models import resolve_dtype
-    from recipes.grpo.distributed import STRATEGIES
 
     dtype = resolve_dtype(cfg.dtype)
-    strategy = OmegaConf.select(cfg, "distributed.strategy", default="ddp")
-    if strategy not in STRATEGIES:
-        raise SystemExit(f"distributed.strategy={strategy!r}: expected one of {list(STRATEGIES)}.")
-    shards = processes if strategy == "fsdp" else 1
-    lora = OmegaConf.select(cfg, "model.lora", default=None)
-    with_lora = bool(lora is not None and lora.get("r"))
+    shards = processes if cfg.distributed.strategy == "fsdp" else 1
+    lora = cfg.model.lora  # null, or on: settled as the command line says
+    with_lora = lora is not None
     responses_per_step = responses_per_step or cfg.rollout.responses_per_step
     new_tokens = new_tokens or cfg.rollout.generation.max_new_tokens
     mixed = cfg.train.mixed_precision == "bf16"
@@ -322,7 +316,7 @@ def estimate(
         figures["update_phase"], gathered + figures["generation_kv_cache"], gathered + figures["reference_scoring"]
     )
     figures["setting"] = {
-        "strategy": strategy,
+        "strategy": cfg.distributed.strategy,
         "processes": processes,
         "lora": with_lora,
         "device": str(cfg.device),
@@ -418,7 +412,6 @@ def measure_update(cfg, *, prompt_tokens: int) -> int:
     recipe's (LoRA adapters with ``model.lora``); under ``torchrun`` it is wrapped as the recipe wraps it
     (``distributed.strategy``: DDP, or FSDP2 shards), and each process measures its own."""
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
     from recipes.grpo.log_probs import make_policy_scorer
     from recipes.grpo.policy import enable_activation_checkpointing, load_policy, trainable_parameters, update_forward
@@ -431,8 +424,7 @@ def measure_update(cfg, *, prompt_tokens: int) -> int:
     policy = load_policy(cfg.model, device=device, dtype=cfg.dtype).eval()
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(policy)
-    strategy = OmegaConf.select(cfg, "distributed.strategy", default="ddp")
-    scorer = make_policy_scorer(policy, strategy=strategy, device=device)
+    scorer = make_policy_scorer(policy, strategy=cfg.distributed.strategy, device=device)
     optimizer = instantiate(cfg.optimizer)(trainable_parameters(policy))
     new_tokens = cfg.rollout.generation.max_new_tokens
     vocab = policy.get_output_embeddings().weight.shape[0]

@@ -19,10 +19,14 @@ def torchrl_actor(model, tokenizer, *, padded: bool):
     )
 
 
+# dr_grpo's normaliser in the tests that do not set one (the recipe's rollout.generation.max_new_tokens).
+MAX_COMPLETION_LENGTH = 48
+
+
 def loss_settings(**changes):
-    """``LossSettings`` of a bnpo loss without a KL term or masks (trl's values for sapo's and vespo's own), with
-    ``changes`` on top."""
-    from recipes.grpo.loss import LossSettings
+    """The ``loss:`` node (``recipes.grpo.schema.Loss``) of a bnpo loss without a KL term or masks (trl's values for
+    sapo's and vespo's own), with ``changes`` on top."""
+    from recipes.grpo.schema import Loss, Sapo, Vespo
 
     settings = {
         "type": "bnpo",
@@ -35,12 +39,11 @@ def loss_settings(**changes):
         "entropy_coeff": 0.0,
         "top_entropy_quantile": 1.0,
         "off_policy_mask_threshold": None,
-        "max_completion_length": 48,
-        "sapo_temperature_pos": 1.0,
-        "sapo_temperature_neg": 1.05,
-        "vespo_k_pos": 2.0,
-        "vespo_lambda_pos": 3.0,
-        "vespo_k_neg": 3.0,
-        "vespo_lambda_neg": 2.0,
+        "mask_truncated_completions": False,
+        "sync_ref_model": False,
+        "ref_model_mixup_alpha": 0.6,
+        "ref_model_sync_steps": 512,
+        "sapo": Sapo(temperature_pos=1.0, temperature_neg=1.05),
+        "vespo": Vespo(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0),
     }
-    return LossSettings(**{**settings, **changes})
+    return Loss(**{**settings, **changes})

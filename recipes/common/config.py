@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 from pathlib import Path
 
@@ -132,18 +131,14 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
-def check_run_settings(cfg: DictConfig, *, lr_key: str, max_grad_norm_key: str, batch_size_key: str) -> None:
-    """The settings every recipe has, checked before anything loads: threads, device, dtype, learning rate, gradient
-    clipping and batch size. Each of these fails deep inside torch (or, worse, does not fail) when wrong.
+def check_run_settings(cfg: DictConfig) -> None:
+    """The rules between the settings every recipe has, checked before anything loads: a device this machine has, and
+    a dtype that works on it. Each of these fails deep inside torch (or, worse, does not fail) when wrong; the ranges
+    of single settings (threads, learning rate, clipping, batch size) are the schema's (``recipes.common.schema``).
 
     Args:
-        cfg: the recipe config (``num_threads``, ``device``, ``dtype`` at its root).
-
-    Keyword Args:
-        lr_key, max_grad_norm_key, batch_size_key: where the recipe keeps those.
+        cfg: the recipe config (``device`` and ``dtype`` at its root).
     """
-    if cfg.num_threads is not None and cfg.num_threads < 1:
-        raise ConfigError(f"num_threads={cfg.num_threads} must be >= 1, or null for torch's default (every core).")
     device = str(cfg.device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} but CUDA is not available here; use device=cpu.")
@@ -152,18 +147,6 @@ def check_run_settings(cfg: DictConfig, *, lr_key: str, max_grad_norm_key: str, 
             "dtype=float16 on the CPU: half precision overflows and runs slowly there; use dtype=float32 (or "
             "bfloat16, on a CPU that supports it)."
         )
-    lr = OmegaConf.select(cfg, lr_key)
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr <= 0:
-        raise ConfigError(f"{lr_key}={lr} must be a positive number (e.g. {lr_key}=1e-4).")
-    max_grad_norm = OmegaConf.select(cfg, max_grad_norm_key)
-    if max_grad_norm is not None and (not math.isfinite(max_grad_norm) or max_grad_norm < 0):
-        # clip_grad_norm_ with a negative norm multiplies every gradient by a negative factor: training runs backwards.
-        raise ConfigError(
-            f"{max_grad_norm_key}={max_grad_norm} must be >= 0 (the largest gradient norm kept), or null not to clip."
-        )
-    batch_size = OmegaConf.select(cfg, batch_size_key)
-    if batch_size is None or batch_size < 1:
-        raise ConfigError(f"{batch_size_key}={batch_size} must be >= 1.")
 
 
 def command_line_keys() -> dict[str, str]:

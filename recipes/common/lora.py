@@ -8,7 +8,7 @@ with its documented defaults, so that a command line turns it on the way users t
 ``model.lora.enabled=true`` or ``model.lora={r:16,...}`` (:func:`settle_lora_node`).
 
 - :func:`settle_lora_node`: a model node's ``lora`` entry as the run trains it: null (off), or on.
-- :func:`validate_lora_node`: the checks a recipe's ``validate`` runs before anything loads.
+- :func:`validate_lora_node`: the checks of a ``lora`` node no recipe schema checked (``schema.LoraNode``'s).
 - :func:`make_lora_config`: the node as a ``peft.LoraConfig`` of a task type (``CAUSAL_LM``, ``SEQ_CLS``).
 - :func:`is_peft_model`: whether a model carries adapters.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from recipes.common.config import ConfigError
 
@@ -63,7 +63,8 @@ def settle_lora_node(cfg: DictConfig, key: str, command_line: dict[str, str]) ->
 
 
 def validate_lora_node(lora, *, key: str) -> None:
-    """Refuses a ``lora`` entry that is neither null nor a complete, sensible ``{r, alpha, dropout, target_modules}``.
+    """Refuses a ``lora`` entry that is neither null nor a complete, sensible ``{r, alpha, dropout, target_modules}``:
+    a node a recipe's schema did not check (its ranges and rules are ``recipes.common.schema.LoraNode``'s).
 
     Args:
         lora: the entry (``cfg.model.lora``...).
@@ -74,6 +75,8 @@ def validate_lora_node(lora, *, key: str) -> None:
     Raises:
         ConfigError: naming the setting and what to write instead.
     """
+    from recipes.common.schema import LoraNode, typed_config  # the schema settles LoRA nodes with this module
+
     if lora is None:
         return
     if not isinstance(lora, (DictConfig, dict)) or set(lora) - {"enabled"} != set(LORA_KEYS):
@@ -82,28 +85,16 @@ def validate_lora_node(lora, *, key: str) -> None:
             f"{key}={found}: expected null (full fine-tuning) or a mapping of exactly {list(LORA_KEYS)} (and "
             f"enabled), e.g. '{key}={_EXAMPLE}'."
         )
-    if not isinstance(lora.r, int) or isinstance(lora.r, bool) or lora.r < 1:
-        raise ConfigError(f"{key}.r={lora.r!r}: the adapters' rank must be an integer >= 1 (8 or 16 are usual).")
-    if not isinstance(lora.alpha, (int, float)) or lora.alpha <= 0:
-        raise ConfigError(f"{key}.alpha={lora.alpha!r}: the scale (alpha / r multiplies the update) must be > 0.")
-    if not isinstance(lora.dropout, (int, float)) or not 0.0 <= lora.dropout < 1.0:
-        raise ConfigError(f"{key}.dropout={lora.dropout!r}: expected a probability in [0, 1).")
-    modules = lora.target_modules
-    names_ok = isinstance(modules, (ListConfig, list)) and modules and all(isinstance(m, str) for m in modules)
-    if not (names_ok or modules == "all-linear"):
-        raise ConfigError(
-            f"{key}.target_modules={modules!r}: expected a non-empty list of module names (the last part of the "
-            "names of the linear layers to adapt, e.g. [q_proj,v_proj] in Qwen or Llama models), or all-linear."
-        )
+    values = OmegaConf.to_container(lora, resolve=True) if isinstance(lora, DictConfig) else dict(lora)
+    typed_config({"enabled": True, **values}, LoraNode, key=key)
 
 
 def validate_policy_lora(cfg: DictConfig) -> None:
     """The LoRA checks of a recipe that trains a policy against a frozen reward model (``cfg.model``,
-    ``cfg.reward_model``): a sensible ``model.lora`` whose target modules exist in the policy (read on the meta device:
-    nothing loads), and no ``reward_model.lora``, which would train nothing."""
+    ``cfg.reward_model``), beyond its schema's: ``model.lora``'s target modules exist in the policy (read on the meta
+    device: nothing loads), and no ``reward_model.lora``, which would train nothing."""
     from recipes.common.models import meta_model  # models imports the checkpoint helpers; only when checking
 
-    validate_lora_node(cfg.model.lora, key="model.lora")
     if cfg.model.lora is not None:
         check_lora_targets(cfg.model.lora, meta_model(cfg.model, kind="policy"), key="model.lora")
     if cfg.reward_model is not None and cfg.reward_model.lora is not None:

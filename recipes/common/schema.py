@@ -1,19 +1,30 @@
-"""The typed schema a recipe's composed config is checked against, before anything loads.
+"""The typed schema a recipe's composed config is checked against and read through, before anything loads.
 
-Every default lives in the YAML (``conf/``); a schema says only what each key may hold: its type, its range, its
-choices. :func:`check_config` walks a resolved config against one and refuses, naming the key and the fix:
+Every default lives in the YAML (``conf/``); a schema says what each key may hold: its type, its range, its choices,
+and the rules between the keys of one node. :func:`check_config` walks a resolved config against one and refuses,
+naming the key and the fix:
 
 - a key the recipe does not read (a typo, or a ``+key=value`` Hydra added although nothing reads it), with the
   nearest known keys: such a setting would otherwise be accepted and silently ignored;
 - a key the recipe reads that the config lacks;
 - a value of the wrong type (``true`` where a number is read, a string where a list is), outside its range, or not
   one of its choices; and any float anywhere in the config, open mappings included, that is NaN or infinite (NaN
-  compares false with every bound, so range checks alone let it through).
+  compares false with every bound, so range checks alone let it through);
+- then a node whose own rules fail: each node is built (:func:`typed_config`), and a ``ValueError`` its
+  ``__post_init__`` raises becomes a :class:`~recipes.common.config.ConfigError` naming the node's keys in full.
 
 A schema is a dataclass whose fields carry types (``int``, ``float``, ``bool``, ``str``, ``None``, ``Literal[...]``,
-``list[...]``, unions, nested dataclasses) and, through ``typing.Annotated``, a :class:`Range`, an :data:`OPEN`
-mapping (its keys are the user's: ``reward.terms``, trl's ``train:`` node) or a :class:`Variant` (a node whose
-fields depend on one of them, as ``data.source``). The dataclasses are never instantiated: they hold no defaults.
+``list[...]``, unions, nested dataclasses) and, through ``typing.Annotated``, a :class:`Range`, a :class:`Hint` (the
+message a refusal gives instead of the generic one), an :data:`OPEN` mapping (its keys are the user's:
+``reward.terms``, trl's ``train:`` node) or a :class:`Variant` (a node whose fields depend on one of them, as
+``data.source``). The dataclasses hold no defaults (those are the YAML's): a node is built from a config, and the
+code that reads it reads typed values (``recipes.grpo.loss`` reads the ``Loss`` node). Modules that still need a list
+of choices take it from the schema's ``Literal`` (``typing.get_args``).
+
+- :func:`checked_config` / :func:`checked_tree`: what a recipe's ``validate`` starts with: the resolved config, and
+  (``checked_tree``) its typed tree.
+- :func:`typed_config`: one config (or sub-node) checked and built into its schema's dataclasses.
+- :class:`TrainerNode`, :func:`checked_trainer_config`: trl's ``train:`` node, over trl's own defaults.
 
 Dependencies: omegaconf.
 """
@@ -23,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -37,21 +49,30 @@ from recipes.common.lora import settle_lora_node
 
 __all__ = [
     "OPEN",
+    "DATA_SOURCES",
     "ArithmeticData",
+    "DType",
     "DataNode",
     "FileData",
     "HFData",
+    "Hint",
     "LoggerNode",
     "LoraNode",
+    "MaxGradNorm",
     "ModelNode",
+    "NumThreads",
     "Range",
     "SyntheticData",
+    "TrainerNode",
     "Variant",
     "WandbLogger",
     "check_config",
     "check_trainer_config_keys",
     "checked_config",
+    "checked_trainer_config",
+    "checked_tree",
     "trainer_config_view",
+    "typed_config",
 ]
 
 
@@ -76,6 +97,25 @@ class Range:
         low = f">= {self.ge}" if self.ge is not None else f"> {self.gt}" if self.gt is not None else None
         high = f"<= {self.le}" if self.le is not None else f"< {self.lt}" if self.lt is not None else None
         return " and ".join(bound for bound in (low, high) if bound)
+
+
+@dataclass(frozen=True)
+class Hint:
+    """The message a field's refusal (wrong type, not one of its choices, out of its range: written to read right for
+    each) gives instead of the generic one, to say why the value cannot work and what to write; a NaN keeps its own. A
+    template over ``{key}``, ``{value}`` (its repr), ``{choices}`` (a ``Literal``'s values) and ``{bounds}`` (its
+    :class:`Range`).
+
+    Examples:
+        >>> Hint("{key}={value}: the recipe trains with {choices}.").message("opt", "SGD", Literal["Adam"], None)
+        "opt='SGD': the recipe trains with ['Adam']."
+    """
+
+    template: str
+
+    def message(self, key: str, value: Any, base: Any, bounds: Range | None) -> str:
+        choices = list(typing.get_args(base)) if typing.get_origin(base) is Literal else []
+        return self.template.format(key=key, value=repr(value), choices=choices, bounds=bounds)
 
 
 class _Open:
@@ -124,7 +164,62 @@ def check_config(cfg, schema: type, *, recipe: str, renamed: Mapping[str, str] =
         ...
         recipes.common.config.ConfigError: clip_epsilon=nan: not a finite number. ...
     """
+    typed_config(cfg, schema, recipe=recipe, renamed=renamed)
+
+
+def typed_config(
+    cfg, schema: type, *, recipe: str = "this recipe", renamed: Mapping[str, str] = {}, key: str = ""
+) -> Any:
+    """``cfg`` checked against ``schema`` (:func:`check_config`) and built into its dataclasses: every node an
+    instance of its schema class (a :class:`Variant` of the class its key picks), a ``float`` field a float, an
+    :data:`OPEN` mapping a plain dict. Each node's ``__post_init__`` runs on the way: a ``ValueError`` it raises
+    becomes a :class:`ConfigError` whose ``<field>=`` mentions name the node's keys in full.
+
+    Keyword Args:
+        key: where ``cfg`` sits in the recipe's config (``"loss"`` for ``cfg.loss``), for the messages.
+
+    Examples:
+        >>> @dataclass
+        ... class Clip:
+        ...     low: Annotated[float, Range(gt=0)]
+        ...     high: Annotated[float, Range(gt=0)]
+        ...     def __post_init__(self):
+        ...         if self.high < self.low:
+        ...             raise ValueError(f"high={self.high} is below low={self.low}: set high={self.low} or more.")
+        >>> typed_config({"low": 1, "high": 2.5}, Clip)
+        Clip(low=1.0, high=2.5)
+        >>> typed_config({"low": 0.3, "high": 0.2}, Clip, key="loss.clip")
+        Traceback (most recent call last):
+        ...
+        recipes.common.config.ConfigError: loss.clip.high=0.2 is below loss.clip.low=0.3: set loss.clip.high=0.3 or ...
+    """
     values = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    _refuse_renamed(values, renamed, recipe)
+    _check(values, schema, key, recipe)
+    return _build(values, schema, key)
+
+
+def checked_tree(
+    cfg: DictConfig, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}
+) -> tuple[DictConfig, Any]:
+    """The config a run trains with and its typed tree: ``cfg``'s settings resolved once
+    (``recipes.common.config.resolved``), checked against ``schema`` (:func:`check_config`), LoRA on or off in its
+    ``model`` and ``reward_model`` nodes as the command line says (``recipes.common.lora.settle_lora_node``), then
+    built into ``schema``'s dataclasses (:func:`typed_config`)."""
+    cfg = resolved(cfg)
+    check_config(cfg, schema, recipe=recipe, renamed=renamed)
+    command_line = command_line_keys()
+    for key in ("model", "reward_model"):
+        settle_lora_node(cfg, key, command_line)
+    return cfg, typed_config(cfg, schema, recipe=recipe)
+
+
+def checked_config(cfg: DictConfig, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}) -> DictConfig:
+    """The resolved, checked config of :func:`checked_tree`, which the recipes read."""
+    return checked_tree(cfg, schema, recipe=recipe, renamed=renamed)[0]
+
+
+def _refuse_renamed(values: Any, renamed: Mapping[str, str], recipe: str) -> None:
     for old, new in renamed.items():
         parent, _, name = old.rpartition(".")
         node = values
@@ -132,19 +227,9 @@ def check_config(cfg, schema: type, *, recipe: str, renamed: Mapping[str, str] =
             node = node.get(part, {}) if isinstance(node, Mapping) else {}
         if isinstance(node, Mapping) and name in node:
             raise ConfigError(f"{old} is gone from {recipe}: use {new}.")
-    _check(values, schema, "", recipe)
 
 
-def checked_config(cfg: DictConfig, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}) -> DictConfig:
-    """The config a run trains with: ``cfg``'s settings resolved once (``recipes.common.config.resolved``), checked
-    against ``schema`` (:func:`check_config`), LoRA on or off in its ``model`` and ``reward_model`` nodes as the
-    command line says (``recipes.common.lora.settle_lora_node``)."""
-    cfg = resolved(cfg)
-    check_config(cfg, schema, recipe=recipe, renamed=renamed)
-    command_line = command_line_keys()
-    for key in ("model", "reward_model"):
-        settle_lora_node(cfg, key, command_line)
-    return cfg
+# ------------------------------------------------------------------------------------------------ checking
 
 
 def _check(value: Any, expected: Any, key: str, recipe: str) -> None:
@@ -157,10 +242,7 @@ def _check(value: Any, expected: Any, key: str, recipe: str) -> None:
     elif OPEN in extras or typing.get_origin(base) in (dict, Mapping):
         _check_open(value, base, key, recipe)
     else:
-        _check_leaf(value, base, key, recipe)
-        bounds = next((extra for extra in extras if isinstance(extra, Range)), None)
-        if bounds is not None and _is_number(value) and not bounds.holds(value):
-            raise ConfigError(f"{key}={value!r} must be {bounds}.")
+        _check_leaf(value, base, extras, key, recipe)
 
 
 def _unwrap(expected: Any) -> tuple[Any, tuple]:
@@ -207,12 +289,21 @@ def _check_open(value: Any, base: Any, key: str, recipe: str) -> None:
         _check(item, item_type, _join(key, str(name)), recipe)
 
 
-def _check_leaf(value: Any, expected: Any, key: str, recipe: str) -> None:
-    if expected is Any:
+def _check_leaf(value: Any, base: Any, extras: tuple, key: str, recipe: str) -> None:
+    """A value of a type, a choice or a range; refused with the field's :class:`Hint` where it has one."""
+    if base is Any:
         _check_finite(value, key)
         return
-    if not _fits(value, expected, key, recipe):
-        raise ConfigError(f"{key}={value!r}: expected {_describe(expected)}.")
+    bounds = next((extra for extra in extras if isinstance(extra, Range)), None)
+    fits = _fits(value, base, key, recipe)
+    if fits and (bounds is None or not _is_number(value) or bounds.holds(value)):
+        return
+    hint = next((extra for extra in extras if isinstance(extra, Hint)), None)
+    if hint is not None:
+        raise ConfigError(hint.message(key, value, base, bounds))
+    if not fits:
+        raise ConfigError(f"{key}={value!r}: expected {_describe(base)}.")
+    raise ConfigError(f"{key}={value!r} must be {bounds}.")
 
 
 def _fits(value: Any, expected: Any, key: str, recipe: str) -> bool:
@@ -258,21 +349,36 @@ def _fits_quietly(value: Any, option: Any, key: str, recipe: str) -> bool:
     try:
         return _fits(value, option, key, recipe)
     except ConfigError:
-        # A value that fits this option's type but breaks its range or finiteness: say so, rather than "wrong type".
-        if _fits_type_only(value, _unwrap(option)[0]):
+        # A value that has this option's type but breaks its range or finiteness: say so, rather than "wrong type".
+        if _has_type(value, option):
             raise
         return False
 
 
-def _fits_type_only(value: Any, expected: Any) -> bool:
-    if dataclasses.is_dataclass(expected):
+def _has_type(value: Any, expected: Any) -> bool:
+    """Whether ``value`` is of ``expected``'s type, its bounds and its nodes' contents aside: what picks the option
+    of a union a value is checked and built as."""
+    base, extras = _unwrap(expected)
+    origin = typing.get_origin(base)
+    if any(isinstance(extra, Variant) for extra in extras) or dataclasses.is_dataclass(base) or OPEN in extras:
         return isinstance(value, Mapping)
-    if expected is float:
+    if origin in (dict, Mapping) or base is dict:
+        return isinstance(value, Mapping)
+    if origin in (Union, types.UnionType):
+        return any(_has_type(value, option) for option in typing.get_args(base))
+    if origin is Literal:
+        return value in typing.get_args(base)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if base is Any:
+        return True
+    if base is None or base is type(None):
+        return value is None
+    if base is float:
         return _is_number(value)
-    if expected is int:
+    if base is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    origin = typing.get_origin(expected)
-    return origin in (list, tuple) and isinstance(value, (list, tuple))
+    return isinstance(value, base)
 
 
 def _is_number(value: Any) -> bool:
@@ -334,7 +440,72 @@ def _unknown_key_message(key: str, known: list[str], parent: str, recipe: str) -
     )
 
 
+# ------------------------------------------------------------------------------------------------ building
+
+
+def _build(value: Any, expected: Any, key: str) -> Any:
+    """``value`` (already checked against ``expected``) as its schema's dataclasses and Python types."""
+    base, extras = _unwrap(expected)
+    variant = next((extra for extra in extras if isinstance(extra, Variant)), None)
+    if variant is not None:
+        return _build_node(value, variant.schemas[value[variant.key]], key)
+    if dataclasses.is_dataclass(base):
+        return _build_node(value, base, key)
+    origin = typing.get_origin(base)
+    if OPEN in extras or origin in (dict, Mapping) or base is dict:
+        return value
+    if origin in (Union, types.UnionType):
+        option = next(option for option in typing.get_args(base) if _has_type(value, option))
+        return _build(value, option, key)
+    if origin in (list, tuple):
+        (item_type, *_) = typing.get_args(base) or (Any,)
+        return [_build(item, item_type, f"{key}[{index}]") for index, item in enumerate(value)]
+    return float(value) if base is float else value
+
+
+def _build_node(values: Mapping, schema: type, key: str) -> Any:
+    hints = typing.get_type_hints(schema, include_extras=True)
+    names = _field_names(schema)
+    fields = {name: _build(values[name], hints[name], _join(key, name)) for name in names}
+    try:
+        return schema(**fields)
+    except ConfigError:
+        raise
+    except ValueError as error:  # the node's own rules (its __post_init__)
+        raise ConfigError(_qualified(str(error), key, names)) from None
+
+
+def _qualified(message: str, key: str, names: list[str]) -> str:
+    """A node's message with its settings named in full: a node writes ``high=0.2`` (``name=`` or ``name.sub``);
+    under ``loss.clip`` it reads ``loss.clip.high=0.2``. A message that names none of them starts with the node's key.
+
+    Examples:
+        >>> _qualified("sync=true needs coeff > 0: set coeff=0.1, or sync=false.", "loss", ["sync", "coeff"])
+        'loss.sync=true needs coeff > 0: set loss.coeff=0.1, or loss.sync=false.'
+        >>> _qualified("the two bounds cross.", "loss.clip", ["low", "high"])
+        'loss.clip: the two bounds cross.'
+    """
+    if not key:
+        return message
+    mention = r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?==|\.\w)"
+    qualified = re.sub(mention, lambda match: f"{key}.{match.group(1)}", message)
+    return qualified if key in qualified else f"{key}: {qualified}"
+
+
 # ------------------------------------------------------------------------------------------------ shared nodes
+
+
+# Settings every recipe has, each with the reason its bounds hold.
+NumThreads = Annotated[
+    int | None, Range(ge=1), Hint("{key}={value} must be >= 1, or null for torch's default (every core).")
+]
+DType = Literal["float32", "bfloat16", "float16"]
+# clip_grad_norm_ with a negative norm multiplies every gradient by a negative factor: training runs backwards.
+MaxGradNorm = Annotated[
+    float | None,
+    Range(ge=0),
+    Hint("{key}={value} must be >= 0 (the largest gradient norm kept), or null not to clip."),
+]
 
 
 @dataclass
@@ -342,10 +513,20 @@ class LoraNode:
     """``model.lora`` / ``reward_model.lora`` as the YAML writes it (``recipes.common.lora``)."""
 
     enabled: bool
-    r: Annotated[int, Range(ge=1)]
-    alpha: Annotated[float, Range(gt=0)]
-    dropout: Annotated[float, Range(ge=0, lt=1)]
+    r: Annotated[
+        int, Range(ge=1), Hint("{key}={value}: the adapters' rank must be an integer >= 1 (8 or 16 are usual).")
+    ]
+    alpha: Annotated[float, Range(gt=0), Hint("{key}={value}: expected a number > 0 (alpha / r scales the update).")]
+    dropout: Annotated[float, Range(ge=0, lt=1), Hint("{key}={value}: expected a probability in [0, 1).")]
     target_modules: str | list[str]
+
+    def __post_init__(self) -> None:
+        if not (self.target_modules == "all-linear" or isinstance(self.target_modules, list) and self.target_modules):
+            raise ValueError(
+                f"target_modules={self.target_modules!r}: expected a non-empty list of module names (the last part of "
+                "the names of the linear layers to adapt, e.g. [q_proj,v_proj] in Qwen or Llama models), or "
+                "all-linear."
+            )
 
 
 @dataclass
@@ -399,10 +580,9 @@ class HFData:
     oracle: Any
 
 
-DataNode = Annotated[
-    dict,
-    Variant("source", {"synthetic": SyntheticData, "arithmetic": ArithmeticData, "file": FileData, "hf": HFData}),
-]
+# data.source -> its node (conf/data/<source>.yaml).
+DATA_SOURCES = {"synthetic": SyntheticData, "arithmetic": ArithmeticData, "file": FileData, "hf": HFData}
+DataNode = Annotated[dict, Variant("source", DATA_SOURCES)]
 
 
 @dataclass
@@ -473,3 +653,45 @@ def trainer_config_view(train: Mapping, config_class: type) -> SimpleNamespace:
             values[field.name] = field.default_factory()
     values.update({str(key): value for key, value in dict(train).items() if key != "_target_"})
     return SimpleNamespace(**values)
+
+
+@dataclass
+class TrainerNode:
+    """The fields of trl's config (``train:``) that the recipes rely on, read over trl's own defaults
+    (:func:`trainer_config_view`): out of range, each fails deep inside trl, or trains garbage. A recipe's own
+    subclass adds the fields it refuses."""
+
+    # Both recipes hand trl an IterableDataset (no length): trl's -1 ("from the epochs") cannot work.
+    max_steps: Annotated[
+        int,
+        Range(ge=1),
+        Hint(
+            "{key}={value}: trl reads this recipe's data as a stream (an IterableDataset with no length), so the "
+            "number of optimizer steps must be given: {key}=<positive int>, e.g. {key}=300."
+        ),
+    ]
+    learning_rate: Annotated[float, Range(gt=0), Hint("{key}={value} must be a positive number (e.g. {key}=1e-4).")]
+    max_grad_norm: MaxGradNorm
+    per_device_train_batch_size: Annotated[int, Range(ge=1)]
+
+
+def checked_trainer_config(
+    train: Mapping, config_class: type, *, node: type = TrainerNode, key: str = "train"
+) -> SimpleNamespace:
+    """``train:`` as the trl config class will read it (:func:`trainer_config_view`), once its keys are the class's
+    own (:func:`check_trainer_config_keys`) and the fields ``node`` types (:class:`TrainerNode`, or a recipe's
+    subclass) fit it.
+
+    Examples:
+        >>> from trl import RewardConfig
+        >>> checked_trainer_config({"max_steps": 10}, RewardConfig).learning_rate == RewardConfig.learning_rate
+        True
+        >>> checked_trainer_config({"learning_rate": 1e-3}, RewardConfig)
+        Traceback (most recent call last):
+        ...
+        recipes.common.config.ConfigError: train.max_steps=-1: trl reads this recipe's data as a stream ...
+    """
+    check_trainer_config_keys(train, config_class, key=key)
+    view = trainer_config_view(train, config_class)
+    typed_config({name: getattr(view, name) for name in _field_names(node)}, node, key=key)
+    return view

@@ -2,6 +2,9 @@
 read, :func:`check_prompt_lengths` (tokenizers and model configs only). Each message names the setting, what was found
 and what to change.
 
+The range, the choices and the rules within one node of every key are the schema's (``recipes.grpo.schema``); here are
+the rules across nodes, and what needs the files (models, checkpoints, the run folder) or the machine.
+
 Dependencies: torch, omegaconf, transformers (``AutoConfig``), and the recipe's own modules.
 """
 
@@ -12,7 +15,7 @@ import os
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from recipes.common.checkpoint import (
@@ -36,29 +39,13 @@ from recipes.grpo.checkpointing import (
     resume_changes,
     resumed_config,
 )
-from recipes.grpo.collector import ROLLOUT_ENVS, check_generation_settings, sampler_settings
-from recipes.grpo.distributed import STRATEGIES
+from recipes.grpo.collector import check_generation_settings, sampler_settings
 from recipes.grpo.evaluation import check_eval_settings
-from recipes.grpo.loss import LOSS_TYPES
-from recipes.grpo.policy import MIXED_PRECISIONS
 from recipes.grpo.report import summary_keys
-from recipes.grpo.rewards import REWARD_INPUTS, check_reward_keys, check_reward_sources, reward_prompt_lengths
+from recipes.grpo.rewards import check_reward_keys, check_reward_sources, reward_prompt_lengths
 from recipes.grpo.schema import RENAMED, GRPORecipeConfig
 
-__all__ = ["BACKENDS", "ROLLOUT_MODES", "check_prompt_lengths", "validate"]
-
-BACKENDS = ("auto", "gloo", "nccl")
-# transformers' get_scheduler names that take no extra settings.
-LR_SCHEDULERS = (
-    "constant",
-    "constant_with_warmup",
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "inverse_sqrt",
-)
-ROLLOUT_MODES = ("sync", "async")
+__all__ = ["check_prompt_lengths", "validate"]
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +66,11 @@ def _validate_settings(cfg: DictConfig) -> None:
     _validate_batches(cfg)
     _validate_reporting(cfg)
     _validate_memory(cfg)
-    _validate_rollout(cfg.rollout)
+    _validate_generation(cfg.rollout)
     _validate_rewards(cfg)
     check_eval_settings(cfg)
     _validate_algorithm(cfg)
-    check_run_settings(
-        cfg, lr_key="optimizer.lr", max_grad_norm_key="train.max_grad_norm", batch_size_key="train.mini_batch_size"
-    )
-    _validate_optimizer(cfg.optimizer)
+    check_run_settings(cfg)
     _validate_distributed(cfg)
     validate_model_node(cfg.model, key="model", kind="policy")
     if cfg.reward_model is not None:
@@ -111,11 +95,9 @@ def _validate_settings(cfg: DictConfig) -> None:
 
 
 def _validate_rewards(cfg: DictConfig) -> None:
-    """The reward sources: at least one, distinct names, the reward model's input, the keys every source reads; the
-    trl functions themselves are checked once the data's columns are known (:func:`check_prompt_lengths`)."""
+    """The reward sources: at least one, distinct names, the keys every source reads; the trl functions themselves are
+    checked once the data's columns are known (:func:`check_prompt_lengths`)."""
     check_reward_sources(cfg)
-    if cfg.reward_model is not None and cfg.reward.input not in REWARD_INPUTS:
-        raise ConfigError(f"reward.input={cfg.reward.input!r}: expected one of {list(REWARD_INPUTS)}.")
     if cfg.reward.functions and cfg.rollout.env == "chat":
         raise ConfigError(
             "reward.functions run on rollout.env=prompt steps (they read each prompt's data row); with "
@@ -126,27 +108,14 @@ def _validate_rewards(cfg: DictConfig) -> None:
 
 
 def _validate_batches(cfg: DictConfig) -> None:
-    group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
-    if group < 2:
-        raise ConfigError(
-            f"rollout.group_size={group}: GRPO normalises each reward against the other responses to the same prompt, "
-            "so a group needs at least 2 responses; set rollout.group_size >= 2."
-        )
-    if per_step < group or per_step % group:
-        raise ConfigError(
-            f"rollout.responses_per_step={per_step} is not a multiple of rollout.group_size={group}: every prompt "
-            f"gets a full group. Use a multiple, e.g. rollout.responses_per_step={max(1, per_step // group) * group}."
-        )
-    mini = cfg.train.mini_batch_size
-    if mini < 1 or per_step % mini:
+    """How a step's responses split into mini-batches and optimizer steps (the group layout is ``rollout:``'s own)."""
+    per_step, mini = cfg.rollout.responses_per_step, cfg.train.mini_batch_size
+    if per_step % mini:
         raise ConfigError(
             f"train.mini_batch_size={mini} does not divide rollout.responses_per_step={per_step}; each step's "
             "responses are split into equal mini-batches. Pick a divisor (e.g. train.mini_batch_size="
             f"{per_step // 2 if per_step % 2 == 0 else per_step})."
         )
-    for key in ("train.steps", "train.epochs_per_step"):
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 1.")
     accumulation = cfg.train.gradient_accumulation_steps
     if (per_step // mini) % accumulation:
         raise ConfigError(
@@ -157,27 +126,14 @@ def _validate_batches(cfg: DictConfig) -> None:
 
 
 def _validate_algorithm(cfg: DictConfig) -> None:
-    """The loss menu, the advantage and the schedule: choices, and what cannot combine, with the reason."""
+    """What the loss, the advantage and the rollout cannot combine, with the reason."""
     loss = cfg.loss
-    if loss.type not in LOSS_TYPES:
-        raise ConfigError(f"loss.type={loss.type!r}: expected one of {list(LOSS_TYPES)} (trl's loss_type).")
-    if OmegaConf.is_list(loss.clip_epsilon):
-        if len(loss.clip_epsilon) != 2 or loss.clip_epsilon_high is not None:
-            raise ConfigError(
-                f"loss.clip_epsilon={list(loss.clip_epsilon)}: a list is TorchRL's (low, high) pair, two numbers, with "
-                "loss.clip_epsilon_high null; or give loss.clip_epsilon=<low> loss.clip_epsilon_high=<high>."
-            )
     if loss.type == "cispo" and loss.clip_epsilon_high is None and not OmegaConf.is_list(loss.clip_epsilon):
         log.warning(
             "loss.type=cispo clamps the importance ratio itself at loss.clip_epsilon_high, which is null: it takes "
             "loss.clip_epsilon=%s, as trl does, and clamps every ratio below 1. Set loss.clip_epsilon_high (1.28 "
             "learns the tiny task; ScaleRL's 4 collapsed it at step 29).",
             loss.clip_epsilon,
-        )
-    if loss.sync_ref_model and not loss.kl_to_ref_coeff:
-        raise ConfigError(
-            "loss.sync_ref_model=true with no KL term (loss.kl_to_ref_coeff is 0 or null): there is no reference to "
-            "keep in sync. Set a KL coefficient, or loss.sync_ref_model=false."
         )
     if loss.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError(
@@ -191,31 +147,10 @@ def _validate_algorithm(cfg: DictConfig) -> None:
             "per update under the policy-lag bound, and the extra batches dynamic sampling draws would break that "
             "bound. Use rollout.mode=sync with it."
         )
-    warmup = cfg.train.warmup_steps
-    if isinstance(warmup, float) and not 0 <= warmup < 1:
-        raise ConfigError(f"train.warmup_steps={warmup}: a float is a fraction of the optimizer steps, in [0, 1).")
-    if cfg.train.lr_scheduler not in LR_SCHEDULERS:
-        raise ConfigError(
-            f"train.lr_scheduler={cfg.train.lr_scheduler!r}: expected one of {list(LR_SCHEDULERS)} (transformers' "
-            "schedules that need no more settings)."
-        )
 
 
 def _validate_reporting(cfg: DictConfig) -> None:
-    every = cfg.checkpoint.every_n_steps
-    if every is not None and every < 1:
-        raise ConfigError(f"checkpoint.every_n_steps={every} must be >= 1, or null to save only at the end.")
-    if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last < 1:
-        raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all.")
-    if cfg.summary.window < 1:
-        raise ConfigError(f"summary.window={cfg.summary.window} must be >= 1.")
-    if cfg.log_every_n_steps < 1:
-        raise ConfigError(f"log_every_n_steps={cfg.log_every_n_steps} must be >= 1.")
-    if cfg.samples.every_n_steps is not None and cfg.samples.every_n_steps < 1:
-        raise ConfigError(f"samples.every_n_steps={cfg.samples.every_n_steps} must be >= 1, or null for no samples.")
-    for key in ("samples.log_count", "samples.print_count"):
-        if OmegaConf.select(cfg, key) < 0:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be >= 0.")
+    """The metric main() returns must be one the run writes."""
     metric = str(cfg.metric)
     known = summary_keys(cfg)
     if metric not in known:
@@ -224,23 +159,6 @@ def _validate_reporting(cfg: DictConfig) -> None:
         raise ConfigError(
             f"metric={metric!r} needs an oracle, but data.oracle is null for data.source={cfg.data.source!r}; "
             "use metric=rollout/reward_mean_last."
-        )
-
-
-# What restore_progress and the schema's optimizer node know how to set: Adam's family.
-OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam")
-
-
-def _validate_optimizer(optimizer: DictConfig) -> None:
-    if optimizer._target_ not in OPTIMIZERS:
-        raise ConfigError(
-            f"optimizer._target_={optimizer._target_!r}: the recipe trains with {list(OPTIMIZERS)} (their lr, betas "
-            "and weight_decay are what its config holds and a resume restores); use one of them."
-        )
-    if optimizer.lr > 1.0:
-        raise ConfigError(
-            f"optimizer.lr={optimizer.lr}: an Adam step moves every weight by about lr, so above 1 the weights blow "
-            "up (past 3.4e38 they overflow float32). Use a learning rate <= 1 (1e-6 to 1e-3 for real models)."
         )
 
 
@@ -254,26 +172,16 @@ def _validate_lora(cfg: DictConfig) -> None:
 
 
 def _validate_memory(cfg: DictConfig) -> None:
-    precision = cfg.train.mixed_precision
-    if precision not in MIXED_PRECISIONS:
-        raise ConfigError(f"train.mixed_precision={precision!r}: expected one of {list(MIXED_PRECISIONS)}.")
-    if precision == "bf16" and cfg.dtype != "float32":
+    if cfg.train.mixed_precision == "bf16" and cfg.dtype != "float32":
         raise ConfigError(
             f"train.mixed_precision=bf16 with dtype={cfg.dtype}: bf16 autocast is for float32 weights (the optimizer "
             "then updates float32 master weights while the forward computes in bfloat16). With weights already in "
             f"{cfg.dtype} it changes nothing; use dtype=float32 with train.mixed_precision=bf16, or keep "
             f"dtype={cfg.dtype} with train.mixed_precision=no."
         )
-    if not isinstance(cfg.train.gradient_checkpointing, bool):
-        raise ConfigError(f"train.gradient_checkpointing={cfg.train.gradient_checkpointing!r}: expected true or false.")
 
 
 def _validate_resume(cfg: DictConfig) -> None:
-    if not isinstance(cfg.resume_allow_changes, ListConfig):
-        raise ConfigError(
-            f"resume_allow_changes={cfg.resume_allow_changes!r}: expected a list of settings, e.g. "
-            "resume_allow_changes=[optimizer.lr]."
-        )
     if cfg.resume and latest_checkpoint(checkpoint_root(cfg)) is None:
         raise ConfigError(
             f"resume=true but {checkpoint_root(cfg)} holds no checkpoint. Point the run at the folder of the run to "
@@ -354,43 +262,15 @@ def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
     log.warning(message)
 
 
-def _validate_rollout(rollout: DictConfig) -> None:
-    if rollout.env not in ROLLOUT_ENVS:
-        raise ConfigError(f"rollout.env={rollout.env!r}: expected one of {list(ROLLOUT_ENVS)}.")
-    if rollout.mode not in ROLLOUT_MODES:
-        raise ConfigError(f"rollout.mode={rollout.mode!r}: expected one of {list(ROLLOUT_MODES)}.")
-    if rollout.mode == "async" and rollout.env != "prompt":
-        raise ConfigError(
-            f"rollout.mode=async runs the collector of rollout.env=prompt in a background process; rollout.env="
-            f"{rollout.env} collects in the learner's process only. Use rollout.env=prompt, or rollout.mode=sync."
-        )
-    if rollout.max_policy_lag < 0:
-        raise ConfigError(f"rollout.max_policy_lag={rollout.max_policy_lag} must be >= 0.")
-    if rollout.collector_threads < 1:
-        raise ConfigError(f"rollout.collector_threads={rollout.collector_threads} must be >= 1.")
-    generation = rollout.generation
-    check_generation_settings(generation, env=rollout.env)
-    if generation.max_new_tokens < 1:
-        raise ConfigError(f"rollout.generation.max_new_tokens={generation.max_new_tokens} must be >= 1.")
-    if not generation.do_sample:
-        raise ConfigError(
-            "rollout.generation.do_sample=false: greedy decoding gives every response to a prompt the same text and "
-            "reward, so GRPO's group-normalised advantages are all 0 and nothing is learned. Sample "
-            "(rollout.generation.do_sample=true, with a temperature > 0)."
-        )
-    if generation.temperature <= 0:
-        raise ConfigError(
-            f"rollout.generation.temperature={generation.temperature} must be > 0 when sampling; GRPO needs diverse "
-            "responses within a group."
-        )
+def _validate_generation(rollout: DictConfig) -> None:
+    """``rollout.generation`` is open: its keys and values are those of the sampler ``rollout.env`` picks."""
+    check_generation_settings(rollout.generation, env=rollout.env)
     if rollout.env == "prompt":
-        sampler_settings(generation)
+        sampler_settings(rollout.generation)
 
 
 def _validate_distributed(cfg: DictConfig) -> None:
     backend = cfg.distributed.backend
-    if backend not in BACKENDS:
-        raise ConfigError(f"distributed.backend={backend!r}: expected one of {list(BACKENDS)}.")
     on_cuda = str(cfg.device).startswith("cuda")
     if backend == "nccl" and not on_cuda:
         raise ConfigError(f"distributed.backend=nccl needs device=cuda (got device={cfg.device!r}); use gloo or auto.")
@@ -411,10 +291,7 @@ def _validate_distributed(cfg: DictConfig) -> None:
 
 
 def _validate_strategy(cfg: DictConfig) -> None:
-    strategy = cfg.distributed.strategy
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"distributed.strategy={strategy!r}: expected one of {list(STRATEGIES)}.")
-    if strategy != "fsdp":
+    if cfg.distributed.strategy != "fsdp":
         return
     # Outside torchrun (or with one process) there is nothing to shard over: the run trains as with ddp.
     if cfg.rollout.mode == "async":

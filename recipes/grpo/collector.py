@@ -54,9 +54,7 @@ from recipes.grpo.policy import load_policy
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import load_reward_scorer, make_reward_transform
 
-__all__ = ["ROLLOUT_ENVS", "build_prompt_collector", "check_generation_settings", "make_collector", "sampler_settings"]
-
-ROLLOUT_ENVS = ("prompt", "chat")
+__all__ = ["build_prompt_collector", "check_generation_settings", "make_collector", "sampler_settings"]
 
 
 def check_generation_settings(generation: Mapping, *, env: str, key: str = "rollout.generation") -> None:

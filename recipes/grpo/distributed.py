@@ -9,16 +9,19 @@ its log-prob scorer (``recipes.grpo.log_probs.make_policy_scorer``).
 
 from __future__ import annotations
 
+import typing
+
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather, reduce
 
 from recipes.common.sharding import is_sharded
+from recipes.grpo.schema import Strategy
 
 __all__ = ["STRATEGIES", "check_ranks_in_sync", "mean_over_processes", "pool_over_processes"]
 
-# ddp: every process holds the whole policy and its optimizer state; fsdp: 1/N of them each (FSDP2).
-STRATEGIES = ("ddp", "fsdp")
+# distributed.strategy's choices (recipes.grpo.schema.Strategy).
+STRATEGIES = typing.get_args(Strategy)
 
 
 def _comm_device() -> torch.device:

@@ -2,7 +2,8 @@
 
 - :func:`group_advantages`: each response's reward against its group's (``advantage.scale_rewards``: ``group``,
   ``batch`` or ``none``, as trl's ``scale_rewards``); :class:`GroupAdvantage` writes them into a batch.
-- :class:`GRPOObjective`: the loss of one mini-batch, for every ``loss.type`` of trl (``grpo``, ``bnpo``,
+- :class:`GRPOObjective`: the loss of one mini-batch, as the ``loss:`` node sets it (``recipes.grpo.schema.Loss``),
+  for every ``loss.type`` of trl (``grpo``, ``bnpo``,
   ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``), token- or sequence-level importance sampling
   (GSPO), clip-higher (``clip_epsilon_high``), two-sided clipping (``delta``), the high-entropy token mask
   (``top_entropy_quantile``), the off-policy sequence mask (``off_policy_mask_threshold``) and a KL penalty to the
@@ -24,6 +25,7 @@ Dependencies: torch, tensordict, accelerate.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torch import nn
 
+from recipes.common.schema import typed_config
 from recipes.grpo.batch import (
     ADVANTAGE,
     ATTENTION_MASK,
@@ -45,6 +48,7 @@ from recipes.grpo.batch import (
     TOKENS,
     response_start,
 )
+from recipes.grpo.schema import ImportanceSamplingLevel, Loss, LossType, RewardAggregation, ScaleRewards
 
 __all__ = [
     "IS_LEVELS",
@@ -54,14 +58,15 @@ __all__ = [
     "SCALE_REWARDS",
     "GRPOObjective",
     "GroupAdvantage",
-    "LossSettings",
     "group_advantages",
     "make_loss",
     "normalized_sum_advantages",
 ]
 
-SCALE_REWARDS = ("group", "batch", "none")
-IS_LEVELS = ("token", "sequence")
+SCALE_REWARDS = typing.get_args(ScaleRewards)
+IS_LEVELS = typing.get_args(ImportanceSamplingLevel)
+LOSS_TYPES = typing.get_args(LossType)
+AGGREGATIONS = typing.get_args(RewardAggregation)
 
 
 # ------------------------------------------------------------------------------------------------ advantages
@@ -144,8 +149,8 @@ class GroupAdvantage:
         aggregation: str = "sum_then_normalize",
         weights: torch.Tensor | None = None,
     ) -> None:
-        if aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-            raise ValueError(f"GroupAdvantage: aggregation={aggregation!r}.")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"GroupAdvantage: aggregation={aggregation!r}, expected one of {list(AGGREGATIONS)}.")
         if aggregation == "normalize_then_sum" and weights is None:
             raise ValueError("GroupAdvantage: normalize_then_sum needs the sources' weights.")
         self.group_size = group_size
@@ -173,77 +178,6 @@ class GroupAdvantage:
 # ------------------------------------------------------------------------------------------------ the loss
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """What ``loss:`` sets (trl's ``GRPOConfig`` names in brackets).
-
-    Keyword Args:
-        type: one of :data:`LOSS_TYPES` (``loss_type``).
-        importance_sampling_level: ``token`` or ``sequence`` (GSPO) (``importance_sampling_level``).
-        clip_epsilon: the lower clip of the ratio (``epsilon``); clip_epsilon_high: the upper one (``epsilon_high``;
-            ``cispo``'s clamp of the ratio).
-        delta: two-sided clipping: the ratio's upper bound on the unclipped branch, or None (``delta``).
-        kl_to_ref_coeff: the KL penalty's weight (``beta``); kl_bias_correction: the KL term times the importance
-            ratio (``use_bias_correction_kl``).
-        entropy_coeff: the entropy bonus's weight (``entropy_coef``), a token mean over the trained tokens.
-        top_entropy_quantile: train only the tokens whose entropy is in this top fraction (``top_entropy_quantile``).
-        off_policy_mask_threshold: drop the negative-advantage responses whose mean KL to the sampling policy exceeds
-            it, or None (``off_policy_mask_threshold``).
-        max_completion_length: ``dr_grpo``'s constant normaliser (``max_completion_length``).
-        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg:
-            ``sapo``'s and ``vespo``'s own settings (the same names in trl).
-    """
-
-    type: str
-    importance_sampling_level: str
-    clip_epsilon: float
-    clip_epsilon_high: float
-    delta: float | None
-    kl_to_ref_coeff: float
-    kl_bias_correction: bool
-    entropy_coeff: float
-    top_entropy_quantile: float
-    off_policy_mask_threshold: float | None
-    max_completion_length: int
-    sapo_temperature_pos: float
-    sapo_temperature_neg: float
-    vespo_k_pos: float
-    vespo_lambda_pos: float
-    vespo_k_neg: float
-    vespo_lambda_neg: float
-
-    @classmethod
-    def from_config(cls, config: DictConfig) -> LossSettings:
-        """The settings of the recipe config's ``loss:`` node (and ``dr_grpo``'s length, the sampler's
-        ``max_new_tokens``)."""
-        loss = config.loss
-        low, high = clip_bounds(loss.clip_epsilon, loss.clip_epsilon_high)
-        return cls(
-            type=loss.type,
-            importance_sampling_level=loss.importance_sampling_level,
-            clip_epsilon=low,
-            clip_epsilon_high=high,
-            delta=loss.delta,
-            kl_to_ref_coeff=float(loss.kl_to_ref_coeff or 0.0),
-            kl_bias_correction=loss.kl_bias_correction,
-            entropy_coeff=loss.entropy_coeff,
-            top_entropy_quantile=loss.top_entropy_quantile,
-            off_policy_mask_threshold=loss.off_policy_mask_threshold,
-            max_completion_length=config.rollout.generation.max_new_tokens,
-            **{f"sapo_{key}": value for key, value in loss.sapo.items()},
-            **{f"vespo_{key}": value for key, value in loss.vespo.items()},
-        )
-
-
-def clip_bounds(clip_epsilon, clip_epsilon_high) -> tuple[float, float]:
-    """``(low, high)`` from ``loss.clip_epsilon`` (a number, or TorchRL's ``[low, high]`` pair) and
-    ``loss.clip_epsilon_high`` (null: the same as the low one)."""
-    if isinstance(clip_epsilon, (list, tuple)) or hasattr(clip_epsilon, "__len__"):
-        low, high = (float(value) for value in clip_epsilon)
-        return low, high
-    return float(clip_epsilon), float(clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
-
-
 @dataclass
 class _Tokens:
     """One mini-batch in response columns ``[B, R]``: what every loss rule reads."""
@@ -257,40 +191,40 @@ class _Tokens:
     coef_1: torch.Tensor  # the importance ratio: [B, R] (token level) or [B, 1] (sequence level)
 
 
-def _clipped(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+def _clipped(tokens: _Tokens, s: Loss) -> torch.Tensor:
     coef_2 = torch.clamp(tokens.coef_1, 1 - s.clip_epsilon, 1 + s.clip_epsilon_high)
     coef_1 = tokens.coef_1 if s.delta is None else torch.clamp(tokens.coef_1, max=s.delta)
     return -torch.min(coef_1 * tokens.advantages, coef_2 * tokens.advantages)
 
 
-def _cispo(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+def _cispo(tokens: _Tokens, s: Loss) -> torch.Tensor:
     # The ratio itself clipped and detached, weighting the log-prob: every token keeps its gradient.
     return -torch.clamp(tokens.coef_1, max=s.clip_epsilon_high).detach() * tokens.advantages * tokens.log_probs
 
 
-def _sapo(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
-    temperatures = torch.where(tokens.advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+def _sapo(tokens: _Tokens, s: Loss) -> torch.Tensor:
+    temperatures = torch.where(tokens.advantages > 0, s.sapo.temperature_pos, s.sapo.temperature_neg)
     return -torch.sigmoid(temperatures * (tokens.coef_1 - 1)) * 4 / temperatures * tokens.advantages
 
 
 @torch.no_grad()
-def _gamma_weights(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+def _gamma_weights(tokens: _Tokens, s: Loss) -> torch.Tensor:
     """VESPO's phi(w) = e^lambda w^k e^(-lambda w) of the sequence ratio w, in log space (a gradient scale only)."""
     floor = math.log(1e-8)
     seq_log_ratio = (torch.clamp(tokens.log_ratio, -20.0, 20.0) * tokens.mask).sum(-1, keepdim=True)
     log_w = torch.clamp(seq_log_ratio, floor, 20.0)
     positive = tokens.advantages >= 0
-    k = torch.where(positive, s.vespo_k_pos, s.vespo_k_neg)
-    lam = torch.where(positive, s.vespo_lambda_pos, s.vespo_lambda_neg).clamp(min=1e-4)
+    k = torch.where(positive, s.vespo.k_pos, s.vespo.k_neg)
+    lam = torch.where(positive, s.vespo.lambda_pos, s.vespo.lambda_neg).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _vespo(tokens: _Tokens, s: LossSettings) -> torch.Tensor:
+def _vespo(tokens: _Tokens, s: Loss) -> torch.Tensor:
     return -_gamma_weights(tokens, s) * tokens.advantages * tokens.log_probs
 
 
 # The per-token policy loss of each type (before masks, the KL term and the normaliser).
-POLICY_LOSSES: dict[str, Callable[[_Tokens, LossSettings], torch.Tensor]] = {
+POLICY_LOSSES: dict[str, Callable[[_Tokens, Loss], torch.Tensor]] = {
     "grpo": _clipped,
     "bnpo": _clipped,
     "dr_grpo": _clipped,
@@ -300,7 +234,6 @@ POLICY_LOSSES: dict[str, Callable[[_Tokens, LossSettings], torch.Tensor]] = {
     "sapo": _sapo,
     "vespo": _vespo,
 }
-LOSS_TYPES = tuple(POLICY_LOSSES)
 
 
 @dataclass(frozen=True)
@@ -312,29 +245,29 @@ class Scale:
     step_tokens: float
 
 
-def _sequence_mean(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+def _sequence_mean(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, max_length: int) -> torch.Tensor:
     return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / scale.accumulation
 
 
-def _token_mean(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+def _token_mean(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, max_length: int) -> torch.Tensor:
     return (loss * mask).sum() / mask.sum().clamp(min=1.0) / scale.accumulation
 
 
-def _constant_length(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
-    return (loss * mask).sum() / (loss.shape[0] * s.max_completion_length) / scale.accumulation
+def _constant_length(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, max_length: int) -> torch.Tensor:
+    return (loss * mask).sum() / (loss.shape[0] * max_length) / scale.accumulation
 
 
-def _step_tokens(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+def _step_tokens(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, max_length: int) -> torch.Tensor:
     return (loss * mask).sum() / max(scale.step_tokens, 1.0)
 
 
-def _sequence_sum(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, s: LossSettings) -> torch.Tensor:
+def _sequence_sum(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, max_length: int) -> torch.Tensor:
     return (loss * mask).sum(-1).mean() / scale.accumulation
 
 
 # How each type turns per-token losses into the mini-batch's loss (trl's normalisation; the gradients of an optimizer
 # step's accumulated mini-batches add up, as trl's do).
-NORMALIZERS: dict[str, Callable[[torch.Tensor, torch.Tensor, Scale, LossSettings], torch.Tensor]] = {
+NORMALIZERS: dict[str, Callable[[torch.Tensor, torch.Tensor, Scale, int], torch.Tensor]] = {
     "grpo": _sequence_mean,
     "sapo": _sequence_mean,
     "bnpo": _token_mean,
@@ -368,7 +301,7 @@ def _off_policy_mask(tokens: _Tokens, threshold: float) -> torch.Tensor:
 
 
 class GRPOObjective(nn.Module):
-    """The GRPO loss of a dense ``[B, T]`` mini-batch (``recipes.grpo.batch``), as :class:`LossSettings` sets it.
+    """The GRPO loss of a dense ``[B, T]`` mini-batch (``recipes.grpo.batch``), as the ``loss:`` node sets it.
 
     It reads the sequences, the attention mask, the loss mask (the response tokens that count), the old (sampling)
     log-probs (missing: on-policy, the current ones detached stand in, as trl does with one update per generation),
@@ -377,10 +310,14 @@ class GRPOObjective(nn.Module):
 
     Args:
         scorer: a ``ResponseLogProbs`` over the policy (or a DDP/FSDP2 form of one: ``make_policy_scorer``).
-        settings: the :class:`LossSettings`.
+        settings: the ``loss:`` node (``recipes.grpo.schema.Loss``: trl's ``GRPOConfig`` names in its YAML).
+
+    Keyword Args:
+        max_completion_length: ``dr_grpo``'s constant normaliser (trl's ``max_completion_length``; the recipe's
+            ``rollout.generation.max_new_tokens``).
     """
 
-    def __init__(self, scorer: nn.Module, settings: LossSettings) -> None:
+    def __init__(self, scorer: nn.Module, settings: Loss, *, max_completion_length: int) -> None:
         super().__init__()
         if settings.type not in POLICY_LOSSES:
             raise ValueError(f"GRPOObjective: type={settings.type!r}, expected one of {list(LOSS_TYPES)}.")
@@ -388,6 +325,7 @@ class GRPOObjective(nn.Module):
             raise ValueError(f"GRPOObjective: importance_sampling_level must be one of {list(IS_LEVELS)}.")
         self.scorer = scorer
         self.settings = settings
+        self.max_completion_length = max_completion_length
 
     def forward(self, batch: TensorDictBase, *, scale: Scale) -> dict[str, torch.Tensor]:
         s = self.settings
@@ -403,7 +341,7 @@ class GRPOObjective(nn.Module):
         if s.kl_to_ref_coeff:
             kl = self._kl(batch, tokens)
             per_token = per_token + s.kl_to_ref_coeff * kl
-        loss = NORMALIZERS[s.type](per_token, tokens.mask, scale, s)
+        loss = NORMALIZERS[s.type](per_token, tokens.mask, scale, self.max_completion_length)
         out = {"policy_loss": loss.detach(), "entropy": _masked_mean(tokens.entropies.detach(), tokens.mask)}
         if s.entropy_coeff:
             trained = tokens.mask if entropy_mask is None else tokens.mask * entropy_mask
@@ -465,4 +403,5 @@ def _masked_mean(values: torch.Tensor, mask) -> torch.Tensor:
 
 def make_loss(cfg: DictConfig, scorer: nn.Module) -> GRPOObjective:
     """The :class:`GRPOObjective` of the recipe's ``loss:`` node, over the policy's ``scorer``."""
-    return GRPOObjective(scorer, LossSettings.from_config(cfg))
+    settings = typed_config(cfg.loss, Loss, key="loss")
+    return GRPOObjective(scorer, settings, max_completion_length=cfg.rollout.generation.max_new_tokens)

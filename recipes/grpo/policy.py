@@ -21,6 +21,7 @@ Dependencies: torch, omegaconf, transformers, and ``peft`` (imported when the po
 from __future__ import annotations
 
 import contextlib
+import typing
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 
 from recipes.common.lora import make_lora_config
 from recipes.common.models import load_causal_lm
+from recipes.grpo.schema import MixedPrecision
 
 __all__ = [
     "MIXED_PRECISIONS",
@@ -40,7 +42,7 @@ __all__ = [
 ]
 
 # train.mixed_precision's choices: "no" (the loss forward in the weights' dtype) or "bf16" (bf16 autocast).
-MIXED_PRECISIONS = ("no", "bf16")
+MIXED_PRECISIONS = typing.get_args(MixedPrecision)
 
 
 def load_policy(node: DictConfig, *, device: str, dtype: str, saved: DictConfig | None = None):

@@ -20,6 +20,7 @@ from interop import TorchRLBufferDataset
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.reward.pair_store import STORAGE_FOLDER, save_labelled_pairs
 from recipes.reward.pairs import LabelledPairs, count_over_max_length, pairs_to_tensordict, tokenize_pairs
+from recipes.reward.schema import reward_trainer_view
 
 __all__ = ["make_eval_dataset", "make_preference_buffer", "make_train_dataset", "make_training_stream"]
 
@@ -107,13 +108,13 @@ def make_training_stream(
 
     Returns the ``datasets.IterableDataset`` and facts about it for the summary.
     """
-    keys = cfg.buffer.pair_keys
-    step_pairs = cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps * num_processes
+    keys, train = cfg.buffer.pair_keys, reward_trainer_view(cfg.train)
+    step_pairs = train.per_device_train_batch_size * train.gradient_accumulation_steps * num_processes
     if len(labelled.train) < step_pairs:
         raise ConfigError(
             f"Only {len(labelled.train)} training pairs, fewer than one optimizer step takes "
             "(train.per_device_train_batch_size * train.gradient_accumulation_steps * processes = "
-            f"{cfg.train.per_device_train_batch_size} * {cfg.train.gradient_accumulation_steps} * {num_processes} = "
+            f"{train.per_device_train_batch_size} * {train.gradient_accumulation_steps} * {num_processes} = "
             f"{step_pairs}). Lower the batch size, use fewer processes or add data (more prompts, "
             "generation.responses_per_prompt, labeler.max_pairs_per_prompt)."
         )
@@ -127,7 +128,7 @@ def make_training_stream(
     longest = torch.maximum(
         pairs_td.get(tensordict_key(keys.chosen_length)), pairs_td.get(tensordict_key(keys.rejected_length))
     )
-    too_long = count_over_max_length(longest, cfg.train.max_length, what="training")
+    too_long = count_over_max_length(longest, train.max_length, what="training")
     # Whole optimizer steps per epoch, so that no step mixes the end of one epoch with the start of the next (and
     # accelerate never pads a short last batch with pairs from the start of the epoch).
     samples_per_epoch = len(labelled.train) // step_pairs * step_pairs

@@ -1,5 +1,6 @@
 """Every check of a reward-recipe config that runs before anything loads; each message names the setting, what was
-found and what to change.
+found and what to change. The range, the choices and the rules within one node of every key are the schema's
+(``recipes.reward.schema``); here are the rules across nodes, and what needs the files or the machine.
 
 Dependencies: omegaconf, and the recipe's own modules.
 """
@@ -8,60 +9,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recipes.common.chat import check_chat_generation_settings
 from recipes.common.config import ConfigError, check_run_settings
-from recipes.common.lora import check_lora_targets, validate_lora_node
+from recipes.common.lora import check_lora_targets
 from recipes.common.models import check_tokenizer_fits_model, meta_model, validate_model_node
 from recipes.common.run import check_sharded_launch
 from recipes.common.run_folder import check_output_folder, input_paths
 from recipes.common.schema import checked_config
 from recipes.reward.pair_store import read_meta
-from recipes.reward.schema import RewardRecipeConfig, check_reward_config_keys
+from recipes.reward.schema import RewardRecipeConfig, checked_reward_trainer_config
 
-__all__ = ["STORAGES", "kept_records", "validate"]
-
-STORAGES = ("lazy_tensor", "memmap")
+__all__ = ["kept_records", "validate"]
 
 
 def validate(cfg: DictConfig) -> DictConfig:
     """Every check that runs before any model, tokenizer or dataset loads; returns the config the run trains with
     (resolved once, LoRA on or off as the command line says: ``recipes.common.lora.settle_lora_node``)."""
     cfg = checked_config(cfg, RewardRecipeConfig, recipe="reward_trainer_from_buffer")
-    check_reward_config_keys(cfg.train)
+    checked_reward_trainer_config(cfg.train)
     _validate_settings(cfg)
     return cfg
 
 
 def _validate_settings(cfg: DictConfig) -> None:
-    max_steps = (
-        None if "max_steps" not in cfg.train or OmegaConf.is_missing(cfg.train, "max_steps") else cfg.train.max_steps
-    )
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps <= 0:
-        raise ConfigError(
-            f"train.max_steps={max_steps!r}: RewardTrainer reads the buffer "
-            "as a stream (an IterableDataset with no length), so the number of optimizer steps must be given. Set "
-            "train.max_steps=<positive int>, e.g. train.max_steps=300."
-        )
-    if cfg.buffer.storage not in STORAGES:
-        raise ConfigError(f"buffer.storage={cfg.buffer.storage!r}: expected one of {STORAGES} (buffer=memmap ...).")
-    if cfg.buffer.storage == "memmap" and cfg.buffer.path is None:
-        raise ConfigError("buffer=memmap needs buffer.path, the folder its pairs are written to.")
-    if cfg.data.source == "arithmetic":
-        raise ConfigError(
-            "data=arithmetic is a GRPO task (prompts with a solution checked by a reward function): it has no "
-            "preference pairs to train a reward model on. Use data=synthetic, data=file or data=hf."
-        )
     if cfg.buffer.load_from is not None:
         read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
     elif cfg.data.source == "synthetic":
         validate_model_node(cfg.model, key="model", kind="policy")
-        if cfg.generation.responses_per_prompt < 2:
-            raise ConfigError(
-                f"generation.responses_per_prompt={cfg.generation.responses_per_prompt}: a preference pair needs two "
-                "responses to the same prompt; use 2 or more."
-            )
         check_chat_generation_settings(cfg.generation.generate_kwargs, key="generation.generate_kwargs")
         _check_labeler(cfg.labeler)
     elif cfg.margin_in_loss:
@@ -70,17 +46,9 @@ def _validate_settings(cfg: DictConfig) -> None:
         )
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, inputs=input_paths(cfg), keep=kept_records(cfg))
     check_sharded_launch(cfg.device)
-    check_run_settings(
-        cfg,
-        lr_key="train.learning_rate",
-        max_grad_norm_key="train.max_grad_norm",
-        batch_size_key="train.per_device_train_batch_size",
-    )
-    if not 0.0 < cfg.eval.holdout_fraction < 1.0:
-        raise ConfigError(f"eval.holdout_fraction={cfg.eval.holdout_fraction}: expected a fraction in (0, 1).")
+    check_run_settings(cfg)
     validate_model_node(cfg.reward_model, key="reward_model")
     check_tokenizer_fits_model(cfg.reward_model, key="reward_model")
-    validate_lora_node(cfg.reward_model.lora, key="reward_model.lora")
     if cfg.reward_model.lora is not None:
         model = meta_model(cfg.reward_model, kind="reward_model")
         check_lora_targets(cfg.reward_model.lora, model, key="reward_model.lora")

@@ -1,7 +1,9 @@
-"""The keys ``conf/reward_trainer_from_buffer.yaml`` may hold and what each may be (``recipes.common.schema``): a key
-the recipe does not read, a wrong type, a non-finite number or a value out of range is refused before anything
-loads. ``train:`` is ``trl.RewardConfig``: its keys are checked against trl's own fields
-(:func:`check_reward_config_keys`). Defaults live in the YAML, not here.
+"""The keys ``conf/reward_trainer_from_buffer.yaml`` may hold, what each may be, and the rules within each node
+(``recipes.common.schema``): a key the recipe does not read, a wrong type, a non-finite number, a value out of range
+or not one of its choices, or a node whose keys disagree is refused before anything loads. ``train:`` is
+``trl.RewardConfig``: its keys are checked against trl's own fields, and the ones the recipe relies on against their
+ranges over trl's defaults (:func:`reward_trainer_config`). Defaults live in the YAML (and trl's), not here; rules
+that cross nodes live in ``recipes.reward.checks``.
 
 Dependencies: the project's ``recipes.common.schema``; ``trl`` for the ``train:`` keys.
 """
@@ -9,21 +11,56 @@ Dependencies: the project's ``recipes.common.schema``; ``trl`` for the ``train:`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from types import SimpleNamespace
+from typing import Annotated, Any, Literal
 
 from omegaconf import DictConfig
 
-from recipes.common.schema import OPEN, DataNode, LoggerNode, ModelNode, Range, check_trainer_config_keys
+from recipes.common.schema import (
+    DATA_SOURCES,
+    OPEN,
+    ArithmeticData,
+    DType,
+    Hint,
+    LoggerNode,
+    ModelNode,
+    NumThreads,
+    Range,
+    Variant,
+    checked_trainer_config,
+    trainer_config_view,
+)
 
-__all__ = ["RewardRecipeConfig", "check_reward_config_keys"]
+__all__ = ["Buffer", "RewardRecipeConfig", "Storage", "checked_reward_trainer_config", "reward_trainer_view"]
 
 Positive = Annotated[int, Range(ge=1)]
 Key = str | list[str]
+# lazy_tensor: in memory; memmap: written to buffer.path (recipes.reward.buffer).
+Storage = Literal["lazy_tensor", "memmap"]
+
+
+@dataclass
+class NoPairsData(ArithmeticData):
+    """``data=arithmetic`` here: prompts with a solution a reward function checks, no preference pairs to train on."""
+
+    def __post_init__(self) -> None:
+        raise ValueError(
+            "data=arithmetic is a GRPO task (prompts with a solution checked by a reward function): it has no "
+            "preference pairs to train a reward model on. Use data=synthetic, data=file or data=hf."
+        )
+
+
+# The data a reward model trains on: every source but the GRPO-only one.
+PairData = Annotated[dict, Variant("source", {**DATA_SOURCES, "arithmetic": NoPairsData})]
 
 
 @dataclass
 class Generation:
-    responses_per_prompt: int
+    responses_per_prompt: Annotated[
+        int,
+        Range(ge=2),
+        Hint("{key}={value}: a preference pair needs two responses to the same prompt; use 2 or more."),
+    ]
     prompts_per_batch: Positive
     # Any transformers GenerationConfig field (recipes.common.chat.check_chat_generation_settings checks the keys).
     generate_kwargs: Annotated[dict[str, Any], OPEN]
@@ -31,7 +68,7 @@ class Generation:
 
 @dataclass
 class Eval:
-    holdout_fraction: float
+    holdout_fraction: Annotated[float, Range(gt=0, lt=1)]
     micro_batch_size: Positive | None
     history_key: Key
     text_key: Key
@@ -49,11 +86,18 @@ class PairKeys:
 
 @dataclass
 class Buffer:
-    storage: str
+    storage: Annotated[Storage, Hint("{key}={value}: expected one of {choices} (buffer=memmap ...).")]
     path: str | None
     load_from: str | None
     sampler: Any  # a _target_ node: a TorchRL sampler
     pair_keys: PairKeys
+
+    def __post_init__(self) -> None:
+        if self.storage == "memmap" and self.path is None:
+            raise ValueError(
+                "storage=memmap writes its pairs to a folder, but path=null: set path=<folder> (buffer=memmap sets "
+                "it to the run folder's buffer/)."
+            )
 
 
 @dataclass
@@ -63,27 +107,36 @@ class RewardRecipeConfig:
 
     model: ModelNode
     reward_model: ModelNode
-    data: DataNode
+    data: PairData
     buffer: Buffer
     logger: LoggerNode
     seed: Annotated[int, Range(ge=0)]
     device: str
-    dtype: str
-    num_threads: int | None
+    dtype: DType
+    num_threads: NumThreads
     output_dir: str
     overwrite: bool
     metric: str
     generation: Generation
     labeler: Any  # a _target_ node: the labeler of generated responses
     margin_in_loss: bool
-    # trl.RewardConfig's own fields (check_reward_config_keys), plus its _target_.
+    # trl.RewardConfig's own fields (checked_reward_trainer_config), plus its _target_.
     train: Annotated[dict[str, Any], OPEN]
     eval: Eval
 
 
-def check_reward_config_keys(train: DictConfig) -> None:
-    """Refuses a ``train:`` key that ``trl.RewardConfig`` does not have (naming the nearest ones), and the keys the
-    recipe decides itself (``report_to``: the run's ``logger=``; ``use_cpu``: its ``device``)."""
+def checked_reward_trainer_config(train: DictConfig) -> SimpleNamespace:
+    """``train:`` as ``trl.RewardConfig`` will read it, once checked: no key ``RewardConfig`` lacks (the nearest ones
+    named), none the recipe decides itself (``report_to``: the run's ``logger=``; ``use_cpu``: its ``device``), and the
+    fields of ``recipes.common.schema.TrainerNode`` in range over trl's defaults."""
     from trl import RewardConfig  # trl prints a notice on import: only where the reward recipe runs
 
-    check_trainer_config_keys(train, RewardConfig)
+    return checked_trainer_config(train, RewardConfig)
+
+
+def reward_trainer_view(train: DictConfig) -> SimpleNamespace:
+    """``train:`` as ``trl.RewardConfig`` will read it (trl's defaults under the config's values), before it is built:
+    what the recipe reads of trl's settings, so that a key the YAML leaves to trl reads as trl's default."""
+    from trl import RewardConfig
+
+    return trainer_config_view(train, RewardConfig)

@@ -20,8 +20,8 @@ from recipes.common.models import validate_model_node
 from recipes.common.reward_functions import check_reward_functions
 from recipes.common.run import check_sharded_launch
 from recipes.common.run_folder import check_output_folder, input_paths
-from recipes.common.schema import check_trainer_config_keys, checked_config, trainer_config_view
-from recipes.trl_grpo.schema import RENAMED, TrlGRPORecipeConfig
+from recipes.common.schema import checked_config, checked_trainer_config
+from recipes.trl_grpo.schema import RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
 
 __all__ = ["validate"]
 
@@ -31,8 +31,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     from trl import GRPOConfig  # trl prints a notice on import: only where this recipe runs
 
     cfg = checked_config(cfg, TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", renamed=RENAMED)
-    check_trainer_config_keys(cfg.train, GRPOConfig)
-    _check_trainer_settings(cfg, trainer_config_view(cfg.train, GRPOConfig))
+    args = checked_trainer_config(cfg.train, GRPOConfig, node=GRPOTrainerNode)
+    _check_trainer_settings(args)
     if cfg.reward_model is None and not cfg.reward.functions:
         raise ConfigError(
             "reward_model=none and no reward.functions: nothing would score the completions. Keep a reward model "
@@ -43,17 +43,12 @@ def validate(cfg: DictConfig) -> DictConfig:
         validate_model_node(cfg.reward_model, key="reward_model")
     validate_policy_lora(cfg)
     _check_lora_for_trl(cfg.model.lora)
-    check_run_settings(
-        cfg,
-        lr_key="train.learning_rate",
-        max_grad_norm_key="train.max_grad_norm",
-        batch_size_key="train.per_device_train_batch_size",
-    )
+    check_run_settings(cfg)
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=input_paths(cfg))
     check_sharded_launch(cfg.device)
-    if cfg.resume and latest_trl_checkpoint(cfg.train.output_dir) is None:
+    if cfg.resume and latest_trl_checkpoint(args.output_dir) is None:
         raise ConfigError(
-            f"resume=true, but {cfg.train.output_dir} holds no trl checkpoint (checkpoint-<step>/) to continue from: "
+            f"resume=true, but {args.output_dir} holds no trl checkpoint (checkpoint-<step>/) to continue from: "
             "the run must save them (train.save_strategy=steps, train.save_steps=N)."
         )
     rows = load_prompt_rows(cfg.data, "train")
@@ -75,24 +70,9 @@ def _check_lora_for_trl(lora) -> None:
         )
 
 
-def _check_trainer_settings(cfg: DictConfig, args) -> None:
-    """``train:``'s settings as trl will read them (``args``: trl's defaults under the config's values)."""
-    if not isinstance(args.max_steps, int) or isinstance(args.max_steps, bool) or args.max_steps <= 0:
-        raise ConfigError(
-            f"train.max_steps={args.max_steps!r}: trl reads the prompt buffer as a stream (no length), so the number "
-            "of optimizer steps must be given: train.max_steps=<positive int>."
-        )
-    if str(args.eval_strategy) != "no" or args.do_eval:
-        raise ConfigError(
-            f"train.eval_strategy={args.eval_strategy!r} / train.do_eval: this recipe hands trl no eval_dataset yet "
-            "(its rollout store and figures would take evaluation batches for training ones). Drop them; held-out "
-            "evaluation of a GRPO policy: recipes/grpo_torchrl_rm.py eval.every_n_steps=N."
-        )
-    if args.use_vllm:
-        raise ConfigError(
-            "train.use_vllm=true: this recipe's completions come from TorchRL (interop.TorchRLRolloutFunc), not vLLM; "
-            "drop train.use_vllm (or use trl's own GRPOTrainer for vLLM generation)."
-        )
+def _check_trainer_settings(args) -> None:
+    """What ``train:``'s settings, as trl will read them (``args``: trl's defaults under the config's values), cannot
+    combine: the sampler's settings, and the group size against the generation batch."""
     try:
         SamplingSettings.from_grpo_config(args)
     except ValueError as error:

@@ -1,8 +1,9 @@
 """The keys ``conf/trl_grpo_torchrl_rollouts.yaml`` may hold and what each may be (``recipes.common.schema``): a key
 the recipe does not read, a wrong type, a non-finite number or a value out of range is refused before anything loads.
-``train:`` is a ``trl.GRPOConfig``: its keys are checked against trl's own fields
-(``recipes.common.schema.check_trainer_config_keys``). Defaults live in the YAML (and trl's), not here; rules that
-cross keys live in ``recipes.trl_grpo.checks``.
+``train:`` is a ``trl.GRPOConfig``: its keys are checked against trl's own fields, and those of
+:class:`GRPOTrainerNode` against their ranges and choices over trl's defaults
+(``recipes.common.schema.checked_trainer_config``). Defaults live in the YAML (and trl's), not here; rules that cross
+keys live in ``recipes.trl_grpo.checks``.
 
 Dependencies: the project's ``recipes.common.schema``.
 """
@@ -10,11 +11,11 @@ Dependencies: the project's ``recipes.common.schema``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from recipes.common.schema import OPEN, DataNode, LoggerNode, ModelNode, Range
+from recipes.common.schema import OPEN, DataNode, DType, Hint, LoggerNode, ModelNode, NumThreads, Range, TrainerNode
 
-__all__ = ["RENAMED", "TrlGRPORecipeConfig"]
+__all__ = ["RENAMED", "GRPOTrainerNode", "TrlGRPORecipeConfig"]
 
 Positive = Annotated[int, Range(ge=1)]
 
@@ -59,8 +60,8 @@ class TrlGRPORecipeConfig:
     logger: LoggerNode
     seed: Annotated[int, Range(ge=0)]
     device: str
-    dtype: str
-    num_threads: int | None
+    dtype: DType
+    num_threads: NumThreads
     output_dir: str
     metric: str
     resume: bool
@@ -68,5 +69,28 @@ class TrlGRPORecipeConfig:
     system_prompt: str | None
     rollout: Rollout
     reward: Reward
-    # trl.GRPOConfig's own fields (checked against trl's), plus its _target_.
+    # trl.GRPOConfig's own fields (checked against trl's; GRPOTrainerNode's over trl's defaults), plus its _target_.
     train: Annotated[dict[str, Any], OPEN]
+
+
+# This recipe hands trl no eval_dataset: its rollout store and figures would take evaluation batches for training ones.
+_NO_EVAL = Hint(
+    "{key}={value}: this recipe hands trl no eval_dataset yet (its rollout store and figures would take evaluation "
+    "batches for training ones). Drop train.eval_strategy and train.do_eval; held-out evaluation of a GRPO policy: "
+    "recipes/grpo_torchrl_rm.py eval.every_n_steps=N."
+)
+
+
+@dataclass
+class GRPOTrainerNode(TrainerNode):
+    """The ``trl.GRPOConfig`` fields this recipe relies on (beyond every trl recipe's), over trl's defaults."""
+
+    eval_strategy: Annotated[Literal["no"], _NO_EVAL]
+    do_eval: Annotated[Literal[False], _NO_EVAL]
+    use_vllm: Annotated[
+        Literal[False],
+        Hint(
+            "{key}={value}: this recipe's completions come from TorchRL (interop.TorchRLRolloutFunc), not vLLM; drop "
+            "{key} (or use trl's own GRPOTrainer for vLLM generation)."
+        ),
+    ]

@@ -179,6 +179,8 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         (["model.lora.target_modules=[q_projection]"], "model.lora.target_modules"),
         (["reward_model.lora.r=8"], "reward_model.lora is set, but the reward model is frozen"),
         (["+train.eval_strategy=steps", "+train.eval_steps=1"], "this recipe hands trl no eval_dataset yet"),
+        (["dtype=float8"], "dtype='float8': expected one of"),
+        (["train.max_grad_norm=-1"], "train.max_grad_norm=-1 must be >= 0 (the largest gradient norm kept)"),
     ],
 )
 def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):

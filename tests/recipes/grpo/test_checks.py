@@ -67,6 +67,32 @@ def test_a_wrong_type_or_a_non_finite_number_is_refused(compose_config, tmp_path
 
 
 @pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dtype=float8"], "dtype='float8': expected one of ['float32', 'bfloat16', 'float16']."),
+        (["reward.input=logits"], "reward.input='logits': expected one of ['history', 'text', 'tokens']."),
+        (
+            ["rollout.group_size=4", "rollout.responses_per_step=6"],
+            "rollout.responses_per_step=6 is not a multiple of rollout.group_size=4: every prompt gets a full group. "
+            "Use a multiple, e.g. rollout.responses_per_step=4.",
+        ),
+        (
+            ["loss.sync_ref_model=true", "loss.kl_to_ref_coeff=null"],
+            "loss.sync_ref_model=true with no KL term (loss.kl_to_ref_coeff=0 or null): there is no reference to keep "
+            "in sync. Set a KL coefficient, or loss.sync_ref_model=false.",
+        ),
+    ],
+)
+def test_a_choice_or_a_nodes_own_rule_is_refused_by_the_schema_before_anything_loads(
+    compose_config, tmp_path, nothing_loads, overrides, message
+):
+    """The whole message: the key in full (a node's rule names its node's keys), what was found, the fix."""
+    with pytest.raises(ConfigError) as error:
+        recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", *overrides]))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
     ("overrides", "expected"),
     [
         ([], None),

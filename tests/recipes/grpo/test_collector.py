@@ -107,8 +107,8 @@ class TestPaddedBatches:
         ragged_out.loss_objective.backward()
         ragged_grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
-        settings = loss_settings(max_completion_length=12)
-        padded_out = GRPOObjective(ResponseLogProbs(model), settings)(padded, scale=Scale(1, 1.0))
+        objective = GRPOObjective(ResponseLogProbs(model), loss_settings(), max_completion_length=12)
+        padded_out = objective(padded, scale=Scale(1, 1.0))
         padded_out["loss"].backward()
         padded_grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from _grpo_helpers import loss_settings, torchrl_actor
+from _grpo_helpers import MAX_COMPLETION_LENGTH, loss_settings, torchrl_actor
 from tensordict import TensorDict
 
 from recipes.grpo.batch import ADVANTAGE, LOSS_MASK, REF_LOG_PROBS, response_mask
@@ -55,7 +55,8 @@ def batch(tiny_policy):
 
 def _loss_and_gradients(model, batch, settings=SETTINGS):
     model.zero_grad()
-    out = GRPOObjective(ResponseLogProbs(model), settings)(batch, scale=ONE_STEP)
+    objective = GRPOObjective(ResponseLogProbs(model), settings, max_completion_length=MAX_COMPLETION_LENGTH)
+    out = objective(batch, scale=ONE_STEP)
     out["loss"].backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -129,10 +130,9 @@ def test_the_kl_term_of_the_same_responses_ignores_prompt_padding(tiny_policy, b
     older = batch.clone()
     older.set(REF_LOG_PROBS, batch.get(REF_LOG_PROBS) * 1.2)
     scale = Scale(accumulation=1, step_tokens=float(older.get(LOSS_MASK).sum()))
-    plain = GRPOObjective(ResponseLogProbs(model), settings)(older, scale=scale)
-    padded = GRPOObjective(ResponseLogProbs(model), settings)(
-        _left_padded(older, 50, tokenizer.pad_token_id), scale=scale
-    )
+    objective = GRPOObjective(ResponseLogProbs(model), settings, max_completion_length=MAX_COMPLETION_LENGTH)
+    plain = objective(older, scale=scale)
+    padded = objective(_left_padded(older, 50, tokenizer.pad_token_id), scale=scale)
     assert float(plain["kl_to_ref"]) > 1e-3
     torch.testing.assert_close(padded["kl_to_ref"], plain["kl_to_ref"], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(padded["loss"], plain["loss"], atol=1e-5, rtol=1e-4)

@@ -25,7 +25,8 @@ from recipes.grpo.batch import (
     TOKENS,
 )
 from recipes.grpo.log_probs import ResponseLogProbs
-from recipes.grpo.loss import LOSS_TYPES, GRPOObjective, LossSettings, Scale, group_advantages
+from recipes.grpo.loss import LOSS_TYPES, GRPOObjective, Scale, group_advantages
+from recipes.grpo.schema import Loss
 
 B, GROUP = 8, 4
 MAX_COMPLETION = 7
@@ -130,8 +131,8 @@ def _recipe_loss(model, raw: dict, old, ref, loss_mask, *, settings: dict) -> tu
     batch.set(LOG_PROBS, torch.cat([zeros, old], dim=1))
     batch.set(REF_LOG_PROBS, torch.cat([zeros, ref], dim=1))
     batch.set(ADVANTAGE, raw["advantages"].view(B, 1, 1))
-    chosen = {key: settings[key] for key in LossSettings.__dataclass_fields__ if key in settings}
-    objective = GRPOObjective(ResponseLogProbs(model), loss_settings(**chosen, max_completion_length=MAX_COMPLETION))
+    chosen = {key: settings[key] for key in Loss.__dataclass_fields__ if key in settings}
+    objective = GRPOObjective(ResponseLogProbs(model), loss_settings(**chosen), max_completion_length=MAX_COMPLETION)
     scale = Scale(settings["accumulation"], float(settings["generation_tokens"]) / settings["optimizer_steps"])
     model.zero_grad()
     out = objective(batch, scale=scale)

@@ -36,6 +36,7 @@ def nothing_loads(monkeypatch):
         ("reward_model.lora.alpha=true", r"reward_model.lora.alpha=True: expected a number"),
         ("seed=-1", r"seed=-1 must be >= 0"),
         ("data=arithmetic", r"data=arithmetic is a GRPO task .* no preference pairs .* Use data=synthetic"),
+        ("buffer.storage=ram", r"^buffer.storage='ram': expected one of \['lazy_tensor', 'memmap'\] \(buffer=memmap"),
     ],
 )
 def test_bad_keys_and_values_are_refused_before_anything_loads(
@@ -43,6 +44,18 @@ def test_bad_keys_and_values_are_refused_before_anything_loads(
 ):
     cfg = compose_config("reward_trainer_from_buffer", [*REWARD_SMALL, f"output_dir={tmp_path}", override])
     with pytest.raises(ConfigError, match=message):
+        recipe.train(cfg)
+
+
+def test_a_memmap_buffer_without_a_folder_is_refused_by_its_node_naming_its_keys(
+    compose_config, tmp_path, nothing_loads
+):
+    cfg = compose_config(
+        "reward_trainer_from_buffer", [*REWARD_SMALL, f"output_dir={tmp_path}", "buffer=memmap", "buffer.path=null"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"^buffer.storage=memmap writes its pairs to a folder, but buffer.path=null: "
+    ):
         recipe.train(cfg)
 
 
