@@ -46,7 +46,6 @@ from recipes.grpo.prompt_env import PromptEnv
 
 __all__ = [
     "READ_KEYS_OF_INPUT",
-    "REWARD_INPUTS",
     "LengthPenalty",
     "ResponseText",
     "RewardSource",
@@ -64,7 +63,6 @@ __all__ = [
     "source_names",
 ]
 
-REWARD_INPUTS = ("history", "text", "tokens")
 # The reward.read_keys entries the reward model reads, for each reward.input.
 READ_KEYS_OF_INPUT = {"history": ("history",), "text": ("text",), "tokens": ("tokens", "attention_mask")}
 
@@ -112,7 +110,7 @@ def check_reward_keys(cfg: DictConfig) -> None:
     """Refuses a key the rewards would read that the rollout does not hold, before anything loads.
 
     Checks the ``reward.read_keys`` entries that ``reward.input`` reads (call it once ``reward.input`` is known to be
-    one of :data:`REWARD_INPUTS`), and the keys the extra reward terms (``reward.terms``) are set to read.
+    one of ``recipes.grpo.schema.RewardInput``), and the keys the extra reward terms (``reward.terms``) are set to read.
 
     Raises:
         ConfigError: naming the setting, the key, and the entries :func:`rollout_step_keys` lists.
