@@ -125,6 +125,17 @@ class TorchRLRolloutFunc:
             and ``advantage`` (trl's) too. ``None``: none.
         model: the ``nn.Module`` that samples, checked against the trainer's model at each call; ``None``: the
             policy's ``model`` attribute (TorchRL's wrappers and :class:`CausalLMSampler` have one).
+        mode: ``"sync"``: each generation batch is sampled when trl asks for it, with the weights trl trains (the same
+            module, no copy). ``"async"``: while trl updates on generation batch ``k``, a child process
+            (:class:`~interop.background_sampler.BackgroundSampler`, a :class:`CausalLMSampler` on a copy of the
+            weights published at each call) samples batch ``k + 1``, whose prompts ``interop.TorchRLGRPOTrainer``
+            reads ahead from the prompt stream; the trainer gives trl the sampling log-probs as its old log-probs, so
+            that its importance ratio corrects the lag. A pre-sampled batch is used only for the very prompts trl
+            passes (anything else is sampled again, counted) and at most ``max_policy_lag`` updates old.
+        max_policy_lag: async: the most optimizer steps a batch's sampling weights may be behind the weights it is
+            trained at (an older batch is sampled again, counted).
+        sampler_threads: async: torch threads of the sampling process.
+        seed: async: the sampling process's torch seed.
 
     TorchRL 0.14.1's ``TransformersWrapper`` writes 0 as the first response token's log-prob in generate mode; the
     adapter computes that one log-prob again from a forward pass over the prompts (logits of the last position only),
@@ -159,7 +170,28 @@ class TorchRLRolloutFunc:
                                   train_dataset=..., processing_class=tokenizer, rollout_func=TorchRLRolloutFunc())
     """
 
-    def __init__(self, policy=None, tokenizer=None, *, replay_buffer=None, model: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        policy=None,
+        tokenizer=None,
+        *,
+        replay_buffer=None,
+        model: torch.nn.Module | None = None,
+        mode: str = "sync",
+        max_policy_lag: int = 1,
+        sampler_threads: int = 1,
+        seed: int = 0,
+    ):
+        if mode not in ("sync", "async"):
+            raise ValueError(f"TorchRLRolloutFunc: mode must be 'sync' or 'async', got {mode!r}.")
+        if max_policy_lag < 0:
+            raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
+        if mode == "async" and policy is not None and not isinstance(policy, CausalLMSampler):
+            raise ValueError(
+                f"TorchRLRolloutFunc: mode='async' samples with a CausalLMSampler on a copy of the weights in a child "
+                f"process; a {type(policy).__name__} cannot be copied there. Pass no policy (the default "
+                "CausalLMSampler at the trainer's GRPOConfig settings) or a CausalLMSampler."
+            )
         if policy is not None:
             self._check_policy(policy)
         if tokenizer is not None:
@@ -179,8 +211,17 @@ class TorchRLRolloutFunc:
         )
         self.last_rollout: TensorDictBase | None = None
         self._ids: dict[tuple[str, str], list[int]] = {}  # prompt -> token ids (:meth:`tokenize`)
+        self._vocab_checked = False
         # Rows are written once trl has scored them when a trainer reports the scores (record_scored).
         self.writes_scored_rows = False
+        self.mode, self.max_policy_lag = mode, max_policy_lag
+        self.sampler_threads, self.seed = sampler_threads, seed
+        # async: the prompts of the generation batch after a given one (interop.TorchRLGRPOTrainer sets it), the
+        # child process, and the batch it samples.
+        self.lookahead = None
+        self._background = None
+        self._pending: list | None = None
+        self.stats: dict[str, float] = {}  # the last call's figures: policy_lag, resampled, lookahead_misses
 
     @staticmethod
     def _check_tokenizer(tokenizer) -> None:
@@ -225,8 +266,13 @@ class TorchRLRolloutFunc:
         if trainer is not None:
             self._check_same_model(trainer)
             self._check_settings(trainer)
-        rollout = self.rollout(prompts, trainer=trainer)
-        rollout.set("step", torch.full((rollout.shape[0],), self._step(trainer), dtype=torch.long))
+            self._check_tokenizer_matches(trainer)
+        training = trainer is not None and bool(getattr(getattr(trainer, "model", None), "training", False))
+        if self.mode == "async" and training:
+            rollout = self._async_rollout(prompts, trainer)
+        else:
+            rollout = self.rollout(prompts, trainer=trainer)
+            rollout.set("step", torch.full((rollout.shape[0],), self._step(trainer), dtype=torch.long))
         self.last_rollout = rollout
         if self.replay_buffer is not None and not self.writes_scored_rows:
             self.replay_buffer.extend(self._ragged_rows(rollout))
@@ -241,6 +287,82 @@ class TorchRLRolloutFunc:
             "completion_ids": [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
             "logprobs": [row[:n] for row, n in zip(log_probs, lengths, strict=True)],
         }
+
+    def _async_rollout(self, prompts: list, trainer) -> TensorDict:
+        """This generation batch, pre-sampled in the child when it holds these very prompts and is recent enough (else
+        sampled now, here); then the next batch's sampling started in the child with the current weights. ``step``
+        is the version of the weights that sampled each row (the updates they had had)."""
+        if self.lookahead is None:
+            raise ValueError(
+                "TorchRLRolloutFunc: mode='async' needs the next generation batch's prompts ahead of time, which "
+                "interop.TorchRLGRPOTrainer reads from its prompt stream; use TorchRLGRPOTrainer (or mode='sync' with "
+                "trl.GRPOTrainer)."
+            )
+        step = self._step(trainer)
+        if self._background is None:  # started now: its start-up overlaps this first batch's sampling here
+            self._start_background()
+        rollout, version, stats = None, step, {"resampled": 0.0, "lookahead_misses": 0.0}
+        if self._pending is not None:
+            sampled, version = self._background.result()
+            if self._pending != list(prompts):
+                stats["lookahead_misses"] = 1.0  # the stream moved otherwise than read ahead: never paired
+            elif step - version > self.max_policy_lag:
+                stats["resampled"] = 1.0  # too stale to train on
+            else:
+                rollout = sampled.exclude("sample_s")
+            self._pending = None
+        if rollout is None:
+            rollout, version = self.rollout(prompts, trainer=trainer), step
+        rollout.set("step", torch.full((rollout.shape[0],), version, dtype=torch.long))
+        stats["policy_lag"] = float(step - version)
+        self.stats = stats
+        self._start_next(prompts, trainer, step)
+        return rollout
+
+    def _start_next(self, prompts: list, trainer, step: int) -> None:
+        """The next generation batch's sampling, in the child, with the weights of ``step``."""
+        upcoming = self.lookahead(prompts)
+        if not upcoming:
+            return
+        self._background.publish(_model_of(trainer.model), version=step)
+        self._background.submit(self.tokenize(upcoming, trainer))
+        self._pending = list(upcoming)
+
+    def _start_background(self) -> None:
+        from interop.background_sampler import BackgroundSampler
+
+        self._background = BackgroundSampler(
+            self.policy.model,
+            self.tokenizer,
+            settings=self.policy.settings,
+            log_probs_at_temperature=self.policy.log_probs_at_temperature,
+            eos_token_ids=self.policy.eos_token_ids,
+            num_threads=self.sampler_threads,
+            seed=self.seed,
+        )
+
+    def close(self) -> None:
+        """Stops the async mode's sampling process, if any (``interop.TorchRLGRPOTrainer`` does at the end of
+        ``train()``)."""
+        if self._background is not None:
+            self._background.close()
+            self._background = None
+        self._pending = None
+
+    def _check_tokenizer_matches(self, trainer) -> None:
+        """A tokenizer of another vocabulary than the trainer's would hand trl ids its decoding and rewards misread."""
+        theirs = getattr(trainer, "processing_class", None)
+        if theirs is None or theirs is self.tokenizer or self._vocab_checked:
+            return
+        mine_vocab = getattr(self.tokenizer, "get_vocab", None)
+        their_vocab = getattr(theirs, "get_vocab", None)
+        if callable(mine_vocab) and callable(their_vocab) and mine_vocab() != their_vocab():
+            raise ValueError(
+                f"TorchRLRolloutFunc: its tokenizer ({len(mine_vocab())} tokens) is not the trainer's processing_class "
+                f"({len(their_vocab())} tokens): trl decodes and scores the completion ids with its own. Pass the same "
+                "tokenizer to both (or none here: the trainer's is used)."
+            )
+        self._vocab_checked = True
 
     def _build_policy(self, trainer) -> None:
         """The default policy: a :class:`CausalLMSampler` around the trainer's model, at its ``GRPOConfig``'s
@@ -396,7 +518,11 @@ class TorchRLRolloutFunc:
         - ``logprobs`` ``[B, R]``: each sampled token's log-prob under the sampling weights, 0 on padding;
         - ``truncated`` ``[B]``: the completion has no EOS.
         """
-        prompt_ids = self.tokenize(prompts, trainer)
+        return self.rollout_ids(self.tokenize(prompts, trainer))
+
+    @torch.inference_mode()
+    def rollout_ids(self, prompt_ids: list[list[int]]) -> TensorDict:
+        """:meth:`rollout` from the prompts' token ids (unpadded)."""
         device = self._device()
         rows = [torch.tensor(row, dtype=torch.long) for row in prompt_ids]
         pad = self.tokenizer.pad_token_id
@@ -413,6 +539,14 @@ class TorchRLRolloutFunc:
         lengths = response_mask.sum(-1)
         log_probs = torch.where(response_mask, log_probs.float(), 0.0)
         response = torch.where(response_mask, response, pad)
+        bad = ~torch.isfinite(log_probs).all(-1)
+        if bool(bad.any()):
+            rows = bad.nonzero().flatten().tolist()
+            raise ValueError(
+                f"TorchRLRolloutFunc: the policy returned non-finite log-probs for {len(rows)} completion(s) (rows "
+                f"{rows[:10]}); trl would train on NaN ratios. Check the model's weights and dtype (float16 overflows "
+                "on CPU), and the policy's sampling settings."
+            )
         eos = set(self._eos_ids())
         last = response.gather(-1, (lengths - 1).clamp_min(0)[:, None]).squeeze(-1)
         truncated = torch.tensor([int(token) not in eos for token in last.tolist()], device=device) | (lengths == 0)

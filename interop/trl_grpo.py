@@ -12,12 +12,21 @@ Public names:
 A plain ``trl.GRPOTrainer(rollout_func=TorchRLRolloutFunc(...))`` samples the same way; its buffer rows are written
 when sampled, without the scores (a ``rollout_func`` never sees them).
 
-Dependencies: ``torch``, ``trl`` (imported with this module: ``interop`` imports it only when this class is used).
+With ``TorchRLRolloutFunc(mode="async")`` the trainer also reads its prompt stream one generation batch ahead of trl
+(the rollout function samples that batch in a child process while trl updates), gives trl's loss the sampling
+log-probs as its old log-probs (trl treats a batch generated in step with the optimizer as on-policy and would
+otherwise use the current weights' log-probs: a batch sampled one update ago is not), and logs ``policy_lag``,
+``rollout/resampled`` and ``rollout/lookahead_misses`` with trl's metrics.
+
+Dependencies: ``torch``, ``datasets``, ``trl`` (imported with this module: ``interop`` imports it only when this class
+is used).
 """
 
 from __future__ import annotations
 
 import os
+import uuid
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -26,6 +35,83 @@ from trl import GRPOTrainer
 from interop.rollout_func import TorchRLRolloutFunc
 
 __all__ = ["TorchRLGRPOTrainer"]
+
+_LIVE_LOOKAHEADS: dict[str, PromptLookahead] = {}
+
+
+class PromptLookahead:
+    """A prompt stream (a ``datasets.IterableDataset``) read one generation batch ahead of trl.
+
+    :meth:`dataset` is what trl iterates in its place: the same records, in the same order, drawn from the source
+    ``ahead`` records before trl takes them and remembered. Called with the prompts trl passed for a generation batch
+    (each repeated ``num_generations`` times), the object returns the next batch's, as trl will pass them, once they
+    have been drawn; ``None`` before.
+
+    Args:
+        source: the prompt stream (``interop.TorchRLBufferDataset(...).as_hf_dataset()``, a deterministic stream).
+
+    Keyword Args:
+        prompts_per_generation: distinct prompts per generation batch (trl's ``generation_batch_size //
+            num_generations``).
+        num_generations: completions per prompt.
+    """
+
+    def __init__(self, source, *, prompts_per_generation: int, num_generations: int) -> None:
+        self.source = source
+        self.prompts_per_generation, self.num_generations = prompts_per_generation, num_generations
+        self.drawn: list[Any] = []  # every prompt drawn so far, in order, across passes over the source
+        self.token = uuid.uuid4().hex
+        _LIVE_LOOKAHEADS[self.token] = self
+
+    def dataset(self):
+        """The stream trl iterates: the source's records, drawn ahead and remembered."""
+        import datasets
+
+        return datasets.IterableDataset.from_generator(_LookaheadGenerator(self.token), features=self.source.features)
+
+    def records(self):
+        pending: list[dict] = []
+        iterator = iter(self.source)
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) <= self.prompts_per_generation:
+                try:
+                    record = next(iterator)
+                except StopIteration:
+                    exhausted = True
+                    break
+                self.drawn.append(record["prompt"])
+                pending.append(record)
+            if not pending:
+                return
+            yield pending.pop(0)
+
+    def __call__(self, prompts: list) -> list | None:
+        group = self.num_generations
+        distinct = list(prompts[::group])
+        if [prompt for prompt in distinct for _ in range(group)] != list(prompts):
+            return None  # not trl's grouping: nothing to predict
+        width = len(distinct)
+        for end in range(len(self.drawn), width - 1, -1):  # the most recent place these prompts were drawn
+            if self.drawn[end - width : end] == distinct:
+                upcoming = self.drawn[end : end + self.prompts_per_generation]
+                if len(upcoming) < self.prompts_per_generation:
+                    return None
+                return [prompt for prompt in upcoming for _ in range(group)]
+        return None
+
+
+class _LookaheadGenerator:
+    """The generator handed to ``datasets``: pickles (and deep-copies) to a token that finds the live lookahead."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __call__(self):
+        yield from _LIVE_LOOKAHEADS[self.token].records()
+
+    def __reduce__(self) -> tuple:
+        return (_LookaheadGenerator, (self.token,))
 
 
 class TorchRLGRPOTrainer(GRPOTrainer):
@@ -62,6 +148,8 @@ class TorchRLGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, rollout_func: TorchRLRolloutFunc | None = None, replay_buffer=None, **kwargs) -> None:
+        if rollout_func is not None and getattr(rollout_func, "mode", "sync") == "async":
+            kwargs = _reading_ahead(rollout_func, args, kwargs)
         if rollout_func is None:
             rollout_func = TorchRLRolloutFunc(replay_buffer=replay_buffer)
         elif not isinstance(rollout_func, TorchRLRolloutFunc):
@@ -82,6 +170,12 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         self.scored_batches = 0
         self._scored = None
 
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.rollout_func.close()  # the async mode's sampling process ends with training, however it ends
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._scored = (prompts, completions, rewards_per_func)
@@ -90,8 +184,21 @@ class TorchRLGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
+            if self.rollout_func.mode == "async":
+                self._behaviour_log_probs_as_old(output)
             self._record(output)
         return output
+
+    def _behaviour_log_probs_as_old(self, output: dict) -> None:
+        """trl's old log-probs := the log-probs the completions were sampled with (at trl's temperature), so that its
+        ratio and clipping correct the policy lag; the lag and the rollout function's counts go to trl's metrics."""
+        rollout = self.rollout_func.last_rollout
+        width = output["completion_ids"].shape[1]
+        behaviour = rollout.get("logprobs")[:, :width]
+        behaviour = torch.nn.functional.pad(behaviour, (0, width - behaviour.shape[1]))
+        output["old_per_token_logps"] = behaviour.to(self.accelerator.device)
+        for name, value in self.rollout_func.stats.items():
+            self._metrics["train"][name if name == "policy_lag" else f"rollout/{name}"].append(value)
 
     def _record(self, output: dict) -> None:
         prompts, completions, rewards_all = self._scored
@@ -108,3 +215,38 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             advantages=output["advantages"].detach().float().cpu(),
         )
         self.scored_batches += 1
+
+
+def _reading_ahead(rollout_func: TorchRLRolloutFunc, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with ``train_dataset`` read ahead for the async rollout function, after the checks that make the
+    prompts trl will pass next knowable: one process, a stream trl does not shuffle, no DataLoader workers."""
+    import datasets
+
+    config = kwargs.get("args", args[2] if len(args) > 2 else None)
+    dataset = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+    if config is None or dataset is None or len(args) > 2:
+        raise ValueError(
+            "TorchRLGRPOTrainer: mode='async' needs args= and train_dataset= as keyword arguments (it reads the prompt "
+            "stream ahead of trl)."
+        )
+    problems = []
+    if not isinstance(dataset, datasets.IterableDataset):
+        problems.append(
+            f"train_dataset is a {type(dataset).__name__}: pass a stream (interop.TorchRLBufferDataset(...)."
+            "as_hf_dataset(), whose TorchRL sampler shuffles)"
+        )
+    if config.shuffle_dataset:
+        problems.append("args.shuffle_dataset=True reorders the stream in a buffer: set shuffle_dataset=False")
+    if config.dataloader_num_workers:
+        problems.append("args.dataloader_num_workers > 0 draws the stream in other processes: set it to 0")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        problems.append("several processes: the async mode runs in one (use mode='sync' under a launcher)")
+    if problems:
+        raise ValueError(
+            "TorchRLGRPOTrainer: mode='async' samples the next generation batch before trl asks for it, so trl's "
+            f"prompts must be knowable ahead: {'; '.join(problems)}."
+        )
+    per_generation = config.per_device_train_batch_size * config.steps_per_generation // config.num_generations
+    lookahead = PromptLookahead(dataset, prompts_per_generation=per_generation, num_generations=config.num_generations)
+    rollout_func.lookahead = lookahead
+    return {**kwargs, "train_dataset": lookahead.dataset()}

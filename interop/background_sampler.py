@@ -1,0 +1,262 @@
+"""Sampling in a child process while the caller trains: what lets ``TorchRLRolloutFunc(mode="async")`` sample trl's
+next generation batch during trl's update on the current one.
+
+Public names:
+
+- :class:`BackgroundSampler`: a copy of a causal LM, on shared memory, that a child process samples with
+  (:class:`~interop.sampling.CausalLMSampler`). The caller publishes its weights (:meth:`BackgroundSampler.publish`,
+  a copy into the shared tensors, tagged with a version) and submits left-padded prompt ids
+  (:meth:`BackgroundSampler.submit`); :meth:`BackgroundSampler.result` waits for the rollout. One request at a
+  time: weights are only written while the child is idle, so every rollout is sampled by one version of the weights.
+
+Process hygiene: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, set before it imports anything heavy:
+``interop._sampler_child``), a failure in the child is raised in the caller with the child's traceback, and
+:meth:`BackgroundSampler.close` stops and joins it (also at interpreter exit).
+
+Dependencies: torch, tensordict, and the ``transformers`` model the caller passes in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import multiprocessing
+import sys
+import time
+import traceback
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from interop import _sampler_child
+from interop.sampling import SamplingSettings
+
+__all__ = ["BackgroundSampler", "serve"]
+
+_POLL_S = 0.25  # how often a waiting side checks that the other is still alive
+
+
+class _TokenIds:
+    """What the child needs of the tokenizer: its pad and EOS ids (the caller tokenizes; the child only samples)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.pad_token_id = tokenizer.pad_token_id
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token = getattr(tokenizer, "pad_token", None)
+        self.eos_token = getattr(tokenizer, "eos_token", None)
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """A spawned process re-imports its parent's ``__main__`` (a training script, with all its imports) before it
+    runs its own code; the sampler needs nothing from it, so it is hidden while the process starts."""
+    main = sys.modules["__main__"]
+    spec, path = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if path is not None:
+            main.__file__ = path
+
+
+class BackgroundSampler:
+    """A causal LM sampling in a child process, on weights the caller publishes.
+
+    Args:
+        model: the model being trained; a copy of it, on shared CPU memory, is what the child samples with.
+        tokenizer: its tokenizer (only the pad and EOS ids reach the child).
+
+    Keyword Args:
+        settings: the :class:`~interop.sampling.SamplingSettings`.
+        log_probs_at_temperature: as :class:`~interop.sampling.CausalLMSampler`'s.
+        eos_token_ids: the ids that end a response.
+        num_threads: torch threads of the child (1: on a busy CPU the trainer and the sampler each keep a core).
+        seed: the child's torch seed.
+        timeout_s: how long :meth:`result` waits before it gives up.
+
+    Examples:
+        A sketch (the child takes a few seconds to start)::
+
+            sampler = BackgroundSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=16))
+            sampler.publish(model, version=0)
+            sampler.submit([[5, 6, 7], [5, 8]])
+            ...  # train meanwhile
+            rollout, version = sampler.result()  # completion_ids, logprobs... sampled by version 0
+            sampler.close()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        settings: SamplingSettings,
+        log_probs_at_temperature: bool = False,
+        eos_token_ids: Sequence[int],
+        num_threads: int = 1,
+        seed: int = 0,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        context = multiprocessing.get_context("spawn")
+        # The shared copy: the child's model aliases these tensors; publish() copies the trained weights into them.
+        self._shared = copy.deepcopy(model).to("cpu").eval()
+        self._shared.requires_grad_(False)
+        self._shared.share_memory()
+        self._shared_tensors = dict(self._shared.state_dict(keep_vars=True))
+        self.timeout_s = timeout_s
+        self.version: int | None = None
+        self._waiting = False
+        self._closed = False
+        self._connection, child_connection = context.Pipe()
+        self.process = context.Process(target=_sampler_child.start, args=(child_connection,), daemon=True)
+        with _main_module_hidden():
+            self.process.start()
+        child_connection.close()
+        self._connection.send(
+            (
+                self._shared,
+                _TokenIds(tokenizer),
+                {
+                    "settings": settings,
+                    "log_probs_at_temperature": log_probs_at_temperature,
+                    "eos_token_ids": list(eos_token_ids),
+                    "num_threads": num_threads,
+                    "seed": seed,
+                },
+            )
+        )
+        # Not waited for here: the child's start (imports, the model) overlaps whatever the caller does next; the
+        # first submit() waits for it.
+        self._ready = False
+        # Stopped when closed, garbage collected, or at interpreter exit (weakref.finalize runs then too).
+        self._finalizer = weakref.finalize(self, BackgroundSampler._stop, self.process, self._connection)
+
+    def publish(self, model: torch.nn.Module, *, version: int) -> None:
+        """Copies ``model``'s weights into the child's (by name), as ``version`` (the updates they have had)."""
+        if self._waiting:
+            raise RuntimeError("BackgroundSampler.publish: a rollout is being sampled; wait for result() first.")
+        with torch.no_grad():
+            for name, value in model.state_dict().items():
+                target = self._shared_tensors.get(name)
+                if target is None:
+                    raise KeyError(f"BackgroundSampler.publish: the sampler's model has no {name!r}.")
+                target.copy_(value.detach())
+        self.version = version
+
+    def submit(self, prompt_ids: Sequence[Sequence[int]]) -> None:
+        """Starts sampling one completion per prompt (token ids, unpadded) with the published weights."""
+        if self._waiting:
+            raise RuntimeError("BackgroundSampler.submit: one request at a time; wait for result() first.")
+        if self.version is None:
+            raise RuntimeError("BackgroundSampler.submit: publish() the weights first.")
+        if not self._ready:
+            kind, payload = self._receive()
+            if kind != "ready":
+                raise RuntimeError(f"BackgroundSampler: the sampler process failed to start:\n{payload}")
+            self._ready = True
+        self._connection.send(("sample", [list(map(int, row)) for row in prompt_ids]))
+        self._waiting = True
+
+    @property
+    def busy(self) -> bool:
+        """Whether a submitted rollout has not been collected yet."""
+        return self._waiting
+
+    def result(self) -> tuple[TensorDict, int]:
+        """The submitted request's rollout (as ``interop.TorchRLRolloutFunc.rollout`` lays it out, with ``sample_s``,
+        the child's sampling time) and the weights' version, once the child has it."""
+        if not self._waiting:
+            raise RuntimeError("BackgroundSampler.result: nothing was submitted.")
+        kind, payload = self._receive()
+        self._waiting = False
+        if kind == "error":
+            raise RuntimeError(f"BackgroundSampler: the sampler process failed:\n{payload}")
+        data, batch_size, seconds = payload
+        rollout = TensorDict(data, batch_size=batch_size)
+        rollout.set("sample_s", torch.full(batch_size, seconds))
+        return rollout, self.version
+
+    def _receive(self) -> tuple[str, Any]:
+        waited = 0.0
+        while not self._connection.poll(_POLL_S):
+            waited += _POLL_S
+            if not self.process.is_alive():
+                raise RuntimeError(
+                    f"BackgroundSampler: the sampler process exited (code {self.process.exitcode}) without an answer; "
+                    "see its output above."
+                )
+            if waited > self.timeout_s:
+                raise TimeoutError(f"BackgroundSampler: no rollout within {self.timeout_s:.0f} s.")
+        return self._connection.recv()
+
+    @staticmethod
+    def _stop(process, connection) -> None:
+        with contextlib.suppress(Exception):
+            connection.send(None)
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        with contextlib.suppress(Exception):
+            connection.close()
+
+    def close(self) -> None:
+        """Stops the child and waits for it (killing it if it has not stopped within a few seconds)."""
+        if self._closed:
+            return
+        self._closed = True
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            self._stop(self.process, self._connection)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+
+def serve(connection) -> None:
+    """The child's loop: build the sampler on the shared model, then answer each request until told to stop (or the
+    pipe closes: the parent is gone)."""
+    try:
+        from tensordict import set_list_to_stack
+
+        from interop.rollout_func import TorchRLRolloutFunc
+        from interop.sampling import CausalLMSampler
+
+        set_list_to_stack(True).set()
+        model, token_ids, options = connection.recv()
+        torch.set_num_threads(options["num_threads"])
+        torch.manual_seed(options["seed"])
+        sampler = CausalLMSampler(
+            model,
+            token_ids,
+            settings=options["settings"],
+            eos_token_ids=options["eos_token_ids"],
+            log_probs_at_temperature=options["log_probs_at_temperature"],
+        )
+        rollout_func = TorchRLRolloutFunc(sampler, token_ids, model=model)
+    except Exception:  # noqa: BLE001 - the parent reports it
+        connection.send(("error", traceback.format_exc()))
+        return
+    connection.send(("ready", None))
+    while True:
+        try:
+            request = connection.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        try:
+            started = time.perf_counter()
+            rollout = rollout_func.rollout_ids(request[1])
+            data = {key: value for key, value in rollout.items()}
+            connection.send(("done", (data, rollout.batch_size, time.perf_counter() - started)))
+        except Exception:  # noqa: BLE001 - the parent reports it
+            connection.send(("error", traceback.format_exc()))

@@ -1,0 +1,238 @@
+"""TorchRLRolloutFunc(mode="async") under interop.TorchRLGRPOTrainer, with trl's own code: a child process samples the
+next generation batch while trl updates; each completion is paired with the prompt trl passed (the look-ahead is
+checked, a wrong one never pairs); a batch sampled one update ago reaches trl's loss with the sampling log-probs as
+its old log-probs (trl's own _compute_loss: same loss and gradients as with old log-probs trl scored itself at the
+sampling weights); the child ends with the trainer however training ends."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
+from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
+
+from interop import TorchRLBufferDataset, TorchRLRolloutFunc
+from interop.trl_grpo import TorchRLGRPOTrainer
+
+PRODUCTS = ("mug", "lamp", "bike", "desk", "chair", "phone", "bag", "watch")
+PROMPTS = [[{"role": "user", "content": f"Review the {product}."}] for product in PRODUCTS]
+
+
+def _stream(seed: int = 0):
+    """The prompts in a TorchRL buffer drawn without replacement, as trl's IterableDataset."""
+    rows = TensorDict({"prompt": NonTensorStack(*[NonTensorData(p) for p in PROMPTS])}, batch_size=[len(PROMPTS)])
+    generator = torch.Generator().manual_seed(seed)
+    buffer = ReplayBuffer(
+        storage=LazyTensorStorage(len(PROMPTS)), sampler=SamplerWithoutReplacement(), generator=generator
+    )
+    buffer.extend(rows)
+    return TorchRLBufferDataset(buffer, batch_size=4, keys=["prompt"], num_batches=None).as_hf_dataset()
+
+
+def _length_reward(completions, **kwargs):
+    return [len(completion[0]["content"]) / 10 for completion in completions]
+
+
+def _args(tmp_path, **overrides):
+    from trl import GRPOConfig
+
+    settings = {
+        "output_dir": str(tmp_path),
+        "use_cpu": True,
+        "report_to": "none",
+        "bf16": False,
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 12,
+        "max_steps": 4,
+        "shuffle_dataset": False,
+        "disable_tqdm": True,
+        "activation_checkpointing": False,
+        "logging_steps": 1,
+        "learning_rate": 1e-3,
+        **overrides,
+    }
+    return GRPOConfig(**settings)
+
+
+def _trainer(tiny_policy, tmp_path, *, reward=_length_reward, buffer=None, **overrides):
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    model, tokenizer = copy.deepcopy(tiny_policy[0]), tiny_policy[1]
+    return TorchRLGRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=_args(tmp_path, **overrides),
+        train_dataset=_stream(),
+        processing_class=tokenizer,
+        rollout_func=TorchRLRolloutFunc(tokenizer=tokenizer, mode="async", replay_buffer=buffer),
+    )
+
+
+def _encoded(tokenizer, prompt) -> list[int]:
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
+
+
+def test_async_training_samples_ahead_and_pairs_each_completion_with_the_prompt_trl_passed(tiny_policy, tmp_path):
+    buffer = ReplayBuffer(storage=LazyStackStorage(100))
+    trainer = _trainer(tiny_policy, tmp_path, buffer=buffer)
+    trainer.train()
+
+    logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
+    assert [entry["policy_lag"] for entry in logs] == [0.0, 1.0, 1.0, 1.0], "batch k+1 sampled while k trains"
+    assert all(entry["rollout/lookahead_misses"] == 0 and entry["rollout/resampled"] == 0 for entry in logs)
+    assert trainer.rollout_func._background is None, "the sampling process ends with train()"
+    rows = buffer[: len(buffer)]
+    assert len(buffer) == 4 * 8 and rows["step"].tolist() == [0] * 8 + [0] * 8 + [1] * 8 + [2] * 8
+    tokenizer = tiny_policy[1]
+    for prompt, prompt_ids in zip(rows.get("prompt").tolist(), rows.get("prompt_ids", as_list=True), strict=True):
+        assert prompt_ids.tolist() == _encoded(tokenizer, prompt), "each completion beside the prompt trl passed"
+    # The stream's order: groups of 4 of one prompt, 2 prompts a batch, every prompt once in the pass of 8.
+    prompts = [prompt[0]["content"] for prompt in rows.get("prompt").tolist()]
+    groups = [prompts[i] for i in range(0, 32, 4)]
+    assert all(prompts[i : i + 4] == [prompts[i]] * 4 for i in range(0, 32, 4))
+    assert sorted(groups) == sorted(prompt[0]["content"] for prompt in PROMPTS)
+
+
+def test_a_wrong_look_ahead_is_never_paired_it_is_sampled_again(tiny_policy, tmp_path):
+    """A stream that moved otherwise than read ahead (shuffled, restarted): the pre-sampled batch is dropped,
+    counted, and the batch trl asked for is sampled for its own prompts."""
+    trainer = _trainer(tiny_policy, tmp_path)
+    lookahead = trainer.rollout_func.lookahead
+    wrong = [PROMPTS[7]] * 4 + [PROMPTS[6]] * 4
+    trainer.rollout_func.lookahead = lambda prompts: wrong if lookahead(prompts) != wrong else None
+    buffer = ReplayBuffer(storage=LazyStackStorage(100))
+    trainer.rollout_func.replay_buffer = buffer
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
+    assert sum(entry["rollout/lookahead_misses"] for entry in logs) >= 1
+    rows = buffer[: len(buffer)]
+    for prompt, prompt_ids in zip(rows.get("prompt").tolist(), rows.get("prompt_ids", as_list=True), strict=True):
+        assert prompt_ids.tolist() == _encoded(tiny_policy[1], prompt)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"shuffle_dataset": True}, "shuffle_dataset=False"),
+        ({"dataloader_num_workers": 1}, "dataloader_num_workers"),
+    ],
+)
+def test_streams_that_cannot_be_read_ahead_are_refused(tiny_policy, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        _trainer(tiny_policy, tmp_path, **override)
+
+
+def test_a_stale_batch_reaches_trls_loss_with_its_sampling_log_probs_as_old(tiny_policy, tmp_path):
+    """Batch 2 is sampled (in the child) by the weights of call 1, then the weights move (an update): trl's
+    _compute_loss on our output equals, in loss and gradients, its loss on the same batch with the old log-probs trl
+    itself scores at the sampling weights; trl's default (no old log-probs: on-policy) differs."""
+    trainer = _trainer(tiny_policy, tmp_path)
+    first = [PROMPTS[0]] * 4 + [PROMPTS[1]] * 4
+    second = [PROMPTS[2]] * 4 + [PROMPTS[3]] * 4
+    trainer.rollout_func.lookahead = lambda prompts: second if prompts == first else None
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    try:
+        torch.manual_seed(0)
+        trainer._generate_and_score_completions([{"prompt": p} for p in first])
+        sampling_weights = copy.deepcopy(trainer.model)
+        with torch.no_grad():
+            trainer.model.model.norm.weight.mul_(1.5)  # the update between sampling and training
+        trainer.state.global_step = 1
+        stale = trainer._generate_and_score_completions([{"prompt": p} for p in second])
+    finally:
+        trainer.rollout_func.close()
+    assert trainer.rollout_func.stats["policy_lag"] == 1.0
+
+    ids = torch.cat([stale["prompt_ids"], stale["completion_ids"]], dim=1)
+    mask = torch.cat([stale["prompt_mask"], stale["completion_mask"]], dim=1)
+    with torch.no_grad():
+        trls_old, _, _ = trainer._get_per_token_logps_and_entropies(
+            sampling_weights, ids, mask, stale["completion_ids"].shape[1]
+        )
+    completion = stale["completion_mask"].bool()
+    torch.testing.assert_close(stale["old_per_token_logps"][completion], trls_old[completion], atol=2e-5, rtol=0)
+
+    def loss_and_grads(old):
+        trainer.model.zero_grad()
+        inputs = (
+            {**stale, "old_per_token_logps": old}
+            if old is not None
+            else {k: v for k, v in stale.items() if k != "old_per_token_logps"}
+        )
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    ours, our_grads = loss_and_grads(stale["old_per_token_logps"])
+    trls, trl_grads = loss_and_grads(torch.where(completion, trls_old, 0.0))
+    torch.testing.assert_close(ours, trls, atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(our_grads, trl_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+    on_policy, _ = loss_and_grads(None)
+    assert not torch.allclose(on_policy, ours, atol=1e-4), "without the sampling log-probs the lag goes uncorrected"
+
+
+def test_the_sampling_process_ends_when_a_reward_function_raises(tiny_policy, tmp_path):
+    calls = []
+
+    def fails_at_the_third_batch(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("reward service down")
+        return [1.0] * len(completions)
+
+    trainer = _trainer(tiny_policy, tmp_path, reward=fails_at_the_third_batch)
+    with pytest.raises(RuntimeError, match="reward service down"):
+        trainer.train()
+    assert trainer.rollout_func._background is None
+
+
+_KILLED_TRAINER = """
+import os, sys, time, torch
+sys.path.insert(0, {tests!r})
+os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+from tensordict import set_list_to_stack
+set_list_to_stack(True).set()
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import test_async_rollouts as t
+tokenizer = AutoTokenizer.from_pretrained({policy!r}, padding_side="left")
+model = AutoModelForCausalLM.from_pretrained({policy!r})
+trainer = t._trainer((model, tokenizer), {out!r}, max_steps=100000)
+trainer.train()
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_the_sampling_process_dies_with_its_trainer(tmp_path, repo_root, signal_name):
+    import signal
+
+    script = _KILLED_TRAINER.format(
+        tests=str(repo_root / "tests" / "interop"), policy=str(repo_root / "tiny" / "policy"), out=str(tmp_path)
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(repo_root)}, stderr=subprocess.PIPE
+    )
+    try:
+        deadline, children = time.monotonic() + 180, []
+        while time.monotonic() < deadline and not children:
+            assert trainer.poll() is None, trainer.stderr.read().decode()[-3000:]
+            children = psutil.Process(trainer.pid).children(recursive=True)
+            time.sleep(0.2)
+        assert children, "the sampling process never started"
+        trainer.send_signal(getattr(signal, signal_name))
+        trainer.wait(timeout=60)
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"left running after {signal_name} of the trainer: {alive}"
+    finally:
+        trainer.kill()
