@@ -347,6 +347,28 @@ def test_every_repository_path_and_dotted_name_in_the_docs_exists():
     assert not missing, "named in the docs but not in the repository:\n" + "\n".join(sorted(missing))
 
 
+def test_every_link_between_the_pages_lands():
+    """A relative Markdown link names a file that exists and, after ``#``, one of its headings (GitHub's anchor)."""
+    broken = []
+    for path in DOC_FILES:
+        for target in re.findall(r"\]\(([^()\s]+)\)", path.read_text(encoding="utf-8")):
+            if re.match(r"\w+://", target):
+                continue
+            file, _, fragment = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{path.name}: {target}")
+            elif fragment and fragment not in _anchors(linked):
+                broken.append(f"{path.name}: {target} (no such heading)")
+    assert not broken, "links that land nowhere:\n" + "\n".join(broken)
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", path.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 def _importable(dotted: str) -> bool:
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
