@@ -1,10 +1,10 @@
 """The README and ``docs/*.md`` say what the code does: every recipe command they show composes and fits its recipe's
-schema, every path they name exists, and the README's trl example runs.
+schema, every path, name and link they give exists, and the README's trl example runs.
 
 A command is any ``python recipes/<recipe>.py ...`` (also under ``torchrun ...`` or ``accelerate launch ...``) in a
 shell code block (lines continued with ``\\`` joined) or in inline code. It is composed through Hydra's compose API as
-the recipe would compose it, with placeholders such as ``<run dir>`` filled with harmless values, every combination
-of a ``-m`` sweep (and of a ``sweep=`` preset) composed, ``hydra.*`` overrides applied; then each composed config is
+the recipe would compose it, with placeholders such as ``<run dir>`` filled with harmless values, every value of a
+``-m`` sweep (and of a ``sweep=`` preset) composed, ``hydra.*`` overrides applied; then each composed config is
 checked against the recipe's schema (``recipes.common.schema.checked_config``) and its ``train:`` node against trl's
 config class. A renamed or misspelled key in the docs fails here. Nothing trains and nothing loads: a command naming
 files that do not exist here (``data.path=train.jsonl``) only has to compose and fit the schema.
