@@ -377,6 +377,8 @@ def _importable(dotted: str) -> bool:
         except ImportError:
             continue
         for attribute in parts[cut:]:
+            if attribute in getattr(obj, "__all__", ()) and attribute not in vars(obj):
+                return True  # a name a package exports lazily (interop.TorchRLGRPOTrainer imports trl's trainer)
             if not hasattr(obj, attribute):
                 return False
             obj = getattr(obj, attribute)
