@@ -4,8 +4,8 @@
     python recipes/grpo_torchrl_rm.py -m optimizer.lr=1e-3,2e-3,4e-3      # a sweep: main() returns cfg.metric
     torchrun --standalone --nproc_per_node 2 recipes/grpo_torchrl_rm.py hydra.run.dir=outputs/ddp  # data-parallel
 
-How a step flows (env -> policy -> reward -> collector -> advantage -> buffer -> loss) is told once, in the README's
-GRPO section. This file reads top to bottom: :func:`train` validates the config (``recipes.grpo.checks``), reads the
+How a step flows (env -> policy -> reward -> collector -> advantage -> buffer -> loss) is told once, in docs/grpo.md.
+This file reads top to bottom: :func:`train` validates the config (``recipes.grpo.checks``), reads the
 prompts, starts the run, loads the models (:func:`load_models`), builds the learner (``recipes.grpo.learner``) and the
 collector (``recipes.grpo.collector``), then :func:`train_loop` runs one :func:`train_step` per step, reports it
 (``recipes.grpo.report``) and checkpoints it (:func:`save_if_due`, ``recipes.grpo.checkpointing``); the run ends with

@@ -436,7 +436,7 @@ def _unknown_key_message(key: str, known: list[str], parent: str, recipe: str) -
     where = f"under {parent}" if parent else "at the top level"
     return (
         f"{key}: {recipe} has no such setting, so it would be ignored. {suggestion}The settings {where} are "
-        f"{sorted(known)}; see the README or `python recipes/{recipe}.py --cfg job` for what each does."
+        f"{sorted(known)}; see docs/configuration.md or `python recipes/{recipe}.py --cfg job` for what each does."
     )
 
 
