@@ -208,7 +208,7 @@ def check_job(recipe: str, cfg) -> None:
     finally:
         HydraConfig.instance().cfg = None
     if recipe == "reward_trainer_from_buffer":
-        schema_module.check_reward_config_keys(settled.train)
+        schema_module.checked_reward_trainer_config(settled.train)
     elif recipe == "trl_grpo_torchrl_rollouts":
         from trl import GRPOConfig
 
