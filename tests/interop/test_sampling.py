@@ -208,6 +208,85 @@ class TestDrawnDistribution:
         tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
         assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
 
+    @pytest.mark.parametrize(
+        ("settings", "scaled"),
+        [
+            (SamplingSettings(max_new_tokens=2, min_new_tokens=1), False),
+            (SamplingSettings(max_new_tokens=2, min_new_tokens=1, temperature=0.7), True),
+        ],
+        ids=["plain", "temperature"],
+    )
+    def test_a_step_over_the_whole_vocabulary_draws_as_generate_with_eos_held_back(self, settings, scaled):
+        """Sampling with no top-k, top-p, min-p or penalty reuses the log-prob normaliser's exponentials as the draw's
+        weights; a held-back EOS (token 3 here) gets weight 0."""
+        from interop.sampling import _next_tokens
+
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randn(1, 24, generator=generator) * 2
+        eos = 3
+        held_back = logits.clone()
+        held_back[:, eos] = float("-inf")
+        expected = _generate_distribution(held_back, settings)[0]
+        draws = 40_000
+        torch.manual_seed(1)
+        tokens, log_probs = _next_tokens(
+            logits.expand(draws, -1).clone(),
+            step=0,
+            settings=settings,
+            eos=torch.tensor([eos]),
+            seen=None,
+            scaled=scaled,
+            uniform=None,
+            workspace=torch.empty(draws, logits.shape[-1]),
+        )
+        frequencies = torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
+        assert frequencies[eos] == 0
+        tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
+        assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
+        scored = (logits / settings.temperature if scaled else logits).log_softmax(-1)[0]
+        torch.testing.assert_close(log_probs, scored[tokens])
+
+
+class TestDraw:
+    """The draw behind every sampled token: one uniform number per row, inverse CDF over the row's weights."""
+
+    @pytest.mark.parametrize("ordered", [True, False], ids=["ordered_cumsum", "parallel_scan_guard"])
+    def test_frequencies_are_the_weights_and_a_zero_weight_is_never_drawn(self, ordered):
+        from interop.sampling import _draw
+
+        weights = torch.tensor([0.0, 3.0, 0.0, 0.0, 1.0, 0.5, 0.0, 4.0, 0.0])  # not normalised; zeros at both ends
+        draws = 40_000
+        torch.manual_seed(0)
+        columns = _draw(weights.expand(draws, -1).clone(), ordered=ordered)
+        frequencies = torch.bincount(columns, minlength=weights.numel()).double() / draws
+        expected = (weights / weights.sum()).double()
+        assert (frequencies[weights == 0] == 0).all()
+        tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
+        assert ((frequencies - expected).abs() <= tolerance).all(), (frequencies, expected)
+
+    @pytest.mark.parametrize("ordered", [True, False], ids=["ordered_cumsum", "parallel_scan_guard"])
+    def test_the_ends_of_the_unit_interval_draw_the_first_and_last_columns_of_nonzero_weight(self, ordered):
+        from interop.sampling import _draw
+
+        weights = torch.tensor([[0.0, 0.0, 2.0, 0.0, 1.0, 0.0, 0.0]]).repeat(3, 1)
+        # 1.0 is what rand() * total can round up to (rand() itself stays below it): it must not pass the last
+        # interval into the zero columns after it.
+        columns = _draw(weights, torch.tensor([[0.0], [0.999], [1.0]]), ordered=ordered)
+        assert columns.tolist() == [2, 4, 4]
+
+    def test_a_zero_weight_column_rounded_above_its_neighbour_gets_an_empty_interval(self):
+        """A parallel scan may give a zero-weight column a sum one ulp above the column before it: the guard evens it
+        out, so that a point in that ulp goes to the next column of nonzero weight."""
+        from interop.sampling import _flat_across_zeros
+
+        one_ulp_up = torch.tensor(1.0).nextafter(torch.tensor(2.0)).item()
+        cdf = torch.tensor([[0.0, 1.0, one_ulp_up, 2.0]])  # weights 0, 1, 0, 1, as such a scan may sum them
+        points = torch.tensor([[0.0, 1.0]])
+        assert torch.searchsorted(cdf, points, right=True).tolist() == [[1, 2]]  # unguarded: column 2 drawn at 1.0
+        bounds = _flat_across_zeros(cdf, torch.tensor([[True, False, True, False]]))
+        assert bounds.tolist() == [[float("-inf"), 1.0, 1.0, 2.0]]
+        assert torch.searchsorted(bounds, points, right=True).tolist() == [[1, 3]]
+
 
 class TestCausalLMSampler:
     def test_writes_the_dense_layout_the_loss_reads(self, tiny_policy):
