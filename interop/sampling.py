@@ -8,8 +8,9 @@ Public names:
   ``GRPOConfig`` (:meth:`SamplingSettings.from_grpo_config`).
 - :func:`sample_responses`: one decoding loop over a dense left-padded batch of prompts, with a KV cache. At every
   step it keeps the sampled token's log-prob (under the raw logits, or at the sampling temperature as trl scores
-  them), so the behaviour policy's log-probs cost no second forward pass, the first response token's included. Each
-  token is drawn with one uniform number per row.
+  them), so the behaviour policy's log-probs cost no second forward pass, the first response token's included. A
+  prompt held by several rows (a GRPO group) is run through the model once, and each token is drawn with one
+  uniform number per row.
 - :class:`CausalLMSampler`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
   wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and the policy version (tensors
   only). ``interop.TorchRLRolloutFunc`` samples with it for ``trl.GRPOTrainer``.
@@ -363,10 +364,68 @@ def _next_tokens(
     return token, (chosen / temperature if temperature else chosen) - normaliser
 
 
-def _forward_next(model, out, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache_argument: str):
-    """The forward pass of one new token per row, over the KV cache the previous pass returned."""
-    cache = out["cache"] if "cache" in out else out["past_key_values"]
-    return model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True, **{cache_argument: cache})
+def _cache_of(out):
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def _rows_can_be_copied(cache) -> bool:
+    """Whether a KV cache's rows can be repeated or dropped (``batch_repeat_interleave``, ``batch_select_indices``)
+    with nothing left behind: a ``DynamicCache`` of attention layers, whose rows are keys and values only. A
+    recurrent, static, quantized or offloaded cache keeps state that such a copy would miss."""
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError:
+        return False
+    return (
+        type(cache) is DynamicCache
+        and not getattr(cache, "offloading", False)
+        and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+    )
+
+
+def _distinct_prompts(tokens: torch.Tensor, mask: torch.Tensor):
+    """``(first, inverse, repeats)``: one row of each distinct prompt (``[D]``, in order of first appearance), each
+    row's prompt among them (``[B]``), and ``n`` when the rows are ``D`` consecutive groups of ``n`` (GRPO's layout;
+    ``None`` otherwise). ``None`` when no two rows hold the same prompt."""
+    distinct, inverse = torch.unique(tokens.masked_fill(mask == 0, -1), dim=0, return_inverse=True)
+    count, batch = distinct.shape[0], tokens.shape[0]
+    if count == batch:
+        return None
+    rows = torch.arange(batch, device=tokens.device)
+    first = rows.new_full((count,), batch).scatter_reduce_(0, inverse, rows, "amin")
+    order = first.argsort()  # unique sorts the prompts; number them by first appearance instead
+    inverse = order.argsort()[inverse]
+    repeats = batch // count
+    grouped = batch % count == 0 and torch.equal(inverse, rows[:count].repeat_interleave(repeats))
+    return first[order], inverse, repeats if grouped else None
+
+
+def _prefill(model, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, options: dict, *, share: bool):
+    """The forward pass over the prompts: the logits of each row's last position (``[B, V]``) and the KV cache.
+
+    ``share``: a prompt held by several rows (GRPO samples a group of responses to each prompt) is run once and its
+    cache rows and logits repeated across its rows: the same keys and values for a fraction of the prefill's cost.
+    When the model's cache cannot be copied row to row (:func:`_rows_can_be_copied`), every row is run after all.
+    """
+    distinct = _distinct_prompts(tokens, mask) if share else None
+    if distinct is not None:
+        first, inverse, repeats = distinct
+        out = model(
+            input_ids=tokens[first],
+            attention_mask=mask[first],
+            position_ids=positions[first],
+            use_cache=True,
+            **options,
+        )
+        cache = _cache_of(out)
+        if _rows_can_be_copied(cache):
+            if repeats is not None:
+                cache.batch_repeat_interleave(repeats)
+                return out.logits[:, -1].repeat_interleave(repeats, dim=0), cache
+            cache.batch_select_indices(inverse)
+            return out.logits[:, -1][inverse], cache
+    out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **options)
+    return out.logits[:, -1], _cache_of(out)
 
 
 @torch.no_grad()
@@ -384,9 +443,15 @@ def sample_responses(
 
     Positions follow the attention mask (``cumsum - 1``), as ``generate`` sets them, so a row scores the same
     whatever padding it shares a batch with. Decoding stops once every row has sampled an EOS id, or after
-    ``settings.max_new_tokens`` tokens. A model sharded with FSDP2 (``torch``'s ``fully_shard``) all-gathers its
-    weights in every forward pass, a collective that every rank must join: decoding then stops once every row of
-    every rank has sampled an EOS id, and the responses are those the rank would have sampled alone.
+    ``settings.max_new_tokens`` tokens.
+
+    With a ``DynamicCache`` of attention layers (``transformers``' default), a prompt held by several rows (a GRPO
+    group) is run through the model once and its KV cache repeated across its rows.
+
+    A model sharded with FSDP2 (``torch``'s ``fully_shard``) all-gathers its weights in every forward pass, a
+    collective that every rank must join: there every row goes through every forward pass (no shared prefill),
+    decoding stops once every row of every rank has sampled an EOS id, and the responses are those the rank would
+    have sampled alone.
 
     Args:
         model: a ``transformers`` causal LM (with a KV cache).
@@ -413,12 +478,11 @@ def sample_responses(
     prefill, cache_argument = _forward_options(model)
     synced = _forwards_are_collective(model)
     decoding = True  # a row of this rank has not sampled EOS yet
-    out = model(input_ids=prompt_tokens, attention_mask=mask, position_ids=positions, use_cache=True, **prefill)
+    logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
     seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
     if settings.repetition_penalty != 1.0:
-        seen = torch.zeros_like(out.logits[:, -1], dtype=torch.float32).scatter_add_(-1, prompt_tokens, mask.float())
-        seen = seen > 0
-    workspace = torch.empty_like(out.logits[:, -1], dtype=torch.float32)  # [B, V], reused at every step
+        seen = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, mask.float()) > 0
+    workspace = torch.empty_like(logits, dtype=torch.float32)  # [B, V], reused at every step
     next_position = positions[:, -1:] + 1
     for step in range(settings.max_new_tokens):
         # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
@@ -426,7 +490,7 @@ def sample_responses(
         if decoding:
             uniform = torch.rand(batch, 1, device=device) if settings.do_sample else None
             token, token_log_prob = _next_tokens(
-                out.logits[:, -1].float(),
+                logits.float(),
                 step=step,
                 settings=settings,
                 eos=eos,
@@ -442,7 +506,14 @@ def sample_responses(
             break
         # Finished rows go on decoding pads (their outputs are discarded), so that the batch keeps one shape.
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-        out = _forward_next(model, out, responses.tokens[:, step : step + 1], mask, next_position, cache_argument)
+        out = model(
+            input_ids=responses.tokens[:, step : step + 1],
+            attention_mask=mask,
+            position_ids=next_position,
+            use_cache=True,
+            **{cache_argument: cache},
+        )
+        logits, cache = out.logits[:, -1], _cache_of(out)
         next_position = next_position + 1
     return responses.sampled()
 

@@ -24,19 +24,29 @@ def _prompts(tokenizer, texts):
 PROMPTS = ["Review the mug.", "What do you think of the bike and of its color?", "Review the lamp."]
 
 
-def _sample(tiny_policy, settings, *, seed=0, prompts=PROMPTS):
+def _sample(tiny_policy, settings, *, seed=0, prompts=PROMPTS, **options):
+    """``sample_responses`` on ``prompts`` from RNG seed ``seed``; ``options`` override its keyword arguments."""
     model, tokenizer = tiny_policy
     tokens, mask = _prompts(tokenizer, prompts)
     torch.manual_seed(seed)
-    sampled = sample_responses(
-        model,
-        tokens,
-        mask,
-        settings=settings,
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    options = {"eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id, **options}
+    sampled = sample_responses(model, tokens, mask, settings=settings, **options)
     return tokens, mask, sampled
+
+
+def _assert_log_probs_equal_a_forward_pass(model, tokens, mask, sampled):
+    """The behaviour log-probs, first response token included, are the model's log-softmax at each token."""
+    assert sampled.log_probs.dtype == torch.float32
+    for row in range(tokens.shape[0]):
+        prompt = tokens[row][mask[row]]
+        response = sampled.tokens[row][sampled.mask[row]]
+        full = torch.cat([prompt, response])[None]
+        with torch.no_grad():
+            log_softmax = model(input_ids=full).logits[0].log_softmax(-1)
+        expected = log_softmax[prompt.numel() - 1 : -1].gather(-1, response[:, None]).squeeze(-1)
+        torch.testing.assert_close(sampled.log_probs[row][sampled.mask[row]], expected, atol=1e-5, rtol=1e-5)
+        assert sampled.log_probs[row][0] < 0  # the first response token is scored too
+        assert (sampled.log_probs[row][~sampled.mask[row]] == 0).all()
 
 
 class TestSettings:
@@ -72,19 +82,9 @@ class TestSampleResponses:
     )
     def test_recorded_log_probs_equal_a_forward_pass_of_each_sequence(self, tiny_policy, settings):
         """The behaviour log-probs, first response token included, are the model's log-softmax at each token."""
-        model, tokenizer = tiny_policy
+        model, _ = tiny_policy
         tokens, mask, sampled = _sample(tiny_policy, settings)
-        assert sampled.log_probs.dtype == torch.float32
-        for row in range(tokens.shape[0]):
-            prompt = tokens[row][mask[row]]
-            response = sampled.tokens[row][sampled.mask[row]]
-            full = torch.cat([prompt, response])[None]
-            with torch.no_grad():
-                log_softmax = model(input_ids=full).logits[0].log_softmax(-1)
-            expected = log_softmax[prompt.numel() - 1 : -1].gather(-1, response[:, None]).squeeze(-1)
-            torch.testing.assert_close(sampled.log_probs[row][sampled.mask[row]], expected, atol=1e-5, rtol=1e-5)
-            assert sampled.log_probs[row][0] < 0  # the first response token is scored too
-            assert (sampled.log_probs[row][~sampled.mask[row]] == 0).all()
+        _assert_log_probs_equal_a_forward_pass(model, tokens, mask, sampled)
 
     def test_a_response_ends_at_its_eos_and_is_padded_after(self, tiny_policy):
         _, tokenizer = tiny_policy
@@ -286,6 +286,96 @@ class TestDraw:
         bounds = _flat_across_zeros(cdf, torch.tensor([[True, False, True, False]]))
         assert bounds.tolist() == [[float("-inf"), 1.0, 1.0, 2.0]]
         assert torch.searchsorted(bounds, points, right=True).tolist() == [[1, 3]]
+
+
+def _forward_rows(model):
+    """A list that fills with the ``input_ids`` shape of every forward pass of ``model``, and the hook's handle."""
+    shapes = []
+    handle = model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    return shapes, handle
+
+
+# GRPO's layout (each prompt in a group of consecutive rows), and the same prompts repeated in no order.
+GROUPED = [prompt for prompt in PROMPTS for _ in range(4)]
+UNORDERED = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[0]]
+
+
+class TestSharedPrefill:
+    """Each distinct prompt goes through the model once; its KV cache and last logits are repeated to its rows."""
+
+    @pytest.mark.parametrize("prompts", [GROUPED, UNORDERED], ids=["grouped", "unordered"])
+    def test_the_prefill_runs_the_distinct_prompts_only(self, tiny_policy, prompts):
+        model, _ = tiny_policy
+        shapes, handle = _forward_rows(model)
+        try:
+            tokens, _, _ = _sample(
+                tiny_policy, SamplingSettings(max_new_tokens=6, min_new_tokens=6, top_k=50), prompts=prompts
+            )
+        finally:
+            handle.remove()
+        assert shapes[0] == (3, tokens.shape[1])  # 3 distinct prompts
+        assert shapes[1:] == [(len(prompts), 1)] * 5  # then every row decodes (none can end before 6 tokens)
+
+    @pytest.mark.parametrize("prompts", [GROUPED, UNORDERED], ids=["grouped", "unordered"])
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=12, top_k=50),
+            SamplingSettings(max_new_tokens=12, min_new_tokens=3, top_p=0.9, temperature=0.7, repetition_penalty=1.3),
+            SamplingSettings(max_new_tokens=12, min_new_tokens=2),
+            SamplingSettings(max_new_tokens=12, do_sample=False),
+        ],
+        ids=["top_k", "top_p+temperature+penalty", "whole_vocabulary+min_new_tokens", "greedy"],
+    )
+    def test_rows_sample_what_they_sample_without_sharing(self, tiny_policy, monkeypatch, prompts, settings):
+        import interop.sampling as sampling
+
+        model, _ = tiny_policy
+        tokens, mask, shared = _sample(tiny_policy, settings, prompts=prompts)
+        _assert_log_probs_equal_a_forward_pass(model, tokens, mask, shared)
+        monkeypatch.setattr(sampling, "_distinct_prompts", lambda tokens, mask: None)
+        _, _, every_row = _sample(tiny_policy, settings, prompts=prompts)
+        assert torch.equal(shared.tokens, every_row.tokens) and torch.equal(shared.mask, every_row.mask)
+        torch.testing.assert_close(shared.log_probs, every_row.log_probs, atol=1e-5, rtol=0)
+
+    def test_a_cache_that_is_not_a_dynamic_cache_of_attention_layers_runs_every_row(self, tiny_policy):
+        from transformers.cache_utils import DynamicCache
+
+        class OtherCache(DynamicCache):
+            """Stands for a recurrent, static or quantized cache, whose rows hold more than keys and values."""
+
+        class OtherCacheModel(torch.nn.Module):
+            def __init__(self, model):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask, position_ids, use_cache, cache=None, logits_to_keep=0):
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=use_cache,
+                    cache=cache,
+                    logits_to_keep=logits_to_keep,
+                )
+                (out["cache"] if "cache" in out else out["past_key_values"]).__class__ = OtherCache
+                return out
+
+        model, tokenizer = tiny_policy
+        settings = SamplingSettings(max_new_tokens=8, top_k=50)
+        wrapped = OtherCacheModel(model)
+        shapes, handle = _forward_rows(wrapped)
+        try:
+            tokens, _, fallback = _sample((wrapped, tokenizer), settings, prompts=UNORDERED)
+        finally:
+            handle.remove()
+        rows, width = tokens.shape
+        assert shapes[:2] == [(3, width), (rows, width)]  # the distinct prompts, then, the cache found out, every row
+        assert all(shape == (rows, 1) for shape in shapes[2:])  # and no row leaves the batch
+        _, _, shared = _sample(tiny_policy, settings, prompts=UNORDERED)
+        assert torch.equal(fallback.tokens, shared.tokens)
 
 
 class TestCausalLMSampler:
