@@ -9,8 +9,8 @@ Public names:
 - :func:`sample_responses`: one decoding loop over a dense left-padded batch of prompts, with a KV cache. At every
   step it keeps the sampled token's log-prob (under the raw logits, or at the sampling temperature as trl scores
   them), so the behaviour policy's log-probs cost no second forward pass, the first response token's included. A
-  prompt held by several rows (a GRPO group) is run through the model once, and each token is drawn with one
-  uniform number per row.
+  prompt held by several rows (a GRPO group) is run through the model once, a row that has ended leaves the
+  decoding batch, and each token is drawn with one uniform number per row.
 - :class:`CausalLMSampler`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
   wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and the policy version (tensors
   only). ``interop.TorchRLRolloutFunc`` samples with it for ``trl.GRPOTrainer``.
@@ -428,6 +428,15 @@ def _prefill(model, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.T
     return out.logits[:, -1], _cache_of(out)
 
 
+# Finished rows leave the decoding batch once more than this fraction of its rows have finished: at every step that
+# finishes one. Leaving copies the kept rows' KV cache (as DynamicCache's own concatenation does at every step) and
+# their per-row buffers, once; a finished row that stays costs its forward pass and its [V] normaliser at every later
+# step. CPU time of one 32-token batch (one thread, shared machine) when rows leave past 0 / 25% / 50% finished /
+# never: 16 rows at a 152k vocabulary, no top-k 0.94 / 1.05 / 1.10 / 1.13 s, top-k 50 0.66 / 0.70 / 0.74 / 0.74 s;
+# 64 rows of the tiny policy 155 / 151 / 154 / 160 ms (alike within noise).
+_DROP_FINISHED_AT = 0.0
+
+
 @torch.no_grad()
 def sample_responses(
     model,
@@ -446,12 +455,14 @@ def sample_responses(
     ``settings.max_new_tokens`` tokens.
 
     With a ``DynamicCache`` of attention layers (``transformers``' default), a prompt held by several rows (a GRPO
-    group) is run through the model once and its KV cache repeated across its rows.
+    group) is run through the model once and its KV cache repeated across its rows, and a row that has sampled EOS
+    leaves the decoding batch: later forward passes compute only the rows still decoding. Neither changes what a row
+    samples: each step draws one uniform number per row of the whole batch, whichever rows are still decoding.
 
     A model sharded with FSDP2 (``torch``'s ``fully_shard``) all-gathers its weights in every forward pass, a
-    collective that every rank must join: there every row goes through every forward pass (no shared prefill),
-    decoding stops once every row of every rank has sampled an EOS id, and the responses are those the rank would
-    have sampled alone.
+    collective that every rank must join: there every row goes through every forward pass (no shared prefill, no
+    dropped rows), decoding stops once every row of every rank has sampled an EOS id, and the responses are those the
+    rank would have sampled alone.
 
     Args:
         model: a ``transformers`` causal LM (with a KV cache).
@@ -479,16 +490,19 @@ def sample_responses(
     synced = _forwards_are_collective(model)
     decoding = True  # a row of this rank has not sampled EOS yet
     logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
+    drop_finished = not synced and _rows_can_be_copied(cache)
     seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
     if settings.repetition_penalty != 1.0:
         seen = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, mask.float()) > 0
     workspace = torch.empty_like(logits, dtype=torch.float32)  # [B, V], reused at every step
+    rows = torch.arange(batch, device=device)  # the decoding batch's rows, as rows of the whole batch
     next_position = positions[:, -1:] + 1
     for step in range(settings.max_new_tokens):
         # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
         # it leaves its RNG where a rank decoding alone would have left it.
         if decoding:
-            uniform = torch.rand(batch, 1, device=device) if settings.do_sample else None
+            # One uniform per row of the whole batch, so that a row draws the same whichever rows have left.
+            uniform = torch.rand(batch, 1, device=device)[rows] if settings.do_sample else None
             token, token_log_prob = _next_tokens(
                 logits.float(),
                 step=step,
@@ -497,17 +511,24 @@ def sample_responses(
                 seen=seen,
                 scaled=log_probs_at_temperature,
                 uniform=uniform,
-                workspace=workspace,
+                workspace=workspace[: rows.shape[0]],
             )
-            decoding = responses.record(step, token, token_log_prob)
+            running = responses.record(step, rows, token, token_log_prob)
             if seen is not None:
                 seen.scatter_(-1, token[:, None], True)
+            still_running = int(running.sum())  # the step's one host sync (two when rows leave: nonzero)
+            decoding = still_running > 0
         if step + 1 == settings.max_new_tokens or not _any_rank_running(decoding, synced, device):
             break
-        # Finished rows go on decoding pads (their outputs are discarded), so that the batch keeps one shape.
+        if drop_finished and still_running < (1.0 - _DROP_FINISHED_AT) * rows.shape[0]:
+            keep = running.nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            rows, mask, next_position = rows[keep], mask[keep], next_position[keep]
+            seen = seen[keep] if seen is not None else None
+        # Finished rows still in the batch decode pads (their outputs are discarded).
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         out = model(
-            input_ids=responses.tokens[:, step : step + 1],
+            input_ids=responses.tokens[rows, step : step + 1],
             attention_mask=mask,
             position_ids=next_position,
             use_cache=True,
@@ -529,13 +550,16 @@ class _ResponsesSoFar:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.pad_token_id, self.eos = pad_token_id, eos
 
-    def record(self, step: int, token: torch.Tensor, log_prob: torch.Tensor) -> bool:
-        """Writes step ``step``'s tokens of the running rows (pads elsewhere); returns whether a row still runs."""
-        self.tokens[:, step] = torch.where(self.running, token, self.pad_token_id)
-        self.log_probs[:, step] = torch.where(self.running, log_prob, 0.0)
-        self.lengths += self.running
-        self.running = self.running & ~torch.isin(token, self.eos)
-        return bool(self.running.any())  # the step's one host sync
+    def record(self, step: int, rows: torch.Tensor, token: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+        """Writes step ``step``'s tokens of the running rows among ``rows`` (pads for the others; a row not in
+        ``rows`` has finished and keeps its pad); returns which of ``rows`` still run."""
+        running = self.running[rows]
+        self.tokens[rows, step] = torch.where(running, token, self.pad_token_id)
+        self.log_probs[rows, step] = torch.where(running, log_prob, 0.0)
+        self.lengths[rows] += running
+        running = running & ~torch.isin(token, self.eos)
+        self.running[rows] = running
+        return running
 
     def sampled(self) -> SampledResponses:
         width = int(self.lengths.max())

@@ -378,6 +378,63 @@ class TestSharedPrefill:
         assert torch.equal(fallback.tokens, shared.tokens)
 
 
+class TestFinishedRowsLeave:
+    """A row that has sampled EOS leaves the decoding batch; what every row samples, and the layout, are unchanged."""
+
+    def test_forward_passes_after_a_row_ends_compute_the_rows_still_decoding(self, tiny_policy, monkeypatch):
+        import interop.sampling as sampling
+
+        model, tokenizer = tiny_policy
+        settings = SamplingSettings(max_new_tokens=8, top_k=50)
+        prompts = PROMPTS * 2
+        _, _, first = _sample(tiny_policy, settings, prompts=prompts)
+        # End ids taken from the responses, so that rows end at different steps.
+        eos = sorted({tokenizer.eos_token_id, int(first.tokens[0, 1]), int(first.tokens[2, 4])})
+        monkeypatch.setattr(sampling, "_DROP_FINISHED_AT", 1.0)  # no row leaves
+        _, _, kept = _sample(tiny_policy, settings, prompts=prompts, eos_token_ids=eos)
+        monkeypatch.setattr(sampling, "_DROP_FINISHED_AT", 0.0)  # rows leave as soon as they end: exact counts
+        shapes, handle = _forward_rows(model)
+        try:
+            _, _, dropped = _sample(tiny_policy, settings, prompts=prompts, eos_token_ids=eos)
+        finally:
+            handle.remove()
+        lengths = kept.mask.sum(-1)
+        decoding_after = [int(((lengths > step + 1) | kept.truncated).sum()) for step in range(len(shapes) - 1)]
+        assert [rows for rows, _ in shapes[1:]] == decoding_after  # the forward pass after each step
+        assert 0 < decoding_after[-1] < len(prompts) - 1  # rows left at different steps, and some decoded on
+        assert torch.equal(dropped.tokens, kept.tokens) and torch.equal(dropped.mask, kept.mask)
+        torch.testing.assert_close(dropped.log_probs, kept.log_probs, atol=1e-5, rtol=0)
+
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=24, do_sample=False),
+            SamplingSettings(max_new_tokens=24, top_k=1),
+            SamplingSettings(max_new_tokens=24, top_k=50),
+            SamplingSettings(max_new_tokens=24, min_new_tokens=4, temperature=0.7, repetition_penalty=1.3),
+            SamplingSettings(max_new_tokens=24, min_new_tokens=2, temperature=0.7),
+        ],
+        ids=["greedy", "top_1", "top_k", "min_new_tokens+temperature+penalty", "whole_vocabulary+temperature"],
+    )
+    def test_responses_equal_those_of_a_batch_that_keeps_every_row(self, tiny_policy, monkeypatch, settings):
+        import interop.sampling as sampling
+
+        _, tokenizer = tiny_policy
+        prompts = [*GROUPED, *UNORDERED, "Hello"]
+        # The greedy responses differ little: end ids that end "Hello"'s at its 2nd token ("color"), one of
+        # PROMPTS[1]'s near the end ("excellent"), and most others at max_new_tokens.
+        options = {"eos_token_ids": [tokenizer.eos_token_id, 325, 363], "log_probs_at_temperature": True}
+        _, _, dropped = _sample(tiny_policy, settings, prompts=prompts, seed=2, **options)
+        lengths = dropped.mask.sum(-1)
+        assert lengths.min() < lengths.max()  # rows ended at different steps
+        # Today's path: every row prefilled and decoded to the end (what a cache that cannot be copied gets).
+        monkeypatch.setattr(sampling, "_rows_can_be_copied", lambda cache: False)
+        _, _, kept = _sample(tiny_policy, settings, prompts=prompts, seed=2, **options)
+        assert torch.equal(dropped.tokens, kept.tokens)
+        assert torch.equal(dropped.mask, kept.mask) and torch.equal(dropped.truncated, kept.truncated)
+        torch.testing.assert_close(dropped.log_probs, kept.log_probs, atol=1e-5, rtol=0)
+
+
 class TestCausalLMSampler:
     def test_writes_the_dense_layout_the_loss_reads(self, tiny_policy):
         from tensordict import TensorDict
