@@ -24,19 +24,29 @@ def _prompts(tokenizer, texts):
 PROMPTS = ["Review the mug.", "What do you think of the bike and of its color?", "Review the lamp."]
 
 
-def _sample(tiny_policy, settings, *, seed=0, prompts=PROMPTS):
+def _sample(tiny_policy, settings, *, seed=0, prompts=PROMPTS, **options):
+    """``sample_responses`` on ``prompts`` from RNG seed ``seed``; ``options`` override its keyword arguments."""
     model, tokenizer = tiny_policy
     tokens, mask = _prompts(tokenizer, prompts)
     torch.manual_seed(seed)
-    sampled = sample_responses(
-        model,
-        tokens,
-        mask,
-        settings=settings,
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    options = {"eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id, **options}
+    sampled = sample_responses(model, tokens, mask, settings=settings, **options)
     return tokens, mask, sampled
+
+
+def _assert_log_probs_equal_a_forward_pass(model, tokens, mask, sampled):
+    """The behaviour log-probs, first response token included, are the model's log-softmax at each token."""
+    assert sampled.log_probs.dtype == torch.float32
+    for row in range(tokens.shape[0]):
+        prompt = tokens[row][mask[row]]
+        response = sampled.tokens[row][sampled.mask[row]]
+        full = torch.cat([prompt, response])[None]
+        with torch.no_grad():
+            log_softmax = model(input_ids=full).logits[0].log_softmax(-1)
+        expected = log_softmax[prompt.numel() - 1 : -1].gather(-1, response[:, None]).squeeze(-1)
+        torch.testing.assert_close(sampled.log_probs[row][sampled.mask[row]], expected, atol=1e-5, rtol=1e-5)
+        assert sampled.log_probs[row][0] < 0  # the first response token is scored too
+        assert (sampled.log_probs[row][~sampled.mask[row]] == 0).all()
 
 
 class TestSettings:
@@ -72,19 +82,9 @@ class TestSampleResponses:
     )
     def test_recorded_log_probs_equal_a_forward_pass_of_each_sequence(self, tiny_policy, settings):
         """The behaviour log-probs, first response token included, are the model's log-softmax at each token."""
-        model, tokenizer = tiny_policy
+        model, _ = tiny_policy
         tokens, mask, sampled = _sample(tiny_policy, settings)
-        assert sampled.log_probs.dtype == torch.float32
-        for row in range(tokens.shape[0]):
-            prompt = tokens[row][mask[row]]
-            response = sampled.tokens[row][sampled.mask[row]]
-            full = torch.cat([prompt, response])[None]
-            with torch.no_grad():
-                log_softmax = model(input_ids=full).logits[0].log_softmax(-1)
-            expected = log_softmax[prompt.numel() - 1 : -1].gather(-1, response[:, None]).squeeze(-1)
-            torch.testing.assert_close(sampled.log_probs[row][sampled.mask[row]], expected, atol=1e-5, rtol=1e-5)
-            assert sampled.log_probs[row][0] < 0  # the first response token is scored too
-            assert (sampled.log_probs[row][~sampled.mask[row]] == 0).all()
+        _assert_log_probs_equal_a_forward_pass(model, tokens, mask, sampled)
 
     def test_a_response_ends_at_its_eos_and_is_padded_after(self, tiny_policy):
         _, tokenizer = tiny_policy
@@ -207,6 +207,232 @@ class TestDrawnDistribution:
         # frequency by its whole probability, far more than this.
         tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
         assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
+
+    @pytest.mark.parametrize(
+        ("settings", "scaled"),
+        [
+            (SamplingSettings(max_new_tokens=2, min_new_tokens=1), False),
+            (SamplingSettings(max_new_tokens=2, min_new_tokens=1, temperature=0.7), True),
+        ],
+        ids=["plain", "temperature"],
+    )
+    def test_a_step_over_the_whole_vocabulary_draws_as_generate_with_eos_held_back(self, settings, scaled):
+        """Sampling with no top-k, top-p, min-p or penalty reuses the log-prob normaliser's exponentials as the draw's
+        weights; a held-back EOS (token 3 here) gets weight 0."""
+        from interop.sampling import _next_tokens
+
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randn(1, 24, generator=generator) * 2
+        eos = 3
+        held_back = logits.clone()
+        held_back[:, eos] = float("-inf")
+        expected = _generate_distribution(held_back, settings)[0]
+        draws = 40_000
+        torch.manual_seed(1)
+        tokens, log_probs = _next_tokens(
+            logits.expand(draws, -1).clone(),
+            step=0,
+            settings=settings,
+            eos=torch.tensor([eos]),
+            seen=None,
+            scaled=scaled,
+            uniform=None,
+            workspace=torch.empty(draws, logits.shape[-1]),
+        )
+        frequencies = torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
+        assert frequencies[eos] == 0
+        tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
+        assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
+        scored = (logits / settings.temperature if scaled else logits).log_softmax(-1)[0]
+        torch.testing.assert_close(log_probs, scored[tokens])
+
+
+class TestDraw:
+    """The draw behind every sampled token: one uniform number per row, inverse CDF over the row's weights."""
+
+    @pytest.mark.parametrize("ordered", [True, False], ids=["ordered_cumsum", "parallel_scan_guard"])
+    def test_frequencies_are_the_weights_and_a_zero_weight_is_never_drawn(self, ordered):
+        from interop.sampling import _draw
+
+        weights = torch.tensor([0.0, 3.0, 0.0, 0.0, 1.0, 0.5, 0.0, 4.0, 0.0])  # not normalised; zeros at both ends
+        draws = 40_000
+        torch.manual_seed(0)
+        columns = _draw(weights.expand(draws, -1).clone(), ordered=ordered)
+        frequencies = torch.bincount(columns, minlength=weights.numel()).double() / draws
+        expected = (weights / weights.sum()).double()
+        assert (frequencies[weights == 0] == 0).all()
+        tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
+        assert ((frequencies - expected).abs() <= tolerance).all(), (frequencies, expected)
+
+    @pytest.mark.parametrize("ordered", [True, False], ids=["ordered_cumsum", "parallel_scan_guard"])
+    def test_the_ends_of_the_unit_interval_draw_the_first_and_last_columns_of_nonzero_weight(self, ordered):
+        from interop.sampling import _draw
+
+        weights = torch.tensor([[0.0, 0.0, 2.0, 0.0, 1.0, 0.0, 0.0]]).repeat(3, 1)
+        # 1.0 is what rand() * total can round up to (rand() itself stays below it): it must not pass the last
+        # interval into the zero columns after it.
+        columns = _draw(weights, torch.tensor([[0.0], [0.999], [1.0]]), ordered=ordered)
+        assert columns.tolist() == [2, 4, 4]
+
+    def test_a_zero_weight_column_rounded_above_its_neighbour_gets_an_empty_interval(self):
+        """A parallel scan may give a zero-weight column a sum one ulp above the column before it: the guard evens it
+        out, so that a point in that ulp goes to the next column of nonzero weight."""
+        from interop.sampling import _flat_across_zeros
+
+        one_ulp_up = torch.tensor(1.0).nextafter(torch.tensor(2.0)).item()
+        cdf = torch.tensor([[0.0, 1.0, one_ulp_up, 2.0]])  # weights 0, 1, 0, 1, as such a scan may sum them
+        points = torch.tensor([[0.0, 1.0]])
+        assert torch.searchsorted(cdf, points, right=True).tolist() == [[1, 2]]  # unguarded: column 2 drawn at 1.0
+        bounds = _flat_across_zeros(cdf, torch.tensor([[True, False, True, False]]))
+        assert bounds.tolist() == [[float("-inf"), 1.0, 1.0, 2.0]]
+        assert torch.searchsorted(bounds, points, right=True).tolist() == [[1, 3]]
+
+
+def _forward_rows(model):
+    """A list that fills with the ``input_ids`` shape of every forward pass of ``model``, and the hook's handle."""
+    shapes = []
+    handle = model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    return shapes, handle
+
+
+# GRPO's layout (each prompt in a group of consecutive rows), and the same prompts repeated in no order.
+GROUPED = [prompt for prompt in PROMPTS for _ in range(4)]
+UNORDERED = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[0]]
+
+
+class TestSharedPrefill:
+    """Each distinct prompt goes through the model once; its KV cache and last logits are repeated to its rows."""
+
+    @pytest.mark.parametrize("prompts", [GROUPED, UNORDERED], ids=["grouped", "unordered"])
+    def test_the_prefill_runs_the_distinct_prompts_only(self, tiny_policy, prompts):
+        model, _ = tiny_policy
+        shapes, handle = _forward_rows(model)
+        try:
+            tokens, _, _ = _sample(
+                tiny_policy, SamplingSettings(max_new_tokens=6, min_new_tokens=6, top_k=50), prompts=prompts
+            )
+        finally:
+            handle.remove()
+        assert shapes[0] == (3, tokens.shape[1])  # 3 distinct prompts
+        assert shapes[1:] == [(len(prompts), 1)] * 5  # then every row decodes (none can end before 6 tokens)
+
+    @pytest.mark.parametrize("prompts", [GROUPED, UNORDERED], ids=["grouped", "unordered"])
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=12, top_k=50),
+            SamplingSettings(max_new_tokens=12, min_new_tokens=3, top_p=0.9, temperature=0.7, repetition_penalty=1.3),
+            SamplingSettings(max_new_tokens=12, min_new_tokens=2),
+            SamplingSettings(max_new_tokens=12, do_sample=False),
+        ],
+        ids=["top_k", "top_p+temperature+penalty", "whole_vocabulary+min_new_tokens", "greedy"],
+    )
+    def test_rows_sample_what_they_sample_without_sharing(self, tiny_policy, monkeypatch, prompts, settings):
+        import interop.sampling as sampling
+
+        model, _ = tiny_policy
+        tokens, mask, shared = _sample(tiny_policy, settings, prompts=prompts)
+        _assert_log_probs_equal_a_forward_pass(model, tokens, mask, shared)
+        monkeypatch.setattr(sampling, "_distinct_prompts", lambda tokens, mask: None)
+        _, _, every_row = _sample(tiny_policy, settings, prompts=prompts)
+        assert torch.equal(shared.tokens, every_row.tokens) and torch.equal(shared.mask, every_row.mask)
+        torch.testing.assert_close(shared.log_probs, every_row.log_probs, atol=1e-5, rtol=0)
+
+    def test_a_cache_that_is_not_a_dynamic_cache_of_attention_layers_runs_every_row(self, tiny_policy):
+        from transformers.cache_utils import DynamicCache
+
+        class OtherCache(DynamicCache):
+            """Stands for a recurrent, static or quantized cache, whose rows hold more than keys and values."""
+
+        class OtherCacheModel(torch.nn.Module):
+            def __init__(self, model):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask, position_ids, use_cache, cache=None, logits_to_keep=0):
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=use_cache,
+                    cache=cache,
+                    logits_to_keep=logits_to_keep,
+                )
+                (out["cache"] if "cache" in out else out["past_key_values"]).__class__ = OtherCache
+                return out
+
+        model, tokenizer = tiny_policy
+        settings = SamplingSettings(max_new_tokens=8, top_k=50)
+        wrapped = OtherCacheModel(model)
+        shapes, handle = _forward_rows(wrapped)
+        try:
+            tokens, _, fallback = _sample((wrapped, tokenizer), settings, prompts=UNORDERED)
+        finally:
+            handle.remove()
+        rows, width = tokens.shape
+        assert shapes[:2] == [(3, width), (rows, width)]  # the distinct prompts, then, the cache found out, every row
+        assert all(shape == (rows, 1) for shape in shapes[2:])  # and no row leaves the batch
+        _, _, shared = _sample(tiny_policy, settings, prompts=UNORDERED)
+        assert torch.equal(fallback.tokens, shared.tokens)
+
+
+class TestFinishedRowsLeave:
+    """A row that has sampled EOS leaves the decoding batch; what every row samples, and the layout, are unchanged."""
+
+    def test_forward_passes_after_a_row_ends_compute_the_rows_still_decoding(self, tiny_policy, monkeypatch):
+        import interop.sampling as sampling
+
+        model, tokenizer = tiny_policy
+        settings = SamplingSettings(max_new_tokens=8, top_k=50)
+        prompts = PROMPTS * 2
+        _, _, first = _sample(tiny_policy, settings, prompts=prompts)
+        # End ids taken from the responses, so that rows end at different steps.
+        eos = sorted({tokenizer.eos_token_id, int(first.tokens[0, 1]), int(first.tokens[2, 4])})
+        monkeypatch.setattr(sampling, "_DROP_FINISHED_AT", 1.0)  # no row leaves
+        _, _, kept = _sample(tiny_policy, settings, prompts=prompts, eos_token_ids=eos)
+        monkeypatch.setattr(sampling, "_DROP_FINISHED_AT", 0.0)  # rows leave as soon as they end: exact counts
+        shapes, handle = _forward_rows(model)
+        try:
+            _, _, dropped = _sample(tiny_policy, settings, prompts=prompts, eos_token_ids=eos)
+        finally:
+            handle.remove()
+        lengths = kept.mask.sum(-1)
+        decoding_after = [int(((lengths > step + 1) | kept.truncated).sum()) for step in range(len(shapes) - 1)]
+        assert [rows for rows, _ in shapes[1:]] == decoding_after  # the forward pass after each step
+        assert 0 < decoding_after[-1] < len(prompts) - 1  # rows left at different steps, and some decoded on
+        assert torch.equal(dropped.tokens, kept.tokens) and torch.equal(dropped.mask, kept.mask)
+        torch.testing.assert_close(dropped.log_probs, kept.log_probs, atol=1e-5, rtol=0)
+
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=24, do_sample=False),
+            SamplingSettings(max_new_tokens=24, top_k=1),
+            SamplingSettings(max_new_tokens=24, top_k=50),
+            SamplingSettings(max_new_tokens=24, min_new_tokens=4, temperature=0.7, repetition_penalty=1.3),
+            SamplingSettings(max_new_tokens=24, min_new_tokens=2, temperature=0.7),
+        ],
+        ids=["greedy", "top_1", "top_k", "min_new_tokens+temperature+penalty", "whole_vocabulary+temperature"],
+    )
+    def test_responses_equal_those_of_a_batch_that_keeps_every_row(self, tiny_policy, monkeypatch, settings):
+        import interop.sampling as sampling
+
+        _, tokenizer = tiny_policy
+        prompts = [*GROUPED, *UNORDERED, "Hello"]
+        # The greedy responses differ little: end ids that end "Hello"'s at its 2nd token ("color"), one of
+        # PROMPTS[1]'s near the end ("excellent"), and most others at max_new_tokens.
+        options = {"eos_token_ids": [tokenizer.eos_token_id, 325, 363], "log_probs_at_temperature": True}
+        _, _, dropped = _sample(tiny_policy, settings, prompts=prompts, seed=2, **options)
+        lengths = dropped.mask.sum(-1)
+        assert lengths.min() < lengths.max()  # rows ended at different steps
+        # Today's path: every row prefilled and decoded to the end (what a cache that cannot be copied gets).
+        monkeypatch.setattr(sampling, "_rows_can_be_copied", lambda cache: False)
+        _, _, kept = _sample(tiny_policy, settings, prompts=prompts, seed=2, **options)
+        assert torch.equal(dropped.tokens, kept.tokens)
+        assert torch.equal(dropped.mask, kept.mask) and torch.equal(dropped.truncated, kept.truncated)
+        torch.testing.assert_close(dropped.log_probs, kept.log_probs, atol=1e-5, rtol=0)
 
 
 class TestCausalLMSampler:
