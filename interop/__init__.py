@@ -13,7 +13,11 @@ Public classes and functions:
   ``GRPOConfig`` sampling settings) as ``trl.GRPOTrainer``'s ``rollout_func`` (trl samples through TorchRL),
   optionally writing every rollout into a TorchRL ``ReplayBuffer``.
 - :class:`TorchRLGRPOTrainer`: ``trl.GRPOTrainer`` sampling through a :class:`TorchRLRolloutFunc`, each generation
-  batch written to a TorchRL buffer once trl has scored it (text, rewards per function, reward, advantage).
+  batch written to a TorchRL buffer once trl has scored it (text, rewards per function, reward, advantage); with
+  ``TorchRLRolloutFunc(mode="async")`` the next batch is sampled (:class:`BackgroundSampler`, a child process) while
+  trl updates, and with ``replay=GroupReplay(...)`` groups whose rewards tie train on stored informative groups.
+- :class:`GroupReplay`: scored GRPO groups in a TorchRL replay buffer, drawn in proportion to their reward spread.
+- :class:`BackgroundSampler`: a copy of a causal LM sampling in a child process on weights the caller publishes.
 - :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores each step with a reward module, or with
   several named and weighted ones (their NaN-skipping weighted sum, as trl sums ``reward_funcs``), and writes the
   reward with the env's reward-spec shape (what ``MCAdvantage`` and ``GRPOLoss`` expect).
@@ -22,7 +26,9 @@ Dependencies: ``torch``, ``tensordict`` and ``torchrl``; ``datasets``, ``transfo
 lazily, only by the features that need them. This package knows nothing of Hydra or of the recipes.
 """
 
+from interop.background_sampler import BackgroundSampler
 from interop.dataset import TorchRLBufferDataset, tensordict_collate
+from interop.group_replay import GroupReplay
 from interop.reward import HFRewardModelWrapper, RewardModelTransform
 from interop.rollout_func import TorchRLRolloutFunc
 from interop.sampling import CausalLMSampler, SamplingSettings, sample_responses
@@ -38,7 +44,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BackgroundSampler",
     "CausalLMSampler",
+    "GroupReplay",
     "HFRewardModelWrapper",
     "RewardModelTransform",
     "SamplingSettings",

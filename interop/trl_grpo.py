@@ -29,9 +29,10 @@ import uuid
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from trl import GRPOTrainer
 
+from interop.group_replay import GroupReplay, pad_rows
 from interop.rollout_func import TorchRLRolloutFunc
 
 __all__ = ["TorchRLGRPOTrainer"]
@@ -147,7 +148,14 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             rollouts[:4]["completion_text"], rollouts[:4]["advantage"]
     """
 
-    def __init__(self, *args, rollout_func: TorchRLRolloutFunc | None = None, replay_buffer=None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        rollout_func: TorchRLRolloutFunc | None = None,
+        replay_buffer=None,
+        replay: GroupReplay | None = None,
+        **kwargs,
+    ) -> None:
         if rollout_func is not None and getattr(rollout_func, "mode", "sync") == "async":
             kwargs = _reading_ahead(rollout_func, args, kwargs)
         if rollout_func is None:
@@ -169,6 +177,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         self.last_scored: TensorDictBase | None = None
         self.scored_batches = 0
         self._scored = None
+        self.replay = replay
 
     def train(self, *args, **kwargs):
         try:
@@ -184,10 +193,64 @@ class TorchRLGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
-            if self.rollout_func.mode == "async":
+            if self.rollout_func.mode == "async" or self.replay is not None:
                 self._behaviour_log_probs_as_old(output)
-            self._record(output)
+            self._record(output)  # the batch as sampled and scored
+            if self.replay is not None:
+                output = self._replay_tied_groups(output)
         return output
+
+    def _replay_tied_groups(self, output: dict) -> dict:
+        """Stored groups in the places of this batch's groups whose rewards all tie (zero advantages: they move
+        nothing), drawn by reward spread; this batch's informative groups stored. The replayed rows keep their stored
+        sampling log-probs as old log-probs (and reference log-probs), so trl's ratio corrects for their age."""
+        group, step = self.num_generations, self.state.global_step
+        rewards = self.last_scored.get("reward")
+        count = rewards.shape[0] // group
+        spreads = [_spread(rewards[g * group : (g + 1) * group]) for g in range(count)]
+        tied = [g for g, spread in enumerate(spreads) if spread == 0.0]
+        drawn = self.replay.sample(len(tied)) if tied and self.replay.drawable() else []
+        with_ref = output.get("ref_per_token_logps") is not None
+        for g, spread in enumerate(spreads):
+            if spread > 0.0:
+                self.replay.add(_group_rows(output, g, group, with_ref=with_ref), reward_std=spread, step=step)
+        self._metrics["train"]["rollout/replayed_share"].append(len(drawn) / max(count, 1))
+        if not drawn:
+            return self._with_token_count(output)
+        self._metrics["train"]["rollout/replayed_age"].append(
+            sum(step - int(stored["step"][0]) for stored in drawn) / len(drawn)
+        )
+        slots = dict(zip(tied, drawn, strict=False))
+        rows = [slots[g] if g in slots else _group_rows(output, g, group, with_ref=with_ref) for g in range(count)]
+        if with_ref and any("ref_logps" not in entry.keys() for entry in rows):
+            rows = [entry if "ref_logps" in entry.keys() else self._with_reference(entry) for entry in rows]
+        stacked = _stacked(rows, pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device)
+        return self._with_token_count({**output, **stacked})
+
+    def _with_token_count(self, output: dict) -> dict:
+        """trl's ``num_items_in_batch`` (the loss's token normaliser) of the batch as trained, every process's: each
+        process gathers it at every batch, replayed or not, so that none waits on a collective the others skip."""
+        return {**output, "num_items_in_batch": self.accelerator.gather(output["completion_mask"].sum()).sum()}
+
+    def _with_reference(self, entry: TensorDictBase) -> TensorDictBase:
+        """A stored group's reference log-probs, scored as trl scores its own batches' (a group loaded from another
+        run's rollouts has none)."""
+        from trl.trainer.utils import use_adapter
+
+        device = self.accelerator.device
+        ids = torch.cat([entry["prompt_ids"], entry["completion_ids"]], dim=1).to(device)
+        mask = torch.cat([entry["prompt_mask"], entry["completion_mask"]], dim=1).to(device)
+        width = entry["completion_ids"].shape[1]
+        with torch.no_grad():
+            if self.ref_model is not None:
+                ref, _, _ = self._get_per_token_logps_and_entropies(self.ref_model, ids, mask, width)
+            else:
+                model = self.accelerator.unwrap_model(self.model)
+                with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                    ref, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)
+        entry = entry.clone()
+        entry.set("ref_logps", ref.cpu())
+        return entry
 
     def _behaviour_log_probs_as_old(self, output: dict) -> None:
         """trl's old log-probs := the log-probs the completions were sampled with (at trl's temperature), so that its
@@ -250,3 +313,46 @@ def _reading_ahead(rollout_func: TorchRLRolloutFunc, args: tuple, kwargs: dict) 
     lookahead = PromptLookahead(dataset, prompts_per_generation=per_generation, num_generations=config.num_generations)
     rollout_func.lookahead = lookahead
     return {**kwargs, "train_dataset": lookahead.dataset()}
+
+
+def _spread(rewards: torch.Tensor) -> float:
+    """A group's reward spread (standard deviation over the rewards that apply): 0 when they all tie."""
+    finite = rewards[torch.isfinite(rewards)].double()
+    if finite.numel() < 2 or bool(torch.isclose(finite, finite[0]).all()):
+        return 0.0
+    return float(finite.std(unbiased=True))
+
+
+def _group_rows(output: dict, index: int, group: int, *, with_ref: bool) -> TensorDict:
+    """Group ``index`` of a scored batch (trl's output) as a stored group: its rows' tensors on the CPU."""
+    rows = slice(index * group, (index + 1) * group)
+    fields = {
+        "prompt_ids": output["prompt_ids"][rows],
+        "prompt_mask": output["prompt_mask"][rows],
+        "completion_ids": output["completion_ids"][rows],
+        "completion_mask": output["completion_mask"][rows],
+        "advantages": output["advantages"][rows].float(),
+        "old_logps": output["old_per_token_logps"][rows].float(),
+    }
+    if with_ref:
+        fields["ref_logps"] = output["ref_per_token_logps"][rows].float()
+    return TensorDict({key: value.detach().cpu() for key, value in fields.items()}, batch_size=[group])
+
+
+def _stacked(groups: list, *, pad_token_id: int, device) -> dict:
+    """trl's batch tensors from groups of other widths: prompts left-padded, completions right-padded."""
+    prompt_ids = pad_rows([g["prompt_ids"] for g in groups], side="left", value=pad_token_id)
+    prompt_mask = pad_rows([g["prompt_mask"] for g in groups], side="left", value=0)
+    completion_ids = pad_rows([g["completion_ids"] for g in groups], side="right", value=pad_token_id)
+    completion_mask = pad_rows([g["completion_mask"] for g in groups], side="right", value=0)
+    stacked = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.cat([g["advantages"] for g in groups]),
+        "old_per_token_logps": pad_rows([g["old_logps"] for g in groups], side="right", value=0.0),
+    }
+    if "ref_logps" in groups[0].keys():
+        stacked["ref_per_token_logps"] = pad_rows([g["ref_logps"] for g in groups], side="right", value=0.0)
+    return {key: value.to(device) for key, value in stacked.items()}
