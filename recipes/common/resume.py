@@ -71,6 +71,7 @@ def resumed_config(cfg: DictConfig, *, has_checkpoint: bool, paths_in_run: Itera
             "start afresh in another folder."
         )
     saved = OmegaConf.load(saved_file)
+    old_root = Path(str(saved.output_dir))  # where the run was, before this command line's settings
     command_line = command_line_keys()
     for key, kind in command_line.items():
         if kind == "delete":
@@ -79,7 +80,7 @@ def resumed_config(cfg: DictConfig, *, has_checkpoint: bool, paths_in_run: Itera
             _copy_setting(saved, cfg, key)
     for key in paths_in_run:
         if not _set_on(command_line, key):
-            _reroot(saved, key, old_root=Path(str(saved.output_dir)), new_root=Path(str(cfg.output_dir)))
+            _reroot(saved, key, old_root=old_root, new_root=Path(str(cfg.output_dir)))
     saved.output_dir = str(cfg.output_dir)
     _refuse_masked_secrets(saved, saved_file)
     OmegaConf.set_struct(saved, True)

@@ -404,13 +404,13 @@ def stored_totals(folder: str | os.PathLike) -> dict[str, int]:
 
 def stored_sources(folder: str | os.PathLike) -> list[str] | None:
     """The reward sources (names, in the order of the ``rewards`` column) of the newest part of a run's
-    ``rollouts/`` folder that wrote rows; ``None`` if it holds none. A resumed run must score with the same ones:
-    parts scored by other sources cannot be read as one table."""
+    ``rollouts/`` folder that wrote rows; ``None`` if it holds none (or names none). A resumed run must score with the
+    same ones: parts scored by other sources cannot be read as one table."""
     found = None
     for progress_file in sorted(Path(folder).glob(f"rank_0/part_*/{PROGRESS_FILE}"), key=_part_number):
         progress = _read_progress(progress_file.parent)
-        if progress is not None and progress["rows_written"]:
-            found = list(progress.get("sources", []))
+        if progress is not None and progress["rows_written"] and "sources" in progress:
+            found = list(progress["sources"])
     return found
 
 
