@@ -27,3 +27,13 @@ def record_rows(prompts: list, completions: list, product: list[str], **kwargs) 
     """Records each completion's prompt (its request's text) and ``product`` column; rewards nothing."""
     SEEN.extend(zip(map(message_text, prompts), product, strict=True))
     return [0.0] * len(completions)
+
+
+def length_reward(completions: list, **kwargs) -> list[float]:
+    """The completion's length in characters, over 100."""
+    return [len(message_text(completion)) / 100 for completion in completions]
+
+
+def huge_reward(completions: list, **kwargs) -> list[float]:
+    """1e39 for every completion: a finite Python float, infinite in float32 (trl's reward dtype)."""
+    return [1e39] * len(completions)

@@ -9,7 +9,7 @@ keyword arguments are every other column of the data row each prompt came from (
 
 - :func:`resolve_function`: the callable a config node names; :func:`check_reward_functions`: every function
   importable, callable, able to take what trl passes with this data's columns, its weight finite, before any model
-  loads.
+  loads; :func:`checked_rewards`: what a function returned, one finite value (or ``None``) per completion.
 - :class:`RewardFunction`: a TensorDict module over a ``PromptEnv`` step that decodes the responses as trl does,
   looks up each row's prompt and columns, calls the function once for the whole batch, and writes one reward per
   response, NaN where it returned ``None`` (trl's "not applicable"). The recipes render every prompt with the
@@ -39,10 +39,10 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from transformers import TrainerState
 
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, RunStopped
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
 
-__all__ = ["RewardFunction", "check_reward_functions", "function_name", "resolve_function"]
+__all__ = ["RewardFunction", "check_reward_functions", "checked_rewards", "function_name", "resolve_function"]
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,6 @@ class RewardFunction(TensorDictModuleBase):
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         kwargs = self.arguments(tensordict)
-        count = len(kwargs["completions"])
         try:
             values = self.function(**kwargs)
         except Exception as error:
@@ -218,28 +217,9 @@ class RewardFunction(TensorDictModuleBase):
                 f"{self._first_failing_row(kwargs)}. Fix the function (or the data): a reward it cannot compute is "
                 "never counted as 0."
             ) from error
-        values = list(values) if values is not None else []
-        if len(values) != count:
-            raise RuntimeError(
-                f"The reward function reward.functions.{self.name} returned {len(values)} rewards for {count} "
-                "completions; a trl reward function returns one per completion (None where it does not apply)."
-            )
-        scores = []
-        for row, value in enumerate(values):
-            if value is None:
-                scores.append(math.nan)  # trl's "not applicable": left out of this source's mean and the sum
-                continue
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                number = math.nan
-            if not math.isfinite(number):
-                raise RuntimeError(
-                    f"The reward function reward.functions.{self.name} returned {value!r} for row {row} (prompt "
-                    f"{_shown(kwargs['prompts'][row])}, completion {_shown(kwargs['completions'][row])}): a reward "
-                    "must be a finite number, or None where the function does not apply."
-                )
-            scores.append(number)
+        checked = checked_rewards(values, setting=f"reward.functions.{self.name}", arguments=kwargs)
+        # None is trl's "not applicable": NaN, left out of this source's mean and the sum.
+        scores = [math.nan if value is None else value for value in checked]
         shape = tensordict.batch_size
         tensordict.set("score", torch.tensor(scores, dtype=torch.float32).reshape(shape))
         return tensordict
@@ -258,6 +238,48 @@ class RewardFunction(TensorDictModuleBase):
                     f"{_shown(kwargs['completions'][row])})"
                 )
         return ""
+
+
+def checked_rewards(values, *, setting: str, arguments: dict) -> list[float | None]:
+    """What a trl reward function returned for the completions of ``arguments`` (the keywords it was called with),
+    checked: one value per completion, each ``None`` (not applicable) or a number that is finite in float32 (trl's
+    reward dtype: 1e39 would be infinite there). Returns the values as floats, ``None`` kept.
+
+    Raises:
+        RunStopped: naming ``setting``, the value, its row, prompt and completion (and the step, from trl's
+            ``trainer_state``): a reward that cannot be trusted is never trained on.
+    """
+    values = list(values) if values is not None else []
+    count = len(arguments["completions"])
+    if len(values) != count:
+        raise RunStopped(
+            f"The reward function {setting} returned {len(values)} rewards for {count} completions; a trl reward "
+            "function returns one per completion (None where it does not apply)."
+        )
+    checked = []
+    for row, value in enumerate(values):
+        if value is None:
+            checked.append(None)
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not (math.isfinite(number) and abs(number) <= _FLOAT32_MAX):
+            state = arguments.get("trainer_state")
+            step = f" at step {state.global_step + 1}" if state is not None else ""
+            raise RunStopped(
+                f"The reward function {setting} returned {value!r} for row {row}{step} (prompt "
+                f"{_shown(arguments['prompts'][row])}, completion {_shown(arguments['completions'][row])}): a reward "
+                f"must be a finite number (within +-{_FLOAT32_MAX:.2e}, float32's range), or None where the "
+                "function does not apply. Fix the function (scale or clip what it returns); nothing trained on "
+                "this reward is saved."
+            )
+        checked.append(number)
+    return checked
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _shown(value, width: int = 80) -> str:

@@ -14,7 +14,7 @@ the next part, so nothing written before the kill is overwritten). A part holds
   conversation keeps its system prompt and earlier turns.
 - ``progress.json`` (replaced atomically before and after every batch): the rows written, the rows being written
   (``writing``), the capacity and the rows dropped (the storage is a ring of ``max_rows`` entries: the oldest go
-  first), the reward sources' names, the widths.
+  first), the completion tokens written, the reward sources' names, the widths.
 
 Readers never see a half-written row: :func:`load_rollouts` reads ``progress.json``, then the storage, then
 ``progress.json`` again, and keeps only rows written before its first read and not overwritten by a batch begun before
@@ -23,7 +23,8 @@ its last (each kept slot's ``row`` must be the row it should hold). A damaged pa
 file, never read as zeros.
 
 :class:`RolloutStore` writes a part; :func:`load_rollouts` reads every part of every process back as one TensorDict in
-the order they were written; :func:`texts` decodes its text columns and :func:`prompts` its whole prompts.
+the order they were written; :func:`texts` decodes its text columns and :func:`prompts` its whole prompts;
+:func:`stored_totals` counts what the folder holds without reading the rows.
 
 Dependencies: torch, tensordict, torchrl.
 """
@@ -42,7 +43,17 @@ from torchrl.data import LazyMemmapStorage, ReplayBuffer
 from interop.rollout_func import message_text
 from recipes.common.config import RunStopped
 
-__all__ = ["ROLLOUTS_DIR", "DamagedRollouts", "RolloutStore", "load_rollouts", "prompts", "texts", "texts_cut"]
+__all__ = [
+    "ROLLOUTS_DIR",
+    "DamagedRollouts",
+    "RolloutStore",
+    "load_rollouts",
+    "prompts",
+    "stored_sources",
+    "stored_totals",
+    "texts",
+    "texts_cut",
+]
 
 ROLLOUTS_DIR = "rollouts"
 PROGRESS_FILE = "progress.json"
@@ -242,6 +253,7 @@ class RolloutStore:
                 "max_text_bytes": self.max_text_bytes,
                 "pad_token_id": self.pad_token_id,
                 "last_step": self.last_step,
+                "tokens_written": self.tokens,
             },
         )
 
@@ -299,13 +311,16 @@ def _check_storage_files(storage: Path) -> None:
             )
 
 
-def _read_part(part: Path) -> tuple[TensorDictBase, dict] | None:
-    """The part's rows that were whole while read (oldest first, off the memmap), with its progress."""
+def _read_part(part: Path, columns: tuple[str, ...] | None = None) -> tuple[TensorDictBase, dict] | None:
+    """The part's rows that were whole while read (oldest first, off the memmap), with its progress; ``columns``:
+    only those (and ``row`` and ``step``) are read."""
     before = _read_progress(part)
     if before is None or before["rows_written"] == 0:
         return None
     _check_storage_files(part / STORAGE_DIR)
     stored = TensorDict.load_memmap(part / STORAGE_DIR, allow_pickle=False)
+    if columns is not None:
+        stored = stored.select(*{*columns, "row", "step"})
     capacity, written = before["capacity"], before["rows_written"]
     slots = stored[: min(written, capacity)].clone()
     after = _read_progress(part)
@@ -341,23 +356,66 @@ def load_rollouts(folder: str | os.PathLike) -> TensorDict:
         raise FileNotFoundError(
             f"load_rollouts: {folder} holds no stored rollouts: it is not a folder (pass a run's rollouts/)."
         )
-    ranks = sorted(folder.glob("rank_*"), key=lambda path: int(path.name.removeprefix("rank_")))
-    tables = []
-    for rank_dir in ranks:
-        parts = sorted(rank_dir.glob("part_*"), key=lambda path: int(path.name.removeprefix("part_")))
-        read = [found for found in map(_read_part, parts) if found is not None]
-        for index, (rows, progress) in enumerate(read):
-            later = [int(other.get("step").min()) for other, _ in read[index + 1 :] if other.shape[0]]
-            if later:
-                rows = rows[rows.get("step") < min(later)]
-            if rows.shape[0]:
-                rows.set("rank", torch.full((rows.shape[0],), int(rank_dir.name.removeprefix("rank_"))))
-                tables.append((rows, progress))
+    tables = [(rows, progress) for rows, progress, _ in _kept_parts(folder) if rows.shape[0]]
     if not tables:
         raise FileNotFoundError(f"load_rollouts: {folder} holds no stored rollouts (no rank_*/part_*/progress.json).")
     table = torch.cat(_same_widths(tables))
     order = torch.argsort(table.get("step") * (table.get("rank").max() + 1) + table.get("rank"), stable=True)
     return table[order]
+
+
+def _kept_parts(folder: Path, columns: tuple[str, ...] | None = None) -> list[tuple[TensorDictBase, dict, int]]:
+    """Every part's rows that :func:`load_rollouts` keeps (a resumed part replaces the steps an earlier one wrote
+    from the step it resumed at), with the part's progress and its rows before that cut, rank by rank."""
+    kept = []
+    for rank_dir in sorted(folder.glob("rank_*"), key=lambda path: int(path.name.removeprefix("rank_"))):
+        parts = sorted(rank_dir.glob("part_*"), key=lambda path: int(path.name.removeprefix("part_")))
+        read = [found for found in (_read_part(part, columns) for part in parts) if found is not None]
+        for index, (rows, progress) in enumerate(read):
+            held = rows
+            later = [int(other.get("step").min()) for other, _ in read[index + 1 :] if other.shape[0]]
+            if later:
+                rows = rows[rows.get("step") < min(later)]
+            rows.set("rank", torch.full((rows.shape[0],), int(rank_dir.name.removeprefix("rank_"))))
+            kept.append((rows, progress, held))
+    return kept
+
+
+def stored_totals(folder: str | os.PathLike) -> dict[str, int]:
+    """What a run's ``rollouts/`` folder holds, over every part of every process, reading only the ``step`` and
+    ``completion_length`` columns: ``rows`` (each step's completions once, as :func:`load_rollouts` reads them),
+    ``rows_dropped`` (by the parts' rings of ``max_rows``) and ``tokens`` (the completion tokens generated, those of
+    steps a resumed part trained again included). Zeros for a folder that holds none.
+
+    Raises:
+        DamagedRollouts: a part whose files disagree, named.
+    """
+    folder = Path(folder)
+    totals = {"rows": 0, "rows_dropped": 0, "tokens": 0}
+    if not folder.is_dir():
+        return totals
+    for rows, progress, held in _kept_parts(folder, columns=("completion_length",)):
+        totals["rows"] += rows.shape[0]
+        totals["rows_dropped"] += int(progress.get("rows_dropped", 0))
+        # Parts written before the store counted its tokens: those of the rows it still holds.
+        totals["tokens"] += int(progress.get("tokens_written", int(held.get("completion_length").sum())))
+    return totals
+
+
+def stored_sources(folder: str | os.PathLike) -> list[str] | None:
+    """The reward sources (names, in the order of the ``rewards`` column) of the newest part of a run's
+    ``rollouts/`` folder that wrote rows; ``None`` if it holds none (or names none). A resumed run must score with the
+    same ones: parts scored by other sources cannot be read as one table."""
+    found = None
+    for progress_file in sorted(Path(folder).glob(f"rank_0/part_*/{PROGRESS_FILE}"), key=_part_number):
+        progress = _read_progress(progress_file.parent)
+        if progress is not None and progress["rows_written"] and "sources" in progress:
+            found = list(progress["sources"])
+    return found
+
+
+def _part_number(progress_file: Path) -> int:
+    return int(progress_file.parent.name.removeprefix("part_"))
 
 
 # Columns whose width is a setting of the part that wrote them, and the side their padding goes.
