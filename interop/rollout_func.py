@@ -328,6 +328,15 @@ class TorchRLRolloutFunc:
         self._background.submit(self.tokenize(upcoming, trainer))
         self._pending = list(upcoming)
 
+    def prepare(self, trainer) -> None:
+        """Builds what the first call would (the default policy; in async mode the sampling process, waited for), so
+        that a trainer can start it before its first step: ``interop.TorchRLGRPOTrainer.train`` does."""
+        if self.policy is None:
+            self._build_policy(trainer)
+        if self.mode == "async" and self._background is None:
+            self._start_background()
+            self._background.wait_until_ready()
+
     def _start_background(self) -> None:
         from interop.background_sampler import BackgroundSampler
 
