@@ -278,6 +278,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             rewards=rewards,
             reward=reward,
             advantages=output["advantages"].detach().float().cpu(),
+            train_step=self.state.global_step,
         )
         self.scored_batches += 1
 

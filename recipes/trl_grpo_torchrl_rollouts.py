@@ -34,13 +34,13 @@ import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
 
-from interop import TorchRLRolloutFunc
+from interop import GroupReplay, TorchRLRolloutFunc
 from recipes.common.callbacks import make_finite_guard, make_record_masker
 from recipes.common.checkpoint import latest_trl_checkpoint, save_model_folder, write_folder_atomically
 from recipes.common.config import RunStopped, hand_token_to_environment, masked_fields
 from recipes.common.data import load_prompt_rows
 from recipes.common.lora import make_lora_config
-from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
+from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, tokenizer_fingerprint
 from recipes.common.prompts import PromptTable, make_prompt_stream
 from recipes.common.reward_functions import resolve_function
 from recipes.common.run import (
@@ -51,7 +51,7 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
-from recipes.trl_grpo.checks import validate
+from recipes.trl_grpo.checks import load_replay_source, validate
 from recipes.trl_grpo.report import MetricsCallback, closing_message, summarize
 from recipes.trl_grpo.resume import checkpoint_step, finished_run_summary, record_resume_start, resumed_config
 from recipes.trl_grpo.rewards import checked_reward_function, refuse_non_finite_scores
@@ -73,6 +73,8 @@ def make_grpo_config(cfg: DictConfig):
         cfg.train, _convert_="all", use_cpu=cfg.device == "cpu", report_to="none", reward_weights=weights
     )
     hand_token_to_environment(args)  # never pickled into trl's checkpoints
+    if cfg.rollout.mode == "async":
+        args.shuffle_dataset = False  # the async sampler reads the TorchRL stream (which shuffles) ahead, as trl will
     return args
 
 
@@ -110,7 +112,34 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
         source_names=list(trainer.reward_func_names),
         max_text_bytes=cfg.rollout.store.max_text_bytes,
         pad_token_id=rollout_func.tokenizer.pad_token_id,
+        tokenizer=tokenizer_fingerprint(rollout_func.tokenizer),
     )
+
+
+def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
+    """trl's ``rollout_func``: the library's default sampler (a ``CausalLMSampler`` around the model trl trains, at
+    ``train:``'s sampling settings), sampling when trl asks or one generation batch ahead (``rollout.mode``)."""
+    return TorchRLRolloutFunc(
+        tokenizer=tokenizer,
+        mode=cfg.rollout.mode,
+        max_policy_lag=cfg.rollout.max_policy_lag,
+        sampler_threads=cfg.rollout.sampler_threads,
+        seed=cfg.seed,
+    )
+
+
+def make_replay(cfg: DictConfig, tokenizer, *, group_size: int) -> GroupReplay | None:
+    """``rollout.replay``: the stored groups that train in tied groups' places, filled first from
+    ``rollout.replay.load_from`` (another run's rollouts, checked in ``validate``)."""
+    node = cfg.rollout.replay
+    if not node.enabled:
+        return None
+    replay = GroupReplay(capacity=node.capacity, alpha=node.alpha, seed=cfg.seed)
+    if node.load_from is not None:
+        rows = load_replay_source(cfg, group_size=group_size)
+        kept = replay.load_rows(rows, group_size=group_size, pad_token_id=tokenizer.pad_token_id)
+        log.info("rollout.replay: %d groups loaded from %s (%d rows)", kept, node.load_from, rows.shape[0])
+    return replay
 
 
 # ---------------------------------------------------------------------------------------------------- recipe
@@ -140,8 +169,7 @@ def train(cfg: DictConfig) -> dict:
         model = load_causal_lm(cfg.model, device=args.device, dtype=cfg.dtype)
         table = PromptTable(load_prompt_rows(cfg.data, "train"), tokenizer=tokenizer, system_prompt=cfg.system_prompt)
         reward_funcs, reward_classes = make_reward_funcs(cfg, device=args.device)
-        # The library's default sampler: a CausalLMSampler around the model trl trains, at train:'s sampling settings.
-        rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer)
+        rollout_func = make_rollout_func(cfg, tokenizer)
         oracle = hydra.utils.instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
         trainer = make_trainer(
             model,
@@ -151,6 +179,7 @@ def train(cfg: DictConfig) -> dict:
             reward_funcs=reward_funcs,
             reward_classes=reward_classes,
             rollout_func=rollout_func,
+            replay=make_replay(cfg, tokenizer, group_size=args.num_generations),
             peft_config=make_lora_config(cfg.model.lora, task_type="CAUSAL_LM") if cfg.model.lora else None,
         )
         store = make_rollout_store(cfg, run, table, rollout_func, trainer)
@@ -193,7 +222,7 @@ def train(cfg: DictConfig) -> dict:
 
 
 def make_trainer(
-    model, tokenizer, args, train_dataset, *, reward_funcs, reward_classes, rollout_func, peft_config=None
+    model, tokenizer, args, train_dataset, *, reward_funcs, reward_classes, rollout_func, replay=None, peft_config=None
 ):
     """trl's ``GRPOTrainer`` sampling through ``rollout_func``, each scored batch written to the rollout function's
     buffer (``interop.TorchRLGRPOTrainer``).
@@ -212,6 +241,7 @@ def make_trainer(
         processing_class=tokenizer,
         reward_processing_classes=reward_classes,
         rollout_func=rollout_func,
+        replay=replay,
         peft_config=peft_config,
     )
 

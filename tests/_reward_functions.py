@@ -37,3 +37,12 @@ def length_reward(completions: list, **kwargs) -> list[float]:
 def huge_reward(completions: list, **kwargs) -> list[float]:
     """1e39 for every completion: a finite Python float, infinite in float32 (trl's reward dtype)."""
     return [1e39] * len(completions)
+
+
+def first_group_ties(prompts: list, completions: list, **kwargs) -> list[float]:
+    """1.0 for every completion of the batch's first prompt (its group ties: zero advantages), the completion's length
+    for the others: every batch of two or more groups holds a tied group and an informative one, on any seed."""
+    first = prompts[0]
+    return [
+        1.0 if prompt == first else float(len(message_text(c))) for prompt, c in zip(prompts, completions, strict=True)
+    ]

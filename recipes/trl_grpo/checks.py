@@ -60,13 +60,69 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check_lora_for_trl(cfg.model.lora)
     check_run_settings(cfg)
     _check_trainer_output_dir(cfg, args)
+    _check_rollout_mode(cfg)
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=input_paths(cfg))
     check_sharded_launch(cfg.device)
     _check_resume(cfg, args)
     rows = load_prompt_rows(cfg.data, "train")
     check_reward_functions(cfg, columns=list(rows.columns))
     _check_prompt_lengths(cfg, rows, args)
+    if cfg.rollout.replay.load_from is not None:
+        load_replay_source(cfg, group_size=args.num_generations)
     return cfg
+
+
+def _check_rollout_mode(cfg: DictConfig) -> None:
+    """rollout.mode=async samples the next generation batch before trl asks for it: the prompts trl will pass next
+    must be knowable, so trl reads the stream unshuffled (the TorchRL buffer shuffles), in this process only."""
+    if cfg.rollout.mode != "async":
+        return
+    if cfg.train.get("shuffle_dataset"):
+        raise ConfigError(
+            "train.shuffle_dataset=true with rollout.mode=async: trl's buffered shuffle would reorder the prompt "
+            "stream the async sampler reads ahead. Drop it (the recipe turns it off: the TorchRL prompt buffer "
+            "already draws without replacement in a new order every pass), or use rollout.mode=sync."
+        )
+    if cfg.train.get("dataloader_num_workers"):
+        raise ConfigError(
+            "train.dataloader_num_workers with rollout.mode=async: workers would draw the prompt stream in other "
+            "processes, out of the async sampler's sight. Set it to 0, or use rollout.mode=sync."
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "rollout.mode=async under a launcher: the async sampler runs beside one trainer process. Use "
+            "rollout.mode=sync with several processes."
+        )
+
+
+def load_replay_source(cfg: DictConfig, *, group_size: int):
+    """The stored rollouts ``rollout.replay.load_from`` names, refused before any model loads when the folder holds
+    none, is damaged, or was written with another tokenizer (its token ids would be other tokens) or another group
+    size. Returns the rows (``recipes.trl_grpo.rollout_store.load_rollouts``)."""
+    from recipes.common.models import load_tokenizer, tokenizer_fingerprint
+    from recipes.trl_grpo.rollout_store import DamagedRollouts, load_rollouts, stored_tokenizer
+
+    key = "rollout.replay.load_from"
+    folder = Path(str(cfg.rollout.replay.load_from)).expanduser()
+    try:
+        rows = load_rollouts(folder)
+        written_with = stored_tokenizer(folder)
+    except (FileNotFoundError, DamagedRollouts) as error:
+        raise ConfigError(f"{key}={str(folder)!r}: {error}") from None
+    ours = tokenizer_fingerprint(load_tokenizer(cfg.model, padding_side="left"))
+    if written_with != ours:
+        raise ConfigError(
+            f"{key}={str(folder)!r} was written with another tokenizer than model={cfg.model.name_or_path!r}'s "
+            f"({'no fingerprint recorded' if written_with is None else 'its vocabulary differs'}): its token ids would "
+            "be other tokens here. Load rollouts a run of this policy stored."
+        )
+    steps = rows.get("step").tolist()
+    if rows.shape[0] < group_size or any(steps[i] != steps[i - i % group_size] for i in range(len(steps))):
+        raise ConfigError(
+            f"{key}={str(folder)!r}: its rows do not come in groups of train.num_generations={group_size} (the run "
+            "that stored them sampled another group size); load rollouts stored with the same group size."
+        )
+    return rows
 
 
 def _check_trainer_output_dir(cfg: DictConfig, args) -> None:

@@ -109,6 +109,8 @@ class RolloutStore:
         source_names: the reward sources, in the order of the ``rewards`` column.
         max_text_bytes: the bytes kept of each prompt's and completion's text.
         pad_token_id: the pad of the id columns.
+        tokenizer: the fingerprint of the tokenizer that made the ids (``recipes.common.models.tokenizer_fingerprint``),
+            which a run loading the folder's groups checks against its own.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class RolloutStore:
         source_names: list[str],
         max_text_bytes: int,
         pad_token_id: int,
+        tokenizer: dict | None = None,
     ) -> None:
         rank_dir = Path(folder) / f"rank_{rank}"
         rank_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +134,7 @@ class RolloutStore:
         self.buffer = ReplayBuffer(storage=LazyMemmapStorage(max_rows, scratch_dir=self.folder / STORAGE_DIR))
         self.max_rows, self.prompt_width, self.completion_width = max_rows, prompt_width, completion_width
         self.source_names, self.max_text_bytes, self.pad_token_id = list(source_names), max_text_bytes, pad_token_id
+        self.tokenizer = tokenizer
         self.rows = 0
         self.tokens = 0  # completion tokens written
         self.last_step = 0
@@ -138,8 +142,9 @@ class RolloutStore:
     def extend(self, rows: TensorDictBase) -> None:
         """Appends the rows ``interop.TorchRLRolloutFunc`` writes for one scored generation batch (ragged, one per
         completion, in order: ids, log-probs, ``prompt``, ``completion_text``, ``rewards``, ``reward``,
-        ``advantage``, ``step``): the store's ``replay_buffer`` face. ``step`` there counts the updates the sampling
-        weights had had; here it is the optimizer step the batch trains first (that + 1)."""
+        ``advantage``, ``step``, ``train_step``): the store's ``replay_buffer`` face. ``step`` there counts the updates
+        the sampling weights had had (kept as ``policy_version``); here ``step`` is the optimizer step the batch
+        trains first (``train_step`` + 1: one more than the sampler's in async mode)."""
         pad = self.pad_token_id
         prompt_rows = rows.get("prompt_ids", as_list=True)
         completion_rows = rows.get("completion_ids", as_list=True)
@@ -163,7 +168,8 @@ class RolloutStore:
             rewards=rows.get("rewards"),
             reward=rows.get("reward"),
             advantages=rows.get("advantage"),
-            step=int(rows.get("step")[0]) + 1,
+            step=int(rows.get("train_step", rows.get("step"))[0]) + 1,
+            policy_version=int(rows.get("step")[0]),
         )
 
     def write(
@@ -176,6 +182,7 @@ class RolloutStore:
         reward: torch.Tensor,
         advantages: torch.Tensor,
         step: int,
+        policy_version: int | None = None,
     ) -> None:
         """Appends one generation batch: ``rollout`` as ``interop.TorchRLRolloutFunc.rollout`` returns it, the prompts
         as trl passed them (strings or message lists, kept whole), the completions' text, and the scores trl gave it
@@ -208,6 +215,8 @@ class RolloutStore:
                 "reward": reward.detach().float().cpu().reshape(batch),
                 "advantage": advantages.detach().float().cpu().reshape(batch),
                 "step": torch.full((batch,), step, dtype=torch.long),
+                # The updates the sampling weights had had: step - 1, or fewer in async mode (the lag).
+                "policy_version": torch.full((batch,), step - 1 if policy_version is None else policy_version),
                 "row": torch.arange(self.rows, self.rows + batch),
                 "prompt_text": prompt_text,
                 "prompt_text_length": prompt_text_length,
@@ -252,6 +261,7 @@ class RolloutStore:
                 "completion_width": self.completion_width,
                 "max_text_bytes": self.max_text_bytes,
                 "pad_token_id": self.pad_token_id,
+                "tokenizer": self.tokenizer,
                 "last_step": self.last_step,
                 "tokens_written": self.tokens,
             },
@@ -491,3 +501,10 @@ def texts(rows: TensorDictBase, name: str) -> list[str]:
         message_text(json.loads(text)) if not cut else text
         for text, cut in zip(stored, _cut(rows, "prompt"), strict=True)
     ]
+
+
+def stored_tokenizer(folder: str | os.PathLike) -> dict | None:
+    """The tokenizer fingerprint the newest part of a rollouts folder recorded (``None``: not recorded)."""
+    parts = sorted(Path(folder).glob("rank_*/part_*"), key=lambda path: (path.parent.name, int(path.name[5:])))
+    progress = _read_progress(parts[-1]) if parts else None
+    return (progress or {}).get("tokenizer")

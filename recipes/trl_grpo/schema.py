@@ -35,11 +35,31 @@ class RolloutStore:
 
 
 @dataclass
+class Replay:
+    """Rollouts that train again (``interop.GroupReplay``): groups whose rewards all tie train on stored ones."""
+
+    enabled: bool
+    capacity: Positive
+    alpha: Annotated[float, Range(ge=0)]
+    # A rollouts/ folder another run stored (<run>/rollouts): its groups fill the replay before the first step.
+    load_from: str | None
+
+    def __post_init__(self) -> None:
+        if self.load_from is not None and not self.enabled:
+            raise ValueError("load_from is set but enabled=false: set enabled=true to train on the loaded groups.")
+
+
+@dataclass
 class Rollout:
-    """How rollouts are made and kept: the prompt stream TorchRL samples for, and the store of what trl trained on
-    (the sampling settings are trl's own, under ``train:``)."""
+    """How rollouts are made and kept: the prompt stream TorchRL samples for, when it samples (sync, or one
+    generation batch ahead of trl's update), what trains again, and the store of what trl trained on (the sampling
+    settings are trl's own, under ``train:``)."""
 
     prompts_per_draw: Positive
+    mode: Literal["sync", "async"]
+    max_policy_lag: Annotated[int, Range(ge=0)]
+    sampler_threads: Positive
+    replay: Replay
     store: RolloutStore
 
 
