@@ -43,7 +43,7 @@ from recipes.grpo.collector import check_generation_settings, sampler_settings
 from recipes.grpo.evaluation import check_eval_settings
 from recipes.grpo.report import summary_keys
 from recipes.grpo.rewards import check_reward_keys, check_reward_sources, reward_prompt_lengths
-from recipes.grpo.schema import RENAMED, GRPORecipeConfig
+from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig
 
 __all__ = ["check_prompt_lengths", "validate"]
 
@@ -57,7 +57,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     command line says (``recipes.common.lora.settle_lora_node``)."""
     if cfg.resume:
         cfg = resumed_config(cfg)
-    cfg = checked_config(cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED)
+    cfg = checked_config(cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED, aliases=TRL_NAMES)
     _validate_settings(cfg)
     return cfg
 

@@ -2,11 +2,11 @@
 
 ``eval.every_n_steps`` (null: off) evaluates the policy before the first step, every N steps and after the last, on
 the data's eval split (``data.num_eval_prompts`` of a built-in task, ``data.eval_path`` of a file, ``data.eval_split``
-of an HF dataset), ``eval.num_prompts`` of them, ``eval.group_size`` responses each, sampled with
-``rollout.generation`` updated by ``eval.generation`` (``do_sample: false`` for greedy answers). Every response is
-scored by the same sources as training (``recipes.grpo.rewards``), in the learner's process with the learner's
-current weights (also in async mode, where the collector's process holds its own copy), in chunks of
-``rollout.responses_per_step``. Under torchrun the prompts are dealt out between the processes and the figures pooled.
+of an HF dataset), ``eval.num_prompts`` of them, ``eval.group_size`` responses each, sampled with ``eval.generation``
+(``rollout.generation``'s settings unless set; ``do_sample=false`` for greedy answers). Every response is scored by
+the same sources as training (``recipes.grpo.rewards``), in the learner's process with the learner's current weights
+(also in async mode, where the collector's process holds its own copy), in chunks of ``rollout.responses_per_step``.
+Under torchrun the prompts are dealt out between the processes and the figures pooled.
 
 Figures: ``eval/reward_mean``, ``eval/rewards/<name>/mean`` per source, ``eval/oracle_mean`` where the data has an
 oracle, ``eval/accuracy`` (the mean of the first source whose values are all 0 or 1: a verifier's check),
@@ -64,11 +64,11 @@ def check_eval_settings(cfg: DictConfig) -> None:
             "eval.every_n_steps samples with the recipe's own sampler (rollout.env=prompt); with rollout.env=chat "
             "set eval.every_n_steps=null."
         )
-    sampler_settings(eval_generation(cfg), key="eval.generation", check_only=True)
+    sampler_settings(eval_generation(cfg), key="eval.generation")  # its keys and values, as the Evaluator builds it
 
 
 def eval_generation(cfg: DictConfig) -> dict:
-    """``rollout.generation`` with ``eval.generation``'s settings on top."""
+    """``eval.generation`` over ``rollout.generation`` (whose values its YAML defaults are)."""
     return {**OmegaConf.to_container(cfg.rollout.generation), **OmegaConf.to_container(cfg.eval.generation)}
 
 

@@ -142,7 +142,7 @@ def test_a_schedule_and_accumulation_resume_as_the_run_would_have_gone(compose_c
 
 
 def test_truncated_responses_are_counted_and_masked_with_a_warning_when_all_are(compose_config, tmp_path, caplog):
-    overrides = ["train.steps=1", "loss.mask_truncated_completions=true", "+rollout.generation.min_new_tokens=8"]
+    overrides = ["train.steps=1", "loss.mask_truncated_completions=true", "rollout.generation.min_new_tokens=8"]
     with caplog.at_level("WARNING"):
         recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides, f"output_dir={tmp_path}"]))
     (row,) = read_metrics(tmp_path)
