@@ -170,3 +170,23 @@ def test_the_arithmetic_experiment_learns_the_held_out_sums(compose_config, tmp_
     assert summary["eval/accuracy_first"] <= 0.5 and summary["eval/accuracy_last"] >= 0.9
     assert summary["eval/accuracy_last"] == summary["eval/rewards/exact_answer/mean_last"]
     assert sorted(_eval_rows(tmp_path)) == [0, 5, 10, 15, 20, 25, 30]
+
+
+def test_an_eval_file_without_the_prompt_column_is_named_not_the_train_file(compose_config, tmp_path, monkeypatch):
+    """The eval file's own path, before any model loads (the message named data.path, the training file)."""
+    monkeypatch.setattr(rewards_module, "load_reward_model", pytest.fail)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "Review the mug."}) + "\n")
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"question": "Review the lamp."}) + "\n")
+    overrides = [
+        *GRPO_SMALL,
+        *EVAL,
+        "data=file",
+        f"data.path={tmp_path / 'train.jsonl'}",
+        f"data.eval_path={tmp_path / 'eval.jsonl'}",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+    with pytest.raises(ConfigError) as error:
+        recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    message = str(error.value)
+    assert f"(file: {tmp_path / 'eval.jsonl'}, split eval) lacks column(s) ['prompt']" in message
+    assert "train.jsonl" not in message and "Found columns: ['question']" in message
