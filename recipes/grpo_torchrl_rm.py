@@ -78,6 +78,7 @@ from recipes.grpo.learner import Learner, check_weights_finite, informative_batc
 from recipes.grpo.policy import load_policy
 from recipes.grpo.report import (
     closing_message,
+    is_source_figure,
     report_step,
     rollout_metrics,
     run_description,
@@ -307,7 +308,9 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
     updates.update(extra)
     metrics.update(mean_over_processes(updates))  # each rank's diagnostics and times; the rollout figures are global
     metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
-    unfinished = sorted(key for key, value in metrics.items() if not math.isfinite(value))
+    # A source that scored none of the step's responses (a trl reward function's None for all) has a NaN mean and
+    # std, which trl logs and goes on: only the reward, the loss, the gradients and the weights stop the run.
+    unfinished = sorted(key for key, value in metrics.items() if not math.isfinite(value) and not is_source_figure(key))
     if unfinished:
         raise RunStopped(
             f"Step {step}: {unfinished} are not finite ({[metrics[key] for key in unfinished]}); the run stops before "

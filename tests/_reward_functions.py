@@ -27,3 +27,8 @@ def record_rows(prompts: list, completions: list, product: list[str], **kwargs) 
     """Records each completion's prompt (its request's text) and ``product`` column; rewards nothing."""
     SEEN.extend(zip(map(message_text, prompts), product, strict=True))
     return [0.0] * len(completions)
+
+
+def unscored_at_the_first_step(completions: list, trainer_state, **kwargs) -> list[float | None]:
+    """None (trl's "not applicable") for every completion of the run's first batch, 1.0 for every later one."""
+    return [None if trainer_state.global_step == 0 else 1.0 for _ in completions]

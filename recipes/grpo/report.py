@@ -38,6 +38,7 @@ __all__ = [
     "SUMMARY_KEYS",
     "SUMMARY_SERIES",
     "closing_message",
+    "is_source_figure",
     "progress_line",
     "report_step",
     "rollout_metrics",
@@ -110,6 +111,18 @@ def rollout_metrics(
     metrics["rollout/frac_truncated"] = values["truncated"].mean().item()  # hit max_new_tokens before an EOS
     metrics["rollout/distinct_2"] = distinct_bigrams(data.get(RESPONSE_TOKENS), mask)
     return metrics, int(values["length"].sum().item())
+
+
+def is_source_figure(key: str) -> bool:
+    """Whether ``key`` is one reward source's figure (``rollout/rewards/<name>/mean`` or ``/std``): NaN when the source
+    scored none of the step's responses (a trl reward function that returned ``None`` for all of them), as trl logs
+    it, with nothing wrong with the run.
+
+    Examples:
+        >>> is_source_figure("rollout/rewards/format/mean"), is_source_figure("rollout/reward_mean")
+        (True, False)
+    """
+    return key.startswith("rollout/rewards/")
 
 
 def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
@@ -266,9 +279,12 @@ def summarize(progress: TrainingProgress, *, window: int, num_processes: int) ->
     for name in summary_series(history):
         values = [row[name] for row in history if name in row]
         if values:
-            # The first step samples from the initial policy: the starting point. The end is averaged for stability.
+            # The first step samples from the initial policy: the starting point. The end is averaged for stability,
+            # over the steps that have a value (a source that scored none of a step's responses has NaN, as trl
+            # leaves such a step out of its averages).
             summary[f"{name}_first"] = values[0]
-            summary[f"{name}_last"] = sum(values[-window:]) / len(values[-window:])
+            last = [value for value in values[-window:] if not math.isnan(value)]
+            summary[f"{name}_last"] = sum(last) / len(last) if last else math.nan
     # Held-out figures: the evaluation before training, and the last one (not averaged: they are few and far apart).
     if progress.evaluations:
         first, last = progress.evaluations[0], progress.evaluations[-1]

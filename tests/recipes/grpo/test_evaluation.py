@@ -5,6 +5,7 @@ schedule; a run without a reward model; per-source figures in metrics.csv and su
 from __future__ import annotations
 
 import json
+import math
 
 import _reward_functions
 import pytest
@@ -190,3 +191,22 @@ def test_an_eval_file_without_the_prompt_column_is_named_not_the_train_file(comp
     message = str(error.value)
     assert f"(file: {tmp_path / 'eval.jsonl'}, split eval) lacks column(s) ['prompt']" in message
     assert "train.jsonl" not in message and "Found columns: ['question']" in message
+
+
+def test_a_function_that_scores_none_of_a_batch_logs_nan_and_the_run_goes_on(compose_config, tmp_path):
+    """trl logs NaN for a reward function that returned None for a whole batch, and trains on; the step's reward is
+    the other sources' (here the reward model's). It stopped the run with "Lower optimizer.lr"."""
+    overrides = [
+        *GRPO_SMALL,
+        "train.steps=2",
+        "+reward.functions.late.function=_reward_functions.unscored_at_the_first_step",
+        f"output_dir={tmp_path}",
+    ]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+
+    first, second = read_metrics(tmp_path)
+    assert math.isnan(first["rollout/rewards/late/mean"]) and math.isnan(first["rollout/rewards/late/std"])
+    assert first["rollout/reward_mean"] == pytest.approx(first["rollout/rewards/reward_model/mean"], abs=1e-6)
+    assert second["rollout/rewards/late/mean"] == 1.0
+    assert math.isfinite(first["train/loss"]) and math.isfinite(second["train/loss"])
+    assert summary["train/steps"] == 2 and summary["rollout/rewards/late/mean_last"] == 1.0
