@@ -32,3 +32,8 @@ def record_rows(prompts: list, completions: list, product: list[str], **kwargs) 
 def unscored_at_the_first_step(completions: list, trainer_state, **kwargs) -> list[float | None]:
     """None (trl's "not applicable") for every completion of the run's first batch, 1.0 for every later one."""
     return [None if trainer_state.global_step == 0 else 1.0 for _ in completions]
+
+
+def always_well_formed(completions: list, **kwargs) -> list[float]:
+    """A 0/1 check every completion passes (as a format check the policy already meets)."""
+    return [1.0] * len(completions)

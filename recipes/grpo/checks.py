@@ -64,11 +64,11 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 def _validate_settings(cfg: DictConfig) -> None:
     _validate_batches(cfg)
-    _validate_reporting(cfg)
     _validate_memory(cfg)
     _validate_generation(cfg.rollout)
     _validate_rewards(cfg)
     check_eval_settings(cfg)
+    _validate_reporting(cfg)  # after the evaluation's: which eval figures there are depends on its settings
     _validate_algorithm(cfg)
     check_run_settings(cfg)
     _validate_distributed(cfg)

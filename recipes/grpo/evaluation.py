@@ -9,7 +9,7 @@ the same sources as training (``recipes.grpo.rewards``), in the learner's proces
 Under torchrun the prompts are dealt out between the processes and the figures pooled.
 
 Figures: ``eval/reward_mean``, ``eval/rewards/<name>/mean`` per source, ``eval/oracle_mean`` where the data has an
-oracle, ``eval/accuracy`` (the mean of the first source whose values are all 0 or 1: a verifier's check),
+oracle, ``eval/accuracy`` (the mean of the source :func:`accuracy_source` names, a verifier's 0/1 check),
 ``eval/response_length``. Sampling runs on a random stream of its own (seeded by ``seed`` and the step), so that the
 same seed gives the same figures and the training run samples exactly as it would without evaluation.
 
@@ -28,15 +28,15 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import TrainerState
 
 from interop.sampling import CausalLMSampler
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows
 from recipes.common.prompts import PromptTable
 from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS, response_mask
 from recipes.grpo.collector import sampler_settings
 from recipes.grpo.prompt_env import PromptEnv
-from recipes.grpo.rewards import make_reward_scorer, source_names
+from recipes.grpo.rewards import make_reward_scorer, reward_sources, source_names
 
-__all__ = ["Evaluator", "check_eval_settings", "eval_due", "has_eval_split"]
+__all__ = ["Evaluator", "accuracy_source", "check_eval_settings", "eval_due", "has_eval_split"]
 
 
 def has_eval_split(data: DictConfig) -> bool:
@@ -65,6 +65,44 @@ def check_eval_settings(cfg: DictConfig) -> None:
             "set eval.every_n_steps=null."
         )
     sampler_settings(eval_generation(cfg), key="eval.generation")  # its keys and values, as the Evaluator builds it
+    _check_accuracy_source(cfg)
+
+
+def accuracy_source(cfg: DictConfig) -> str | None:
+    """The reward source whose mean over the eval answers is ``eval/accuracy``: ``eval.accuracy_source``, or, when
+    that is null, the one source there is besides the reward model (``None`` with none, or with several, which
+    :func:`check_eval_settings` refuses). Reads the config only."""
+    if cfg.eval.accuracy_source is not None:
+        return str(cfg.eval.accuracy_source)
+    candidates = [source.name for source in reward_sources(cfg) if source.kind != "model"]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _check_accuracy_source(cfg: DictConfig) -> None:
+    sources = reward_sources(cfg)
+    candidates = [source.name for source in sources if source.kind != "model"]
+    named = cfg.eval.accuracy_source
+    if named is None:
+        if len(candidates) > 1:
+            choices = " or ".join(f"eval.accuracy_source={name}" for name in candidates)
+            raise ConfigError(
+                f"eval.accuracy_source=null, but {len(candidates)} reward sources could be the accuracy "
+                f"({candidates}): eval/accuracy would be whichever of them happened to score only 0 and 1 (a format "
+                f"check listed first would pass for the answers' accuracy). Name the one that checks the answer: "
+                f"{choices}."
+            )
+        return
+    if named not in [source.name for source in sources]:
+        raise ConfigError(
+            f"eval.accuracy_source={named!r} is not a reward source of this run (they are "
+            f"{[source.name for source in sources]}). Name a reward.functions or reward.terms entry that scores 0 or "
+            "1, or null."
+        )
+    if named not in candidates:
+        raise ConfigError(
+            f"eval.accuracy_source={named}: the reward model's scores are not a 0/1 check of the answer. Name a "
+            f"reward.functions or reward.terms entry ({candidates or 'there is none: add one'}), or null."
+        )
 
 
 def eval_generation(cfg: DictConfig) -> dict:
@@ -115,6 +153,7 @@ class Evaluator:
         self.oracle = oracle
         self.group_size = int(cfg.eval.group_size)
         self.names = source_names(cfg)
+        self.accuracy_source = accuracy_source(cfg)
         self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what trl reward functions read as the step
         self.scorer = make_reward_scorer(
             cfg, reward_model, reward_tokenizer, tokenizer, prompts=self.table, trainer_state=self.trainer_state
@@ -167,16 +206,25 @@ class Evaluator:
 
     def _figures(self, rows: list[dict]) -> dict[str, float]:
         figures = {"eval/reward_mean": sum(row["reward"] for row in rows) / len(rows)}
-        accuracy = None
         for column, name in enumerate(self.names):
             values = [row["sources"][column] for row in rows if not math.isnan(row["sources"][column])]
-            mean = sum(values) / len(values) if values else math.nan
-            figures[f"eval/rewards/{name}/mean"] = mean
-            if accuracy is None and values and all(value in (0.0, 1.0) for value in values):
-                accuracy = mean
-        if accuracy is not None:
-            figures["eval/accuracy"] = accuracy
+            figures[f"eval/rewards/{name}/mean"] = sum(values) / len(values) if values else math.nan
+            if name == self.accuracy_source:
+                figures.update(self._accuracy(values))
         if self.oracle is not None:
             figures["eval/oracle_mean"] = sum(float(self.oracle(row["response"])) for row in rows) / len(rows)
         figures["eval/response_length"] = sum(row["length"] for row in rows) / len(rows)
         return figures
+
+    def _accuracy(self, values: list[float]) -> dict[str, float]:
+        """``eval/accuracy``: the accuracy source's mean over the answers it scored, when its values are 0 or 1."""
+        if all(value in (0.0, 1.0) for value in values):
+            return {"eval/accuracy": sum(values) / len(values) if values else math.nan}
+        other = next(value for value in values if value not in (0.0, 1.0))
+        if self.cfg.eval.accuracy_source is None:  # the only candidate, which turns out to be no 0/1 check
+            return {}
+        raise RunStopped(
+            f"eval.accuracy_source={self.accuracy_source} scored an eval answer {other:g}: eval/accuracy is the "
+            "fraction of answers a 0/1 check passes, and this source is no such check. Name one that scores 0 or 1, "
+            "or eval.accuracy_source=null (no eval/accuracy), then start again."
+        )

@@ -31,6 +31,7 @@ from recipes.grpo.batch import (
     response_mask,
 )
 from recipes.grpo.checkpointing import TrainingProgress
+from recipes.grpo.evaluation import accuracy_source
 from recipes.grpo.rewards import reward_sources
 
 __all__ = [
@@ -250,8 +251,7 @@ def summary_keys(cfg: DictConfig) -> list[str]:
     if cfg.eval.every_n_steps is not None:
         series += ["eval/reward_mean", "eval/response_length", *(f"eval/rewards/{name}/mean" for name in names)]
         series += ["eval/oracle_mean"] if cfg.data.oracle is not None else []
-        # eval/accuracy: when a source turns out to be a 0/1 check (known once it has scored).
-        series += ["eval/accuracy"] if any(source.kind != "model" for source in reward_sources(cfg)) else []
+        series += ["eval/accuracy"] if accuracy_source(cfg) is not None else []
     return [*SUMMARY_KEYS, *(f"{name}_{end}" for name in series for end in ("first", "last"))]
 
 

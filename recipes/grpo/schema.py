@@ -242,6 +242,8 @@ class Eval:
     group_size: Positive
     # Sampler settings over rollout.generation's (recipes.grpo.evaluation.check_eval_settings checks the keys).
     generation: Annotated[dict[str, Any], OPEN]
+    # A reward source's name (recipes.grpo.evaluation.accuracy_source), or null.
+    accuracy_source: str | None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common import arithmetic
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import load_prompt_rows
 
 EVAL = ["eval.every_n_steps=2", "eval.group_size=2", "checkpoint.every_n_steps=2"]
@@ -210,3 +210,71 @@ def test_a_function_that_scores_none_of_a_batch_logs_nan_and_the_run_goes_on(com
     assert second["rollout/rewards/late/mean"] == 1.0
     assert math.isfinite(first["train/loss"]) and math.isfinite(second["train/loss"])
     assert summary["train/steps"] == 2 and summary["rollout/rewards/late/mean_last"] == 1.0
+
+
+ARITHMETIC_SMALL = [
+    "experiment=arithmetic",
+    *GRPO_SMALL[1:],  # the experiment's reward_model=none
+    "train.steps=1",
+    "eval.every_n_steps=1",
+    "eval.num_prompts=4",
+    "eval.group_size=2",
+]
+# A 0/1 format check listed before the exact-answer check: the first 0/1 source was taken for the accuracy.
+FORMAT_FIRST = [
+    "~reward.functions.exact_answer",
+    "+reward.functions.format.function=_reward_functions.always_well_formed",
+    "+reward.functions.exact_answer.function=recipes.common.arithmetic.exact_answer_reward",
+]
+
+
+def test_eval_accuracy_is_the_named_source_not_the_first_0_1_one(compose_config, tmp_path):
+    """experiment=arithmetic names its exact-answer check (eval.accuracy_source): a 0/1 format reward listed first no
+    longer passes for the accuracy (it showed 1.0 while the answers were mostly wrong)."""
+    overrides = [*ARITHMETIC_SMALL, *FORMAT_FIRST, f"output_dir={tmp_path}"]
+    cfg = compose_config("grpo_torchrl_rm", overrides)
+    assert list(cfg.reward.functions) == ["format", "exact_answer"] and cfg.metric == "eval/accuracy_last"
+    summary = recipe.train(cfg)
+
+    rows = _eval_rows(tmp_path)
+    assert sorted(rows) == [0, 1]
+    for row in rows.values():
+        assert row["eval/rewards/format/mean"] == 1.0
+        assert row["eval/accuracy"] == row["eval/rewards/exact_answer/mean"] < 1.0
+    assert summary["eval/accuracy_last"] == rows[1]["eval/accuracy"]
+
+
+def test_several_sources_that_could_be_the_accuracy_must_be_named_before_anything_loads(
+    compose_config, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(recipe, "load_policy", pytest.fail)
+    overrides = [*ARITHMETIC_SMALL, *FORMAT_FIRST, "eval.accuracy_source=null", f"output_dir={tmp_path}"]
+    with pytest.raises(ConfigError) as error:
+        recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    assert str(error.value).startswith(
+        "eval.accuracy_source=null, but 2 reward sources could be the accuracy (['format', 'exact_answer'])"
+    )
+    assert str(error.value).endswith(
+        "Name the one that checks the answer: eval.accuracy_source=format or eval.accuracy_source=exact_answer."
+    )
+    with pytest.raises(ConfigError, match=r"eval.accuracy_source=reward_model: the reward model's scores are not"):
+        recipe.train(
+            compose_config(
+                "grpo_torchrl_rm",
+                [*GRPO_SMALL, *REVIEW_EVAL, "eval.accuracy_source=reward_model", f"output_dir={tmp_path}"],
+            )
+        )
+
+
+def test_a_named_accuracy_source_that_is_no_0_1_check_stops_at_the_first_evaluation(compose_config, tmp_path):
+    overrides = [
+        *GRPO_SMALL,
+        *REVIEW_EVAL,
+        "train.steps=1",
+        "+reward.functions.positive.function=_reward_functions.positivity_reward",
+        "eval.accuracy_source=positive",
+        f"output_dir={tmp_path}",
+    ]
+    with pytest.raises(RunStopped, match=r"eval.accuracy_source=positive scored an eval answer .*no such check"):
+        recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
