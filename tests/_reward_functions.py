@@ -37,3 +37,12 @@ def unscored_at_the_first_step(completions: list, trainer_state, **kwargs) -> li
 def always_well_formed(completions: list, **kwargs) -> list[float]:
     """A 0/1 check every completion passes (as a format check the policy already meets)."""
     return [1.0] * len(completions)
+
+
+def counts_words(completions: list, log_metric, log_extra, **kwargs) -> list[float]:
+    """Rewards nothing; logs, as trl's callbacks take them, the batch's mean word count (``log_metric``) and each
+    completion's word count (``log_extra``)."""
+    words = [len(message_text(completion).split()) for completion in completions]
+    log_metric("words/mean", sum(words) / len(words))
+    log_extra("words", words)
+    return [0.0] * len(completions)

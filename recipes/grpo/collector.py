@@ -47,6 +47,7 @@ from recipes.grpo.batch import (
     PROMPT_INDEX,
     RESPONSE_TOKENS,
     REWARD,
+    REWARD_LOGS,
     SOURCE_REWARDS,
     TRUNCATED,
 )
@@ -130,9 +131,10 @@ eval.generation.do_sample=false for greedy decoding.'
 
 
 def _dense_batch(rollout: TensorDictBase) -> TensorDictBase:
-    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS` (a view: the
-    collector copies what its postproc returns)."""
-    return rollout.reshape(-1).select(*BATCH_KEYS)
+    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS`, and
+    :data:`REWARD_LOGS` where reward functions log (a view: the collector copies what its postproc returns)."""
+    logs = [REWARD_LOGS] if REWARD_LOGS in rollout.keys(include_nested=True) else []
+    return rollout.reshape(-1).select(*BATCH_KEYS, *logs)
 
 
 def _stream_start(cfg: DictConfig, start_step: int, num_replicas: int) -> int:

@@ -10,8 +10,10 @@ Under torchrun the prompts are dealt out between the processes and the figures p
 
 Figures: ``eval/reward_mean``, ``eval/rewards/<name>/mean`` per source, ``eval/oracle_mean`` where the data has an
 oracle, ``eval/accuracy`` (the mean of the source :func:`accuracy_source` names, a verifier's 0/1 check),
-``eval/response_length``. Sampling runs on a random stream of its own (seeded by ``seed`` and the step), so that the
-same seed gives the same figures and the training run samples exactly as it would without evaluation.
+``eval/response_length``, and ``eval/<name>`` for what the trl reward functions log (``log_metric``; their
+``log_extra`` columns go with the samples). Sampling runs on a random stream of its own (seeded by ``seed`` and the
+step), so that the same seed gives the same figures and the training run samples exactly as it would without
+evaluation.
 
 Dependencies: torch, tensordict, accelerate, transformers (the ``TrainerState`` reward functions read), and the
 recipe's own modules.
@@ -31,6 +33,7 @@ from interop.sampling import CausalLMSampler
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows
 from recipes.common.prompts import PromptTable
+from recipes.common.reward_functions import RewardLogs
 from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS, response_mask
 from recipes.grpo.collector import sampler_settings
 from recipes.grpo.prompt_env import PromptEnv
@@ -155,8 +158,15 @@ class Evaluator:
         self.names = source_names(cfg)
         self.accuracy_source = accuracy_source(cfg)
         self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what trl reward functions read as the step
+        self.logs = RewardLogs()  # what they log: eval/<name> and the samples' extra columns
         self.scorer = make_reward_scorer(
-            cfg, reward_model, reward_tokenizer, tokenizer, prompts=self.table, trainer_state=self.trainer_state
+            cfg,
+            reward_model,
+            reward_tokenizer,
+            tokenizer,
+            prompts=self.table,
+            trainer_state=self.trainer_state,
+            logs=self.logs,
         )
         self.samples: list[dict] = []
 
@@ -187,22 +197,28 @@ class Evaluator:
         )
         step = self.policy(env.reset())
         self.scorer(step)
+        metrics, columns = self.logs.pop()
         mask = response_mask(step)
         responses = [row[keep] for row, keep in zip(step.get(RESPONSE_TOKENS), mask, strict=True)]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         rewards = step.get(REWARD).reshape(-1).tolist()
         sources = step.get(SOURCE_REWARDS).reshape(len(texts), -1).tolist()
         prompt_index = step.get(PROMPT_INDEX).tolist()
-        return [
+        rows = [
             {
                 "prompt": self.table.prompts[index],
                 "response": text,
                 "reward": reward,
                 "sources": values,
                 "length": int(row_mask.sum()),
+                "columns": {name: logged[row] for name, logged in columns.items()},
             }
-            for index, text, reward, values, row_mask in zip(prompt_index, texts, rewards, sources, mask, strict=True)
+            for row, (index, text, reward, values, row_mask) in enumerate(
+                zip(prompt_index, texts, rewards, sources, mask, strict=True)
+            )
         ]
+        rows[0]["metrics"] = metrics  # the chunk's log_metric values, once wherever the rows are pooled
+        return rows
 
     def _figures(self, rows: list[dict]) -> dict[str, float]:
         figures = {"eval/reward_mean": sum(row["reward"] for row in rows) / len(rows)}
@@ -214,7 +230,24 @@ class Evaluator:
         if self.oracle is not None:
             figures["eval/oracle_mean"] = sum(float(self.oracle(row["response"])) for row in rows) / len(rows)
         figures["eval/response_length"] = sum(row["length"] for row in rows) / len(rows)
+        figures.update(self._logged(rows, known=figures))
         return figures
+
+    @staticmethod
+    def _logged(rows: list[dict], *, known: dict) -> dict[str, float]:
+        """``eval/<name>`` of every metric the reward functions logged (``log_metric``) while scoring the answers: the
+        mean of the values logged (NaN left out), as trl reports ``eval_<name>``."""
+        logged: dict[str, list[float]] = {}
+        for row in rows:
+            for name, values in row.get("metrics", {}).items():
+                logged.setdefault(f"eval/{name}", []).extend(value for value in values if not math.isnan(value))
+        taken = sorted(key for key in logged if key in known)
+        if taken:
+            raise RunStopped(
+                f"A reward function logged {[key.removeprefix('eval/') for key in taken]} (log_metric), which the "
+                f"recipe reports itself as {taken}: its value would replace the recipe's. Rename it in the function."
+            )
+        return {key: sum(values) / len(values) if values else math.nan for key, values in sorted(logged.items())}
 
     def _accuracy(self, values: list[float]) -> dict[str, float]:
         """``eval/accuracy``: the accuracy source's mean over the answers it scored, when its values are 0 or 1."""

@@ -278,3 +278,44 @@ def test_a_named_accuracy_source_that_is_no_0_1_check_stops_at_the_first_evaluat
     with pytest.raises(RunStopped, match=r"eval.accuracy_source=positive scored an eval answer .*no such check"):
         recipe.train(compose_config("grpo_torchrl_rm", overrides))
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+@pytest.fixture
+def logged_samples(monkeypatch):
+    """The sample rows every run logs (the wandb samples table's rows), by step."""
+    from recipes.common.metrics import MetricLogger
+
+    tables = {}
+    monkeypatch.setattr(MetricLogger, "log_samples", lambda self, rows, step: tables.setdefault(step, rows))
+    return tables
+
+
+WORD_COUNTS = "+reward.functions.words.function=_reward_functions.counts_words"
+
+
+def test_what_reward_functions_log_is_reported(compose_config, tmp_path, logged_samples, caplog):
+    """trl's log_metric(name, value) -> rollout/<name> (eval/<name> for the eval answers) in metrics.csv and
+    summary.json; log_extra(column, values) -> a column of the sample rows (the wandb table, the printed samples).
+    They were accepted and dropped."""
+    overrides = [*GRPO_SMALL, *REVIEW_EVAL, "train.steps=2", WORD_COUNTS, f"output_dir={tmp_path}"]
+    with caplog.at_level("INFO", logger="recipes.grpo_torchrl_rm"):
+        summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+
+    rows = read_metrics(tmp_path)
+    for row in rows:
+        if "train/loss" in row:
+            assert 1.0 <= row["rollout/words/mean"] <= 8.0
+        if "eval/reward_mean" in row:
+            assert 1.0 <= row["eval/words/mean"] <= 8.0
+    assert summary["rollout/words/mean_last"] == pytest.approx(rows[-1]["rollout/words/mean"])
+    assert summary["eval/words/mean_first"] == rows[0]["eval/words/mean"]
+    assert sorted(logged_samples) == [1, 2]
+    for samples in logged_samples.values():
+        assert samples and all(sample["words"] == len(sample["response"].split()) for sample in samples)
+    printed = [
+        json.loads(record.getMessage().split("sample: ", 1)[1])
+        for record in caplog.records
+        if "sample: " in record.getMessage()
+    ]
+    assert printed and all(line["words"] == len(line["response"].split()) for line in printed)
+    assert any(record.getMessage().startswith("Eval sample: ") for record in caplog.records)
