@@ -328,3 +328,80 @@ def test_a_bad_sampling_value_is_refused_before_anything_loads_naming_the_key(
     with pytest.raises(ConfigError) as error:
         recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", *overrides]))
     assert str(error.value) == message
+
+
+# The GRPOConfig fields experiment=trl_defaults sets (all it covers have a key here: recipes.grpo.schema.TRL_NAMES).
+TRL_DEFAULTS = [
+    "beta",
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "importance_sampling_level",
+    "use_bias_correction_kl",
+    "entropy_coef",
+    "top_entropy_quantile",
+    "mask_truncated_completions",
+    "off_policy_mask_threshold",
+    "sync_ref_model",
+    "ref_model_mixup_alpha",
+    "ref_model_sync_steps",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "scale_rewards",
+    "multi_objective_aggregation",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "learning_rate",
+    "weight_decay",
+    "num_iterations",
+    "gradient_accumulation_steps",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "max_grad_norm",
+    "gradient_checkpointing",
+]
+
+
+def test_the_trl_defaults_experiment_is_grpo_configs_defaults_read_from_trl(compose_config, tmp_path, monkeypatch):
+    """experiment=trl_defaults: trl's GRPOConfig defaults under this recipe's keys (beta 0, top_k 0, the linear
+    schedule, dapo, epsilon 0.2, 8 generations...), read from the installed trl: a changed trl default follows."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from recipes.grpo.schema import TRL_NAMES
+
+    fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
+    cfg = validate(compose_config("grpo_torchrl_rm", ["experiment=trl_defaults", f"output_dir={tmp_path}"]))
+    for name in TRL_DEFAULTS:
+        default = fields[name].default
+        assert OmegaConf.select(cfg, TRL_NAMES.names[name]) == getattr(default, "value", default), name
+    assert list(cfg.optimizer.betas) == [fields["adam_beta1"].default, fields["adam_beta2"].default]
+    assert cfg.eval.group_size == fields["num_generations"].default  # num_generations_eval null
+    assert (cfg.loss.kl_to_ref_coeff, cfg.rollout.generation.top_k, cfg.train.lr_scheduler) == (0.0, 0, "linear")
+    assert (cfg.loss.type, cfg.loss.clip_epsilon, cfg.rollout.group_size) == ("dapo", 0.2, 8)
+    assert (cfg.advantage.scale_rewards, cfg.train.epochs_per_step, cfg.rollout.generation.temperature) == (
+        "group",
+        1,
+        1.0,
+    )
+
+    monkeypatch.setattr(fields["beta"], "default", 0.04)
+    cfg = validate(compose_config("grpo_torchrl_rm", ["experiment=trl_defaults", f"output_dir={tmp_path}"]))
+    assert cfg.loss.kl_to_ref_coeff == 0.04
+
+
+def test_the_trl_defaults_experiment_trains(compose_config, tmp_path):
+    overrides = ["experiment=trl_defaults", *GRPO_SMALL, "train.steps=1", f"output_dir={tmp_path}"]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    assert summary["train/steps"] == 1 and "train/kl_to_ref_last" not in summary  # beta 0: no reference
