@@ -35,7 +35,7 @@ SMALL = [*GRPO_SMALL, "logger=csv"]
         (["train.gradient_accumulation_steps=3"], r"train.gradient_accumulation_steps=3 does not divide the 2 mini"),
         (["train.lr_scheduler=warmup_stable_decay"], r"train.lr_scheduler='warmup_stable_decay': expected one of"),
         (["train.warmup_steps=1.5"], r"train.warmup_steps=1.5 must be >= 0 and < 1"),
-        (["loss.top_entropy_quantile=0"], r"loss.top_entropy_quantile=0 must be > 0 and <= 1"),
+        (["loss.top_entropy_quantile=1.5"], r"loss.top_entropy_quantile=1.5 must be >= 0 and <= 1"),
         (["loss.delta=0.9"], r"loss.delta=0.9 must be > 1"),
     ],
 )
