@@ -278,7 +278,9 @@ def closing_message(summary: dict, output_dir: Path) -> str:
 
 def summary_keys(cfg: DictConfig) -> list[str]:
     """Every entry summary.json of a run of ``cfg`` holds (what ``metric=`` may name): :data:`SUMMARY_KEYS` and each
-    reward source's mean, first and last."""
+    reward source's mean, first and last; with evaluation on, its figures (``eval/accuracy`` where
+    ``recipes.grpo.evaluation.accuracy_source`` names a source). What reward functions log (``rollout/<name>``) is
+    in summary.json too, but known only once they log it: ``metric=`` cannot name it."""
     names = [source.name for source in reward_sources(cfg)]
     series = [f"rollout/rewards/{name}/mean" for name in names]
     if cfg.eval.every_n_steps is not None:
