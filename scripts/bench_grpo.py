@@ -487,7 +487,7 @@ def _config_for(args, side: str, run_index: int, scratch: Path):
     overrides.append(f"train.mini_batch_size={per_step // args.updates_per_step}")
     if not args.natural_length:
         # Every response max_new_tokens long on every side: the same work, whatever the runs learn.
-        overrides.append(f"+rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}")
+        overrides.append(f"rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}")
     return compose_config(overrides)
 
 

@@ -70,7 +70,7 @@ def _config(args, run_index: int, scratch: Path, side: str):
     # One optimizer step per generation batch; every completion max_new_tokens long.
     overrides += [
         f"train.mini_batch_size={cfg.rollout.responses_per_step}",
-        f"+rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}",
+        f"rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}",
     ]
     return bench_grpo.compose_config(overrides)
 

@@ -46,3 +46,22 @@ def first_group_ties(prompts: list, completions: list, **kwargs) -> list[float]:
     return [
         1.0 if prompt == first else float(len(message_text(c))) for prompt, c in zip(prompts, completions, strict=True)
     ]
+
+
+def unscored_at_the_first_step(completions: list, trainer_state, **kwargs) -> list[float | None]:
+    """None (trl's "not applicable") for every completion of the run's first batch, 1.0 for every later one."""
+    return [None if trainer_state.global_step == 0 else 1.0 for _ in completions]
+
+
+def always_well_formed(completions: list, **kwargs) -> list[float]:
+    """A 0/1 check every completion passes (as a format check the policy already meets)."""
+    return [1.0] * len(completions)
+
+
+def counts_words(completions: list, log_metric, log_extra, **kwargs) -> list[float]:
+    """Rewards nothing; logs, as trl's callbacks take them, the batch's mean word count (``log_metric``) and each
+    completion's word count (``log_extra``)."""
+    words = [len(message_text(completion).split()) for completion in completions]
+    log_metric("words/mean", sum(words) / len(words))
+    log_extra("words", words)
+    return [0.0] * len(completions)

@@ -42,7 +42,7 @@ from recipes.grpo.collector import check_generation_settings, sampler_settings
 from recipes.grpo.evaluation import check_eval_settings
 from recipes.grpo.report import summary_keys
 from recipes.grpo.rewards import check_reward_keys, check_reward_sources, reward_prompt_lengths
-from recipes.grpo.schema import RENAMED, GRPORecipeConfig
+from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig
 
 __all__ = ["check_prompt_lengths", "validate"]
 
@@ -56,18 +56,18 @@ def validate(cfg: DictConfig) -> DictConfig:
     command line says (``recipes.common.lora.settle_lora_node``)."""
     if cfg.resume:
         cfg = resumed_config(cfg)
-    cfg = checked_config(cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED)
+    cfg = checked_config(cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED, aliases=TRL_NAMES)
     _validate_settings(cfg)
     return cfg
 
 
 def _validate_settings(cfg: DictConfig) -> None:
     _validate_batches(cfg)
-    _validate_reporting(cfg)
     _validate_memory(cfg)
     _validate_generation(cfg.rollout)
     _validate_rewards(cfg)
     check_eval_settings(cfg)
+    _validate_reporting(cfg)  # after the evaluation's: which eval figures there are depends on its settings
     _validate_algorithm(cfg)
     check_run_settings(cfg)
     _validate_distributed(cfg)

@@ -165,3 +165,25 @@ def test_a_learner_killed_while_its_collector_starts_takes_the_collector_with_it
         assert all(_gone(child.pid, timeout=5.0) for child in children)
     finally:
         learner.kill()
+
+
+def test_what_reward_functions_log_travels_with_the_batch_from_the_collector(compose_config, tmp_path, monkeypatch):
+    """The reward functions run in the collector's process: their log_metric values and log_extra columns come back
+    with the batch they scored (rollout/<name> per step, a column of the sample rows), as in a sync run."""
+    from recipes.common.metrics import MetricLogger
+
+    tables = {}
+    monkeypatch.setattr(MetricLogger, "log_samples", lambda self, rows, step: tables.setdefault(step, rows))
+    overrides = [
+        *ASYNC,
+        "train.steps=2",
+        "+reward.functions.words.function=_reward_functions.counts_words",
+        f"output_dir={tmp_path}",
+    ]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2 and all(1.0 <= row["rollout/words/mean"] <= 8.0 for row in rows)
+    assert summary["rollout/words/mean_first"] == rows[0]["rollout/words/mean"]
+    assert sorted(tables) == [1, 2]
+    for samples in tables.values():
+        assert samples and all(sample["words"] == len(sample["response"].split()) for sample in samples)
