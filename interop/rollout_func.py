@@ -587,9 +587,9 @@ class TorchRLRolloutFunc:
         return [int(i) for i in ids if i is not None]
 
     def _get_padded(self, output: TensorDictBase, key: tuple, value) -> torch.Tensor:
-        if isinstance(output, LazyStackedTensorDict):
-            return output.get(key, as_padded_tensor=True, padding_side="right", padding_value=value)
-        return output.get(key)
+        # Ragged outputs (TransformersWrapper(pad_output=False), a lazy stack at the top or under a key) are padded
+        # on read; a dense tensor is returned as it is.
+        return output.get(key, as_padded_tensor=True, padding_side="right", padding_value=value)
 
     def _read_response(self, output: TensorDictBase, prompt: torch.Tensor, prompt_mask: torch.Tensor):
         keys = set(output.keys(include_nested=True, leaves_only=True))
@@ -600,17 +600,19 @@ class TorchRLRolloutFunc:
         pad = self.tokenizer.pad_token_id
         response = self._get_padded(output, RESPONSE_TOKENS, pad)
         width, response_width = prompt.shape[-1], response.shape[-1]
-        if RESPONSE_LOG_PROBS in keys and output.get(RESPONSE_LOG_PROBS) is not None:
-            log_probs = self._get_padded(output, RESPONSE_LOG_PROBS, 0.0)
-        elif FULL_LOG_PROBS in keys and output.get(FULL_LOG_PROBS) is not None:
-            log_probs = self._get_padded(output, FULL_LOG_PROBS, 0.0)[:, width : width + response_width]
+        response_log_probs = self._get_padded(output, RESPONSE_LOG_PROBS, 0.0) if RESPONSE_LOG_PROBS in keys else None
+        full_log_probs = self._get_padded(output, FULL_LOG_PROBS, 0.0) if FULL_LOG_PROBS in keys else None
+        if response_log_probs is not None:
+            log_probs = response_log_probs
+        elif full_log_probs is not None:
+            log_probs = full_log_probs[:, width : width + response_width]
         else:
             raise ValueError(
                 f"TorchRLRolloutFunc: the policy's output has neither {RESPONSE_LOG_PROBS} nor {FULL_LOG_PROBS} (it "
                 f"wrote {sorted(map(str, keys))}); trl needs the sampling log-probs (TransformersWrapper: "
                 "return_log_probs=True)."
             )
-        if ATTENTION_MASK in keys and not isinstance(output, LazyStackedTensorDict):
+        if ATTENTION_MASK in keys and not _is_ragged(output, ATTENTION_MASK):
             attention = output.get(ATTENTION_MASK)
             response_mask = attention[:, width : width + response_width].bool()
         else:
@@ -626,3 +628,14 @@ class TorchRLRolloutFunc:
         logits = self.model(input_ids=prompt, attention_mask=prompt_mask.long(), position_ids=positions).logits
         last = logits[:, -1].float().log_softmax(-1)
         return last.gather(-1, first[:, None]).squeeze(-1)
+
+
+def _is_ragged(output: TensorDictBase, key: tuple) -> bool:
+    """Whether ``output``'s ``key`` holds rows of different lengths (a lazy stack: no dense ``[B, T]`` tensor of it)."""
+    if isinstance(output, LazyStackedTensorDict):
+        return True
+    try:
+        output.get(key)
+    except RuntimeError:  # tensordict cannot stack rows of different lengths
+        return True
+    return False
