@@ -100,6 +100,9 @@ TRL_NAMES = Aliases(
         "max_steps": "train.steps",
         "num_iterations": "train.epochs_per_step",
         "per_device_train_batch_size": "train.mini_batch_size",
+        "steps_per_generation": (
+            "train.mini_batch_size (mini-batches per generation = rollout.responses_per_step / train.mini_batch_size)"
+        ),
         "gradient_accumulation_steps": "train.gradient_accumulation_steps",
         "lr_scheduler_type": "train.lr_scheduler",
         "warmup_steps": "train.warmup_steps",
