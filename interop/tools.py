@@ -8,7 +8,8 @@ Public names:
   refused, naming it.
 - :class:`ToolCallFormat`: where tool calls sit in a completion's text, ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>`` by default (Qwen2.5's template; the markers are parameters), and :meth:`ToolCallFormat.parse`.
-- :class:`ToolCall`: one call as parsed, or a malformed one with the reason.
+- :class:`ToolCall`: one call as parsed, or a malformed one with the reason; :class:`ParsedTurn`: a turn's text before
+  its calls, and its calls.
 - :class:`ToolRunner`: runs calls in a worker process (kept alive across calls; killed and restarted after a call
   overruns ``timeout_s``; dead with its parent), results cut at ``max_result_tokens``. Nothing a tool or a model does
   makes it raise: a tool that raises, overruns or kills its process, a malformed call, an unknown tool or wrong
@@ -39,6 +40,7 @@ from pathlib import Path
 
 __all__ = [
     "ERROR_KINDS",
+    "ParsedTurn",
     "ToolCall",
     "ToolCallFormat",
     "ToolResult",

@@ -2,6 +2,7 @@
 
     python scripts/build_tiny_models.py --overwrite     # rebuilds tiny/policy and tiny/reward_base
     python scripts/build_tiny_models.py --task arithmetic   # writes tiny/arithmetic_policy (about 4 minutes)
+    python scripts/build_tiny_models.py --task calculator   # writes tiny/calculator_policy
     python scripts/build_tiny_models.py --out /tmp/kit --pretrain-steps 50
     # a speed model at a real checkpoint's cost: ~97M parameters, Qwen2.5's 151,936-token vocabulary
     python scripts/build_tiny_models.py --out /tmp/real_vocab --hidden-size 512 --num-layers 6 --pretrain-steps 20 \
@@ -16,7 +17,11 @@ sequence classifier (num_labels=1) initialised from that policy's backbone, read
 ``recipes/reward_trainer_from_buffer.py``. The trained tiny reward model (tiny/reward_model) is that recipe's output:
 ``--train-reward-model`` runs it after the build. ``--task arithmetic`` builds the verifiable task's policy instead
 (``recipes/common/arithmetic.py``): a Qwen2 of about 0.4M parameters pretrained on sums answered in three forms, of
-which only the written-out one is reliable.
+which only the written-out one is reliable. ``--task calculator`` builds the tool-use task's policy
+(``recipes/common/calculator.py``): a Qwen2 with Qwen2.5's own chat template (tools in the system message,
+``<tool_call>`` blocks in assistant turns, tool results in ``<tool_response>`` blocks), its tokenizer holding
+``<tool_call>`` and ``</tool_call>`` as single tokens as Qwen2.5's does, pretrained on products answered sometimes by
+calling the ``multiply`` tool and otherwise by a guess.
 
 ``--resize-vocab N`` gives the policy (and so the reward base) an N-token embedding table and LM head after
 pretraining, the new rows drawn around the trained ones (``resize_token_embeddings``, mean resizing): the tokenizer
@@ -46,7 +51,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from recipes.common import arithmetic
+from recipes.common import arithmetic, calculator
 from recipes.common.checkpoint import write_folder_atomically
 from recipes.common.synthetic import make_sft_conversations
 
@@ -68,6 +73,16 @@ CHAT_TEMPLATE = (
 )
 
 
+# Qwen2.5's chat template, verbatim from its tokenizer_config.json (trl ships the same file as
+# trl/chat_templates/qwen2_5.jinja and recognises the template by identity): the tools' JSON schemas in the system
+# message, `<tool_call>` blocks in assistant turns, tool results as `<tool_response>` blocks in a user turn. The
+# calculator policy's template.
+QWEN2_5_CHAT_TEMPLATE = (Path(__file__).resolve().parent / "qwen2_5_chat_template.jinja").read_text(encoding="utf-8")
+# Single tokens in Qwen2.5's tokenizer (added, not special: decoding keeps them), so a turn can stop at the closing one.
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+CALCULATOR_MAX_POSITIONS = 512
+
+
 # Each task's build settings. The arithmetic policy needs more capacity and steps to learn every sum under the noise
 # of its replies (recipes/common/arithmetic.py); smaller builds learn too few sums for GRPO to reach 0.9 held out.
 TASK_DEFAULTS = {
@@ -81,6 +96,15 @@ TASK_DEFAULTS = {
         num_layers=2,
         pretrain_steps=4000,
         batch_size=32,
+        lr=2e-3,
+    ),
+    "calculator": dict(
+        num_conversations=8000,
+        vocab_size=1000,
+        hidden_size=128,
+        num_layers=2,
+        pretrain_steps=1500,
+        batch_size=16,
         lr=2e-3,
     ),
 }
@@ -105,7 +129,9 @@ def build_tokenizer(corpus: list[str], *, vocab_size: int) -> PreTrainedTokenize
     return tokenizer
 
 
-def build_policy(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int) -> Qwen2ForCausalLM:
+def build_policy(
+    tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int, max_positions: int = 256
+) -> Qwen2ForCausalLM:
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -113,7 +139,7 @@ def build_policy(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_la
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -200,10 +226,48 @@ def build_arithmetic_policy(args: argparse.Namespace) -> None:
     print(f"wrote {args.out / 'arithmetic_policy'} in {time.perf_counter() - start:.0f}s")
 
 
+def build_calculator_policy(args: argparse.Namespace) -> None:
+    """``<out>/calculator_policy``: the tool-use task's policy, pretrained on products answered with or without the
+    ``multiply`` tool (``recipes.common.calculator.make_sft_conversations``), rendered with Qwen2.5's chat template and
+    the tool's schema as a trl tool-calling run renders them."""
+    start = time.perf_counter()
+    conversations = calculator.make_sft_conversations(args.num_conversations, seed=args.seed)
+    # The BPE is trained on the dialogs as the template renders them (the system message's tool instructions and
+    # schema included), so it needs a template to render with first: a throwaway tokenizer of the messages' text.
+    draft = build_tokenizer([str(m["content"]) for c in conversations for m in c], vocab_size=args.vocab_size)
+    draft.chat_template = QWEN2_5_CHAT_TEMPLATE
+    rendered = tool_dialogs(draft, conversations)
+    tokenizer = build_tokenizer(rendered, vocab_size=args.vocab_size)
+    tokenizer.add_tokens(list(TOOL_CALL_TOKENS))
+    tokenizer.chat_template = QWEN2_5_CHAT_TEMPLATE
+    # Qwen2.5's tool instructions alone take about 200 tokens: a dialog with one tool call about 300.
+    tokenizer.model_max_length = CALCULATOR_MAX_POSITIONS
+    policy = build_policy(
+        tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, max_positions=CALCULATOR_MAX_POSITIONS
+    )
+    tokenizer = as_loaded(tokenizer, policy)
+    corpus = tool_dialogs(tokenizer, conversations)
+    longest = max(len(ids) for ids in tokenizer(corpus)["input_ids"])
+    first, last = pretrain(policy, tokenizer, corpus, steps=args.pretrain_steps, batch_size=args.batch_size, lr=args.lr)
+    print(
+        f"calculator policy: {parameter_count(policy)}, pretraining loss {first:.2f} -> {last:.2f}, longest "
+        f"pretraining dialog {longest} tokens"
+    )
+    save_policy(policy, tokenizer, args.out / "calculator_policy", max_new_tokens=48)
+    print(f"wrote {args.out / 'calculator_policy'} in {time.perf_counter() - start:.0f}s")
+
+
+def tool_dialogs(tokenizer, conversations: list) -> list[str]:
+    """The conversations as the tokenizer's chat template renders them with the task's tools."""
+    return [tokenizer.apply_chat_template(c, tools=list(calculator.TOOLS), tokenize=False) for c in conversations]
+
+
 def output_folders(args: argparse.Namespace) -> list[Path]:
     """The checkpoint folders this build writes."""
     if args.task == "arithmetic":
         return [args.out / "arithmetic_policy"]
+    if args.task == "calculator":
+        return [args.out / "calculator_policy"]
     names = ["policy", "reward_base", *(["reward_model"] if args.train_reward_model else [])]
     return [args.out / name for name in names]
 
@@ -239,11 +303,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--task",
-        choices=("reviews", "arithmetic"),
+        choices=("reviews", "arithmetic", "calculator"),
         default="reviews",
         help="reviews: the policy and reward base of the review task; arithmetic: <out>/arithmetic_policy, the "
         "verifiable task's policy (recipes/common/arithmetic.py), its answers pretrained right about a third of the "
-        "time",
+        "time; calculator: <out>/calculator_policy, the tool-use task's policy (recipes/common/calculator.py), which "
+        "calls its multiply tool about a third of the time",
     )
     parser.add_argument(
         "--train-reward-model",
@@ -265,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     if args.task == "arithmetic":
         build_arithmetic_policy(args)
+        return
+    if args.task == "calculator":
+        build_calculator_policy(args)
         return
     conversations = make_sft_conversations(args.num_conversations, seed=args.seed)
     policy, tokenizer, description = pretrained_policy(conversations, args)
