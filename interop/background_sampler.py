@@ -154,13 +154,18 @@ class BackgroundSampler:
             raise RuntimeError("BackgroundSampler.submit: one request at a time; wait for result() first.")
         if self.version is None:
             raise RuntimeError("BackgroundSampler.submit: publish() the weights first.")
-        if not self._ready:
-            kind, payload = self._receive()
-            if kind != "ready":
-                raise RuntimeError(f"BackgroundSampler: the sampler process failed to start:\n{payload}")
-            self._ready = True
+        self.wait_until_ready()
         self._connection.send(("sample", [list(map(int, row)) for row in prompt_ids]))
         self._waiting = True
+
+    def wait_until_ready(self) -> None:
+        """Waits for the child to have started (imports, the model); :meth:`submit` does, the first time."""
+        if self._ready:
+            return
+        kind, payload = self._receive()
+        if kind != "ready":
+            raise RuntimeError(f"BackgroundSampler: the sampler process failed to start:\n{payload}")
+        self._ready = True
 
     @property
     def busy(self) -> bool:

@@ -121,8 +121,9 @@ class TorchRLRolloutFunc:
             ``completion_ids``, ``logprobs``, ``truncated``, ``step`` (the trainer's ``global_step`` when it was
             sampled: the updates the sampling weights had had) and ``completion_text``. Under
             ``interop.TorchRLGRPOTrainer`` the rows are written once trl has scored them, with ``prompt``, ``rewards``
-            (``[K]``, each reward function's value, NaN where one returned ``None``), ``reward`` (trl's weighted sum)
-            and ``advantage`` (trl's) too. ``None``: none.
+            (``[K]``, each reward function's value, NaN where one returned ``None``), ``reward`` (trl's weighted sum),
+            ``advantage`` (trl's) and ``train_step`` (the trainer's ``global_step`` when it trains on them) too.
+            ``None``: none.
         model: the ``nn.Module`` that samples, checked against the trainer's model at each call; ``None``: the
             policy's ``model`` attribute (TorchRL's wrappers and :class:`CausalLMSampler` have one).
         mode: ``"sync"``: each generation batch is sampled when trl asks for it, with the weights trl trains (the same
@@ -328,6 +329,15 @@ class TorchRLRolloutFunc:
         self._background.submit(self.tokenize(upcoming, trainer))
         self._pending = list(upcoming)
 
+    def prepare(self, trainer) -> None:
+        """Builds what the first call would (the default policy; in async mode the sampling process, waited for), so
+        that a trainer can start it before its first step: ``interop.TorchRLGRPOTrainer.train`` does."""
+        if self.policy is None:
+            self._build_policy(trainer)
+        if self.mode == "async" and self._background is None:
+            self._start_background()
+            self._background.wait_until_ready()
+
     def _start_background(self) -> None:
         from interop.background_sampler import BackgroundSampler
 
@@ -447,7 +457,9 @@ class TorchRLRolloutFunc:
         ids = [row[:n] for row, n in zip(rollout.get("completion_ids").tolist(), lengths, strict=True)]
         return list(self.tokenizer.batch_decode(ids, skip_special_tokens=True))
 
-    def record_scored(self, *, prompts: list, completions: list, rewards, reward, advantages) -> TensorDictBase:
+    def record_scored(
+        self, *, prompts: list, completions: list, rewards, reward, advantages, train_step: int | None = None
+    ) -> TensorDictBase:
         """Writes the last rollout, as trl scored it, into the replay buffer (one row per completion, in order); returns
         the rows. ``interop.TorchRLGRPOTrainer`` calls it once trl has scored each generation batch (and then the rows
         are written only here, not when sampled)."""
@@ -455,6 +467,8 @@ class TorchRLRolloutFunc:
             raise RuntimeError("TorchRLRolloutFunc.record_scored: nothing was sampled yet.")
         scored = {"prompts": prompts, "completions": completions, "rewards": rewards, "reward": reward}
         rows = self._ragged_rows(self.last_rollout, {**scored, "advantages": advantages})
+        if train_step is not None:  # the updates before the batch trains (one more than its sampler's, in async mode)
+            rows.set("train_step", torch.full((rows.shape[0],), int(train_step), dtype=torch.long))
         if self.replay_buffer is not None:
             self.replay_buffer.extend(rows)
         return rows

@@ -181,6 +181,8 @@ class TorchRLGRPOTrainer(GRPOTrainer):
 
     def train(self, *args, **kwargs):
         try:
+            # The async mode's sampling process starts (imports, a copy of the model) before the first step.
+            self.rollout_func.prepare(self)
             return super().train(*args, **kwargs)
         finally:
             self.rollout_func.close()  # the async mode's sampling process ends with training, however it ends
@@ -276,6 +278,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             rewards=rewards,
             reward=reward,
             advantages=output["advantages"].detach().float().cpu(),
+            train_step=self.state.global_step,
         )
         self.scored_batches += 1
 

@@ -54,7 +54,7 @@ from recipes.common.run import (
     track_failed_jobs,
 )
 from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
-from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, merge_batches
+from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, REWARD_LOGS, merge_batches
 from recipes.grpo.checkpointing import (
     REFERENCE_FOLDER,
     TrainingProgress,
@@ -78,6 +78,8 @@ from recipes.grpo.learner import Learner, check_weights_finite, informative_batc
 from recipes.grpo.policy import load_policy
 from recipes.grpo.report import (
     closing_message,
+    is_source_figure,
+    logged_metrics,
     report_step,
     rollout_metrics,
     run_description,
@@ -218,7 +220,12 @@ def evaluate(run: Run, evaluator: Evaluator, progress: TrainingProgress, step: i
 
 
 def _sample_line(sample: dict) -> dict:
-    return {"prompt": sample["prompt"], "response": sample["response"], "reward": round(sample["reward"], 4)}
+    """An eval answer as the log prints it, with the columns its reward functions logged (``log_extra``)."""
+    line = {"prompt": sample["prompt"], "response": sample["response"], "reward": round(sample["reward"], 4)}
+    return {
+        **line,
+        **{name if name not in line else f"extra/{name}": value for name, value in sample["columns"].items()},
+    }
 
 
 def train_loop(
@@ -298,7 +305,7 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
         source_names=source_names(cfg),
     )
     warn_about_the_batch(cfg, step, batch, metrics)
-    learner.buffer.extend(batch)
+    learner.buffer.extend(batch.exclude(REWARD_LOGS))  # the loss reads tensors only
     update_start = time.perf_counter()
     updates = optimize(cfg, learner, batch)
     learner.buffer.empty()
@@ -307,13 +314,30 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
     updates.update(extra)
     metrics.update(mean_over_processes(updates))  # each rank's diagnostics and times; the rollout figures are global
     metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
-    unfinished = sorted(key for key, value in metrics.items() if not math.isfinite(value))
+    # A source that scored none of the step's responses (a trl reward function's None for all) has a NaN mean and
+    # std, which trl logs and goes on: only the reward, the loss, the gradients and the weights stop the run.
+    unfinished = sorted(key for key, value in metrics.items() if not math.isfinite(value) and not is_source_figure(key))
     if unfinished:
         raise RunStopped(
             f"Step {step}: {unfinished} are not finite ({[metrics[key] for key in unfinished]}); the run stops before "
             "any checkpoint is written after it. Lower optimizer.lr, or check the reward sources, then start again."
         )
+    metrics.update(reward_function_metrics(sampled, known=metrics, prefix="rollout"))
     return metrics, tokens
+
+
+def reward_function_metrics(data, *, known: dict, prefix: str) -> dict[str, float]:
+    """What the trl reward functions logged while ``data`` was scored (``log_metric``: ``<prefix>/<name>``, averaged
+    as trl averages them; whatever they log, even NaN, is theirs to read and stops nothing); a name that is one of
+    the recipe's own figures (``known``) is refused rather than overwriting it."""
+    logged = logged_metrics(data, prefix=prefix)
+    taken = sorted(key for key in logged if key in known)
+    if taken:
+        raise RunStopped(
+            f"A reward function logged {[key.removeprefix(prefix + '/') for key in taken]} (log_metric), which the "
+            f"recipe reports itself as {taken}: its value would replace the recipe's. Rename it in the function."
+        )
+    return logged
 
 
 def warn_about_the_batch(cfg, step: int, batch, metrics: dict) -> None:

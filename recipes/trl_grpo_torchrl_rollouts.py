@@ -13,6 +13,9 @@
 4. Storage. ``interop.TorchRLGRPOTrainer`` (trl's trainer, reading what it scored) writes every completion trl trains
    on, with its rewards, advantage and step, to ``<run dir>/rollouts/rank_<r>/part_<k>/``
    (``recipes.trl_grpo.rollout_store``), readable while the run trains.
+5. Resume. ``resume=true`` continues the run folder from the newest of trl's checkpoints, with the run's own settings
+   (changes named in ``resume_allow_changes``), as the GRPO recipe does (``recipes.trl_grpo.resume``); its summary
+   covers the whole run, and a run that reached ``train.max_steps`` has nothing to resume.
 
     python recipes/trl_grpo_torchrl_rollouts.py
     python recipes/trl_grpo_torchrl_rollouts.py -m seed=0,1,2
@@ -24,24 +27,20 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import time
-from pathlib import Path
 
 import hydra
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
-from transformers import TrainerCallback
 
-from interop import TorchRLRolloutFunc
+from interop import GroupReplay, TorchRLRolloutFunc
 from recipes.common.callbacks import make_finite_guard, make_record_masker
 from recipes.common.checkpoint import latest_trl_checkpoint, save_model_folder, write_folder_atomically
 from recipes.common.config import RunStopped, hand_token_to_environment, masked_fields
 from recipes.common.data import load_prompt_rows
 from recipes.common.lora import make_lora_config
-from recipes.common.metrics import MetricLogger, peak_device_memory
-from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
+from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, tokenizer_fingerprint
 from recipes.common.prompts import PromptTable, make_prompt_stream
 from recipes.common.reward_functions import resolve_function
 from recipes.common.run import (
@@ -52,9 +51,11 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
-from recipes.common.text_metrics import distinct_bigrams
-from recipes.trl_grpo.checks import validate
-from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, RolloutStore
+from recipes.trl_grpo.checks import load_replay_source, validate
+from recipes.trl_grpo.report import MetricsCallback, closing_message, summarize
+from recipes.trl_grpo.resume import checkpoint_step, finished_run_summary, record_resume_start, resumed_config
+from recipes.trl_grpo.rewards import checked_reward_function, refuse_non_finite_scores
+from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, RolloutStore, stored_totals
 
 log = logging.getLogger(__name__)
 
@@ -72,26 +73,30 @@ def make_grpo_config(cfg: DictConfig):
         cfg.train, _convert_="all", use_cpu=cfg.device == "cpu", report_to="none", reward_weights=weights
     )
     hand_token_to_environment(args)  # never pickled into trl's checkpoints
+    if cfg.rollout.mode == "async":
+        args.shuffle_dataset = False  # the async sampler reads the TorchRL stream (which shuffles) ahead, as trl will
     return args
 
 
 def make_reward_funcs(cfg: DictConfig, *, device: str):
     """trl's ``reward_funcs`` and ``reward_processing_classes``: the reward model (when ``reward_model`` is set), then
-    each ``reward.functions`` entry under its config name (trl logs ``rewards/<name>/mean``)."""
+    each ``reward.functions`` entry under its config name (trl logs ``rewards/<name>/mean``).
+
+    Every source's values are checked as they are made (``recipes.trl_grpo.rewards``): a non-finite reward stops the run
+    naming its source before anything is trained on it."""
     funcs, classes = [], []
     if cfg.reward_model is not None:
         tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
         model = load_reward_model(cfg.reward_model, device=device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id)
+        # trl names a model source after its config's path: the node's own (an adapter folder's model carries its
+        # base's), as recipes.trl_grpo.report.reward_source_names names it.
+        model.config.name_or_path = str(cfg.reward_model.name_or_path).rstrip("/")
+        refuse_non_finite_scores(model, setting=f"reward_model.name_or_path={str(cfg.reward_model.name_or_path)!r}")
         funcs.append(model.eval())
         classes.append(tokenizer)
     for name, node in cfg.reward.functions.items():
         function = resolve_function(f"reward.functions.{name}.function", node.function)
-
-        def named(*args, _function=function, **kwargs):
-            return _function(*args, **kwargs)
-
-        named.__name__ = str(name)
-        funcs.append(named)
+        funcs.append(checked_reward_function(function, name=str(name)))
         classes.append(None)
     return funcs, classes
 
@@ -107,116 +112,64 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
         source_names=list(trainer.reward_func_names),
         max_text_bytes=cfg.rollout.store.max_text_bytes,
         pad_token_id=rollout_func.tokenizer.pad_token_id,
+        tokenizer=tokenizer_fingerprint(rollout_func.tokenizer),
     )
 
 
-# ---------------------------------------------------------------------------------------------------- metrics
-
-# trl's log keys that describe the sampled batch (the rest describe the update).
-_ROLLOUT_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "num_tokens")
-# trl's keys for what the GRPO recipe logs under its own names.
-_GRPO_NAMES = {
-    "reward": "rollout/reward_mean",
-    "completions/mean_length": "rollout/response_length",
-    "completions/clipped_ratio": "rollout/frac_truncated",
-    "frac_reward_zero_std": "rollout/frac_reward_zero_std",
-    "kl": "train/kl_to_ref",
-}
+def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
+    """trl's ``rollout_func``: the library's default sampler (a ``CausalLMSampler`` around the model trl trains, at
+    ``train:``'s sampling settings), sampling when trl asks or one generation batch ahead (``rollout.mode``)."""
+    return TorchRLRolloutFunc(
+        tokenizer=tokenizer,
+        mode=cfg.rollout.mode,
+        max_policy_lag=cfg.rollout.max_policy_lag,
+        sampler_threads=cfg.rollout.sampler_threads,
+        seed=cfg.seed,
+    )
 
 
-def metric_name(trl_key: str) -> str:
-    """A trl log key as the recipes name it: the GRPO recipe's name where it logs the same figure (``reward`` ->
-    ``rollout/reward_mean``, ``completions/mean_length`` -> ``rollout/response_length``, ``kl`` ->
-    ``train/kl_to_ref``...), else ``rollout/<key>`` for what describes the sampled batch (``rewards/<n>/mean``,
-    ``completions/...``) and ``train/<key>`` for the update (``loss``, ``grad_norm``)."""
-    if trl_key in _GRPO_NAMES:
-        return _GRPO_NAMES[trl_key]
-    if trl_key in _ROLLOUT_KEYS or trl_key.startswith(("rewards/", "completions/")):
-        return f"rollout/{trl_key}"
-    return f"train/{trl_key}"
-
-
-class MetricsCallback(TrainerCallback):
-    """trl's training logs, renamed (:func:`metric_name`), with the recipe's figures of the batches they cover (the
-    oracle's mean over every process's completions, distinct-2), to the run's logger; a progress line every ``every``
-    steps; the series the summary reports (:attr:`series`: name -> [value per log]).
-
-    Args:
-        logger: the run's metric logger.
-        trainer: the ``interop.TorchRLGRPOTrainer`` (its ``last_scored`` rows and ``rollout_func.last_rollout``).
-        oracle: ``text -> float``, the data's ground truth, or ``None``.
-    """
-
-    def __init__(self, logger: MetricLogger, trainer, oracle, *, total_steps: int, every: int) -> None:
-        self.logger, self.trainer, self.oracle = logger, trainer, oracle
-        self.total_steps, self.every = total_steps, every
-        self.series: dict[str, list[float]] = {}
-        self.trainer_figures: dict[int, dict[str, float]] = {}  # step -> the figures of the batch it trained first
-        self._batches_seen = 0
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer.scored_batches != self._batches_seen:  # a new generation batch trained in this step
-            self._batches_seen = self.trainer.scored_batches
-            self.trainer_figures[state.global_step] = self._batch_figures()
-
-    def _batch_figures(self) -> dict[str, float]:
-        rollout = self.trainer.rollout_func.last_rollout
-        mask = torch.arange(rollout.get("completion_ids").shape[-1]) < rollout.get("completion_length")[:, None]
-        figures = {"rollout/distinct_2": distinct_bigrams(rollout.get("completion_ids"), mask)}
-        if self.oracle is not None:
-            texts = self.trainer.last_scored.get("completion_text")
-            scores = [float(self.oracle(text)) for text in (texts.tolist() if hasattr(texts, "tolist") else texts)]
-            device = self.trainer.accelerator.device
-            totals = self.trainer.accelerator.gather(torch.tensor([[sum(scores), len(scores)]], device=device)).sum(0)
-            figures["rollout/oracle_mean"] = float(totals[0] / totals[1])
-        return figures
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        if "loss" not in logs:
-            return
-        metrics = {
-            metric_name(key): value
-            for key, value in logs.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-        }
-        covered = [step for step in self.trainer_figures if step <= state.global_step]
-        for name in {name for step in covered for name in self.trainer_figures[step]}:
-            values = [self.trainer_figures[step][name] for step in covered if name in self.trainer_figures[step]]
-            metrics[name] = sum(values) / len(values)
-        for step in covered:
-            del self.trainer_figures[step]
-        self.logger.log(metrics, step=state.global_step)
-        for name, value in metrics.items():
-            self.series.setdefault(name, []).append(value)
-        if args.process_index == 0 and (state.global_step % self.every == 0 or state.global_step == self.total_steps):
-            shown = [("reward", "rollout/reward_mean"), ("oracle", "rollout/oracle_mean"), ("loss", "train/loss")]
-            log.info(
-                "Step %d/%d: %s",
-                state.global_step,
-                self.total_steps,
-                ", ".join(f"{label} {metrics[key]:.3f}" for label, key in shown if key in metrics),
-            )
+def make_replay(cfg: DictConfig, tokenizer, *, group_size: int) -> GroupReplay | None:
+    """``rollout.replay``: the stored groups that train in tied groups' places, filled first from
+    ``rollout.replay.load_from`` (another run's rollouts, checked in ``validate``)."""
+    node = cfg.rollout.replay
+    if not node.enabled:
+        return None
+    replay = GroupReplay(capacity=node.capacity, alpha=node.alpha, seed=cfg.seed)
+    if node.load_from is not None:
+        rows = load_replay_source(cfg, group_size=group_size)
+        kept = replay.load_rows(rows, group_size=group_size, pad_token_id=tokenizer.pad_token_id)
+        log.info("rollout.replay: %d groups loaded from %s (%d rows)", kept, node.load_from, rows.shape[0])
+    return replay
 
 
 # ---------------------------------------------------------------------------------------------------- recipe
 
 
 def train(cfg: DictConfig) -> dict:
-    """Runs trl's GRPO with TorchRL rollouts end to end; returns the summary written to ``summary.json``."""
+    """Runs (or resumes) trl's GRPO with TorchRL rollouts end to end; returns the summary written to
+    ``summary.json``."""
     start = time.perf_counter()
-    cfg = validate(cfg)
+    cfg = validate(cfg)  # resolved; a resumed run's own settings restored
+    finished = finished_run_summary(cfg)
+    if finished is not None:
+        log.info(
+            "The run in %s already finished its %d steps: nothing to resume (raise train.max_steps to train further).",
+            cfg.output_dir,
+            finished["train/steps"],
+        )
+        return finished
     seed_everything(cfg.seed)
     args = make_grpo_config(cfg)  # trl sets up the processes (under a launcher) first; start_run joins them
-    run = start_run(cfg, resume=cfg.resume)
+    resume_from = latest_trl_checkpoint(args.output_dir) if cfg.resume else None
+    before_config = functools.partial(record_resume_start, cfg) if cfg.resume else None
+    run = start_run(cfg, resume=cfg.resume, before_config=before_config)
     with run:
         args.output_dir = run.broadcast(args.output_dir)
         tokenizer = load_tokenizer(cfg.model, padding_side="left")
         model = load_causal_lm(cfg.model, device=args.device, dtype=cfg.dtype)
         table = PromptTable(load_prompt_rows(cfg.data, "train"), tokenizer=tokenizer, system_prompt=cfg.system_prompt)
         reward_funcs, reward_classes = make_reward_funcs(cfg, device=args.device)
-        # The library's default sampler: a CausalLMSampler around the model trl trains, at train:'s sampling settings.
-        rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer)
+        rollout_func = make_rollout_func(cfg, tokenizer)
         oracle = hydra.utils.instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
         trainer = make_trainer(
             model,
@@ -226,6 +179,7 @@ def train(cfg: DictConfig) -> dict:
             reward_funcs=reward_funcs,
             reward_classes=reward_classes,
             rollout_func=rollout_func,
+            replay=make_replay(cfg, tokenizer, group_size=args.num_generations),
             peft_config=make_lora_config(cfg.model.lora, task_type="CAUSAL_LM") if cfg.model.lora else None,
         )
         store = make_rollout_store(cfg, run, table, rollout_func, trainer)
@@ -239,15 +193,16 @@ def train(cfg: DictConfig) -> dict:
         trainer.add_callback(metrics)  # every process: it gathers each batch's figures (logged by the main one)
         log_run_plan(cfg, args, trainer, run)
         train_start = time.perf_counter()
-        trainer.train(resume_from_checkpoint=latest_trl_checkpoint(args.output_dir) if cfg.resume else None)
+        trainer.train(resume_from_checkpoint=resume_from)
         train_s = time.perf_counter() - train_start
         local_tokens = torch.tensor([store.tokens], device=trainer.accelerator.device)
-        generated_tokens = int(trainer.accelerator.gather(local_tokens).sum())
+        tokens = int(trainer.accelerator.gather(local_tokens).sum())
         if guard.reason is not None:
             raise RunStopped(
                 f"Training stopped at {guard.reason}: a model trained on would be garbage, so none is saved. Lower "
                 f"train.learning_rate (now {args.learning_rate}), then run again."
             )
+        run.processes.wait_for_everyone()  # every process's rollouts written before the store is counted
         summary = None
         if run.is_main:
             write_folder_atomically(
@@ -256,18 +211,18 @@ def train(cfg: DictConfig) -> dict:
             (run.output_dir / "trainer_log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
             summary = summarize(
                 trainer,
-                store,
-                metrics.series,
-                generated_tokens,
+                stored_totals(run.output_dir / ROLLOUTS_DIR),
+                steps_trained=trainer.state.global_step - (checkpoint_step(resume_from) if resume_from else 0),
+                tokens=tokens,
                 train_s=train_s,
-                wall_time_s=time.perf_counter() - start,
+                wall_s=time.perf_counter() - start,
             )
         summary = run.broadcast(summary)
         return run.finish(summary, closing_message(summary, run.output_dir))
 
 
 def make_trainer(
-    model, tokenizer, args, train_dataset, *, reward_funcs, reward_classes, rollout_func, peft_config=None
+    model, tokenizer, args, train_dataset, *, reward_funcs, reward_classes, rollout_func, replay=None, peft_config=None
 ):
     """trl's ``GRPOTrainer`` sampling through ``rollout_func``, each scored batch written to the rollout function's
     buffer (``interop.TorchRLGRPOTrainer``).
@@ -286,6 +241,7 @@ def make_trainer(
         processing_class=tokenizer,
         reward_processing_classes=reward_classes,
         rollout_func=rollout_func,
+        replay=replay,
         peft_config=peft_config,
     )
 
@@ -309,57 +265,14 @@ def log_run_plan(cfg: DictConfig, args, trainer, run) -> None:
         )
 
 
-def summarize(
-    trainer,
-    store: RolloutStore,
-    series: dict[str, list[float]],
-    generated_tokens: int,
-    *,
-    train_s: float,
-    wall_time_s: float,
-) -> dict:
-    """First and last of every logged rollout figure and of the loss, the rollouts stored (this process's), the
-    completion tokens generated (every process's) and the times."""
-    summary = {}
-    for name, values in sorted(series.items()):
-        if name.startswith("rollout/") or name in ("train/loss", "train/kl_to_ref", "train/entropy"):
-            summary[f"{name}_first"], summary[f"{name}_last"] = values[0], values[-1]
-    summary.update(
-        {
-            "train/steps": trainer.state.global_step,
-            "rollouts/rows": store.rows,
-            "rollouts/rows_dropped": store.dropped,
-            "rollout/generated_tokens": generated_tokens,
-            "perf/train_s": train_s,
-            "perf/steps_per_s": trainer.state.global_step / train_s if train_s else math.nan,
-            "perf/tokens_per_s": generated_tokens / train_s if train_s else math.nan,
-            "perf/wall_time_s": wall_time_s,
-            **peak_device_memory(trainer.args.device),
-        }
-    )
-    return summary
-
-
-def closing_message(summary: dict, output_dir: Path) -> str:
-    oracle = (
-        f", oracle {summary['rollout/oracle_mean_first']:.3f} -> {summary['rollout/oracle_mean_last']:.3f}"
-        if "rollout/oracle_mean_last" in summary
-        else ""
-    )
-    first, last = summary.get("rollout/reward_mean_first", math.nan), summary.get("rollout/reward_mean_last", math.nan)
-    return (
-        f"trl GRPO with TorchRL rollouts: {summary['train/steps']} steps, reward {first:.3f} -> {last:.3f}{oracle}; "
-        f"model in {output_dir / 'model'}, {summary['rollouts/rows']} rollouts in {output_dir / ROLLOUTS_DIR} "
-        "(recipes.trl_grpo.rollout_store.load_rollouts reads them)."
-    )
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="trl_grpo_torchrl_rollouts")
 def main(cfg: DictConfig) -> float:
     summary = run_recipe(train, cfg, last_checkpoint=lambda cfg: latest_trl_checkpoint(str(cfg.train.output_dir)))
     if PartialState().is_main_process and "train/steps" in summary:  # a failed sweep job says so in its log instead
         print(json.dumps(summary, indent=2))
-    return summary[cfg.metric]
+    # A resumed run reports the metric its own config names (its resolved_config.yaml), not the YAML default's.
+    metric = resumed_config(cfg).metric if cfg.resume else cfg.metric
+    return summary.get(metric, float("nan"))
 
 
 if __name__ == "__main__":

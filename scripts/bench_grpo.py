@@ -274,23 +274,32 @@ class _Clock:
                 self.on_phase("other")
 
 
-def run_trl(cfg, *, output_dir: str, threads: int, on_phase=None, torchrl_rollouts: bool = False) -> Run:
+def run_trl(
+    cfg, *, output_dir: str, threads: int, on_phase=None, torchrl_rollouts: bool | str = False, stream: bool = False
+) -> Run:
     """trl's ``GRPOTrainer`` on ``cfg``'s job, timed by phase. ``torchrl_rollouts``: its completions come from the
-    recipes' TorchRL sampler through ``interop.TorchRLRolloutFunc`` (trl's ``rollout_func``), sampling with the
-    model trl trains and ``rollout.generation``'s settings; everything else is trl's, unchanged."""
+    library's TorchRL sampler through ``interop.TorchRLRolloutFunc`` (trl's ``rollout_func``), sampling with the
+    model trl trains at the ``GRPOConfig``'s settings (``True`` or ``"sync"``), or one generation batch ahead in a
+    child process (``"async"``, under ``interop.TorchRLGRPOTrainer``); everything else is trl's, unchanged.
+    ``stream``: the prompts come from a TorchRL buffer as a stream trl does not shuffle (what the async mode reads
+    ahead), the same order for every side that takes it."""
     import datasets
     import torch
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
+    from interop.trl_grpo import TorchRLGRPOTrainer
     from recipes.common.data import load_prompts
     from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 
     clock = _Clock()
     clock.on_phase = on_phase
 
-    class TimedGRPOTrainer(GRPOTrainer):
-        """Counts the generated tokens and times each phase; trains exactly as ``GRPOTrainer``."""
+    mode = {True: "sync", False: None}.get(torchrl_rollouts, torchrl_rollouts)
+    base = TorchRLGRPOTrainer if mode == "async" else GRPOTrainer
+
+    class TimedGRPOTrainer(base):
+        """Counts the generated tokens and times each phase; trains exactly as its base trainer."""
 
         generated_tokens = 0
         generated_responses = 0
@@ -336,19 +345,28 @@ def run_trl(cfg, *, output_dir: str, threads: int, on_phase=None, torchrl_rollou
         cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=reward_tokenizer.pad_token_id
     ).eval()
     rollout_func = None
-    if torchrl_rollouts:
+    if mode is not None:
         from interop import TorchRLRolloutFunc
-        from interop.sampling import CausalLMSampler, SamplingSettings
 
-        settings = SamplingSettings.from_mapping(cfg.rollout.generation)
-        rollout_func = TorchRLRolloutFunc(CausalLMSampler(policy, tokenizer, settings=settings), tokenizer)
+        # The library's default: a CausalLMSampler around the trained model at the GRPOConfig's settings.
+        rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer, mode=mode, seed=cfg.seed)
+    args = make_trl_config(cfg, output_dir=output_dir)
+    if stream:
+        from recipes.common.prompts import PromptTable, make_prompt_stream
+
+        table = PromptTable(prompts, tokenizer=tokenizer)
+        per_draw = cfg.rollout.responses_per_step // cfg.rollout.group_size
+        train_dataset = make_prompt_stream(table, batch_size=per_draw, seed=cfg.seed)
+        args.shuffle_dataset = False  # the TorchRL buffer's sampler shuffles; the async mode reads the order ahead
+    else:
+        train_dataset = datasets.Dataset.from_dict({"prompt": prompts})
     torch.manual_seed(cfg.seed)
     step_clock = StepClock()
     trainer = TimedGRPOTrainer(
         model=policy,
         reward_funcs=reward_model,
-        args=make_trl_config(cfg, output_dir=output_dir),
-        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        args=args,
+        train_dataset=train_dataset,
         processing_class=tokenizer,
         reward_processing_classes=reward_tokenizer,
         callbacks=[step_clock],
@@ -469,7 +487,7 @@ def _config_for(args, side: str, run_index: int, scratch: Path):
     overrides.append(f"train.mini_batch_size={per_step // args.updates_per_step}")
     if not args.natural_length:
         # Every response max_new_tokens long on every side: the same work, whatever the runs learn.
-        overrides.append(f"+rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}")
+        overrides.append(f"rollout.generation.min_new_tokens={cfg.rollout.generation.max_new_tokens}")
     return compose_config(overrides)
 
 

@@ -29,12 +29,16 @@ What it prints, per device (one process):
   per chunk beyond a size.
 - generation: the KV cache of all ``rollout.responses_per_step`` sequences sampled in one decoding loop; reference
   scoring: one layer's activations of the whole batch (``rollout.log_prob_micro_batch_size``) without gradients.
+- eval generation (``eval.every_n_steps`` set): the KV cache of one of the evaluation's decoding loops,
+  ``eval.group_size`` answers to each of ``rollout.responses_per_step / eval.group_size`` eval prompts (fewer where a
+  process has fewer), of (the longest eval prompt + ``eval.generation.max_new_tokens``) tokens: larger than the
+  rollout's with a large ``eval.group_size``, longer eval prompts or answers.
 - optimizer step temporaries: AdamW's foreach step (torch's default on CUDA) allocates one gradient-sized temporary,
   its per-parameter step (the default on CPU, ``device=cpu``) two of the largest parameter.
 - peak: what stays allocated (parameters, optimizer state, reference and reward models) plus the largest phase:
   the update's backward (its activations, or every gradient + the first layer's activations, whichever is larger;
-  + autocast copies and fsdp's gathered units), its optimizer step (gradients + temporaries), generation or
-  reference scoring (each + fsdp's gathered units).
+  + autocast copies and fsdp's gathered units), its optimizer step (gradients + temporaries), generation, eval
+  generation or reference scoring (each + fsdp's gathered units).
 
 Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients, optimizer state, the reference and the
 reward model are divided by N, and the policy's gathered units added; under ddp (the default when the key is absent)
@@ -192,6 +196,24 @@ def prompt_tokens_of(cfg) -> int:
     return max(table.rendered_lengths())
 
 
+def eval_prompts_of(cfg, *, processes: int, prompt_tokens: int | None = None) -> dict | None:
+    """What one process's evaluation samples from (``None`` with ``eval.every_n_steps`` null): how many eval prompts
+    it answers (the evaluator deals ``eval.num_prompts`` of them out evenly) and the longest, rendered with the
+    policy's chat template (``prompt_tokens`` when given)."""
+    from recipes.common.data import load_prompts
+    from recipes.common.models import load_tokenizer
+    from recipes.common.prompts import PromptTable
+
+    if cfg.eval.every_n_steps is None:
+        return None
+    prompts = load_prompts(cfg.data, "eval")
+    count = len(prompts) if cfg.eval.num_prompts is None else min(int(cfg.eval.num_prompts), len(prompts))
+    if prompt_tokens is None:
+        table = PromptTable(prompts, tokenizer=load_tokenizer(cfg.model, padding_side="left"))
+        prompt_tokens = max(table.rendered_lengths())
+    return {"per_process": max(1, count // processes), "prompt_tokens": prompt_tokens}
+
+
 def _shape(config) -> dict:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = text.hidden_size
@@ -250,10 +272,18 @@ def update_activation_bytes(
 
 
 def estimate(
-    cfg, *, processes: int, prompt_tokens: int, responses_per_step: int | None = None, new_tokens=None
+    cfg,
+    *,
+    processes: int,
+    prompt_tokens: int,
+    eval_prompts: dict | None = None,
+    responses_per_step: int | None = None,
+    new_tokens=None,
 ) -> dict:
-    """Every figure of the module docstring, in bytes, for one process (``cfg``: validated, :func:`compose_config`)."""
+    """Every figure of the module docstring, in bytes, for one process (``cfg``: validated, :func:`compose_config`;
+    ``eval_prompts``: :func:`eval_prompts_of`, ``None`` for no evaluation)."""
     from recipes.common.models import resolve_dtype
+    from recipes.grpo.evaluation import eval_generation
 
     dtype = resolve_dtype(cfg.dtype)
     shards = processes if cfg.distributed.strategy == "fsdp" else 1
@@ -297,6 +327,14 @@ def estimate(
     figures["activations_last_layer"] = activations["last_layer"]
     weight_element = dtype.itemsize
     figures["generation_kv_cache"] = 2 * shape["layers"] * shape["kv"] * responses_per_step * length * weight_element
+    eval_sequences = eval_length = 0
+    if eval_prompts is not None:  # one decoding loop of recipes.grpo.evaluation.Evaluator
+        group = int(cfg.eval.group_size)
+        eval_sequences = min(max(1, responses_per_step // group), eval_prompts["per_process"]) * group
+        eval_length = eval_prompts["prompt_tokens"] + int(eval_generation(cfg)["max_new_tokens"])
+    figures["eval_generation_kv_cache"] = (
+        2 * shape["layers"] * shape["kv"] * eval_sequences * eval_length * weight_element
+    )
     scored = cfg.rollout.log_prob_micro_batch_size or responses_per_step
     one_layer = scored * length * (2 * shape["hidden"] + 2 * shape["kv"] + 2 * shape["mlp"]) * weight_element
     figures["reference_scoring"] = one_layer + min(scored * new_tokens * shape["vocab"], CHUNK_ELEMENTS) * 4 * 2
@@ -312,8 +350,9 @@ def estimate(
     # Units are gathered while a model runs: the policy's as it generates, the reference's (the same shapes) as it
     # scores; the update's backward counts its own.
     gathered = figures["fsdp_gathered_weights"]
+    sampling = max(figures["generation_kv_cache"], figures["eval_generation_kv_cache"])
     figures["peak"] = persistent + max(
-        figures["update_phase"], gathered + figures["generation_kv_cache"], gathered + figures["reference_scoring"]
+        figures["update_phase"], gathered + sampling, gathered + figures["reference_scoring"]
     )
     figures["setting"] = {
         "strategy": cfg.distributed.strategy,
@@ -327,6 +366,8 @@ def estimate(
         "mini_batch_size": mini_batch,
         "prompt_tokens": prompt_tokens,
         "max_new_tokens": new_tokens,
+        "eval_sequences": eval_sequences,
+        "eval_tokens": eval_length,
         "trainable_parameters": trainable_count,
     }
     return figures
@@ -347,9 +388,12 @@ def update_phase(figures: dict, *, checkpointing: bool) -> float:
     return max(backward, figures["gradients"] + figures["optimizer_step_temporaries"])
 
 
-def largest_fitting(cfg, *, processes: int, prompt_tokens: int, device_memory: int) -> list[dict]:
+def largest_fitting(
+    cfg, *, processes: int, prompt_tokens: int, device_memory: int, eval_prompts: dict | None = None
+) -> list[dict]:
     """For the configured response length and 2x, 4x, 8x of it: the most responses per step (a multiple of the group
-    size) whose estimated peak fits ``device_memory``; 0 when not even one group fits."""
+    size) whose estimated peak fits ``device_memory``; 0 when not even one group fits. The evaluation's answers keep
+    their configured length."""
     group = cfg.rollout.group_size
     rows = []
     for factor in (1, 2, 4, 8):
@@ -360,6 +404,7 @@ def largest_fitting(cfg, *, processes: int, prompt_tokens: int, device_memory: i
                 cfg,
                 processes=processes,
                 prompt_tokens=prompt_tokens,
+                eval_prompts=eval_prompts,
                 responses_per_step=groups * group,
                 new_tokens=new_tokens,
             )
@@ -482,7 +527,12 @@ def report(figures: dict, fitting: list[dict] | None, device_memory: int | None)
         f"dtype={setting['dtype']}, mixed_precision={setting['mixed_precision']}, "
         f"{'LoRA' if setting['lora'] else 'full fine-tuning'}: {setting['trainable_parameters']:,} trainable "
         f"parameters; {setting['responses_per_step']} responses per step in mini-batches of "
-        f"{setting['mini_batch_size']}, {setting['prompt_tokens']} prompt + {setting['max_new_tokens']} new tokens)",
+        f"{setting['mini_batch_size']}, {setting['prompt_tokens']} prompt + {setting['max_new_tokens']} new tokens"
+        + (
+            f"; eval: {setting['eval_sequences']} answers of up to {setting['eval_tokens']} tokens at once)"
+            if setting["eval_sequences"]
+            else ")"
+        ),
     ]
     names = [
         ("parameters", "parameters"),
@@ -495,6 +545,7 @@ def report(figures: dict, fitting: list[dict] | None, device_memory: int | None)
         ("activations_without_checkpointing", "update activations, no checkpointing"),
         ("activations_with_checkpointing", "update activations, gradient checkpointing"),
         ("generation_kv_cache", "generation KV cache"),
+        ("eval_generation_kv_cache", "eval generation KV cache"),
         ("reference_scoring", "reference scoring (no grad)"),
         ("optimizer_step_temporaries", "optimizer step temporaries"),
         ("update_phase", "update (backward or optimizer step)"),
@@ -529,7 +580,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--device-memory", type=parse_size, default=None, help="e.g. 80GiB: what fits in it")
     parser.add_argument(
-        "--prompt-tokens", type=int, default=None, help="prompt width; default: the longest rendered training prompt"
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt width (training and eval); default: the longest rendered training (eval) prompt",
     )
     parser.add_argument(
         "--measure", action="store_true", help="also run one update on the config's device and measure it"
@@ -552,11 +606,16 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as error:
         raise SystemExit(f"estimate_memory: the recipe refuses this config: {error}") from None
     prompt_tokens = args.prompt_tokens or prompt_tokens_of(cfg)
-    figures = estimate(cfg, processes=args.processes, prompt_tokens=prompt_tokens)
+    eval_prompts = eval_prompts_of(cfg, processes=args.processes, prompt_tokens=args.prompt_tokens)
+    figures = estimate(cfg, processes=args.processes, prompt_tokens=prompt_tokens, eval_prompts=eval_prompts)
     fitting = None
     if args.device_memory is not None:
         fitting = largest_fitting(
-            cfg, processes=args.processes, prompt_tokens=prompt_tokens, device_memory=args.device_memory
+            cfg,
+            processes=args.processes,
+            prompt_tokens=prompt_tokens,
+            device_memory=args.device_memory,
+            eval_prompts=eval_prompts,
         )
         figures["fitting"] = fitting
     main_process = True

@@ -28,3 +28,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     row, step 0, has no training figures)."""
     with open(run_dir / "metrics.csv", newline="") as handle:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(handle)]
+
+
+# A trl-rollouts run: 3 steps of 8 completions (2 prompts x 4) of at most 8 tokens, 16 prompts.
+TRL_SMALL = [
+    "train.max_steps=3",
+    "train.per_device_train_batch_size=8",
+    "train.num_generations=4",
+    "train.max_completion_length=8",
+    "data.num_train_prompts=16",
+    "rollout.prompts_per_draw=8",
+]

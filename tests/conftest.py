@@ -18,6 +18,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 
 
+def pytest_configure(config):
+    # One torch thread per test worker when the suite runs on every core (pytest-xdist): two workers with a thread per
+    # core each would thrash (2-thread ops on 2 busy cores ran 2-40x slower).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

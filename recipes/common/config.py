@@ -1,4 +1,5 @@
-"""Hydra glue shared by the recipes: the ``${project_root:...}`` resolver and config checks that run before any load."""
+"""Hydra glue shared by the recipes: the ``${project_root:...}``, ``${if_set:...}`` and ``${trl_default:...}``
+resolvers, and config checks that run before any load."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ __all__ = [
     "resolved",
     "run_config",
     "tensordict_key",
+    "trl_default",
     "write_run_config",
 ]
 
@@ -65,9 +67,34 @@ def tensordict_key(node) -> str | tuple[str, ...]:
     return tuple(str(part) for part in node) if isinstance(node, (list, tuple, ListConfig)) else str(node)
 
 
+def trl_default(name: str):
+    """The default of ``trl.GRPOConfig``'s field ``name``, as the installed trl declares it (an enum as its value):
+    what ``${trl_default:<field>}`` reads, so that a preset of trl's defaults (``conf/experiment/trl_defaults.yaml``)
+    follows trl rather than a copy of it. trl is imported on first use.
+
+    Examples:
+        >>> trl_default("loss_type"), trl_default("epsilon_high")
+        ('dapo', None)
+    """
+    import dataclasses
+    import enum
+
+    from trl import GRPOConfig
+
+    fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
+    if name not in fields:
+        raise ConfigError(
+            f"${{trl_default:{name}}}: trl.GRPOConfig (trl {__import__('trl').__version__}) has no field {name!r}; "
+            "name one of its fields (trl's documentation lists them)."
+        )
+    field = fields[name]
+    value = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def register_resolvers() -> None:
-    """Registers ``${project_root:relative/path}``, so the tiny kit resolves wherever the repository is cloned, and
-    ``${if_set:value,then,otherwise}``."""
+    """Registers ``${project_root:relative/path}``, so the tiny kit resolves wherever the repository is cloned,
+    ``${if_set:value,then,otherwise}`` and ``${trl_default:field}`` (:func:`trl_default`)."""
     if not OmegaConf.has_resolver("project_root"):
         OmegaConf.register_new_resolver("project_root", lambda relative="": str(PROJECT_ROOT / relative))
     if not OmegaConf.has_resolver("if_set"):
@@ -75,6 +102,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver(
             "if_set", lambda value, then, otherwise: then if value is not None else otherwise
         )
+    if not OmegaConf.has_resolver("trl_default"):
+        OmegaConf.register_new_resolver("trl_default", trl_default)
 
 
 def _offline() -> bool:

@@ -205,13 +205,13 @@ def _load_hf(data: DictConfig, split: str):
     return loaded[split_name]
 
 
-def _require_columns(table, required: list[str], *, data: DictConfig, what: str) -> None:
+def _require_columns(table, required: list[str], *, data: DictConfig, split: str, what: str) -> None:
     missing = [c for c in required if c not in table.column_names]
     if missing:
         raise ConfigError(
-            f"The {what} data ({data.source}: {data.get('path') or data.get('name_or_path')}) lacks column(s) "
-            f"{missing}. Found columns: {table.column_names}; expected: {required}. Rename the columns in the file "
-            f"or point the data.*_column keys at the ones you have."
+            f"The {what} data ({_source(data, split)}, split {split}) lacks column(s) {missing}. Found columns: "
+            f"{table.column_names}; expected: {required}. Rename the columns in the file or point the data.*_column "
+            "keys at the ones you have."
         )
 
 
@@ -245,8 +245,11 @@ def _shown(value, width: int = 60) -> str:
 
 
 def _source(data: DictConfig, split: str) -> str:
+    """Where ``split``'s rows come from, for messages: the split's own file (``data.eval_path`` for "eval")."""
     if data.source == "file":
         return f"file: {data.path if split == 'train' else data.eval_path}"
+    if data.source == "hf":
+        return f"hf: {data.name_or_path}[{data.split if split == 'train' else data.eval_split}]"
     return f"{data.source}: {data.get('name_or_path')}"
 
 
@@ -296,7 +299,7 @@ def load_prompt_rows(data: DictConfig, split: str) -> PromptRows:
     table = load_table(data, split, columns=[data.prompt_column])
     if table is None:
         return PromptRows([])
-    _require_columns(table, [data.prompt_column], data=data, what="prompt")
+    _require_columns(table, [data.prompt_column], data=data, split=split, what="prompt")
     prompts = []
     for row, prompt in enumerate(table[data.prompt_column]):
         try:
@@ -340,7 +343,7 @@ def load_preference_pairs(data: DictConfig, split: str) -> list[dict]:
     table = load_table(data, split, columns=[data.prompt_column, *columns])
     if table is None:
         return []
-    _require_columns(table, columns, data=data, what="preference")
+    _require_columns(table, columns, data=data, split=split, what="preference")
     for key in ("chosen_column", "rejected_column"):
         _refuse_nulls(table, data=data, key=key, split=split)
     has_prompt = data.prompt_column in table.column_names

@@ -10,6 +10,7 @@ LoRA run saves): the base it names is loaded, the adapter applied and merged in.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from recipes.common.config import ConfigError, check_local_path, first_items
 # `--help` and config validation (what a mistyped setting waits on) need not spend.
 
 __all__ = [
+    "tokenizer_fingerprint",
     "check_pad_token",
     "check_tokenizer_fits_model",
     "load_causal_lm",
@@ -441,3 +443,17 @@ def _from_pretrained(auto_class, node: DictConfig, *, key: str, **options):
         )
     except SafetensorError as error:  # tensor data a header check cannot see, or a hub download
         raise ConfigError(_corrupted_weights(key=key, name_or_path=str(node.name_or_path), error=error)) from None
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """What decides the token ids a tokenizer gives, cheaply: sizes, special ids, and one hash of its vocabulary
+    and chat template. A reloaded buffer's stored ids are reused only for a tokenizer with the same fingerprint."""
+    digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    return {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "vocab_and_chat_template_sha256": digest.hexdigest(),
+    }

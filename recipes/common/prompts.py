@@ -5,6 +5,8 @@
 - :func:`make_prompt_stream`: the prompts and their columns in a TorchRL ``ReplayBuffer``, drawn without replacement,
   as the Hugging Face ``IterableDataset`` trl's trainers read (``interop.TorchRLBufferDataset``).
 - :func:`non_tensor_rows`: one Python object per row (a string, a conversation) as a ``NonTensorStack``.
+- :func:`check_prompts_fit_policy`: refuses prompts that, with the tokens to generate, pass the policy's positions
+  (read from its config, before any weights load).
 
 Dependencies: torch, tensordict, torchrl, the project's ``interop`` package, and the ``transformers`` tokenizer the
 caller passes in.
@@ -20,9 +22,10 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
 
 from interop import TorchRLBufferDataset
+from recipes.common.config import ConfigError, first_items
 from recipes.common.data import PromptRows
 
-__all__ = ["PromptTable", "make_prompt_stream", "non_tensor_rows"]
+__all__ = ["PromptTable", "check_prompts_fit_policy", "make_prompt_stream", "non_tensor_rows"]
 
 
 def non_tensor_rows(values: Sequence) -> NonTensorStack:
@@ -114,3 +117,38 @@ def make_prompt_stream(table: PromptTable, *, batch_size: int, seed: int):
     )
     buffer.extend(rows)
     return TorchRLBufferDataset(buffer, batch_size=batch_size, keys=list(columns), num_batches=None).as_hf_dataset()
+
+
+def check_prompts_fit_policy(lengths, model_node, *, max_new_tokens: int, max_new_tokens_key: str) -> None:
+    """Refuses prompts the policy cannot read whole with the tokens it will generate after them: a rendered prompt
+    (``lengths``: each prompt's tokens, :meth:`PromptTable.rendered_lengths`) plus ``max_new_tokens`` past the
+    model's ``max_position_embeddings``. Reads the model's config only (no weights); a model without that setting
+    passes.
+
+    Args:
+        lengths: every prompt's length in tokens, rendered with the policy's chat template.
+        model_node: the policy's ``model`` node (``name_or_path``, ``trust_remote_code``).
+
+    Keyword Args:
+        max_new_tokens: the most tokens a completion may take.
+        max_new_tokens_key: the setting that says so, for the message.
+
+    Raises:
+        ConfigError: naming the rows, the longest prompt, the positions and the fixes.
+    """
+    from transformers import AutoConfig
+
+    lengths = torch.as_tensor(lengths)
+    config = AutoConfig.from_pretrained(str(model_node.name_or_path), trust_remote_code=model_node.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is None:
+        return
+    rows = (lengths + max_new_tokens > positions).nonzero().flatten().tolist()
+    if rows:
+        raise ConfigError(
+            f"{len(rows)} of {len(lengths)} prompts (rows {first_items(rows)}) are too long for the policy: "
+            f"rendered with its chat template they take up to {int(lengths.max())} tokens, and with "
+            f"{max_new_tokens_key}={max_new_tokens} the sequence passes the "
+            f"{positions} positions of model.name_or_path={str(model_node.name_or_path)!r} "
+            f"(max_position_embeddings). Shorten or drop those prompts, or lower {max_new_tokens_key}."
+        )

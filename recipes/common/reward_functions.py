@@ -9,7 +9,10 @@ keyword arguments are every other column of the data row each prompt came from (
 
 - :func:`resolve_function`: the callable a config node names; :func:`check_reward_functions`: every function
   importable, callable, able to take what trl passes with this data's columns, its weight finite, before any model
-  loads.
+  loads; :func:`checked_rewards`: what a function returned, one finite value (or ``None``) per completion.
+- :class:`RewardLogs`: what the functions hand trl's ``log_metric`` (scalars, averaged per step as trl averages
+  them) and ``log_extra`` (a column of values, one per completion, for the completions table), kept per batch until
+  whoever reports the batch takes them (:meth:`RewardLogs.pop`).
 - :class:`RewardFunction`: a TensorDict module over a ``PromptEnv`` step that decodes the responses as trl does,
   looks up each row's prompt and columns, calls the function once for the whole batch, and writes one reward per
   response, NaN where it returned ``None`` (trl's "not applicable"). The recipes render every prompt with the
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import logging
 import math
 import os
 import sys
@@ -39,12 +41,18 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from transformers import TrainerState
 
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, RunStopped
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
 
-__all__ = ["RewardFunction", "check_reward_functions", "function_name", "resolve_function"]
+__all__ = [
+    "RewardFunction",
+    "RewardLogs",
+    "check_reward_functions",
+    "checked_rewards",
+    "function_name",
+    "resolve_function",
+]
 
-log = logging.getLogger(__name__)
 
 # trl's accuracy reward parses LaTeX with math-verify, an optional extra here.
 _NEEDS_MATH_VERIFY = ("trl.rewards.accuracy_reward", "trl.rewards.accuracy_rewards.accuracy_reward")
@@ -150,6 +158,51 @@ def check_reward_functions(cfg: DictConfig, columns: Sequence[str]) -> None:
             )
 
 
+class RewardLogs:
+    """What reward functions log through trl's callbacks while a batch is scored, until it is reported.
+
+    ``log_metric(name, value)``: a scalar; trl averages every value logged during a step and reports it as ``name``
+    beside its own metrics. ``log_extra(column, values)``: one value per completion of the batch; trl adds the column
+    to its completions table. Several functions share one :class:`RewardLogs` (a scorer's), and the owner of the
+    batch takes them once it is scored (:meth:`pop`).
+
+    Examples:
+        >>> logs = RewardLogs()
+        >>> logs.metric("format/ratio", 0.5, function="format"); logs.metric("format/ratio", 1.0, function="format")
+        >>> logs.column("parsed", ["3", None], function="format", count=2)
+        >>> logs.pop()
+        ({'format/ratio': [0.5, 1.0]}, {'parsed': ['3', None]})
+        >>> logs.pop()
+        ({}, {})
+    """
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list] = {}
+        self.owners: dict[str, str] = {}  # metric or column name -> the function that logged it (for messages)
+
+    def metric(self, name: str, value: float, *, function: str) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+        self.owners[str(name)] = function
+
+    def column(self, column: str, values: Sequence, *, function: str, count: int) -> None:
+        """``values`` of ``column``, one per completion (``count`` of them)."""
+        values = list(values)
+        if len(values) != count:
+            raise RuntimeError(
+                f"The reward function reward.functions.{function} logged {len(values)} values of the column "
+                f"{column!r} (log_extra) for {count} completions; log_extra takes one value per completion."
+            )
+        self.columns[str(column)] = values
+        self.owners[str(column)] = function
+
+    def pop(self) -> tuple[dict[str, list[float]], dict[str, list]]:
+        """``(metrics, columns)`` logged since the last call, which forgets them."""
+        logged = (self.metrics, self.columns)
+        self.metrics, self.columns = {}, {}
+        return logged
+
+
 class RewardFunction(TensorDictModuleBase):
     """A trl reward function over a ``PromptEnv`` step, called once for the whole batch as trl calls it.
 
@@ -161,19 +214,31 @@ class RewardFunction(TensorDictModuleBase):
         prompts: the env's ``PromptTable`` (the prompts as the data holds them, and their columns).
         tokenizer: the policy's tokenizer (responses are decoded without special tokens, as trl decodes them).
         trainer_state: the ``TrainerState`` handed to the function; its owner moves its step.
+        logs: where the function's ``log_metric`` / ``log_extra`` calls go (:class:`RewardLogs`, shared by the
+            functions of one scorer, whose owner reports them); ``None``: kept here, in a :class:`RewardLogs` of its
+            own (``self.logs``).
 
     Writes ``"score"``: one float per response, NaN where the function returned ``None``.
     """
 
-    def __init__(self, function: Callable, *, name: str, prompts, tokenizer, trainer_state: TrainerState) -> None:
+    def __init__(
+        self,
+        function: Callable,
+        *,
+        name: str,
+        prompts,
+        tokenizer,
+        trainer_state: TrainerState,
+        logs: RewardLogs | None = None,
+    ) -> None:
         super().__init__()
         self.function = function
         self.name = name
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.trainer_state = trainer_state
-        self.logged_metrics: dict[str, list[float]] = {}
-        self.logged_columns: dict[str, list] = {}
+        self.logs = logs if logs is not None else RewardLogs()
+        self._extra: dict[str, list] = {}  # this call's log_extra columns, checked once the call returns
         self.in_keys = [RESPONSE_TOKENS, ATTENTION_MASK, PROMPT_INDEX]
         self.out_keys = ["score"]
 
@@ -201,15 +266,15 @@ class RewardFunction(TensorDictModuleBase):
         }
 
     def _log_extra(self, column: str, values: list) -> None:
-        self.logged_columns[column] = list(values)
+        self._extra[column] = list(values)
 
     def _log_metric(self, name: str, value: float) -> None:
-        self.logged_metrics.setdefault(name, []).append(float(value))
-        log.debug("reward function %s logged %s=%s", self.name, name, value)
+        self.logs.metric(name, value, function=self.name)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         kwargs = self.arguments(tensordict)
         count = len(kwargs["completions"])
+        self._extra = {}
         try:
             values = self.function(**kwargs)
         except Exception as error:
@@ -218,28 +283,11 @@ class RewardFunction(TensorDictModuleBase):
                 f"{self._first_failing_row(kwargs)}. Fix the function (or the data): a reward it cannot compute is "
                 "never counted as 0."
             ) from error
-        values = list(values) if values is not None else []
-        if len(values) != count:
-            raise RuntimeError(
-                f"The reward function reward.functions.{self.name} returned {len(values)} rewards for {count} "
-                "completions; a trl reward function returns one per completion (None where it does not apply)."
-            )
-        scores = []
-        for row, value in enumerate(values):
-            if value is None:
-                scores.append(math.nan)  # trl's "not applicable": left out of this source's mean and the sum
-                continue
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                number = math.nan
-            if not math.isfinite(number):
-                raise RuntimeError(
-                    f"The reward function reward.functions.{self.name} returned {value!r} for row {row} (prompt "
-                    f"{_shown(kwargs['prompts'][row])}, completion {_shown(kwargs['completions'][row])}): a reward "
-                    "must be a finite number, or None where the function does not apply."
-                )
-            scores.append(number)
+        for column, logged in self._extra.items():
+            self.logs.column(column, logged, function=self.name, count=count)
+        checked = checked_rewards(values, setting=f"reward.functions.{self.name}", arguments=kwargs)
+        # None is trl's "not applicable": NaN, left out of this source's mean and the sum.
+        scores = [math.nan if value is None else value for value in checked]
         shape = tensordict.batch_size
         tensordict.set("score", torch.tensor(scores, dtype=torch.float32).reshape(shape))
         return tensordict
@@ -258,6 +306,48 @@ class RewardFunction(TensorDictModuleBase):
                     f"{_shown(kwargs['completions'][row])})"
                 )
         return ""
+
+
+def checked_rewards(values, *, setting: str, arguments: dict) -> list[float | None]:
+    """What a trl reward function returned for the completions of ``arguments`` (the keywords it was called with),
+    checked: one value per completion, each ``None`` (not applicable) or a number that is finite in float32 (trl's
+    reward dtype: 1e39 would be infinite there). Returns the values as floats, ``None`` kept.
+
+    Raises:
+        RunStopped: naming ``setting``, the value, its row, prompt and completion (and the step, from trl's
+            ``trainer_state``): a reward that cannot be trusted is never trained on.
+    """
+    values = list(values) if values is not None else []
+    count = len(arguments["completions"])
+    if len(values) != count:
+        raise RunStopped(
+            f"The reward function {setting} returned {len(values)} rewards for {count} completions; a trl reward "
+            "function returns one per completion (None where it does not apply)."
+        )
+    checked = []
+    for row, value in enumerate(values):
+        if value is None:
+            checked.append(None)
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not (math.isfinite(number) and abs(number) <= _FLOAT32_MAX):
+            state = arguments.get("trainer_state")
+            step = f" at step {state.global_step + 1}" if state is not None else ""
+            raise RunStopped(
+                f"The reward function {setting} returned {value!r} for row {row}{step} (prompt "
+                f"{_shown(arguments['prompts'][row])}, completion {_shown(arguments['completions'][row])}): a reward "
+                f"must be a finite number (within +-{_FLOAT32_MAX:.2e}, float32's range), or None where the "
+                "function does not apply. Fix the function (scale or clip what it returns); nothing trained on "
+                "this reward is saved."
+            )
+        checked.append(number)
+    return checked
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _shown(value, width: int = 80) -> str:

@@ -5,7 +5,8 @@ and the rules between the keys of one node. :func:`check_config` walks a resolve
 naming the key and the fix:
 
 - a key the recipe does not read (a typo, or a ``+key=value`` Hydra added although nothing reads it), with the
-  nearest known keys: such a setting would otherwise be accepted and silently ignored;
+  nearest known keys, or, for a name another tool gives a setting (:class:`Aliases`: trl's ``beta``), the recipe's
+  key for it: such a setting would otherwise be accepted and silently ignored;
 - a key the recipe reads that the config lacks;
 - a value of the wrong type (``true`` where a number is read, a string where a list is), outside its range, or not
   one of its choices; and any float anywhere in the config, open mappings included, that is NaN or infinite (NaN
@@ -49,6 +50,7 @@ from recipes.common.lora import settle_lora_node
 
 __all__ = [
     "OPEN",
+    "Aliases",
     "DATA_SOURCES",
     "ArithmeticData",
     "DType",
@@ -129,6 +131,62 @@ OPEN = _Open()
 
 
 @dataclass(frozen=True)
+class Aliases:
+    """Another tool's names for a recipe's settings: a config key named as ``source`` names a setting (wherever it is
+    written: ``+loss.beta``, ``+beta``) is refused naming the recipe's own key for it, rather than the nearest
+    spelling (trl's ``beta`` is not the recipe's ``loss.delta``).
+
+    Args:
+        source: whose names they are, for the message (``"trl.GRPOConfig"``).
+        names: that name -> the recipe's key (or a few words naming the keys, where it is not one key).
+
+    Examples:
+        >>> @dataclass
+        ... class Loss:
+        ...     kl_to_ref_coeff: float
+        ...     delta: float
+        >>> check_config({"kl_to_ref_coeff": 0.0, "delta": 2.0, "beta": 0.1}, Loss, recipe="demo", key="loss",
+        ...              aliases=Aliases("trl.GRPOConfig", {"beta": "loss.kl_to_ref_coeff"}))
+        Traceback (most recent call last):
+        ...
+        recipes.common.config.ConfigError: loss.beta: ... is loss.kl_to_ref_coeff here: set loss.kl_to_ref_coeff=0.1...
+    """
+
+    source: str
+    names: Mapping[str, str]
+
+    def message(self, error: _UnknownKey) -> str | None:
+        """The refusal of ``error``'s key when its name is one of :attr:`names`, else ``None``."""
+        target = self.names.get(error.name)
+        if target is None:
+            return None
+        fix = f"set {target}={_shown_value(error.value)}" if re.fullmatch(r"[\w.]+", target) else f"use {target}"
+        # The node's own keys that spell the name out (loss.sapo.temperature_pos for temperature) stay suggested.
+        spelled = [nearest for nearest in error.nearest if error.name in nearest.rsplit(".", 1)[-1]]
+        suggestion = f"Did you mean {' or '.join(spelled)}? " if spelled else ""
+        return (
+            f"{error.key}: {error.recipe} has no such setting, so it would be ignored. {suggestion}{self.source}'s "
+            f"{error.name} is {target} here: {fix}. {error.known_settings}"
+        )
+
+
+class _UnknownKey(ConfigError):
+    """A key the schema does not have, with what :class:`Aliases` needs to name the recipe's own key for it."""
+
+    def __init__(self, message: str, *, key: str, value: Any, recipe: str, nearest: list[str], known_settings: str):
+        super().__init__(message)
+        self.key, self.value, self.recipe, self.known_settings = key, value, recipe, known_settings
+        self.nearest = nearest  # the node's keys nearest in spelling, in full
+        self.name = key.rsplit(".", 1)[-1]
+
+
+def _shown_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
+@dataclass(frozen=True)
 class Variant:
     """A node whose schema depends on the value of one of its keys: ``Variant("source", {"file": FileData, ...})``."""
 
@@ -136,7 +194,15 @@ class Variant:
     schemas: Mapping[str, type]
 
 
-def check_config(cfg, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}) -> None:
+def check_config(
+    cfg,
+    schema: type,
+    *,
+    recipe: str,
+    renamed: Mapping[str, str] = {},
+    aliases: Aliases | None = None,
+    key: str = "",
+) -> None:
     """Refuses a config that does not fit ``schema`` (see the module docstring), with one message naming the key.
 
     Args:
@@ -147,6 +213,8 @@ def check_config(cfg, schema: type, *, recipe: str, renamed: Mapping[str, str] =
     Keyword Args:
         recipe: the recipe's name, for the messages.
         renamed: keys of earlier versions of the recipe and what replaced them (named when a config still sets one).
+        aliases: another tool's names for the recipe's settings (:class:`Aliases`), named when a config uses one.
+        key: where ``cfg`` sits in the recipe's config, for the messages.
 
     Raises:
         ConfigError: the first key that does not fit.
@@ -164,11 +232,17 @@ def check_config(cfg, schema: type, *, recipe: str, renamed: Mapping[str, str] =
         ...
         recipes.common.config.ConfigError: clip_epsilon=nan: not a finite number. ...
     """
-    typed_config(cfg, schema, recipe=recipe, renamed=renamed)
+    typed_config(cfg, schema, recipe=recipe, renamed=renamed, aliases=aliases, key=key)
 
 
 def typed_config(
-    cfg, schema: type, *, recipe: str = "this recipe", renamed: Mapping[str, str] = {}, key: str = ""
+    cfg,
+    schema: type,
+    *,
+    recipe: str = "this recipe",
+    renamed: Mapping[str, str] = {},
+    aliases: Aliases | None = None,
+    key: str = "",
 ) -> Any:
     """``cfg`` checked against ``schema`` (:func:`check_config`) and built into its dataclasses: every node an
     instance of its schema class (a :class:`Variant` of the class its key picks), a ``float`` field a float, an
@@ -195,28 +269,34 @@ def typed_config(
     """
     values = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     _refuse_renamed(values, renamed, recipe)
-    _check(values, schema, key, recipe)
+    try:
+        _check(values, schema, key, recipe)
+    except _UnknownKey as error:
+        message = aliases.message(error) if aliases is not None else None
+        raise ConfigError(message or str(error)) from None
     return _build(values, schema, key)
 
 
 def checked_tree(
-    cfg: DictConfig, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}
+    cfg: DictConfig, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}, aliases: Aliases | None = None
 ) -> tuple[DictConfig, Any]:
     """The config a run trains with and its typed tree: ``cfg``'s settings resolved once
     (``recipes.common.config.resolved``), checked against ``schema`` (:func:`check_config`), LoRA on or off in its
     ``model`` and ``reward_model`` nodes as the command line says (``recipes.common.lora.settle_lora_node``), then
     built into ``schema``'s dataclasses (:func:`typed_config`)."""
     cfg = resolved(cfg)
-    check_config(cfg, schema, recipe=recipe, renamed=renamed)
+    check_config(cfg, schema, recipe=recipe, renamed=renamed, aliases=aliases)
     command_line = command_line_keys()
     for key in ("model", "reward_model"):
         settle_lora_node(cfg, key, command_line)
     return cfg, typed_config(cfg, schema, recipe=recipe)
 
 
-def checked_config(cfg: DictConfig, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}) -> DictConfig:
+def checked_config(
+    cfg: DictConfig, schema: type, *, recipe: str, renamed: Mapping[str, str] = {}, aliases: Aliases | None = None
+) -> DictConfig:
     """The resolved, checked config of :func:`checked_tree`, which the recipes read."""
-    return checked_tree(cfg, schema, recipe=recipe, renamed=renamed)[0]
+    return checked_tree(cfg, schema, recipe=recipe, renamed=renamed, aliases=aliases)[0]
 
 
 def _refuse_renamed(values: Any, renamed: Mapping[str, str], recipe: str) -> None:
@@ -259,7 +339,12 @@ def _check_node(value: Any, schema: type, key: str, recipe: str) -> None:
     known = _field_names(schema)
     for name in value:
         if name not in known:
-            raise ConfigError(_unknown_key_message(_join(key, str(name)), known, key, recipe))
+            full = _join(key, str(name))
+            nearest = [_join(key, n) for n in difflib.get_close_matches(str(name), known, n=3, cutoff=0.5)]
+            message, settings = _unknown_key_message(full, nearest, known, key, recipe)
+            raise _UnknownKey(
+                message, key=full, value=value[name], recipe=recipe, nearest=nearest, known_settings=settings
+            )
     for name in known:
         if name not in value:
             raise ConfigError(
@@ -429,15 +514,16 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _unknown_key_message(key: str, known: list[str], parent: str, recipe: str) -> str:
-    name = key.rsplit(".", 1)[-1]
-    nearest = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
-    suggestion = f"Did you mean {' or '.join(_join(parent, n) for n in nearest)}? " if nearest else ""
+def _unknown_key_message(key: str, nearest: list[str], known: list[str], parent: str, recipe: str) -> tuple[str, str]:
+    """The refusal of an unknown ``key``, with the ``nearest`` known keys; and its last sentence alone (the settings
+    there are), which :class:`Aliases` reuses."""
+    suggestion = f"Did you mean {' or '.join(nearest)}? " if nearest else ""
     where = f"under {parent}" if parent else "at the top level"
-    return (
-        f"{key}: {recipe} has no such setting, so it would be ignored. {suggestion}The settings {where} are "
-        f"{sorted(known)}; see docs/configuration.md or `python recipes/{recipe}.py --cfg job` for what each does."
+    settings = (
+        f"The settings {where} are {sorted(known)}; see docs/configuration.md or `python recipes/{recipe}.py --cfg "
+        "job` for what each does."
     )
+    return f"{key}: {recipe} has no such setting, so it would be ignored. {suggestion}{settings}", settings
 
 
 # ------------------------------------------------------------------------------------------------ building

@@ -15,7 +15,9 @@ starting at the same column (``generate``'s layout, what TorchRL's padded ``GRPO
 - :data:`TRUNCATED` ``[B]``: the response hit ``max_new_tokens`` before an EOS;
 - :data:`REWARD` ``[B, 1, 1]`` and :data:`DONE` ``[B, 1]``: TorchRL's LLM reward and done layout; the reward is the
   weighted sum of :data:`SOURCE_REWARDS` ``[B, K]``, each reward source's own value (NaN where a trl reward function
-  returned ``None``), in ``recipes.grpo.rewards.reward_sources`` order.
+  returned ``None``), in ``recipes.grpo.rewards.reward_sources`` order;
+- :data:`REWARD_LOGS` ``[B]`` (with ``reward.functions`` only): what the trl reward functions logged while the batch
+  was scored (``log_metric``, ``log_extra``), one JSON text per response (``recipes.grpo.rewards.RewardLogsToBatch``).
 
 The learner then adds :data:`ADVANTAGE` (``[B, 1, 1]``), :data:`REF_LOG_PROBS` (``[B, P + R]``, the frozen
 reference's) and :data:`LOSS_MASK` (``[B, R]``: the response tokens the loss counts, truncated responses left out
@@ -58,6 +60,7 @@ __all__ = [
     "REF_LOG_PROBS",
     "RESPONSE_TOKENS",
     "REWARD",
+    "REWARD_LOGS",
     "SOURCE_REWARDS",
     "TOKENS",
     "TRUNCATED",
@@ -69,6 +72,7 @@ __all__ = [
 PROMPT_INDEX = "prompt_index"
 REWARD = ("next", "reward")
 SOURCE_REWARDS = ("next", "source_rewards")
+REWARD_LOGS = ("next", "reward_logs")
 DONE = ("next", "done")
 ADVANTAGE = "advantage"
 REF_LOG_PROBS = ("next", "ref_log_probs", "full")

@@ -11,19 +11,18 @@ puts in it:
 
 A resumed run trains as the run it continues: :func:`resume_changes` lists what its settings change against the
 run's ``resolved_config.yaml`` (:data:`RESUME_FREE_KEYS` may change freely), :func:`record_resume` keeps a line per
-resume in ``resumes.jsonl``, :func:`truncate_metrics_csv` drops the rows logged after the checkpoint.
+resume in ``resumes.jsonl``, :func:`truncate_metrics_csv` drops the rows logged after the checkpoint (those, and
+:func:`resumed_config`'s restoring of the run's settings, are every resuming recipe's: ``recipes.common.resume``).
 """
 
 from __future__ import annotations
 
 import copy
-import csv
 import errno
 import json
 import random
 import shutil
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,17 @@ from recipes.common.checkpoint import (
     write_folder_atomically,
     write_manifest,
 )
-from recipes.common.config import ConfigError, RunStopped, command_line_keys, run_config
+from recipes.common.config import ConfigError, RunStopped
 from recipes.common.models import merge_adapters
+from recipes.common.resume import (
+    RESUMES_FILE,
+    config_changes,
+    read_metrics_rows,
+    record_resume,
+    truncate_metrics_csv,
+)
+from recipes.common.resume import resume_changes as common_resume_changes
+from recipes.common.resume import resumed_config as common_resumed_config
 
 __all__ = [
     "REFERENCE_FOLDER",
@@ -69,7 +77,6 @@ __all__ = [
     "truncate_metrics_csv",
 ]
 
-RESUMES_FILE = "resumes.jsonl"  # one line per resume of the run: when, from which step, what changed
 REFERENCE_FOLDER = "reference_model"  # loss.sync_ref_model: the reference as it moved
 # Settings a resumed run may change freely: where and how it runs and reports, not what it trains. Any other change
 # (group size, batch sizes, models, data, learning rate...) must be named in resume_allow_changes.
@@ -273,102 +280,10 @@ def load_training_state(folder: str | Path, *, map_location: str | torch.device 
         ) from None
 
 
-def truncate_metrics_csv(path: str | Path, last_step: int) -> None:
-    """Drops the rows of ``metrics.csv`` logged after ``last_step``, so a resumed run's rows follow on without repeats.
-
-    Rows written between the last checkpoint and a crash are recomputed by the resumed run.
-    """
-    path = Path(path)
-    if not path.exists():
-        return
-    header, rows = read_metrics_rows(path)
-    if header is None:
-        return
-    staging = path.with_name(f".{path.name}.tmp")
-    with open(staging, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(header)
-        writer.writerows(row for step, row in rows if step <= last_step)
-    staging.replace(path)
-
-
-def read_metrics_rows(path: str | Path) -> tuple[list[str] | None, list[tuple[float, list[str]]]]:
-    """``metrics.csv``'s header and its rows with their step; a file this recipe did not write (no step column, a
-    step that is no number) is refused naming the line."""
-    path = Path(path)
-    with open(path, newline="") as handle:
-        rows = list(csv.reader(handle))
-    if not rows:
-        return None, []
-    header, body = rows[0], rows[1:]
-    if "step" not in header:
-        raise ConfigError(f"{path} has no step column (its header: {header}); it is no metrics file this recipe wrote.")
-    column = header.index("step")
-    stepped = []
-    for number, row in enumerate(body, 2):
-        if not row:
-            continue
-        try:
-            stepped.append((float(row[column]), row))
-        except (ValueError, IndexError):
-            raise ConfigError(
-                f"{path}, line {number}: its step {row[column] if len(row) > column else None!r} is no number: the "
-                "file was edited or damaged. Fix or delete that line (the checkpoint holds the run's history)."
-            ) from None
-    return header, stepped
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, Mapping):
-        flat = {}
-        for key, value in tree.items():
-            flat.update(_flat(value, f"{prefix}{key}."))
-        return flat if flat or not prefix else {prefix[:-1]: {}}
-    return {prefix[:-1]: list(tree) if isinstance(tree, (list, tuple)) else tree}
-
-
-def config_changes(saved: Mapping, current: Mapping, *, ignored: Iterable[str] = ()) -> dict[str, tuple[Any, Any]]:
-    """The settings that differ between two resolved configs, as ``{"a.b": (saved, current)}``; a key missing on one
-    side reads as ``None``. A key of ``ignored`` (a dotted key, or the prefix of a group such as ``"logger"``) is left
-    out.
-
-    Examples:
-        >>> config_changes({"lr": 1.0, "logger": {"kind": "csv"}}, {"lr": 2.0, "logger": {"kind": "none"}},
-        ...                ignored=["logger"])
-        {'lr': (1.0, 2.0)}
-    """
-    before, after = _flat(saved), _flat(current)
-    skipped = tuple(ignored)
-
-    def kept(key: str) -> bool:
-        return not any(key == prefix or key.startswith(prefix + ".") for prefix in skipped)
-
-    return {
-        key: (before.get(key), after.get(key))
-        for key in sorted(set(before) | set(after))
-        if kept(key) and before.get(key) != after.get(key)
-    }
-
-
-def record_resume(folder: str | Path, *, step: int, changes: Mapping[str, tuple[Any, Any]]) -> None:
-    """Appends one line to ``<folder>/resumes.jsonl``: when the run resumed, from which step, with which changes."""
-    entry = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "step": step,
-        "changes": {k: list(v) for k, v in changes.items()},
-    }
-    with open(Path(folder) / RESUMES_FILE, "a") as handle:
-        handle.write(json.dumps(entry) + "\n")
-
-
 def resume_changes(cfg: DictConfig) -> dict:
     """The settings of ``cfg`` that differ from the run being continued (its ``resolved_config.yaml``), as
     ``{"a.b": (old, new)}``, leaving out those a resumed run may change freely (:data:`RESUME_FREE_KEYS`)."""
-    saved = Path(cfg.output_dir) / "resolved_config.yaml"
-    if not saved.is_file():
-        return {}
-    current = OmegaConf.to_container(run_config(cfg), resolve=True)
-    return config_changes(OmegaConf.to_container(OmegaConf.load(saved)), current, ignored=RESUME_FREE_KEYS)
+    return common_resume_changes(cfg, free_keys=RESUME_FREE_KEYS)
 
 
 def finished_run_summary(cfg: DictConfig) -> dict | None:
@@ -381,48 +296,10 @@ def finished_run_summary(cfg: DictConfig) -> dict | None:
 
 
 def resumed_config(cfg: DictConfig) -> DictConfig:
-    """The config a resumed run trains with: the run's own ``resolved_config.yaml``, with what this command line sets
-    on top (a setting it leaves out keeps the run's value, not the YAML default: ``train.steps``, ``logger``...).
-    ``output_dir`` is always this run's own: a copied or moved run folder resumes as itself, where it is, and never
-    writes into the folder it was copied from.
+    """The config a resumed run trains with (``recipes.common.resume.resumed_config``): the run's own
+    ``resolved_config.yaml`` under this command line, in this folder.
 
     Raises:
-        ConfigError: the folder holds no ``resolved_config.yaml`` (no run of this recipe to continue).
+        ConfigError: the folder holds checkpoints but no ``resolved_config.yaml`` (no run of this recipe to continue).
     """
-    saved_file = Path(cfg.output_dir) / "resolved_config.yaml"
-    if not saved_file.is_file():
-        if not list_checkpoints(checkpoint_root(cfg)):
-            return cfg  # nothing to continue: validate() says so, naming the checkpoints folder
-        raise ConfigError(
-            f"resume=true but {saved_file} is missing: the run's settings cannot be restored, and a resume with "
-            "the YAML defaults in their place would train another run. Restore the file from a copy of the run, or "
-            "start afresh in another folder."
-        )
-    saved = OmegaConf.load(saved_file)
-    for key, kind in command_line_keys().items():
-        if kind == "delete":
-            _delete(saved, key)
-        else:
-            _copy_setting(saved, cfg, key)
-    saved.output_dir = str(cfg.output_dir)
-    OmegaConf.set_struct(saved, True)
-    return saved
-
-
-def _copy_setting(saved: DictConfig, cfg: DictConfig, key: str) -> None:
-    """``cfg``'s value at ``key`` (a setting, or a whole group node) written into ``saved``: at ``key`` when its
-    parent exists there, else at the nearest ancestor that does."""
-    parts = key.split(".")
-    for depth in range(len(parts), 0, -1):
-        head = ".".join(parts[:depth])
-        parent = ".".join(parts[: depth - 1])
-        if depth == 1 or isinstance(OmegaConf.select(saved, parent), DictConfig):
-            OmegaConf.update(saved, head, OmegaConf.select(cfg, head), merge=False, force_add=True)
-            return
-
-
-def _delete(saved: DictConfig, key: str) -> None:
-    parent, _, name = key.rpartition(".")
-    node = OmegaConf.select(saved, parent) if parent else saved
-    if isinstance(node, DictConfig) and name in node:
-        del node[name]
+    return common_resumed_config(cfg, has_checkpoint=bool(list_checkpoints(checkpoint_root(cfg))))

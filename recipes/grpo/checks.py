@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig
 
 from recipes.common.checkpoint import (
     MODEL_FOLDER,
@@ -28,14 +27,14 @@ from recipes.common.checkpoint import (
 from recipes.common.config import ConfigError, check_run_settings, first_items
 from recipes.common.lora import validate_policy_lora
 from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, validate_model_node
-from recipes.common.prompts import PromptTable
+from recipes.common.prompts import PromptTable, check_prompts_fit_policy
+from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
 from recipes.grpo.checkpointing import (
     checkpoint_policy_node,
     checkpoint_root,
-    read_metrics_rows,
     resume_changes,
     resumed_config,
 )
@@ -43,7 +42,7 @@ from recipes.grpo.collector import check_generation_settings, sampler_settings
 from recipes.grpo.evaluation import check_eval_settings
 from recipes.grpo.report import summary_keys
 from recipes.grpo.rewards import check_reward_keys, check_reward_sources, reward_prompt_lengths
-from recipes.grpo.schema import RENAMED, GRPORecipeConfig
+from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig
 
 __all__ = ["check_prompt_lengths", "validate"]
 
@@ -57,18 +56,18 @@ def validate(cfg: DictConfig) -> DictConfig:
     command line says (``recipes.common.lora.settle_lora_node``)."""
     if cfg.resume:
         cfg = resumed_config(cfg)
-    cfg = checked_config(cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED)
+    cfg = checked_config(cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED, aliases=TRL_NAMES)
     _validate_settings(cfg)
     return cfg
 
 
 def _validate_settings(cfg: DictConfig) -> None:
     _validate_batches(cfg)
-    _validate_reporting(cfg)
     _validate_memory(cfg)
     _validate_generation(cfg.rollout)
     _validate_rewards(cfg)
     check_eval_settings(cfg)
+    _validate_reporting(cfg)  # after the evaluation's: which eval figures there are depends on its settings
     _validate_algorithm(cfg)
     check_run_settings(cfg)
     _validate_distributed(cfg)
@@ -209,14 +208,7 @@ def _validate_resume(cfg: DictConfig) -> None:
                 f"the run is past it. Pass train.steps >= {step} to continue it, or start a new run in another folder."
             )
         validate_model_node(checkpoint_policy_node(cfg, checkpoint), key="model", kind="policy")
-        refused = {key: change for key, change in resume_changes(cfg).items() if not _allowed(key, cfg)}
-        if refused:
-            listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in refused.items())
-            raise ConfigError(
-                f"resume=true with settings that differ from the run being continued ({listed}). A resumed run must "
-                "train as the run it continues: pass the same settings, or name the changes you mean "
-                f"(resume_allow_changes=[{','.join(refused)}]), or start a new run in another folder."
-            )
+        check_resume_changes(resume_changes(cfg), allowed=cfg.resume_allow_changes)
 
 
 def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
@@ -230,19 +222,12 @@ def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
     table = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
     lengths = torch.tensor(table.rendered_lengths())
-    max_new_tokens = cfg.rollout.generation.max_new_tokens
-    config = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None:
-        rows = (lengths + max_new_tokens > positions).nonzero().flatten().tolist()
-        if rows:
-            raise ConfigError(
-                f"{len(rows)} of {len(prompts)} prompts (rows {first_items(rows)}) are too long for the policy: "
-                f"rendered with its chat template they take up to {int(lengths.max())} tokens, and with "
-                f"rollout.generation.max_new_tokens={max_new_tokens} the sequence passes the "
-                f"{positions} positions of model.name_or_path={str(cfg.model.name_or_path)!r} "
-                "(max_position_embeddings). Shorten or drop those prompts, or lower rollout.generation.max_new_tokens."
-            )
+    check_prompts_fit_policy(
+        lengths,
+        cfg.model,
+        max_new_tokens=cfg.rollout.generation.max_new_tokens,
+        max_new_tokens_key="rollout.generation.max_new_tokens",
+    )
     check_reward_functions(cfg, columns=list(table.columns))
     max_length = cfg.reward.max_length
     if max_length is None or cfg.reward_model is None:
@@ -307,7 +292,3 @@ def _validate_strategy(cfg: DictConfig) -> None:
             "forward pass. Use rollout.env=prompt (its sampler keeps the processes in step) with fsdp, or "
             "distributed.strategy=ddp with rollout.env=chat."
         )
-
-
-def _allowed(key: str, cfg: DictConfig) -> bool:
-    return any(key == name or key.startswith(f"{name}.") for name in cfg.resume_allow_changes)

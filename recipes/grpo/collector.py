@@ -19,6 +19,7 @@ Dependencies: torch, tensordict, torchrl, transformers, and the project's ``inte
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 
 import torch
@@ -46,6 +47,7 @@ from recipes.grpo.batch import (
     PROMPT_INDEX,
     RESPONSE_TOKENS,
     REWARD,
+    REWARD_LOGS,
     SOURCE_REWARDS,
     TRUNCATED,
 )
@@ -100,22 +102,39 @@ def sampler_settings(generation: Mapping, *, key: str = "rollout.generation", ch
             SamplingSettings.check_keys(generation, key=key)
             return None
         return SamplingSettings.from_mapping(generation, key=key)
-    except ValueError as error:
-        message = str(error)
-        if not message.startswith(key):
-            message = f"{key}: {message}"
-        if "not a generation setting" in message:
-            message = message.rstrip(".") + (
-                ", or use rollout.env=chat (TorchRL's TransformersWrapper passes any transformers GenerationConfig "
-                "field to generate())."
-            )
-        raise ConfigError(message) from None
+    except (ValueError, TypeError) as error:
+        raise ConfigError(_settings_message(str(error), key)) from None
+
+
+def _settings_message(message: str, key: str) -> str:
+    """``SamplingSettings``' refusal with its settings named in full (``temperature=0`` under ``eval.generation``
+    reads ``eval.generation.temperature=0``) and the way out.
+
+    Examples:
+        >>> _settings_message("SamplingSettings: temperature=0 must be > 0 when sampling.", "eval.generation")
+        'eval.generation.temperature=0 must be > 0 when sampling. Set eval.generation.temperature > 0, or \
+eval.generation.do_sample=false for greedy decoding.'
+    """
+    message = message.removeprefix("SamplingSettings: ")
+    names = "|".join(SamplingSettings.names())
+    message = re.sub(rf"(?<![\w.])({names})(?=[=\])])", rf"{key}.\1", message)
+    if not message.startswith(key):
+        message = f"{key}: {message}"
+    if "not a generation setting" in message:
+        message = message.rstrip(".") + (
+            ", or use rollout.env=chat (TorchRL's TransformersWrapper passes any transformers GenerationConfig "
+            "field to generate())."
+        )
+    if "must be > 0 when sampling" in message:
+        message += f" Set {key}.temperature > 0, or {key}.do_sample=false for greedy decoding."
+    return message
 
 
 def _dense_batch(rollout: TensorDictBase) -> TensorDictBase:
-    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS` (a view: the
-    collector copies what its postproc returns)."""
-    return rollout.reshape(-1).select(*BATCH_KEYS)
+    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS`, and
+    :data:`REWARD_LOGS` where reward functions log (a view: the collector copies what its postproc returns)."""
+    logs = [REWARD_LOGS] if REWARD_LOGS in rollout.keys(include_nested=True) else []
+    return rollout.reshape(-1).select(*BATCH_KEYS, *logs)
 
 
 def _stream_start(cfg: DictConfig, start_step: int, num_replicas: int) -> int:

@@ -2,16 +2,18 @@
 
 ``eval.every_n_steps`` (null: off) evaluates the policy before the first step, every N steps and after the last, on
 the data's eval split (``data.num_eval_prompts`` of a built-in task, ``data.eval_path`` of a file, ``data.eval_split``
-of an HF dataset), ``eval.num_prompts`` of them, ``eval.group_size`` responses each, sampled with
-``rollout.generation`` updated by ``eval.generation`` (``do_sample: false`` for greedy answers). Every response is
-scored by the same sources as training (``recipes.grpo.rewards``), in the learner's process with the learner's
-current weights (also in async mode, where the collector's process holds its own copy), in chunks of
-``rollout.responses_per_step``. Under torchrun the prompts are dealt out between the processes and the figures pooled.
+of an HF dataset), ``eval.num_prompts`` of them, ``eval.group_size`` responses each, sampled with ``eval.generation``
+(``rollout.generation``'s settings unless set; ``do_sample=false`` for greedy answers). Every response is scored by
+the same sources as training (``recipes.grpo.rewards``), in the learner's process with the learner's current weights
+(also in async mode, where the collector's process holds its own copy), in chunks of ``rollout.responses_per_step``.
+Under torchrun the prompts are dealt out between the processes and the figures pooled.
 
 Figures: ``eval/reward_mean``, ``eval/rewards/<name>/mean`` per source, ``eval/oracle_mean`` where the data has an
-oracle, ``eval/accuracy`` (the mean of the first source whose values are all 0 or 1: a verifier's check),
-``eval/response_length``. Sampling runs on a random stream of its own (seeded by ``seed`` and the step), so that the
-same seed gives the same figures and the training run samples exactly as it would without evaluation.
+oracle, ``eval/accuracy`` (the mean of the source :func:`accuracy_source` names, a verifier's 0/1 check),
+``eval/response_length``, and ``eval/<name>`` for what the trl reward functions log (``log_metric``; their
+``log_extra`` columns go with the samples). Sampling runs on a random stream of its own (seeded by ``seed`` and the
+step), so that the same seed gives the same figures and the training run samples exactly as it would without
+evaluation.
 
 Dependencies: torch, tensordict, accelerate, transformers (the ``TrainerState`` reward functions read), and the
 recipe's own modules.
@@ -28,15 +30,16 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import TrainerState
 
 from interop.sampling import CausalLMSampler
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows
 from recipes.common.prompts import PromptTable
+from recipes.common.reward_functions import RewardLogs
 from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS, response_mask
 from recipes.grpo.collector import sampler_settings
 from recipes.grpo.prompt_env import PromptEnv
-from recipes.grpo.rewards import make_reward_scorer, source_names
+from recipes.grpo.rewards import make_reward_scorer, reward_sources, source_names
 
-__all__ = ["Evaluator", "check_eval_settings", "eval_due", "has_eval_split"]
+__all__ = ["Evaluator", "accuracy_source", "check_eval_settings", "eval_due", "has_eval_split"]
 
 
 def has_eval_split(data: DictConfig) -> bool:
@@ -64,11 +67,49 @@ def check_eval_settings(cfg: DictConfig) -> None:
             "eval.every_n_steps samples with the recipe's own sampler (rollout.env=prompt); with rollout.env=chat "
             "set eval.every_n_steps=null."
         )
-    sampler_settings(eval_generation(cfg), key="eval.generation", check_only=True)
+    sampler_settings(eval_generation(cfg), key="eval.generation")  # its keys and values, as the Evaluator builds it
+    _check_accuracy_source(cfg)
+
+
+def accuracy_source(cfg: DictConfig) -> str | None:
+    """The reward source whose mean over the eval answers is ``eval/accuracy``: ``eval.accuracy_source``, or, when
+    that is null, the one source there is besides the reward model (``None`` with none, or with several, which
+    :func:`check_eval_settings` refuses). Reads the config only."""
+    if cfg.eval.accuracy_source is not None:
+        return str(cfg.eval.accuracy_source)
+    candidates = [source.name for source in reward_sources(cfg) if source.kind != "model"]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _check_accuracy_source(cfg: DictConfig) -> None:
+    sources = reward_sources(cfg)
+    candidates = [source.name for source in sources if source.kind != "model"]
+    named = cfg.eval.accuracy_source
+    if named is None:
+        if len(candidates) > 1:
+            choices = " or ".join(f"eval.accuracy_source={name}" for name in candidates)
+            raise ConfigError(
+                f"eval.accuracy_source=null, but {len(candidates)} reward sources could be the accuracy "
+                f"({candidates}): eval/accuracy would be whichever of them happened to score only 0 and 1 (a format "
+                f"check listed first would pass for the answers' accuracy). Name the one that checks the answer: "
+                f"{choices}."
+            )
+        return
+    if named not in [source.name for source in sources]:
+        raise ConfigError(
+            f"eval.accuracy_source={named!r} is not a reward source of this run (they are "
+            f"{[source.name for source in sources]}). Name a reward.functions or reward.terms entry that scores 0 or "
+            "1, or null."
+        )
+    if named not in candidates:
+        raise ConfigError(
+            f"eval.accuracy_source={named}: the reward model's scores are not a 0/1 check of the answer. Name a "
+            f"reward.functions or reward.terms entry ({candidates or 'there is none: add one'}), or null."
+        )
 
 
 def eval_generation(cfg: DictConfig) -> dict:
-    """``rollout.generation`` with ``eval.generation``'s settings on top."""
+    """``eval.generation`` over ``rollout.generation`` (whose values its YAML defaults are)."""
     return {**OmegaConf.to_container(cfg.rollout.generation), **OmegaConf.to_container(cfg.eval.generation)}
 
 
@@ -115,9 +156,17 @@ class Evaluator:
         self.oracle = oracle
         self.group_size = int(cfg.eval.group_size)
         self.names = source_names(cfg)
+        self.accuracy_source = accuracy_source(cfg)
         self.trainer_state = TrainerState(max_steps=cfg.train.steps)  # what trl reward functions read as the step
+        self.logs = RewardLogs()  # what they log: eval/<name> and the samples' extra columns
         self.scorer = make_reward_scorer(
-            cfg, reward_model, reward_tokenizer, tokenizer, prompts=self.table, trainer_state=self.trainer_state
+            cfg,
+            reward_model,
+            reward_tokenizer,
+            tokenizer,
+            prompts=self.table,
+            trainer_state=self.trainer_state,
+            logs=self.logs,
         )
         self.samples: list[dict] = []
 
@@ -148,35 +197,67 @@ class Evaluator:
         )
         step = self.policy(env.reset())
         self.scorer(step)
+        metrics, columns = self.logs.pop()
         mask = response_mask(step)
         responses = [row[keep] for row, keep in zip(step.get(RESPONSE_TOKENS), mask, strict=True)]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         rewards = step.get(REWARD).reshape(-1).tolist()
         sources = step.get(SOURCE_REWARDS).reshape(len(texts), -1).tolist()
         prompt_index = step.get(PROMPT_INDEX).tolist()
-        return [
+        rows = [
             {
                 "prompt": self.table.prompts[index],
                 "response": text,
                 "reward": reward,
                 "sources": values,
                 "length": int(row_mask.sum()),
+                "columns": {name: logged[row] for name, logged in columns.items()},
             }
-            for index, text, reward, values, row_mask in zip(prompt_index, texts, rewards, sources, mask, strict=True)
+            for row, (index, text, reward, values, row_mask) in enumerate(
+                zip(prompt_index, texts, rewards, sources, mask, strict=True)
+            )
         ]
+        rows[0]["metrics"] = metrics  # the chunk's log_metric values, once wherever the rows are pooled
+        return rows
 
     def _figures(self, rows: list[dict]) -> dict[str, float]:
         figures = {"eval/reward_mean": sum(row["reward"] for row in rows) / len(rows)}
-        accuracy = None
         for column, name in enumerate(self.names):
             values = [row["sources"][column] for row in rows if not math.isnan(row["sources"][column])]
-            mean = sum(values) / len(values) if values else math.nan
-            figures[f"eval/rewards/{name}/mean"] = mean
-            if accuracy is None and values and all(value in (0.0, 1.0) for value in values):
-                accuracy = mean
-        if accuracy is not None:
-            figures["eval/accuracy"] = accuracy
+            figures[f"eval/rewards/{name}/mean"] = sum(values) / len(values) if values else math.nan
+            if name == self.accuracy_source:
+                figures.update(self._accuracy(values))
         if self.oracle is not None:
             figures["eval/oracle_mean"] = sum(float(self.oracle(row["response"])) for row in rows) / len(rows)
         figures["eval/response_length"] = sum(row["length"] for row in rows) / len(rows)
+        figures.update(self._logged(rows, known=figures))
         return figures
+
+    @staticmethod
+    def _logged(rows: list[dict], *, known: dict) -> dict[str, float]:
+        """``eval/<name>`` of every metric the reward functions logged (``log_metric``) while scoring the answers: the
+        mean of the values logged (NaN left out), as trl reports ``eval_<name>``."""
+        logged: dict[str, list[float]] = {}
+        for row in rows:
+            for name, values in row.get("metrics", {}).items():
+                logged.setdefault(f"eval/{name}", []).extend(value for value in values if not math.isnan(value))
+        taken = sorted(key for key in logged if key in known)
+        if taken:
+            raise RunStopped(
+                f"A reward function logged {[key.removeprefix('eval/') for key in taken]} (log_metric), which the "
+                f"recipe reports itself as {taken}: its value would replace the recipe's. Rename it in the function."
+            )
+        return {key: sum(values) / len(values) if values else math.nan for key, values in sorted(logged.items())}
+
+    def _accuracy(self, values: list[float]) -> dict[str, float]:
+        """``eval/accuracy``: the accuracy source's mean over the answers it scored, when its values are 0 or 1."""
+        if all(value in (0.0, 1.0) for value in values):
+            return {"eval/accuracy": sum(values) / len(values) if values else math.nan}
+        other = next(value for value in values if value not in (0.0, 1.0))
+        if self.cfg.eval.accuracy_source is None:  # the only candidate, which turns out to be no 0/1 check
+            return {}
+        raise RunStopped(
+            f"eval.accuracy_source={self.accuracy_source} scored an eval answer {other:g}: eval/accuracy is the "
+            "fraction of answers a 0/1 check passes, and this source is no such check. Name one that scores 0 or 1, "
+            "or eval.accuracy_source=null (no eval/accuracy), then start again."
+        )

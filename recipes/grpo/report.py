@@ -1,7 +1,8 @@
 """What a GRPO run says about itself: each step's figures, the progress line and sample rollouts in its log, what
 the run is at its start, and ``summary.json`` with the closing message at its end.
 
-- :func:`rollout_metrics`: a step's reward, oracle and length statistics (pooled over the processes).
+- :func:`rollout_metrics`: a step's reward, oracle and length statistics (pooled over the processes);
+  :func:`logged_metrics`: what its trl reward functions logged (``log_metric``), as trl reports it.
 - :func:`report_step`: the step's metrics to the logger, a progress line, sample rollouts (:func:`sample_rollouts`).
 - :func:`run_description`, :func:`closing_message`: the first and last lines of the run's log.
 - :func:`summarize`: ``summary.json`` (:data:`SUMMARY_KEYS`: what ``metric=`` may name).
@@ -17,6 +18,7 @@ import math
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
 from recipes.common.run import Run
@@ -31,13 +33,16 @@ from recipes.grpo.batch import (
     response_mask,
 )
 from recipes.grpo.checkpointing import TrainingProgress
-from recipes.grpo.rewards import reward_sources
+from recipes.grpo.evaluation import accuracy_source
+from recipes.grpo.rewards import logged_in_batch, reward_sources
 
 __all__ = [
     "RUN_FIGURES",
     "SUMMARY_KEYS",
     "SUMMARY_SERIES",
     "closing_message",
+    "is_source_figure",
+    "logged_metrics",
     "progress_line",
     "report_step",
     "rollout_metrics",
@@ -110,6 +115,33 @@ def rollout_metrics(
     metrics["rollout/frac_truncated"] = values["truncated"].mean().item()  # hit max_new_tokens before an EOS
     metrics["rollout/distinct_2"] = distinct_bigrams(data.get(RESPONSE_TOKENS), mask)
     return metrics, int(values["length"].sum().item())
+
+
+def logged_metrics(data, *, prefix: str) -> dict[str, float]:
+    """Every metric the trl reward functions logged (``log_metric(name, value)``) while ``data``'s responses were
+    scored, averaged over every value logged (on every process), as trl averages them per step: ``<prefix>/<name>``
+    (``rollout/`` for training batches, trl's own names beside its metrics). NaN values are left out, as trl leaves
+    them out of its averages."""
+    metrics, _ = logged_in_batch(data)
+    totals: dict[str, list[float]] = {}
+    for share in gather_object([metrics]):  # every process's, in rank order (this one's alone outside torchrun)
+        for name, values in share.items():
+            kept = [value for value in values if not math.isnan(value)]
+            total = totals.setdefault(name, [0.0, 0])
+            total[0], total[1] = total[0] + sum(kept), total[1] + len(kept)
+    return {f"{prefix}/{name}": total / count if count else math.nan for name, (total, count) in sorted(totals.items())}
+
+
+def is_source_figure(key: str) -> bool:
+    """Whether ``key`` is one reward source's figure (``rollout/rewards/<name>/mean`` or ``/std``): NaN when the source
+    scored none of the step's responses (a trl reward function that returned ``None`` for all of them), as trl logs
+    it, with nothing wrong with the run.
+
+    Examples:
+        >>> is_source_figure("rollout/rewards/format/mean"), is_source_figure("rollout/reward_mean")
+        (True, False)
+    """
+    return key.startswith("rollout/rewards/")
 
 
 def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
@@ -188,11 +220,14 @@ def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
 
 def sample_rollouts(batch, prompts, tokenizer, oracle, *, count: int, source_names=()) -> list[dict]:
     """``count`` of a step's rollouts, spread over its groups: the prompt as the data gives it, the response's text,
-    its reward, each reward source's value (``None``: not applicable), its advantage and, where the data has one, its
-    oracle score."""
+    its reward, each reward source's value (``None``: not applicable), the columns the trl reward functions logged
+    for it (``log_extra``: trl's completions table's extra columns; ``None`` where its batch logged none), its
+    advantage and, where the data has one, its oracle score."""
     if count < 1:
         return []
     rows = torch.linspace(0, batch.shape[0] - 1, count).round().long().unique().tolist()
+    _, logged = logged_in_batch(batch)
+    extra_columns = list(dict.fromkeys(name for row in rows for name in logged[row]))
     mask = response_mask(batch)
     rewards = batch.get(REWARD).reshape(batch.shape[0], -1)[:, 0]
     sources = batch.get(SOURCE_REWARDS).reshape(batch.shape[0], -1) if source_names else None
@@ -207,12 +242,24 @@ def sample_rollouts(batch, prompts, tokenizer, oracle, *, count: int, source_nam
         for column, name in enumerate(source_names):
             value = float(sources[row, column])
             sample[f"rewards/{name}"] = None if math.isnan(value) else round(value, 4)
+        for name in extra_columns:
+            sample[_extra_column_name(name, source_names)] = logged[row].get(name)
         if advantages is not None:
             sample["advantage"] = round(float(advantages[row]), 4)
         if oracle is not None:
             sample["oracle"] = round(float(oracle(response)), 4)
         samples.append(sample)
     return samples
+
+
+# What a sample row holds of its own (and "step", the wandb table's first column).
+_SAMPLE_KEYS = ("step", "prompt", "response", "reward", "advantage", "oracle")
+
+
+def _extra_column_name(name: str, source_names) -> str:
+    """A logged column's name in a sample row: its own, or ``extra/<name>`` where the row has one of that name."""
+    taken = {*_SAMPLE_KEYS, *(f"rewards/{source}" for source in source_names)}
+    return f"extra/{name}" if name in taken else name
 
 
 def closing_message(summary: dict, output_dir: Path) -> str:
@@ -231,23 +278,45 @@ def closing_message(summary: dict, output_dir: Path) -> str:
 
 def summary_keys(cfg: DictConfig) -> list[str]:
     """Every entry summary.json of a run of ``cfg`` holds (what ``metric=`` may name): :data:`SUMMARY_KEYS` and each
-    reward source's mean, first and last."""
+    reward source's mean, first and last; with evaluation on, its figures (``eval/accuracy`` where
+    ``recipes.grpo.evaluation.accuracy_source`` names a source). What reward functions log (``rollout/<name>``) is
+    in summary.json too, but known only once they log it: ``metric=`` cannot name it."""
     names = [source.name for source in reward_sources(cfg)]
     series = [f"rollout/rewards/{name}/mean" for name in names]
     if cfg.eval.every_n_steps is not None:
         series += ["eval/reward_mean", "eval/response_length", *(f"eval/rewards/{name}/mean" for name in names)]
         series += ["eval/oracle_mean"] if cfg.data.oracle is not None else []
-        # eval/accuracy: when a source turns out to be a 0/1 check (known once it has scored).
-        series += ["eval/accuracy"] if any(source.kind != "model" for source in reward_sources(cfg)) else []
+        series += ["eval/accuracy"] if accuracy_source(cfg) is not None else []
     return [*SUMMARY_KEYS, *(f"{name}_{end}" for name in series for end in ("first", "last"))]
+
+
+# The rollout/* figures the recipe logs itself (rollout_metrics', and dynamic sampling's): any other rollout/* key is
+# one a trl reward function logged (log_metric).
+_ROLLOUT_FIGURES = (
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/frac_reward_zero_std",
+    "rollout/oracle_mean",
+    "rollout/response_length",
+    "rollout/frac_truncated",
+    "rollout/distinct_2",
+    "rollout/groups_filtered",
+    "rollout/extra_batches",
+)
 
 
 def summary_series(history: list[dict]) -> list[str]:
     """The training series summary.json gives ``_first``/``_last`` of: :data:`SUMMARY_SERIES`, then each reward
-    source's mean (``rollout/rewards/<name>/mean``) that the run logged."""
+    source's mean (``rollout/rewards/<name>/mean``) that the run logged, then what the trl reward functions logged
+    (``rollout/<name>``)."""
     logged = dict.fromkeys(key for row in history for key in row)
     per_source = [key for key in logged if key.startswith("rollout/rewards/") and key.endswith("/mean")]
-    return [*SUMMARY_SERIES, *per_source]
+    by_functions = [
+        key
+        for key in logged
+        if key.startswith("rollout/") and key not in _ROLLOUT_FIGURES and not key.startswith("rollout/rewards/")
+    ]
+    return [*SUMMARY_SERIES, *per_source, *by_functions]
 
 
 def summarize(progress: TrainingProgress, *, window: int, num_processes: int) -> dict:
@@ -266,9 +335,12 @@ def summarize(progress: TrainingProgress, *, window: int, num_processes: int) ->
     for name in summary_series(history):
         values = [row[name] for row in history if name in row]
         if values:
-            # The first step samples from the initial policy: the starting point. The end is averaged for stability.
+            # The first step samples from the initial policy: the starting point. The end is averaged for stability,
+            # over the steps that have a value (a source that scored none of a step's responses has NaN, as trl
+            # leaves such a step out of its averages).
             summary[f"{name}_first"] = values[0]
-            summary[f"{name}_last"] = sum(values[-window:]) / len(values[-window:])
+            last = [value for value in values[-window:] if not math.isnan(value)]
+            summary[f"{name}_last"] = sum(last) / len(last) if last else math.nan
     # Held-out figures: the evaluation before training, and the last one (not averaged: they are few and far apart).
     if progress.evaluations:
         first, last = progress.evaluations[0], progress.evaluations[-1]

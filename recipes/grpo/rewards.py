@@ -8,9 +8,10 @@ or in the background collector's) and writes their NaN-skipping weighted sum and
 
 - :func:`reward_sources`: the sources the config names, in order; :func:`check_reward_sources` refuses none or a
   name used twice.
-- :func:`make_reward_transform`: the env's reward transform (the sources scored by :func:`make_reward_scorer`, then
-  :class:`TrainerStepCounter` moving the step trl reward functions read); :func:`score_sources` the scorer of
-  ``(RewardSource, module)`` pairs.
+- :func:`make_reward_transform`: the env's reward transform (the sources scored by :func:`make_reward_scorer`, what
+  the trl reward functions logged written into the batch by :class:`RewardLogsToBatch`, then
+  :class:`TrainerStepCounter` moving the step they read); :func:`score_sources` the scorer of ``(RewardSource,
+  module)`` pairs; :func:`logged_in_batch` reads the logs back.
 - :class:`ResponseText`: decodes a ``PromptEnv`` step's responses into the text and conversations text-reading
   rewards read, on a scratch copy inside the transform.
 - Reward terms, TensorDict modules with one reward per sample: :class:`LengthPenalty`, :class:`TextScoreReward`.
@@ -23,6 +24,7 @@ Dependencies: torch, tensordict, torchrl, hydra, transformers, and the project's
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,20 +42,22 @@ from recipes.common.chat import CHAT_STEP_KEYS
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.common.prompts import PromptTable, non_tensor_rows
-from recipes.common.reward_functions import RewardFunction, resolve_function
-from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS
+from recipes.common.reward_functions import RewardFunction, RewardLogs, resolve_function
+from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, REWARD_LOGS, SOURCE_REWARDS
 from recipes.grpo.prompt_env import PromptEnv
 
 __all__ = [
     "READ_KEYS_OF_INPUT",
     "LengthPenalty",
     "ResponseText",
+    "RewardLogsToBatch",
     "RewardSource",
     "TextScoreReward",
     "TrainerStepCounter",
     "check_reward_keys",
     "check_reward_sources",
     "load_reward_scorer",
+    "logged_in_batch",
     "make_reward_scorer",
     "make_reward_transform",
     "reward_prompt_lengths",
@@ -238,11 +242,13 @@ def make_reward_transform(
     ``start_step``: the GRPO steps done before the first batch this transform scores (a resumed run's), from which
     the ``trainer_state`` handed to reward functions counts.
     """
-    trainer_state = TrainerState(global_step=start_step, max_steps=cfg.train.steps)
+    trainer_state, logs = TrainerState(global_step=start_step, max_steps=cfg.train.steps), RewardLogs()
     scorer = make_reward_scorer(
-        cfg, reward_model, reward_tokenizer, policy_tokenizer, prompts=prompts, trainer_state=trainer_state
+        cfg, reward_model, reward_tokenizer, policy_tokenizer, prompts=prompts, trainer_state=trainer_state, logs=logs
     )
-    return Compose(scorer, TrainerStepCounter(trainer_state))
+    if not cfg.reward.functions:
+        return Compose(scorer, TrainerStepCounter(trainer_state))
+    return Compose(scorer, RewardLogsToBatch(logs), TrainerStepCounter(trainer_state))
 
 
 def make_reward_scorer(
@@ -253,10 +259,11 @@ def make_reward_scorer(
     *,
     prompts: PromptTable | None = None,
     trainer_state: TrainerState,
+    logs: RewardLogs,
 ) -> RewardModelTransform:
     """The modules of :func:`reward_sources` built from the config, scored by :func:`score_sources`; the trl reward
-    functions get ``trainer_state`` (whoever holds it moves its step). ``prompts``: as in
-    :func:`make_reward_transform`."""
+    functions get ``trainer_state`` (whoever holds it moves its step), and what they log goes to ``logs`` (whoever
+    holds it reports it). ``prompts``: as in :func:`make_reward_transform`."""
     sources = []
     for source in reward_sources(cfg):
         if source.kind == "model":
@@ -264,7 +271,12 @@ def make_reward_scorer(
         elif source.kind == "function":
             function = resolve_function(f"{source.setting}.function", cfg.reward.functions[source.name].function)
             module = RewardFunction(
-                function, name=source.name, prompts=prompts, tokenizer=policy_tokenizer, trainer_state=trainer_state
+                function,
+                name=source.name,
+                prompts=prompts,
+                tokenizer=policy_tokenizer,
+                trainer_state=trainer_state,
+                logs=logs,
             )
         else:
             module = _term_module(cfg.reward.terms[source.name])
@@ -292,6 +304,57 @@ def score_sources(sources: Sequence[tuple[RewardSource, TensorDictModuleBase]]) 
         source_rewards_key=SOURCE_REWARDS[-1],
         check_finite=True,
     )
+
+
+class RewardLogsToBatch(Transform):
+    """Writes what the trl reward functions logged while a step was scored into the step, at
+    :data:`~recipes.grpo.batch.REWARD_LOGS`: one JSON object per response, ``{"columns": {column: its value}}``
+    (``log_extra``), the first response's with ``"metrics": {name: [values]}`` too (``log_metric``: the batch's, once
+    wherever its responses go). The logs then travel with the batch: out of a background collector's process, and
+    through dynamic sampling's selection of groups (:func:`logged_in_batch` reads them back).
+
+    Append it after the reward transform (:func:`make_reward_transform` does).
+
+    Args:
+        logs: the :class:`~recipes.common.reward_functions.RewardLogs` the step's reward functions log to.
+    """
+
+    def __init__(self, logs: RewardLogs) -> None:
+        super().__init__(in_keys=[], out_keys=[])
+        self.logs = logs
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        metrics, columns = self.logs.pop()
+        count = next_tensordict.batch_size.numel()  # a PromptEnv step: one row per response
+        rows = [{"columns": {name: values[row] for name, values in columns.items()}} for row in range(count)]
+        rows[0]["metrics"] = metrics
+        next_tensordict.set(REWARD_LOGS[-1], non_tensor_rows([json.dumps(row, default=str) for row in rows]))
+        return next_tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return tensordict
+
+
+def logged_in_batch(batch: TensorDictBase) -> tuple[dict[str, list[float]], list[dict]]:
+    """What :class:`RewardLogsToBatch` wrote into ``batch`` (a batch of any number of responses, from any number of
+    collected batches): every value logged per metric, and each response's extra columns. Empty without
+    :data:`~recipes.grpo.batch.REWARD_LOGS` (no reward function).
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> rows = non_tensor_rows(['{"columns": {"c": 1}, "metrics": {"m": [0.5]}}', '{"columns": {"c": 2}}'])
+        >>> logged_in_batch(TensorDict({"next": {"reward_logs": rows}}, batch_size=[2]))
+        ({'m': [0.5]}, [{'c': 1}, {'c': 2}])
+    """
+    if REWARD_LOGS not in batch.keys(include_nested=True):
+        return {}, [{} for _ in range(len(batch))]
+    texts = batch.get(REWARD_LOGS)
+    rows = [json.loads(text) for text in ([texts] if isinstance(texts, str) else texts.tolist())]
+    metrics: dict[str, list[float]] = {}
+    for row in rows:
+        for name, values in row.get("metrics", {}).items():
+            metrics.setdefault(name, []).extend(values)
+    return metrics, [row["columns"] for row in rows]
 
 
 class TrainerStepCounter(Transform):

@@ -13,11 +13,13 @@ Dependencies: the project's ``recipes.common.schema``.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from recipes.common.schema import (
     OPEN,
+    Aliases,
     DataNode,
     DType,
     Hint,
@@ -30,6 +32,7 @@ from recipes.common.schema import (
 
 __all__ = [
     "RENAMED",
+    "TRL_NAMES",
     "Advantage",
     "Backend",
     "GRPORecipeConfig",
@@ -51,6 +54,67 @@ __all__ = [
 # Keys of earlier versions: what replaced each (a config that still sets one is refused, saying so).
 RENAMED = {"loss.aggregation": "loss.type (aggregation=token_mean is loss.type=bnpo, prompt_mean is loss.type=grpo)"}
 
+# trl.GRPOConfig's names -> this recipe's keys: a config key of trl's name (`+loss.beta=0.1`, `+num_generations=4`),
+# wherever it is written, is refused naming the key that does what trl's does (recipes.common.schema's `aliases`).
+TRL_NAMES = Aliases(
+    "trl.GRPOConfig",
+    {
+        "beta": "loss.kl_to_ref_coeff",
+        "loss_type": "loss.type",
+        "epsilon": "loss.clip_epsilon",
+        "epsilon_high": "loss.clip_epsilon_high",
+        "delta": "loss.delta",
+        "importance_sampling_level": "loss.importance_sampling_level",
+        "use_bias_correction_kl": "loss.kl_bias_correction",
+        "entropy_coef": "loss.entropy_coeff",
+        "top_entropy_quantile": "loss.top_entropy_quantile",
+        "mask_truncated_completions": "loss.mask_truncated_completions",
+        "off_policy_mask_threshold": "loss.off_policy_mask_threshold",
+        "sync_ref_model": "loss.sync_ref_model",
+        "ref_model_mixup_alpha": "loss.ref_model_mixup_alpha",
+        "ref_model_sync_steps": "loss.ref_model_sync_steps",
+        "sapo_temperature_pos": "loss.sapo.temperature_pos",
+        "sapo_temperature_neg": "loss.sapo.temperature_neg",
+        "vespo_k_pos": "loss.vespo.k_pos",
+        "vespo_lambda_pos": "loss.vespo.lambda_pos",
+        "vespo_k_neg": "loss.vespo.k_neg",
+        "vespo_lambda_neg": "loss.vespo.lambda_neg",
+        "scale_rewards": "advantage.scale_rewards",
+        "num_generations": "rollout.group_size",
+        "generation_batch_size": "rollout.responses_per_step",
+        "max_completion_length": "rollout.generation.max_new_tokens",
+        "temperature": "rollout.generation.temperature",
+        "top_k": "rollout.generation.top_k",
+        "top_p": "rollout.generation.top_p",
+        "min_p": "rollout.generation.min_p",
+        "repetition_penalty": "rollout.generation.repetition_penalty",
+        "generation_kwargs": "rollout.generation (its keys: min_new_tokens, do_sample)",
+        "reward_weights": "reward.functions.<name>.weight (and reward.model_weight for the reward model)",
+        "multi_objective_aggregation": "reward.aggregation",
+        "num_generations_eval": "eval.group_size",
+        "eval_steps": "eval.every_n_steps",
+        "learning_rate": "optimizer.lr",
+        "weight_decay": "optimizer.weight_decay",
+        "adam_beta1": "optimizer.betas (a pair [beta1, beta2])",
+        "adam_beta2": "optimizer.betas (a pair [beta1, beta2])",
+        "max_steps": "train.steps",
+        "num_iterations": "train.epochs_per_step",
+        "per_device_train_batch_size": "train.mini_batch_size",
+        "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+        "lr_scheduler_type": "train.lr_scheduler",
+        "warmup_steps": "train.warmup_steps",
+        "max_grad_norm": "train.max_grad_norm",
+        "gradient_checkpointing": "train.gradient_checkpointing",
+        "bf16": "train.mixed_precision=bf16 (bfloat16 autocast over float32 weights), or dtype=bfloat16",
+        "save_steps": "checkpoint.every_n_steps",
+        "save_total_limit": "checkpoint.keep_last",
+        "logging_steps": "log_every_n_steps",
+        "log_completions": "samples.every_n_steps",
+        "num_completions_to_print": "samples.print_count",
+        "resume_from_checkpoint": "resume",
+    },
+)
+
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
 
@@ -68,6 +132,8 @@ RewardInput = Literal["history", "text", "tokens"]
 LrScheduler = Literal[
     "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt"
 ]
+# The ones that apply train.warmup_steps (get_scheduler hands "constant" none).
+WARMUP_SCHEDULERS = tuple(name for name in typing.get_args(LrScheduler) if name != "constant")
 # "no": the loss forward in the weights' dtype; "bf16": under bfloat16 autocast (recipes.grpo.policy).
 MixedPrecision = Literal["no", "bf16"]
 Backend = Literal["auto", "gloo", "nccl"]
@@ -176,6 +242,8 @@ class Eval:
     group_size: Positive
     # Sampler settings over rollout.generation's (recipes.grpo.evaluation.check_eval_settings checks the keys).
     generation: Annotated[dict[str, Any], OPEN]
+    # A reward source's name (recipes.grpo.evaluation.accuracy_source), or null.
+    accuracy_source: str | None
 
 
 @dataclass
@@ -215,7 +283,8 @@ class Loss:
     kl_to_ref_coeff: Annotated[float, Range(ge=0)] | None
     kl_bias_correction: bool
     entropy_coeff: float
-    top_entropy_quantile: Annotated[float, Range(gt=0, le=1)]
+    # trl's range: 0 keeps the highest-entropy token(s) of the mini-batch alone, 1 every token.
+    top_entropy_quantile: Annotated[float, Range(ge=0, le=1)]
     mask_truncated_completions: bool
     off_policy_mask_threshold: Annotated[float, Range(ge=0)] | None
     sync_ref_model: bool
@@ -282,6 +351,15 @@ class Train:
     max_grad_norm: MaxGradNorm
     gradient_checkpointing: bool
     mixed_precision: MixedPrecision
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps and self.lr_scheduler not in WARMUP_SCHEDULERS:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} with lr_scheduler={self.lr_scheduler}: that schedule has no warm-up "
+                f"(transformers' get_scheduler ignores it), so the warm-up would silently not happen. Use a schedule "
+                f"that warms up ({', '.join(WARMUP_SCHEDULERS)}; trl's default is linear), e.g. "
+                "lr_scheduler=constant_with_warmup, or warmup_steps=0."
+            )
 
 
 @dataclass

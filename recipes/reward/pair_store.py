@@ -13,7 +13,6 @@ Dependencies: torch, tensordict, omegaconf.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from tensordict import TensorDict
 from recipes.common.checkpoint import write_folder_atomically
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.data import BadJsonLine, parse_json_lines
+from recipes.common.models import tokenizer_fingerprint
 from recipes.reward.pairs import LabelledPairs, drop_identical_pairs, tokenize_pairs
 
 __all__ = [
@@ -49,20 +49,6 @@ REBUILD_BUFFER = (
     "Restore the folder from a copy, or rebuild it with a run of buffer=memmap (it writes <run dir>/buffer) and point "
     "buffer.load_from at that."
 )
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """What decides the token ids a tokenizer gives, cheaply: sizes, special ids, and one hash of its vocabulary
-    and chat template. A reloaded buffer's stored ids are reused only for a tokenizer with the same fingerprint."""
-    digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    digest.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
-    return {
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "vocab_and_chat_template_sha256": digest.hexdigest(),
-    }
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -1,6 +1,7 @@
 """Every check of a ``conf/trl_grpo_torchrl_rollouts.yaml`` config that runs before any model loads: the schema
-(``recipes.trl_grpo.schema``; ``train:``'s keys against ``trl.GRPOConfig``'s fields) and every rule that crosses keys;
-each message names the setting, what was found and what to change.
+(``recipes.trl_grpo.schema``; ``train:``'s keys against ``trl.GRPOConfig``'s fields) and every rule that crosses keys,
+a resumed run's settings against the run it continues (``recipes.trl_grpo.resume``), the prompts against the policy's
+positions (tokenizer and model config only); each message names the setting, what was found and what to change.
 
 Dependencies: omegaconf, transformers, trl (for ``train:``'s keys), and the recipes' own modules.
 """
@@ -8,28 +9,40 @@ Dependencies: omegaconf, transformers, trl (for ``train:``'s keys), and the reci
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from interop.sampling import SamplingSettings
 from recipes.common.checkpoint import latest_trl_checkpoint
 from recipes.common.config import ConfigError, check_run_settings
 from recipes.common.data import load_prompt_rows
 from recipes.common.lora import validate_policy_lora
-from recipes.common.models import validate_model_node
+from recipes.common.models import load_tokenizer, validate_model_node
+from recipes.common.prompts import PromptTable, check_prompts_fit_policy
+from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
-from recipes.common.run import check_sharded_launch
+from recipes.common.run import SUMMARY_FILE, check_sharded_launch
 from recipes.common.run_folder import check_output_folder, input_paths
 from recipes.common.schema import checked_config, checked_trainer_config
+from recipes.trl_grpo.report import reward_source_names, summary_keys
+from recipes.trl_grpo.resume import checkpoint_step, resume_changes, resumed_config
+from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, stored_sources
 from recipes.trl_grpo.schema import RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
 
 __all__ = ["validate"]
 
+# The run folder's record trl's output_dir must lie in (recipes.common.run_folder.RECORDS: locked, checked, cleared).
+TRAINER_RECORD = "trainer"
+
 
 def validate(cfg: DictConfig) -> DictConfig:
-    """Every check that runs before any model loads; returns the config the run trains with (resolved once)."""
+    """Every check that runs before any model loads; returns the config the run trains with: resolved once, a resumed
+    run's own settings under its command line (``recipes.trl_grpo.resume.resumed_config``)."""
     from trl import GRPOConfig  # trl prints a notice on import: only where this recipe runs
 
+    if cfg.resume:
+        cfg = resumed_config(cfg)
     cfg = checked_config(cfg, TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", renamed=RENAMED)
     args = checked_trainer_config(cfg.train, GRPOConfig, node=GRPOTrainerNode)
     _check_trainer_settings(args)
@@ -38,22 +51,174 @@ def validate(cfg: DictConfig) -> DictConfig:
             "reward_model=none and no reward.functions: nothing would score the completions. Keep a reward model "
             "(reward_model=tiny) or add a function (reward.functions.<name>.function=<dotted path>)."
         )
+    _check_data(cfg)
+    _check_metric(cfg, args)
     validate_model_node(cfg.model, key="model", kind="policy")
     if cfg.reward_model is not None:
         validate_model_node(cfg.reward_model, key="reward_model")
     validate_policy_lora(cfg)
     _check_lora_for_trl(cfg.model.lora)
     check_run_settings(cfg)
+    _check_trainer_output_dir(cfg, args)
+    _check_rollout_mode(cfg)
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=input_paths(cfg))
     check_sharded_launch(cfg.device)
-    if cfg.resume and latest_trl_checkpoint(args.output_dir) is None:
+    _check_resume(cfg, args)
+    rows = load_prompt_rows(cfg.data, "train")
+    check_reward_functions(cfg, columns=list(rows.columns))
+    _check_prompt_lengths(cfg, rows, args)
+    if cfg.rollout.replay.load_from is not None:
+        load_replay_source(cfg, group_size=args.num_generations)
+    return cfg
+
+
+def _check_rollout_mode(cfg: DictConfig) -> None:
+    """rollout.mode=async samples the next generation batch before trl asks for it: the prompts trl will pass next
+    must be knowable, so trl reads the stream unshuffled (the TorchRL buffer shuffles), in this process only."""
+    if cfg.rollout.mode != "async":
+        return
+    if cfg.train.get("shuffle_dataset"):
+        raise ConfigError(
+            "train.shuffle_dataset=true with rollout.mode=async: trl's buffered shuffle would reorder the prompt "
+            "stream the async sampler reads ahead. Drop it (the recipe turns it off: the TorchRL prompt buffer "
+            "already draws without replacement in a new order every pass), or use rollout.mode=sync."
+        )
+    if cfg.train.get("dataloader_num_workers"):
+        raise ConfigError(
+            "train.dataloader_num_workers with rollout.mode=async: workers would draw the prompt stream in other "
+            "processes, out of the async sampler's sight. Set it to 0, or use rollout.mode=sync."
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "rollout.mode=async under a launcher: the async sampler runs beside one trainer process. Use "
+            "rollout.mode=sync with several processes."
+        )
+
+
+def load_replay_source(cfg: DictConfig, *, group_size: int):
+    """The stored rollouts ``rollout.replay.load_from`` names, refused before any model loads when the folder holds
+    none, is damaged, or was written with another tokenizer (its token ids would be other tokens) or another group
+    size. Returns the rows (``recipes.trl_grpo.rollout_store.load_rollouts``)."""
+    from recipes.common.models import load_tokenizer, tokenizer_fingerprint
+    from recipes.trl_grpo.rollout_store import DamagedRollouts, load_rollouts, stored_tokenizer
+
+    key = "rollout.replay.load_from"
+    folder = Path(str(cfg.rollout.replay.load_from)).expanduser()
+    try:
+        rows = load_rollouts(folder)
+        written_with = stored_tokenizer(folder)
+    except (FileNotFoundError, DamagedRollouts) as error:
+        raise ConfigError(f"{key}={str(folder)!r}: {error}") from None
+    ours = tokenizer_fingerprint(load_tokenizer(cfg.model, padding_side="left"))
+    if written_with != ours:
+        raise ConfigError(
+            f"{key}={str(folder)!r} was written with another tokenizer than model={cfg.model.name_or_path!r}'s "
+            f"({'no fingerprint recorded' if written_with is None else 'its vocabulary differs'}): its token ids would "
+            "be other tokens here. Load rollouts a run of this policy stored."
+        )
+    steps = rows.get("step").tolist()
+    if rows.shape[0] < group_size or any(steps[i] != steps[i - i % group_size] for i in range(len(steps))):
+        raise ConfigError(
+            f"{key}={str(folder)!r}: its rows do not come in groups of train.num_generations={group_size} (the run "
+            "that stored them sampled another group size); load rollouts stored with the same group size."
+        )
+    return rows
+
+
+def _check_trainer_output_dir(cfg: DictConfig, args) -> None:
+    """trl writes its checkpoints to ``train.output_dir`` and deletes the old ones there (``save_total_limit``):
+    only inside the run folder's ``trainer/`` do the run's lock, its check for an earlier run, ``resume`` and
+    ``overwrite=true`` cover them."""
+    record = Path(str(cfg.output_dir)).expanduser().resolve() / TRAINER_RECORD
+    given = Path(str(args.output_dir)).expanduser().resolve()
+    if given != record and record not in given.parents:
+        raise ConfigError(
+            f"train.output_dir={str(args.output_dir)!r} is outside this run's folder ({record.parent}): trl writes "
+            "its checkpoints there and deletes old ones past train.save_total_limit, where neither this run's lock "
+            "nor its checks for an earlier run (resume, overwrite=true) reach, so it could delete or overwrite "
+            f"another run's checkpoints. Drop train.output_dir (it defaults to {record}), or point it inside {record}; "
+            "to keep runs elsewhere, move the whole run (hydra.run.dir=... or output_dir=...)."
+        )
+
+
+def _check_data(cfg: DictConfig) -> None:
+    """Held-out data this recipe would never read (trl gets no eval_dataset here)."""
+    for key in ("data.eval_path", "data.eval_split"):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None:
+            raise ConfigError(
+                f"{key}={value!r}: this recipe never reads held-out data (trl gets no eval_dataset: its rollout store "
+                f"and figures would take evaluation batches for training ones), so it would be ignored. Drop {key}; "
+                "held-out evaluation of a GRPO policy: recipes/grpo_torchrl_rm.py eval.every_n_steps=N."
+            )
+
+
+def _check_metric(cfg: DictConfig, args) -> None:
+    """The metric main() returns must be one the run's summary.json will hold (known before anything trains)."""
+    metric = str(cfg.metric)
+    if "oracle" in metric and cfg.data.oracle is None:
+        raise ConfigError(
+            f"metric={metric!r} needs an oracle, but data.oracle is null for data.source={cfg.data.source!r}; "
+            "use metric=rollout/reward_mean_last."
+        )
+    known = summary_keys(cfg, args)
+    if metric not in known:
+        raise ConfigError(f"metric={metric!r} is not a summary.json entry of this run; use one of {sorted(known)}.")
+
+
+def _check_resume(cfg: DictConfig, args) -> None:
+    """A resumed run continues a whole trl checkpoint, before train.max_steps, with the run's own reward sources and
+    settings (changes named in resume_allow_changes)."""
+    if not cfg.resume:
+        return
+    checkpoint = latest_trl_checkpoint(args.output_dir)
+    if checkpoint is None:
         raise ConfigError(
             f"resume=true, but {args.output_dir} holds no trl checkpoint (checkpoint-<step>/) to continue from: "
             "the run must save them (train.save_strategy=steps, train.save_steps=N)."
         )
-    rows = load_prompt_rows(cfg.data, "train")
-    check_reward_functions(cfg, columns=list(rows.columns))
-    return cfg
+    checkpoint, step = Path(checkpoint), checkpoint_step(checkpoint)
+    if not (checkpoint / "trainer_state.json").is_file():
+        raise ConfigError(
+            f"The newest trl checkpoint, {checkpoint}, is incomplete: it has no trainer_state.json, which trl writes "
+            "last (the run was stopped while saving it). Delete that folder to resume from the checkpoint before it, "
+            "or start afresh (overwrite=true)."
+        )
+    if step > args.max_steps:
+        raise ConfigError(
+            f"train.max_steps={args.max_steps} is below the step of the checkpoint to resume ({step}, {checkpoint}): "
+            f"the run is past it. Pass train.max_steps >= {step} to continue it, or start a new run in another folder."
+        )
+    if step == args.max_steps and not (Path(cfg.output_dir) / SUMMARY_FILE).is_file():
+        raise ConfigError(
+            f"The checkpoint to resume, {checkpoint}, is the run's last step (train.max_steps={args.max_steps}), but "
+            f"the run stopped before writing its model/ and {SUMMARY_FILE}: nothing is left to train. Raise "
+            f"train.max_steps to train further, or take the trained weights from {checkpoint}."
+        )
+    if (Path(cfg.output_dir) / "metrics.csv").is_file():
+        read_metrics_rows(Path(cfg.output_dir) / "metrics.csv")  # a damaged file is named now, not after loading
+    stored = stored_sources(Path(cfg.output_dir) / ROLLOUTS_DIR)
+    if stored is not None and stored != reward_source_names(cfg):
+        raise ConfigError(
+            f"resume=true with the reward sources {reward_source_names(cfg)}, but the run's stored rollouts "
+            f"({Path(cfg.output_dir) / ROLLOUTS_DIR}) were scored by {stored}: a part with other reward columns "
+            "could not be read with them as one table. Resume with the run's reward_model and reward.functions, or "
+            "start a new run in another folder."
+        )
+    check_resume_changes(resume_changes(cfg), allowed=cfg.resume_allow_changes)
+
+
+def _check_prompt_lengths(cfg: DictConfig, rows, args) -> None:
+    """Prompts the policy cannot read whole with ``train.max_completion_length`` tokens after them (tokenizer and model
+    config only: before any weights load)."""
+    tokenizer = load_tokenizer(cfg.model, padding_side="left")
+    table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.system_prompt)
+    check_prompts_fit_policy(
+        table.rendered_lengths(),
+        cfg.model,
+        max_new_tokens=args.max_completion_length,
+        max_new_tokens_key="train.max_completion_length",
+    )
 
 
 def _check_lora_for_trl(lora) -> None:

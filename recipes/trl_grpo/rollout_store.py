@@ -14,7 +14,7 @@ the next part, so nothing written before the kill is overwritten). A part holds
   conversation keeps its system prompt and earlier turns.
 - ``progress.json`` (replaced atomically before and after every batch): the rows written, the rows being written
   (``writing``), the capacity and the rows dropped (the storage is a ring of ``max_rows`` entries: the oldest go
-  first), the reward sources' names, the widths.
+  first), the completion tokens written, the reward sources' names, the widths.
 
 Readers never see a half-written row: :func:`load_rollouts` reads ``progress.json``, then the storage, then
 ``progress.json`` again, and keeps only rows written before its first read and not overwritten by a batch begun before
@@ -23,7 +23,8 @@ its last (each kept slot's ``row`` must be the row it should hold). A damaged pa
 file, never read as zeros.
 
 :class:`RolloutStore` writes a part; :func:`load_rollouts` reads every part of every process back as one TensorDict in
-the order they were written; :func:`texts` decodes its text columns and :func:`prompts` its whole prompts.
+the order they were written; :func:`texts` decodes its text columns and :func:`prompts` its whole prompts;
+:func:`stored_totals` counts what the folder holds without reading the rows.
 
 Dependencies: torch, tensordict, torchrl.
 """
@@ -42,7 +43,17 @@ from torchrl.data import LazyMemmapStorage, ReplayBuffer
 from interop.rollout_func import message_text
 from recipes.common.config import RunStopped
 
-__all__ = ["ROLLOUTS_DIR", "DamagedRollouts", "RolloutStore", "load_rollouts", "prompts", "texts", "texts_cut"]
+__all__ = [
+    "ROLLOUTS_DIR",
+    "DamagedRollouts",
+    "RolloutStore",
+    "load_rollouts",
+    "prompts",
+    "stored_sources",
+    "stored_totals",
+    "texts",
+    "texts_cut",
+]
 
 ROLLOUTS_DIR = "rollouts"
 PROGRESS_FILE = "progress.json"
@@ -98,6 +109,8 @@ class RolloutStore:
         source_names: the reward sources, in the order of the ``rewards`` column.
         max_text_bytes: the bytes kept of each prompt's and completion's text.
         pad_token_id: the pad of the id columns.
+        tokenizer: the fingerprint of the tokenizer that made the ids (``recipes.common.models.tokenizer_fingerprint``),
+            which a run loading the folder's groups checks against its own.
     """
 
     def __init__(
@@ -111,6 +124,7 @@ class RolloutStore:
         source_names: list[str],
         max_text_bytes: int,
         pad_token_id: int,
+        tokenizer: dict | None = None,
     ) -> None:
         rank_dir = Path(folder) / f"rank_{rank}"
         rank_dir.mkdir(parents=True, exist_ok=True)
@@ -120,6 +134,7 @@ class RolloutStore:
         self.buffer = ReplayBuffer(storage=LazyMemmapStorage(max_rows, scratch_dir=self.folder / STORAGE_DIR))
         self.max_rows, self.prompt_width, self.completion_width = max_rows, prompt_width, completion_width
         self.source_names, self.max_text_bytes, self.pad_token_id = list(source_names), max_text_bytes, pad_token_id
+        self.tokenizer = tokenizer
         self.rows = 0
         self.tokens = 0  # completion tokens written
         self.last_step = 0
@@ -127,8 +142,9 @@ class RolloutStore:
     def extend(self, rows: TensorDictBase) -> None:
         """Appends the rows ``interop.TorchRLRolloutFunc`` writes for one scored generation batch (ragged, one per
         completion, in order: ids, log-probs, ``prompt``, ``completion_text``, ``rewards``, ``reward``,
-        ``advantage``, ``step``): the store's ``replay_buffer`` face. ``step`` there counts the updates the sampling
-        weights had had; here it is the optimizer step the batch trains first (that + 1)."""
+        ``advantage``, ``step``, ``train_step``): the store's ``replay_buffer`` face. ``step`` there counts the updates
+        the sampling weights had had (kept as ``policy_version``); here ``step`` is the optimizer step the batch
+        trains first (``train_step`` + 1: one more than the sampler's in async mode)."""
         pad = self.pad_token_id
         prompt_rows = rows.get("prompt_ids", as_list=True)
         completion_rows = rows.get("completion_ids", as_list=True)
@@ -152,7 +168,8 @@ class RolloutStore:
             rewards=rows.get("rewards"),
             reward=rows.get("reward"),
             advantages=rows.get("advantage"),
-            step=int(rows.get("step")[0]) + 1,
+            step=int(rows.get("train_step", rows.get("step"))[0]) + 1,
+            policy_version=int(rows.get("step")[0]),
         )
 
     def write(
@@ -165,6 +182,7 @@ class RolloutStore:
         reward: torch.Tensor,
         advantages: torch.Tensor,
         step: int,
+        policy_version: int | None = None,
     ) -> None:
         """Appends one generation batch: ``rollout`` as ``interop.TorchRLRolloutFunc.rollout`` returns it, the prompts
         as trl passed them (strings or message lists, kept whole), the completions' text, and the scores trl gave it
@@ -197,6 +215,8 @@ class RolloutStore:
                 "reward": reward.detach().float().cpu().reshape(batch),
                 "advantage": advantages.detach().float().cpu().reshape(batch),
                 "step": torch.full((batch,), step, dtype=torch.long),
+                # The updates the sampling weights had had: step - 1, or fewer in async mode (the lag).
+                "policy_version": torch.full((batch,), step - 1 if policy_version is None else policy_version),
                 "row": torch.arange(self.rows, self.rows + batch),
                 "prompt_text": prompt_text,
                 "prompt_text_length": prompt_text_length,
@@ -241,7 +261,9 @@ class RolloutStore:
                 "completion_width": self.completion_width,
                 "max_text_bytes": self.max_text_bytes,
                 "pad_token_id": self.pad_token_id,
+                "tokenizer": self.tokenizer,
                 "last_step": self.last_step,
+                "tokens_written": self.tokens,
             },
         )
 
@@ -299,13 +321,16 @@ def _check_storage_files(storage: Path) -> None:
             )
 
 
-def _read_part(part: Path) -> tuple[TensorDictBase, dict] | None:
-    """The part's rows that were whole while read (oldest first, off the memmap), with its progress."""
+def _read_part(part: Path, columns: tuple[str, ...] | None = None) -> tuple[TensorDictBase, dict] | None:
+    """The part's rows that were whole while read (oldest first, off the memmap), with its progress; ``columns``:
+    only those (and ``row`` and ``step``) are read."""
     before = _read_progress(part)
     if before is None or before["rows_written"] == 0:
         return None
     _check_storage_files(part / STORAGE_DIR)
     stored = TensorDict.load_memmap(part / STORAGE_DIR, allow_pickle=False)
+    if columns is not None:
+        stored = stored.select(*{*columns, "row", "step"})
     capacity, written = before["capacity"], before["rows_written"]
     slots = stored[: min(written, capacity)].clone()
     after = _read_progress(part)
@@ -341,23 +366,66 @@ def load_rollouts(folder: str | os.PathLike) -> TensorDict:
         raise FileNotFoundError(
             f"load_rollouts: {folder} holds no stored rollouts: it is not a folder (pass a run's rollouts/)."
         )
-    ranks = sorted(folder.glob("rank_*"), key=lambda path: int(path.name.removeprefix("rank_")))
-    tables = []
-    for rank_dir in ranks:
-        parts = sorted(rank_dir.glob("part_*"), key=lambda path: int(path.name.removeprefix("part_")))
-        read = [found for found in map(_read_part, parts) if found is not None]
-        for index, (rows, progress) in enumerate(read):
-            later = [int(other.get("step").min()) for other, _ in read[index + 1 :] if other.shape[0]]
-            if later:
-                rows = rows[rows.get("step") < min(later)]
-            if rows.shape[0]:
-                rows.set("rank", torch.full((rows.shape[0],), int(rank_dir.name.removeprefix("rank_"))))
-                tables.append((rows, progress))
+    tables = [(rows, progress) for rows, progress, _ in _kept_parts(folder) if rows.shape[0]]
     if not tables:
         raise FileNotFoundError(f"load_rollouts: {folder} holds no stored rollouts (no rank_*/part_*/progress.json).")
     table = torch.cat(_same_widths(tables))
     order = torch.argsort(table.get("step") * (table.get("rank").max() + 1) + table.get("rank"), stable=True)
     return table[order]
+
+
+def _kept_parts(folder: Path, columns: tuple[str, ...] | None = None) -> list[tuple[TensorDictBase, dict, int]]:
+    """Every part's rows that :func:`load_rollouts` keeps (a resumed part replaces the steps an earlier one wrote
+    from the step it resumed at), with the part's progress and its rows before that cut, rank by rank."""
+    kept = []
+    for rank_dir in sorted(folder.glob("rank_*"), key=lambda path: int(path.name.removeprefix("rank_"))):
+        parts = sorted(rank_dir.glob("part_*"), key=lambda path: int(path.name.removeprefix("part_")))
+        read = [found for found in (_read_part(part, columns) for part in parts) if found is not None]
+        for index, (rows, progress) in enumerate(read):
+            held = rows
+            later = [int(other.get("step").min()) for other, _ in read[index + 1 :] if other.shape[0]]
+            if later:
+                rows = rows[rows.get("step") < min(later)]
+            rows.set("rank", torch.full((rows.shape[0],), int(rank_dir.name.removeprefix("rank_"))))
+            kept.append((rows, progress, held))
+    return kept
+
+
+def stored_totals(folder: str | os.PathLike) -> dict[str, int]:
+    """What a run's ``rollouts/`` folder holds, over every part of every process, reading only the ``step`` and
+    ``completion_length`` columns: ``rows`` (each step's completions once, as :func:`load_rollouts` reads them),
+    ``rows_dropped`` (by the parts' rings of ``max_rows``) and ``tokens`` (the completion tokens generated, those of
+    steps a resumed part trained again included). Zeros for a folder that holds none.
+
+    Raises:
+        DamagedRollouts: a part whose files disagree, named.
+    """
+    folder = Path(folder)
+    totals = {"rows": 0, "rows_dropped": 0, "tokens": 0}
+    if not folder.is_dir():
+        return totals
+    for rows, progress, held in _kept_parts(folder, columns=("completion_length",)):
+        totals["rows"] += rows.shape[0]
+        totals["rows_dropped"] += int(progress.get("rows_dropped", 0))
+        # Parts written before the store counted its tokens: those of the rows it still holds.
+        totals["tokens"] += int(progress.get("tokens_written", int(held.get("completion_length").sum())))
+    return totals
+
+
+def stored_sources(folder: str | os.PathLike) -> list[str] | None:
+    """The reward sources (names, in the order of the ``rewards`` column) of the newest part of a run's
+    ``rollouts/`` folder that wrote rows; ``None`` if it holds none (or names none). A resumed run must score with the
+    same ones: parts scored by other sources cannot be read as one table."""
+    found = None
+    for progress_file in sorted(Path(folder).glob(f"rank_0/part_*/{PROGRESS_FILE}"), key=_part_number):
+        progress = _read_progress(progress_file.parent)
+        if progress is not None and progress["rows_written"] and "sources" in progress:
+            found = list(progress["sources"])
+    return found
+
+
+def _part_number(progress_file: Path) -> int:
+    return int(progress_file.parent.name.removeprefix("part_"))
 
 
 # Columns whose width is a setting of the part that wrote them, and the side their padding goes.
@@ -433,3 +501,10 @@ def texts(rows: TensorDictBase, name: str) -> list[str]:
         message_text(json.loads(text)) if not cut else text
         for text, cut in zip(stored, _cut(rows, "prompt"), strict=True)
     ]
+
+
+def stored_tokenizer(folder: str | os.PathLike) -> dict | None:
+    """The tokenizer fingerprint the newest part of a rollouts folder recorded (``None``: not recorded)."""
+    parts = sorted(Path(folder).glob("rank_*/part_*"), key=lambda path: (path.parent.name, int(path.name[5:])))
+    progress = _read_progress(parts[-1]) if parts else None
+    return (progress or {}).get("tokenizer")

@@ -35,11 +35,31 @@ class RolloutStore:
 
 
 @dataclass
+class Replay:
+    """Rollouts that train again (``interop.GroupReplay``): groups whose rewards all tie train on stored ones."""
+
+    enabled: bool
+    capacity: Positive
+    alpha: Annotated[float, Range(ge=0)]
+    # A rollouts/ folder another run stored (<run>/rollouts): its groups fill the replay before the first step.
+    load_from: str | None
+
+    def __post_init__(self) -> None:
+        if self.load_from is not None and not self.enabled:
+            raise ValueError("load_from is set but enabled=false: set enabled=true to train on the loaded groups.")
+
+
+@dataclass
 class Rollout:
-    """How rollouts are made and kept: the prompt stream TorchRL samples for, and the store of what trl trained on
-    (the sampling settings are trl's own, under ``train:``)."""
+    """How rollouts are made and kept: the prompt stream TorchRL samples for, when it samples (sync, or one
+    generation batch ahead of trl's update), what trains again, and the store of what trl trained on (the sampling
+    settings are trl's own, under ``train:``)."""
 
     prompts_per_draw: Positive
+    mode: Literal["sync", "async"]
+    max_policy_lag: Annotated[int, Range(ge=0)]
+    sampler_threads: Positive
+    replay: Replay
     store: RolloutStore
 
 
@@ -66,6 +86,8 @@ class TrlGRPORecipeConfig:
     metric: str
     resume: bool
     overwrite: bool
+    # Settings a resumed run may change beyond the free ones (recipes.trl_grpo.resume.RESUME_FREE_KEYS).
+    resume_allow_changes: list[str]
     system_prompt: str | None
     rollout: Rollout
     reward: Reward
@@ -94,3 +116,34 @@ class GRPOTrainerNode(TrainerNode):
             "{key} (or use trl's own GRPOTrainer for vLLM generation)."
         ),
     ]
+    # The recipe decides these itself: a value here would be replaced, or would start another run than this one.
+    reward_weights: Annotated[
+        None,
+        Hint(
+            "{key}={value}: the recipe sets trl's reward weights from reward.model_weight (the reward model's) and "
+            "reward.functions.<name>.weight (each function's), in that order; drop {key} and set those."
+        ),
+    ]
+    resume_from_checkpoint: Annotated[
+        None,
+        Hint(
+            "{key}={value}: a run resumes with resume=true, which continues this run folder from the newest of its "
+            "trl checkpoints (train.output_dir/checkpoint-<step>) with its own settings; drop {key}. To start a "
+            "new run from a checkpoint's weights, point model.name_or_path at that checkpoint folder."
+        ),
+    ]
+    lr_scheduler_type: str
+    warmup_steps: Annotated[float, Range(ge=0)]
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps and self.lr_scheduler_type in _IGNORE_WARMUP:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps:g} with lr_scheduler_type={self.lr_scheduler_type}: that schedule "
+                "ignores warm-up (transformers builds it without the warm-up steps), so the run would start at the "
+                "full learning rate. Use lr_scheduler_type=constant_with_warmup (warm-up, then constant) or linear "
+                "(warm-up, then decay), or warmup_steps=0."
+            )
+
+
+# transformers' schedules built without num_warmup_steps (transformers.optimization.get_scheduler).
+_IGNORE_WARMUP = ("constant", "reduce_lr_on_plateau", "greedy")

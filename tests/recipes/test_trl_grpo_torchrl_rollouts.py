@@ -14,26 +14,21 @@ import sys
 import pytest
 import torch
 from _processes import free_port, kill_recipe_run_when
-from _small_runs import REPO_ROOT, read_metrics
+from _small_runs import REPO_ROOT, TRL_SMALL, read_metrics
 from transformers import AutoTokenizer
+from trl import GRPOConfig
 
 import recipes.trl_grpo_torchrl_rollouts as recipe
 from interop import TorchRLRolloutFunc
 from interop.sampling import CausalLMSampler, SamplingSettings
 from interop.trl_grpo import TorchRLGRPOTrainer
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, RunStopped
+from recipes.common.schema import trainer_config_view
 from recipes.common.synthetic import make_prompts
 from recipes.trl_grpo.rollout_store import load_rollouts, texts
 
-# 3 steps of 8 completions (2 prompts x 4) of at most 8 tokens, 16 prompts.
-SMALL = [
-    "train.max_steps=3",
-    "train.per_device_train_batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=8",
-    "data.num_train_prompts=16",
-    "rollout.prompts_per_draw=8",
-]
+SMALL = TRL_SMALL  # 3 steps of 8 completions (2 prompts x 4) of at most 8 tokens, 16 prompts.
+SMALL_ON_A_FILE = [override for override in SMALL if not override.startswith("data.")]
 
 
 def _capture_batches(monkeypatch) -> list[dict]:
@@ -57,10 +52,14 @@ def _capture_batches(monkeypatch) -> list[dict]:
 
 
 def test_stored_rollouts_are_exactly_what_trl_trained_on(compose_config, tmp_path, monkeypatch):
+    from recipes.trl_grpo.report import summary_keys
+
     batches = _capture_batches(monkeypatch)
     cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", "logger=csv"])
+    expected_keys = summary_keys(cfg, trainer_config_view(cfg.train, GRPOConfig))
     summary = recipe.train(cfg)
 
+    assert set(summary) == expected_keys  # what metric= is checked against before the run
     assert summary["train/steps"] == 3 and summary["rollouts/rows"] == 24 and summary["rollouts/rows_dropped"] == 0
     stored = load_rollouts(tmp_path / "rollouts")
     assert stored.shape[0] == 24 and len(batches) == 3
@@ -181,6 +180,21 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         (["+train.eval_strategy=steps", "+train.eval_steps=1"], "this recipe hands trl no eval_dataset yet"),
         (["dtype=float8"], "dtype='float8': expected one of"),
         (["train.max_grad_norm=-1"], "train.max_grad_norm=-1 must be >= 0 (the largest gradient norm kept)"),
+        (["+train.reward_weights=[5.0]"], "from reward.model_weight (the reward model's) and reward.functions"),
+        (["+train.resume_from_checkpoint=/tmp/checkpoint-2"], "a run resumes with resume=true"),
+        (["train.warmup_steps=5"], "train.warmup_steps=5 with train.lr_scheduler_type=constant: that schedule ignores"),
+        (["train.warmup_steps=0.1"], "Use train.lr_scheduler_type=constant_with_warmup (warm-up, then constant)"),
+        (["metric=rollout/reward_mena_last"], "metric='rollout/reward_mena_last' is not a summary.json entry"),
+        (
+            [
+                "reward_model=none",
+                "+reward.functions.length.function=_reward_functions.length_reward",
+                "metric=rollout/rewards/reward_model/mean_last",
+            ],
+            "'rollout/rewards/length/mean_last'",
+        ),
+        (["train.beta=0", "metric=train/kl_to_ref_last"], "metric='train/kl_to_ref_last' is not a summary.json"),
+        (["data=arithmetic", "metric=rollout/oracle_mean_last"], "needs an oracle, but data.oracle is null"),
     ],
 )
 def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):
@@ -192,6 +206,89 @@ def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_pat
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         recipe.train(cfg)
     assert loads == []
+
+
+def test_warm_up_with_a_schedule_that_warms_up_and_a_known_metric_are_accepted(compose_config, tmp_path):
+    from recipes.trl_grpo.checks import validate
+
+    overrides = ["train.warmup_steps=2", "train.lr_scheduler_type=constant_with_warmup", "metric=train/loss_last"]
+    cfg = validate(compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", *overrides]))
+    assert cfg.train.warmup_steps == 2 and cfg.metric == "train/loss_last"
+
+
+def test_a_trainer_folder_outside_the_run_folder_is_refused(compose_config, tmp_path, monkeypatch):
+    """Run B given run A's trainer folder would delete and overwrite A's checkpoints (save_total_limit): refused,
+    naming the folder and the fix, before anything loads or is written."""
+    loads = []
+    monkeypatch.setattr(recipe, "load_causal_lm", lambda *args, **kwargs: loads.append(1))
+    (tmp_path / "a" / "trainer" / "checkpoint-2").mkdir(parents=True)
+    overrides = [f"output_dir={tmp_path / 'b'}", f"train.output_dir={tmp_path / 'a' / 'trainer'}"]
+    cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL, *overrides, "+train.save_total_limit=1"])
+    message = rf"train.output_dir='{tmp_path / 'a' / 'trainer'}' is outside this run's folder \({tmp_path / 'b'}\)"
+    with pytest.raises(ConfigError, match=message + r".*Drop train.output_dir"):
+        recipe.train(cfg)
+    assert loads == [] and not (tmp_path / "b").exists() and (tmp_path / "a" / "trainer" / "checkpoint-2").is_dir()
+
+
+def test_held_out_data_the_recipe_never_reads_is_refused(compose_config, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Review the mug {i}."}) + "\n" for i in range(8)))
+    overrides = ["data=file", f"data.path={data}", f"data.eval_path={data}", "metric=rollout/reward_mean_last"]
+    cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL_ON_A_FILE, f"output_dir={tmp_path / 'run'}", *overrides])
+    with pytest.raises(ConfigError, match=r"data.eval_path='.*prompts.jsonl': this recipe never reads held-out data"):
+        recipe.train(cfg)
+
+
+def test_prompts_too_long_for_the_policy_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch):
+    loads = []
+    monkeypatch.setattr(recipe, "load_causal_lm", lambda *args, **kwargs: loads.append(1))
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "Review the mug."}] * 7 + [{"prompt": "Review the mug, " * 80 + "then the kettle."}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = ["data=file", f"data.path={data}", "metric=rollout/reward_mean_last"]
+    cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL_ON_A_FILE, f"output_dir={tmp_path / 'run'}", *overrides])
+    with pytest.raises(
+        ConfigError,
+        match=r"1 of 8 prompts \(rows \[7\]\) are too long for the policy: .* with "
+        r"train.max_completion_length=8 the sequence passes the 256 positions",
+    ):
+        recipe.train(cfg)
+    assert loads == []
+
+
+def test_a_non_finite_reward_stops_the_run_naming_its_source_before_anything_is_saved(compose_config, tmp_path):
+    """1e39 is a finite Python float but infinite in trl's float32 rewards: trl would train a zero loss on it and save
+    the model."""
+    overrides = ["reward_model=none", "+reward.functions.huge.function=_reward_functions.huge_reward"]
+    cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", *overrides])
+    with pytest.raises(RunStopped, match=r"reward function reward.functions.huge returned 1e\+39 for row 0 at step 1"):
+        recipe.train(cfg)
+    assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
+
+
+def test_a_non_finite_reward_model_score_stops_the_run_naming_the_reward_model(compose_config, tmp_path, monkeypatch):
+    load_reward_model = recipe.load_reward_model
+
+    def overflowing(*args, **kwargs):
+        model = load_reward_model(*args, **kwargs)
+        model.score.weight.data.fill_(float("inf"))
+        return model
+
+    monkeypatch.setattr(recipe, "load_reward_model", overflowing)
+    cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}"])
+    with pytest.raises(RunStopped, match=r"The reward model \(reward_model.name_or_path='.*reward_model'\) gave 8 "):
+        recipe.train(cfg)
+    assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
+
+
+def test_the_rollout_count_is_what_the_store_holds(compose_config, tmp_path, caplog):
+    """A ring of 4 rows keeps the newest 4 of 24: the summary and the closing line count what the store holds."""
+    cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", "rollout.store.max_rows=4"])
+    with caplog.at_level("INFO"):
+        summary = recipe.train(cfg)
+    assert summary["rollouts/rows"] == 4 == load_rollouts(tmp_path / "rollouts").shape[0]
+    assert summary["rollouts/rows_dropped"] == 20
+    assert f"4 rollouts in {tmp_path / 'rollouts'} (the 20 oldest dropped" in caplog.text
 
 
 def test_model_lora_trains_adapters_that_the_torchrl_sampler_samples_with(compose_config, tmp_path, monkeypatch):
@@ -249,6 +346,7 @@ def test_a_folder_holding_another_runs_rollouts_is_refused(compose_config, tmp_p
 
 @pytest.mark.slow
 def test_the_default_run_raises_the_oracle(compose_config, tmp_path):
+    """By at least 0.6 in 30 steps: 0.87-1.01 over seeds 0-4 (library sampler of 2026-12-03)."""
     summary = recipe.train(compose_config("trl_grpo_torchrl_rollouts", [f"output_dir={tmp_path}"]))
     assert summary["train/steps"] == 30
     assert summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"] >= 0.6, summary
@@ -256,8 +354,9 @@ def test_the_default_run_raises_the_oracle(compose_config, tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_sigkill_continues_from_trls_checkpoint(compose_config, tmp_path):
-    """Killed after its step-2 checkpoint, the run resumes from it; the stored rollouts keep each step once, the
-    resumed part's for the steps it trained again."""
+    """Killed after its step-2 checkpoint (and step 3's log), the run resumes from it; the stored rollouts keep each
+    step once, the resumed part's for the steps it trained again; metrics.csv holds each step once; the summary covers
+    the whole run (its first figures are the killed part's) and counts every part's rows."""
     run_dir = tmp_path / "run"
     overrides = [*SMALL, "train.max_steps=6", "train.save_strategy=steps", "train.save_steps=2", "logger=csv"]
 
@@ -269,6 +368,7 @@ def test_resume_after_sigkill_continues_from_trls_checkpoint(compose_config, tmp
     recipe_run = [*overrides, f"hydra.run.dir={run_dir}"]
     kill_recipe_run_when("trl_grpo_torchrl_rollouts.py", recipe_run, ready=checkpoint_2_and_step_3_done)
 
+    first_part = read_metrics(run_dir)[0]
     summary = recipe.train(
         compose_config("trl_grpo_torchrl_rollouts", [*overrides, f"output_dir={run_dir}", "resume=true"])
     )
@@ -277,6 +377,11 @@ def test_resume_after_sigkill_continues_from_trls_checkpoint(compose_config, tmp
     assert sorted(set(stored["step"].tolist())) == [1, 2, 3, 4, 5, 6]
     assert stored.shape[0] == 6 * 8, "each step's completions once"
     assert (run_dir / "rollouts" / "rank_0" / "part_1").is_dir()
+    assert [row["step"] for row in read_metrics(run_dir)] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    for name in ("rollout/reward_mean", "rollout/oracle_mean", "train/loss"):
+        assert summary[f"{name}_first"] == pytest.approx(first_part[name]), name
+    assert summary["rollouts/rows"] == 6 * 8
+    assert json.loads((run_dir / "resumes.jsonl").read_text())["step"] == 2
 
 
 @pytest.mark.slow
@@ -307,3 +412,4 @@ def test_two_processes_each_generate_and_store_their_own_rollouts(tmp_path):
         assert sorted(set(mine["step"].tolist())) == [1, 2, 3]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["train/steps"] == 3
+    assert summary["rollouts/rows"] == 2 * 3 * 8, "every process's rows"

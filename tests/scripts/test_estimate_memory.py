@@ -185,3 +185,23 @@ def test_an_adapter_reward_model_is_estimated_as_its_base(tiny_dir, tmp_path):
     plain = estimate_memory.main(["--prompt-tokens", "16"])
     with_adapter = estimate_memory.main(["--prompt-tokens", "16", f"reward_model.name_or_path={tmp_path / 'adapter'}"])
     assert with_adapter["reward_model"] == plain["reward_model"]
+
+
+def test_eval_sampling_is_counted_where_it_holds_more_than_the_rollout():
+    """The evaluation samples eval.group_size answers to each of responses_per_step / eval.group_size prompts in one
+    decoding loop: with a larger group than the step's responses, its KV cache outgrows the rollout's, and the peak
+    counts it (it was left out)."""
+    no_eval = ["eval.every_n_steps=null", "metric=rollout/reward_mean_last"]
+    off = estimate_memory.main(["--prompt-tokens", "16", "experiment=arithmetic", *no_eval])
+    assert off["eval_generation_kv_cache"] == 0
+    same = estimate_memory.main(["--prompt-tokens", "16", "experiment=arithmetic"])  # 16 prompts x 4 answers
+    assert same["eval_generation_kv_cache"] == same["generation_kv_cache"] and same["peak"] == off["peak"]
+    large = estimate_memory.main(["--prompt-tokens", "16", "experiment=arithmetic", "eval.group_size=4096"])
+    assert large["eval_generation_kv_cache"] == 64 * large["generation_kv_cache"]  # 1 prompt x 4096 answers, not 64
+    persistent = sum(large[key] for key in ("parameters", "optimizer", "reference_model", "reward_model"))
+    assert large["eval_generation_kv_cache"] > large["update_phase"]
+    assert large["peak"] == persistent + large["eval_generation_kv_cache"]
+    longer = estimate_memory.main(
+        ["--prompt-tokens", "16", "experiment=arithmetic", "eval.generation.max_new_tokens=40"]
+    )
+    assert longer["eval_generation_kv_cache"] == same["eval_generation_kv_cache"] * (16 + 40) / (16 + 12)

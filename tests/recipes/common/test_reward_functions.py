@@ -364,3 +364,27 @@ def test_a_reward_module_in_the_folder_the_run_starts_from_is_found(tmp_path, re
     )
     log = (tmp_path / "b" / "grpo_torchrl_rm.log").read_text()
     assert missing.returncode == 1 and f"no module my_reward in {tmp_path}" in log and "PYTHONPATH" in log
+
+
+def test_log_metric_and_log_extra_are_kept_for_the_batch_and_a_short_column_is_refused(tiny_policy):
+    """What a function hands trl's callbacks is kept (RewardLogs) until whoever reports the batch takes it; a column
+    without one value per completion names the function (trl would misalign its completions table)."""
+    _, tokenizer = tiny_policy
+
+    def logs(completions, log_metric, log_extra, **kwargs):
+        log_metric("calls", 1.0)
+        log_extra("length", [len(c[0]["content"]) for c in completions])
+        return [0.0] * len(completions)
+
+    def short(completions, log_extra, **kwargs):
+        log_extra("length", [1])
+        return [0.0] * len(completions)
+
+    step = _dense_step(_completion_ids(tokenizer), tokenizer.pad_token_id)
+    adapter = _adapter(logs, tokenizer)
+    adapter(step)
+    metrics, columns = adapter.logs.pop()
+    assert metrics == {"calls": [1.0]} and len(columns["length"]) == 2 * GROUP
+    assert adapter.logs.pop() == ({}, {})
+    with pytest.raises(RuntimeError, match=r"reward.functions.recorder logged 1 values of the column 'length'"):
+        _adapter(short, tokenizer)(step)

@@ -35,7 +35,7 @@ SMALL = [*GRPO_SMALL, "logger=csv"]
         (["train.gradient_accumulation_steps=3"], r"train.gradient_accumulation_steps=3 does not divide the 2 mini"),
         (["train.lr_scheduler=warmup_stable_decay"], r"train.lr_scheduler='warmup_stable_decay': expected one of"),
         (["train.warmup_steps=1.5"], r"train.warmup_steps=1.5 must be >= 0 and < 1"),
-        (["loss.top_entropy_quantile=0"], r"loss.top_entropy_quantile=0 must be > 0 and <= 1"),
+        (["loss.top_entropy_quantile=1.5"], r"loss.top_entropy_quantile=1.5 must be >= 0 and <= 1"),
         (["loss.delta=0.9"], r"loss.delta=0.9 must be > 1"),
     ],
 )
@@ -148,7 +148,7 @@ def test_a_schedule_and_accumulation_resume_as_the_run_would_have_gone(compose_c
 
 
 def test_truncated_responses_are_counted_and_masked_with_a_warning_when_all_are(compose_config, tmp_path, caplog):
-    overrides = ["train.steps=1", "loss.mask_truncated_completions=true", "+rollout.generation.min_new_tokens=8"]
+    overrides = ["train.steps=1", "loss.mask_truncated_completions=true", "rollout.generation.min_new_tokens=8"]
     with caplog.at_level("WARNING"):
         recipe.train(compose_config("grpo_torchrl_rm", [*SMALL, *overrides, f"output_dir={tmp_path}"]))
     (row,) = read_metrics(tmp_path)
@@ -172,9 +172,10 @@ def test_truncated_responses_are_counted_and_masked_with_a_warning_when_all_are(
     ids=lambda overrides: " ".join(overrides),
 )
 def test_every_loss_type_learns_the_default_task(compose_config, tmp_path, overrides):
-    """The default task and step count, seed 0: the (well-formed) oracle of the sampled reviews rises by at least 0.7
-    (from 0.08; GSPO, the slowest, ends at 0.81)."""
+    """The default task and step count: the (well-formed) oracle of the sampled reviews rises by at least 0.4, a
+    margin that holds on any seed: over seeds 0-4 of every variant here the smallest rise was 0.50 (dr_grpo, seed 3;
+    cispo 0.54 on seed 2; the median 0.93, from about -0.05 to 0.9), with the library sampler of 2026-12-03."""
     summary = recipe.train(
         compose_config("grpo_torchrl_rm", [*overrides, "progress_bar=false", f"output_dir={tmp_path}"])
     )
-    assert summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"] >= 0.7
+    assert summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"] >= 0.4

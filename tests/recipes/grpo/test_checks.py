@@ -49,7 +49,7 @@ def test_a_key_the_recipe_does_not_read_is_refused_with_the_nearest(
         ("model.lora.alpha=true", r"model.lora.alpha=True: expected a number"),
         ("train.steps=ten", r"train.steps='ten': expected an integer"),
         ("rollout.generation.temperature=nan", r"rollout.generation.temperature=nan: not a finite number"),
-        ("+rollout.generation.repetition_penalty=nan", r"rollout.generation.repetition_penalty=nan: not a finite"),
+        ("rollout.generation.repetition_penalty=nan", r"rollout.generation.repetition_penalty=nan: not a finite"),
         ("loss.kl_to_ref_coeff=nan", r"loss.kl_to_ref_coeff=nan: not a finite number"),
         ("loss.clip_epsilon=inf", r"loss.clip_epsilon=inf: not a finite number"),
         ("optimizer.betas=[1.5,0.9]", r"optimizer.betas\[0\]=1.5 must be >= 0 and < 1"),
@@ -202,3 +202,206 @@ def test_a_non_finite_reward_stops_the_run_naming_its_source(compose_config, tmp
     with pytest.raises(ValueError, match=r"the reward model 'NaNRewardModel' gave 4 non-finite reward\(s\)"):
         recipe.train(compose_config("grpo_torchrl_rm", run))
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_warm_up_with_a_schedule_that_ignores_it_is_refused(compose_config, tmp_path, nothing_loads):
+    """train.warmup_steps with the default constant schedule warmed nothing up (trl's default schedule is linear)."""
+    with pytest.raises(ConfigError) as error:
+        recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", "train.warmup_steps=5"]))
+    message = str(error.value)
+    assert message.startswith("train.warmup_steps=5 with train.lr_scheduler=constant: that schedule has no warm-up")
+    assert "constant_with_warmup, linear, cosine" in message and "train.warmup_steps=0" in message
+    for schedule in ("constant_with_warmup", "linear", "cosine"):
+        cfg = validate(
+            compose_config(
+                "grpo_torchrl_rm",
+                [*GRPO_SMALL, f"output_dir={tmp_path}", "train.warmup_steps=5", f"train.lr_scheduler={schedule}"],
+            )
+        )
+        assert cfg.train.warmup_steps == 5
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fix"),
+    [
+        (
+            "+loss.beta=0.1",
+            "loss.beta",
+            "trl.GRPOConfig's beta is loss.kl_to_ref_coeff here: set loss.kl_to_ref_coeff=0.1.",
+        ),
+        ("+beta=0.04", "beta", "set loss.kl_to_ref_coeff=0.04."),
+        ("+rollout.num_generations=4", "rollout.num_generations", "set rollout.group_size=4."),
+        ("+loss.epsilon=0.3", "loss.epsilon", "set loss.clip_epsilon=0.3."),
+        ("+loss.epsilon_high=0.28", "loss.epsilon_high", "set loss.clip_epsilon_high=0.28."),
+        ("+loss.loss_type=grpo", "loss.loss_type", "set loss.type=grpo."),
+        ("+scale_rewards=batch", "scale_rewards", "set advantage.scale_rewards=batch."),
+        ("+max_completion_length=64", "max_completion_length", "set rollout.generation.max_new_tokens=64."),
+        ("+train.learning_rate=1e-5", "train.learning_rate", "set optimizer.lr=1e-05."),
+        ("+train.num_iterations=2", "train.num_iterations", "set train.epochs_per_step=2."),
+        ("+rollout.temperature=0.7", "rollout.temperature", "set rollout.generation.temperature=0.7."),
+        ("+rollout.top_k=0", "rollout.top_k", "set rollout.generation.top_k=0."),
+        ("+reward.reward_weights=[1.0,0.5]", "reward.reward_weights", "reward.functions.<name>.weight"),
+    ],
+)
+def test_a_trl_name_is_refused_naming_this_recipes_key(compose_config, tmp_path, nothing_loads, override, key, fix):
+    """trl's GRPOConfig names point at the key that does what trl's does, not at the nearest spelling (beta was
+    answered with loss.delta)."""
+    with pytest.raises(ConfigError) as error:
+        recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", override]))
+    message = str(error.value)
+    assert message.startswith(f"{key}: grpo_torchrl_rm has no such setting, so it would be ignored.")
+    assert fix in message and "loss.delta" not in message
+
+
+def test_every_trl_name_is_a_grpo_config_field_and_names_a_key_of_this_recipe(compose_config):
+    import dataclasses
+    import re
+
+    from trl import GRPOConfig
+
+    from recipes.grpo.schema import TRL_NAMES
+
+    cfg = compose_config("grpo_torchrl_rm")
+    fields = {field.name for field in dataclasses.fields(GRPOConfig)}
+    assert set(TRL_NAMES.names) <= fields
+    for name, target in TRL_NAMES.names.items():
+        key = re.match(r"[\w.]+", target.replace("<name>", "x")).group(0)
+        if not key.startswith("reward.functions"):
+            assert OmegaConf.select(cfg, key, default="missing") != "missing", (name, key)
+
+
+@pytest.mark.parametrize("quantile", [0, 0.0, 0.2, 1.0])
+def test_top_entropy_quantile_takes_trls_range(compose_config, tmp_path, quantile):
+    """trl's range is [0, 1]: 0 keeps the highest-entropy token(s) of the mini-batch alone (the loss is compared with
+    trl's in test_loss_parity.py)."""
+    override = f"loss.top_entropy_quantile={quantile}"
+    cfg = validate(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", override]))
+    assert cfg.loss.top_entropy_quantile == quantile
+    with pytest.raises(ConfigError, match=r"loss.top_entropy_quantile=-0.1 must be >= 0 and <= 1"):
+        validate(
+            compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", "loss.top_entropy_quantile=-0.1"])
+        )
+
+
+def test_every_sampler_setting_has_its_yaml_default_and_the_default_run_samples_as_before(compose_config, tmp_path):
+    """interop.SamplingSettings' fields are all in rollout.generation (overridable without +), the ones that were
+    not there at their off values: the default run samples with the settings it always had."""
+    from interop.sampling import SamplingSettings
+    from recipes.grpo.collector import sampler_settings
+    from recipes.grpo.evaluation import eval_generation
+
+    cfg = validate(compose_config("grpo_torchrl_rm", [f"output_dir={tmp_path}"]))
+    assert set(cfg.rollout.generation) == set(SamplingSettings.names()) == set(cfg.eval.generation)
+    before = SamplingSettings(max_new_tokens=32, temperature=1.0, top_k=50, top_p=1.0, do_sample=True)
+    assert sampler_settings(cfg.rollout.generation) == before
+    assert sampler_settings(eval_generation(cfg), key="eval.generation") == before
+    greedy = validate(
+        compose_config(
+            "grpo_torchrl_rm",
+            [f"output_dir={tmp_path}", "rollout.generation.min_p=0.05", "eval.generation.do_sample=false"],
+        )
+    )
+    assert greedy.rollout.generation.min_p == greedy.eval.generation.min_p == 0.05  # eval follows the rollout's
+    assert greedy.eval.generation.do_sample is False and greedy.rollout.generation.do_sample is True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["eval.every_n_steps=2", "eval.generation.temperature=0"],
+            "eval.generation.temperature=0 must be > 0 when sampling. Set eval.generation.temperature > 0, or "
+            "eval.generation.do_sample=false for greedy decoding.",
+        ),
+        (["eval.every_n_steps=2", "eval.generation.top_p=0"], "eval.generation.top_p=0 must be in (0, 1]."),
+        (["rollout.generation.repetition_penalty=0"], "rollout.generation.repetition_penalty=0 must be > 0."),
+        (["rollout.generation.min_p=2"], "rollout.generation.min_p=2 must be in [0, 1]."),
+        (
+            ["rollout.generation.min_new_tokens=9"],
+            "rollout.generation.min_new_tokens=9 must be in [0, rollout.generation.max_new_tokens].",
+        ),
+    ],
+)
+def test_a_bad_sampling_value_is_refused_before_anything_loads_naming_the_key(
+    compose_config, tmp_path, nothing_loads, overrides, message
+):
+    with pytest.raises(ConfigError) as error:
+        recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", *overrides]))
+    assert str(error.value) == message
+
+
+# The GRPOConfig fields experiment=trl_defaults sets (all it covers have a key here: recipes.grpo.schema.TRL_NAMES).
+TRL_DEFAULTS = [
+    "beta",
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "importance_sampling_level",
+    "use_bias_correction_kl",
+    "entropy_coef",
+    "top_entropy_quantile",
+    "mask_truncated_completions",
+    "off_policy_mask_threshold",
+    "sync_ref_model",
+    "ref_model_mixup_alpha",
+    "ref_model_sync_steps",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "scale_rewards",
+    "multi_objective_aggregation",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "learning_rate",
+    "weight_decay",
+    "num_iterations",
+    "gradient_accumulation_steps",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "max_grad_norm",
+    "gradient_checkpointing",
+]
+
+
+def test_the_trl_defaults_experiment_is_grpo_configs_defaults_read_from_trl(compose_config, tmp_path, monkeypatch):
+    """experiment=trl_defaults: trl's GRPOConfig defaults under this recipe's keys (beta 0, top_k 0, the linear
+    schedule, dapo, epsilon 0.2, 8 generations...), read from the installed trl: a changed trl default follows."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from recipes.grpo.schema import TRL_NAMES
+
+    fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
+    cfg = validate(compose_config("grpo_torchrl_rm", ["experiment=trl_defaults", f"output_dir={tmp_path}"]))
+    for name in TRL_DEFAULTS:
+        default = fields[name].default
+        assert OmegaConf.select(cfg, TRL_NAMES.names[name]) == getattr(default, "value", default), name
+    assert list(cfg.optimizer.betas) == [fields["adam_beta1"].default, fields["adam_beta2"].default]
+    assert cfg.eval.group_size == fields["num_generations"].default  # num_generations_eval null
+    assert (cfg.loss.kl_to_ref_coeff, cfg.rollout.generation.top_k, cfg.train.lr_scheduler) == (0.0, 0, "linear")
+    assert (cfg.loss.type, cfg.loss.clip_epsilon, cfg.rollout.group_size) == ("dapo", 0.2, 8)
+    assert (cfg.advantage.scale_rewards, cfg.train.epochs_per_step, cfg.rollout.generation.temperature) == (
+        "group",
+        1,
+        1.0,
+    )
+
+    monkeypatch.setattr(fields["beta"], "default", 0.04)
+    cfg = validate(compose_config("grpo_torchrl_rm", ["experiment=trl_defaults", f"output_dir={tmp_path}"]))
+    assert cfg.loss.kl_to_ref_coeff == 0.04
+
+
+def test_the_trl_defaults_experiment_trains(compose_config, tmp_path):
+    overrides = ["experiment=trl_defaults", *GRPO_SMALL, "train.steps=1", f"output_dir={tmp_path}"]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    assert summary["train/steps"] == 1 and "train/kl_to_ref_last" not in summary  # beta 0: no reference

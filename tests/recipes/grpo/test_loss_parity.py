@@ -160,6 +160,7 @@ CASES = [
     {"type": "grpo", "delta": 1.5, "clip_epsilon_high": 0.28},
     {"type": "cispo", "clip_epsilon_high": 1.1},
     {"type": "bnpo", "top_entropy_quantile": 0.5},
+    {"type": "dapo", "top_entropy_quantile": 0.0},  # trl's lower end: the highest-entropy token(s) alone
     {"type": "dapo", "entropy_coeff": 0.05},
     {"type": "grpo", "entropy_coeff": 0.05, "top_entropy_quantile": 0.5, "accumulation": 2},
     {"type": "dapo", "off_policy_mask_threshold": 0.05},

@@ -1,0 +1,60 @@
+"""trl's reward sources as the trl-rollouts recipe hands them over: each one's values checked as they are made, so that
+a reward that cannot be trusted (infinite, NaN, past float32's range) stops the run naming its source, before anything
+is trained on it or saved (trl itself would sum an infinite reward, train a zero loss and save the model).
+
+- :func:`checked_reward_function`: a ``reward.functions`` entry, named as trl logs it, its values checked
+  (``recipes.common.reward_functions.checked_rewards``: one per completion, finite, or ``None``).
+- :func:`refuse_non_finite_scores`: the reward model's scores checked after each forward pass.
+
+Dependencies: torch, the recipes' own modules.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from recipes.common.config import RunStopped
+from recipes.common.reward_functions import checked_rewards
+
+__all__ = ["checked_reward_function", "refuse_non_finite_scores"]
+
+
+def checked_reward_function(function: Callable, *, name: str) -> Callable:
+    """``function`` (a trl reward function, sync or async) under the name trl logs it by (``rewards/<name>/mean``),
+    its values checked on every call; a bad one raises :class:`~recipes.common.config.RunStopped` naming
+    ``reward.functions.<name>``."""
+    setting = f"reward.functions.{name}"
+    if inspect.iscoroutinefunction(function):
+
+        async def named(**kwargs):
+            return checked_rewards(await function(**kwargs), setting=setting, arguments=kwargs)
+
+    else:
+
+        def named(**kwargs):
+            return checked_rewards(function(**kwargs), setting=setting, arguments=kwargs)
+
+    named.__name__ = str(name)
+    return named
+
+
+def refuse_non_finite_scores(model: torch.nn.Module, *, setting: str):
+    """Checks every score ``model`` (a sequence classifier trl calls as a reward function) computes; a non-finite one
+    raises :class:`~recipes.common.config.RunStopped` naming ``setting`` (``reward_model.name_or_path=...``) and the
+    rows. Returns the hook's handle."""
+
+    def check(module, args, output):
+        scores = output.logits if hasattr(output, "logits") else output[0]
+        bad = (~torch.isfinite(scores)).any(dim=-1).nonzero().flatten().tolist()
+        if bad:
+            values = scores[bad[:5]].flatten().tolist()
+            raise RunStopped(
+                f"The reward model ({setting}) gave {len(bad)} non-finite score(s) (rows {bad[:10]}, e.g. {values}): "
+                "a reward that cannot be trusted is never trained on, and nothing is saved. Check the model's dtype "
+                "(float16 overflows: dtype=float32 or bfloat16) and its weights."
+            )
+
+    return model.register_forward_hook(check)

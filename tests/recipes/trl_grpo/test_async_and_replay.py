@@ -1,0 +1,148 @@
+"""The trl-rollouts recipe's rollout.mode=async (TorchRL samples the next generation batch in a child process while
+trl updates) and rollout.replay (groups whose rewards tie train on stored groups): a run logs the policy lag and the
+replay's share, an async run killed after a checkpoint resumes and trains each step on the prompts an unkilled run
+trains on, and a replay source that is foreign, empty or damaged is refused before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _processes import kill_recipe_run_when
+from _small_runs import TRL_SMALL, read_metrics
+
+import recipes.trl_grpo_torchrl_rollouts as recipe
+from recipes.common.config import ConfigError
+from recipes.trl_grpo.rollout_store import RolloutStore, load_rollouts, texts
+
+
+def _train(compose_config, *overrides):
+    return recipe.train(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *overrides]))
+
+
+def test_an_async_run_trains_each_batch_one_update_behind_and_logs_it(compose_config, tmp_path):
+    summary = _train(compose_config, "rollout.mode=async", "train.max_steps=4", f"output_dir={tmp_path}")
+    rows = read_metrics(tmp_path)
+    assert summary["train/steps"] == 4
+    assert [row["train/policy_lag"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(row["rollout/lookahead_misses"] == 0.0 and row["rollout/resampled"] == 0.0 for row in rows)
+    stored = load_rollouts(tmp_path / "rollouts")
+    assert stored.shape[0] == 4 * 8 and sorted(set(stored["step"].tolist())) == [1, 2, 3, 4]
+
+
+def test_async_refuses_what_would_make_the_next_prompts_unknowable(compose_config, tmp_path):
+    with pytest.raises(ConfigError, match="train.shuffle_dataset=true with rollout.mode=async"):
+        _train(compose_config, "rollout.mode=async", "+train.shuffle_dataset=true", f"output_dir={tmp_path}")
+
+
+def test_replay_trains_stored_groups_in_the_places_of_tied_ones_and_logs_their_share(compose_config, tmp_path):
+    """A reward under which each batch's first group ties and the second does not: from the second step on, the tied
+    group's place holds a stored group (half of the batch)."""
+    overrides = [
+        "reward_model=none",
+        "+reward.functions.ties.function=_reward_functions.first_group_ties",
+        "rollout.replay.enabled=true",
+        "train.max_steps=4",
+        f"output_dir={tmp_path}",
+    ]
+    _train(compose_config, *overrides)
+    rows = read_metrics(tmp_path)
+    assert [row["rollout/frac_reward_zero_std"] for row in rows] == [0.5] * 4
+    assert [row["rollout/replayed_share"] for row in rows] == [0.0, 0.5, 0.5, 0.5], "nothing stored before step 1"
+    assert all(row["rollout/replayed_age"] >= 1.0 for row in rows[1:])
+
+
+def _stored_folder(folder, *, fingerprint):
+    store = RolloutStore(
+        folder,
+        rank=0,
+        max_rows=16,
+        prompt_width=4,
+        completion_width=4,
+        source_names=["exact"],
+        max_text_bytes=32,
+        pad_token_id=0,
+        tokenizer=fingerprint,
+    )
+    rollout = {
+        "prompt_ids": torch.ones(4, 4, dtype=torch.long),
+        "prompt_length": torch.full((4,), 4),
+        "completion_ids": torch.ones(4, 2, dtype=torch.long),
+        "completion_length": torch.full((4,), 2),
+        "logprobs": -torch.ones(4, 2),
+        "truncated": torch.zeros(4, dtype=torch.bool),
+    }
+    from tensordict import TensorDict
+
+    store.write(
+        TensorDict(rollout, batch_size=[4]),
+        prompt_texts=["p"] * 4,
+        completion_texts=["c"] * 4,
+        rewards=torch.tensor([[0.0], [1.0], [0.0], [1.0]]),
+        reward=torch.tensor([0.0, 1.0, 0.0, 1.0]),
+        advantages=torch.zeros(4),
+        step=1,
+    )
+
+
+@pytest.mark.parametrize("case", ["empty", "damaged", "foreign"])
+def test_a_replay_source_that_cannot_be_trusted_is_refused_before_any_model_loads(
+    compose_config, tmp_path, monkeypatch, case
+):
+    source = tmp_path / "source" / "rollouts"
+    if case == "empty":
+        source.mkdir(parents=True)
+        message = "holds no stored rollouts"
+    elif case == "damaged":
+        _stored_folder(source, fingerprint=None)
+        (source / "rank_0" / "part_0" / "progress.json").write_text("{not json")
+        message = "progress.json is damaged"
+    else:
+        _stored_folder(source, fingerprint={"vocab_size": 7})
+        message = "was written with another tokenizer"
+    monkeypatch.setattr(recipe, "load_causal_lm", pytest.fail)
+    overrides = ["rollout.replay.enabled=true", f"rollout.replay.load_from={source}", f"output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=rf"rollout.replay.load_from=.*{message}"):
+        _train(compose_config, *overrides)
+
+
+def test_groups_stored_by_a_run_of_this_policy_fill_the_replay(compose_config, tmp_path, caplog):
+    _train(compose_config, "train.max_steps=2", f"output_dir={tmp_path / 'first'}")
+    overrides = [
+        "rollout.replay.enabled=true",
+        f"rollout.replay.load_from={tmp_path / 'first' / 'rollouts'}",
+        "train.max_steps=1",
+        f"output_dir={tmp_path / 'second'}",
+    ]
+    with caplog.at_level("INFO"):
+        _train(compose_config, *overrides)
+    assert "rollout.replay: 4 groups loaded from" in caplog.text, "2 steps of 2 groups of 4"
+
+
+@pytest.mark.slow
+def test_an_async_run_killed_after_a_checkpoint_resumes_on_the_prompts_it_would_have_had(compose_config, tmp_path):
+    """The prompt stream continues where it stopped: steps 3-5 of the resumed run train on the prompts steps 3-5 of
+    an unkilled run train on, in async mode."""
+    overrides = [*TRL_SMALL, "rollout.mode=async", "train.max_steps=5", "train.save_strategy=steps"]
+    overrides += ["train.save_steps=2", "logger=csv"]
+    straight = recipe.train(compose_config("trl_grpo_torchrl_rollouts", [*overrides, f"output_dir={tmp_path / 's'}"]))
+    assert straight["train/steps"] == 5
+    run_dir = tmp_path / "k"
+
+    def checkpoint_2_done() -> bool:
+        return (run_dir / "trainer" / "checkpoint-2" / "trainer_state.json").is_file()
+
+    kill_recipe_run_when(
+        "trl_grpo_torchrl_rollouts.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=checkpoint_2_done
+    )
+    resumed = recipe.train(
+        compose_config("trl_grpo_torchrl_rollouts", [*overrides, f"output_dir={run_dir}", "resume=true"])
+    )
+    assert resumed["train/steps"] == 5
+    expected, got = load_rollouts(tmp_path / "s" / "rollouts"), load_rollouts(run_dir / "rollouts")
+    for step in (3, 4, 5):
+        want = texts(expected[expected["step"] == step], "prompt")
+        have = texts(got[got["step"] == step], "prompt")
+        assert have == want, (step, have, want)
+    assert json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])["step"] == 2
