@@ -34,6 +34,7 @@ from recipes.grpo.batch import (
     REWARD,
     SOURCE_REWARDS,
     TRUNCATED,
+    policy_token_mask,
     response_mask,
     response_texts,
 )
@@ -87,7 +88,9 @@ def _nanstd(values: torch.Tensor) -> torch.Tensor:
 def rollout_metrics(
     data, tokenizer, oracle, *, group_size: int, gather=None, source_names=()
 ) -> tuple[dict[str, float], int]:
-    """Reward, oracle and length statistics of one step's responses, and how many tokens were generated.
+    """Reward, oracle and length statistics of one step's responses, and how many tokens the policy generated (a
+    dialog's tool messages not counted; ``rollout/response_length`` counts the whole completion, as trl's completion
+    length).
 
     ``rollout/frac_reward_zero_std`` is the fraction of groups (each prompt's ``group_size`` contiguous responses)
     whose rewards are all equal: they teach nothing, their advantages are 0. ``gather`` (``pool_over_processes``)
@@ -99,6 +102,8 @@ def rollout_metrics(
     values = {
         "reward": data.get(REWARD).reshape(-1).float(),
         "length": mask.sum(-1).double(),
+        # What the policy sampled: a dialog's tool messages were written by the tools, not generated.
+        "generated": policy_token_mask(data).sum(-1).double(),
         "truncated": data.get(TRUNCATED).reshape(-1).double(),
     }
     if source_names:
@@ -130,7 +135,7 @@ def rollout_metrics(
         metrics["rollout/tool_calls_per_dialog"] = values["tool_calls"].mean().item()
         metrics["rollout/tool_errors"] = values["tool_errors"].sum().item()  # failed calls of the step (all ranks)
         metrics["rollout/turns"] = values["turns"].mean().item()
-    return metrics, int(values["length"].sum().item())
+    return metrics, int(values["generated"].sum().item())
 
 
 def logged_metrics(data, *, prefix: str) -> dict[str, float]:
@@ -197,10 +202,13 @@ def _reward_description(cfg: DictConfig) -> str:
 def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> str:
     """What the run trains, on what, where: the first line of its log."""
     processes = f" x {world_size} processes" if world_size > 1 else ""
+    tools = list(tool_entries(cfg.tools))
+    tools = f", tools {tools} (up to {cfg.rollout.max_turns} turns)" if tools else ""
     return (
         f"GRPO ({cfg.rollout.env} env, {cfg.rollout.mode}): policy {cfg.model.name_or_path}, rewarded by "
         f"{_reward_description(cfg)}, data={cfg.data.source} "
-        f"({num_prompts} prompts); {cfg.train.steps} steps of {cfg.rollout.responses_per_step} responses{processes} "
+        f"({num_prompts} prompts){tools}; {cfg.train.steps} steps of {cfg.rollout.responses_per_step} responses"
+        f"{processes} "
         f"(groups of {cfg.rollout.group_size}, up to {cfg.rollout.generation.max_new_tokens} new tokens), lr "
         f"{cfg.optimizer.lr}, seed {cfg.seed}, {cfg.device} {cfg.dtype}; run folder {cfg.output_dir}"
     )
@@ -230,6 +238,8 @@ def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
     if "train/kl_to_ref" in metrics:
         shown.append(f"KL {metrics['train/kl_to_ref']:.4f}")
     shown.append(f"length {metrics['rollout/response_length']:.1f}")
+    if "rollout/tool_calls_per_dialog" in metrics:
+        shown.append(f"tool calls {metrics['rollout/tool_calls_per_dialog']:.2f}/dialog")
     shown.append(f"{metrics['perf/step_time_s']:.2f} s/step")
     return f"Step {step}/{steps}: {', '.join(shown)}"
 
