@@ -38,7 +38,9 @@ def test_resume_after_sigkill_of_a_tool_using_run(compose_config, tmp_path):
 
     kill_recipe_run_when("grpo_torchrl_rm.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=step_3_logged)
     assert latest_checkpoint(run_dir / "checkpoints").name == "step_0000002"
-    summary = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={run_dir}", "resume=true"]))
+    # As a user resumes: the run's own config (its resolved_config.yaml) holds the preset, not repeated here.
+    resume = [override for override in overrides if not override.startswith("experiment=")]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*resume, f"output_dir={run_dir}", "resume=true"]))
     rows = read_metrics(run_dir)
     assert summary["train/steps"] == 6
     assert [row["step"] for row in rows] == [float(s) for s in range(1, 7)]
