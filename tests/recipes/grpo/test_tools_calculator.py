@@ -3,11 +3,15 @@ with SIGKILL resumes as if never interrupted, and GRPO teaches the policy to cal
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 from _processes import kill_recipe_run_when
-from _small_runs import read_metrics
+from _small_runs import REPO_ROOT, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
@@ -53,6 +57,30 @@ def test_resume_after_sigkill_of_a_tool_using_run(compose_config, tmp_path):
     for resumed, uninterrupted in zip(rows, read_metrics(reference_dir), strict=True):
         for key in keys:
             assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-4, abs=1e-5), (resumed["step"], key)
+
+
+def test_two_processes_each_run_their_own_tool_worker(tmp_path):
+    """Under torchrun every process samples its own dialogs, its calls answered by a tool worker of its own; the
+    figures are pooled over both and rank 0 writes them."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "recipes/grpo_torchrl_rm.py",
+        *SMALL_CALCULATOR,
+        "train.steps=2",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["train/num_processes"] == 2
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == [1.0, 2.0]
+    assert all(row["rollout/turns"] >= 1 and "rollout/tool_errors" in row for row in rows)
 
 
 def test_the_calculator_task_is_learned_on_every_seed(compose_config, tmp_path):
