@@ -2,7 +2,7 @@
 
     python scripts/build_tiny_models.py --overwrite     # rebuilds tiny/policy and tiny/reward_base
     python scripts/build_tiny_models.py --task arithmetic   # writes tiny/arithmetic_policy (about 4 minutes)
-    python scripts/build_tiny_models.py --task calculator   # writes tiny/calculator_policy (about N minutes)
+    python scripts/build_tiny_models.py --task calculator   # writes tiny/calculator_policy (22 min on 2 busy cores)
     python scripts/build_tiny_models.py --out /tmp/kit --pretrain-steps 50
     # a speed model at a real checkpoint's cost: ~97M parameters, Qwen2.5's 151,936-token vocabulary
     python scripts/build_tiny_models.py --out /tmp/real_vocab --hidden-size 512 --num-layers 6 --pretrain-steps 20 \
