@@ -84,8 +84,9 @@ def test_two_processes_each_run_their_own_tool_worker(tmp_path):
 
 
 def test_the_calculator_task_is_learned_on_every_seed(compose_config, tmp_path):
-    """Held-out accuracy from at most 0.3 to at least 0.8 on average over seeds 0-2, each at least 0.7 (the preset's
-    settings, measured in conf/experiment/calculator.yaml)."""
+    """Held-out accuracy from at most 0.3 to at least 0.8 on average over seeds 0-2, each at least 0.7 (measured with
+    the preset's settings: 0.23 / 0.19 / 0.27 -> 0.88 / 0.88 / 0.90; accuracy is bounded by how well the tiny policy
+    copies numbers, about 0.9 of the dialogs that call the tool)."""
     firsts, lasts = [], []
     for seed in (0, 1, 2):
         start = time.perf_counter()
