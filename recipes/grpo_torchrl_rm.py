@@ -221,7 +221,7 @@ def evaluate(run: Run, evaluator: Evaluator, progress: TrainingProgress, step: i
 
 def _sample_line(sample: dict) -> dict:
     """An eval answer as the log prints it, with the columns its reward functions logged (``log_extra``)."""
-    line = {"prompt": sample["prompt"], "response": sample["response"], "reward": round(sample["reward"], 4)}
+    line = {"prompt": sample["prompt"], "response": sample["shown"], "reward": round(sample["reward"], 4)}
     return {
         **line,
         **{name if name not in line else f"extra/{name}": value for name, value in sample["columns"].items()},
@@ -512,6 +512,8 @@ def _train(
     finally:
         if collector is not None:
             collector.shutdown()
+        if evaluator is not None:
+            evaluator.close()
     summary = summarize(progress, window=cfg.summary.window, num_processes=processes.num_processes)
     summary.update(peak_device_memory(cfg.device))
     return run.finish(summary, closing_message(summary, run.output_dir))

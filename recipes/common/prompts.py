@@ -49,6 +49,8 @@ class PromptTable:
     Keyword Args:
         tokenizer: the policy's tokenizer.
         system_prompt: optional system message put before every prompt that has none.
+        tools: the JSON schemas of the run's tools (``interop.tools.ToolSet.schemas``), rendered by the chat template
+            as trl renders a tool-calling run's prompts (``apply_chat_template(..., tools=...)``); ``None``: none.
 
     Attributes:
         prompts: the prompts as the data holds them (what trl hands a reward function: no system prompt added).
@@ -56,13 +58,21 @@ class PromptTable:
         columns: column name -> one value per prompt.
     """
 
-    def __init__(self, prompts: Sequence | PromptRows, *, tokenizer, system_prompt: str | None = None) -> None:
+    def __init__(
+        self,
+        prompts: Sequence | PromptRows,
+        *,
+        tokenizer,
+        system_prompt: str | None = None,
+        tools: list[dict] | None = None,
+    ) -> None:
         columns = prompts.columns if isinstance(prompts, PromptRows) else {}
         prompts = prompts.prompts if isinstance(prompts, PromptRows) else list(prompts)
         if len(prompts) == 0:
             raise ValueError("PromptTable: no prompts; check the data= config (e.g. data.path).")
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
         self.prompts = prompts
         self.columns = dict(columns)
         self.conversations = [self._as_messages(prompt, system) for prompt in prompts]
@@ -84,7 +94,7 @@ class PromptTable:
         rendered = self._rendered.get(index)
         if rendered is None:
             text = self.tokenizer.apply_chat_template(
-                self.conversations[index], add_generation_prompt=True, tokenize=False
+                self.conversations[index], tools=self.tools, add_generation_prompt=True, tokenize=False
             )
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             rendered = self._rendered[index] = (text, torch.tensor(ids, dtype=torch.long))
@@ -95,7 +105,10 @@ class PromptTable:
         missing = [index for index in range(len(self)) if index not in self._rendered]
         if missing:
             texts = self.tokenizer.apply_chat_template(
-                [self.conversations[index] for index in missing], add_generation_prompt=True, tokenize=False
+                [self.conversations[index] for index in missing],
+                tools=self.tools,
+                add_generation_prompt=True,
+                tokenize=False,
             )
             ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
             for index, text, row in zip(missing, texts, ids, strict=True):

@@ -17,13 +17,18 @@ starting at the same column (``generate``'s layout, what TorchRL's padded ``GRPO
   weighted sum of :data:`SOURCE_REWARDS` ``[B, K]``, each reward source's own value (NaN where a trl reward function
   returned ``None``), in ``recipes.grpo.rewards.reward_sources`` order;
 - :data:`REWARD_LOGS` ``[B]`` (with ``reward.functions`` only): what the trl reward functions logged while the batch
-  was scored (``log_metric``, ``log_extra``), one JSON text per response (``recipes.grpo.rewards.RewardLogsToBatch``).
+  was scored (``log_metric``, ``log_extra``), one JSON text per response (``recipes.grpo.rewards.RewardLogsToBatch``);
+- :data:`DIALOG_KEYS` (with ``tools:`` only, ``interop.dialog_policy.DialogPolicy``'s): :data:`ASSISTANT_MASK`
+  ``[B, P + R]``, True on the tokens the policy sampled (the response is the whole dialog: the tool messages' tokens
+  sit between the turns, with a log-prob of 0), and each dialog's turns, tool calls and tool errors ``[B]``.
 
 The learner then adds :data:`ADVANTAGE` (``[B, 1, 1]``), :data:`REF_LOG_PROBS` (``[B, P + R]``, the frozen
-reference's) and :data:`LOSS_MASK` (``[B, R]``: the response tokens the loss counts, truncated responses left out
-with ``loss.mask_truncated_completions``). :data:`BATCH_KEYS` is what a collector hands over; :func:`response_start`
-and :func:`response_mask` are the one way to find the responses in it, :func:`merge_batches` the one way to join
-batches of different widths.
+reference's) and :data:`LOSS_MASK` (``[B, R]``: the response tokens the loss counts: the policy's own,
+:func:`policy_token_mask`, a dialog's tool messages out as trl's ``env_mask`` leaves them out; truncated responses
+left out with ``loss.mask_truncated_completions``). :data:`BATCH_KEYS` is what a collector hands over;
+:func:`response_start` and :func:`response_mask` are the one way to find the responses in it,
+:func:`policy_token_mask` the policy's own tokens among them, :func:`response_texts` their text, and
+:func:`merge_batches` the one way to join batches of different widths.
 
 Dependencies: torch, tensordict.
 """
@@ -35,6 +40,7 @@ from tensordict import TensorDictBase
 from torch.nn import functional
 
 # What the sampler writes (interop.CausalLMSampler, TorchRL's layout) is the batch's own.
+from interop.dialog_policy import ASSISTANT_MASK, DIALOG_TOOL_CALLS, DIALOG_TOOL_ERRORS, DIALOG_TURNS
 from interop.sampling import (
     ATTENTION_MASK,
     LOG_PROBS,
@@ -48,8 +54,13 @@ from interop.sampling import (
 
 __all__ = [
     "ADVANTAGE",
+    "ASSISTANT_MASK",
     "ATTENTION_MASK",
     "BATCH_KEYS",
+    "DIALOG_KEYS",
+    "DIALOG_TOOL_CALLS",
+    "DIALOG_TOOL_ERRORS",
+    "DIALOG_TURNS",
     "DONE",
     "LOG_PROBS",
     "LOSS_MASK",
@@ -65,8 +76,10 @@ __all__ = [
     "TOKENS",
     "TRUNCATED",
     "merge_batches",
+    "policy_token_mask",
     "response_mask",
     "response_start",
+    "response_texts",
 ]
 
 PROMPT_INDEX = "prompt_index"
@@ -93,6 +106,8 @@ BATCH_KEYS = (
     SOURCE_REWARDS,
     DONE,
 )
+# What a step of a tool-using rollout hands over besides (``interop.dialog_policy.DialogPolicy``'s own keys).
+DIALOG_KEYS = (ASSISTANT_MASK, DIALOG_TURNS, DIALOG_TOOL_CALLS, DIALOG_TOOL_ERRORS)
 
 
 def response_start(batch: TensorDictBase) -> int:
@@ -116,6 +131,70 @@ def response_mask(batch: TensorDictBase) -> torch.Tensor:
                 [ True,  True]])
     """
     return batch.get(ATTENTION_MASK)[:, response_start(batch) :].bool()
+
+
+def policy_token_mask(batch: TensorDictBase) -> torch.Tensor:
+    """``[B, R]``, True on the response tokens the policy sampled: :func:`response_mask` without the tool messages'
+    tokens of a dialog (:data:`ASSISTANT_MASK`, where the batch has it; trl's ``env_mask``).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> batch = TensorDict(
+        ...     {"tokens": {"prompt": torch.tensor([[5]])},
+        ...      "masks": {"all_attention_mask": torch.tensor([[1, 1, 1, 1, 0]]).bool(),
+        ...                "all_assistant_mask": torch.tensor([[0, 1, 0, 1, 0]]).bool()}},
+        ...     batch_size=[1],
+        ... )
+        >>> policy_token_mask(batch)
+        tensor([[ True, False,  True, False]])
+    """
+    mask = response_mask(batch)
+    if ASSISTANT_MASK in batch.keys(include_nested=True):
+        mask = mask & batch.get(ASSISTANT_MASK)[:, response_start(batch) :].bool()
+    return mask
+
+
+def response_texts(batch: TensorDictBase, tokenizer, *, rows=None, mark_tools: bool = False) -> list[str]:
+    """Each row's response (of ``rows``, or all) decoded without special tokens; with ``mark_tools``, a dialog's tool
+    messages (the tokens :data:`ASSISTANT_MASK` leaves out) wrapped in ``[tool]...[/tool]`` so that a reader tells them
+    from the policy's.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> class Characters:  # one character per token id
+        ...     def decode(self, ids, skip_special_tokens=True):
+        ...         return "".join(chr(i) for i in ids)
+        >>> batch = TensorDict(
+        ...     {"tokens": {"prompt": torch.tensor([[0]]), "response": torch.tensor([[104, 52, 50, 33, 0]])},
+        ...      "masks": {"all_attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0]]).bool(),
+        ...                "all_assistant_mask": torch.tensor([[0, 1, 0, 0, 1, 0]]).bool()}},
+        ...     batch_size=[1],
+        ... )
+        >>> response_texts(batch, Characters(), mark_tools=True)
+        ['h[tool]42[/tool]!']
+    """
+    tokens, mask = batch.get(RESPONSE_TOKENS), response_mask(batch)
+    mine = policy_token_mask(batch) if mark_tools else mask
+    texts = []
+    for row in range(tokens.shape[0]) if rows is None else rows:
+        ids, keep, own = tokens[row].tolist(), mask[row].tolist(), mine[row].tolist()
+        pieces, run, run_own = [], [], True
+        for token, kept, is_own in zip(ids, keep, own, strict=True):
+            if not kept:
+                continue
+            if run and is_own != run_own:
+                pieces.append((run, run_own))
+                run = []
+            run, run_own = run + [token], is_own
+        if run:
+            pieces.append((run, run_own))
+        text = ""
+        for piece, is_own in pieces:
+            decoded = tokenizer.decode(piece, skip_special_tokens=True)
+            text += decoded if is_own else f"[tool]{decoded}[/tool]"
+        texts.append(text)
+    return texts
 
 
 def merge_batches(batches: list[TensorDictBase], *, pad_token_id: int) -> TensorDictBase:
@@ -142,7 +221,14 @@ def merge_batches(batches: list[TensorDictBase], *, pad_token_id: int) -> Tensor
         batch = batch.clone(recurse=False) if hasattr(batch, "clone") else batch
         left = prompt - batch.get(PROMPT_TOKENS).shape[-1]
         right = response - batch.get(RESPONSE_TOKENS).shape[-1]
-        pads = {TOKENS: pad_token_id, ATTENTION_MASK: False, LOG_PROBS: 0.0, REF_LOG_PROBS: 0.0, LOSS_MASK: False}
+        pads = {
+            TOKENS: pad_token_id,
+            ATTENTION_MASK: False,
+            ASSISTANT_MASK: False,
+            LOG_PROBS: 0.0,
+            REF_LOG_PROBS: 0.0,
+            LOSS_MASK: False,
+        }
         for key, value in pads.items():
             if key in batch.keys(include_nested=True):
                 columns = (0, right) if key == LOSS_MASK else (left, right)

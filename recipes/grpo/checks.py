@@ -27,18 +27,19 @@ from recipes.common.checkpoint import (
 from recipes.common.config import ConfigError, check_run_settings, first_items
 from recipes.common.lora import validate_policy_lora
 from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, validate_model_node
-from recipes.common.prompts import PromptTable, check_prompts_fit_policy
+from recipes.common.prompts import check_prompts_fit_policy
 from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
+from recipes.common.tools import resolve_tools
 from recipes.grpo.checkpointing import (
     checkpoint_policy_node,
     checkpoint_root,
     resume_changes,
     resumed_config,
 )
-from recipes.grpo.collector import check_generation_settings, sampler_settings
+from recipes.grpo.collector import check_generation_settings, check_tool_template, make_prompt_table, sampler_settings
 from recipes.grpo.evaluation import check_eval_settings
 from recipes.grpo.report import summary_keys
 from recipes.grpo.rewards import check_reward_keys, check_reward_sources, reward_prompt_lengths
@@ -65,6 +66,7 @@ def _validate_settings(cfg: DictConfig) -> None:
     _validate_batches(cfg)
     _validate_memory(cfg)
     _validate_generation(cfg.rollout)
+    _validate_tools(cfg)
     _validate_rewards(cfg)
     check_eval_settings(cfg)
     _validate_reporting(cfg)  # after the evaluation's: which eval figures there are depends on its settings
@@ -91,6 +93,24 @@ def _validate_settings(cfg: DictConfig) -> None:
             fix="fix its permissions, or run in another folder",
         )
     _validate_resume(cfg)
+
+
+def _validate_tools(cfg: DictConfig) -> None:
+    """The ``tools:`` node (each tool importable, callable, typed and documented: ``recipes.common.tools``) and what
+    a tool-calling rollout cannot combine with."""
+    if resolve_tools(cfg.tools) is None:
+        return
+    if cfg.rollout.env == "chat":
+        raise ConfigError(
+            "tools: multi-turn dialogs with tools run with rollout.env=prompt (interop.dialog_policy.DialogPolicy); "
+            "rollout.env=chat is single-turn here. Use rollout.env=prompt, or drop the tools."
+        )
+    if cfg.distributed.strategy == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "tools with distributed.strategy=fsdp: each process's dialogs take their own number of turns, so the "
+            "processes would run different numbers of forward passes while a sharded policy needs every process in "
+            "every one. Use distributed.strategy=ddp with tools."
+        )
 
 
 def _validate_rewards(cfg: DictConfig) -> None:
@@ -220,7 +240,8 @@ def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
     """
 
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
-    table = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
+    check_tool_template(cfg, tokenizer)
+    table = make_prompt_table(cfg, prompts, tokenizer)  # with the tools' schemas, as the policy reads them
     lengths = torch.tensor(table.rendered_lengths())
     check_prompts_fit_policy(
         lengths,

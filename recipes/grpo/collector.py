@@ -4,9 +4,12 @@ Two rollouts, chosen by ``rollout.env``:
 
 - ``prompt`` (the default): :class:`~recipes.grpo.prompt_env.PromptEnv` (dense prompt batches) + the reward
   transforms (``recipes.grpo.rewards``), stepped by :class:`~interop.sampling.CausalLMSampler` (one decoding loop
-  per step, recording the behaviour log-probs), driven by a TorchRL ``Collector``. With ``rollout.mode=async`` that
-  collector runs in a child process (:class:`~recipes.grpo.collector_modes.BackgroundCollector`) one batch ahead of the
-  learner.
+  per step, recording the behaviour log-probs), driven by a TorchRL ``Collector``. When ``tools:`` names tools the
+  policy is :class:`~interop.dialog_policy.DialogPolicy` instead: multi-turn dialogs whose tool calls run in a worker
+  process, up to ``rollout.max_turns`` turns, in the same layout (the response is the whole dialog; the batch adds
+  ``recipes.grpo.batch.DIALOG_KEYS``). With ``rollout.mode=async`` that collector runs in a child process
+  (:class:`~recipes.grpo.collector_modes.BackgroundCollector`, which builds its own tool runner there) one batch ahead
+  of the learner.
 - ``chat``: TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector`` (``recipes.common.chat``), for users
   who plug in TorchRL's multi-turn and tool transforms; its ragged rollout is padded into the same dense layout.
 
@@ -28,6 +31,7 @@ from tensordict import TensorDictBase
 from torchrl.collectors import Collector
 from torchrl.collectors.llm import LLMCollector
 
+from interop.dialog_policy import DialogPolicy
 from interop.sampling import CausalLMSampler, SamplingSettings, end_of_response_ids
 from recipes.common.chat import (
     check_chat_generation_settings,
@@ -40,8 +44,10 @@ from recipes.common.config import ConfigError, run_config
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
 from recipes.common.prompts import PromptTable
+from recipes.common.tools import make_tool_runner, resolve_tools
 from recipes.grpo.batch import (
     BATCH_KEYS,
+    DIALOG_KEYS,
     DONE,
     POLICY_VERSION,
     PROMPT_INDEX,
@@ -56,7 +62,15 @@ from recipes.grpo.policy import load_policy
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import load_reward_scorer, make_reward_transform
 
-__all__ = ["build_prompt_collector", "check_generation_settings", "make_collector", "sampler_settings"]
+__all__ = [
+    "build_prompt_collector",
+    "check_generation_settings",
+    "check_tool_template",
+    "make_collector",
+    "make_prompt_table",
+    "make_sampling_policy",
+    "sampler_settings",
+]
 
 
 def check_generation_settings(generation: Mapping, *, env: str, key: str = "rollout.generation") -> None:
@@ -130,11 +144,67 @@ eval.generation.do_sample=false for greedy decoding.'
     return message
 
 
+def make_prompt_table(cfg: DictConfig, prompts: PromptRows, tokenizer) -> PromptTable:
+    """The prompts as the policy reads them: its chat template, the system prompt, and the tools' schemas when
+    ``tools:`` names tools (as trl renders a tool-calling run's prompts)."""
+    tools = resolve_tools(cfg.tools)
+    return PromptTable(
+        prompts,
+        tokenizer=tokenizer,
+        system_prompt=cfg.rollout.system_prompt,
+        tools=tools.schemas if tools is not None else None,
+    )
+
+
+def check_tool_template(cfg: DictConfig, tokenizer) -> None:
+    """Refuses, before the policy loads, a tokenizer whose chat template cannot carry tool dialogs token by token
+    (``interop.dialog_policy.DialogPolicy``'s checks, run on the tokenizer alone: no model, no tool worker started)."""
+    tools = resolve_tools(cfg.tools)
+    if tools is None:
+        return
+    try:
+        DialogPolicy(
+            None,  # the checks read the tokenizer and its template only
+            tokenizer,
+            make_tool_runner(cfg.tools, tools, tokenizer=tokenizer),
+            settings=sampler_settings(cfg.rollout.generation),
+            max_turns=cfg.rollout.max_turns,
+        )
+    except ValueError as error:
+        raise ConfigError(
+            f"tools: model.name_or_path={str(cfg.model.name_or_path)!r}'s tokenizer cannot sample tool dialogs: "
+            f"{str(error).removeprefix('DialogSampler: ')}"
+        ) from None
+
+
+def make_sampling_policy(cfg: DictConfig, model, tokenizer, *, generation: Mapping, key: str):
+    """The policy module that answers a ``PromptEnv``'s prompts: ``interop.CausalLMSampler`` (one response each), or,
+    when ``tools:`` names tools, ``interop.dialog_policy.DialogPolicy`` (multi-turn dialogs, up to
+    ``rollout.max_turns`` turns, calls answered by a ToolRunner of its own, in a worker process). ``generation``'s
+    ``max_new_tokens`` bounds each turn and the whole completion, tool messages included (trl's
+    ``max_completion_length``)."""
+    settings = sampler_settings(generation, key=key)
+    tools = resolve_tools(cfg.tools)
+    if tools is None:
+        return CausalLMSampler(model, tokenizer, settings=settings)
+    runner = make_tool_runner(cfg.tools, tools, tokenizer=tokenizer)
+    return DialogPolicy(
+        model,
+        tokenizer,
+        runner,
+        settings=settings,
+        max_turns=cfg.rollout.max_turns,
+        max_completion_tokens=settings.max_new_tokens,
+    )
+
+
 def _dense_batch(rollout: TensorDictBase) -> TensorDictBase:
-    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS`, and
-    :data:`REWARD_LOGS` where reward functions log (a view: the collector copies what its postproc returns)."""
-    logs = [REWARD_LOGS] if REWARD_LOGS in rollout.keys(include_nested=True) else []
-    return rollout.reshape(-1).select(*BATCH_KEYS, *logs)
+    """A collector's ``[B, 1]`` output (one step per dialog) as the flat batch of :data:`BATCH_KEYS`, with
+    :data:`REWARD_LOGS` where reward functions log and :data:`DIALOG_KEYS` where the policy calls tools (a view: the
+    collector copies what its postproc returns)."""
+    present = rollout.keys(include_nested=True)
+    optional = [key for key in (REWARD_LOGS, *DIALOG_KEYS) if key in present]
+    return rollout.reshape(-1).select(*BATCH_KEYS, *optional)
 
 
 def _stream_start(cfg: DictConfig, start_step: int, num_replicas: int) -> int:
@@ -154,10 +224,11 @@ def _prompt_collector(
     start_step: int,
     num_replicas: int,
     rank: int,
-) -> tuple[Collector, CausalLMSampler]:
-    """``PromptEnv`` + reward transforms, stepped by a ``CausalLMSampler``, driven by a TorchRL ``Collector``."""
+) -> tuple[Collector, CausalLMSampler | DialogPolicy]:
+    """``PromptEnv`` + reward transforms, stepped by a ``CausalLMSampler`` (a ``DialogPolicy`` with tools), driven by
+    a TorchRL ``Collector``."""
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
-    prompts = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
+    prompts = make_prompt_table(cfg, prompts, tokenizer)
     env = PromptEnv(
         prompts,
         tokenizer=tokenizer,
@@ -172,7 +243,9 @@ def _prompt_collector(
     env = env.append_transform(
         make_reward_transform(cfg, reward_model, reward_tokenizer, tokenizer, prompts=prompts, start_step=start_step)
     )
-    policy = CausalLMSampler(policy_model, tokenizer, settings=sampler_settings(cfg.rollout.generation))
+    policy = make_sampling_policy(
+        cfg, policy_model, tokenizer, generation=cfg.rollout.generation, key="rollout.generation"
+    )
     # One env step per batch: B dialogs of one turn each. Endless: the learner decides when to stop.
     collector = Collector(
         env,
@@ -188,7 +261,7 @@ def _prompt_collector(
 
 def build_prompt_collector(
     config: Mapping, *, start_step: int, num_replicas: int, rank: int
-) -> tuple[Collector, CausalLMSampler]:
+) -> tuple[Collector, CausalLMSampler | DialogPolicy]:
     """Loads the models a ``rollout.env=prompt`` collector needs and builds it: what a background collector runs.
 
     Args:

@@ -83,6 +83,7 @@ class LocalCollector:
 
     def __init__(self, collector, policy: torch.nn.Module, version: torch.Tensor) -> None:
         self.collector = collector
+        self.policy = policy
         self.version = version
         self.last_timings = {"collect_s": 0.0, "generate_s": 0.0}
         self._batches = timed_batches(collector, policy)
@@ -97,6 +98,10 @@ class LocalCollector:
 
     def shutdown(self) -> None:
         self.collector.shutdown()
+        # A tool-calling policy's ToolRunner holds a worker process (in the background mode it dies with its child).
+        runner = getattr(self.policy, "runner", None)
+        if runner is not None:
+            runner.close()
 
 
 @contextlib.contextmanager

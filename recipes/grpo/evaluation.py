@@ -29,13 +29,11 @@ from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
 from transformers import TrainerState
 
-from interop.sampling import CausalLMSampler
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows
-from recipes.common.prompts import PromptTable
 from recipes.common.reward_functions import RewardLogs
-from recipes.grpo.batch import PROMPT_INDEX, RESPONSE_TOKENS, REWARD, SOURCE_REWARDS, response_mask
-from recipes.grpo.collector import sampler_settings
+from recipes.grpo.batch import PROMPT_INDEX, REWARD, SOURCE_REWARDS, response_mask, response_texts
+from recipes.grpo.collector import make_prompt_table, make_sampling_policy, sampler_settings
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import make_reward_scorer, reward_sources, source_names
 
@@ -147,10 +145,11 @@ class Evaluator:
         per_process = count // processes.num_processes
         start = processes.process_index * per_process
         self.cfg = cfg
-        self.table = PromptTable(prompts, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
+        self.table = make_prompt_table(cfg, prompts, tokenizer)
         self.indices = list(range(start, start + per_process))
-        self.policy = CausalLMSampler(
-            policy, tokenizer, settings=sampler_settings(eval_generation(cfg), key="eval.generation")
+        # With tools, multi-turn dialogs as in training, their calls answered by a tool worker of the evaluation's own.
+        self.policy = make_sampling_policy(
+            cfg, policy, tokenizer, generation=eval_generation(cfg), key="eval.generation"
         )
         self.tokenizer = tokenizer
         self.oracle = oracle
@@ -199,8 +198,9 @@ class Evaluator:
         self.scorer(step)
         metrics, columns = self.logs.pop()
         mask = response_mask(step)
-        responses = [row[keep] for row, keep in zip(step.get(RESPONSE_TOKENS), mask, strict=True)]
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        texts = response_texts(step, self.tokenizer)
+        # What the samples show: a dialog's tool messages marked [tool]...[/tool].
+        shown = response_texts(step, self.tokenizer, mark_tools=True)
         rewards = step.get(REWARD).reshape(-1).tolist()
         sources = step.get(SOURCE_REWARDS).reshape(len(texts), -1).tolist()
         prompt_index = step.get(PROMPT_INDEX).tolist()
@@ -208,6 +208,7 @@ class Evaluator:
             {
                 "prompt": self.table.prompts[index],
                 "response": text,
+                "shown": shown[row],
                 "reward": reward,
                 "sources": values,
                 "length": int(row_mask.sum()),
@@ -219,6 +220,12 @@ class Evaluator:
         ]
         rows[0]["metrics"] = metrics  # the chunk's log_metric values, once wherever the rows are pooled
         return rows
+
+    def close(self) -> None:
+        """Ends the tool worker of a tool-calling evaluation (a later call starts another)."""
+        runner = getattr(self.policy, "runner", None)
+        if runner is not None:
+            runner.close()
 
     def _figures(self, rows: list[dict]) -> dict[str, float]:
         figures = {"eval/reward_mean": sum(row["reward"] for row in rows) / len(rows)}

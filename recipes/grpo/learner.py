@@ -3,9 +3,9 @@
 - :class:`Learner` and :func:`make_learner`: the batch preparation, replay buffer, loss, optimizer and its learning
   rate schedule, the parameters it clips, the context of each loss forward and the reference to keep in sync, built
   from the config and the loaded models.
-- :class:`PrepareBatch`: group advantages (``advantage.scale_rewards``), the loss mask (``loss.mask_truncated_
-  completions``), then the reference's (and, where a batch lacks them and a step makes several updates, the old
-  policy's) log-probs over the response positions.
+- :class:`PrepareBatch`: group advantages (``advantage.scale_rewards``), the loss mask (the policy's own tokens, a
+  dialog's tool messages out; ``loss.mask_truncated_completions``), then the reference's (and, where a batch lacks
+  them and a step makes several updates, the old policy's) log-probs over the response positions.
 - :func:`informative_batch`: DAPO's dynamic sampling (``advantage.filter_zero_std_groups``): groups whose rewards all
   tie are dropped and more are drawn, up to ``advantage.max_extra_batches`` batches.
 - :func:`optimize`: ``train.epochs_per_step`` passes over the step's responses, ``train.gradient_accumulation_steps``
@@ -33,7 +33,7 @@ from transformers import get_scheduler
 
 from recipes.common.config import RunStopped
 from recipes.common.sharding import is_sharded, shard_frozen_model
-from recipes.grpo.batch import LOG_PROBS, LOSS_MASK, REF_LOG_PROBS, REWARD, TRUNCATED, merge_batches, response_mask
+from recipes.grpo.batch import LOG_PROBS, LOSS_MASK, REF_LOG_PROBS, REWARD, TRUNCATED, merge_batches, policy_token_mask
 from recipes.grpo.distributed import pool_over_processes
 from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs, make_policy_scorer, make_reference_scorer
 from recipes.grpo.loss import GroupAdvantage, GRPOObjective, Scale, make_loss
@@ -94,7 +94,8 @@ class PrepareBatch:
         """Completes ``batch`` in place; returns how long it took (``advantage_s``, ``log_probs_s``)."""
         start = time.perf_counter()
         self.advantage(batch)
-        mask = response_mask(batch)
+        # The policy's own tokens: a dialog's tool messages were not sampled, so no loss, KL or entropy term sees them.
+        mask = policy_token_mask(batch)
         if self.mask_truncated:
             mask = mask & ~batch.get(TRUNCATED).reshape(-1, 1)
         batch.set(LOSS_MASK, mask)

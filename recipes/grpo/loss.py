@@ -362,7 +362,9 @@ class GRPOObjective(nn.Module):
         mask = batch.get(LOSS_MASK).float()
         old = batch.get(LOG_PROBS, None)
         old = log_probs.detach() if old is None else old[:, start:]
-        log_ratio = log_probs - old
+        # Zero off the mask: a dialog's tool tokens carry no sampling log-prob (0), and a ratio or KL term built on
+        # them could overflow to inf, whose product with a mask of 0 is NaN in the loss and its gradient.
+        log_ratio = torch.where(mask.bool(), log_probs - old, 0.0)
         if s.importance_sampling_level == "token":
             log_weights = log_ratio
         else:  # GSPO: one ratio per response, the mean of its tokens' log-ratios
@@ -374,6 +376,7 @@ class GRPOObjective(nn.Module):
         """The k3 estimate of KL(policy || reference) per response token, times the importance ratio when
         bias-corrected (the tokens were sampled by the old policy)."""
         difference = batch.get(REF_LOG_PROBS)[:, response_start(batch) :] - tokens.log_probs
+        difference = torch.where(tokens.mask.bool(), difference, 0.0)  # exp() of an unmasked tool token could be inf
         kl = torch.exp(difference) - difference - 1
         return kl * tokens.coef_1 if self.settings.kl_bias_correction else kl
 

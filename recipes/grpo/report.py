@@ -23,14 +23,20 @@ from omegaconf import DictConfig
 
 from recipes.common.run import Run
 from recipes.common.text_metrics import distinct_bigrams
+from recipes.common.tools import tool_entries
 from recipes.grpo.batch import (
     ADVANTAGE,
+    DIALOG_TOOL_CALLS,
+    DIALOG_TOOL_ERRORS,
+    DIALOG_TURNS,
     PROMPT_INDEX,
     RESPONSE_TOKENS,
     REWARD,
     SOURCE_REWARDS,
     TRUNCATED,
+    policy_token_mask,
     response_mask,
+    response_texts,
 )
 from recipes.grpo.checkpointing import TrainingProgress
 from recipes.grpo.evaluation import accuracy_source
@@ -40,6 +46,7 @@ __all__ = [
     "RUN_FIGURES",
     "SUMMARY_KEYS",
     "SUMMARY_SERIES",
+    "TOOL_SERIES",
     "closing_message",
     "is_source_figure",
     "logged_metrics",
@@ -67,6 +74,9 @@ RUN_FIGURES = (
 )
 SUMMARY_SERIES = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/distinct_2", "train/kl_to_ref")
 SUMMARY_KEYS = (*RUN_FIGURES, *(f"{name}_{end}" for name in SUMMARY_SERIES for end in ("first", "last")))
+# A tool-calling run's dialogs (tools: set): tool calls and assistant turns per dialog, and the step's failed calls
+# (raised, timed out, malformed, unknown tool, arguments refused: each answered to the model with trl's error text).
+TOOL_SERIES = ("rollout/tool_calls_per_dialog", "rollout/tool_errors", "rollout/turns")
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
@@ -78,7 +88,9 @@ def _nanstd(values: torch.Tensor) -> torch.Tensor:
 def rollout_metrics(
     data, tokenizer, oracle, *, group_size: int, gather=None, source_names=()
 ) -> tuple[dict[str, float], int]:
-    """Reward, oracle and length statistics of one step's responses, and how many tokens were generated.
+    """Reward, oracle and length statistics of one step's responses, and how many tokens the policy generated (a
+    dialog's tool messages not counted; ``rollout/response_length`` counts the whole completion, as trl's completion
+    length).
 
     ``rollout/frac_reward_zero_std`` is the fraction of groups (each prompt's ``group_size`` contiguous responses)
     whose rewards are all equal: they teach nothing, their advantages are 0. ``gather`` (``pool_over_processes``)
@@ -90,14 +102,19 @@ def rollout_metrics(
     values = {
         "reward": data.get(REWARD).reshape(-1).float(),
         "length": mask.sum(-1).double(),
+        # What the policy sampled: a dialog's tool messages were written by the tools, not generated.
+        "generated": policy_token_mask(data).sum(-1).double(),
         "truncated": data.get(TRUNCATED).reshape(-1).double(),
     }
     if source_names:
         values["sources"] = data.get(SOURCE_REWARDS).reshape(len(data), -1).float()
     if oracle is not None:
-        responses = [row[keep] for row, keep in zip(data.get(RESPONSE_TOKENS), mask, strict=True)]
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        texts = response_texts(data, tokenizer)
         values["oracle"] = torch.tensor([float(oracle(t)) for t in texts], dtype=torch.float64)
+    dialogs = DIALOG_TURNS in data.keys(include_nested=True)
+    if dialogs:
+        counts = {"turns": DIALOG_TURNS, "tool_calls": DIALOG_TOOL_CALLS, "tool_errors": DIALOG_TOOL_ERRORS}
+        values.update({name: data.get(key).reshape(-1).double() for name, key in counts.items()})
     if gather is not None:
         values = {key: gather(value) for key, value in values.items()}
     metrics = {
@@ -114,7 +131,11 @@ def rollout_metrics(
     metrics["rollout/response_length"] = values["length"].mean().item()
     metrics["rollout/frac_truncated"] = values["truncated"].mean().item()  # hit max_new_tokens before an EOS
     metrics["rollout/distinct_2"] = distinct_bigrams(data.get(RESPONSE_TOKENS), mask)
-    return metrics, int(values["length"].sum().item())
+    if dialogs:
+        metrics["rollout/tool_calls_per_dialog"] = values["tool_calls"].mean().item()
+        metrics["rollout/tool_errors"] = values["tool_errors"].sum().item()  # failed calls of the step (all ranks)
+        metrics["rollout/turns"] = values["turns"].mean().item()
+    return metrics, int(values["generated"].sum().item())
 
 
 def logged_metrics(data, *, prefix: str) -> dict[str, float]:
@@ -181,10 +202,13 @@ def _reward_description(cfg: DictConfig) -> str:
 def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> str:
     """What the run trains, on what, where: the first line of its log."""
     processes = f" x {world_size} processes" if world_size > 1 else ""
+    tools = list(tool_entries(cfg.tools))
+    tools = f", tools {tools} (up to {cfg.rollout.max_turns} turns)" if tools else ""
     return (
         f"GRPO ({cfg.rollout.env} env, {cfg.rollout.mode}): policy {cfg.model.name_or_path}, rewarded by "
         f"{_reward_description(cfg)}, data={cfg.data.source} "
-        f"({num_prompts} prompts); {cfg.train.steps} steps of {cfg.rollout.responses_per_step} responses{processes} "
+        f"({num_prompts} prompts){tools}; {cfg.train.steps} steps of {cfg.rollout.responses_per_step} responses"
+        f"{processes} "
         f"(groups of {cfg.rollout.group_size}, up to {cfg.rollout.generation.max_new_tokens} new tokens), lr "
         f"{cfg.optimizer.lr}, seed {cfg.seed}, {cfg.device} {cfg.dtype}; run folder {cfg.output_dir}"
     )
@@ -214,6 +238,8 @@ def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
     if "train/kl_to_ref" in metrics:
         shown.append(f"KL {metrics['train/kl_to_ref']:.4f}")
     shown.append(f"length {metrics['rollout/response_length']:.1f}")
+    if "rollout/tool_calls_per_dialog" in metrics:
+        shown.append(f"tool calls {metrics['rollout/tool_calls_per_dialog']:.2f}/dialog")
     shown.append(f"{metrics['perf/step_time_s']:.2f} s/step")
     return f"Step {step}/{steps}: {', '.join(shown)}"
 
@@ -228,17 +254,18 @@ def sample_rollouts(batch, prompts, tokenizer, oracle, *, count: int, source_nam
     rows = torch.linspace(0, batch.shape[0] - 1, count).round().long().unique().tolist()
     _, logged = logged_in_batch(batch)
     extra_columns = list(dict.fromkeys(name for row in rows for name in logged[row]))
-    mask = response_mask(batch)
     rewards = batch.get(REWARD).reshape(batch.shape[0], -1)[:, 0]
     sources = batch.get(SOURCE_REWARDS).reshape(batch.shape[0], -1) if source_names else None
     advantages = batch.get(ADVANTAGE).reshape(batch.shape[0], -1)[:, 0] if ADVANTAGE in batch.keys() else None
     samples = []
-    for row in rows:
-        response = tokenizer.decode(batch.get(RESPONSE_TOKENS)[row][mask[row]], skip_special_tokens=True)
+    texts = response_texts(batch, tokenizer, rows=rows)
+    shown = response_texts(batch, tokenizer, rows=rows, mark_tools=True)  # tool messages marked [tool]...[/tool]
+    for index, row in enumerate(rows):
+        response = texts[index]
         prompt = prompts[int(batch.get(PROMPT_INDEX)[row])]
         if not isinstance(prompt, str):  # a conversation
             prompt = "\n".join(f"{message['role']}: {message['content']}" for message in prompt)
-        sample = {"prompt": prompt, "response": response, "reward": round(float(rewards[row]), 4)}
+        sample = {"prompt": prompt, "response": shown[index], "reward": round(float(rewards[row]), 4)}
         for column, name in enumerate(source_names):
             value = float(sources[row, column])
             sample[f"rewards/{name}"] = None if math.isnan(value) else round(value, 4)
@@ -282,7 +309,7 @@ def summary_keys(cfg: DictConfig) -> list[str]:
     ``recipes.grpo.evaluation.accuracy_source`` names a source). What reward functions log (``rollout/<name>``) is
     in summary.json too, but known only once they log it: ``metric=`` cannot name it."""
     names = [source.name for source in reward_sources(cfg)]
-    series = [f"rollout/rewards/{name}/mean" for name in names]
+    series = [*(TOOL_SERIES if tool_entries(cfg.tools) else ()), *(f"rollout/rewards/{name}/mean" for name in names)]
     if cfg.eval.every_n_steps is not None:
         series += ["eval/reward_mean", "eval/response_length", *(f"eval/rewards/{name}/mean" for name in names)]
         series += ["eval/oracle_mean"] if cfg.data.oracle is not None else []
@@ -302,11 +329,13 @@ _ROLLOUT_FIGURES = (
     "rollout/distinct_2",
     "rollout/groups_filtered",
     "rollout/extra_batches",
+    *TOOL_SERIES,
 )
 
 
 def summary_series(history: list[dict]) -> list[str]:
-    """The training series summary.json gives ``_first``/``_last`` of: :data:`SUMMARY_SERIES`, then each reward
+    """The training series summary.json gives ``_first``/``_last`` of: :data:`SUMMARY_SERIES`, a tool-calling run's
+    :data:`TOOL_SERIES`, then each reward
     source's mean (``rollout/rewards/<name>/mean``) that the run logged, then what the trl reward functions logged
     (``rollout/<name>``)."""
     logged = dict.fromkeys(key for row in history for key in row)
@@ -316,7 +345,8 @@ def summary_series(history: list[dict]) -> list[str]:
         for key in logged
         if key.startswith("rollout/") and key not in _ROLLOUT_FIGURES and not key.startswith("rollout/rewards/")
     ]
-    return [*SUMMARY_SERIES, *per_source, *by_functions]
+    tools = [key for key in TOOL_SERIES if key in logged]
+    return [*SUMMARY_SERIES, *tools, *per_source, *by_functions]
 
 
 def summarize(progress: TrainingProgress, *, window: int, num_processes: int) -> dict:

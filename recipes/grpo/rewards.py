@@ -37,12 +37,14 @@ from torchrl.envs import Compose, Transform
 from transformers import TrainerState
 
 from interop import HFRewardModelWrapper, RewardModelTransform
+from interop.dialog_policy import DialogPolicy
 from interop.sampling import CausalLMSampler
 from recipes.common.chat import CHAT_STEP_KEYS
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.common.prompts import PromptTable, non_tensor_rows
 from recipes.common.reward_functions import RewardFunction, RewardLogs, resolve_function
+from recipes.common.tools import tool_entries
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, REWARD_LOGS, SOURCE_REWARDS
 from recipes.grpo.prompt_env import PromptEnv
 
@@ -78,7 +80,8 @@ def _as_tuple(key: NestedKey) -> tuple:
 def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
     """The entries a step of ``cfg.rollout.env``'s rollout holds when the reward transforms read it.
 
-    ``prompt``: what :class:`PromptEnv` resets, what :class:`CausalLMSampler` writes, and the text and conversations
+    ``prompt``: what :class:`PromptEnv` resets, what :class:`CausalLMSampler` (with tools,
+    ``interop.dialog_policy.DialogPolicy``) writes, and the text and conversations
     :class:`ResponseText` decodes for the rewards that read them. ``chat``: TorchRL's layout
     (``recipes.common.chat.CHAT_STEP_KEYS``), with ``("log_probs", "response")`` when
     ``rollout.generation.return_log_probs`` asks for it.
@@ -89,7 +92,9 @@ def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
         if "return_log_probs" in generation and generation.return_log_probs:
             keys.append(("log_probs", "response"))
     else:
-        keys = [*PromptEnv.RESET_KEYS, *CausalLMSampler.OUT_KEYS, *ResponseText.KEYS]
+        # With tools the policy is a DialogPolicy, whose per-dialog counts a reward term may read (a cost per call).
+        policy_keys = DialogPolicy.OUT_KEYS if tool_entries(cfg.tools) else CausalLMSampler.OUT_KEYS
+        keys = [*PromptEnv.RESET_KEYS, *policy_keys, *ResponseText.KEYS]
     return [_as_tuple(key) for key in keys]
 
 

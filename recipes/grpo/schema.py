@@ -180,6 +180,8 @@ class Rollout:
     # The settings of the sampler rollout.env picks (recipes.grpo.checks checks the keys against it).
     generation: Annotated[dict[str, Any], OPEN]
     log_prob_micro_batch_size: Positive | None
+    # With tools: assistant turns per dialog (trl's max_tool_calling_iterations + 1).
+    max_turns: Positive
 
     def __post_init__(self) -> None:
         if self.responses_per_step % self.group_size:
@@ -404,6 +406,9 @@ class GRPORecipeConfig:
     log_every_n_steps: Positive
     samples: Samples
     rollout: Rollout
+    # name -> {function}, plus timeout_s and max_result_tokens: the names are the user's (recipes.common.tools checks
+    # each node, recipes.grpo.checks the combinations).
+    tools: Annotated[dict[str, Any], OPEN]
     reward: Reward
     eval: Eval
     advantage: Advantage

@@ -1,0 +1,81 @@
+"""The ``tools:`` node: resolved to trl-style tools, every bad entry refused naming its key before a model loads."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from recipes.common.config import ConfigError
+from recipes.common.tools import make_tool_runner, resolve_tools, tool_entries
+
+SETTINGS = {"timeout_s": 5, "max_result_tokens": 16}
+
+
+def _tools(**entries):
+    return OmegaConf.create({**SETTINGS, **entries})
+
+
+def no_docstring(a: int) -> int:
+    return a
+
+
+def no_hints(a):
+    """Returns a.
+
+    Args:
+        a: a number.
+    """
+    return a
+
+
+def test_resolves_a_dotted_path_and_leaves_the_settings_out():
+    tools = _tools(multiply={"function": "recipes.common.calculator.multiply"})
+    assert list(tool_entries(tools)) == ["multiply"]
+    tool_set = resolve_tools(tools)
+    assert tool_set.names == ["multiply"]
+    assert tool_set.schemas[0]["function"]["parameters"]["required"] == ["a", "b"]
+
+
+def test_no_tools_is_none():
+    assert resolve_tools(OmegaConf.create(SETTINGS)) is None
+    assert resolve_tools(None) is None
+
+
+@pytest.mark.parametrize(
+    ("entries", "settings", "message"),
+    [
+        ({"multiply": "recipes.common.calculator.multiply"}, {}, r"tools\.multiply: expected \{function"),
+        ({"multiply": {"function": "no_such_module.multiply"}}, {}, r"tools\.multiply\.function=no_such_module"),
+        (
+            {"multiply": {"function": "recipes.common.calculator.TOOLS"}},
+            {},
+            r"tools\.multiply\.function=.*not a function",
+        ),
+        ({"no_docstring": {"function": f"{__name__}.no_docstring"}}, {}, r"tools\.no_docstring\.function=.*docstring"),
+        ({"no_hints": {"function": f"{__name__}.no_hints"}}, {}, r"tools\.no_hints\.function=.*type hint"),
+        ({"times": {"function": "recipes.common.calculator.multiply"}}, {}, r"rename the key to tools\.multiply"),
+        ({"multiply": {"function": "recipes.common.calculator.multiply", "weight": 1}}, {}, r"unknown key"),
+        ({"multiply": {"function": "recipes.common.calculator.multiply"}}, {"timeout_s": 0}, r"tools\.timeout_s=0"),
+        (
+            {"multiply": {"function": "recipes.common.calculator.multiply"}},
+            {"max_result_tokens": 0},
+            r"max_result_tokens",
+        ),
+    ],
+)
+def test_bad_entries_are_refused_naming_the_key(entries, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_tools(OmegaConf.create({**SETTINGS, **settings, **entries}))
+
+
+def test_the_runner_answers_with_the_settings():
+    from transformers import AutoTokenizer
+
+    from interop.tools import ToolCall
+
+    tools = _tools(multiply={"function": "recipes.common.calculator.multiply"})
+    tokenizer = AutoTokenizer.from_pretrained("tiny/policy")
+    with make_tool_runner(tools, resolve_tools(tools), tokenizer=tokenizer) as runner:
+        assert (runner.timeout_s, runner.max_result_tokens) == (5.0, 16)
+        (result,) = runner.run([ToolCall("multiply", {"a": 12, "b": 34}, "")])
+    assert (result.content, result.error) == ("408", None)
