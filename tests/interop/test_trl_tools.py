@@ -12,54 +12,24 @@ from collections import Counter
 
 import pytest
 import torch
-from _tiny_models import build_tokenizer, qwen2_config
 from _tool_functions import boom, sleepy
+from _tool_policy import build_tool_policy, inject_turns, tool_call
 from torchrl.data import LazyStackStorage, ReplayBuffer
 
-import interop.dialogs
 from interop import TorchRLRolloutFunc
-from interop.sampling import SampledResponses
 from recipes.common import calculator
-
-# Qwen2.5's tool-calling format (what tiny/calculator_policy's template renders) with a one-line tool preamble:
-# prefix-preserving, and parsed by trl's qwen3 response template.
-TOOL_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}"
-    "{%- set f = tool.function if tool.function is defined else tool %}{{- ' ' + f.name }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
-    "{%- if message.content or not message.tool_calls %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls or [] %}"
-    "{%- set c = tool_call.function if tool_call.function is defined else tool_call %}"
-    '{{- \'\\n<tool_call>\\n{"name": "\' + c.name + \'", "arguments": \' + (c.arguments | tojson)'
-    " + '}\\n</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def _call(name: str, arguments: str) -> str:
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
-
 
 # Each prompt's turns, in order (its last repeated): a call then the answer; an answer at once; an unknown tool, then
 # an answer; a call in every turn (the turn limit ends it); a tool that raises; a tool that overruns tools' timeout.
 SCRIPTS = {
-    "What is 12 * 34?": [_call("multiply", '{"a": 12, "b": 34}'), "The answer is 408."],
+    "What is 12 * 34?": [tool_call("multiply", '{"a": 12, "b": 34}'), "The answer is 408."],
     "What is 5 * 1?": ["The answer is 5."],
-    "What is 7 * 8?": [_call("divide", '{"a": 7, "b": 8}'), "The answer is 56."],
-    "What is 2 * 3?": [_call("multiply", '{"a": 2, "b": 3}'), _call("multiply", '{"a": 3, "b": 2}')],
+    "What is 7 * 8?": [tool_call("divide", '{"a": 7, "b": 8}'), "The answer is 56."],
+    "What is 2 * 3?": [tool_call("multiply", '{"a": 2, "b": 3}'), tool_call("multiply", '{"a": 3, "b": 2}')],
 }
 FAILING = {
-    "Break it.": [_call("boom", '{"reason": "no"}'), "The answer is 0."],
-    "Wait for it.": [_call("sleepy", '{"seconds": 30}'), "The answer is 1."],
+    "Break it.": [tool_call("boom", '{"reason": "no"}'), "The answer is 0."],
+    "Wait for it.": [tool_call("sleepy", '{"seconds": 30}'), "The answer is 1."],
 }
 
 
@@ -67,22 +37,12 @@ FAILING = {
 def tool_policy(tmp_path_factory):
     """``(model, tokenizer)``: an untrained tiny Qwen2 whose tokenizer renders Qwen2.5's tool calls (the model's turns
     are injected: what matters is the layout and trl's loss over it)."""
-    from transformers import AutoTokenizer, Qwen2ForCausalLM
-
-    folder = tmp_path_factory.mktemp("tool_policy")
-    corpus = [str(m["content"]) for c in calculator.make_sft_conversations(200, seed=0) for m in c]
-    corpus += [text for turns in {**SCRIPTS, **FAILING}.values() for text in turns] + list(SCRIPTS) + list(FAILING)
-    corpus += ["<tool_response>\n408\n</tool_response>", "Tools: multiply boom sleepy", '{"error": "Tool"}']
-    tokenizer = build_tokenizer(folder, corpus, 600, chat_template=TOOL_TEMPLATE)
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
-    tokenizer.save_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(qwen2_config(tokenizer, max_position_embeddings=512))
-    return model, tokenizer
+    extra = [text for turns in {**SCRIPTS, **FAILING}.values() for text in turns] + list(SCRIPTS) + list(FAILING)
+    extra += ["Tools: multiply boom sleepy"]
+    return build_tool_policy(tmp_path_factory.mktemp("tool_policy"), extra)
 
 
-def _script_ids(tokenizer, context: list[int], seen: Counter) -> list[int]:
+def _script(tokenizer, context: list[int], seen: Counter) -> str:
     """The injected turn for a dialog so far: its prompt's script, at the turn its tool results say it is at; every
     second answer of a prompt's turn is wrong (``seen`` counts them), so that a group's rewards differ. Both tool loops
     sample a turn for the rows in the same order, so the same rows get the wrong answers."""
@@ -95,27 +55,12 @@ def _script_ids(tokenizer, context: list[int], seen: Counter) -> list[int]:
     seen[prompt, index] += 1
     if seen[prompt, index] % 2 == 0 and not turn.startswith("<tool_call>"):
         turn = "The answer is 1."
-    return tokenizer.encode(turn + tokenizer.eos_token, add_special_tokens=False)
+    return turn
 
 
 def _inject_into_dialogs(monkeypatch, tokenizer):
-    """interop.dialogs' sampler writes the scripted turns (cut at the turn's token limit, as sampling would be)."""
-
     seen = Counter()
-
-    def scripted(model, prompt_tokens, prompt_mask, *, settings, pad_token_id, **_):
-        rows = [
-            _script_ids(tokenizer, row[mask.bool()].tolist(), seen)[: settings.max_new_tokens]
-            for row, mask in zip(prompt_tokens, prompt_mask)
-        ]
-        width = max(len(row) for row in rows)
-        tokens = torch.full((len(rows), width), pad_token_id)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for index, row in enumerate(rows):
-            tokens[index, : len(row)], mask[index, : len(row)] = torch.tensor(row), True
-        return SampledResponses(tokens, mask, torch.where(mask, -0.5, 0.0), torch.zeros(len(rows), dtype=torch.bool))
-
-    monkeypatch.setattr(interop.dialogs, "sample_responses", scripted)
+    inject_turns(monkeypatch, tokenizer, lambda context: _script(tokenizer, context, seen))
 
 
 def _args(tmp_path, **overrides):
@@ -128,7 +73,7 @@ def _args(tmp_path, **overrides):
         bf16=False,
         per_device_train_batch_size=8,
         num_generations=2,
-        max_completion_length=96,
+        max_completion_length=160,
         max_tool_calling_iterations=1,
         beta=0.0,
         disable_tqdm=True,
@@ -179,7 +124,11 @@ def _trl_tools_trainer(tool_policy, tmp_path, questions):
     seen = Counter()
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        ids = [_script_ids(tokenizer, row, seen)[: trainer.max_completion_length] for row in prompt_ids]
+        ids = [
+            tokenizer.encode(_script(tokenizer, row, seen) + tokenizer.eos_token, add_special_tokens=False)
+            for row in prompt_ids
+        ]
+        ids = [row[: trainer.max_completion_length] for row in ids]
         return ids, [[-0.5] * len(row) for row in ids]
 
     trainer._generate_single_turn = generate
