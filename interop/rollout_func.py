@@ -152,7 +152,8 @@ class TorchRLRolloutFunc:
             :class:`interop.tools.ToolSet`, or a :class:`interop.tools.ToolRunner` (the caller's, which the caller
             closes); each prompt is then sampled as a dialog (:class:`interop.dialogs.DialogSampler`, turns ending at
             EOS as trl's do) and the output has ``env_mask``. Needs ``policy=None`` (the dialog sampler runs around
-            the trainer's model) and ``mode="sync"``; refused beside trl's own ``tools=`` (two tool loops).
+            the trainer's model); in async mode the sampling process runs the dialogs with a tool worker of its own.
+            Refused beside trl's own ``tools=`` (two tool loops).
             ``None``: single-turn completions.
         max_turns: tools: assistant turns per dialog, at most (trl's ``max_tool_calling_iterations`` + 1). ``None``:
             the trainer's ``GRPOConfig.max_tool_calling_iterations`` + 1, or, where that is ``None`` (trl: no limit),
@@ -213,7 +214,7 @@ class TorchRLRolloutFunc:
         if mode not in ("sync", "async"):
             raise ValueError(f"TorchRLRolloutFunc: mode must be 'sync' or 'async', got {mode!r}.")
         if tools is not None:
-            self._check_tool_options(tools, policy=policy, mode=mode, max_turns=max_turns)
+            self._check_tool_options(tools, policy=policy, max_turns=max_turns)
         if max_policy_lag < 0:
             raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
         if mode == "async" and policy is not None and not isinstance(policy, CausalLMSampler):
@@ -269,16 +270,11 @@ class TorchRLRolloutFunc:
             )
 
     @staticmethod
-    def _check_tool_options(tools, *, policy, mode: str, max_turns: int | None) -> None:
+    def _check_tool_options(tools, *, policy, max_turns: int | None) -> None:
         if policy is not None:
             raise ValueError(
                 f"TorchRLRolloutFunc: tools= samples whole dialogs with interop.DialogSampler around the trainer's "
                 f"model; a {type(policy).__name__} policy cannot run the tool calls between turns. Pass no policy."
-            )
-        if mode != "sync":
-            raise ValueError(
-                "TorchRLRolloutFunc: tools= with mode='async' is not supported yet (the sampling process would need "
-                "its own tool worker and the whole chat template); use mode='sync'."
             )
         if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
             raise ValueError(
@@ -423,6 +419,17 @@ class TorchRLRolloutFunc:
     def _start_background(self) -> None:
         from interop.background_sampler import BackgroundSampler
 
+        dialogs = None
+        if self.tools is not None:  # the child runs the same dialogs with a tool worker of its own
+            sampler = self.policy
+            dialogs = {
+                "tools": list(sampler.runner.tools.functions.values()),
+                "timeout_s": sampler.runner.timeout_s,
+                "max_result_tokens": sampler.runner.max_result_tokens,
+                "max_turns": sampler.max_turns,
+                "max_completion_tokens": sampler.max_completion_tokens,
+                "chat_template_kwargs": sampler.chat_template_kwargs,
+            }
         self._background = BackgroundSampler(
             self.policy.model,
             self.tokenizer,
@@ -431,6 +438,7 @@ class TorchRLRolloutFunc:
             eos_token_ids=self.policy.eos_token_ids,
             num_threads=self.sampler_threads,
             seed=self.seed,
+            dialogs=dialogs,
         )
 
     def close(self) -> None:

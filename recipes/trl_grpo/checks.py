@@ -90,14 +90,9 @@ def _check_trl_tool_keys(cfg: DictConfig) -> None:
 
 def _check_tools(cfg: DictConfig) -> None:
     """The tools resolve as trl would take them (``recipes.common.tools.resolve_tools``: importable, callable, typed,
-    documented, named by their key), and the rollout settings that cannot run them are refused."""
+    documented, named by their key), and a replay that would train without their mask is refused."""
     if resolve_tools(cfg.tools) is None:
         return
-    if cfg.rollout.mode == "async":
-        raise ConfigError(
-            "rollout.mode=async with tools: the async sampling process does not run tool calls yet. Use "
-            "rollout.mode=sync (the default) with tools."
-        )
     if cfg.rollout.replay.enabled:
         raise ConfigError(
             "rollout.replay.enabled=true with tools: a replayed group would train without the env_mask that keeps "
@@ -273,8 +268,16 @@ def _check_prompt_lengths(cfg: DictConfig, rows, args) -> None:
     config only: before any weights load)."""
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
     table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.system_prompt)
+    tools = resolve_tools(cfg.tools)
+    if tools is None:
+        lengths = table.rendered_lengths()
+    else:  # the tools' schemas are rendered into every prompt, as the rollout function renders them
+        rendered = tokenizer.apply_chat_template(
+            table.conversations, tools=tools.schemas, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        lengths = [len(ids) for ids in rendered["input_ids"]]
     check_prompts_fit_policy(
-        table.rendered_lengths(),
+        lengths,
         cfg.model,
         max_new_tokens=args.max_completion_length,
         max_new_tokens_key="train.max_completion_length",

@@ -269,7 +269,59 @@ def test_two_tool_loops_and_disagreeing_turn_limits_are_refused(tool_policy, tmp
     with pytest.raises(ValueError, match=r"the trainer was given tools too .*calling each tool twice"):
         func([_inputs(["What is 5 * 1?"])[0]["prompt"]], trainer)
     func.close()
-    with pytest.raises(ValueError, match="tools= with mode='async' is not supported yet"):
-        TorchRLRolloutFunc(tools=[calculator.multiply], mode="async")
+    with pytest.raises(ValueError, match="tools= samples whole dialogs .* Pass no policy"):
+        TorchRLRolloutFunc(object(), tools=[calculator.multiply])
     with pytest.raises(ValueError, match="tool '<lambda>' has no docstring"):
         TorchRLRolloutFunc(tools=[lambda a: a])
+
+
+def test_async_mode_samples_the_dialogs_in_its_process_with_a_tool_worker_of_its_own(tiny_dir, tmp_path):
+    """tiny/calculator_policy calls its tool in about a third of its answers (24 dialogs without a call: about 6e-5):
+    the child process samples the dialogs (its own tool worker answers the calls), and trl trains one update behind
+    on them with their env_mask."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+    from torchrl.data import LazyTensorStorage
+    from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interop import TorchRLBufferDataset
+    from interop.trl_grpo import TorchRLGRPOTrainer
+
+    prompts, columns = calculator.make_task(16, seed=0)
+    rows = TensorDict(
+        {
+            "prompt": NonTensorStack(*[NonTensorData([{"role": "user", "content": p}]) for p in prompts]),
+            "solution": NonTensorStack(*[NonTensorData(s) for s in columns["solution"]]),
+        },
+        batch_size=[16],
+    )
+    source = ReplayBuffer(
+        storage=LazyTensorStorage(16), sampler=SamplerWithoutReplacement(), generator=torch.Generator().manual_seed(0)
+    )
+    source.extend(rows)
+    stream = TorchRLBufferDataset(source, batch_size=4, keys=["prompt", "solution"], num_batches=None).as_hf_dataset()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "calculator_policy", padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "calculator_policy")
+    stored = ReplayBuffer(storage=LazyStackStorage(1000))
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    trainer = TorchRLGRPOTrainer(
+        model=model,
+        reward_funcs=calculator.exact_answer_reward,
+        args=_args(tmp_path, max_steps=3, per_device_train_batch_size=8, num_generations=4, shuffle_dataset=False),
+        train_dataset=stream,
+        processing_class=tokenizer,
+        rollout_func=TorchRLRolloutFunc(tools=[calculator.multiply], mode="async"),
+        replay_buffer=stored,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 3
+    logged = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
+    assert [entry["policy_lag"] for entry in logged][1:] == [1.0, 1.0], "steps 2 and 3 trained on pre-sampled dialogs"
+    assert len(stored) == 24
+    calls = [int(stored[index]["tool_calls"]) for index in range(24)]
+    assert sum(calls) > 0, "the policy called its tool"
+    for index in range(24):
+        row = stored[index]
+        assert row["env_mask"].shape == row["completion_ids"].shape
+        assert bool((row["env_mask"] == 0).any()) <= bool(calls[index])  # tool tokens only where a tool answered
+    assert any(bool((stored[index]["env_mask"] == 0).any()) for index in range(24))
