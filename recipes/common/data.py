@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
-from recipes.common import arithmetic, synthetic
+from recipes.common import arithmetic, calculator, synthetic
 from recipes.common.config import ConfigError, first_items
 
 # datasets is imported where a file or hub dataset loads: it takes about half a second, which the synthetic task,
@@ -258,6 +258,7 @@ def _source(data: DictConfig, split: str) -> str:
 SYNTHETIC_TASKS = {
     "synthetic": (synthetic.make_task, synthetic.make_task),
     "arithmetic": (arithmetic.make_task, arithmetic.make_eval_task),
+    "calculator": (calculator.make_task, calculator.make_eval_task),
 }
 
 # The arguments trl passes every reward function besides the data's columns: a column of one of these names would

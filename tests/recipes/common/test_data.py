@@ -141,3 +141,16 @@ def test_data_hf_names_a_plain_folder_and_an_unreachable_hub_name(compose_config
     offline = compose_config("grpo_torchrl_rm", ["data=hf", "data.name_or_path=someone/no-such-dataset"]).data
     with pytest.raises(ConfigError, match=r"no such folder, and the hub dataset of that name cannot be loaded"):
         load_prompts(offline, "train")
+
+
+def test_data_calculator_draws_train_and_held_out_prompts_with_their_solutions(compose_config):
+    from recipes.common import calculator
+    from recipes.common.data import load_prompt_rows
+
+    data = compose_config("grpo_torchrl_rm", ["data=calculator", "model=tiny_calculator"]).data
+    train, held_out = load_prompt_rows(data, "train"), load_prompt_rows(data, "eval")
+    # The eval prompts are drawn with seed + 1 from the held-out problems, as the other built-in tasks draw theirs.
+    assert (train.prompts, train.columns) == calculator.make_task(data.num_train_prompts, seed=data.seed)
+    assert (held_out.prompts, held_out.columns) == calculator.make_eval_task(data.num_eval_prompts, seed=data.seed + 1)
+    assert len(train) == data.num_train_prompts and len(held_out) == data.num_eval_prompts
+    assert set(train.prompts).isdisjoint(held_out.prompts)
