@@ -53,6 +53,7 @@ __all__ = [
     "Aliases",
     "DATA_SOURCES",
     "ArithmeticData",
+    "CalculatorData",
     "DType",
     "DataNode",
     "FileData",
@@ -644,6 +645,15 @@ class ArithmeticData:
 
 
 @dataclass
+class CalculatorData:
+    source: Literal["calculator"]
+    num_train_prompts: Annotated[int, Range(ge=1)]
+    num_eval_prompts: Annotated[int, Range(ge=0)]
+    seed: int
+    oracle: None
+
+
+@dataclass
 class FileData:
     source: Literal["file"]
     path: str
@@ -667,7 +677,13 @@ class HFData:
 
 
 # data.source -> its node (conf/data/<source>.yaml).
-DATA_SOURCES = {"synthetic": SyntheticData, "arithmetic": ArithmeticData, "file": FileData, "hf": HFData}
+DATA_SOURCES = {
+    "synthetic": SyntheticData,
+    "arithmetic": ArithmeticData,
+    "calculator": CalculatorData,
+    "file": FileData,
+    "hf": HFData,
+}
 DataNode = Annotated[dict, Variant("source", DATA_SOURCES)]
 
 
