@@ -144,8 +144,10 @@ def test_a_tool_using_run_killed_after_its_checkpoint_resumes_with_its_dialogs_c
     assert (run_dir / "rollouts" / "rank_0" / "part_1").is_dir()
     assert int(stored["tool_calls"].sum()) > 0, "the policy called its tool"
     lengths, env_mask = stored["completion_length"], stored["env_mask"]
-    calls = stored["tool_calls"] > 0
-    assert all(int(env_mask[i, : lengths[i]].sum()) < int(lengths[i]) for i in calls.nonzero().flatten().tolist())
+    # Tool tokens only in dialogs that called (a result that would not fit the budget is left out, as trl does).
+    with_tool_tokens = [int(env_mask[i, : lengths[i]].sum()) < int(lengths[i]) for i in range(stored.shape[0])]
+    assert any(with_tool_tokens)
+    assert all(int(stored["tool_calls"][i]) > 0 for i, has in enumerate(with_tool_tokens) if has)
     steps = [row["step"] for row in read_metrics(run_dir) if "rollout/tool_calls_per_dialog" in row]
     assert steps == [1.0, 2.0, 3.0, 4.0]
     assert summary["rollout/tool_calls_per_dialog_first"] == pytest.approx(first_step["rollout/tool_calls_per_dialog"])
