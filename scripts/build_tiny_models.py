@@ -2,7 +2,7 @@
 
     python scripts/build_tiny_models.py --overwrite     # rebuilds tiny/policy and tiny/reward_base
     python scripts/build_tiny_models.py --task arithmetic   # writes tiny/arithmetic_policy (about 4 minutes)
-    python scripts/build_tiny_models.py --task calculator   # writes tiny/calculator_policy
+    python scripts/build_tiny_models.py --task calculator   # writes tiny/calculator_policy (22 min on 2 busy cores)
     python scripts/build_tiny_models.py --out /tmp/kit --pretrain-steps 50
     # a speed model at a real checkpoint's cost: ~97M parameters, Qwen2.5's 151,936-token vocabulary
     python scripts/build_tiny_models.py --out /tmp/real_vocab --hidden-size 512 --num-layers 6 --pretrain-steps 20 \
@@ -18,10 +18,11 @@ sequence classifier (num_labels=1) initialised from that policy's backbone, read
 ``--train-reward-model`` runs it after the build. ``--task arithmetic`` builds the verifiable task's policy instead
 (``recipes/common/arithmetic.py``): a Qwen2 of about 0.4M parameters pretrained on sums answered in three forms, of
 which only the written-out one is reliable. ``--task calculator`` builds the tool-use task's policy
-(``recipes/common/calculator.py``): a Qwen2 with Qwen2.5's own chat template (tools in the system message,
-``<tool_call>`` blocks in assistant turns, tool results in ``<tool_response>`` blocks), its tokenizer holding
-``<tool_call>`` and ``</tool_call>`` as single tokens as Qwen2.5's does, pretrained on products answered sometimes by
-calling the ``multiply`` tool and otherwise by a guess.
+(``recipes/common/calculator.py``): a Qwen2 with Qwen2.5's tool-call format in a compact template
+(scripts/calculator_chat_template.jinja: ``<tool_call>`` blocks in assistant turns, tool results in
+``<tool_response>`` blocks, the tools in one system line), its tokenizer holding the four tool markers as single tokens
+as Qwen2.5's does and every digit as its own token, pretrained on the assistant's turns of products answered sometimes
+by calling the ``multiply`` tool and otherwise by a guess.
 
 ``--resize-vocab N`` gives the policy (and so the reward base) an N-token embedding table and LM head after
 pretraining, the new rows drawn around the trained ones (``resize_token_embeddings``, mean resizing): the tokenizer
@@ -73,14 +74,18 @@ CHAT_TEMPLATE = (
 )
 
 
-# Qwen2.5's chat template, verbatim from its tokenizer_config.json (trl ships the same file as
-# trl/chat_templates/qwen2_5.jinja and recognises the template by identity): the tools' JSON schemas in the system
-# message, `<tool_call>` blocks in assistant turns, tool results as `<tool_response>` blocks in a user turn. The
-# calculator policy's template.
-QWEN2_5_CHAT_TEMPLATE = (Path(__file__).resolve().parent / "qwen2_5_chat_template.jinja").read_text(encoding="utf-8")
-# Single tokens in Qwen2.5's tokenizer (added, not special: decoding keeps them), so a turn can stop at the closing one.
-TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
-CALCULATOR_MAX_POSITIONS = 512
+# The calculator policy's chat template: Qwen2.5's tool-calling format (`<tool_call>` blocks in assistant turns, tool
+# results as `<tool_response>` blocks, prefix-preserving) with the tools listed in one short system line. Qwen2.5's own
+# template (scripts/qwen2_5_chat_template.jinja, as trl ships it) spends about 200 tokens on instructions before the
+# question, which a tiny model pays for in every pretraining step and every sampled turn.
+CALCULATOR_CHAT_TEMPLATE = (Path(__file__).resolve().parent / "calculator_chat_template.jinja").read_text(
+    encoding="utf-8"
+)
+# Single tokens in Qwen2.5's tokenizer (added, not special: decoding keeps them), so a turn can stop at the closing
+# tool-call marker.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# A dialog with one tool call renders to about 75 tokens with the compact template.
+CALCULATOR_MAX_POSITIONS = 256
 
 
 # Each task's build settings. The arithmetic policy needs more capacity and steps to learn every sum under the noise
@@ -100,20 +105,26 @@ TASK_DEFAULTS = {
     ),
     "calculator": dict(
         num_conversations=8000,
-        vocab_size=1000,
+        copy_conversations=16000,
+        vocab_size=400,
         hidden_size=128,
         num_layers=2,
-        pretrain_steps=1500,
-        batch_size=16,
-        lr=2e-3,
+        pretrain_steps=2500,
+        batch_size=32,
+        lr=3e-3,
     ),
 }
 
 
-def build_tokenizer(corpus: list[str], *, vocab_size: int) -> PreTrainedTokenizerFast:
-    """Trains a byte-level BPE on ``corpus`` and wraps it as a standard HF fast tokenizer."""
+def build_tokenizer(corpus: list[str], *, vocab_size: int, split_digits: bool = False) -> PreTrainedTokenizerFast:
+    """Trains a byte-level BPE on ``corpus`` and wraps it as a standard HF fast tokenizer. ``split_digits``: every
+    digit its own pre-token, as Qwen2's pre-tokenizer splits them, so no merge is spent on digit groups."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        bpe.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -149,27 +160,78 @@ def build_policy(
 
 
 def pretrain(model: Qwen2ForCausalLM, tokenizer, corpus: list[str], *, steps: int, batch_size: int, lr: float):
-    """Next-token pretraining on the corpus, padding excluded from the loss. Returns (first, last) loss."""
+    """Next-token pretraining on the corpus's texts, padding excluded from the loss. Returns (first, last) loss."""
+    ids = tokenizer(corpus)["input_ids"]
+    examples = [(row, [1] * len(row)) for row in ids]
+    return pretrain_on_tokens(
+        model, examples, pad_token_id=tokenizer.pad_token_id, steps=steps, batch_size=batch_size, lr=lr
+    )
+
+
+def pretrain_on_tokens(
+    model: Qwen2ForCausalLM,
+    examples: list[tuple[list[int], list[int]]],
+    *,
+    pad_token_id: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    pack_length: int | None = None,
+):
+    """Next-token pretraining on ``(token ids, loss mask)`` examples, ``batch_size`` of them a step: only the tokens
+    whose mask is 1 are predicted. Each example is a row, right-padded to the batch's longest; with ``pack_length``,
+    the step's examples are packed one after another into rows of that many tokens instead, each attending only to
+    itself (position ids restart per example, which transformers turns into a block-causal mask), so that no compute
+    goes to padding when lengths vary. Returns (first, last) loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     generator = torch.Generator().manual_seed(0)
-    tokenizer.padding_side = "right"
     losses = []
     model.train()
     for _ in range(steps):
-        rows = torch.randint(len(corpus), (batch_size,), generator=generator).tolist()
-        batch = tokenizer([corpus[i] for i in rows], return_tensors="pt", padding=True)
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = model(**batch, labels=labels).loss
+        drawn = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator).tolist()]
+        rows = _packed(drawn, pack_length) if pack_length else [[example] for example in drawn]
+        width = pack_length or max(len(ids) for ids, _ in drawn)
+        input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        position_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for index, row in enumerate(rows):
+            start = 0
+            for ids, mask in row:
+                end = start + len(ids)
+                input_ids[index, start:end] = torch.tensor(ids)
+                labels[index, start:end] = torch.tensor(ids).masked_fill(torch.tensor(mask) == 0, -100)
+                position_ids[index, start:end] = torch.arange(len(ids))
+                attention_mask[index, start:end] = 1
+                start = end
+            position_ids[index, start:] = torch.arange(width - start)  # the padding: one more sequence, no labels
+        # Packed rows need attention_mask=None and no cache: transformers then reads the sequences off position_ids.
+        inputs = dict(position_ids=position_ids) if pack_length else dict(attention_mask=attention_mask)
+        loss = model(input_ids=input_ids, labels=labels, use_cache=False, **inputs).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    tokenizer.padding_side = "left"
     model.eval()
     return losses[0], sum(losses[-20:]) / len(losses[-20:])
+
+
+def _packed(examples: list, length: int) -> list[list]:
+    """The examples in order, in rows of at most ``length`` tokens (a row is closed when the next does not fit)."""
+    rows, used = [[]], 0
+    for example in examples:
+        if len(example[0]) > length:
+            raise ValueError(
+                f"build_tiny_models: an example of {len(example[0])} tokens does not fit a packed row of {length}."
+            )
+        if used + len(example[0]) > length:
+            rows, used = rows + [[]], 0
+        rows[-1].append(example)
+        used += len(example[0])
+    return rows
 
 
 def as_loaded(tokenizer: PreTrainedTokenizerFast, policy: Qwen2ForCausalLM):
@@ -228,33 +290,63 @@ def build_arithmetic_policy(args: argparse.Namespace) -> None:
 
 def build_calculator_policy(args: argparse.Namespace) -> None:
     """``<out>/calculator_policy``: the tool-use task's policy, pretrained on products answered with or without the
-    ``multiply`` tool (``recipes.common.calculator.make_sft_conversations``), rendered with Qwen2.5's chat template and
-    the tool's schema as a trl tool-calling run renders them."""
+    ``multiply`` tool (``recipes.common.calculator.make_sft_conversations``), rendered with the compact Qwen2.5-format
+    template (:data:`CALCULATOR_CHAT_TEMPLATE`) and the tool's schema as a trl tool-calling run renders them."""
     start = time.perf_counter()
+    # A model this small gains nothing from a second intra-op thread, and on 2 shared cores loses a lot (NOTES.md).
+    torch.set_num_threads(1)
     conversations = calculator.make_sft_conversations(args.num_conversations, seed=args.seed)
-    # The BPE is trained on the dialogs as the template renders them (the system message's tool instructions and
-    # schema included), so it needs a template to render with first: a throwaway tokenizer of the messages' text.
+    # The BPE is trained on the dialogs as the template renders them (the system line included), so it needs a
+    # template to render with first: a throwaway tokenizer of the messages' text.
     draft = build_tokenizer([str(m["content"]) for c in conversations for m in c], vocab_size=args.vocab_size)
-    draft.chat_template = QWEN2_5_CHAT_TEMPLATE
-    rendered = tool_dialogs(draft, conversations)
-    tokenizer = build_tokenizer(rendered, vocab_size=args.vocab_size)
-    tokenizer.add_tokens(list(TOOL_CALL_TOKENS))
-    tokenizer.chat_template = QWEN2_5_CHAT_TEMPLATE
-    # Qwen2.5's tool instructions alone take about 200 tokens: a dialog with one tool call about 300.
+    draft.chat_template = CALCULATOR_CHAT_TEMPLATE
+    # Digits one token each: copying a number into the call's arguments, and the tool's result into the answer, is
+    # then copying token by token, which a 2-layer model's induction heads learn; merged digit groups would each be a
+    # token to learn separately.
+    tokenizer = build_tokenizer(tool_dialogs(draft, conversations), vocab_size=args.vocab_size, split_digits=True)
+    tokenizer.add_tokens(list(TOOL_TOKENS))
+    tokenizer.chat_template = CALCULATOR_CHAT_TEMPLATE
     tokenizer.model_max_length = CALCULATOR_MAX_POSITIONS
     policy = build_policy(
         tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, max_positions=CALCULATOR_MAX_POSITIONS
     )
     tokenizer = as_loaded(tokenizer, policy)
-    corpus = tool_dialogs(tokenizer, conversations)
-    longest = max(len(ids) for ids in tokenizer(corpus)["input_ids"])
-    first, last = pretrain(policy, tokenizer, corpus, steps=args.pretrain_steps, batch_size=args.batch_size, lr=args.lr)
+    # Only the assistant's tokens are predicted: the question's numbers and the tool's results are random, and a
+    # loss on them would only add noise to what the policy has to learn (when to call, and copying).
+    examples = [assistant_tokens(tokenizer, conversation) for conversation in conversations]
+    # Copying takes far more practice than the call decision: extra dialogs that all call the tool train the copying
+    # with their first token (the decision to call) left out of the loss, so that the policy still calls in
+    # TOOL_SHARE of its answers.
+    call_id = tokenizer.convert_tokens_to_ids(TOOL_TOKENS[0])
+    practice = calculator.make_sft_conversations(args.copy_conversations, seed=args.seed + 1, tool_share=1.0)
+    for conversation in practice:
+        ids, mask = assistant_tokens(tokenizer, conversation)
+        mask[ids.index(call_id)] = 0
+        examples.append((ids, mask))
+    longest = max(len(ids) for ids, _ in examples)
+    first, last = pretrain_on_tokens(
+        policy,
+        examples,
+        pad_token_id=tokenizer.pad_token_id,
+        steps=args.pretrain_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        pack_length=CALCULATOR_MAX_POSITIONS,
+    )
     print(
-        f"calculator policy: {parameter_count(policy)}, pretraining loss {first:.2f} -> {last:.2f}, longest "
-        f"pretraining dialog {longest} tokens"
+        f"calculator policy: {parameter_count(policy)}, {len(tokenizer)} tokens, pretraining loss (assistant tokens) "
+        f"{first:.2f} -> {last:.2f}, longest pretraining dialog {longest} tokens"
     )
     save_policy(policy, tokenizer, args.out / "calculator_policy", max_new_tokens=48)
     print(f"wrote {args.out / 'calculator_policy'} in {time.perf_counter() - start:.0f}s")
+
+
+def assistant_tokens(tokenizer, conversation: list[dict]) -> tuple[list[int], list[int]]:
+    """The conversation's tokens as the template renders it with the task's tools, and its assistant mask."""
+    encoded = tokenizer.apply_chat_template(
+        conversation, tools=list(calculator.TOOLS), return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(encoded["input_ids"]), list(encoded["assistant_masks"])
 
 
 def tool_dialogs(tokenizer, conversations: list) -> list[str]:
@@ -289,6 +381,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     # Defaults per --task (TASK_DEFAULTS): the settings the shipped tiny/ folders were built with.
     parser.add_argument("--num-conversations", type=int, default=None)
+    parser.add_argument(
+        "--copy-conversations",
+        type=int,
+        default=None,
+        help="calculator: extra dialogs that all call the tool, their call decision left out of the loss",
+    )
     parser.add_argument("--vocab-size", type=int, default=None)
     parser.add_argument("--hidden-size", type=int, default=None)
     parser.add_argument("--num-layers", type=int, default=None)
@@ -308,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         help="reviews: the policy and reward base of the review task; arithmetic: <out>/arithmetic_policy, the "
         "verifiable task's policy (recipes/common/arithmetic.py), its answers pretrained right about a third of the "
         "time; calculator: <out>/calculator_policy, the tool-use task's policy (recipes/common/calculator.py), which "
-        "calls its multiply tool about a third of the time",
+        "calls its multiply tool in about a quarter of its answers",
     )
     parser.add_argument(
         "--train-reward-model",

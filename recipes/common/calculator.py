@@ -10,8 +10,8 @@ tool's result. Problems are split once, by their unordered pair of numbers, into
 ``tiny/calculator_policy`` (``scripts/build_tiny_models.py --task calculator``) is pretrained on
 :func:`make_sft_conversations`: a share (:data:`TOOL_SHARE`) of the answers call the tool, a few of those with a
 mistyped argument (:data:`TYPO_SHARE`), and the rest guess a number of about the right size (nearly always wrong).
-Sampled, it calls the tool about a third of the time and is right a little less often; GRPO, rewarded for right
-answers only, can raise its accuracy by calling the tool more often and copying the numbers right. Everything here is
+Sampled, it calls the tool about a quarter of the time and is right nearly whenever it calls; GRPO, rewarded for
+right answers only, can raise its accuracy by calling the tool more often. Everything here is
 offline and deterministic given a seed; the standard library only (the tool also runs in ``interop.tools``' worker
 process, which imports this module).
 """
@@ -36,11 +36,13 @@ __all__ = [
 
 LOW, HIGH = 10, 999  # the factors: every 2 and 3 digit number
 _TEMPLATES = ("What is {} * {}?", "Multiply {} by {}.", "Compute {} x {}.", "What is the product of {} and {}?")
-# The pretraining answers: a third call the tool (a sixth of those with one argument mistyped, so that the stated
-# product is wrong), the rest guess. Sampled, the policy then calls the tool about a third of the time and is right
-# somewhat less often than that (measured in docs/tiny_models.md).
-TOOL_SHARE = 0.35
-TYPO_SHARE = 0.15
+# The pretraining answers: a quarter call the tool (a twentieth of those with one argument mistyped, so that the
+# stated product is wrong), the rest guess. Sampled at temperature 1, the policy then calls the tool about a quarter
+# of the time and is right nearly every time it does (measured in docs/tiny_models.md): held-out accuracy near 0.25,
+# which GRPO can raise to the share of dialogs that call the tool. More typos would make a call's answer unreliable
+# and leave GRPO less to gain by calling.
+TOOL_SHARE = 0.25
+TYPO_SHARE = 0.05
 _NUMBER = re.compile(r"-?\d+")
 # What the final message is read from when a completion is one decoded text: the part after the last tool result,
 # without any tool call in it (Qwen2.5's markers, what tiny/calculator_policy's template renders).
@@ -124,14 +126,14 @@ def _guess(a: int, b: int, rng: random.Random) -> int:
     return max(1, round(a * b * rng.uniform(0.6, 1.4)))
 
 
-def make_sft_conversations(num_conversations: int, *, seed: int) -> list[list[dict]]:
+def make_sft_conversations(num_conversations: int, *, seed: int, tool_share: float = TOOL_SHARE) -> list[list[dict]]:
     """Prompt/answer conversations over every problem (held-out ones included: pretraining is not the RL task's
-    training set), in trl's tool-calling message format: with probability :data:`TOOL_SHARE` the assistant calls
-    ``multiply`` (one argument mistyped with probability :data:`TYPO_SHARE`), gets the result in a ``tool`` message and
-    states it; otherwise it states a guess.
+    training set), in trl's tool-calling message format: with probability ``tool_share`` (:data:`TOOL_SHARE`) the
+    assistant calls ``multiply`` (one argument mistyped with probability :data:`TYPO_SHARE`), gets the result in a
+    ``tool`` message and states it; otherwise it states a guess.
 
     Examples:
-        >>> [message["role"] for message in make_sft_conversations(1, seed=1)[0]]
+        >>> [message["role"] for message in make_sft_conversations(1, seed=0)[0]]
         ['user', 'assistant', 'tool', 'assistant']
     """
     rng = random.Random(seed)
@@ -139,7 +141,7 @@ def make_sft_conversations(num_conversations: int, *, seed: int) -> list[list[di
     for _ in range(num_conversations):
         a, b = rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)
         user = {"role": "user", "content": rng.choice(_TEMPLATES).format(a, b)}
-        if rng.random() < TOOL_SHARE:
+        if rng.random() < tool_share:
             x, y = a, b
             if rng.random() < TYPO_SHARE:
                 x, y = (_mistyped(a, rng), b) if rng.random() < 0.5 else (a, _mistyped(b, rng))

@@ -175,16 +175,21 @@ def test_the_closing_marker_must_be_one_token_to_stop_at(calculator_policy):
 # --- sampled with tiny/calculator_policy ---------------------------------------------------------------------------
 
 
-def _log_probs_of_a_forward_pass(model, dialogs: Dialogs, row: int) -> torch.Tensor:
+def _log_probs_of_a_forward_pass(model, dialogs: Dialogs, row: int, *, temperature: float) -> torch.Tensor:
+    """Each completion token's log-prob under one forward pass over the whole dialog, logits divided by
+    ``temperature``, as trl scores them."""
     ids = torch.tensor([dialogs.prompt_ids[row] + dialogs.completion_ids[row]])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, :-1].float()
+        logits = model(input_ids=ids).logits[0, :-1].float() / temperature
     chosen = logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     return chosen[len(dialogs.prompt_ids[row]) - 1 :]
 
 
-@pytest.mark.parametrize("stop_at_call_end", [True, False])
-def test_sampled_dialogs_score_as_a_forward_pass_and_render_as_the_template(calculator_policy, stop_at_call_end):
+# Temperature 1 (what GRPO samples at) and 0.7 with the log-probs recorded at that temperature, as trl scores them.
+@pytest.mark.parametrize(("stop_at_call_end", "temperature"), [(True, 1.0), (False, 1.0), (True, 0.7)])
+def test_sampled_dialogs_score_as_a_forward_pass_and_render_as_the_template(
+    calculator_policy, stop_at_call_end, temperature
+):
     model, tokenizer = calculator_policy
     prompts, _ = calculator.make_eval_task(12, seed=5)
     torch.manual_seed(0)
@@ -194,9 +199,10 @@ def test_sampled_dialogs_score_as_a_forward_pass_and_render_as_the_template(calc
             model,
             tokenizer,
             runner,
-            settings=SamplingSettings(max_new_tokens=40),
+            settings=SamplingSettings(max_new_tokens=40, temperature=temperature),
             max_turns=3,
             stop_at_call_end=stop_at_call_end,
+            log_probs_at_temperature=temperature != 1.0,
         )
         dialogs = sampler.sample_prompts(prompts)
     print(f"12 dialogs in {time.perf_counter() - start:.1f}s: {dialogs.metrics()}")
@@ -207,7 +213,7 @@ def test_sampled_dialogs_score_as_a_forward_pass_and_render_as_the_template(calc
         sampled = torch.tensor(dialogs.log_probs[row])
         assert len(dialogs.completion_ids[row]) == len(mask) == len(sampled)
         assert (sampled[~mask] == 0).all()
-        scored = _log_probs_of_a_forward_pass(model, dialogs, row)
+        scored = _log_probs_of_a_forward_pass(model, dialogs, row, temperature=temperature)
         torch.testing.assert_close(sampled[mask], scored[mask], atol=2e-5, rtol=1e-5)
         assert dialogs.stats[row].turns <= 3
         roles = [message["role"] for message in dialogs.messages[row]]

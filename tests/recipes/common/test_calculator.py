@@ -108,24 +108,73 @@ def _load_build_script(repo_root):
     return build
 
 
-def test_the_calculator_template_is_qwen2_5s_as_trl_ships_it(repo_root):
-    assert _load_build_script(repo_root).QWEN2_5_CHAT_TEMPLATE == TRL_QWEN2_5_TEMPLATE.read_text(encoding="utf-8")
+@pytest.fixture(scope="module")
+def shipped_tokenizer(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir / "calculator_policy")
 
 
-def test_the_shipped_calculator_policy_renders_tools_as_qwen2_5(tiny_dir):
-    from transformers import AutoConfig, AutoTokenizer
+def _dialogs_to_render() -> list[list[dict]]:
+    """The pretraining dialogs, and what they lack: a system message, text beside a call, two calls in one turn."""
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 34}}}
+    other = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 5, "b": 6}}}
+    user = {"role": "user", "content": "What is 12 * 34?"}
+    return [
+        *calculator.make_sft_conversations(20, seed=3),
+        [{"role": "system", "content": "Be brief."}, user, {"role": "assistant", "content": "408"}],
+        [user, {"role": "assistant", "content": "Let me check.", "tool_calls": [call]}],
+        [
+            user,
+            {"role": "assistant", "content": "", "tool_calls": [call, other]},
+            {"role": "tool", "name": "multiply", "content": "408"},
+            {"role": "tool", "name": "multiply", "content": "30"},
+            {"role": "assistant", "content": "The answer is 408."},
+        ],
+    ]
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "calculator_policy")
-    assert tokenizer.chat_template == TRL_QWEN2_5_TEMPLATE.read_text(encoding="utf-8")
+
+def test_the_calculator_template_renders_dialogs_as_qwen2_5_after_a_one_line_tool_list(repo_root, shipped_tokenizer):
+    build = _load_build_script(repo_root)
+    assert shipped_tokenizer.chat_template == build.CALCULATOR_CHAT_TEMPLATE
+    qwen = TRL_QWEN2_5_TEMPLATE.read_text(encoding="utf-8")
+    tools = list(calculator.TOOLS)
+    for dialog in _dialogs_to_render():
+        ours = shipped_tokenizer.apply_chat_template(dialog, tools=tools, tokenize=False)
+        theirs = shipped_tokenizer.apply_chat_template(dialog, tools=tools, tokenize=False, chat_template=qwen)
+        system = "Be brief.\n" if dialog[0]["role"] == "system" else ""
+        head = f"<|im_start|>system\n{system}Tools: multiply(a: integer, b: integer)<|im_end|>\n"
+        assert ours.startswith(head)
+        # Everything after the system turn is Qwen2.5's render: its tool-call and tool-response blocks.
+        assert ours[len(head) :] == theirs[theirs.index("<|im_end|>\n") + len("<|im_end|>\n") :]
+        # Prefix-preserving: each message's render stays as it was when more messages follow, except inside a run of
+        # tool results, which Qwen2.5 closes with one <|im_end|> (DialogSampler appends a turn's results together).
+        for cut in range(1, len(dialog)):
+            if dialog[cut - 1]["role"] == dialog[cut]["role"] == "tool":
+                continue
+            assert ours.startswith(shipped_tokenizer.apply_chat_template(dialog[:cut], tools=tools, tokenize=False))
+    # Without tools, no tool line.
+    plain = shipped_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_the_shipped_calculator_policy_copies_numbers_token_by_token(tiny_dir, shipped_tokenizer):
+    from transformers import AutoConfig
+
+    tokenizer = shipped_tokenizer
     assert tokenizer.pad_token != tokenizer.eos_token == "<|im_end|>"
-    for marker in ("<tool_call>", "</tool_call>"):
+    for marker in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
         assert len(tokenizer.encode(marker, add_special_tokens=False)) == 1
-    conversation = calculator.make_sft_conversations(1, seed=1)[0]
-    text = tokenizer.apply_chat_template(conversation, tools=list(calculator.TOOLS), tokenize=False)
-    assert '<tools>\n{"type": "function", "function": {"name": "multiply"' in text
-    assert "<|im_start|>user\n<tool_response>\n" in text
+    # Every digit is a token, wherever it stands: in the question, the call's JSON and the tool's result.
+    for text in (" 9591", '{"a": 23, "b": 417}', "\n9591\n"):
+        digits = [token for token in tokenizer.tokenize(text) if any(char.isdigit() for char in token)]
+        assert digits == [char for char in text if char.isdigit()]
+    longest = max(
+        len(tokenizer.apply_chat_template(dialog, tools=list(calculator.TOOLS), return_dict=False))
+        for dialog in calculator.make_sft_conversations(200, seed=4)
+    )
     config = AutoConfig.from_pretrained(tiny_dir / "calculator_policy")
-    assert len(tokenizer(text)["input_ids"]) < config.max_position_embeddings == 512
+    assert longest < 128 < config.max_position_embeddings
 
 
 def test_build_script_writes_the_calculator_policy(tmp_path, repo_root):
@@ -135,6 +184,7 @@ def test_build_script_writes_the_calculator_policy(tmp_path, repo_root):
         f"--out={tmp_path}",
         "--task=calculator",
         "--num-conversations=200",
+        "--copy-conversations=200",
         "--pretrain-steps=5",
     ]
     subprocess.run(command, check=True, capture_output=True, timeout=300)
@@ -144,4 +194,5 @@ def test_build_script_writes_the_calculator_policy(tmp_path, repo_root):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "calculator_policy")
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "calculator_policy")
     assert policy.config.vocab_size == len(tokenizer) and policy.generation_config.max_new_tokens == 48
-    assert Counter(tokenizer.convert_ids_to_tokens(tokenizer.encode("<tool_call></tool_call>")))["<tool_call>"] == 1
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer.encode("<tool_call></tool_call> 417"))
+    assert Counter(tokens)["<tool_call>"] == 1 and tokens[-3:] == ["4", "1", "7"]
