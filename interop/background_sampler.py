@@ -73,6 +73,9 @@ class BackgroundSampler:
 
     Keyword Args:
         settings: the :class:`~interop.sampling.SamplingSettings`.
+        dialogs: with tools, the child samples dialogs (:class:`~interop.dialogs.DialogSampler`) and runs the calls
+            in a tool worker of its own: ``tools`` (the functions), ``timeout_s``, ``max_result_tokens``,
+            ``max_turns``, ``max_completion_tokens``, ``chat_template_kwargs``. ``None``: single-turn completions.
         log_probs_at_temperature: as :class:`~interop.sampling.CausalLMSampler`'s.
         eos_token_ids: the ids that end a response.
         num_threads: torch threads of the child (1: on a busy CPU the trainer and the sampler each keep a core).
@@ -101,6 +104,7 @@ class BackgroundSampler:
         num_threads: int = 1,
         seed: int = 0,
         timeout_s: float = 1800.0,
+        dialogs: dict | None = None,
     ) -> None:
         context = multiprocessing.get_context("spawn")
         # The shared copy: the child's model aliases these tensors; publish() copies the trained weights into them.
@@ -120,13 +124,15 @@ class BackgroundSampler:
         self._connection.send(
             (
                 self._shared,
-                _TokenIds(tokenizer),
+                # Dialogs render tool messages with the chat template: the child needs the whole tokenizer then.
+                _TokenIds(tokenizer) if dialogs is None else tokenizer,
                 {
                     "settings": settings,
                     "log_probs_at_temperature": log_probs_at_temperature,
                     "eos_token_ids": list(eos_token_ids),
                     "num_threads": num_threads,
                     "seed": seed,
+                    "dialogs": dialogs,
                 },
             )
         )
@@ -226,6 +232,37 @@ class BackgroundSampler:
         return self.process.pid
 
 
+def _dialog_rollout_func(model, tokenizer, options: dict):
+    """The child's rollout function for tools: an :class:`~interop.dialogs.DialogSampler` on the shared model, its
+    calls answered by a tool worker of the child's own (a ``ToolRunner`` cannot be pickled; its functions can)."""
+    from interop.dialogs import DialogSampler
+    from interop.rollout_func import TorchRLRolloutFunc
+    from interop.tools import ToolRunner
+
+    dialogs = options["dialogs"]
+    runner = ToolRunner(
+        dialogs["tools"],
+        timeout_s=dialogs["timeout_s"],
+        max_result_tokens=dialogs["max_result_tokens"],
+        tokenizer=tokenizer,
+    )
+    rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer, tools=runner, max_turns=dialogs["max_turns"])
+    rollout_func.policy = DialogSampler(
+        model,
+        tokenizer,
+        runner,
+        settings=options["settings"],
+        max_turns=dialogs["max_turns"],
+        max_completion_tokens=dialogs["max_completion_tokens"],
+        stop_at_call_end=False,
+        eos_token_ids=options["eos_token_ids"],
+        log_probs_at_temperature=options["log_probs_at_temperature"],
+        chat_template_kwargs=dialogs["chat_template_kwargs"],
+    )
+    rollout_func.model = model
+    return rollout_func
+
+
 def serve(connection) -> None:
     """The child's loop: build the sampler on the shared model, then answer each request until told to stop (or the
     pipe closes: the parent is gone)."""
@@ -247,6 +284,8 @@ def serve(connection) -> None:
             log_probs_at_temperature=options["log_probs_at_temperature"],
         )
         rollout_func = TorchRLRolloutFunc(sampler, token_ids, model=model)
+        if options["dialogs"] is not None:
+            rollout_func = _dialog_rollout_func(model, token_ids, options)
     except Exception:  # noqa: BLE001 - the parent reports it
         connection.send(("error", traceback.format_exc()))
         return

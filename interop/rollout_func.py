@@ -21,6 +21,14 @@ that the policy samples as the trainer's ``GRPOConfig`` says (``max_completion_l
 ``top_p``, ``min_p``, ``repetition_penalty``, ``generation_kwargs``): a policy built with other settings is refused,
 naming both values.
 
+Tools: built with ``tools=[functions]`` (trl's tools: typed functions with docstrings; or an
+:class:`interop.tools.ToolSet` / :class:`interop.tools.ToolRunner`), it samples each prompt's whole dialog with
+:class:`interop.dialogs.DialogSampler`: the model writes, its tool calls run in a worker process, their results join the
+completion as the chat template's ``tool`` messages, and it writes on, up to ``max_turns`` assistant turns, within
+``max_completion_length`` tokens in all. It returns trl's contract for a tool-calling rollout: ``completion_ids`` with
+the tool messages' tokens inside, ``logprobs`` (0 on tool tokens) and ``env_mask`` (0 on tool tokens: trl's loss skips
+them), laid out as trl's own ``tools=`` path lays out the same dialog.
+
 Dependencies: ``torch``, ``tensordict``, ``torchrl``; ``transformers`` tokenizers are duck-typed (``pad_token_id``,
 ``__call__``, ``apply_chat_template``, ``batch_decode``).
 """
@@ -46,6 +54,7 @@ from interop.sampling import (
     check_pad_token,
 )
 from interop.sampling import LOG_PROBS as FULL_LOG_PROBS
+from interop.tools import ToolRunner, ToolSet
 
 __all__ = ["TorchRLRolloutFunc", "message_text"]
 
@@ -54,6 +63,8 @@ RESPONSE_LOG_PROBS = ("log_probs", "response")  # TorchRL's TransformersWrapper 
 _MAX_CACHED_PROMPTS = 1 << 16
 # The keys the adapter can fill for a policy: the prompts, left-padded, and their mask.
 _INPUTS = (PROMPT_TOKENS, PROMPT_MASK)
+# A dialog's per-row counts kept with its tokens (tools=...): tool calls, failed calls, assistant turns.
+TOOL_COUNTS = ("tool_calls", "tool_errors", "turns")
 # TorchRL TransformersWrapper generate_kwargs -> the trl GRPOConfig field that sets the same thing.
 _WRAPPER_SETTINGS = {
     "max_new_tokens": "max_completion_length",
@@ -137,6 +148,19 @@ class TorchRLRolloutFunc:
             trained at (an older batch is sampled again, counted).
         sampler_threads: async: torch threads of the sampling process.
         seed: async: the sampling process's torch seed.
+        tools: the tools the model may call (trl's form: typed functions with a docstring), an
+            :class:`interop.tools.ToolSet`, or a :class:`interop.tools.ToolRunner` (the caller's, which the caller
+            closes); each prompt is then sampled as a dialog (:class:`interop.dialogs.DialogSampler`, turns ending at
+            EOS as trl's do) and the output has ``env_mask``. Needs ``policy=None`` (the dialog sampler runs around
+            the trainer's model); in async mode the sampling process runs the dialogs with a tool worker of its own.
+            Refused beside trl's own ``tools=`` (two tool loops).
+            ``None``: single-turn completions.
+        max_turns: tools: assistant turns per dialog, at most (trl's ``max_tool_calling_iterations`` + 1). ``None``:
+            the trainer's ``GRPOConfig.max_tool_calling_iterations`` + 1, or, where that is ``None`` (trl: no limit),
+            as many as ``max_completion_length`` allows. A value that disagrees with a set
+            ``max_tool_calling_iterations`` is refused, naming both.
+        tool_timeout_s: tools given as functions: the longest a call may run (its worker process is killed past it).
+        max_result_tokens: tools given as functions: a result longer than this many tokens is cut (``None``: never).
 
     TorchRL 0.14.1's ``TransformersWrapper`` writes 0 as the first response token's log-prob in generate mode; the
     adapter computes that one log-prob again from a forward pass over the prompts (logits of the last position only),
@@ -182,9 +206,15 @@ class TorchRLRolloutFunc:
         max_policy_lag: int = 1,
         sampler_threads: int = 1,
         seed: int = 0,
+        tools=None,
+        max_turns: int | None = None,
+        tool_timeout_s: float = 10.0,
+        max_result_tokens: int | None = None,
     ):
         if mode not in ("sync", "async"):
             raise ValueError(f"TorchRLRolloutFunc: mode must be 'sync' or 'async', got {mode!r}.")
+        if tools is not None:
+            self._check_tool_options(tools, policy=policy, max_turns=max_turns)
         if max_policy_lag < 0:
             raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
         if mode == "async" and policy is not None and not isinstance(policy, CausalLMSampler):
@@ -223,6 +253,13 @@ class TorchRLRolloutFunc:
         self._background = None
         self._pending: list | None = None
         self.stats: dict[str, float] = {}  # the last call's figures: policy_lag, resampled, lookahead_misses
+        # tools: what the dialogs run (a ToolRunner built at the first call when functions were given), the turn
+        # limit, and the last batch's dialogs (their messages show what the model saw).
+        self.tools, self.max_turns = tools, max_turns
+        self.tool_timeout_s, self.max_result_tokens = tool_timeout_s, max_result_tokens
+        self.runner: ToolRunner | None = tools if isinstance(tools, ToolRunner) else None
+        self._owns_runner = False
+        self.last_dialogs = None
 
     @staticmethod
     def _check_tokenizer(tokenizer) -> None:
@@ -231,6 +268,21 @@ class TorchRLRolloutFunc:
                 "TorchRLRolloutFunc: the tokenizer has no pad token; give it one distinct from EOS "
                 "(tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and resize the model's embeddings)."
             )
+
+    @staticmethod
+    def _check_tool_options(tools, *, policy, max_turns: int | None) -> None:
+        if policy is not None:
+            raise ValueError(
+                f"TorchRLRolloutFunc: tools= samples whole dialogs with interop.DialogSampler around the trainer's "
+                f"model; a {type(policy).__name__} policy cannot run the tool calls between turns. Pass no policy."
+            )
+        if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
+            raise ValueError(
+                f"TorchRLRolloutFunc: max_turns={max_turns!r} must be an integer >= 1 (assistant turns per dialog; "
+                "trl's max_tool_calling_iterations + 1), or None (the trainer's)."
+            )
+        if not isinstance(tools, (ToolRunner, ToolSet)):
+            ToolSet(tools)  # refuses a tool trl would refuse (no docstring, no type hints), naming it
 
     @staticmethod
     def _check_policy(policy) -> None:
@@ -268,6 +320,8 @@ class TorchRLRolloutFunc:
             self._check_same_model(trainer)
             self._check_settings(trainer)
             self._check_tokenizer_matches(trainer)
+            if self.tools is not None:
+                self._check_trainer_tools(trainer)
         training = trainer is not None and bool(getattr(getattr(trainer, "model", None), "training", False))
         if self.mode == "async" and training:
             rollout = self._async_rollout(prompts, trainer)
@@ -283,11 +337,35 @@ class TorchRLRolloutFunc:
         completion_ids = rollout.get("completion_ids").tolist()
         log_probs = rollout.get("logprobs").tolist()
         width = rollout.get("prompt_ids").shape[-1]
-        return {
+        output = {
             "prompt_ids": [row[width - n :] for row, n in zip(prompt_ids, prompt_lengths, strict=True)],
             "completion_ids": [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
             "logprobs": [row[:n] for row, n in zip(log_probs, lengths, strict=True)],
         }
+        if "env_mask" in rollout.keys():
+            env_mask = rollout.get("env_mask").tolist()
+            output["env_mask"] = [row[:n] for row, n in zip(env_mask, lengths, strict=True)]
+            self._log_tool_metrics(trainer, rollout)
+        return output
+
+    def _log_tool_metrics(self, trainer, rollout: TensorDictBase) -> None:
+        """The batch's tool figures, every process's, into trl's metrics (trl logs no ``tools/*`` of its own for a
+        ``rollout_func``): ``rollout/tool_calls_per_dialog``, ``rollout/tool_errors`` (failed calls in the batch) and
+        ``rollout/turns`` (assistant turns per dialog)."""
+        metrics = getattr(trainer, "_metrics", None)
+        if metrics is None:
+            return
+        totals = torch.stack(
+            [rollout.get(name).sum().float() for name in TOOL_COUNTS] + [torch.tensor(1.0 * len(rollout))]
+        )
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is not None:
+            totals = accelerator.gather(totals.to(accelerator.device)[None]).sum(0).cpu()
+        calls, errors, turns, dialogs = totals.tolist()
+        mode = "train" if bool(getattr(trainer.model, "training", True)) else "eval"
+        metrics[mode]["rollout/tool_calls_per_dialog"].append(calls / dialogs)
+        metrics[mode]["rollout/tool_errors"].append(errors)
+        metrics[mode]["rollout/turns"].append(turns / dialogs)
 
     def _async_rollout(self, prompts: list, trainer) -> TensorDict:
         """This generation batch, pre-sampled in the child when it holds these very prompts and is recent enough (else
@@ -341,6 +419,17 @@ class TorchRLRolloutFunc:
     def _start_background(self) -> None:
         from interop.background_sampler import BackgroundSampler
 
+        dialogs = None
+        if self.tools is not None:  # the child runs the same dialogs with a tool worker of its own
+            sampler = self.policy
+            dialogs = {
+                "tools": list(sampler.runner.tools.functions.values()),
+                "timeout_s": sampler.runner.timeout_s,
+                "max_result_tokens": sampler.runner.max_result_tokens,
+                "max_turns": sampler.max_turns,
+                "max_completion_tokens": sampler.max_completion_tokens,
+                "chat_template_kwargs": sampler.chat_template_kwargs,
+            }
         self._background = BackgroundSampler(
             self.policy.model,
             self.tokenizer,
@@ -349,6 +438,7 @@ class TorchRLRolloutFunc:
             eos_token_ids=self.policy.eos_token_ids,
             num_threads=self.sampler_threads,
             seed=self.seed,
+            dialogs=dialogs,
         )
 
     def close(self) -> None:
@@ -358,6 +448,8 @@ class TorchRLRolloutFunc:
             self._background.close()
             self._background = None
         self._pending = None
+        if self._owns_runner and self.runner is not None:  # the tool worker built here (a caller's runner is theirs)
+            self.runner.close()
 
     def _check_tokenizer_matches(self, trainer) -> None:
         """A tokenizer of another vocabulary than the trainer's would hand trl ids its decoding and rewards misread."""
@@ -388,20 +480,65 @@ class TorchRLRolloutFunc:
             self._check_tokenizer(self.tokenizer)
         model = _model_of(trainer.model)
         check_pad_token(self.tokenizer, owner="TorchRLRolloutFunc: the trainer's processing_class")
-        self.policy = CausalLMSampler(
+        settings = SamplingSettings.from_grpo_config(trainer.args)
+        self.model = model
+        if self.tools is not None:
+            self.policy = self._dialog_sampler(model, trainer, settings)
+            return
+        self.policy = CausalLMSampler(model, self.tokenizer, settings=settings, log_probs_at_temperature=True)
+
+    def _dialog_sampler(self, model, trainer, settings: SamplingSettings):
+        """The tools' sampler: each turn at trl's settings, ``max_completion_length`` the whole dialog's budget (as
+        trl's tool loop counts it), turns ending at EOS (so the end-of-turn token after a call is the model's, in the
+        loss, as in trl's layout), log-probs at trl's temperature."""
+        from interop.dialogs import DialogSampler
+
+        if self.runner is None:
+            self.runner = ToolRunner(
+                self.tools,
+                timeout_s=self.tool_timeout_s,
+                max_result_tokens=self.max_result_tokens,
+                tokenizer=self.tokenizer,
+            )
+            self._owns_runner = True
+        iterations = getattr(trainer.args, "max_tool_calling_iterations", None)
+        if self.max_turns is None:
+            # trl's None is "no limit": every turn takes a token at least, so the budget bounds the dialog.
+            self.max_turns = iterations + 1 if iterations is not None else int(trainer.args.max_completion_length)
+        return DialogSampler(
             model,
             self.tokenizer,
-            settings=SamplingSettings.from_grpo_config(trainer.args),
+            self.runner,
+            settings=settings,
+            max_turns=self.max_turns,
+            max_completion_tokens=int(trainer.args.max_completion_length),
+            stop_at_call_end=False,
             log_probs_at_temperature=True,
+            chat_template_kwargs=getattr(trainer, "chat_template_kwargs", None) or {},
         )
-        self.model = model
+
+    def _check_trainer_tools(self, trainer) -> None:
+        """Refuses a trainer that would run tools itself too, or whose turn limit is not this one."""
+        if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+            raise ValueError(
+                "TorchRLRolloutFunc: the trainer was given tools too (GRPOTrainer(tools=...) or environment_factory): "
+                "trl would run its own tool loop over the dialogs this function already ran, calling each tool twice. "
+                "Give the tools to one of them: TorchRLRolloutFunc(tools=...) and no tools= for the trainer."
+            )
+        iterations = getattr(getattr(trainer, "args", None), "max_tool_calling_iterations", None)
+        if iterations is not None and self.max_turns != iterations + 1:
+            raise ValueError(
+                f"TorchRLRolloutFunc: max_turns={self.max_turns} disagrees with the trainer's GRPOConfig."
+                f"max_tool_calling_iterations={iterations} (trl's iterations are the turns after the first: "
+                f"max_turns = {iterations + 1}). Set one of them, or make max_turns = max_tool_calling_iterations + 1."
+            )
 
     def _check_settings(self, trainer) -> None:
         """Refuses a policy that samples otherwise than the trainer's ``GRPOConfig`` asks, naming both values."""
         args = getattr(trainer, "args", None)
         if args is None or not hasattr(args, "max_completion_length"):
             return
-        if isinstance(self.policy, CausalLMSampler):
+        if isinstance(self.policy, CausalLMSampler) or self.tools is not None:
             wanted = SamplingSettings.from_grpo_config(args)
             differences = self.policy.settings.differences(wanted)
             if not differences and wanted.temperature != 1.0 and not self.policy.log_probs_at_temperature:
@@ -442,6 +579,10 @@ class TorchRLRolloutFunc:
                     "step": row.get("step"),
                 }
             )
+            if "env_mask" in row.keys():  # tools: which tokens are the model's, and the dialog's counts
+                entry.set("env_mask", row.get("env_mask")[:length])
+                for name in TOOL_COUNTS:
+                    entry.set(name, row.get(name))
             entry.set_non_tensor("completion_text", texts[index])
             if scored is not None:
                 entry.set_non_tensor("prompt", scored["prompts"][index])
@@ -507,6 +648,13 @@ class TorchRLRolloutFunc:
             "chat_template": getattr(trainer, "chat_template", None),
             **(getattr(trainer, "chat_template_kwargs", None) or {}),
         }
+        if self.tools is not None:
+            # Rendered as trl renders a tool-calling run's prompts: the tools' schemas in the template, and a text
+            # prompt as one user message (trl's tool loop reads conversations only).
+            options["tools"] = self._tool_set().schemas
+            if not conversational:
+                prompts = [[{"role": "user", "content": prompt}] for prompt in prompts]
+                conversational = True
         settings = json.dumps(options, sort_keys=True, default=str) if conversational else ""
         keys = [(settings, json.dumps(prompt, sort_keys=True, default=str)) for prompt in prompts]
         missing = list({key: prompt for key, prompt in zip(keys, prompts, strict=True) if key not in self._ids}.items())
@@ -534,9 +682,18 @@ class TorchRLRolloutFunc:
         """
         return self.rollout_ids(self.tokenize(prompts, trainer))
 
+    def _tool_set(self) -> ToolSet:
+        if isinstance(self.tools, ToolRunner):
+            return self.tools.tools
+        if not isinstance(self.tools, ToolSet):
+            self.tools = ToolSet(self.tools)
+        return self.tools
+
     @torch.inference_mode()
     def rollout_ids(self, prompt_ids: list[list[int]]) -> TensorDict:
         """:meth:`rollout` from the prompts' token ids (unpadded)."""
+        if self.tools is not None:
+            return self._dialog_rollout(prompt_ids)
         device = self._device()
         rows = [torch.tensor(row, dtype=torch.long) for row in prompt_ids]
         pad = self.tokenizer.pad_token_id
@@ -575,6 +732,35 @@ class TorchRLRolloutFunc:
             },
             batch_size=[len(rows)],
         ).cpu()
+
+    def _dialog_rollout(self, prompt_ids: list[list[int]]) -> TensorDict:
+        """:meth:`rollout` for tools: one dialog per prompt (:class:`interop.dialogs.DialogSampler`), laid out as
+        :meth:`rollout` lays out completions, plus ``env_mask`` ``[B, R]`` (1 on the model's tokens, 0 on the tool
+        messages' and on padding) and the :data:`TOOL_COUNTS` ``[B]``."""
+        dialogs = self.policy.sample_ids(prompt_ids)
+        self.last_dialogs = dialogs
+        pad = self.tokenizer.pad_token_id
+
+        def padded(rows, value, side, dtype):
+            tensors = [torch.tensor(row, dtype=dtype) for row in rows]
+            return pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
+
+        stats = dialogs.stats
+        return TensorDict(
+            {
+                "prompt_ids": padded(dialogs.prompt_ids, pad, "left", torch.long),
+                "prompt_length": torch.tensor([len(row) for row in dialogs.prompt_ids]),
+                "completion_ids": padded(dialogs.completion_ids, pad, "right", torch.long),
+                "completion_length": torch.tensor([len(row) for row in dialogs.completion_ids]),
+                "logprobs": padded(dialogs.log_probs, 0.0, "right", torch.float32),
+                "env_mask": padded(dialogs.model_mask, 0, "right", torch.long),
+                "truncated": torch.tensor(dialogs.truncated),
+                "tool_calls": torch.tensor([row.tools.calls for row in stats]),
+                "tool_errors": torch.tensor([row.tools.failures for row in stats]),
+                "turns": torch.tensor([row.turns for row in stats]),
+            },
+            batch_size=[len(dialogs)],
+        )
 
     def _device(self) -> torch.device:
         parameter = next(self.model.parameters(), None)

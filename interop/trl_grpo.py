@@ -171,6 +171,11 @@ class TorchRLGRPOTrainer(GRPOTrainer):
                     "TorchRLGRPOTrainer: replay_buffer= and the rollout function's replay_buffer differ; give one."
                 )
             rollout_func.replay_buffer = replay_buffer
+        if replay is not None and rollout_func.tools is not None:
+            raise ValueError(
+                "TorchRLGRPOTrainer: replay= with a rollout function that runs tools is not supported yet: a stored "
+                "group would train without the env_mask that keeps its tool messages out of the loss. Drop one."
+            )
         rollout_func.writes_scored_rows = True
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is what this class is for
         super().__init__(*args, rollout_func=rollout_func, **kwargs)

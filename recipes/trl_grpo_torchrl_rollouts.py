@@ -13,12 +13,17 @@
 4. Storage. ``interop.TorchRLGRPOTrainer`` (trl's trainer, reading what it scored) writes every completion trl trains
    on, with its rewards, advantage and step, to ``<run dir>/rollouts/rank_<r>/part_<k>/``
    (``recipes.trl_grpo.rollout_store``), readable while the run trains.
-5. Resume. ``resume=true`` continues the run folder from the newest of trl's checkpoints, with the run's own settings
+5. Tools (``tools.<name>.function``, ``rollout.max_turns``). The rollout function samples whole dialogs: the model
+   writes, its calls run in a worker process, their results join the completion as tool messages, it writes on;
+   trl gets ``env_mask`` with them, so its loss skips the tool messages' tokens. ``eval.every_n_steps`` answers the
+   data's held-out prompts the same way and logs ``eval/accuracy`` (``recipes.trl_grpo.evaluation``).
+6. Resume. ``resume=true`` continues the run folder from the newest of trl's checkpoints, with the run's own settings
    (changes named in ``resume_allow_changes``), as the GRPO recipe does (``recipes.trl_grpo.resume``); its summary
    covers the whole run, and a run that reached ``train.max_steps`` has nothing to resume.
 
     python recipes/trl_grpo_torchrl_rollouts.py
     python recipes/trl_grpo_torchrl_rollouts.py -m seed=0,1,2
+    python recipes/trl_grpo_torchrl_rollouts.py experiment=calculator_trl     # a tool-using policy
     accelerate launch --multi_gpu --num_processes 2 recipes/trl_grpo_torchrl_rollouts.py device=cpu hydra.run.dir=out
 """
 
@@ -38,7 +43,7 @@ from interop import GroupReplay, TorchRLRolloutFunc
 from recipes.common.callbacks import make_finite_guard, make_record_masker
 from recipes.common.checkpoint import latest_trl_checkpoint, save_model_folder, write_folder_atomically
 from recipes.common.config import RunStopped, hand_token_to_environment, masked_fields
-from recipes.common.data import load_prompt_rows
+from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.lora import make_lora_config
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, tokenizer_fingerprint
 from recipes.common.prompts import PromptTable, make_prompt_stream
@@ -51,7 +56,9 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
+from recipes.common.tools import resolve_tools
 from recipes.trl_grpo.checks import load_replay_source, validate
+from recipes.trl_grpo.evaluation import EvalCallback
 from recipes.trl_grpo.report import MetricsCallback, closing_message, summarize
 from recipes.trl_grpo.resume import checkpoint_step, finished_run_summary, record_resume_start, resumed_config
 from recipes.trl_grpo.rewards import checked_reward_function, refuse_non_finite_scores
@@ -118,12 +125,46 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
 
 def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
     """trl's ``rollout_func``: the library's default sampler (a ``CausalLMSampler`` around the model trl trains, at
-    ``train:``'s sampling settings), sampling when trl asks or one generation batch ahead (``rollout.mode``)."""
+    ``train:``'s sampling settings), sampling when trl asks or one generation batch ahead (``rollout.mode``). With
+    ``tools:``, whole dialogs (``interop.dialogs.DialogSampler``: up to ``rollout.max_turns`` turns, the calls run in a
+    worker process at ``tools.timeout_s``), returned with trl's ``env_mask``."""
+    tools = resolve_tools(cfg.tools)
+    tool_options = {}
+    if tools is not None:
+        tool_options = {
+            "tools": tools,
+            "max_turns": cfg.rollout.max_turns,
+            "tool_timeout_s": float(cfg.tools.timeout_s),
+            "max_result_tokens": cfg.tools.max_result_tokens,
+        }
     return TorchRLRolloutFunc(
         tokenizer=tokenizer,
         mode=cfg.rollout.mode,
         max_policy_lag=cfg.rollout.max_policy_lag,
         sampler_threads=cfg.rollout.sampler_threads,
+        seed=cfg.seed,
+        **tool_options,
+    )
+
+
+def make_eval_callback(cfg: DictConfig, trainer, run, tokenizer) -> EvalCallback | None:
+    """``eval:``: the data's eval prompts (``eval.num_prompts`` of them), scored by ``eval.accuracy_source``."""
+    if cfg.eval.every_n_steps is None:
+        return None
+    rows = load_prompt_rows(cfg.data, "eval")
+    count = cfg.eval.num_prompts or len(rows)
+    rows = PromptRows(rows.prompts[:count], {name: values[:count] for name, values in rows.columns.items()})
+    table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.system_prompt)
+    name = cfg.eval.accuracy_source or next(iter(cfg.reward.functions))
+    function = resolve_function(f"reward.functions.{name}.function", cfg.reward.functions[name].function)
+    return EvalCallback(
+        trainer,
+        run.logger,
+        table,
+        function,
+        name=str(name),
+        every=cfg.eval.every_n_steps,
+        total_steps=trainer.args.max_steps,
         seed=cfg.seed,
     )
 
@@ -191,6 +232,9 @@ def train(cfg: DictConfig) -> dict:
             run.logger, trainer, oracle, total_steps=args.max_steps, every=max(1, args.max_steps // 6)
         )
         trainer.add_callback(metrics)  # every process: it gathers each batch's figures (logged by the main one)
+        evaluation = make_eval_callback(cfg, trainer, run, tokenizer)
+        if evaluation is not None:
+            trainer.add_callback(evaluation)
         log_run_plan(cfg, args, trainer, run)
         train_start = time.perf_counter()
         trainer.train(resume_from_checkpoint=resume_from)

@@ -34,12 +34,20 @@ def _groups_in_defaults(root: str) -> set[str]:
     return names | {"hydra/launcher"}
 
 
+def _presets_of(root: str, group: str, option: str) -> bool:
+    """Whether an option is ``root``'s: every option, except that ``conf/experiment/`` is shared by the recipes' config
+    trees and a preset there is the recipe's whose command its comment gives (``recipes/<root>.py``)."""
+    if group != "experiment":
+        return True
+    return f"recipes/{root}.py" in (CONF_DIR / group / f"{option}.yaml").read_text()
+
+
 # Each root with each option of each group it selects (a group of the other recipe is not this root's choice).
 COMBINATIONS = [
     (root, group, option)
     for root in ROOT_CONFIGS
     for group, option in GROUP_OPTIONS
-    if group in _groups_in_defaults(root)
+    if group in _groups_in_defaults(root) and _presets_of(root, group, option)
 ]
 # Options that only make sense with a value the user must give (a path): composed with a placeholder.
 REQUIRED_OVERRIDES = {("data", "file"): ["data.path=/nonexistent.jsonl"], ("data", "hf"): ["data.name_or_path=x"]}
@@ -147,5 +155,7 @@ def test_help_lists_the_groups_of_its_recipe_with_every_option(root):
             on_disk = sorted(["basic", "joblib", *on_disk])  # Hydra's own launchers and the plugin's
         elif group == "sweep":
             on_disk = [option for option in on_disk if option.startswith(root.split("_")[0])]
+        elif group == "experiment":
+            on_disk = [option for option in on_disk if _presets_of(root, group, option)]
         assert sorted(options) == on_disk, group
     assert result.stdout.startswith(f"{root}: ")  # what the recipe does comes first

@@ -76,8 +76,10 @@ def resumed_config(cfg: DictConfig, *, has_checkpoint: bool, paths_in_run: Itera
     for key, kind in command_line.items():
         if kind == "delete":
             _delete(saved, key)
-        else:
+        elif OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT:
             _copy_setting(saved, cfg, key)
+        # else a preset group (experiment=, sweep=: `# @package _global_`) that is no setting itself: the run's
+        # record holds what it set, and what this command line sets on top is copied above.
     for key in paths_in_run:
         if not _set_on(command_line, key):
             _reroot(saved, key, old_root=old_root, new_root=Path(str(cfg.output_dir)))
@@ -85,6 +87,9 @@ def resumed_config(cfg: DictConfig, *, has_checkpoint: bool, paths_in_run: Itera
     _refuse_masked_secrets(saved, saved_file)
     OmegaConf.set_struct(saved, True)
     return saved
+
+
+_ABSENT = object()
 
 
 def _set_on(command_line: Mapping[str, str], key: str) -> bool:

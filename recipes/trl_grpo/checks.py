@@ -25,6 +25,7 @@ from recipes.common.reward_functions import check_reward_functions
 from recipes.common.run import SUMMARY_FILE, check_sharded_launch
 from recipes.common.run_folder import check_output_folder, input_paths
 from recipes.common.schema import checked_config, checked_trainer_config
+from recipes.common.tools import resolve_tools
 from recipes.trl_grpo.report import reward_source_names, summary_keys
 from recipes.trl_grpo.resume import checkpoint_step, resume_changes, resumed_config
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, stored_sources
@@ -44,6 +45,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     if cfg.resume:
         cfg = resumed_config(cfg)
     cfg = checked_config(cfg, TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", renamed=RENAMED)
+    _check_trl_tool_keys(cfg)
     args = checked_trainer_config(cfg.train, GRPOConfig, node=GRPOTrainerNode)
     _check_trainer_settings(args)
     if cfg.reward_model is None and not cfg.reward.functions:
@@ -61,15 +63,66 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_run_settings(cfg)
     _check_trainer_output_dir(cfg, args)
     _check_rollout_mode(cfg)
+    _check_tools(cfg)
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=input_paths(cfg))
     check_sharded_launch(cfg.device)
     _check_resume(cfg, args)
     rows = load_prompt_rows(cfg.data, "train")
     check_reward_functions(cfg, columns=list(rows.columns))
     _check_prompt_lengths(cfg, rows, args)
+    _check_eval(cfg)
     if cfg.rollout.replay.load_from is not None:
         load_replay_source(cfg, group_size=args.num_generations)
     return cfg
+
+
+def _check_trl_tool_keys(cfg: DictConfig) -> None:
+    """trl's tool arguments are GRPOTrainer's, not GRPOConfig's: a user who writes them under ``train:`` is told this
+    recipe's keys (``max_tool_calling_iterations`` is answered by the trainer node's hint)."""
+    for name in ("tools", "environment_factory"):
+        if name in cfg.train:
+            raise ConfigError(
+                f"train.{name}: trl takes its tools as GRPOTrainer(tools=...), which this recipe builds from the "
+                "tools: node: name each function as tools.<name>.function=<dotted path> (e.g. "
+                "tools.multiply.function=recipes.common.calculator.multiply), and the turns as rollout.max_turns."
+            )
+
+
+def _check_tools(cfg: DictConfig) -> None:
+    """The tools resolve as trl would take them (``recipes.common.tools.resolve_tools``: importable, callable, typed,
+    documented, named by their key), and a replay that would train without their mask is refused."""
+    if resolve_tools(cfg.tools) is None:
+        return
+    if cfg.rollout.replay.enabled:
+        raise ConfigError(
+            "rollout.replay.enabled=true with tools: a replayed group would train without the env_mask that keeps "
+            "its tool messages out of the loss. Use rollout.replay.enabled=false with tools."
+        )
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    """``eval.every_n_steps`` needs eval prompts and one 0/1 reward function to score them."""
+    node = cfg.eval
+    if node.every_n_steps is None:
+        return
+    if not load_prompt_rows(cfg.data, "eval").prompts:
+        raise ConfigError(
+            f"eval.every_n_steps={node.every_n_steps}, but data.source={cfg.data.source!r} has no eval prompts: set "
+            "data.eval_path / data.eval_split (or use a task with held-out prompts: data=arithmetic, calculator), "
+            "or eval.every_n_steps=null."
+        )
+    names = [str(name) for name in cfg.reward.functions]
+    source = node.accuracy_source
+    if source is None and len(names) != 1:
+        raise ConfigError(
+            f"eval.accuracy_source=null with {len(names)} reward functions ({names}): name the 0/1 check whose eval "
+            "mean is eval/accuracy (eval.accuracy_source=<a reward.functions name>)."
+        )
+    if source is not None and source not in names:
+        raise ConfigError(
+            f"eval.accuracy_source={source!r} is not a reward.functions name ({names}); name the 0/1 check whose eval "
+            "mean is eval/accuracy."
+        )
 
 
 def _check_rollout_mode(cfg: DictConfig) -> None:
@@ -142,14 +195,16 @@ def _check_trainer_output_dir(cfg: DictConfig, args) -> None:
 
 
 def _check_data(cfg: DictConfig) -> None:
-    """Held-out data this recipe would never read (trl gets no eval_dataset here)."""
+    """Held-out data this recipe would never read (trl gets no eval_dataset here; ``eval:`` reads it itself)."""
+    if cfg.eval.every_n_steps is not None:
+        return
     for key in ("data.eval_path", "data.eval_split"):
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None:
             raise ConfigError(
-                f"{key}={value!r}: this recipe never reads held-out data (trl gets no eval_dataset: its rollout store "
-                f"and figures would take evaluation batches for training ones), so it would be ignored. Drop {key}; "
-                "held-out evaluation of a GRPO policy: recipes/grpo_torchrl_rm.py eval.every_n_steps=N."
+                f"{key}={value!r}: held-out data is read only by this recipe's own evaluation (trl gets no "
+                "eval_dataset: its rollout store and figures would take evaluation batches for training ones), which "
+                f"is off, so it would be ignored. Set eval.every_n_steps=N to evaluate on it, or drop {key}."
             )
 
 
@@ -213,8 +268,16 @@ def _check_prompt_lengths(cfg: DictConfig, rows, args) -> None:
     config only: before any weights load)."""
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
     table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.system_prompt)
+    tools = resolve_tools(cfg.tools)
+    if tools is None:
+        lengths = table.rendered_lengths()
+    else:  # the tools' schemas are rendered into every prompt, as the rollout function renders them
+        rendered = tokenizer.apply_chat_template(
+            table.conversations, tools=tools.schemas, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        lengths = [len(ids) for ids in rendered["input_ids"]]
     check_prompts_fit_policy(
-        table.rendered_lengths(),
+        lengths,
         cfg.model,
         max_new_tokens=args.max_completion_length,
         max_new_tokens_key="train.max_completion_length",

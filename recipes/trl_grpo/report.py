@@ -22,6 +22,8 @@ from transformers import TrainerCallback
 
 from recipes.common.metrics import MetricLogger, peak_device_memory
 from recipes.common.text_metrics import distinct_bigrams
+from recipes.common.tools import tool_entries
+from recipes.trl_grpo.evaluation import EVAL_KEYS, eval_series, format_dialog
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR
 
 __all__ = [
@@ -59,6 +61,8 @@ _TRL_ROLLOUT_LOGS = (
 )
 # The update's figures the summary reports (train/kl_to_ref only where trl's beta is not 0: trl logs no KL then).
 _SUMMARY_UPDATE = ("train/loss", "train/entropy")
+# What a run with tools logs of each batch (interop.TorchRLRolloutFunc; trl logs no tools/* for a rollout_func).
+TOOL_METRICS = ("rollout/tool_calls_per_dialog", "rollout/tool_errors", "rollout/turns")
 # Single figures of the whole run.
 _SUMMARY_TOTALS = (
     "train/steps",
@@ -165,13 +169,29 @@ class MetricsCallback(TrainerCallback):
             state.log_history[-1].update(figures)
         self.logger.log(metrics, step=state.global_step)
         if args.process_index == 0 and (state.global_step % self.every == 0 or state.global_step == self.total_steps):
-            shown = [("reward", "rollout/reward_mean"), ("oracle", "rollout/oracle_mean"), ("loss", "train/loss")]
+            shown = [
+                ("reward", "rollout/reward_mean"),
+                ("oracle", "rollout/oracle_mean"),
+                ("tool calls", "rollout/tool_calls_per_dialog"),
+                ("loss", "train/loss"),
+            ]
             log.info(
                 "Step %d/%d: %s",
                 state.global_step,
                 self.total_steps,
                 ", ".join(f"{label} {metrics[key]:.3f}" for label, key in shown if key in metrics),
             )
+            self._show_dialog()
+
+    def _show_dialog(self) -> None:
+        """A sampled dialog of the last batch, its tool messages marked (runs with tools)."""
+        rollout = self.trainer.rollout_func.last_rollout
+        if rollout is None or "env_mask" not in rollout.keys():
+            return
+        length = int(rollout.get("completion_length")[0])
+        ids = rollout.get("completion_ids")[0, :length].tolist()
+        env_mask = rollout.get("env_mask")[0, :length].tolist()
+        log.info("A dialog: %r", format_dialog(self.trainer.rollout_func.tokenizer, ids, env_mask))
 
 
 def reward_source_names(cfg: DictConfig) -> list[str]:
@@ -191,6 +211,10 @@ def summary_keys(cfg: DictConfig, args) -> set[str]:
     series += [f"rollout/rewards/{name}/{figure}" for name in reward_source_names(cfg) for figure in ("mean", "std")]
     series += ["rollout/distinct_2", *(["rollout/oracle_mean"] if cfg.data.oracle is not None else [])]
     series += [*_SUMMARY_UPDATE, *(["train/kl_to_ref"] if args.beta != 0 else [])]
+    if tool_entries(cfg.tools):
+        series += [*TOOL_METRICS, *(["eval/tool_calls_per_dialog", "eval/turns"] if cfg.eval.every_n_steps else [])]
+    if cfg.eval.every_n_steps is not None:
+        series += list(EVAL_KEYS)
     keys = {f"{name}_{end}" for name in series for end in ("first", "last")} | set(_SUMMARY_TOTALS)
     if str(cfg.device).startswith("cuda"):
         keys.add("perf/peak_cuda_memory_gib")
@@ -206,6 +230,8 @@ def summarize(trainer, totals: dict[str, int], *, steps_trained: int, tokens: in
     for name, values in sorted(logged_series(trainer.state.log_history).items()):
         if name.startswith("rollout/") or name in (*_SUMMARY_UPDATE, "train/kl_to_ref"):
             summary[f"{name}_first"], summary[f"{name}_last"] = values[0], values[-1]
+    for name, values in sorted(eval_series(trainer.state.log_history).items()):
+        summary[f"{name}_first"], summary[f"{name}_last"] = values[0], values[-1]
     summary.update(
         {
             "train/steps": trainer.state.global_step,

@@ -7,8 +7,10 @@ the next part, so nothing written before the kill is overwritten). A part holds
   ``TensorDict.load_memmap(..., allow_pickle=False)`` while the run still writes it), one entry per completion:
   ``prompt_ids`` (left-padded) and ``prompt_length``, ``completion_ids`` (right-padded) and ``completion_length``,
   ``logprobs`` (the behaviour policy's, 0 on padding), ``rewards`` (``[K]``, each reward source's value, NaN where a
-  reward function returned ``None``), ``reward`` (their weighted sum, trl's), ``advantage`` (trl's), ``step`` (the
-  optimizer step it trains: 1 for the first), ``row`` (its index among every completion this process wrote), and the
+  reward function returned ``None``), ``reward`` (their weighted sum, trl's), ``advantage`` (trl's), ``env_mask`` (1 on
+  the model's tokens, 0 on tool messages' and padding: trl's env_mask), ``tool_calls``, ``tool_errors`` and ``turns``
+  (the dialog's counts; 0, 0, 1 without tools), ``step`` (the optimizer step it trains: 1 for the first), ``row``
+  (its index among every completion this process wrote), and the
   prompt's and completion's text as UTF-8 bytes (``prompt_text`` / ``completion_text`` with ``*_text_length``, cut at
   ``max_text_bytes``, ``*_text_cut`` saying where the cut lost text). The prompt is stored whole, as JSON: a
   conversation keeps its system prompt and earlier turns.
@@ -40,7 +42,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
-from interop.rollout_func import message_text
+from interop.rollout_func import TOOL_COUNTS, message_text
 from recipes.common.config import RunStopped
 
 __all__ = [
@@ -161,6 +163,10 @@ class RolloutStore:
             },
             batch_size=[len(prompt_rows)],
         )
+        if "env_mask" in rows.keys():  # a tool-calling rollout: which tokens are the model's, and its counts
+            rollout.set("env_mask", rows.get("env_mask", as_padded_tensor=True, padding_side="right", padding_value=0))
+            for name in TOOL_COUNTS:
+                rollout.set(name, rows.get(name))
         self.write(
             rollout,
             prompt_texts=_objects(rows, "prompt"),
@@ -201,8 +207,10 @@ class RolloutStore:
         prompt_json = [_prompt_json(prompt) for prompt in prompt_texts]
         prompt_text, prompt_text_length, prompt_cut = _utf8_rows(prompt_json, self.max_text_bytes)
         completion_text, completion_text_length, completion_cut = _utf8_rows(completion_texts, self.max_text_bytes)
+        tools = _tool_columns(rollout, right)
         entry = TensorDict(
             {
+                **tools,
                 "prompt_ids": prompt_ids,
                 "prompt_length": rollout.get("prompt_length"),
                 "completion_ids": torch.nn.functional.pad(
@@ -270,6 +278,22 @@ class RolloutStore:
     @property
     def dropped(self) -> int:
         return max(0, self.rows - self.max_rows)
+
+
+def _tool_columns(rollout: TensorDictBase, right: int) -> dict[str, torch.Tensor]:
+    """``env_mask`` (1 on the model's tokens, 0 on tool messages' and padding: trl's env_mask) padded to the store's
+    width, and the dialogs' :data:`~interop.rollout_func.TOOL_COUNTS`; a run without tools stores its completions as
+    all the model's, one turn, no calls, so every part has the same columns."""
+    lengths = rollout.get("completion_length")
+    if "env_mask" in rollout.keys():
+        env_mask = rollout.get("env_mask").long()
+        counts = {name: rollout.get(name).long() for name in TOOL_COUNTS}
+    else:
+        width = rollout.get("completion_ids").shape[-1]
+        env_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        zeros = torch.zeros_like(lengths, dtype=torch.long)
+        counts = {"tool_calls": zeros, "tool_errors": zeros, "turns": torch.ones_like(zeros)}
+    return {"env_mask": torch.nn.functional.pad(env_mask, (0, right), value=0), **counts}
 
 
 def _objects(rows: TensorDictBase, key: str) -> list:
@@ -429,7 +453,8 @@ def _part_number(progress_file: Path) -> int:
 
 
 # Columns whose width is a setting of the part that wrote them, and the side their padding goes.
-_LEFT_PADDED, _RIGHT_PADDED = ("prompt_ids",), ("completion_ids", "logprobs", "prompt_text", "completion_text")
+_LEFT_PADDED = ("prompt_ids",)
+_RIGHT_PADDED = ("completion_ids", "logprobs", "env_mask", "prompt_text", "completion_text")
 
 
 def _same_widths(tables: list) -> list[TensorDictBase]:
@@ -441,7 +466,11 @@ def _same_widths(tables: list) -> list[TensorDictBase]:
             f"the parts of this rollouts folder were scored by different reward sources ({sorted(sources)}), so their "
             "reward columns cannot be read as one table; read each run's folder apart."
         )
-    widths = {key: max(rows.get(key).shape[-1] for rows, _ in tables) for key in (*_LEFT_PADDED, *_RIGHT_PADDED)}
+    widths = {
+        key: max(rows.get(key).shape[-1] for rows, _ in tables)
+        for key in (*_LEFT_PADDED, *_RIGHT_PADDED)
+        if all(key in rows.keys() for rows, _ in tables)  # env_mask: parts written before it was stored lack it
+    }
     padded = []
     for rows, progress in tables:
         rows = rows.clone(recurse=False)

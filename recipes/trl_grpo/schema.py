@@ -50,6 +50,15 @@ class Replay:
 
 
 @dataclass
+class Eval:
+    """Held-out evaluation (``recipes.trl_grpo.evaluation``): the data's eval prompts, scored by one reward function."""
+
+    every_n_steps: Positive | None  # null: no evaluation
+    num_prompts: Positive | None  # null: the whole eval split
+    accuracy_source: str | None  # a reward.functions name whose values are 0 or 1
+
+
+@dataclass
 class Rollout:
     """How rollouts are made and kept: the prompt stream TorchRL samples for, when it samples (sync, or one
     generation batch ahead of trl's update), what trains again, and the store of what trl trained on (the sampling
@@ -59,6 +68,8 @@ class Rollout:
     mode: Literal["sync", "async"]
     max_policy_lag: Annotated[int, Range(ge=0)]
     sampler_threads: Positive
+    # Assistant turns per dialog when tools: names tools (trl: max_tool_calling_iterations + 1).
+    max_turns: Positive
     replay: Replay
     store: RolloutStore
 
@@ -91,6 +102,9 @@ class TrlGRPORecipeConfig:
     system_prompt: str | None
     rollout: Rollout
     reward: Reward
+    # timeout_s, max_result_tokens and <name>: {function} entries (recipes.common.tools checks them).
+    tools: Annotated[dict[str, Any], OPEN]
+    eval: Eval
     # trl.GRPOConfig's own fields (checked against trl's; GRPOTrainerNode's over trl's defaults), plus its _target_.
     train: Annotated[dict[str, Any], OPEN]
 
@@ -130,6 +144,13 @@ class GRPOTrainerNode(TrainerNode):
             "{key}={value}: a run resumes with resume=true, which continues this run folder from the newest of its "
             "trl checkpoints (train.output_dir/checkpoint-<step>) with its own settings; drop {key}. To start a "
             "new run from a checkpoint's weights, point model.name_or_path at that checkpoint folder."
+        ),
+    ]
+    max_tool_calling_iterations: Annotated[
+        None,
+        Hint(
+            "{key}={value}: trl's tool loop does not run here (TorchRL samples the dialogs); the turns are "
+            "rollout.max_turns, trl's max_tool_calling_iterations + 1: drop {key} and set rollout.max_turns."
         ),
     ]
     lr_scheduler_type: str

@@ -230,12 +230,12 @@ def test_a_trainer_folder_outside_the_run_folder_is_refused(compose_config, tmp_
     assert loads == [] and not (tmp_path / "b").exists() and (tmp_path / "a" / "trainer" / "checkpoint-2").is_dir()
 
 
-def test_held_out_data_the_recipe_never_reads_is_refused(compose_config, tmp_path):
+def test_held_out_data_read_by_no_evaluation_is_refused(compose_config, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Review the mug {i}."}) + "\n" for i in range(8)))
     overrides = ["data=file", f"data.path={data}", f"data.eval_path={data}", "metric=rollout/reward_mean_last"]
     cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL_ON_A_FILE, f"output_dir={tmp_path / 'run'}", *overrides])
-    with pytest.raises(ConfigError, match=r"data.eval_path='.*prompts.jsonl': this recipe never reads held-out data"):
+    with pytest.raises(ConfigError, match=r"data.eval_path='.*prompts.jsonl': held-out data is read only by .*off"):
         recipe.train(cfg)
 
 
