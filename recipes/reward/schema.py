@@ -20,6 +20,7 @@ from recipes.common.schema import (
     DATA_SOURCES,
     OPEN,
     ArithmeticData,
+    CalculatorData,
     DType,
     Hint,
     LoggerNode,
@@ -50,8 +51,21 @@ class NoPairsData(ArithmeticData):
         )
 
 
-# The data a reward model trains on: every source but the GRPO-only one.
-PairData = Annotated[dict, Variant("source", {**DATA_SOURCES, "arithmetic": NoPairsData})]
+@dataclass
+class NoPairsCalculatorData(CalculatorData):
+    """``data=calculator`` here: tool-use prompts with a solution, no preference pairs to train on."""
+
+    def __post_init__(self) -> None:
+        raise ValueError(
+            "data=calculator is a GRPO task (tool-use prompts with a solution checked by a reward function): it has "
+            "no preference pairs to train a reward model on. Use data=synthetic, data=file or data=hf."
+        )
+
+
+# The data a reward model trains on: every source but the GRPO-only ones.
+PairData = Annotated[
+    dict, Variant("source", {**DATA_SOURCES, "arithmetic": NoPairsData, "calculator": NoPairsCalculatorData})
+]
 
 
 @dataclass

@@ -36,6 +36,7 @@ def nothing_loads(monkeypatch):
         ("reward_model.lora.alpha=true", r"reward_model.lora.alpha=True: expected a number"),
         ("seed=-1", r"seed=-1 must be >= 0"),
         ("data=arithmetic", r"data=arithmetic is a GRPO task .* no preference pairs .* Use data=synthetic"),
+        ("data=calculator", r"data=calculator is a GRPO task .* no preference pairs .* Use data=synthetic"),
         ("buffer.storage=ram", r"^buffer.storage='ram': expected one of \['lazy_tensor', 'memmap'\] \(buffer=memmap"),
     ],
 )
