@@ -213,6 +213,7 @@ trainer.train()
 """
 
 
+@pytest.mark.slow  # a multi-process run: the slow suite's (the default suite's budget is 8 minutes)
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
 def test_the_sampling_process_dies_with_its_trainer(tmp_path, repo_root, signal_name):
     import signal

@@ -9,9 +9,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from _tool_policy import build_tool_policy
 
 
+@pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
 def test_quick_bench_runs_both_tool_loops_on_equal_work_and_reports_the_ratio(repo_root, tmp_path):
     build_tool_policy(tmp_path / "policy", ["Tools: multiply"])
     report_path = tmp_path / "bench.json"

@@ -73,6 +73,7 @@ def _stop_resume_and_run_through(overrides: list[str], tmp_path: Path) -> tuple[
     return run_dir, reference_dir
 
 
+@pytest.mark.slow  # a multi-process run: the slow suite's (the default suite's budget is 8 minutes)
 def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM
 
@@ -141,6 +142,7 @@ def _rank_sizes(run_dir: Path, rank: int, model: str = "") -> dict[str, int]:
     return json.loads((run_dir / "rank_weights" / f"rank_{rank}{model}.json").read_text())
 
 
+@pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
 def test_fsdp_shards_the_policy_trains_it_and_saves_one_loadable_folder(tmp_path, tiny_dir):
     from transformers import AutoModelForCausalLM
 
@@ -209,6 +211,7 @@ def test_a_resumed_fsdp_run_replays_the_uninterrupted_one(tmp_path):
 LORA = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj,lm_head]}"
 
 
+@pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
 def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_dir):
     """The adapters are sharded with the frozen base layers they sit in; the reference (adapters off) is scored
     through the sharded forward; the checkpoint holds the adapter, gathered, and the merged model, as under DDP."""

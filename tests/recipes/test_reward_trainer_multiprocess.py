@@ -78,6 +78,7 @@ def _recorded_batches(run_dir: Path, rank: int) -> list[list[tuple]]:
     return [[(tuple(chosen), tuple(rejected)) for chosen, rejected in json.loads(line)] for line in lines]
 
 
+@pytest.mark.slow  # a multi-process run: the slow suite's (the default suite's budget is 8 minutes)
 def test_two_processes_split_every_step_of_the_single_process_run(compose_config, repo_root, tmp_path, record_batches):
     """Two processes of 4 pairs draw, between them, the very 8 pairs one process of 8 trains on at each step: no pair
     twice in a step, the same gradients (averaged by DDP) and the same model up to float rounding."""
@@ -321,6 +322,7 @@ def _assert_same_weights(file: str, *run_dirs: Path) -> None:
         torch.testing.assert_close(first[name], second[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
 def test_accelerate_fsdp_shards_the_reward_model_and_trains_as_ddp(repo_root, tmp_path):
     """accelerate's FSDP2 over 2 processes: each holds half the model, and the recipe saves (gathered on the main
     process) and evaluates the very model DDP trains."""

@@ -8,11 +8,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 SYNC = ("ours (sync, 1 thread)", "ours (sync, 2 threads)")
 TRL = ("trl (1 thread)", "trl (2 threads)")
 SIDES = (*SYNC, "ours (async)", *TRL)
 
 
+@pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
 def test_quick_bench_reports_every_side_its_phases_and_the_ratios(repo_root, tmp_path):
     report_path = tmp_path / "bench.json"
     result = subprocess.run(

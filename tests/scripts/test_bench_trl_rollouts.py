@@ -9,9 +9,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 SIDES = ("trl", "trl + TorchRL (sync)", "trl + TorchRL (async)")
 
 
+@pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
 def test_quick_bench_runs_every_mode_on_equal_work_and_reports_each_ratio(repo_root, tmp_path):
     report_path = tmp_path / "bench.json"
     result = subprocess.run(
