@@ -30,10 +30,12 @@ from recipes.common.metrics import WANDB_ID_FILE
 
 __all__ = [
     "LOCK_FILE",
+    "TRAINER_RECORD",
     "RECORDS",
     "RunFolderLock",
     "check_inputs_survive_overwrite",
     "check_output_folder",
+    "check_trainer_output_dir",
     "check_writable",
     "clear_records",
     "earlier_records",
@@ -41,6 +43,7 @@ __all__ = [
 ]
 
 LOCK_FILE = ".run.lock"
+TRAINER_RECORD = "trainer"  # where a recipe's trl trainer writes its checkpoints, inside the run folder
 
 # What a run leaves in its folder (either recipe).
 RECORDS = (
@@ -49,7 +52,7 @@ RECORDS = (
     "checkpoints",
     "model",
     "buffer",
-    "trainer",
+    TRAINER_RECORD,
     "trainer_log.json",
     "eval_pairs.jsonl",
     "batches",
@@ -100,6 +103,22 @@ def check_output_folder(
         )
     if overwrite and inputs:
         check_inputs_survive_overwrite(folder, inputs, keep=keep)
+
+
+def check_trainer_output_dir(output_dir: str | os.PathLike, trainer_output_dir: str | os.PathLike) -> None:
+    """trl writes its checkpoints to ``train.output_dir`` and deletes the old ones there (``save_total_limit``):
+    only inside the run folder's ``trainer/`` do the run's lock, its check for an earlier run, ``resume`` and
+    ``overwrite=true`` cover them."""
+    record = Path(str(output_dir)).expanduser().resolve() / TRAINER_RECORD
+    given = Path(str(trainer_output_dir)).expanduser().resolve()
+    if given != record and record not in given.parents:
+        raise ConfigError(
+            f"train.output_dir={str(trainer_output_dir)!r} is outside this run's folder ({record.parent}): trl writes "
+            "its checkpoints there and deletes old ones past train.save_total_limit, where neither this run's lock "
+            "nor its checks for an earlier run (resume, overwrite=true) reach, so it could delete or overwrite "
+            f"another run's checkpoints. Drop train.output_dir (it defaults to {record}), or point it inside {record}; "
+            "to keep runs elsewhere, move the whole run (hydra.run.dir=... or output_dir=...)."
+        )
 
 
 def _check_writable(folder: Path) -> None:

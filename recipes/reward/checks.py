@@ -16,7 +16,7 @@ from recipes.common.config import ConfigError, check_run_settings
 from recipes.common.lora import check_lora_targets
 from recipes.common.models import check_tokenizer_fits_model, meta_model, validate_model_node
 from recipes.common.run import check_sharded_launch
-from recipes.common.run_folder import check_output_folder, input_paths
+from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
 from recipes.common.schema import checked_config
 from recipes.reward.pair_store import read_meta
 from recipes.reward.schema import RewardRecipeConfig, checked_reward_trainer_config
@@ -28,7 +28,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     """Every check that runs before any model, tokenizer or dataset loads; returns the config the run trains with
     (resolved once, LoRA on or off as the command line says: ``recipes.common.lora.settle_lora_node``)."""
     cfg = checked_config(cfg, RewardRecipeConfig, recipe="reward_trainer_from_buffer")
-    checked_reward_trainer_config(cfg.train)
+    args = checked_reward_trainer_config(cfg.train)
+    check_trainer_output_dir(cfg.output_dir, args.output_dir)
     _validate_settings(cfg)
     return cfg
 

@@ -23,7 +23,7 @@ from recipes.common.prompts import PromptTable, check_prompts_fit_policy
 from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
 from recipes.common.run import SUMMARY_FILE, check_sharded_launch
-from recipes.common.run_folder import check_output_folder, input_paths
+from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
 from recipes.common.schema import checked_config, checked_trainer_config
 from recipes.common.tools import resolve_tools
 from recipes.trl_grpo.report import reward_source_names, summary_keys
@@ -32,9 +32,6 @@ from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, stored_sources
 from recipes.trl_grpo.schema import RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
 
 __all__ = ["validate"]
-
-# The run folder's record trl's output_dir must lie in (recipes.common.run_folder.RECORDS: locked, checked, cleared).
-TRAINER_RECORD = "trainer"
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -61,7 +58,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     validate_policy_lora(cfg)
     _check_lora_for_trl(cfg.model.lora)
     check_run_settings(cfg)
-    _check_trainer_output_dir(cfg, args)
+    check_trainer_output_dir(cfg.output_dir, args.output_dir)
     _check_rollout_mode(cfg)
     _check_tools(cfg)
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=input_paths(cfg))
@@ -176,22 +173,6 @@ def load_replay_source(cfg: DictConfig, *, group_size: int):
             "that stored them sampled another group size); load rollouts stored with the same group size."
         )
     return rows
-
-
-def _check_trainer_output_dir(cfg: DictConfig, args) -> None:
-    """trl writes its checkpoints to ``train.output_dir`` and deletes the old ones there (``save_total_limit``):
-    only inside the run folder's ``trainer/`` do the run's lock, its check for an earlier run, ``resume`` and
-    ``overwrite=true`` cover them."""
-    record = Path(str(cfg.output_dir)).expanduser().resolve() / TRAINER_RECORD
-    given = Path(str(args.output_dir)).expanduser().resolve()
-    if given != record and record not in given.parents:
-        raise ConfigError(
-            f"train.output_dir={str(args.output_dir)!r} is outside this run's folder ({record.parent}): trl writes "
-            "its checkpoints there and deletes old ones past train.save_total_limit, where neither this run's lock "
-            "nor its checks for an earlier run (resume, overwrite=true) reach, so it could delete or overwrite "
-            f"another run's checkpoints. Drop train.output_dir (it defaults to {record}), or point it inside {record}; "
-            "to keep runs elsewhere, move the whole run (hydra.run.dir=... or output_dir=...)."
-        )
 
 
 def _check_data(cfg: DictConfig) -> None:

@@ -285,6 +285,19 @@ def test_bad_settings_fail_before_any_model_loads(compose_config, tmp_path, monk
         recipe.train(cfg)
 
 
+def test_a_trainer_folder_outside_the_run_folder_is_refused(compose_config, tmp_path, monkeypatch):
+    """Run B given run A's trainer folder would delete and overwrite A's checkpoints (save_total_limit): refused,
+    naming the folder and the fix, before anything loads or is written (as the trl-rollouts recipe refuses it)."""
+    monkeypatch.setattr(recipe, "load_reward_model", lambda *args, **kwargs: pytest.fail("nothing may load"))
+    (tmp_path / "a" / "trainer" / "checkpoint-2").mkdir(parents=True)
+    overrides = [f"output_dir={tmp_path / 'b'}", f"train.output_dir={tmp_path / 'a' / 'trainer'}"]
+    cfg = compose_config("reward_trainer_from_buffer", [*overrides, "+train.save_total_limit=1"])
+    message = rf"train.output_dir='{tmp_path / 'a' / 'trainer'}' is outside this run's folder \({tmp_path / 'b'}\)"
+    with pytest.raises(ConfigError, match=message + r".*Drop train.output_dir"):
+        recipe.train(cfg)
+    assert not (tmp_path / "b").exists() and (tmp_path / "a" / "trainer" / "checkpoint-2").is_dir()
+
+
 def test_file_without_the_pair_columns_names_found_and_expected(compose_config, tmp_path):
     bad = _write_pairs(tmp_path / "pairs.jsonl", 4, seed=0, columns=("good", "bad"))
     cfg = compose_config(

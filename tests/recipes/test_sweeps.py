@@ -82,15 +82,23 @@ def test_a_failed_job_does_not_stop_the_sweep_and_the_sweep_says_so(tmp_path, re
     assert "Failed jobs (1):" in report.stdout and "optimizer.lr=5" in report.stdout
 
 
-def test_a_sweep_whose_jobs_run_in_other_processes_still_fails_naming_them(tmp_path, repo_root):
-    """With joblib's launcher the jobs run in worker processes: their failures still reach the sweep's exit status."""
+@pytest.mark.parametrize(
+    ("script", "failing"),
+    [
+        ("grpo_torchrl_rm.py", ["optimizer.lr=5,7", *GRPO_SMALL]),
+        # refused before anything loads: the reward recipe's summary line was printed as {"eval/accuracy": NaN}
+        pytest.param("reward_trainer_from_buffer.py", ["train.learning_rate=-1,-2"], marks=pytest.mark.slow),
+    ],
+)
+def test_a_sweep_whose_jobs_run_in_other_processes_still_fails_naming_them(tmp_path, repo_root, script, failing):
+    """With joblib's launcher the jobs run in worker processes: their failures still reach the sweep's exit status,
+    and no failed job prints a summary."""
     sweep_dir = tmp_path / "sweep"
     command = [
         sys.executable,
-        str(repo_root / "recipes" / "grpo_torchrl_rm.py"),
+        str(repo_root / "recipes" / script),
         "-m",
-        "optimizer.lr=5,7",
-        *GRPO_SMALL,
+        *failing,
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
         f"hydra.sweep.dir={sweep_dir}",
@@ -100,6 +108,7 @@ def test_a_sweep_whose_jobs_run_in_other_processes_still_fails_naming_them(tmp_p
     assert result.returncode == 1, result.stderr[-2000:]
     assert "2 job(s) of the sweep failed" in result.stderr
     assert str(sweep_dir / "0") in result.stderr and str(sweep_dir / "1") in result.stderr
+    assert "NaN" not in result.stdout and "eval/accuracy" not in result.stdout
 
 
 @pytest.mark.parametrize(

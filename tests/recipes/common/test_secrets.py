@@ -9,6 +9,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 from _small_runs import REPO_ROOT
 from omegaconf import OmegaConf
 
@@ -49,9 +50,31 @@ def test_trainer_configs_hand_their_token_to_the_environment_not_to_checkpoints(
     assert args.hub_token is None and os.environ["HF_TOKEN"] == "hf_x"
 
 
-def test_a_trl_run_given_a_token_in_clear_and_one_from_the_environment_writes_neither(tmp_path):
-    """As a user types it (logger=wandb offline, trl checkpoints saved): no file of the run folder, and not the log,
-    holds either secret."""
+TRL_ROLLOUTS_RUN = [
+    "recipes/trl_grpo_torchrl_rollouts.py",
+    "train.max_steps=2",
+    "train.per_device_train_batch_size=8",
+    "train.num_generations=4",
+    "train.max_completion_length=8",
+    "data.num_train_prompts=16",
+    "rollout.prompts_per_draw=8",
+]
+REWARD_RUN = [
+    "recipes/reward_trainer_from_buffer.py",
+    "train.max_steps=2",
+    "data.num_train_prompts=24",
+    "data.num_eval_prompts=8",
+]
+
+
+# The reward recipe's run is slow: its candidate pairs are sampled and labelled before trl trains (about 20 s more).
+@pytest.mark.parametrize(
+    "run",
+    [pytest.param(TRL_ROLLOUTS_RUN, id="trl_rollouts"), pytest.param(REWARD_RUN, id="reward", marks=pytest.mark.slow)],
+)
+def test_a_trl_run_given_a_token_in_clear_and_one_from_the_environment_writes_neither(tmp_path, run):
+    """As a user types it (logger=wandb offline, trl checkpoints saved), in both recipes that hand ``train:`` to a trl
+    trainer: no file of the run folder (``training_args.bin`` included), and not the log, holds either secret."""
     run_dir = tmp_path / "run"
     env = dict(
         os.environ,
@@ -64,15 +87,9 @@ def test_a_trl_run_given_a_token_in_clear_and_one_from_the_environment_writes_ne
     completed = subprocess.run(
         [
             sys.executable,
-            "recipes/trl_grpo_torchrl_rollouts.py",
+            *run,
             f"hydra.run.dir={run_dir}",
             "logger=wandb",
-            "train.max_steps=2",
-            "train.per_device_train_batch_size=8",
-            "train.num_generations=4",
-            "train.max_completion_length=8",
-            "data.num_train_prompts=16",
-            "rollout.prompts_per_draw=8",
             "train.save_strategy=steps",
             "train.save_steps=1",
             "+train.hub_token=hf_clear_8765",

@@ -238,6 +238,11 @@ def test_warm_up_with_a_schedule_that_ignores_it_is_refused(compose_config, tmp_
         ("+max_completion_length=64", "max_completion_length", "set rollout.generation.max_new_tokens=64."),
         ("+train.learning_rate=1e-5", "train.learning_rate", "set optimizer.lr=1e-05."),
         ("+train.num_iterations=2", "train.num_iterations", "set train.epochs_per_step=2."),
+        (
+            "+train.steps_per_generation=4",
+            "train.steps_per_generation",
+            "mini-batches per generation = rollout.responses_per_step / train.mini_batch_size",
+        ),
         ("+rollout.temperature=0.7", "rollout.temperature", "set rollout.generation.temperature=0.7."),
         ("+rollout.top_k=0", "rollout.top_k", "set rollout.generation.top_k=0."),
         ("+reward.reward_weights=[1.0,0.5]", "reward.reward_weights", "reward.functions.<name>.weight"),
