@@ -77,6 +77,9 @@ def serve(connection: Connection) -> None:
             return
         try:
             text = str(_call(tools[name], arguments))
+        except TimeoutError as error:  # a tool that gave up waiting (a subprocess's timeout): counted as a timeout
+            connection.send(("timeout", str(error)))
+            continue
         except Exception as error:  # the tool's failure is the model's answer, as in trl: its text
             connection.send(("raised", str(error)))
             continue

@@ -137,6 +137,8 @@ class DialogPolicy(TensorDictModuleBase):
             log_probs_at_temperature=log_probs_at_temperature,
             chat_template_kwargs=chat_template_kwargs,
         )
+        if stop_at_call_end is None and call_format.close is None:  # a format without a marker: turns end at EOS
+            stop_at_call_end = False
         if stop_at_call_end is None:
             # Stopping at the marker saves sampling past a call, where the tokenizer holds it as one token and the
             # template writes it in a tool-calling turn; anything else a turn ends at EOS (a template that cannot

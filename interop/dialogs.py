@@ -142,7 +142,9 @@ class DialogSampler:
         max_turns: assistant turns per dialog, at most.
         max_completion_tokens: the completion's budget over all turns and tool messages (trl's
             ``max_completion_length``); ``None``: none beyond the model's ``max_position_embeddings``.
-        call_format: the tool-call markers (:class:`interop.tools.ToolCallFormat`; Qwen2.5's by default).
+        call_format: how calls are read from a turn: :class:`interop.tools.ToolCallFormat` (Qwen2.5's markers, the
+            default) or any object with ``parse(text) -> ParsedTurn`` and ``close`` (the closing marker, or None:
+            TorchRL's formats, :mod:`interop.torchrl_tools`).
         stop_at_call_end: end a turn at the closing marker, which must then be one token; ``False``: turns end at
             EOS only, as in trl (several calls in one turn then run in order).
         eos_token_ids: ids that end a turn; ``None``: the tokenizer's EOS and the model's generation config's.
@@ -199,6 +201,11 @@ class DialogSampler:
         self.tool_suffix_ids([{"role": "tool", "name": runner.tools.names[0], "content": "0"}], after_call_end=True)
 
     def _call_end_id(self) -> int:
+        if self.call_format.close is None:
+            raise ValueError(
+                f"DialogSampler: stop_at_call_end needs a closing marker; {self.call_format!r} has none. Pass "
+                "stop_at_call_end=False to end turns at EOS only."
+            )
         ids = self.tokenizer.encode(self.call_format.close, add_special_tokens=False)
         if len(ids) != 1:
             raise ValueError(

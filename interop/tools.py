@@ -10,11 +10,11 @@ Public names:
   {...}}</tool_call>`` by default (Qwen2.5's template; the markers are parameters), and :meth:`ToolCallFormat.parse`.
 - :class:`ToolCall`: one call as parsed, or a malformed one with the reason; :class:`ParsedTurn`: a turn's text before
   its calls, and its calls.
-- :class:`ToolRunner`: runs calls in a worker process (kept alive across calls; killed and restarted after a call
-  overruns ``timeout_s``; dead with its parent), results cut at ``max_result_tokens``. Nothing a tool or a model does
-  makes it raise: a tool that raises, overruns or kills its process, a malformed call, an unknown tool or wrong
-  arguments are each answered with an error text as the tool message's content (trl's words and form:
-  ``str({"error": ...})``) and counted by kind.
+- :class:`ToolRunner`: runs calls in a worker process (kept alive across calls; killed, with the processes a tool
+  started, and restarted after a call overruns ``timeout_s``; dead with its parent), results cut at
+  ``max_result_tokens``. Nothing a tool or a model does makes it raise: a tool that raises, overruns or kills its
+  process, a malformed call, an unknown tool or wrong arguments are each answered with an error text as the tool
+  message's content (trl's words and form: ``str({"error": ...})``) and counted by kind.
 - :class:`ToolResult`: one answered call; :class:`ToolStats`: counts of calls, errors by kind and cut results, per
   dialog or per batch (:meth:`ToolStats.as_metrics` for a logger).
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import sys
 import time
 from collections import Counter
@@ -74,7 +75,9 @@ class ToolSet:
 
     A tool is what ``trl.GRPOTrainer(tools=[...])`` takes: a function with a type hint on every argument and a
     Google-style docstring describing it and each argument (``Args:``), from which
-    ``transformers.utils.get_json_schema`` writes the schema the chat template shows the model.
+    ``transformers.utils.get_json_schema`` writes the schema the chat template shows the model. A callable with a
+    ``json_schema`` attribute (a function schema, ``{"type": "function", "function": {"name": ...}}``) brings its own
+    instead (the adapters of TorchRL's tool pieces, :mod:`interop.torchrl_tools`).
 
     Args:
         tools: the functions (their ``__name__`` is the tool's name).
@@ -168,6 +171,12 @@ def _tool_name(tool, index: int) -> str:
 
 def _schema(tool: Callable, name: str) -> dict:
     import inspect
+
+    explicit = getattr(tool, "json_schema", None)
+    if isinstance(explicit, Mapping):  # a tool that brings its schema (interop.torchrl_tools' adapters)
+        if explicit.get("function", {}).get("name") != name:
+            raise ValueError(f"ToolSet: tool {name!r} brings a json_schema for another name: {_shown(explicit)}.")
+        return dict(explicit)
 
     from transformers.utils import get_json_schema
     from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
@@ -563,7 +572,10 @@ class ToolRunner:
         if process is None:
             return None
         if process.poll() is None:
-            process.kill()
+            try:  # the worker leads its own process group: what a tool started (a subprocess) ends with it
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                process.kill()
         return process.wait()
 
     def close(self) -> None:

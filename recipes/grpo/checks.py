@@ -101,9 +101,15 @@ def _validate_tools(cfg: DictConfig) -> None:
     if resolve_tools(cfg.tools) is None:
         return
     if cfg.rollout.env == "chat":
+        # TorchRL 0.14.1's ChatEnv cannot sample GRPO's multi-turn groups (docs/tools.md, "TorchRL's tool
+        # transforms"): TorchRL's tool pieces run through rollout.env=prompt instead, as tools.<label>.torchrl.
         raise ConfigError(
-            "tools: multi-turn dialogs with tools run with rollout.env=prompt (interop.dialog_policy.DialogPolicy); "
-            "rollout.env=chat is single-turn here. Use rollout.env=prompt, or drop the tools."
+            "tools with rollout.env=chat: TorchRL 0.14.1's ChatEnv cannot sample multi-turn tool dialogs in GRPO "
+            "groups (it refuses [prompts, group] batches, pads rows that called fewer tools with '<none>' messages "
+            "the model then reads, and keeps rows that answered talking). Use rollout.env=prompt: Python tools "
+            "(tools.<name>.function) and TorchRL's tool pieces (tools.<label>.torchrl: {_target_: "
+            "torchrl.envs.llm.transforms.PythonInterpreter | ExecuteToolsInOrder | SimpleToolTransform | "
+            "ToolRegistry, ...}) run there, multi-turn, tool messages out of the loss."
         )
     if cfg.distributed.strategy == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(

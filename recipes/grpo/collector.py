@@ -44,7 +44,7 @@ from recipes.common.config import ConfigError, run_config
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
 from recipes.common.prompts import PromptTable
-from recipes.common.tools import make_tool_runner, resolve_tools
+from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools
 from recipes.grpo.batch import (
     BATCH_KEYS,
     DIALOG_KEYS,
@@ -169,6 +169,7 @@ def check_tool_template(cfg: DictConfig, tokenizer) -> None:
             make_tool_runner(cfg.tools, tools, tokenizer=tokenizer),
             settings=sampler_settings(cfg.rollout.generation),
             max_turns=cfg.rollout.max_turns,
+            call_format=resolve_call_format(cfg.tools),
         )
     except ValueError as error:
         raise ConfigError(
@@ -195,6 +196,7 @@ def make_sampling_policy(cfg: DictConfig, model, tokenizer, *, generation: Mappi
         settings=settings,
         max_turns=cfg.rollout.max_turns,
         max_completion_tokens=settings.max_new_tokens,
+        call_format=resolve_call_format(cfg.tools),  # None: Qwen2.5's <tool_call>; TorchRL pieces may bring theirs
     )
 
 

@@ -25,7 +25,7 @@ from recipes.common.reward_functions import check_reward_functions
 from recipes.common.run import SUMMARY_FILE, check_sharded_launch
 from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
 from recipes.common.schema import checked_config, checked_trainer_config
-from recipes.common.tools import resolve_tools
+from recipes.common.tools import resolve_call_format, resolve_tools
 from recipes.trl_grpo.report import reward_source_names, summary_keys
 from recipes.trl_grpo.resume import checkpoint_step, resume_changes, resumed_config
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, stored_sources
@@ -90,6 +90,13 @@ def _check_tools(cfg: DictConfig) -> None:
     documented, named by their key), and a replay that would train without their mask is refused."""
     if resolve_tools(cfg.tools) is None:
         return
+    if resolve_call_format(cfg.tools) is not None:
+        raise ConfigError(
+            "tools: a TorchRL piece here reads calls in its own format (a parser, a pattern, ```python blocks), "
+            "which this recipe's rollout function does not take yet: it reads Qwen2.5's <tool_call> JSON only. Use "
+            "a ToolRegistry (called in that format) or Python function tools, or run the piece in the GRPO recipe "
+            "(python recipes/grpo_torchrl_rm.py, docs/tools.md)."
+        )
     if cfg.rollout.replay.enabled:
         raise ConfigError(
             "rollout.replay.enabled=true with tools: a replayed group would train without the env_mask that keeps "

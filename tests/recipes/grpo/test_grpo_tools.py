@@ -56,7 +56,7 @@ def nothing_loads(monkeypatch):
         ([f"+tools.no_docstring.function={__name__}.no_docstring"], r"tools\.no_docstring\.function=.*docstring"),
         ([MULTIPLY, "tools.timeout_s=0"], r"tools\.timeout_s=0"),
         ([MULTIPLY, "rollout.max_turns=0"], r"rollout\.max_turns=0"),
-        ([MULTIPLY, "rollout.env=chat"], r"tools: .*rollout\.env=prompt"),
+        ([MULTIPLY, "rollout.env=chat"], r"tools with rollout\.env=chat: .*Use rollout\.env=prompt"),
     ],
 )
 def test_bad_tools_are_refused_before_any_model_loads(compose_config, tmp_path, nothing_loads, overrides, message):

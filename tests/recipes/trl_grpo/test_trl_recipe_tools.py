@@ -37,6 +37,10 @@ MULTIPLY = "+tools.multiply.function=recipes.common.calculator.multiply"
         (["+train.max_tool_calling_iterations=2"], r"train.max_tool_calling_iterations=2: .*set rollout.max_turns"),
         (["+train.tools=[a]"], r"train.tools: .*tools.<name>.function=<dotted path>"),
         ([MULTIPLY, "rollout.replay.enabled=true"], r"rollout.replay.enabled=true with tools: "),
+        (
+            ["+tools.python.torchrl._target_=torchrl.envs.llm.transforms.PythonInterpreter"],
+            r"tools: a TorchRL piece here reads calls in its own format .* run the piece in the GRPO recipe",
+        ),
         (["rollout.max_turns=0"], r"rollout.max_turns"),
         (["eval.every_n_steps=2"], r"eval.accuracy_source=null with 0 reward functions \(\[\]\): name the 0/1 check"),
         (
