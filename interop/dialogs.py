@@ -21,8 +21,8 @@ up to float rounding, and the rows draw with the same random numbers either way,
 prefill of the whole dialog per turn (``keep_cache_across_turns=False``, and what runs under FSDP2 or with a cache
 that is not a ``DynamicCache`` of full-attention layers). On tiny/calculator_policy the two ways ran at the same speed,
 2,453 vs 2,566 generated tokens/s (0.96x; two other runs 0.82x and 1.10x), medians of 15 rounds of 64 dialogs
-(``scripts/bench_dialog_cache.py``, 2026-12-05, 2 shared cores): its prefill is cheap and most dialogs end after one
-turn; the saving grows with the model and the dialog.
+(``scripts/bench_dialog_cache.py``, 2026-12-05, 2 shared cores): what it saves, a forward pass over the dialog so far
+at each later turn, is small there (2 layers, dialogs of 60-100 tokens, most ending after one turn).
 
 Dependencies: torch; the ``transformers`` model and tokenizer the caller passes (the tokenizer's chat template renders
 the tools and tool messages); :mod:`interop.tools`.

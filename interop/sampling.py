@@ -14,6 +14,8 @@ Public names:
 - :class:`CausalLMSampler`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
   wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and the policy version (tensors
   only). ``interop.TorchRLRolloutFunc`` samples with it for ``trl.GRPOTrainer``.
+- :class:`KeptCache`: every row's KV cache after the loop (``sample_responses(keep_cache=True)``), which a later call
+  over the same rows, their prompts grown (a dialog's next turn), takes as ``past`` to run only the new tokens.
 - :func:`end_of_response_ids`: the token ids that end a response (the tokenizer's EOS and the model's).
 
 Why not ``model.generate``: ``generate`` returns processed scores or, with ``output_logits=True``, every step's
