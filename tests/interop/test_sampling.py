@@ -456,17 +456,23 @@ class TestKeptCache:
             rows.append(torch.cat([tokens[row][mask[row]], sampled.tokens[row][sampled.mask[row]], more]))
         return rows
 
+    # Finished rows leave the loop as they end (each kept as it leaves), or stay to the end (their caches then hold
+    # the pads fed after their EOS, which the kept mask leaves out).
     @pytest.mark.parametrize(
-        "settings",
+        ("settings", "drop_finished_at"),
         [
-            SamplingSettings(max_new_tokens=10, top_k=50),
-            SamplingSettings(max_new_tokens=10, min_new_tokens=2, temperature=0.7, repetition_penalty=1.3),
+            (SamplingSettings(max_new_tokens=10, top_k=50), 0.0),
+            (SamplingSettings(max_new_tokens=10, min_new_tokens=2, temperature=0.7, repetition_penalty=1.3), 0.0),
+            (SamplingSettings(max_new_tokens=10, top_k=50), 1.0),
         ],
-        ids=["top_k", "temperature+penalty"],
+        ids=["top_k", "temperature+penalty", "top_k+rows_stay"],
     )
-    def test_new_tokens_on_a_kept_cache_sample_as_the_whole_contexts(self, tiny_policy, monkeypatch, settings):
+    def test_new_tokens_on_a_kept_cache_sample_as_the_whole_contexts(
+        self, tiny_policy, monkeypatch, settings, drop_finished_at
+    ):
         import interop.sampling as sampling
 
+        monkeypatch.setattr(sampling, "_DROP_FINISHED_AT", drop_finished_at)
         model, tokenizer = tiny_policy
         pad = tokenizer.pad_token_id
         prompts = [*PROMPTS, "Hello"]
