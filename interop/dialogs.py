@@ -210,7 +210,8 @@ class DialogSampler:
         self._stop_ids = self.eos_token_ids + ([self.call_end_id] if self.call_end_id is not None else [])
         self._render_cache: dict = {}
         self.keep_cache_across_turns = keep_cache_across_turns
-        # During sample_ids: the rows of the last turn and their kept KV caches (None: not kept).
+        # During sample_ids: the rows of the last turn and their kept KV caches (None: not kept). Per call, so one
+        # sampler samples one batch at a time (as its model does).
         self._last_turn: tuple[list[int], KeptCache | None] | None = None
         # Fails here, not mid-run, when the template cannot render a tool turn the way the loop needs.
         self.tool_suffix_ids([{"role": "tool", "name": runner.tools.names[0], "content": "0"}], after_call_end=True)
@@ -386,7 +387,8 @@ class DialogSampler:
             eos_token_ids=self._stop_ids,
             pad_token_id=self.tokenizer.pad_token_id,
             log_probs_at_temperature=self.log_probs_at_temperature,
-            keep_cache=self.keep_cache_across_turns,
+            # The last allowed turn's caches would never be read: not kept (every active row has had as many turns).
+            keep_cache=self.keep_cache_across_turns and dialogs.stats[rows[0]].turns < self.max_turns - 1,
             past=self._past_of(rows),
         )
         self._last_turn = (list(rows), getattr(sampled, "kept", None))
