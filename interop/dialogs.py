@@ -20,7 +20,7 @@ Each row keeps its KV cache from one turn to the next (:func:`interop.sampling.s
 up to float rounding, and the rows draw with the same random numbers either way, so the dialogs are those of a
 prefill of the whole dialog per turn (``keep_cache_across_turns=False``, and what runs under FSDP2 or with a cache
 that is not a ``DynamicCache`` of full-attention layers). On tiny/calculator_policy the two ways ran at the same speed,
-2,453 vs 2,566 generated tokens/s (0.96x; two other runs 0.82x and 1.10x), medians of 15 rounds of 64 dialogs
+2,722 vs 2,706 generated tokens/s (1.01x; a second run 1.02x), medians of 15 rounds of 64 dialogs
 (``scripts/bench_dialog_cache.py``, 2026-12-05, 2 shared cores): what it saves, a forward pass over the dialog so far
 at each later turn, is small there (2 layers, dialogs of 60-100 tokens, most ending after one turn).
 
