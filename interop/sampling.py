@@ -14,6 +14,8 @@ Public names:
 - :class:`CausalLMSampler`: that loop as a TensorDict module (a TorchRL policy), reading the prompt tokens an env
   wrote and writing the response, the dense ``[B, T]`` sequences, masks, log-probs and the policy version (tensors
   only). ``interop.TorchRLRolloutFunc`` samples with it for ``trl.GRPOTrainer``.
+- :class:`KeptCache`: every row's KV cache after the loop (``sample_responses(keep_cache=True)``), which a later call
+  over the same rows, their prompts grown (a dialog's next turn), takes as ``past`` to run only the new tokens.
 - :func:`end_of_response_ids`: the token ids that end a response (the tokenizer's EOS and the model's).
 
 Why not ``model.generate``: ``generate`` returns processed scores or, with ``output_logits=True``, every step's
@@ -37,6 +39,7 @@ from tensordict.nn import TensorDictModuleBase
 
 __all__ = [
     "CausalLMSampler",
+    "KeptCache",
     "check_pad_token",
     "SampledResponses",
     "SamplingSettings",
@@ -199,6 +202,7 @@ class SampledResponses:
     mask: torch.Tensor  # bool, True up to and including EOS
     log_probs: torch.Tensor  # float32, each sampled token's log-prob under the model; 0 after EOS
     truncated: torch.Tensor  # [B] bool: no EOS within max_new_tokens
+    kept: KeptCache | None = None  # with keep_cache=True, where the model's cache allows it: every row's KV cache
 
 
 def _forward_options(model) -> tuple[dict, str]:
@@ -384,6 +388,74 @@ def _rows_can_be_copied(cache) -> bool:
     )
 
 
+def _rows_can_be_kept(cache) -> bool:
+    """Whether each row's cache can be kept past the loop and extended later (:class:`KeptCache`): rows that can be
+    copied, of full-attention layers only. A sliding-window layer drops its oldest columns, which the kept attention
+    mask would still count."""
+    if not _rows_can_be_copied(cache):
+        return False
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+class KeptCache:
+    """The KV cache of every row of a :func:`sample_responses` batch, kept after its loop
+    (``sample_responses(keep_cache=True)``), so that a later call over the same rows, their contexts now longer
+    (a dialog's next turn), runs only the tokens the cache does not hold yet.
+
+    A row's cache holds its prompt and every response token but the last (sampled, never fed to the model).
+    Rows leave the decoding loop at different steps, so each row is kept with its own columns and the mask of the
+    columns that hold its tokens; :meth:`select` picks the rows that go on, in a new order.
+    """
+
+    def __init__(self, pieces: list, held: list[torch.Tensor], where: list[tuple[int, int]]):
+        # pieces: (per-layer (keys, values) [n, H, L, D], mask [n, L] bool) of rows that left the loop together;
+        # held: each row's token ids in its cache, in order; where: each row's (piece, row in the piece).
+        self._pieces, self._held, self._where = pieces, held, where
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def held_ids(self, row: int) -> list[int]:
+        """The token ids row ``row``'s cache holds (its prompt and its response but the last token)."""
+        return self._held[row].tolist()
+
+    def select(self, rows: Sequence[int]) -> KeptCache:
+        """The rows ``rows`` (indices into this batch), in that order; the tensors are shared, not copied."""
+        return KeptCache(self._pieces, [self._held[row] for row in rows], [self._where[row] for row in rows])
+
+    def _assemble(self):
+        """``(layers, mask, counts)``: the rows' caches as one batch, each row's tokens in its last ``counts[row]``
+        columns (left-padded with zeros, mask 0), so that appended tokens follow every row's own last token."""
+        counts = torch.tensor([len(ids) for ids in self._held])
+        width = int(counts.max())
+        first_layers, first_mask = self._pieces[0]
+        device = first_mask.device
+        counts = counts.to(device)
+        layers = [
+            tuple(part.new_zeros(len(self), part.shape[1], width, part.shape[3]) for part in pair)
+            for pair in first_layers
+        ]
+        by_piece: dict[int, list[tuple[int, int]]] = {}
+        for out_row, (piece, in_piece) in enumerate(self._where):
+            by_piece.setdefault(piece, []).append((out_row, in_piece))
+        for piece, pairs in by_piece.items():
+            piece_layers, piece_mask = self._pieces[piece]
+            out_rows = torch.tensor([out_row for out_row, _ in pairs], device=device)
+            in_rows = torch.tensor([in_piece for _, in_piece in pairs], device=device)
+            held = piece_mask[in_rows]
+            row, column = held.nonzero(as_tuple=True)  # row-major: each row's columns in order
+            rank = held.long().cumsum(-1)[row, column] - 1
+            target_row = out_rows[row]
+            target_column = width - counts[target_row] + rank
+            for (keys, values), (piece_keys, piece_values) in zip(layers, piece_layers):
+                keys[target_row, :, target_column] = piece_keys[in_rows[row], :, column]
+                values[target_row, :, target_column] = piece_values[in_rows[row], :, column]
+        mask = torch.arange(width, device=device) >= width - counts[:, None]
+        return layers, mask.long(), counts
+
+
 def _distinct_prompts(tokens: torch.Tensor, mask: torch.Tensor):
     """``(first, inverse, repeats)``: one row of each distinct prompt (``[D]``, in order of first appearance), each
     row's prompt among them (``[B]``), and ``n`` when the rows are ``D`` consecutive groups of ``n`` (GRPO's layout;
@@ -430,6 +502,87 @@ def _prefill(model, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.T
     return out.logits[:, -1], _cache_of(out)
 
 
+def _prefill_after(
+    model, past: KeptCache, tokens: torch.Tensor, mask: torch.Tensor, options: dict, cache_argument: str, pad: int
+):
+    """The forward pass over what each row's context (``tokens``, left-padded, ``mask`` its real tokens) adds to the
+    tokens ``past`` holds: ``(logits [B, V], cache, mask of the cache's columns, positions of the appended tokens)``.
+
+    The appended tokens differ in number from row to row: they are left-padded after the kept columns (mask 0 in the
+    holes), and their positions are counted from each row's own tokens, as a forward pass over the whole context
+    would number them.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    if len(past) != tokens.shape[0]:
+        raise ValueError(f"sample_responses: past holds {len(past)} rows, the batch has {tokens.shape[0]}.")
+    contexts = [row[keep.bool()] for row, keep in zip(tokens, mask)]
+    tails = []
+    for index, context in enumerate(contexts):
+        held = past._held[index].to(context.device)
+        if len(held) >= len(context) or not torch.equal(context[: len(held)], held):
+            raise ValueError(
+                f"sample_responses: row {index}'s context ({len(context)} tokens) does not extend the {len(held)} "
+                "tokens its kept cache holds; pass past only with the same rows, their contexts grown by new tokens "
+                "(KeptCache.select picks and orders the rows)."
+            )
+        tails.append(context[len(held) :])
+    width = max(len(tail) for tail in tails)
+    new_tokens = tokens.new_full((len(tails), width), pad)
+    new_mask = mask.new_zeros(len(tails), width, dtype=torch.long)
+    for index, tail in enumerate(tails):
+        new_tokens[index, width - len(tail) :] = tail
+        new_mask[index, width - len(tail) :] = 1
+    layers, kept_mask, counts = past._assemble()
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    full_mask = torch.cat([kept_mask.to(new_mask.device), new_mask], dim=-1)
+    positions = (counts.to(new_mask.device)[:, None] + new_mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(
+        input_ids=new_tokens,
+        attention_mask=full_mask,
+        position_ids=positions,
+        use_cache=True,
+        **{cache_argument: cache},
+        **options,
+    )
+    return out.logits[:, -1], _cache_of(out), full_mask, positions
+
+
+class _Keeper:
+    """Collects each row's KV cache as rows leave the decoding loop, for :class:`KeptCache`."""
+
+    def __init__(self):
+        self.pieces, self.rows = [], []
+
+    def take(self, cache, rows: torch.Tensor, which: torch.Tensor | None, mask: torch.Tensor) -> None:
+        """Keeps rows ``which`` of the decoding batch (all when ``None``), ``rows`` their rows in the whole batch."""
+        # Indexing copies: the kept tensors outlive the batch's cache, which drops or grows rows after this.
+        layers = [
+            (layer.keys, layer.values) if which is None else (layer.keys[which], layer.values[which])
+            for layer in cache.layers
+        ]
+        self.pieces.append((layers, (mask if which is None else mask[which]).bool()))
+        self.rows.append(rows if which is None else rows[which])
+
+    def kept(self, prompt_tokens, prompt_mask, responses: _ResponsesSoFar, prefilled: int) -> KeptCache:
+        """The :class:`KeptCache`: each row's columns past the first ``prefilled`` (the response's) count only up to
+        the row's last fed token (a finished row still in the batch fed pads after its EOS)."""
+        lengths = responses.lengths
+        where = [None] * prompt_tokens.shape[0]
+        for piece, ((_, mask), rows) in enumerate(zip(self.pieces, self.rows)):
+            steps = torch.arange(mask.shape[1] - prefilled, device=mask.device)
+            mask[:, prefilled:] &= steps < (lengths[rows] - 1)[:, None]
+            for in_piece, row in enumerate(rows.tolist()):
+                where[row] = (piece, in_piece)
+        held = [
+            torch.cat([context[keep.bool()], response[: int(length) - 1]]).cpu()
+            for context, keep, response, length in zip(prompt_tokens, prompt_mask, responses.tokens, lengths)
+        ]
+        return KeptCache(self.pieces, held, where)
+
+
 # Finished rows leave the decoding batch once more than this fraction of its rows have finished: at every step that
 # finishes one. Leaving copies the kept rows' KV cache (as DynamicCache's own concatenation does at every step) and
 # their per-row buffers, once; a finished row that stays costs its forward pass and its [V] normaliser at every later
@@ -449,6 +602,8 @@ def sample_responses(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     log_probs_at_temperature: bool = False,
+    keep_cache: bool = False,
+    past: KeptCache | None = None,
 ) -> SampledResponses:
     """Samples one response per row of a left-padded batch of prompts.
 
@@ -466,6 +621,14 @@ def sample_responses(
     dropped rows), decoding stops once every row of every rank has sampled an EOS id, and the responses are those the
     rank would have sampled alone.
 
+    With ``keep_cache``, each row's KV cache is returned (:attr:`SampledResponses.kept`, a :class:`KeptCache`), and a
+    later call given it as ``past`` with the same rows, each row's prompt now its earlier prompt, its response and
+    more tokens (a dialog's next turn), runs only the tokens the cache does not hold: the last response token and
+    what follows it. The draw is the one a full forward pass over the prompts would give (the logits agree up to
+    float rounding), from the same random numbers. ``kept`` is ``None`` where the cache cannot be kept: under FSDP2
+    (every row stays in every forward pass), or a cache that is not a ``DynamicCache`` of full-attention layers
+    (:func:`_rows_can_be_kept`); the caller then passes the whole prompts again.
+
     Args:
         model: a ``transformers`` causal LM (with a KV cache).
         prompt_tokens: ``[B, P]`` token ids, left-padded.
@@ -477,6 +640,9 @@ def sample_responses(
         pad_token_id: written after a row's EOS.
         log_probs_at_temperature: record ``log_softmax(logits / temperature)[token]``, as trl's ``GRPOTrainer``
             scores its completions, instead of the raw logits' log-prob.
+        keep_cache: return every row's KV cache in :attr:`SampledResponses.kept`, where the model's cache allows.
+        past: the rows' caches from an earlier call (:meth:`KeptCache.select` to pick and order them); each row of
+            ``prompt_tokens`` must start with the tokens its cache holds.
 
     Returns:
         :class:`SampledResponses`. Each log-prob is ``log_softmax(logits)[token]`` of the model's raw logits
@@ -484,18 +650,27 @@ def sample_responses(
         penalty: the quantity a loss recomputes.
     """
     mask = prompt_mask.long()
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
     batch, device = prompt_tokens.shape[0], prompt_tokens.device
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
     responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
     prefill, cache_argument = _forward_options(model)
     synced = _forwards_are_collective(model)
     decoding = True  # a row of this rank has not sampled EOS yet
-    logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
+    if past is not None:
+        if synced:
+            raise ValueError("sample_responses: past cannot be used under FSDP2 (no cache is kept there).")
+        logits, cache, mask, positions = _prefill_after(
+            model, past, prompt_tokens, mask, prefill, cache_argument, pad_token_id
+        )
+    else:
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
     drop_finished = not synced and _rows_can_be_copied(cache)
+    keeper = _Keeper() if keep_cache and drop_finished and _rows_can_be_kept(cache) else None
+    prefilled = mask.shape[1]  # the cache's columns before the response's
     seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
     if settings.repetition_penalty != 1.0:
-        seen = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, mask.float()) > 0
+        seen = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, prompt_mask.float()) > 0
     workspace = torch.empty_like(logits, dtype=torch.float32)  # [B, V], reused at every step
     rows = torch.arange(batch, device=device)  # the decoding batch's rows, as rows of the whole batch
     next_position = positions[:, -1:] + 1
@@ -524,6 +699,8 @@ def sample_responses(
             break
         if drop_finished and still_running < (1.0 - _DROP_FINISHED_AT) * rows.shape[0]:
             keep = running.nonzero().squeeze(-1)
+            if keeper is not None:
+                keeper.take(cache, rows, (~running).nonzero().squeeze(-1), mask)
             cache.batch_select_indices(keep)
             rows, mask, next_position = rows[keep], mask[keep], next_position[keep]
             seen = seen[keep] if seen is not None else None
@@ -538,7 +715,11 @@ def sample_responses(
         )
         logits, cache = out.logits[:, -1], _cache_of(out)
         next_position = next_position + 1
-    return responses.sampled()
+    sampled = responses.sampled()
+    if keeper is not None:
+        keeper.take(cache, rows, None, mask)
+        sampled.kept = keeper.kept(prompt_tokens, prompt_mask, responses, prefilled)
+    return sampled
 
 
 class _ResponsesSoFar:

@@ -237,3 +237,95 @@ def test_the_token_budget_bounds_every_completion(calculator_policy):
     output = dialogs.as_rollout_output()
     assert sorted(output) == ["completion_ids", "env_mask", "logprobs", "prompt_ids"]
     assert [len(mask) for mask in output["env_mask"]] == [len(ids) for ids in output["completion_ids"]]
+
+
+# --- the KV cache kept across turns ----------------------------------------------------------------------------------
+
+
+def _sample_dialogs(calculator_policy, prompts, *, keep: bool, seed: int, **options) -> Dialogs:
+    model, tokenizer = calculator_policy
+    torch.manual_seed(seed)
+    with ToolRunner(calculator.TOOLS, timeout_s=10.0, max_result_tokens=32, tokenizer=tokenizer) as runner:
+        sampler = DialogSampler(model, tokenizer, runner, keep_cache_across_turns=keep, **options)
+        return sampler.sample_prompts(prompts)
+
+
+def _spy_on_turns(monkeypatch) -> list[tuple[int, int | None]]:
+    """Each turn's ``(rows, rows of its past cache or None)``, as ``DialogSampler`` calls ``sample_responses``."""
+    import interop.dialogs
+
+    calls, real = [], interop.dialogs.sample_responses
+
+    def spy(model, tokens, mask, **options):
+        calls.append((tokens.shape[0], None if options.get("past") is None else len(options["past"])))
+        return real(model, tokens, mask, **options)
+
+    monkeypatch.setattr(interop.dialogs, "sample_responses", spy)
+    return calls
+
+
+# Turns ending at the closing marker (the template's end of turn written by the loop, in the tool suffix) and at EOS
+# (trl's layout), at temperature 1 and at 0.7 with the log-probs scored there. The untrained policy calls the tool in
+# one dialog in five or so: seeds whose dialogs call it several times, with results of different lengths.
+@pytest.mark.parametrize(("stop_at_call_end", "temperature", "seed"), [(True, 1.0, 3), (False, 0.7, 4)])
+def test_dialogs_sampled_on_the_kept_cache_are_those_of_a_prefill_per_turn(
+    calculator_policy, monkeypatch, stop_at_call_end, temperature, seed
+):
+    model, tokenizer = calculator_policy
+    prompts, _ = calculator.make_eval_task(12, seed=7)
+    # Four more rows: products of few and of many digits.
+    prompts += ["What is the product of 7 and 8?", "What is the product of 3 and 5?"]
+    prompts += ["What is the product of 98765 and 4321?", "What is the product of 9 and 123456789?"]
+    options = {
+        "settings": SamplingSettings(max_new_tokens=40, temperature=temperature),
+        "max_turns": 3,
+        "stop_at_call_end": stop_at_call_end,
+        "log_probs_at_temperature": temperature != 1.0,
+    }
+    calls = _spy_on_turns(monkeypatch)
+    cached = _sample_dialogs(calculator_policy, prompts, keep=True, seed=seed, **options)
+    assert calls[0] == (16, None) and len(calls) >= 2
+    assert all(past == rows for rows, past in calls[1:])  # every later turn ran on the kept caches
+    calls.clear()
+    prefilled = _sample_dialogs(calculator_policy, prompts, keep=False, seed=seed, **options)
+    assert all(past is None for _, past in calls)
+    # (b) the same random numbers draw the same dialogs both ways.
+    assert cached.completion_ids == prefilled.completion_ids and cached.model_mask == prefilled.model_mask
+    assert cached.messages == prefilled.messages
+    # (c) rows dropped out at different turns, and tool messages of different lengths were appended.
+    turns = {stats.turns for stats in cached.stats}
+    assert len(turns) > 1, [stats.ended for stats in cached.stats]
+    suffixes = set()
+    for row in range(len(cached)):
+        torch.testing.assert_close(
+            torch.tensor(cached.log_probs[row]), torch.tensor(prefilled.log_probs[row]), atol=2e-5, rtol=1e-5
+        )
+        # (a) each model token's recorded log-prob is a forward pass's over the whole dialog.
+        mask = torch.tensor(cached.model_mask[row], dtype=torch.bool)
+        scored = _log_probs_of_a_forward_pass(model, cached, row, temperature=temperature)
+        torch.testing.assert_close(torch.tensor(cached.log_probs[row])[mask], scored[mask], atol=2e-5, rtol=1e-5)
+        suffixes |= {len(segment) for segment in _tool_segments(cached, row)}
+    assert len(suffixes) > 1, suffixes
+
+
+def _tool_segments(dialogs: Dialogs, row: int) -> list[list[int]]:
+    segments, current = [], []
+    for token, mine in zip(dialogs.completion_ids[row], dialogs.model_mask[row]):
+        if not mine:
+            current.append(token)
+        elif current:
+            segments, current = segments + [current], []
+    return segments + ([current] if current else [])
+
+
+def test_a_model_whose_cache_cannot_be_kept_runs_every_turn_over_the_whole_dialog(calculator_policy, monkeypatch):
+    import interop.sampling
+
+    prompts, _ = calculator.make_eval_task(8, seed=8)
+    options = {"settings": SamplingSettings(max_new_tokens=40), "max_turns": 3}
+    expected = _sample_dialogs(calculator_policy, prompts, keep=True, seed=4, **options)
+    monkeypatch.setattr(interop.sampling, "_rows_can_be_kept", lambda cache: False)
+    calls = _spy_on_turns(monkeypatch)
+    fallback = _sample_dialogs(calculator_policy, prompts, keep=True, seed=4, **options)
+    assert len(calls) >= 2 and all(past is None for _, past in calls)
+    assert fallback.completion_ids == expected.completion_ids

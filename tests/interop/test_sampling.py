@@ -435,6 +435,103 @@ class TestFinishedRowsLeave:
         torch.testing.assert_close(dropped.log_probs, kept.log_probs, atol=1e-5, rtol=0)
 
 
+def _left_padded(rows: list[torch.Tensor], pad: int):
+    width = max(len(row) for row in rows)
+    tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for index, row in enumerate(rows):
+        tokens[index, width - len(row) :], mask[index, width - len(row) :] = row, True
+    return tokens, mask
+
+
+class TestKeptCache:
+    """keep_cache=True returns every row's KV cache; a later call given it as past (some rows dropped, the others
+    reordered, each context grown by a different number of tokens) runs only the new tokens and samples what a call
+    over the whole contexts samples, from the same random numbers."""
+
+    def _grown(self, tokens, mask, sampled, order, extra):
+        """Rows ``order`` of the batch, each its prompt, its whole response and ``extra[i]`` more tokens."""
+        rows = []
+        for row, more in zip(order, extra):
+            rows.append(torch.cat([tokens[row][mask[row]], sampled.tokens[row][sampled.mask[row]], more]))
+        return rows
+
+    # Finished rows leave the loop as they end (each kept as it leaves), or stay to the end (their caches then hold
+    # the pads fed after their EOS, which the kept mask leaves out).
+    @pytest.mark.parametrize(
+        ("settings", "drop_finished_at"),
+        [
+            (SamplingSettings(max_new_tokens=10, top_k=50), 0.0),
+            (SamplingSettings(max_new_tokens=10, min_new_tokens=2, temperature=0.7, repetition_penalty=1.3), 0.0),
+            (SamplingSettings(max_new_tokens=10, top_k=50), 1.0),
+        ],
+        ids=["top_k", "temperature+penalty", "top_k+rows_stay"],
+    )
+    def test_new_tokens_on_a_kept_cache_sample_as_the_whole_contexts(
+        self, tiny_policy, monkeypatch, settings, drop_finished_at
+    ):
+        import interop.sampling as sampling
+
+        monkeypatch.setattr(sampling, "_DROP_FINISHED_AT", drop_finished_at)
+        model, tokenizer = tiny_policy
+        pad = tokenizer.pad_token_id
+        prompts = [*PROMPTS, "Hello"]
+        # End ids taken from the responses, so that rows end at different steps (rows leave the loop, and their
+        # caches are kept, at each).
+        _, _, plain = _sample(tiny_policy, settings, prompts=prompts)
+        eos = sorted({tokenizer.eos_token_id, int(plain.tokens[0, 2]), int(plain.tokens[2, 5])})
+        options = {"eos_token_ids": eos, "pad_token_id": pad}
+        tokens, mask, first = _sample(tiny_policy, settings, prompts=prompts, keep_cache=True, **options)
+        assert first.kept is not None and len(first.kept) == len(prompts)
+        assert first.mask.sum(-1).unique().numel() > 1  # rows ended at different steps
+        for row in range(len(prompts)):
+            response = first.tokens[row][first.mask[row]]
+            expected = torch.cat([tokens[row][mask[row]], response[:-1]]).tolist()
+            assert first.kept.held_ids(row) == expected  # the last sampled token was never fed
+        extra = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([], dtype=torch.long), torch.tensor([11, 12])]
+        order = [3, 0, 2]  # row 1 dropped, the others reordered
+        grown, grown_mask = _left_padded(self._grown(tokens, mask, first, order, extra), pad)
+        shapes, handle = _forward_rows(model)
+        try:
+            torch.manual_seed(7)
+            cached = sample_responses(
+                model, grown, grown_mask, settings=settings, keep_cache=True, past=first.kept.select(order), **options
+            )
+        finally:
+            handle.remove()
+        assert shapes[0] == (3, 6)  # the new tokens only: each row's last sampled token and its extra tokens
+        torch.manual_seed(7)
+        whole = sample_responses(model, grown, grown_mask, settings=settings, **options)
+        assert torch.equal(cached.tokens, whole.tokens) and torch.equal(cached.mask, whole.mask)
+        torch.testing.assert_close(cached.log_probs, whole.log_probs, atol=1e-5, rtol=0)
+        _assert_log_probs_equal_a_forward_pass(model, grown, grown_mask, cached)
+        # A third call on the second's kept cache (built on the first's, with its padding holes).
+        order, extra = [2, 0], [torch.tensor([13]), torch.tensor([14, 15, 16])]
+        third, third_mask = _left_padded(self._grown(grown, grown_mask, cached, order, extra), pad)
+        torch.manual_seed(8)
+        again = sample_responses(
+            model, third, third_mask, settings=settings, keep_cache=True, past=cached.kept.select(order), **options
+        )
+        _assert_log_probs_equal_a_forward_pass(model, third, third_mask, again)
+        torch.manual_seed(8)
+        whole = sample_responses(model, third, third_mask, settings=settings, **options)
+        assert torch.equal(again.tokens, whole.tokens)
+        # A cache that cannot be kept (a sliding-window layer, a recurrent cache...) returns none.
+        monkeypatch.setattr(sampling, "_rows_can_be_kept", lambda cache: False)
+        assert _sample(tiny_policy, settings, prompts=prompts, keep_cache=True, **options)[2].kept is None
+
+    def test_a_context_that_does_not_extend_the_kept_tokens_is_refused(self, tiny_policy):
+        model, tokenizer = tiny_policy
+        settings = SamplingSettings(max_new_tokens=4, min_new_tokens=4, top_k=50)
+        tokens, mask, first = _sample(tiny_policy, settings, keep_cache=True)
+        assert _sample(tiny_policy, settings)[2].kept is None  # kept only when asked for
+        options = {"settings": settings, "eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": 0}
+        with pytest.raises(ValueError, match="does not extend the .* tokens its kept cache holds"):
+            sample_responses(model, tokens, mask, past=first.kept, **options)  # nothing new: the prompts again
+        with pytest.raises(ValueError, match="past holds 3 rows, the batch has 2"):
+            sample_responses(model, tokens[:2], mask[:2], past=first.kept, **options)
+
+
 class TestCausalLMSampler:
     def test_writes_the_dense_layout_the_loss_reads(self, tiny_policy):
         from tensordict import TensorDict
