@@ -129,11 +129,15 @@ def test_an_interrupted_run_says_so_with_its_last_checkpoint(tmp_path, stop):
         "logger=csv",
         f"hydra.run.dir={tmp_path}",
     ]
+    # A command started in the background by a shell without job control (`pytest ... &`, nohup, some CI runners)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the run would never see the
+    # signal. A user's Ctrl-C reaches a foreground process; the test gives the run that default back.
     process = subprocess.Popen(
         [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides],
         cwd=REPO_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 240

@@ -16,16 +16,6 @@ from recipes.common.config import ConfigError
 from recipes.grpo.checks import validate
 
 
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the config was validated")
-
-    for name in ("load_causal_lm", "load_tokenizer", "load_policy"):
-        monkeypatch.setattr(recipe, name, refuse)
-    monkeypatch.setattr(rewards_module, "load_reward_model", refuse)
-
-
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -16,7 +16,6 @@ import torch
 from _small_runs import GRPO_SMALL, read_metrics
 
 import interop.dialog_policy as dialog_policy_module
-import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
 from interop.dialogs import DialogSampler, _Turn
 from interop.tools import ToolCallFormat
@@ -36,16 +35,6 @@ def no_docstring(a: int) -> int:
 
 
 NOT_CALLABLE = 42
-
-
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the config was validated")
-
-    monkeypatch.setattr(recipe, "load_causal_lm", refuse)
-    monkeypatch.setattr(recipe, "load_policy", refuse)
-    monkeypatch.setattr(rewards_module, "load_reward_model", refuse)
 
 
 @pytest.mark.parametrize(

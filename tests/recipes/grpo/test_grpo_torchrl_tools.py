@@ -11,7 +11,6 @@ import pytest
 import torch
 from _small_runs import GRPO_SMALL, read_metrics
 
-import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
 from interop.dialogs import DialogSampler, _Turn
 from recipes.common.config import ConfigError
@@ -24,16 +23,6 @@ from recipes.grpo.report import TOOL_SERIES
 SMALL = [*GRPO_SMALL, "train.steps=2", "logger=csv"]
 TRANSFORMS = "torchrl.envs.llm.transforms"
 PYTHON = [f"+tools.python.torchrl._target_={TRANSFORMS}.PythonInterpreter", "+tools.python.torchrl.timeout=1"]
-
-
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the config was validated")
-
-    monkeypatch.setattr(recipe, "load_causal_lm", refuse)
-    monkeypatch.setattr(recipe, "load_policy", refuse)
-    monkeypatch.setattr(rewards_module, "load_reward_model", refuse)
 
 
 @pytest.mark.parametrize(
