@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     check.part(
         "gpu_tests",
-        [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+        # One process (-n 0, not pyproject's -n auto): the gpu tests share one device, and workers that only find
+        # skips here would each collect the whole suite again.
+        [python, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-p", "no:cacheprovider", "tests"],
         figures=_pytest_counts,
     )
     if built:
