@@ -8,17 +8,14 @@ from __future__ import annotations
 import sys
 
 import pytest
-from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
+from _small_runs import GRPO_SMALL, MCP_MULTIPLY, MCP_SERVER, SMALL_CALCULATOR, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.config import ConfigError
 
 pytest.importorskip("mcp")
 
-SERVER = REPO_ROOT / "tests" / "interop" / "mcp_calculator_server.py"
 CALC = "+tools.calc.mcp.servers.calc"
-# The test server serving only the calculator task's multiply, started with this Python.
-MCP_MULTIPLY = [f"{CALC}.command={sys.executable}", f"{CALC}.args=[{SERVER},--only,multiply]"]
 SECRET = "pg://me:pw-5150@db"  # under a name that does not say "secret": masked for being an MCP server's env
 SMALL = [*GRPO_SMALL, "train.steps=2", "logger=csv"]
 
@@ -31,7 +28,11 @@ SMALL = [*GRPO_SMALL, "train.steps=2", "logger=csv"]
             r"tools\.calc\.mcp\.servers\.calc: MCP server 'calc' .*is not found",
         ),
         (
-            [f"{CALC}.command={sys.executable}", f"{CALC}.args=[{SERVER},--only,'']", f"{CALC}.env.DB_URL={SECRET}"],
+            [
+                f"{CALC}.command={sys.executable}",
+                f"{CALC}.args=[{MCP_SERVER},--only,'']",
+                f"{CALC}.env.DB_URL={SECRET}",
+            ],
             r"tools\.calc\.mcp\.servers\.calc: .* lists no tools",
         ),
         (["+tools.calc.mcp.server.command=python"], r"tools\.calc\.mcp: expected \{servers: "),
@@ -68,18 +69,11 @@ def test_the_calculator_task_calls_multiply_over_mcp_and_keeps_the_server_env_ou
     """experiment=calculator with its multiply tool served by the MCP server: two steps, the calls answered (tool calls
     logged, no tool error), the server's env value in no file of the run folder."""
     overrides = [
-        "experiment=calculator",
+        *SMALL_CALCULATOR,
         "~tools.multiply",
         *MCP_MULTIPLY,
         f"{CALC}.env.DB_URL={SECRET}",
         "train.steps=2",
-        "rollout.responses_per_step=16",
-        "train.mini_batch_size=16",
-        "eval.every_n_steps=null",
-        "metric=rollout/reward_mean_last",
-        "progress_bar=false",
-        "logger=csv",
-        "seed=0",
         f"output_dir={tmp_path}",
     ]
     summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))

@@ -4,19 +4,13 @@ multiply tool served over MCP (tests/interop/mcp_calculator_server.py), its call
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from _small_runs import REPO_ROOT, TRL_SMALL, read_metrics
+from _small_runs import MCP_MULTIPLY, TRL_SMALL, read_metrics
 
 import recipes.trl_grpo_torchrl_rollouts as recipe
 from recipes.common.config import ConfigError
 
 pytest.importorskip("mcp")
-
-SERVER = REPO_ROOT / "tests" / "interop" / "mcp_calculator_server.py"
-CALC = "+tools.calc.mcp.servers.calc"
-MCP_MULTIPLY = [f"{CALC}.command={sys.executable}", f"{CALC}.args=[{SERVER},--only,multiply]"]
 
 
 def test_a_name_clash_with_a_function_tool_is_refused_naming_both_keys(compose_config, tmp_path, monkeypatch):
