@@ -20,7 +20,8 @@ The server runs as the training process's user, in its working folder, with ``HO
 
 Public names:
 
-- :func:`mcp_tools`: the tools of several servers (TorchRL's ``servers`` dict), names checked across them.
+- :func:`mcp_tools`: the tools of several servers (TorchRL's ``servers`` dict), names checked across them;
+  :func:`server_from_spec`: one server from its entry of that dict.
 - :class:`MCPStdioServer`: one server: :meth:`MCPStdioServer.list_tools`, and, in the process that calls its tools,
   its one client session (:meth:`~MCPStdioServer.start`, :meth:`~MCPStdioServer.call`, :meth:`~MCPStdioServer.close`).
 - :class:`MCPTool`: one tool of a server, callable with its arguments, returning the result's text.
@@ -38,7 +39,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["MCPStdioServer", "MCPTool", "mcp_tools"]
+__all__ = ["MCPStdioServer", "MCPTool", "mcp_tools", "server_from_spec"]
 
 _LAUNCHER = Path(__file__).with_name("_mcp_launcher.py")
 _STDERR_TAIL = 600  # characters of a failed server's stderr quoted in the error
