@@ -26,21 +26,36 @@ Dependencies: ``torch``, ``tensordict`` and ``torchrl``; ``datasets``, ``transfo
 lazily, only by the features that need them. This package knows nothing of Hydra or of the recipes.
 """
 
-from interop.background_sampler import BackgroundSampler
-from interop.dataset import TorchRLBufferDataset, tensordict_collate
-from interop.group_replay import GroupReplay
-from interop.reward import HFRewardModelWrapper, RewardModelTransform
-from interop.rollout_func import TorchRLRolloutFunc
-from interop.sampling import CausalLMSampler, SamplingSettings, sample_responses
+import importlib
+
+# Each public name is imported from its module when first used (PEP 562): `import interop.tools` or
+# `import interop.mcp_tools` in a tool worker process then costs no torch, torchrl or transformers import (seconds),
+# which a worker restarted after a timeout would pay again; trl's trainer in particular prints a notice on import.
+_MODULES = {
+    "BackgroundSampler": "interop.background_sampler",
+    "CausalLMSampler": "interop.sampling",
+    "GroupReplay": "interop.group_replay",
+    "HFRewardModelWrapper": "interop.reward",
+    "RewardModelTransform": "interop.reward",
+    "SamplingSettings": "interop.sampling",
+    "TorchRLBufferDataset": "interop.dataset",
+    "TorchRLGRPOTrainer": "interop.trl_grpo",
+    "TorchRLRolloutFunc": "interop.rollout_func",
+    "sample_responses": "interop.sampling",
+    "tensordict_collate": "interop.dataset",
+}
 
 
 def __getattr__(name: str):
-    # trl is heavy to import and prints a notice: only where its trainer is used.
-    if name == "TorchRLGRPOTrainer":
-        from interop.trl_grpo import TorchRLGRPOTrainer
+    if name not in _MODULES:
+        raise AttributeError(f"module 'interop' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULES[name]), name)
+    globals()[name] = value
+    return value
 
-        return TorchRLGRPOTrainer
-    raise AttributeError(f"module 'interop' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULES])
 
 
 __all__ = [

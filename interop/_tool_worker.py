@@ -7,7 +7,8 @@ connection whose file descriptor it is given:
 
 1. ``(sys_path, main_path, pickled_tools)``: the parent's import path, the parent's main script when a tool was
    defined there (run as ``__mp_main__``, as ``multiprocessing``'s spawn does), and the tools pickled by reference;
-   it answers ``("ready", None)`` or ``("failed", traceback)``;
+   it calls the ``start_in_worker()`` method of each tool that has one (an MCP tool starts its server there, so that
+   the server's start is not counted in a call's timeout) and answers ``("ready", None)`` or ``("failed", traceback)``;
 2. then calls, ``(name, arguments, char_limit)``, one at a time, answering ``("ok", (text, cut))`` with the result as
    text (``str(result)``, as trl writes a tool's result into its message; cut at ``char_limit`` characters when that
    is not None) or ``("raised", "<error text>")``.
@@ -48,7 +49,12 @@ def _load_tools(sys_path: list[str], main_path: str | None, pickled: bytes) -> d
         main = types.ModuleType("__mp_main__")
         main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
         sys.modules["__main__"] = sys.modules["__mp_main__"] = main
-    return pickle.loads(pickled)
+    tools = pickle.loads(pickled)
+    for tool in tools.values():
+        start = getattr(tool, "start_in_worker", None)
+        if callable(start):
+            start()
+    return tools
 
 
 def _call(tool, arguments: dict):

@@ -421,7 +421,9 @@ class ToolRunner:
     The tools are sent to the worker pickled by reference, so each must be importable by its module and name (a
     function at a module's top level, or a bound method of an object that pickles; such an object's state lives in the
     worker from then on). A tool defined in the script that was run (``__main__``) is found by running that script
-    again in the worker under another name, as ``multiprocessing``'s spawn does.
+    again in the worker under another name, as ``multiprocessing``'s spawn does. A tool with a ``start_in_worker()``
+    method has it called once in each worker, after loading, before the first call, within ``start_timeout_s`` (an
+    :class:`interop.mcp_tools.MCPTool` starts its server there).
 
     Args:
         tools: a :class:`ToolSet`, or the functions to build one from.

@@ -315,8 +315,9 @@ def torchrl_tools(piece) -> TorchRLTools:
 
     Raises:
         ValueError: ``PythonInterpreter(persistent=True)`` or on Ray services, ``PythonExecutorService`` (a pool of
-            persistent interpreters: one dialog's variables would reach another), ``MCPToolTransform``, anything else
-            (named, with what is accepted).
+            persistent interpreters: one dialog's variables would reach another), ``MCPToolTransform`` (use
+            :func:`interop.mcp_tools.mcp_tools` on its ``server_configs``), anything else (named, with what is
+            accepted).
 
     Examples:
         >>> from torchrl.envs.llm.transforms import PythonInterpreter
@@ -355,9 +356,10 @@ def _refuse(piece, llm):
         )
     if isinstance(piece, llm.MCPToolTransform):
         raise ValueError(
-            "torchrl_tools: MCPToolTransform is not supported: it holds live connections to its servers (in a "
-            "thread of the process that built it), which the tool worker cannot take over. Wrap each MCP tool in a "
-            "ToolService of a ToolRegistry (its __call__ calling the server), or in a Python function tool."
+            "torchrl_tools: MCPToolTransform is not taken apart: it holds live connections to its servers (in a "
+            "thread of the process that built it), which the tool worker cannot take over. Build the tools from its "
+            "servers instead: interop.mcp_tools.mcp_tools(transform.server_configs) lists them, and each tool worker "
+            "starts the servers it calls (their tools are called in Qwen2.5's <tool_call> format)."
         )
     accepted = "ToolRegistry, ExecuteToolsInOrder, SimpleToolTransform, PythonInterpreter"
     raise ValueError(

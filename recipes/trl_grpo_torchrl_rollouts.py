@@ -13,8 +13,9 @@
 4. Storage. ``interop.TorchRLGRPOTrainer`` (trl's trainer, reading what it scored) writes every completion trl trains
    on, with its rewards, advantage and step, to ``<run dir>/rollouts/rank_<r>/part_<k>/``
    (``recipes.trl_grpo.rollout_store``), readable while the run trains.
-5. Tools (``tools.<name>.function``, ``rollout.max_turns``). The rollout function samples whole dialogs: the model
-   writes, its calls run in a worker process, their results join the completion as tool messages, it writes on;
+5. Tools (``tools.<name>.function``, ``tools.<label>.mcp.servers``, ``rollout.max_turns``). The rollout function
+   samples whole dialogs: the model writes, its calls run in a worker process, their results join the completion as
+   tool messages, it writes on;
    trl gets ``env_mask`` with them, so its loss skips the tool messages' tokens. ``eval.every_n_steps`` answers the
    data's held-out prompts the same way and logs ``eval/accuracy`` (``recipes.trl_grpo.evaluation``).
 6. Resume. ``resume=true`` continues the run folder from the newest of trl's checkpoints, with the run's own settings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -39,3 +40,20 @@ TRL_SMALL = [
     "data.num_train_prompts=16",
     "rollout.prompts_per_draw=8",
 ]
+
+# experiment=calculator in small steps, no evaluation: what a resume test or a tool-source test needs.
+SMALL_CALCULATOR = [
+    "experiment=calculator",
+    "rollout.responses_per_step=16",
+    "train.mini_batch_size=16",
+    "eval.every_n_steps=null",
+    "metric=rollout/reward_mean_last",
+    "progress_bar=false",
+    "logger=csv",
+]
+
+# The test suite's MCP server (tests/interop/mcp_calculator_server.py), started with this Python, serving the calculator
+# task's multiply only, as tools.calc.mcp.servers.calc.
+MCP_SERVER = REPO_ROOT / "tests" / "interop" / "mcp_calculator_server.py"
+MCP_CALC = "+tools.calc.mcp.servers.calc"
+MCP_MULTIPLY = [f"{MCP_CALC}.command={sys.executable}", f"{MCP_CALC}.args=[{MCP_SERVER},--only,multiply]"]

@@ -17,6 +17,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 
+# A script the MCP tests start as a server, not a test module: --doctest-modules would import it (and the mcp package).
+collect_ignore = ["interop/mcp_calculator_server.py"]
+
 
 def pytest_configure(config):
     # One torch thread per test worker when the suite runs on every core (pytest-xdist): two workers with a thread per

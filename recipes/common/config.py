@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ __all__ = [
     "hand_token_to_environment",
     "hub_reachable",
     "is_secret_key",
+    "is_secret_setting",
     "mask_hydra_records",
     "mask_secrets_in_text",
     "masked_fields",
@@ -234,6 +237,40 @@ def is_secret_key(name: str) -> bool:
     return name in _SECRET_NAMES or name.endswith(_SECRET_SUFFIXES)
 
 
+# Settings whose values are secrets whatever their names: an MCP server's environment (its API keys and URLs with
+# passwords, under names of the server's choosing).
+_SECRET_PATHS = (re.compile(r"tools\.[^.]+\.mcp\.servers\.[^.]+\.env\.[^.]+"),)
+
+
+def is_secret_setting(path: str) -> bool:
+    """Whether the setting at dotted ``path`` holds a secret: its name says so (:func:`is_secret_key`), or it is a
+    value of an MCP server's ``env`` (``tools.<label>.mcp.servers.<server>.env.<NAME>``).
+
+    Examples:
+        >>> is_secret_setting("train.hub_token"), is_secret_setting("tools.calc.mcp.servers.calc.env.DB_URL")
+        (True, True)
+        >>> is_secret_setting("tools.calc.mcp.servers.calc.command")
+        False
+    """
+    path = path.lstrip("+~")
+    return is_secret_key(path.rsplit(".", 1)[-1]) or any(pattern.fullmatch(path) for pattern in _SECRET_PATHS)
+
+
+def _masked(record, path: str = "", kept: Mapping[str, str] | None = None):
+    """``record`` (plain dicts and lists) with every secret (:func:`is_secret_setting`) shown as ``<NAME>``, except
+    the ``kept`` paths (read from the environment), shown as their text, and interpolations (``${...}``), kept."""
+    kept = kept or {}
+    if isinstance(record, dict):
+        return {key: _masked(value, f"{path}.{key}" if path else str(key), kept) for key, value in record.items()}
+    if isinstance(record, list):
+        return [_masked(value, f"{path}.{index}", kept) for index, value in enumerate(record)]
+    if path in kept:
+        return kept[path]
+    if record not in (None, "") and not str(record).startswith("${") and is_secret_setting(path):
+        return f"<{path.rsplit('.', 1)[-1].upper()}>"
+    return record
+
+
 def _from_environment(cfg: DictConfig, prefix: str = "") -> dict[str, str]:
     """Every setting of ``cfg`` that is (or contains) an ``${oc.env:...}`` interpolation: its path and its text."""
     found = {}
@@ -259,21 +296,7 @@ def config_record(cfg: DictConfig) -> dict:
         {'train': {'hub_token': '<HUB_TOKEN>', 'lr': 0.1}}
     """
     record = OmegaConf.to_container(run_config(cfg), resolve=True)
-    from_environment = getattr(cfg, "__dict__", {}).get(_FROM_ENV, {})
-
-    def mask(node, path: str):
-        if isinstance(node, dict):
-            return {key: mask(value, f"{path}.{key}" if path else str(key)) for key, value in node.items()}
-        if isinstance(node, list):
-            return [mask(value, f"{path}.{index}") for index, value in enumerate(node)]
-        if path in from_environment:
-            return from_environment[path]
-        name = path.rsplit(".", 1)[-1]
-        if isinstance(node, str) and node and is_secret_key(name):
-            return f"<{name.upper()}>"
-        return node
-
-    return mask(record, "")
+    return _masked(record, kept=getattr(cfg, "__dict__", {}).get(_FROM_ENV, {}))
 
 
 def masked_fields(cfg: DictConfig, node: str) -> dict[str, str]:
@@ -313,11 +336,34 @@ def mask_hydra_records(output_dir: Path) -> None:
         if not path.is_file():
             continue
         text = path.read_text()
-        masked = mask_secrets_in_text(text)
+        masked = mask_secrets_in_text(_mask_config_text(text) if name == "config.yaml" else text)
         if masked != text:
             partial = path.with_name(name + ".partial")
             partial.write_text(masked)
             os.replace(partial, path)
+
+
+def _mask_config_text(text: str) -> str:
+    """Hydra's ``config.yaml`` with every secret its key's name does not reveal masked (an MCP server's env values,
+    nested under ``env:``); the text unchanged when there is none."""
+    record = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+    masked = _masked(record)
+    return text if masked == record else OmegaConf.to_yaml(OmegaConf.create(masked))
+
+
+# An env given whole on a command line (`...mcp.servers.<server>.env={API_KEY:abc}`, or inside a larger node).
+_BRACED_ENV = re.compile(r"(?P<head>\benv\s*[:=]\s*\{)(?P<body>(?:[^{}]|\$\{[^{}]*\})*)\}")
+_ENV_ENTRY = re.compile(r"(?P<name>[\w.-]+)\s*:\s*(?P<value>(?:[^,{}]|\$\{[^{}]*\})*)")
+
+
+def _mask_braced_env(match: re.Match) -> str:
+    def entry(found: re.Match) -> str:
+        value = found.group("value").strip(" '\"")
+        if not value or value.startswith("${") or value.startswith("<"):
+            return found.group(0)
+        return f"{found.group('name')}:<{found.group('name').upper()}>"
+
+    return match.group("head") + _ENV_ENTRY.sub(entry, match.group("body")) + "}"
 
 
 def mask_secrets_in_text(text: str) -> str:
@@ -331,19 +377,21 @@ def mask_secrets_in_text(text: str) -> str:
         '  hub_token: <HUB_TOKEN>'
         >>> mask_secrets_in_text("hub_token: ${oc.env:HF_TOKEN}")
         'hub_token: ${oc.env:HF_TOKEN}'
+        >>> mask_secrets_in_text("+tools.c.mcp.servers.c.env.DB_URL=pg://me:pw@db,+tools.c.mcp.servers.d.env={K:v}")
+        '+tools.c.mcp.servers.c.env.DB_URL=<DB_URL>,+tools.c.mcp.servers.d.env={K:<K>}'
     """
-    import re
 
     def replace(match: re.Match) -> str:
         key, separator, value = match.group("key"), match.group("sep"), match.group("value")
         name = key.rsplit(".", 1)[-1].lstrip("+~")
         bare = value.strip(" '\"")
-        if not is_secret_key(name) or bare.startswith("${") or bare in ("", "null") or bare.startswith("<"):
+        if not is_secret_setting(key) or bare.startswith("${") or bare in ("", "null") or bare.startswith("<"):
             return match.group(0)
         return f"{key}{separator}<{name.upper()}>"
 
     assignments = r"(?P<key>[+~]?[A-Za-z_][\w.]*)(?P<sep>=)(?P<value>[^,\n\]]*)"
     entries = r"(?P<key>[A-Za-z_][\w.]*)(?P<sep>: )(?P<value>[^\n]*)"
+    text = _BRACED_ENV.sub(_mask_braced_env, text)
     return re.sub(entries, replace, re.sub(assignments, replace, text))
 
 

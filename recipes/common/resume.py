@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.common.config import ConfigError, command_line_keys, config_record, is_secret_key
+from recipes.common.config import ConfigError, command_line_keys, config_record, is_secret_setting
 
 __all__ = [
     "RESOLVED_CONFIG_FILE",
@@ -112,7 +112,7 @@ def _refuse_masked_secrets(saved: DictConfig, saved_file: Path, prefix: str = ""
         node = saved._get_node(key)
         if isinstance(node, DictConfig):
             _refuse_masked_secrets(node, saved_file, path)
-        elif not node._is_interpolation() and is_secret_key(str(key)) and node._value() == f"<{str(key).upper()}>":
+        elif not node._is_interpolation() and is_secret_setting(path) and node._value() == f"<{str(key).upper()}>":
             raise ConfigError(
                 f"resume=true: {path} is masked in {saved_file} ({node._value()}: run records never keep a secret), so "
                 f"the run cannot be continued with it. Give it again on the command line ({path}=<value>, or "

@@ -109,7 +109,8 @@ def _validate_tools(cfg: DictConfig) -> None:
             "the model then reads, and keeps rows that answered talking). Use rollout.env=prompt: Python tools "
             "(tools.<name>.function) and TorchRL's tool pieces (tools.<label>.torchrl: {_target_: "
             "torchrl.envs.llm.transforms.PythonInterpreter | ExecuteToolsInOrder | SimpleToolTransform | "
-            "ToolRegistry, ...}) run there, multi-turn, tool messages out of the loss."
+            "ToolRegistry, ...}) and MCP servers (tools.<label>.mcp.servers) run there, multi-turn, tool messages out "
+            "of the loss."
         )
     if cfg.distributed.strategy == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(

@@ -406,8 +406,9 @@ class GRPORecipeConfig:
     log_every_n_steps: Positive
     samples: Samples
     rollout: Rollout
-    # name -> {function} or label -> {torchrl: _target_ node}, plus timeout_s and max_result_tokens: the names are the
-    # user's (recipes.common.tools checks each node, recipes.grpo.checks the combinations).
+    # name -> {function}, label -> {torchrl: _target_ node} or label -> {mcp: {servers}}, plus timeout_s and
+    # max_result_tokens: the names are the user's (recipes.common.tools checks each node, recipes.grpo.checks the
+    # combinations).
     tools: Annotated[dict[str, Any], OPEN]
     reward: Reward
     eval: Eval

@@ -94,8 +94,8 @@ def _check_tools(cfg: DictConfig) -> None:
         raise ConfigError(
             "tools: a TorchRL piece here reads calls in its own format (a parser, a pattern, ```python blocks), "
             "which this recipe's rollout function does not take yet: it reads Qwen2.5's <tool_call> JSON only. Use "
-            "a ToolRegistry (called in that format) or Python function tools, or run the piece in the GRPO recipe "
-            "(python recipes/grpo_torchrl_rm.py, docs/tools.md)."
+            "a ToolRegistry (called in that format), MCP servers (tools.<label>.mcp) or Python function tools, or "
+            "run the piece in the GRPO recipe (python recipes/grpo_torchrl_rm.py, docs/tools.md)."
         )
     if cfg.rollout.replay.enabled:
         raise ConfigError(

@@ -102,7 +102,8 @@ class TrlGRPORecipeConfig:
     system_prompt: str | None
     rollout: Rollout
     reward: Reward
-    # timeout_s, max_result_tokens and <name>: {function} entries (recipes.common.tools checks them).
+    # timeout_s, max_result_tokens, <name>: {function} and <label>: {torchrl | mcp} entries (recipes.common.tools checks
+    # them).
     tools: Annotated[dict[str, Any], OPEN]
     eval: Eval
     # trl.GRPOConfig's own fields (checked against trl's; GRPOTrainerNode's over trl's defaults), plus its _target_.

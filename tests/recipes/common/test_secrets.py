@@ -13,7 +13,13 @@ import pytest
 from _small_runs import REPO_ROOT
 from omegaconf import OmegaConf
 
-from recipes.common.config import config_record, hand_token_to_environment, mask_secrets_in_text, resolved
+from recipes.common.config import (
+    config_record,
+    hand_token_to_environment,
+    mask_hydra_records,
+    mask_secrets_in_text,
+    resolved,
+)
 
 
 def test_the_record_keeps_environment_interpolations_and_masks_secrets_given_in_clear(monkeypatch):
@@ -41,6 +47,36 @@ def test_command_lines_and_hydra_records_are_masked():
     assert mask_secrets_in_text("- +train.hub_token=hf_x") == "- +train.hub_token=<HUB_TOKEN>"
     assert mask_secrets_in_text("  hub_token: hf_x\n  lr: 1") == "  hub_token: <HUB_TOKEN>\n  lr: 1"
     assert mask_secrets_in_text("hub_token: null") == "hub_token: null"
+
+
+def test_an_mcp_server_s_env_is_masked_whatever_its_names(tmp_path, monkeypatch):
+    """tools.<label>.mcp.servers.<server>.env holds keys under names of the server's choosing (DB_URL, PORT): every
+    value is masked in the record and in Hydra's records, command lines included; one read from the environment keeps
+    its interpolation; the server's command and args stay readable."""
+    monkeypatch.setenv("PROBE_KEY", "env-value-77")
+    env = {"DB_URL": "pg://me:pw-31@db", "KEY": "${oc.env:PROBE_KEY}", "PORT": 5432}
+    server = {"command": "python", "args": ["server.py"], "env": env}
+    cfg = OmegaConf.create({"tools": {"calc": {"mcp": {"servers": {"calc": server}}}}})
+    record = config_record(resolved(cfg))["tools"]["calc"]["mcp"]["servers"]["calc"]
+    assert record == {
+        "command": "python",
+        "args": ["server.py"],
+        "env": {"DB_URL": "<DB_URL>", "KEY": "${oc.env:PROBE_KEY}", "PORT": "<PORT>"},
+    }
+    hydra = tmp_path / ".hydra"
+    hydra.mkdir()
+    (hydra / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    overrides = [
+        "+tools.calc.mcp.servers.calc.env.DB_URL=pg://me:pw-31@db",
+        "+tools.more.mcp={servers:{more:{command:x,env:{ORG:org-4242,KEY:${oc.env:PROBE_KEY}}}}}",
+    ]
+    (hydra / "overrides.yaml").write_text("".join(f"- {override}\n" for override in overrides))
+    mask_hydra_records(tmp_path)
+    written = (hydra / "config.yaml").read_text() + (hydra / "overrides.yaml").read_text()
+    for secret in ("pw-31", "5432", "org-4242", "env-value-77"):
+        assert secret not in written
+    assert "DB_URL: <DB_URL>" in written and "KEY: ${oc.env:PROBE_KEY}" in written and "command: python" in written
+    assert "ORG:<ORG>" in written
 
 
 def test_trainer_configs_hand_their_token_to_the_environment_not_to_checkpoints(monkeypatch):

@@ -32,7 +32,10 @@ PYTHON = [f"+tools.python.torchrl._target_={TRANSFORMS}.PythonInterpreter", "+to
         (["+tools.od.torchrl._target_=collections.OrderedDict"], r"tools\.od\.torchrl.*not a TorchRL tool piece"),
         ([*PYTHON, "+tools.python.torchrl.persistent=true"], r"tools\.python\.torchrl.*persistent=True"),
         ([f"+tools.pool.torchrl._target_={TRANSFORMS}.PythonExecutorService"], r"tools\.pool\.torchrl.*persistent"),
-        ([f"+tools.mcp.torchrl._target_={TRANSFORMS}.MCPToolTransform"], r"tools\.mcp\.torchrl.*not supported"),
+        (
+            [f"+tools.mcp.torchrl._target_={TRANSFORMS}.MCPToolTransform"],
+            r"tools\.mcp\.torchrl.*not built here.*tools\.<label>\.mcp\.servers",
+        ),
         (["+tools.python.torchrl=PythonInterpreter"], r"tools\.python\.torchrl: expected a \{_target_"),
         ([*PYTHON, "+tools.python.function=x.y"], r"tools\.python: unknown key\(s\) \['torchrl'\]"),
         ([*PYTHON, "rollout.env=chat"], r"rollout\.env=chat.*'<none>'.*Use rollout\.env=prompt.*torchrl"),

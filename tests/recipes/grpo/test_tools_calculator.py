@@ -11,23 +11,12 @@ import time
 
 import pytest
 from _processes import kill_recipe_run_when
-from _small_runs import REPO_ROOT, read_metrics
+from _small_runs import REPO_ROOT, SMALL_CALCULATOR, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 
 pytestmark = pytest.mark.slow
-
-# Small steps of the preset, no evaluation: what a resume test needs.
-SMALL_CALCULATOR = [
-    "experiment=calculator",
-    "rollout.responses_per_step=16",
-    "train.mini_batch_size=16",
-    "eval.every_n_steps=null",
-    "metric=rollout/reward_mean_last",
-    "progress_bar=false",
-    "logger=csv",
-]
 
 
 def test_resume_after_sigkill_of_a_tool_using_run(compose_config, tmp_path):

@@ -1,0 +1,26 @@
+"""Starts an MCP server for ``interop.mcp_tools`` so that it dies with the process that started it.
+
+``python interop/_mcp_launcher.py <parent pid> <command> [args...]``: asks Linux to kill this process with its parent
+(``PR_SET_PDEATHSIG``, which ``execvp`` keeps), then becomes the server (``execvp``). The mcp client starts a stdio
+server in a session of its own (``start_new_session=True``), out of the tool worker's process group, so the group kill
+that stops an overrunning tool call would otherwise leave the server running as an orphan.
+
+Dependencies: the standard library (``_tool_worker``'s ``_die_with_parent``, found beside this file).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    from _tool_worker import _die_with_parent  # run as a script: this folder is on sys.path
+
+    _die_with_parent(int(sys.argv[1]))
+    command = sys.argv[2:]
+    try:
+        os.execvp(command[0], command)
+    except OSError as error:
+        sys.stderr.write(f"interop.mcp_tools: cannot start the MCP server {command[0]!r}: {error.strerror}\n")
+        sys.stderr.flush()
+        os._exit(127)
