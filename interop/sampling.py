@@ -29,6 +29,7 @@ causal LM with a KV cache; a tokenizer with ``pad_token_id`` and ``eos_token_id`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -592,6 +593,52 @@ class _Keeper:
 _DROP_FINISHED_AT = 0.0
 
 
+# The output head's product is computed weight-first (``W @ x.T``) during sampling where that is faster than
+# ``F.linear``'s ``x @ W.T``: on CPU, for a float32 head of at least this many weights. Decoding feeds the head a few
+# rows at a time, and CPU GEMM kernels run ``x @ W.T`` with few rows of ``x`` far below their speed with many rows of
+# ``W`` (2 threads, 16 rows: 169 -> 84 ms at 151,936 x 512, 9.4 -> 4.8 ms at 16,384 x 256; 1 thread: 188 -> 132 ms
+# and 9.4 -> 7.8 ms). Smaller heads are left alone (0.6-0.8x at the tiny models' 463 x 64, where it costs 0.01 ms).
+# On a GPU both orders run at the same speed.
+_ROWS_FIRST_MIN_WEIGHTS = 1 << 21
+
+
+def _head_rows_first(self, hidden: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` computed as ``(W @ x.T).T``: the same product, summed in another order (equal up to float
+    rounding)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.mm(self.weight, flat.t()).t().contiguous()
+    if self.bias is not None:
+        out += self.bias
+    return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
+@contextlib.contextmanager
+def _output_head_for_few_rows(model, *, skip: bool = False):
+    """While sampling, the model's output head (``get_output_embeddings()``) computes its product weight-first
+    (:func:`_head_rows_first`) where that is faster: a plain float32 ``nn.Linear`` on CPU of at least
+    ``_ROWS_FIRST_MIN_WEIGHTS`` weights, whose ``forward`` no one else has replaced (accelerate's hooks, an adapter).
+    The model's own forward still runs (any scaling or capping after the head included); the head's ``forward`` is
+    restored on leaving, whatever happens inside."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) and not skip else None
+    weight = getattr(head, "weight", None)
+    if (
+        type(head) is not torch.nn.Linear
+        or "forward" in vars(head)
+        or type(weight.data) is not torch.Tensor
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or weight.numel() < _ROWS_FIRST_MIN_WEIGHTS
+    ):
+        yield
+        return
+    head.forward = _head_rows_first.__get__(head)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 @torch.no_grad()
 def sample_responses(
     model,
@@ -649,77 +696,80 @@ def sample_responses(
         (float32; divided by the temperature first with ``log_probs_at_temperature``), before any top-k, top-p or
         penalty: the quantity a loss recomputes.
     """
-    mask = prompt_mask.long()
-    batch, device = prompt_tokens.shape[0], prompt_tokens.device
-    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
-    responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
-    prefill, cache_argument = _forward_options(model)
-    synced = _forwards_are_collective(model)
-    decoding = True  # a row of this rank has not sampled EOS yet
-    if past is not None:
-        if synced:
-            raise ValueError("sample_responses: past cannot be used under FSDP2 (no cache is kept there).")
-        logits, cache, mask, positions = _prefill_after(
-            model, past, prompt_tokens, mask, prefill, cache_argument, pad_token_id
-        )
-    else:
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
-    drop_finished = not synced and _rows_can_be_copied(cache)
-    keeper = _Keeper() if keep_cache and drop_finished and _rows_can_be_kept(cache) else None
-    prefilled = mask.shape[1]  # the cache's columns before the response's
-    seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
-    if settings.repetition_penalty != 1.0:
-        seen = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, prompt_mask.float()) > 0
-    workspace = torch.empty_like(logits, dtype=torch.float32)  # [B, V], reused at every step
-    rows = torch.arange(batch, device=device)  # the decoding batch's rows, as rows of the whole batch
-    next_position = positions[:, -1:] + 1
-    for step in range(settings.max_new_tokens):
-        # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
-        # it leaves its RNG where a rank decoding alone would have left it.
-        if decoding:
-            # One uniform per row of the whole batch, so that a row draws the same whichever rows have left.
-            uniform = torch.rand(batch, 1, device=device)[rows] if settings.do_sample else None
-            token, token_log_prob = _next_tokens(
-                logits.float(),
-                step=step,
-                settings=settings,
-                eos=eos,
-                seen=seen,
-                scaled=log_probs_at_temperature,
-                uniform=uniform,
-                workspace=workspace[: rows.shape[0]],
+    with _output_head_for_few_rows(model, skip=_forwards_are_collective(model)):  # FSDP2 shards the head
+        mask = prompt_mask.long()
+        batch, device = prompt_tokens.shape[0], prompt_tokens.device
+        eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+        responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
+        prefill, cache_argument = _forward_options(model)
+        synced = _forwards_are_collective(model)
+        decoding = True  # a row of this rank has not sampled EOS yet
+        if past is not None:
+            if synced:
+                raise ValueError("sample_responses: past cannot be used under FSDP2 (no cache is kept there).")
+            logits, cache, mask, positions = _prefill_after(
+                model, past, prompt_tokens, mask, prefill, cache_argument, pad_token_id
             )
-            running = responses.record(step, rows, token, token_log_prob)
-            if seen is not None:
-                seen.scatter_(-1, token[:, None], True)
-            still_running = int(running.sum())  # the step's one host sync (two when rows leave: nonzero)
-            decoding = still_running > 0
-        if step + 1 == settings.max_new_tokens or not _any_rank_running(decoding, synced, device):
-            break
-        if drop_finished and still_running < (1.0 - _DROP_FINISHED_AT) * rows.shape[0]:
-            keep = running.nonzero().squeeze(-1)
-            if keeper is not None:
-                keeper.take(cache, rows, (~running).nonzero().squeeze(-1), mask)
-            cache.batch_select_indices(keep)
-            rows, mask, next_position = rows[keep], mask[keep], next_position[keep]
-            seen = seen[keep] if seen is not None else None
-        # Finished rows still in the batch decode pads (their outputs are discarded).
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-        out = model(
-            input_ids=responses.tokens[rows, step : step + 1],
-            attention_mask=mask,
-            position_ids=next_position,
-            use_cache=True,
-            **{cache_argument: cache},
-        )
-        logits, cache = out.logits[:, -1], _cache_of(out)
-        next_position = next_position + 1
-    sampled = responses.sampled()
-    if keeper is not None:
-        keeper.take(cache, rows, None, mask)
-        sampled.kept = keeper.kept(prompt_tokens, prompt_mask, responses, prefilled)
-    return sampled
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)
+            logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
+        drop_finished = not synced and _rows_can_be_copied(cache)
+        keeper = _Keeper() if keep_cache and drop_finished and _rows_can_be_kept(cache) else None
+        prefilled = mask.shape[1]  # the cache's columns before the response's
+        seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
+        if settings.repetition_penalty != 1.0:
+            seen = (
+                torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, prompt_mask.float()) > 0
+            )
+        workspace = torch.empty_like(logits, dtype=torch.float32)  # [B, V], reused at every step
+        rows = torch.arange(batch, device=device)  # the decoding batch's rows, as rows of the whole batch
+        next_position = positions[:, -1:] + 1
+        for step in range(settings.max_new_tokens):
+            # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
+            # it leaves its RNG where a rank decoding alone would have left it.
+            if decoding:
+                # One uniform per row of the whole batch, so that a row draws the same whichever rows have left.
+                uniform = torch.rand(batch, 1, device=device)[rows] if settings.do_sample else None
+                token, token_log_prob = _next_tokens(
+                    logits.float(),
+                    step=step,
+                    settings=settings,
+                    eos=eos,
+                    seen=seen,
+                    scaled=log_probs_at_temperature,
+                    uniform=uniform,
+                    workspace=workspace[: rows.shape[0]],
+                )
+                running = responses.record(step, rows, token, token_log_prob)
+                if seen is not None:
+                    seen.scatter_(-1, token[:, None], True)
+                still_running = int(running.sum())  # the step's one host sync (two when rows leave: nonzero)
+                decoding = still_running > 0
+            if step + 1 == settings.max_new_tokens or not _any_rank_running(decoding, synced, device):
+                break
+            if drop_finished and still_running < (1.0 - _DROP_FINISHED_AT) * rows.shape[0]:
+                keep = running.nonzero().squeeze(-1)
+                if keeper is not None:
+                    keeper.take(cache, rows, (~running).nonzero().squeeze(-1), mask)
+                cache.batch_select_indices(keep)
+                rows, mask, next_position = rows[keep], mask[keep], next_position[keep]
+                seen = seen[keep] if seen is not None else None
+            # Finished rows still in the batch decode pads (their outputs are discarded).
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+            out = model(
+                input_ids=responses.tokens[rows, step : step + 1],
+                attention_mask=mask,
+                position_ids=next_position,
+                use_cache=True,
+                **{cache_argument: cache},
+            )
+            logits, cache = out.logits[:, -1], _cache_of(out)
+            next_position = next_position + 1
+        sampled = responses.sampled()
+        if keeper is not None:
+            keeper.take(cache, rows, None, mask)
+            sampled.kept = keeper.kept(prompt_tokens, prompt_mask, responses, prefilled)
+        return sampled
 
 
 class _ResponsesSoFar:

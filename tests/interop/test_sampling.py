@@ -532,6 +532,93 @@ class TestKeptCache:
             sample_responses(model, tokens[:2], mask[:2], past=first.kept, **options)
 
 
+def _wide_head_policy(vocab_size: int, *, dtype=torch.float32):
+    """A 1-layer Llama whose output head holds ``vocab_size x 64`` weights: at 32,768 tokens, the smallest head the
+    sampler computes weight-first."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+class TestOutputHeadWeightFirst:
+    """On CPU a float32 head of at least 2M weights computes its product as ``W @ x.T`` while the loop samples (the
+    decoding step's few rows make ``F.linear`` several times slower there; docs/benchmarks.md has the figures)."""
+
+    PROMPTS = torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11], [5, 6, 7, 8], [0, 0, 12, 13]])
+
+    def _sample_watching_the_head(self, model, **settings):
+        """Samples, recording at each of the head's calls which ``forward`` ran."""
+        head = model.get_output_embeddings()
+        calls = []
+        handle = head.register_forward_hook(lambda module, args, out: calls.append(vars(module).get("forward")))
+        mask = self.PROMPTS != 0
+        torch.manual_seed(0)
+        try:
+            sampled = sample_responses(
+                model,
+                self.PROMPTS,
+                mask,
+                settings=SamplingSettings(max_new_tokens=6, **settings),
+                eos_token_ids=[1],
+                pad_token_id=0,
+            )
+        finally:
+            handle.remove()
+        return mask, sampled, calls
+
+    def test_a_wide_head_samples_weight_first_and_scores_as_a_forward_pass(self):
+        model = _wide_head_policy(32_768)
+        mask, sampled, calls = self._sample_watching_the_head(model)
+        assert len(calls) >= 2 and all(getattr(call, "__func__", None).__name__ == "_head_rows_first" for call in calls)
+        assert "forward" not in vars(model.lm_head)  # nn.Linear's own forward again after the loop
+        _assert_log_probs_equal_a_forward_pass(model, self.PROMPTS, mask, sampled)
+
+    def test_the_same_seed_draws_the_same_tokens_either_way(self, monkeypatch):
+        model = _wide_head_policy(32_768)
+        _, weight_first, _ = self._sample_watching_the_head(model, top_k=50)
+        monkeypatch.setattr("interop.sampling._ROWS_FIRST_MIN_WEIGHTS", 1 << 40)
+        _, linear, calls = self._sample_watching_the_head(model, top_k=50)
+        assert calls and all(call is None for call in calls)
+        assert torch.equal(weight_first.tokens, linear.tokens)
+        torch.testing.assert_close(weight_first.log_probs, linear.log_probs, atol=1e-5, rtol=1e-5)
+
+    def test_the_heads_forward_is_restored_when_sampling_fails(self):
+        model = _wide_head_policy(32_768)
+        failing = model.model.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            self._sample_watching_the_head(model)
+        failing.remove()
+        assert "forward" not in vars(model.lm_head)
+
+    @pytest.mark.parametrize(
+        "case",
+        ["small head", "bfloat16 head", "forward replaced by someone else"],
+    )
+    def test_other_heads_are_left_alone(self, tiny_policy, case):
+        model = {
+            "small head": lambda: tiny_policy[0],
+            "bfloat16 head": lambda: _wide_head_policy(32_768, dtype=torch.bfloat16),
+            "forward replaced by someone else": lambda: _wide_head_policy(32_768),
+        }[case]()
+        if case == "forward replaced by someone else":  # as accelerate's hooks do
+            model.lm_head.forward = lambda hidden: torch.nn.functional.linear(hidden, model.lm_head.weight)
+        theirs = vars(model.get_output_embeddings()).get("forward")
+        _, _, calls = self._sample_watching_the_head(model)
+        assert calls and all(call is theirs for call in calls)
+        assert vars(model.get_output_embeddings()).get("forward") is theirs
+
+
 class TestCausalLMSampler:
     def test_writes_the_dense_layout_the_loss_reads(self, tiny_policy):
         from tensordict import TensorDict
