@@ -696,13 +696,13 @@ def sample_responses(
         (float32; divided by the temperature first with ``log_probs_at_temperature``), before any top-k, top-p or
         penalty: the quantity a loss recomputes.
     """
-    with _output_head_for_few_rows(model, skip=_forwards_are_collective(model)):  # FSDP2 shards the head
+    synced = _forwards_are_collective(model)
+    with _output_head_for_few_rows(model, skip=synced):  # FSDP2 shards the head: left alone there
         mask = prompt_mask.long()
         batch, device = prompt_tokens.shape[0], prompt_tokens.device
         eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
         responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
         prefill, cache_argument = _forward_options(model)
-        synced = _forwards_are_collective(model)
         decoding = True  # a row of this rank has not sampled EOS yet
         if past is not None:
             if synced:
