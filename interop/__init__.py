@@ -18,6 +18,8 @@ Public classes and functions:
   trl updates, and with ``replay=GroupReplay(...)`` groups whose rewards tie train on stored informative groups.
 - :class:`GroupReplay`: scored GRPO groups in a TorchRL replay buffer, drawn in proportion to their reward spread.
 - :class:`BackgroundSampler`: a copy of a causal LM sampling in a child process on weights the caller publishes.
+- :class:`RolloutWorkers`: several such copies, in local processes or Ray actors (``interop.rollout_workers``), each
+  prompt group sampled by one of them, a worker that dies replaced and its groups sampled again.
 - :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores each step with a reward module, or with
   several named and weighted ones (their NaN-skipping weighted sum, as trl sums ``reward_funcs``), and writes the
   reward with the env's reward-spec shape (what ``MCAdvantage`` and ``GRPOLoss`` expect).
@@ -37,6 +39,7 @@ _MODULES = {
     "GroupReplay": "interop.group_replay",
     "HFRewardModelWrapper": "interop.reward",
     "RewardModelTransform": "interop.reward",
+    "RolloutWorkers": "interop.rollout_workers",
     "SamplingSettings": "interop.sampling",
     "TorchRLBufferDataset": "interop.dataset",
     "TorchRLGRPOTrainer": "interop.trl_grpo",
@@ -64,6 +67,7 @@ __all__ = [
     "GroupReplay",
     "HFRewardModelWrapper",
     "RewardModelTransform",
+    "RolloutWorkers",
     "SamplingSettings",
     "TorchRLBufferDataset",
     "TorchRLGRPOTrainer",

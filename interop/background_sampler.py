@@ -34,9 +34,14 @@ from tensordict import TensorDict
 from interop import _sampler_child
 from interop.sampling import SamplingSettings
 
-__all__ = ["BackgroundSampler", "serve"]
+__all__ = ["BackgroundSampler", "SamplerExited", "build_rollout_func", "sampler_options", "sampler_tokenizer", "serve"]
 
 _POLL_S = 0.25  # how often a waiting side checks that the other is still alive
+
+
+class SamplerExited(RuntimeError):
+    """The sampling process is gone (killed, or crashed outside Python) without answering: what a caller that runs
+    several samplers (``interop.rollout_workers.RolloutWorkers``) restarts, unlike an error the sampler raised."""
 
 
 class _TokenIds:
@@ -47,6 +52,33 @@ class _TokenIds:
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token = getattr(tokenizer, "pad_token", None)
         self.eos_token = getattr(tokenizer, "eos_token", None)
+
+
+def sampler_tokenizer(tokenizer, dialogs: dict | None):
+    """What of the tokenizer a sampler apart from the trainer needs: its pad and EOS ids (the caller tokenizes); the
+    whole tokenizer for dialogs, which render tool messages with the chat template."""
+    return _TokenIds(tokenizer) if dialogs is None else tokenizer
+
+
+def sampler_options(
+    *,
+    settings: SamplingSettings,
+    log_probs_at_temperature: bool,
+    eos_token_ids: Sequence[int],
+    num_threads: int,
+    seed: int,
+    dialogs: dict | None,
+) -> dict:
+    """The picklable description of a sampler that :func:`build_rollout_func` builds (see :class:`BackgroundSampler`'s
+    arguments of the same names)."""
+    return {
+        "settings": settings,
+        "log_probs_at_temperature": log_probs_at_temperature,
+        "eos_token_ids": list(eos_token_ids),
+        "num_threads": num_threads,
+        "seed": seed,
+        "dialogs": dialogs,
+    }
 
 
 @contextlib.contextmanager
@@ -124,16 +156,15 @@ class BackgroundSampler:
         self._connection.send(
             (
                 self._shared,
-                # Dialogs render tool messages with the chat template: the child needs the whole tokenizer then.
-                _TokenIds(tokenizer) if dialogs is None else tokenizer,
-                {
-                    "settings": settings,
-                    "log_probs_at_temperature": log_probs_at_temperature,
-                    "eos_token_ids": list(eos_token_ids),
-                    "num_threads": num_threads,
-                    "seed": seed,
-                    "dialogs": dialogs,
-                },
+                sampler_tokenizer(tokenizer, dialogs),
+                sampler_options(
+                    settings=settings,
+                    log_probs_at_temperature=log_probs_at_temperature,
+                    eos_token_ids=eos_token_ids,
+                    num_threads=num_threads,
+                    seed=seed,
+                    dialogs=dialogs,
+                ),
             )
         )
         # Not waited for here: the child's start (imports, the model) overlaps whatever the caller does next; the
@@ -197,13 +228,18 @@ class BackgroundSampler:
         while not self._connection.poll(_POLL_S):
             waited += _POLL_S
             if not self.process.is_alive():
-                raise RuntimeError(
+                raise SamplerExited(
                     f"BackgroundSampler: the sampler process exited (code {self.process.exitcode}) without an answer; "
                     "see its output above."
                 )
             if waited > self.timeout_s:
                 raise TimeoutError(f"BackgroundSampler: no rollout within {self.timeout_s:.0f} s.")
-        return self._connection.recv()
+        try:
+            return self._connection.recv()
+        except (EOFError, ConnectionError) as error:  # the child's end closed: it is gone
+            raise SamplerExited(
+                f"BackgroundSampler: the sampler process ended (code {self.process.exitcode}) without an answer."
+            ) from error
 
     @staticmethod
     def _stop(process, connection) -> None:
@@ -263,29 +299,37 @@ def _dialog_rollout_func(model, tokenizer, options: dict):
     return rollout_func
 
 
+def build_rollout_func(model: torch.nn.Module, token_ids, options: dict):
+    """What a sampler apart from the trainer samples with: a ``TorchRLRolloutFunc`` around ``model`` (a
+    :class:`~interop.sampling.CausalLMSampler`, or a dialog sampler with a tool worker of its own when
+    ``options["dialogs"]`` names tools), with the torch threads and seed ``options`` gives. The child process of
+    :class:`BackgroundSampler` and each Ray worker of ``interop.rollout_workers`` build theirs here."""
+    from tensordict import set_list_to_stack
+
+    from interop.rollout_func import TorchRLRolloutFunc
+    from interop.sampling import CausalLMSampler
+
+    set_list_to_stack(True).set()
+    torch.set_num_threads(options["num_threads"])
+    torch.manual_seed(options["seed"])
+    if options["dialogs"] is not None:
+        return _dialog_rollout_func(model, token_ids, options)
+    sampler = CausalLMSampler(
+        model,
+        token_ids,
+        settings=options["settings"],
+        eos_token_ids=options["eos_token_ids"],
+        log_probs_at_temperature=options["log_probs_at_temperature"],
+    )
+    return TorchRLRolloutFunc(sampler, token_ids, model=model)
+
+
 def serve(connection) -> None:
     """The child's loop: build the sampler on the shared model, then answer each request until told to stop (or the
     pipe closes: the parent is gone)."""
     try:
-        from tensordict import set_list_to_stack
-
-        from interop.rollout_func import TorchRLRolloutFunc
-        from interop.sampling import CausalLMSampler
-
-        set_list_to_stack(True).set()
         model, token_ids, options = connection.recv()
-        torch.set_num_threads(options["num_threads"])
-        torch.manual_seed(options["seed"])
-        sampler = CausalLMSampler(
-            model,
-            token_ids,
-            settings=options["settings"],
-            eos_token_ids=options["eos_token_ids"],
-            log_probs_at_temperature=options["log_probs_at_temperature"],
-        )
-        rollout_func = TorchRLRolloutFunc(sampler, token_ids, model=model)
-        if options["dialogs"] is not None:
-            rollout_func = _dialog_rollout_func(model, token_ids, options)
+        rollout_func = build_rollout_func(model, token_ids, options)
     except Exception:  # noqa: BLE001 - the parent reports it
         connection.send(("error", traceback.format_exc()))
         return

@@ -146,8 +146,19 @@ class TorchRLRolloutFunc:
             passes (anything else is sampled again, counted) and at most ``max_policy_lag`` updates old.
         max_policy_lag: async: the most optimizer steps a batch's sampling weights may be behind the weights it is
             trained at (an older batch is sampled again, counted).
-        sampler_threads: async: torch threads of the sampling process.
-        seed: async: the sampling process's torch seed.
+        backend: where training batches are sampled. ``"learner"``: in this process (sync mode only);
+            ``"processes"``: in ``workers`` local child processes; ``"ray"``: in ``workers`` Ray actors on the
+            cluster this process is connected to (:func:`interop.rollout_workers.connect_ray`). Apart from the
+            learner, each worker samples with a :class:`CausalLMSampler` on a copy of the weights, published after
+            every update (:class:`interop.rollout_workers.RolloutWorkers`), and each prompt group goes to exactly one
+            worker; in sync mode the batch trl asks for is sampled there with the current weights, in async mode one
+            generation batch ahead. ``None``: ``"learner"`` in sync mode, ``"processes"`` in async mode.
+            Evaluation batches (trl's model in eval mode) are sampled here in every case.
+        workers: apart from the learner: how many samplers.
+        worker_resources: ``"ray"``: what each worker takes of the cluster
+            (:class:`interop.rollout_workers.WorkerResources`, or a dict of its fields).
+        sampler_threads: apart from the learner: torch threads of each sampler.
+        seed: apart from the learner: the samplers' torch seed (worker ``i``: ``seed + i``).
         tools: the tools the model may call (trl's form: typed functions with a docstring), an
             :class:`interop.tools.ToolSet`, or a :class:`interop.tools.ToolRunner` (the caller's, which the caller
             closes); each prompt is then sampled as a dialog (:class:`interop.dialogs.DialogSampler`, turns ending at
@@ -204,6 +215,9 @@ class TorchRLRolloutFunc:
         model: torch.nn.Module | None = None,
         mode: str = "sync",
         max_policy_lag: int = 1,
+        backend: str | None = None,
+        workers: int = 1,
+        worker_resources=None,
         sampler_threads: int = 1,
         seed: int = 0,
         tools=None,
@@ -217,11 +231,12 @@ class TorchRLRolloutFunc:
             self._check_tool_options(tools, policy=policy, max_turns=max_turns)
         if max_policy_lag < 0:
             raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
-        if mode == "async" and policy is not None and not isinstance(policy, CausalLMSampler):
+        backend = self._check_backend(mode, backend, workers)
+        if backend != "learner" and policy is not None and not isinstance(policy, CausalLMSampler):
             raise ValueError(
-                f"TorchRLRolloutFunc: mode='async' samples with a CausalLMSampler on a copy of the weights in a child "
-                f"process; a {type(policy).__name__} cannot be copied there. Pass no policy (the default "
-                "CausalLMSampler at the trainer's GRPOConfig settings) or a CausalLMSampler."
+                f"TorchRLRolloutFunc: mode={mode!r}, backend={backend!r} samples with a CausalLMSampler on a copy of "
+                f"the weights apart from the learner; a {type(policy).__name__} cannot be copied there. Pass no policy "
+                "(the default CausalLMSampler at the trainer's GRPOConfig settings) or a CausalLMSampler."
             )
         if policy is not None:
             self._check_policy(policy)
@@ -246,6 +261,12 @@ class TorchRLRolloutFunc:
         # Rows are written once trl has scored them when a trainer reports the scores (record_scored).
         self.writes_scored_rows = False
         self.mode, self.max_policy_lag = mode, max_policy_lag
+        self.backend, self.workers = backend, workers
+        if isinstance(worker_resources, dict):
+            from interop.rollout_workers import WorkerResources
+
+            worker_resources = WorkerResources(**worker_resources)
+        self.worker_resources = worker_resources
         self.sampler_threads, self.seed = sampler_threads, seed
         # async: the prompts of the generation batch after a given one (interop.TorchRLGRPOTrainer sets it), the
         # child process, and the batch it samples.
@@ -260,6 +281,28 @@ class TorchRLRolloutFunc:
         self.runner: ToolRunner | None = tools if isinstance(tools, ToolRunner) else None
         self._owns_runner = False
         self.last_dialogs = None
+
+    @staticmethod
+    def _check_backend(mode: str, backend: str | None, workers: int) -> str:
+        """The backend, checked against the mode and the number of workers (``None``: the mode's default)."""
+        choices = ("learner", "processes", "ray")
+        if backend is None:
+            backend = "learner" if mode == "sync" else "processes"
+        if backend not in choices:
+            raise ValueError(f"TorchRLRolloutFunc: backend must be one of {choices}, got {backend!r}.")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"TorchRLRolloutFunc: workers must be an integer >= 1, got {workers!r}.")
+        if backend == "learner" and mode == "async":
+            raise ValueError(
+                "TorchRLRolloutFunc: mode='async' samples apart from the learner while it trains; backend='learner' "
+                "samples in its process. Use backend='processes' (local) or backend='ray', or mode='sync'."
+            )
+        if backend == "learner" and workers != 1:
+            raise ValueError(
+                f"TorchRLRolloutFunc: workers={workers} with backend='learner': the learner's process is one sampler. "
+                "Use backend='processes' or backend='ray' for several."
+            )
+        return backend
 
     @staticmethod
     def _check_tokenizer(tokenizer) -> None:
@@ -325,6 +368,8 @@ class TorchRLRolloutFunc:
         training = trainer is not None and bool(getattr(getattr(trainer, "model", None), "training", False))
         if self.mode == "async" and training:
             rollout = self._async_rollout(prompts, trainer)
+        elif self.backend != "learner" and training:
+            rollout = self._remote_rollout(prompts, trainer)
         else:
             rollout = self.rollout(prompts, trainer=trainer)
             rollout.set("step", torch.full((rollout.shape[0],), self._step(trainer), dtype=torch.long))
@@ -383,12 +428,13 @@ class TorchRLRolloutFunc:
         rollout, version, stats = None, step, {"resampled": 0.0, "lookahead_misses": 0.0}
         if self._pending is not None:
             sampled, version = self._background.result()
+            stats.update(self._background.last_stats)
             if self._pending != list(prompts):
                 stats["lookahead_misses"] = 1.0  # the stream moved otherwise than read ahead: never paired
             elif step - version > self.max_policy_lag:
                 stats["resampled"] = 1.0  # too stale to train on
             else:
-                rollout = sampled.exclude("sample_s")
+                rollout = sampled
             self._pending = None
         if rollout is None:
             rollout, version = self.rollout(prompts, trainer=trainer), step
@@ -399,25 +445,44 @@ class TorchRLRolloutFunc:
         return rollout
 
     def _start_next(self, prompts: list, trainer, step: int) -> None:
-        """The next generation batch's sampling, in the child, with the weights of ``step``."""
+        """The next generation batch's sampling, by the workers, with the weights of ``step``."""
         upcoming = self.lookahead(prompts)
         if not upcoming:
             return
         self._background.publish(_model_of(trainer.model), version=step)
-        self._background.submit(self.tokenize(upcoming, trainer))
+        self._background.submit(self.tokenize(upcoming, trainer), group_size=self._group_size(trainer, upcoming))
         self._pending = list(upcoming)
 
+    def _remote_rollout(self, prompts: list, trainer) -> TensorDict:
+        """Sync mode apart from the learner: this generation batch, sampled by the workers with the current weights
+        (published first), each group on one worker."""
+        step = self._step(trainer)
+        if self._background is None:
+            self._start_background()
+        self._background.publish(_model_of(trainer.model), version=step)
+        self._background.submit(self.tokenize(prompts, trainer), group_size=self._group_size(trainer, prompts))
+        rollout, version = self._background.result()
+        rollout.set("step", torch.full((rollout.shape[0],), version, dtype=torch.long))
+        self.stats = {"policy_lag": float(step - version), **self._background.last_stats}
+        return rollout
+
+    @staticmethod
+    def _group_size(trainer, prompts: list) -> int:
+        """trl's ``num_generations``, where it divides the batch (trl repeats each prompt that many times in a row)."""
+        size = int(getattr(getattr(trainer, "args", None), "num_generations", 1) or 1)
+        return size if size >= 1 and len(prompts) % size == 0 else 1
+
     def prepare(self, trainer) -> None:
-        """Builds what the first call would (the default policy; in async mode the sampling process, waited for), so
-        that a trainer can start it before its first step: ``interop.TorchRLGRPOTrainer.train`` does."""
+        """Builds what the first call would (the default policy; apart from the learner the samplers, waited for), so
+        that a trainer can start them before its first step: ``interop.TorchRLGRPOTrainer.train`` does."""
         if self.policy is None:
             self._build_policy(trainer)
-        if self.mode == "async" and self._background is None:
+        if self.backend != "learner" and self._background is None:
             self._start_background()
             self._background.wait_until_ready()
 
     def _start_background(self) -> None:
-        from interop.background_sampler import BackgroundSampler
+        from interop.rollout_workers import RolloutWorkers
 
         dialogs = None
         if self.tools is not None:  # the child runs the same dialogs with a tool worker of its own
@@ -430,19 +495,22 @@ class TorchRLRolloutFunc:
                 "max_completion_tokens": sampler.max_completion_tokens,
                 "chat_template_kwargs": sampler.chat_template_kwargs,
             }
-        self._background = BackgroundSampler(
+        self._background = RolloutWorkers(
             self.policy.model,
             self.tokenizer,
             settings=self.policy.settings,
             log_probs_at_temperature=self.policy.log_probs_at_temperature,
             eos_token_ids=self.policy.eos_token_ids,
+            backend=self.backend,
+            workers=self.workers,
+            resources=self.worker_resources,
             num_threads=self.sampler_threads,
             seed=self.seed,
             dialogs=dialogs,
         )
 
     def close(self) -> None:
-        """Stops the async mode's sampling process, if any (``interop.TorchRLGRPOTrainer`` does at the end of
+        """Stops the samplers apart from the learner, if any (``interop.TorchRLGRPOTrainer`` does at the end of
         ``train()``)."""
         if self._background is not None:
             self._background.close()

@@ -202,6 +202,8 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         if self.model.training:
             if self.rollout_func.mode == "async" or self.replay is not None:
                 self._behaviour_log_probs_as_old(output)
+            if self.rollout_func.backend != "learner":
+                self._log_rollout_stats()
             self._record(output)  # the batch as sampled and scored
             if self.replay is not None:
                 output = self._replay_tied_groups(output)
@@ -261,12 +263,17 @@ class TorchRLGRPOTrainer(GRPOTrainer):
 
     def _behaviour_log_probs_as_old(self, output: dict) -> None:
         """trl's old log-probs := the log-probs the completions were sampled with (at trl's temperature), so that its
-        ratio and clipping correct the policy lag; the lag and the rollout function's counts go to trl's metrics."""
+        ratio and clipping correct the policy lag."""
         rollout = self.rollout_func.last_rollout
         width = output["completion_ids"].shape[1]
         behaviour = rollout.get("logprobs")[:, :width]
         behaviour = torch.nn.functional.pad(behaviour, (0, width - behaviour.shape[1]))
         output["old_per_token_logps"] = behaviour.to(self.accelerator.device)
+
+    def _log_rollout_stats(self) -> None:
+        """The samplers' figures of the batch into trl's metrics: ``policy_lag``, ``rollout/resampled``,
+        ``rollout/lookahead_misses``, ``rollout/workers``, ``rollout/worker_restarts`` and each worker's
+        ``rollout/worker_<i>/tokens_per_s``."""
         for name, value in self.rollout_func.stats.items():
             self._metrics["train"][name if name == "policy_lag" else f"rollout/{name}"].append(value)
 

@@ -49,6 +49,7 @@ from recipes.common.lora import make_lora_config
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, tokenizer_fingerprint
 from recipes.common.prompts import PromptTable, make_prompt_stream
 from recipes.common.reward_functions import resolve_function
+from recipes.common.rollout_backend import backend_of, ray_connection, worker_resources
 from recipes.common.run import (
     end_processes,
     exit_if_jobs_failed,
@@ -126,7 +127,8 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
 
 def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
     """trl's ``rollout_func``: the library's default sampler (a ``CausalLMSampler`` around the model trl trains, at
-    ``train:``'s sampling settings), sampling when trl asks or one generation batch ahead (``rollout.mode``). With
+    ``train:``'s sampling settings), sampling when trl asks or one generation batch ahead (``rollout.mode``), in trl's
+    process or in ``rollout.workers`` workers apart from it (``rollout.backend``: local processes or Ray actors). With
     ``tools:``, whole dialogs (``interop.dialogs.DialogSampler``: up to ``rollout.max_turns`` turns, the calls run in a
     worker process at ``tools.timeout_s``), returned with trl's ``env_mask``."""
     tools = resolve_tools(cfg.tools)
@@ -142,6 +144,9 @@ def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
         tokenizer=tokenizer,
         mode=cfg.rollout.mode,
         max_policy_lag=cfg.rollout.max_policy_lag,
+        backend=backend_of(cfg),
+        workers=cfg.rollout.workers,
+        worker_resources=worker_resources(cfg),
         sampler_threads=cfg.rollout.sampler_threads,
         seed=cfg.seed,
         **tool_options,
@@ -205,7 +210,7 @@ def train(cfg: DictConfig) -> dict:
     resume_from = latest_trl_checkpoint(args.output_dir) if cfg.resume else None
     before_config = functools.partial(record_resume_start, cfg) if cfg.resume else None
     run = start_run(cfg, resume=cfg.resume, before_config=before_config)
-    with run:
+    with run, ray_connection(cfg):  # rollout.backend=ray: the cluster joined (or started) before any model loads
         args.output_dir = run.broadcast(args.output_dir)
         tokenizer = load_tokenizer(cfg.model, padding_side="left")
         model = load_causal_lm(cfg.model, device=args.device, dtype=cfg.dtype)

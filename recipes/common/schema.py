@@ -68,7 +68,9 @@ __all__ = [
     "SyntheticData",
     "TrainerNode",
     "Variant",
+    "RayNode",
     "WandbLogger",
+    "WorkerResourcesNode",
     "check_config",
     "check_trainer_config_keys",
     "checked_config",
@@ -797,3 +799,22 @@ def checked_trainer_config(
     view = trainer_config_view(train, config_class)
     typed_config({name: getattr(view, name) for name in _field_names(node)}, node, key=key)
     return view
+
+
+@dataclass
+class WorkerResourcesNode:
+    """What one Ray sampling worker takes (``rollout.worker_resources``, as
+    ``interop.rollout_workers.WorkerResources``)."""
+
+    num_cpus: Annotated[float, Range(ge=0)]
+    num_gpus: Annotated[float, Range(ge=0)]
+    # A custom resource name -> amount, e.g. {sampler: 1} for nodes started with --resources='{"sampler": 4}'.
+    resources: Annotated[dict[str, Any], OPEN]
+
+
+@dataclass
+class RayNode:
+    """``ray:``: the cluster ``rollout.backend=ray`` samples on (``recipes.common.rollout_backend``)."""
+
+    address: str | None  # null: start a local cluster on this machine; auto: the one `ray start` runs here
+    num_cpus: Annotated[int, Range(ge=1)] | None  # a local cluster's CPUs (null: all of this machine's)

@@ -22,6 +22,7 @@ from recipes.common.models import load_tokenizer, validate_model_node
 from recipes.common.prompts import PromptTable, check_prompts_fit_policy
 from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
+from recipes.common.rollout_backend import check_rollout_backend
 from recipes.common.run import SUMMARY_FILE, check_sharded_launch
 from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
 from recipes.common.schema import checked_config, checked_trainer_config
@@ -60,6 +61,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_run_settings(cfg)
     check_trainer_output_dir(cfg.output_dir, args.output_dir)
     _check_rollout_mode(cfg)
+    check_rollout_backend(cfg)
     _check_tools(cfg)
     check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=input_paths(cfg))
     check_sharded_launch(cfg.device)

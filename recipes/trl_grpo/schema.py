@@ -13,7 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from recipes.common.schema import OPEN, DataNode, DType, Hint, LoggerNode, ModelNode, NumThreads, Range, TrainerNode
+from recipes.common.schema import (
+    OPEN,
+    DataNode,
+    DType,
+    Hint,
+    LoggerNode,
+    ModelNode,
+    NumThreads,
+    Range,
+    RayNode,
+    TrainerNode,
+    WorkerResourcesNode,
+)
 
 __all__ = ["RENAMED", "GRPOTrainerNode", "TrlGRPORecipeConfig"]
 
@@ -67,6 +79,10 @@ class Rollout:
     prompts_per_draw: Positive
     mode: Literal["sync", "async"]
     max_policy_lag: Annotated[int, Range(ge=0)]
+    # Where training batches are sampled (recipes.common.rollout_backend); null: the mode's default.
+    backend: Literal["learner", "processes", "ray"] | None
+    workers: Positive
+    worker_resources: WorkerResourcesNode
     sampler_threads: Positive
     # Assistant turns per dialog when tools: names tools (trl: max_tool_calling_iterations + 1).
     max_turns: Positive
@@ -101,6 +117,7 @@ class TrlGRPORecipeConfig:
     resume_allow_changes: list[str]
     system_prompt: str | None
     rollout: Rollout
+    ray: RayNode
     reward: Reward
     # timeout_s, max_result_tokens, <name>: {function} and <label>: {torchrl | mcp} entries (recipes.common.tools checks
     # them).

@@ -1,0 +1,506 @@
+"""Sampling workers apart from the learner, on this machine or on a Ray cluster: what lets
+``TorchRLRolloutFunc(backend="processes" | "ray", workers=N)`` spread trl's generation batches over several samplers.
+
+Public names:
+
+- :class:`RolloutWorkers`: ``N`` copies of the policy that sample, each in a local process
+  (:class:`~interop.background_sampler.BackgroundSampler`) or a Ray actor. The caller publishes its weights with a
+  version (:meth:`RolloutWorkers.publish`), submits a batch of prompts in groups (:meth:`RolloutWorkers.submit`: each
+  group goes to exactly one worker) and collects the batch (:meth:`RolloutWorkers.result`), every row sampled by the
+  published version. A worker that dies in the middle of a batch (its process killed, its actor killed, its node
+  gone) is replaced and its groups are sampled again, so no group is lost or returned twice; a worker whose node has
+  left the cluster is dropped with a warning naming the node, and the others share its groups.
+- :class:`WorkerResources`: what one worker takes of a Ray cluster (CPUs, GPUs, custom resources).
+- :func:`connect_ray`: joins the Ray cluster at an address, or starts a local one (and says so); :func:`check_placement`
+  refuses a number of workers the cluster cannot place, naming the resources missing.
+
+Weights. Local workers read the caller's weights from shared memory (``BackgroundSampler.publish`` copies them there).
+Ray workers read them from Ray's object store: :meth:`RolloutWorkers.publish` puts one CPU copy of the state dict per
+version (``ray.put``), and each worker loads it before its first batch of that version. TorchRL 0.14.1's
+``RayWeightSyncScheme`` was the other candidate; it sends over a gloo process group of fixed size formed at the first
+sync, which a worker that is killed and replaced cannot rejoin (every worker's group would have to be formed again),
+while an object in Ray's store is read by whichever actor holds the batch, restarted or not.
+
+Process hygiene: local workers die with the caller (``PR_SET_PDEATHSIG``, see ``interop._sampler_child``); Ray actors
+are killed by :meth:`RolloutWorkers.close`; a local cluster that :func:`connect_ray` started is shut down by
+:func:`disconnect_ray`, and if the caller is killed its watcher (``interop._ray_janitor``) kills what Ray leaves.
+
+Dependencies: torch, tensordict; ``ray`` for the Ray backend (``pip install -e ".[ray]"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from interop.background_sampler import (
+    BackgroundSampler,
+    SamplerExited,
+    build_rollout_func,
+    sampler_options,
+    sampler_tokenizer,
+)
+from interop.sampling import SamplingSettings
+
+__all__ = [
+    "BACKENDS",
+    "RolloutWorkers",
+    "WorkerResources",
+    "check_placement",
+    "connect_ray",
+    "disconnect_ray",
+    "split_groups",
+]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("processes", "ray")
+# How often one batch may lose a worker before the batch fails (a worker that dies at every try is a bug, not bad luck).
+_MAX_RESTARTS_PER_BATCH = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerResources:
+    """What one Ray worker takes: ``num_cpus``, ``num_gpus`` and custom ``resources`` (e.g. ``{"sampler": 1}`` to pin
+    workers to the nodes started with that resource)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in (("num_cpus", self.num_cpus), ("num_gpus", self.num_gpus), *self.resources.items()):
+            if not value >= 0:  # also refuses NaN
+                raise ValueError(f"WorkerResources: {name} must be a number >= 0, got {value!r}.")
+
+    def as_dict(self) -> dict[str, float]:
+        """The resources as Ray counts them (``CPU``, ``GPU`` and the custom names)."""
+        custom = {name: float(value) for name, value in self.resources.items()}
+        return {"CPU": float(self.num_cpus), "GPU": float(self.num_gpus), **custom}
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError(
+            "The Ray backend needs ray, which is not installed: pip install -e \".[ray]\" (or pip install 'ray>=2.40')."
+        ) from error
+    return ray
+
+
+class _ClusterWeStarted:
+    """The local cluster :func:`connect_ray` started, and its watcher process."""
+
+    janitor: subprocess.Popen | None = None
+
+
+def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = False) -> bool:
+    """Joins the Ray cluster at ``address`` (``"auto"``: the one this machine's ``ray start`` runs; ``"ray://...``"),
+    or, with ``address=None``, starts a local one on this machine (``num_cpus`` of its CPUs; ``None``: all).
+
+    Returns whether this call started a cluster (then :func:`disconnect_ray` stops it; a joined cluster is left
+    running). Already connected: nothing is done. An unreachable address raises ``ConnectionError`` naming it.
+    """
+    ray = _import_ray()
+    if ray.is_initialized():
+        return False
+    options = {"include_dashboard": False, "log_to_driver": log_to_driver, "configure_logging": False}
+    if address is None:
+        ray.init(num_cpus=num_cpus, **options)
+        log.info("Ray: no cluster address given (ray.address=null): started a local Ray cluster on this machine.")
+        import os
+
+        _ClusterWeStarted.janitor = subprocess.Popen(
+            [sys.executable, "-m", "interop._ray_janitor", str(os.getpid())], stdin=subprocess.PIPE
+        )
+        return True
+    try:
+        ray.init(address=address, **options)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise ConnectionError(
+            f"Ray: could not join the cluster at ray.address={address!r} ({type(error).__name__}: {error}). Start its "
+            "head first (ray start --head on that machine), check the address and port, or leave ray.address unset "
+            "to start a local cluster."
+        ) from error
+    log.info("Ray: joined the cluster at %s (%s).", address, _describe(ray.cluster_resources()))
+    return False
+
+
+def disconnect_ray() -> None:
+    """Stops Ray in this process: a cluster :func:`connect_ray` started is shut down (its processes end), a joined one
+    is only left."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        ray.shutdown()
+    janitor, _ClusterWeStarted.janitor = _ClusterWeStarted.janitor, None
+    if janitor is not None:
+        try:
+            janitor.communicate(b"done\n", timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            janitor.kill()
+            janitor.wait()
+
+
+def _describe(resources: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:g}" for name, value in sorted(resources.items()) if not name.startswith("node:"))
+
+
+def check_placement(workers: int, resources: WorkerResources, *, setting: str = "rollout.workers") -> None:
+    """Refuses ``workers`` workers of ``resources`` each that the connected cluster cannot place, naming what is
+    missing (counted over the whole cluster's total: a worker takes one node's share, which this cannot see)."""
+    ray = _import_ray()
+    total = ray.cluster_resources()
+    wanted = {name: value * workers for name, value in resources.as_dict().items() if value > 0}
+    missing = {name: value - total.get(name, 0.0) for name, value in wanted.items() if total.get(name, 0.0) < value}
+    if missing:
+        raise ValueError(
+            f"{setting}={workers}: the Ray cluster cannot place {workers} worker(s) of "
+            f"{_describe(resources.as_dict())} each: missing {_describe(missing)} (the cluster has "
+            f"{_describe(total)}). Lower the number of workers or what each takes, or add nodes."
+        )
+
+
+def split_groups(rows: int, group_size: int, workers: int) -> list[range]:
+    """The row ranges each worker samples: whole groups of ``group_size`` consecutive rows, as even as possible over
+    at most ``workers`` workers (fewer when there are fewer groups).
+
+    >>> split_groups(8, 2, 3)
+    [range(0, 4), range(4, 6), range(6, 8)]
+    """
+    if group_size < 1 or rows % group_size:
+        raise ValueError(f"split_groups: {rows} rows are not whole groups of {group_size}.")
+    groups = rows // group_size
+    used = max(1, min(workers, groups))
+    bounds = [round(index * groups / used) * group_size for index in range(used + 1)]
+    return [range(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+
+
+def _ray_worker_class(ray):
+    """The Ray actor a worker is: a copy of the policy with its sampler, loading each version's weights once."""
+
+    class RaySamplerWorker:
+        def __init__(self, model: torch.nn.Module, tokenizer, options: dict) -> None:
+            # Ray hands over read-only tensors: a private copy receives the weights.
+            self.model = copy.deepcopy(model).eval().requires_grad_(False)
+            if ray.get_gpu_ids():  # a worker given a GPU (WorkerResources.num_gpus) samples on it
+                self.model.to("cuda")
+            self.rollout_func = build_rollout_func(self.model, tokenizer, options)
+            self.version = None
+
+        def where(self) -> tuple[str, int]:
+            import os
+
+            return ray.get_runtime_context().get_node_id(), os.getpid()
+
+        def sample(self, weights: list, version: int, prompt_ids: list[list[int]]):
+            if version != self.version:
+                state = ray.get(weights[0])  # inside a list: fetched only when this worker lacks the version
+                self.model.load_state_dict(state)
+                self.version = version
+            started = time.perf_counter()
+            rollout = self.rollout_func.rollout_ids(prompt_ids)
+            return dict(rollout.items()), tuple(rollout.batch_size), time.perf_counter() - started
+
+    return ray.remote(RaySamplerWorker)
+
+
+class _Worker:
+    """One worker and where it runs (for the warnings)."""
+
+    def __init__(self, index: int, handle: Any, node: str, pid: int | None) -> None:
+        self.index, self.handle, self.node, self.pid = index, handle, node, pid
+
+
+class RolloutWorkers:
+    """Several copies of a causal LM sampling apart from the caller, on weights it publishes.
+
+    Args:
+        model: the model being trained; each worker samples with a copy of it.
+        tokenizer: its tokenizer (only the pad and EOS ids reach single-turn workers; dialogs need all of it).
+
+    Keyword Args:
+        settings, log_probs_at_temperature, eos_token_ids, dialogs, timeout_s: as
+            :class:`~interop.background_sampler.BackgroundSampler`'s.
+        backend: ``"processes"`` (local child processes) or ``"ray"`` (Ray actors on the connected cluster: call
+            :func:`connect_ray` first).
+        workers: how many.
+        num_threads: torch threads of each worker.
+        seed: worker ``i`` samples with torch seed ``seed + i``.
+        resources: what each Ray worker takes (:class:`WorkerResources`).
+
+    Examples:
+        A sketch (Ray backend, two workers on a local cluster)::
+
+            connect_ray()
+            workers = RolloutWorkers(model, tokenizer, settings=SamplingSettings(max_new_tokens=16),
+                                     eos_token_ids=[tokenizer.eos_token_id], backend="ray", workers=2)
+            workers.publish(model, version=0)
+            workers.submit(prompt_ids, group_size=8)  # each group of 8 rows to one worker
+            rollout, version = workers.result()
+            workers.close(); disconnect_ray()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        settings: SamplingSettings,
+        eos_token_ids: Sequence[int],
+        backend: str = "processes",
+        workers: int = 1,
+        log_probs_at_temperature: bool = False,
+        num_threads: int = 1,
+        seed: int = 0,
+        dialogs: dict | None = None,
+        resources: WorkerResources | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"RolloutWorkers: backend must be one of {BACKENDS}, got {backend!r}.")
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"RolloutWorkers: workers must be an integer >= 1, got {workers!r}.")
+        self.backend, self.timeout_s = backend, timeout_s
+        self._model = copy.deepcopy(model).to("cpu").eval().requires_grad_(False)  # what a replacement starts from
+        self._tokenizer, self._dialogs = tokenizer, dialogs
+        self._options = {
+            "settings": settings,
+            "log_probs_at_temperature": log_probs_at_temperature,
+            "eos_token_ids": list(eos_token_ids),
+            "num_threads": num_threads,
+            "dialogs": dialogs,
+        }
+        self._seed = seed
+        self.resources = resources or WorkerResources()
+        self.version: int | None = None
+        self._weights_ref = None
+        self._pending: list[tuple[_Worker, range, Any]] | None = None
+        self._prompt_ids: list[list[int]] | None = None
+        self._closed = False
+        self.restarts = 0  # workers replaced since the start
+        self.dropped_nodes: list[str] = []
+        self.last_stats: dict[str, float] = {}
+        if backend == "ray":
+            self._ray = _import_ray()
+            if not self._ray.is_initialized():
+                raise RuntimeError("RolloutWorkers(backend='ray'): connect to a cluster first (connect_ray()).")
+            self._actor_class = _ray_worker_class(self._ray)
+            self._model_ref = self._ray.put(self._model)
+        self._workers = [self._start(index) for index in range(workers)]
+
+    # ------------------------------------------------------------------------------------------------ workers
+
+    def _start(self, index: int) -> _Worker:
+        seed = self._seed + index
+        if self.backend == "processes":
+            sampler = BackgroundSampler(
+                self._model,
+                self._tokenizer,
+                settings=self._options["settings"],
+                log_probs_at_temperature=self._options["log_probs_at_temperature"],
+                eos_token_ids=self._options["eos_token_ids"],
+                num_threads=self._options["num_threads"],
+                seed=seed,
+                dialogs=self._dialogs,
+                timeout_s=self.timeout_s,
+            )
+            return _Worker(index, sampler, "this machine", sampler.pid)
+        options = sampler_options(seed=seed, **{k: v for k, v in self._options.items()})
+        resources = self.resources
+        actor = self._actor_class.options(
+            num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus,
+            resources=dict(resources.resources) or None,
+            max_restarts=0,  # replaced by this class, which resubmits the batch and counts it
+        ).remote(self._model_ref, sampler_tokenizer(self._tokenizer, self._dialogs), options)
+        node, pid = self._ray.get(actor.where.remote(), timeout=self.timeout_s)
+        return _Worker(index, actor, node, pid)
+
+    def wait_until_ready(self) -> None:
+        """Waits for every worker to have started (local processes start in the background)."""
+        if self.backend == "processes":
+            for worker in self._workers:
+                worker.handle.wait_until_ready()
+
+    @property
+    def workers(self) -> int:
+        return len(self._workers)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The workers' process ids (local processes, or the Ray actors' on their nodes)."""
+        return [worker.pid for worker in self._workers]
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None
+
+    # ------------------------------------------------------------------------------------------------ batches
+
+    def publish(self, model: torch.nn.Module, *, version: int) -> None:
+        """The weights every batch from now on is sampled with, as ``version``."""
+        if self._pending is not None:
+            raise RuntimeError("RolloutWorkers.publish: a batch is being sampled; wait for result() first.")
+        if self.backend == "processes":
+            for worker in self._workers:
+                worker.handle.publish(model, version=version)
+        else:
+            state = {name: value.detach().to("cpu", copy=True) for name, value in model.state_dict().items()}
+            self._weights_ref = self._ray.put(state)
+        self._model.load_state_dict(model.state_dict())  # a replaced worker starts from the newest weights
+        self.version = version
+
+    def submit(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int = 1) -> None:
+        """Starts sampling one completion per prompt (token ids, unpadded), each group of ``group_size`` consecutive
+        prompts on one worker."""
+        if self._pending is not None:
+            raise RuntimeError("RolloutWorkers.submit: one batch at a time; wait for result() first.")
+        if self.version is None:
+            raise RuntimeError("RolloutWorkers.submit: publish() the weights first.")
+        self._prompt_ids = [list(map(int, row)) for row in prompt_ids]
+        shards = split_groups(len(self._prompt_ids), group_size, len(self._workers))
+        self._pending = [(worker, rows, self._send(worker, rows)) for worker, rows in zip(self._workers, shards)]
+
+    def _send(self, worker: _Worker, rows: range):
+        prompts = [self._prompt_ids[row] for row in rows]
+        if self.backend == "processes":
+            worker.handle.submit(prompts)
+            return None
+        return worker.handle.sample.remote([self._weights_ref], self.version, prompts)
+
+    def _receive(self, worker: _Worker, future) -> tuple[TensorDict, float]:
+        if self.backend == "processes":
+            rollout, _ = worker.handle.result()
+            seconds = float(rollout.get("sample_s")[0]) if rollout.shape[0] else 0.0
+            return rollout.exclude("sample_s"), seconds
+        data, batch_size, seconds = self._ray.get(future, timeout=self.timeout_s)
+        return TensorDict(data, batch_size=batch_size), seconds
+
+    def _died(self) -> tuple[type[BaseException], ...]:
+        if self.backend == "processes":
+            return (SamplerExited,)
+        return (self._ray.exceptions.RayActorError,)
+
+    def result(self) -> tuple[TensorDict, int]:
+        """The submitted batch, rows in the submitted order, and the weights' version that sampled every row.
+
+        ``last_stats``: ``workers`` (alive), ``worker_restarts`` (this batch), ``worker_<i>/tokens_per_s`` (each
+        worker's completion tokens per second of its sampling)."""
+        if self._pending is None:
+            raise RuntimeError("RolloutWorkers.result: nothing was submitted.")
+        pending, self._pending = self._pending, None
+        parts: dict[int, TensorDict] = {}
+        stats: dict[str, float] = {}
+        restarts = 0
+        while pending:
+            worker, rows, future = pending.pop(0)
+            try:
+                part, seconds = self._receive(worker, future)
+            except self._died() as error:
+                restarts += 1
+                if restarts > _MAX_RESTARTS_PER_BATCH:
+                    raise RuntimeError(
+                        f"RolloutWorkers: workers died {restarts} times during one batch; the last: {error}"
+                    ) from error
+                worker = self._replace(worker, error)
+                if worker is None:  # its node left: a surviving worker takes the groups
+                    worker = min(self._workers, key=lambda alive: sum(p[0] is alive for p in pending))
+                pending.append((worker, rows, self._send(worker, rows)))
+                continue
+            parts[rows.start] = part
+            tokens = float(part.get("completion_length").sum()) if part.shape[0] else 0.0
+            stats[f"worker_{worker.index}/tokens_per_s"] = tokens / max(seconds, 1e-9)
+        stats["workers"] = float(len(self._workers))
+        stats["worker_restarts"] = float(restarts)
+        self.last_stats = stats
+        return _concatenate([parts[start] for start in sorted(parts)], self._pad_id()), self.version
+
+    def _pad_id(self) -> int:
+        return int(self._tokenizer.pad_token_id)
+
+    def _replace(self, worker: _Worker, error: BaseException) -> _Worker | None:
+        """A worker that died: replaced on its node (the same index), or dropped when its node has left."""
+        self.restarts += 1
+        position = self._workers.index(worker)
+        if self.backend == "ray" and not self._node_alive(worker.node):
+            self._workers.pop(position)
+            self.dropped_nodes.append(worker.node)
+            log.warning(
+                "RolloutWorkers: worker %d's node %s left the Ray cluster; its groups go to the %d remaining "
+                "worker(s).",
+                worker.index,
+                worker.node,
+                len(self._workers),
+            )
+            if not self._workers:
+                raise RuntimeError(f"RolloutWorkers: no worker left (the last one's node {worker.node} left).") from (
+                    error
+                )
+            return None
+        log.warning(
+            "RolloutWorkers: worker %d (pid %s on %s) died during a batch (%s); started another, which samples its "
+            "groups again.",
+            worker.index,
+            worker.pid,
+            worker.node,
+            type(error).__name__,
+        )
+        self._stop(worker)
+        replacement = self._start(worker.index)
+        if self.backend == "processes":
+            replacement.handle.publish(self._model, version=self.version)
+        self._workers[position] = replacement
+        return replacement
+
+    def _node_alive(self, node: str) -> bool:
+        return any(entry["NodeID"] == node and entry["Alive"] for entry in self._ray.nodes())
+
+    def _stop(self, worker: _Worker) -> None:
+        if self.backend == "processes":
+            worker.handle.close()
+            return
+        try:
+            self._ray.kill(worker.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def close(self) -> None:
+        """Stops every worker (local processes are joined; Ray actors killed)."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            self._stop(worker)
+        self._pending = None
+
+
+def _concatenate(parts: list[TensorDict], pad_id: int) -> TensorDict:
+    """The workers' parts as one batch: prompts left-padded, completions right-padded to the widest part."""
+    if len(parts) == 1:
+        return parts[0]
+    fills = {"prompt_ids": (pad_id, "left"), "completion_ids": (pad_id, "right")}
+    keys = parts[0].keys()
+    joined = {}
+    for key in keys:
+        values = [part.get(key) for part in parts]
+        if values[0].ndim == 2:
+            fill, side = fills.get(key, (0, "right"))
+            width = max(value.shape[1] for value in values)
+            padded = []
+            for value in values:
+                extra = width - value.shape[1]
+                pad = (extra, 0) if side == "left" else (0, extra)
+                padded.append(torch.nn.functional.pad(value, pad, value=fill))
+            values = padded
+        joined[key] = torch.cat(values)
+    return TensorDict(joined, batch_size=[sum(part.shape[0] for part in parts)])

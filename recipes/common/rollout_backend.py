@@ -1,0 +1,111 @@
+"""Where a GRPO recipe samples its training batches (``rollout.backend``, ``rollout.workers``,
+``rollout.worker_resources``, ``ray:``): the checks that run before anything loads, and the Ray connection a run holds
+while it trains.
+
+- ``learner``: in the trainer's process (sync mode only).
+- ``processes``: ``rollout.workers`` local processes, each a copy of the policy (``interop.rollout_workers``).
+- ``ray``: ``rollout.workers`` Ray actors, each taking ``rollout.worker_resources``, on the cluster at ``ray.address``
+  (null: a local cluster this run starts, and stops).
+
+Dependencies: omegaconf; ``ray`` for the Ray backend (the ``ray`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
+
+from omegaconf import DictConfig
+
+from recipes.common.config import ConfigError
+
+__all__ = ["backend_of", "check_rollout_backend", "ray_connection", "worker_resources"]
+
+
+def backend_of(cfg: DictConfig) -> str:
+    """``rollout.backend``, its ``null`` read as the mode's default: the learner in sync mode, one local process in
+    async mode (what ``rollout.mode=async`` has always meant)."""
+    backend = cfg.rollout.backend
+    if backend is None:
+        return "learner" if cfg.rollout.mode == "sync" else "processes"
+    return str(backend)
+
+
+def worker_resources(cfg: DictConfig):
+    """``rollout.worker_resources`` as ``interop.rollout_workers.WorkerResources``."""
+    from interop.rollout_workers import WorkerResources
+
+    node = cfg.rollout.worker_resources
+    return WorkerResources(
+        num_cpus=float(node.num_cpus),
+        num_gpus=float(node.num_gpus),
+        resources={str(name): float(value) for name, value in (node.resources or {}).items()},
+    )
+
+
+def check_rollout_backend(cfg: DictConfig) -> None:
+    """What the backend cannot do with the rest of the config, refused naming the keys (no Ray is started here)."""
+    backend, workers = backend_of(cfg), cfg.rollout.workers
+    if backend == "learner":
+        if cfg.rollout.mode == "async":
+            raise ConfigError(
+                "rollout.backend=learner with rollout.mode=async: async mode samples apart from the learner while it "
+                "trains. Use rollout.backend=processes (local) or rollout.backend=ray, or rollout.mode=sync."
+            )
+        if workers != 1:
+            raise ConfigError(
+                f"rollout.workers={workers} with rollout.backend=learner: the learner's process is one sampler. Use "
+                "rollout.backend=processes or rollout.backend=ray for several workers."
+            )
+    if cfg.ray.address is not None and backend != "ray":
+        raise ConfigError(
+            f"ray.address={cfg.ray.address!r} with rollout.backend={backend}: only rollout.backend=ray reads it. Set "
+            "rollout.backend=ray, or drop ray.address."
+        )
+    if backend == "processes" and cfg.rollout.worker_resources.num_gpus:
+        raise ConfigError(
+            f"rollout.worker_resources.num_gpus={cfg.rollout.worker_resources.num_gpus} with "
+            "rollout.backend=processes: local worker processes sample on CPU copies of the policy. Use "
+            "rollout.backend=ray for GPU workers, or rollout.worker_resources.num_gpus=0."
+        )
+    if backend == "learner":
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            f"rollout.backend={backend} under a launcher ({os.environ['WORLD_SIZE']} processes): the samplers feed "
+            "one learner process. Use rollout.backend=learner with several processes, or one learner process."
+        )
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError(
+            'rollout.backend=ray, but ray is not installed: pip install -e ".[ray]" (the project\'s ray extra), or '
+            "use rollout.backend=processes."
+        )
+
+
+@contextlib.contextmanager
+def ray_connection(cfg: DictConfig) -> Iterator[None]:
+    """With ``rollout.backend=ray``: joined to (or started) the cluster of ``ray:``, with room checked for
+    ``rollout.workers`` workers, for the run's duration; a cluster this run started is stopped at the end, a joined
+    one left running. Other backends: nothing."""
+    if backend_of(cfg) != "ray":
+        yield
+        return
+    from interop.rollout_workers import check_placement, connect_ray, disconnect_ray
+
+    try:
+        connect_ray(
+            None if cfg.ray.address is None else str(cfg.ray.address),
+            num_cpus=cfg.ray.num_cpus,
+        )
+    except ConnectionError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        try:
+            check_placement(cfg.rollout.workers, worker_resources(cfg))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        yield
+    finally:
+        disconnect_ray()
