@@ -194,13 +194,13 @@ def check_inputs_survive_overwrite(
 
 
 def input_paths(cfg) -> dict[str, str | None]:
-    """The paths a run of either recipe reads, by setting: its models' and tokenizers' folders (or hub ids), its data
-    files or dataset folder, a buffer folder it reloads."""
+    """The paths a run of any recipe reads, by setting: its models' and tokenizers' folders (or hub ids), its data
+    files or dataset folder, a buffer folder it reloads, the stored rollouts its replay loads."""
     paths = {}
     for node in ("model", "reward_model"):
         for key in ("name_or_path", "tokenizer_name_or_path"):
             paths[f"{node}.{key}"] = OmegaConf.select(cfg, f"{node}.{key}")
-    for key in ("data.path", "data.eval_path", "data.name_or_path", "buffer.load_from"):
+    for key in ("data.path", "data.eval_path", "data.name_or_path", "buffer.load_from", "rollout.replay.load_from"):
         paths[key] = OmegaConf.select(cfg, key, default=None)
     return paths
 
