@@ -40,6 +40,7 @@ __all__ = [
     "clear_records",
     "earlier_records",
     "input_paths",
+    "run_folder_holding",
 ]
 
 LOCK_FILE = ".run.lock"
@@ -67,6 +68,16 @@ def earlier_records(folder: str | Path) -> list[str]:
     """The records of an earlier run in ``folder``, by name (empty for a new or missing folder)."""
     folder = Path(folder)
     return [name for name in RECORDS if (folder / name).exists()]
+
+
+def run_folder_holding(path: str | Path) -> Path | None:
+    """The run folder ``path`` lies in (links followed): the nearest of ``path`` and the folders above it that holds a
+    run's records or its lock; ``None`` when there is none."""
+    path = Path(path).expanduser().resolve()
+    for folder in (path, *path.parents):
+        if folder.is_dir() and (earlier_records(folder) or (folder / LOCK_FILE).exists()):
+            return folder
+    return None
 
 
 def check_output_folder(
