@@ -14,6 +14,7 @@ from _small_runs import TRL_SMALL, read_metrics
 
 import recipes.trl_grpo_torchrl_rollouts as recipe
 from recipes.common.config import ConfigError
+from recipes.trl_grpo.checks import validate
 from recipes.trl_grpo.rollout_store import RolloutStore, load_rollouts, texts
 
 
@@ -118,6 +119,28 @@ def test_a_replay_source_that_cannot_be_trusted_is_refused_before_any_model_load
     overrides = ["rollout.replay.enabled=true", f"rollout.replay.load_from={source}", f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(ConfigError, match=rf"rollout.replay.load_from=.*{message}"):
         _train(compose_config, *overrides)
+
+
+@pytest.mark.parametrize(
+    ("stored", "num_generations", "runs"),
+    [
+        ({"group_size": 4, "groups_per_step": 2}, 8, r"\[4\]"),  # another group size
+        ({"group_size": 4, "groups_per_step": 4, "max_rows": 14}, 4, r"\[2, 4\]"),  # a ring cut a group
+    ],
+)
+def test_a_replay_source_not_in_whole_groups_is_refused_naming_the_runs_found(
+    compose_config, tmp_path, stored, num_generations, runs
+):
+    """Read in blocks of train.num_generations, such a source's groups all straddle two prompts: none would load."""
+    source = tmp_path / "source" / "rollouts"
+    _stored_folder(source, fingerprint=_policy_fingerprint(compose_config), **stored)
+    replay = ["rollout.replay.enabled=true", f"rollout.replay.load_from={source}", f"output_dir={tmp_path / 'run'}"]
+    refusal = rf"load_from=.* groups of train.num_generations={num_generations}: they hold runs of {runs}"
+    other_group_size = [*TRL_SMALL, *replay, f"train.num_generations={num_generations}"]
+    with pytest.raises(ConfigError, match=refusal):
+        validate(compose_config("trl_grpo_torchrl_rollouts", other_group_size))
+    if "max_rows" not in stored:
+        validate(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *replay]))  # its groups of 4 load
 
 
 def test_overwrite_refuses_to_delete_the_rollouts_its_replay_loads(compose_config, tmp_path, monkeypatch):
