@@ -303,16 +303,28 @@ def _check_trainer_settings(args) -> None:
     """What ``train:``'s settings, as trl will read them (``args``: trl's defaults under the config's values), cannot
     combine: the sampler's settings, and the group size against the generation batch."""
     try:
-        SamplingSettings.from_grpo_config(args)
+        settings = SamplingSettings.from_grpo_config(args)
     except ValueError as error:
         raise ConfigError(
             f"train.{error}" if str(error).startswith("generation_kwargs") else f"train: {error}"
         ) from None
     per_device, group = args.per_device_train_batch_size, args.num_generations
+    if isinstance(group, int) and group < 2:
+        raise ConfigError(
+            f"train.num_generations={group}: GRPO scores each completion against the other completions of its prompt "
+            "(its advantage is the reward minus the group's mean), so it needs at least 2 per prompt. Use "
+            "train.num_generations=2 or more."
+        )
+    if not settings.do_sample:
+        raise ConfigError(
+            f"train.generation_kwargs.do_sample=false with train.num_generations={group}: greedy decoding gives every "
+            "completion of a prompt the same tokens, so each group's rewards tie, its advantages are 0 and nothing "
+            "trains. Drop do_sample=false (lower train.temperature for less varied completions)."
+        )
     steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     generation_batch = per_device * steps_per_generation * processes
-    if not isinstance(group, int) or group < 2 or generation_batch % group:
+    if not isinstance(group, int) or generation_batch % group:
         raise ConfigError(
             f"train.num_generations={group} does not divide the generation batch of {generation_batch} completions "
             f"(train.per_device_train_batch_size={per_device} x steps_per_generation={steps_per_generation} x "
