@@ -78,11 +78,20 @@ class ProportionalSampler(Sampler):
         stored = len(storage)
         if stored == 0:
             raise RuntimeError("ProportionalSampler: the storage is empty; nothing to sample.")
-        weights = self.priorities[:stored] ** self.alpha
-        if not float(weights.sum()) > 0:
-            weights = torch.ones(stored, dtype=torch.float64)
-        index = torch.multinomial(weights, batch_size, replacement=True, generator=self.generator)
+        index = torch.multinomial(self._weights(stored), batch_size, replacement=True, generator=self.generator)
         return index, {"index": index}
+
+    def _weights(self, stored: int) -> torch.Tensor:
+        """``priority ** alpha`` scaled by the largest, computed in log space: raised to a large ``alpha``, spreads
+        below 1 underflow to 0 (the draw would turn uniform) and spreads above 1 overflow (``torch.multinomial``
+        refuses infinities); relative to the largest, the largest weighs 1 and the others what they can. Uniform when
+        ``alpha`` is 0 or every priority is 0."""
+        uniform = torch.ones(stored, dtype=torch.float64)
+        if self.alpha == 0:
+            return uniform
+        log_weights = self.alpha * self.priorities[:stored].log()  # a priority of 0: -inf, a weight of 0
+        largest = log_weights.max()
+        return (log_weights - largest).exp() if bool(torch.isfinite(largest)) else uniform
 
     def _empty(self) -> None:
         self.priorities.zero_()

@@ -28,6 +28,8 @@ tokenizer a :class:`ToolRunner` counts result tokens with.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import pickle
 import signal
@@ -51,8 +53,9 @@ __all__ = [
     "error_content",
 ]
 
-# What can go wrong with a call, as counted in ToolStats.errors: the tool raised, overran its time, killed its
-# process; the call was not parseable, named no known tool, or had arguments its schema refuses.
+# What can go wrong with a call, as counted in ToolStats.errors: the tool raised (or answered with text that is not
+# valid Unicode), overran its time, killed its process; the call was not parseable, named no known tool, or had
+# arguments its schema refuses.
 ERROR_KINDS = ("raised", "timeout", "crashed", "malformed", "unknown_tool", "bad_arguments")
 _WORKER = Path(__file__).with_name("_tool_worker.py")
 # A result is cut to this many characters per allowed token in the worker already, so that a tool returning a huge
@@ -455,8 +458,16 @@ class ToolRunner:
         start_timeout_s: float = 120.0,
     ) -> None:
         self.tools = tools if isinstance(tools, ToolSet) else ToolSet(tools)
-        if not timeout_s > 0:
-            raise ValueError(f"ToolRunner: timeout_s={timeout_s} must be > 0 (seconds).")
+        for name, seconds in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
+            if not 0 < seconds < math.inf:  # Pipe.poll raises on an infinite wait, and a stuck call would stall the run
+                raise ValueError(f"ToolRunner: {name}={seconds} must be a finite number of seconds > 0.")
+        if max_result_tokens is not None and (
+            isinstance(max_result_tokens, bool) or not isinstance(max_result_tokens, numbers.Integral)
+        ):
+            raise ValueError(
+                f"ToolRunner: max_result_tokens={max_result_tokens!r} must be a whole number of tokens (>= 1), or None "
+                "(no cut)."
+            )
         if max_result_tokens is not None and max_result_tokens < 1:
             raise ValueError(f"ToolRunner: max_result_tokens={max_result_tokens} must be >= 1, or None (no cut).")
         if max_result_tokens is not None and tokenizer is None:
@@ -510,6 +521,14 @@ class ToolRunner:
         return self._answer(name, error_content(payload), status, start)
 
     def _answer(self, name: str, content: str, error: str | None, start: float, *, cut: bool = False) -> ToolResult:
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as bad:  # a lone surrogate: no tokenizer or chat template takes it
+            content = error_content(
+                f"{name} answered with text that is not valid Unicode ({bad.reason} at character {bad.start}); a "
+                "tool must return text that encodes as UTF-8."
+            )
+            error, cut = "raised", False
         if self.max_result_tokens is not None:
             ids = self.tokenizer(content, add_special_tokens=False, verbose=False)["input_ids"]
             if len(ids) > self.max_result_tokens:

@@ -10,7 +10,8 @@ prompt). Each group whose best and worst rewards differ by at least ``--min-gap`
 conversational preference format: ``{"prompt": [the whole prompt: system message, earlier turns, the request],
 "chosen": [assistant message], "rejected": [...]}``, the format ``reward_trainer_from_buffer.py data=file`` reads.
 ``--steps-from N`` keeps the groups of step N onwards. A completion or prompt whose stored text was cut at the store's
-``max_text_bytes`` is left out (a pair of cut texts would teach the reward model the cut), and counted.
+``max_text_bytes`` is left out (a pair of cut texts would teach the reward model the cut), and counted. ``--out``
+never replaces a file of a run folder, nor lands among its records (``recipes.common.run_folder``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ def _refuse_output_inside(rollouts: Path, out: Path) -> None:
         )
 
 
+def _refuse_replacing_run_files(out: Path) -> None:
+    """A run folder's files are the run's own: pairs written over its model's config.json or its summary.json would
+    leave a model that no longer loads, a run that no longer resumes."""
+    from recipes.common.run_folder import RECORDS, run_folder_holding
+
+    folder = run_folder_holding(out.parent)
+    if folder is None:
+        return
+    target = out.resolve()
+    record = target.relative_to(folder).parts[0] if target != folder else None
+    if target.exists():
+        problem = f"would replace {target}, a file of the run folder {folder}"
+    elif record in RECORDS:
+        problem = f"would write among the records of the run folder {folder} ({record}: a run rewrites or clears them)"
+    else:
+        return
+    raise SystemExit(
+        f"rollouts_to_pairs: --out {out} {problem}. Write the pairs outside the run's files, e.g. "
+        f"--out {folder.parent / 'pairs.jsonl'}."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rollouts", type=Path, help="a run's rollouts/ folder")
@@ -86,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-from", type=int, default=1, help="only the groups of this step onwards")
     args = parser.parse_args(argv)
     _refuse_output_inside(args.rollouts, args.out)
+    _refuse_replacing_run_files(args.out)
 
     from recipes.trl_grpo.rollout_store import DamagedRollouts, load_rollouts
 

@@ -60,6 +60,12 @@ def worker_pid() -> int:
     return os.getpid()
 
 
+def bad_text() -> str:
+    """Answers with a lone surrogate, text no tokenizer takes (what decoding bytes with errors="surrogateescape"
+    gives)."""
+    return "ok \udcff"
+
+
 _CALLS = [0]
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "clear_records",
     "earlier_records",
     "input_paths",
+    "run_folder_holding",
 ]
 
 LOCK_FILE = ".run.lock"
@@ -67,6 +68,16 @@ def earlier_records(folder: str | Path) -> list[str]:
     """The records of an earlier run in ``folder``, by name (empty for a new or missing folder)."""
     folder = Path(folder)
     return [name for name in RECORDS if (folder / name).exists()]
+
+
+def run_folder_holding(path: str | Path) -> Path | None:
+    """The run folder ``path`` lies in (links followed): the nearest of ``path`` and the folders above it that holds a
+    run's records or its lock; ``None`` when there is none."""
+    path = Path(path).expanduser().resolve()
+    for folder in (path, *path.parents):
+        if folder.is_dir() and (earlier_records(folder) or (folder / LOCK_FILE).exists()):
+            return folder
+    return None
 
 
 def check_output_folder(
@@ -194,13 +205,13 @@ def check_inputs_survive_overwrite(
 
 
 def input_paths(cfg) -> dict[str, str | None]:
-    """The paths a run of either recipe reads, by setting: its models' and tokenizers' folders (or hub ids), its data
-    files or dataset folder, a buffer folder it reloads."""
+    """The paths a run of any recipe reads, by setting: its models' and tokenizers' folders (or hub ids), its data
+    files or dataset folder, a buffer folder it reloads, the stored rollouts its replay loads."""
     paths = {}
     for node in ("model", "reward_model"):
         for key in ("name_or_path", "tokenizer_name_or_path"):
             paths[f"{node}.{key}"] = OmegaConf.select(cfg, f"{node}.{key}")
-    for key in ("data.path", "data.eval_path", "data.name_or_path", "buffer.load_from"):
+    for key in ("data.path", "data.eval_path", "data.name_or_path", "buffer.load_from", "rollout.replay.load_from"):
         paths[key] = OmegaConf.select(cfg, key, default=None)
     return paths
 

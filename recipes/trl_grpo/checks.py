@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from interop.sampling import SamplingSettings
@@ -175,13 +176,25 @@ def load_replay_source(cfg: DictConfig, *, group_size: int):
             f"({'no fingerprint recorded' if written_with is None else 'its vocabulary differs'}): its token ids would "
             "be other tokens here. Load rollouts a run of this policy stored."
         )
-    steps = rows.get("step").tolist()
-    if rows.shape[0] < group_size or any(steps[i] != steps[i - i % group_size] for i in range(len(steps))):
+    runs = _runs_of_one_prompt(rows)
+    if rows.shape[0] < group_size or any(length % group_size for length in runs):
         raise ConfigError(
-            f"{key}={str(folder)!r}: its rows do not come in groups of train.num_generations={group_size} (the run "
-            "that stored them sampled another group size); load rollouts stored with the same group size."
+            f"{key}={str(folder)!r}: its rows do not come in whole groups of train.num_generations={group_size}: "
+            f"they hold runs of {sorted(set(runs))} completions of one prompt and step (the run that stored them "
+            "sampled another group size, or its ring of rollout.store.max_rows dropped part of a group), and no "
+            f"group would be loaded. Load rollouts stored with train.num_generations={group_size} and no rows "
+            "dropped, or set train.num_generations to the stored runs' group size."
         )
     return rows
+
+
+def _runs_of_one_prompt(rows) -> list[int]:
+    """The lengths of the runs of consecutive stored rows of one process, step and prompt: whole groups, or several
+    groups of one prompt drawn twice in a step."""
+    prompt_ids, step, rank = rows.get("prompt_ids"), rows.get("step"), rows.get("rank")
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (step[1:] == step[:-1]) & (rank[1:] == rank[:-1])
+    starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist(), rows.shape[0]]
+    return [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
 
 
 def _check_data(cfg: DictConfig) -> None:
@@ -292,16 +305,28 @@ def _check_trainer_settings(args) -> None:
     """What ``train:``'s settings, as trl will read them (``args``: trl's defaults under the config's values), cannot
     combine: the sampler's settings, and the group size against the generation batch."""
     try:
-        SamplingSettings.from_grpo_config(args)
+        settings = SamplingSettings.from_grpo_config(args)
     except ValueError as error:
         raise ConfigError(
             f"train.{error}" if str(error).startswith("generation_kwargs") else f"train: {error}"
         ) from None
     per_device, group = args.per_device_train_batch_size, args.num_generations
+    if isinstance(group, int) and group < 2:
+        raise ConfigError(
+            f"train.num_generations={group}: GRPO scores each completion against the other completions of its prompt "
+            "(its advantage is the reward minus the group's mean), so it needs at least 2 per prompt. Use "
+            "train.num_generations=2 or more."
+        )
+    if not settings.do_sample:
+        raise ConfigError(
+            f"train.generation_kwargs.do_sample=false with train.num_generations={group}: greedy decoding gives every "
+            "completion of a prompt the same tokens, so each group's rewards tie, its advantages are 0 and nothing "
+            "trains. Drop do_sample=false (lower train.temperature for less varied completions)."
+        )
     steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     generation_batch = per_device * steps_per_generation * processes
-    if not isinstance(group, int) or group < 2 or generation_batch % group:
+    if not isinstance(group, int) or generation_batch % group:
         raise ConfigError(
             f"train.num_generations={group} does not divide the generation batch of {generation_batch} completions "
             f"(train.per_device_train_batch_size={per_device} x steps_per_generation={steps_per_generation} x "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 import torch
 from tensordict import TensorDict
 
@@ -88,23 +89,9 @@ def test_a_tied_group_trains_on_a_stored_group_with_its_own_log_probs(tiny_polic
 
 def test_groups_that_tie_are_never_drawn_and_loaded_rows_regroup():
     replay = GroupReplay(capacity=8, seed=1)
-
-    def group(value):
-        return TensorDict(
-            {
-                "prompt_ids": torch.full((2, 3), value),
-                "prompt_mask": torch.ones(2, 3, dtype=torch.long),
-                "completion_ids": torch.full((2, 2), value),
-                "completion_mask": torch.ones(2, 2, dtype=torch.long),
-                "advantages": torch.tensor([-1.0, 1.0]),
-                "old_logps": -torch.ones(2, 2),
-            },
-            batch_size=[2],
-        )
-
-    replay.add(group(5), reward_std=2.0, step=0)
-    replay.add(group(6), reward_std=0.0, step=0)
-    replay.add(group(7), reward_std=1.0, step=0)
+    replay.add(_group(5), reward_std=2.0, step=0)
+    replay.add(_group(6), reward_std=0.0, step=0)
+    replay.add(_group(7), reward_std=1.0, step=0)
     drawn = [int(g["completion_ids"][0, 0]) for g in replay.sample(400)]
     assert 6 not in drawn and 250 < drawn.count(5) < 300, "proportional to the spread: 2/3 of the draws"
 
@@ -125,3 +112,28 @@ def test_groups_that_tie_are_never_drawn_and_loaded_rows_regroup():
     assert loaded.load_rows(rows, group_size=2, pad_token_id=0) == 2
     first = loaded.buffer.storage[0]
     assert first["prompt_mask"].tolist() == [[0, 1, 1], [0, 1, 1]] and first["old_logps"][1].tolist() == [-1.0, 0.0]
+
+
+@pytest.mark.parametrize("spreads", [[0.2, 0.3, 0.25], [4.0, 5.0, 4.5]], ids=["below_1", "above_1"])
+def test_a_large_alpha_still_draws_the_group_with_the_largest_spread(spreads):
+    """Spreads raised to the 1000th power underflow below 1 (the draw turned uniform) and overflow above 1 (multinomial
+    refused the infinities): the draw must still go to the largest spread, at any reward scale."""
+    replay = GroupReplay(capacity=4, alpha=1000.0, seed=0)
+    for value, spread in enumerate(spreads):
+        replay.add(_group(value), reward_std=spread, step=0)
+    drawn = [int(g["completion_ids"][0, 0]) for g in replay.sample(50)]
+    assert drawn == [1] * 50
+
+
+def _group(value):
+    return TensorDict(
+        {
+            "prompt_ids": torch.full((2, 3), value),
+            "prompt_mask": torch.ones(2, 3, dtype=torch.long),
+            "completion_ids": torch.full((2, 2), value),
+            "completion_mask": torch.ones(2, 2, dtype=torch.long),
+            "advantages": torch.tensor([-1.0, 1.0]),
+            "old_logps": -torch.ones(2, 2),
+        },
+        batch_size=[2],
+    )

@@ -11,7 +11,18 @@ import textwrap
 import time
 
 import pytest
-from _tool_functions import boom, count_calls, die, long_text, multiply, pick, sleepy, slow_echo, worker_pid
+from _tool_functions import (
+    bad_text,
+    boom,
+    count_calls,
+    die,
+    long_text,
+    multiply,
+    pick,
+    sleepy,
+    slow_echo,
+    worker_pid,
+)
 from transformers import AutoTokenizer
 from transformers.utils import get_json_schema
 
@@ -217,6 +228,16 @@ def test_results_and_every_kind_of_failure_are_answered_and_counted(tokenizer):
     }
 
 
+def test_text_that_is_not_valid_unicode_is_answered_as_the_tools_error(tokenizer):
+    """A result holding a lone surrogate would stop the run in the tokenizer. (An exception's text cannot: trl's error
+    form, ``str({"error": ...})``, escapes it.)"""
+    with ToolRunner([bad_text], timeout_s=10.0, max_result_tokens=100, tokenizer=tokenizer) as runner:
+        result = runner.run_one(ToolCall("bad_text", {}, ""))
+    assert result.error == "raised"
+    assert result.content.startswith("{'error': 'bad_text answered with text that is not valid Unicode (")
+    tokenizer(result.content)  # the message joins the dialog
+
+
 def test_the_worker_is_kept_across_calls_and_replaced_after_a_timeout_or_a_crash():
     with ToolRunner([worker_pid, count_calls, sleepy, die], timeout_s=1.0, max_result_tokens=None) as runner:
         first = int(runner.run_one(ToolCall("worker_pid", {}, "")).content)
@@ -255,6 +276,20 @@ def test_a_tool_the_worker_cannot_import_is_refused_up_front(tokenizer):
         ToolRunner([multiply], max_result_tokens=10)
     with pytest.raises(ValueError, match="timeout_s=0"):
         ToolRunner([multiply], timeout_s=0, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"timeout_s": float("inf")}, "timeout_s=inf must be a finite number of seconds > 0"),
+        ({"start_timeout_s": float("inf")}, "start_timeout_s=inf must be a finite number of seconds > 0"),
+        ({"max_result_tokens": 1.5}, "max_result_tokens=1.5 must be a whole number of tokens"),
+        ({"max_result_tokens": True}, "max_result_tokens=True must be a whole number of tokens"),
+    ],
+)
+def test_settings_a_call_would_fail_on_are_refused_at_construction(tokenizer, options, words):
+    with pytest.raises(ValueError, match=rf"^ToolRunner: {words}"):
+        ToolRunner([multiply], tokenizer=tokenizer, **options)
 
 
 def test_tool_results_message_is_trls():

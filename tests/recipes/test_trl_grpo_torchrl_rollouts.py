@@ -166,6 +166,8 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
     ("overrides", "message"),
     [
         (["train.num_generations=3"], "train.num_generations=3 does not divide the generation batch of 8"),
+        (["train.num_generations=1"], "train.num_generations=1: GRPO scores each completion against the other"),
+        (["+train.generation_kwargs.do_sample=false"], "do_sample=false with train.num_generations=4: greedy decoding"),
         (["+train.use_vllm=true"], "completions come from TorchRL"),
         (["+train.generation_kwargs.typical_p=0.9"], "train.generation_kwargs.typical_p"),
         (["+train.num_generation=4"], "trl.GRPOConfig has no such field"),

@@ -14,6 +14,7 @@ from _small_runs import TRL_SMALL, read_metrics
 
 import recipes.trl_grpo_torchrl_rollouts as recipe
 from recipes.common.config import ConfigError
+from recipes.trl_grpo.checks import validate
 from recipes.trl_grpo.rollout_store import RolloutStore, load_rollouts, texts
 
 
@@ -53,11 +54,15 @@ def test_replay_trains_stored_groups_in_the_places_of_tied_ones_and_logs_their_s
     assert all(row["rollout/replayed_age"] >= 1.0 for row in rows[1:])
 
 
-def _stored_folder(folder, *, fingerprint):
+def _stored_folder(folder, *, fingerprint, group_size=4, groups_per_step=1, steps=1, max_rows=16):
+    """A rollouts folder of ``steps`` batches of ``groups_per_step`` groups of ``group_size`` rows (each group its own
+    prompt), in a ring of ``max_rows``."""
+    from tensordict import TensorDict
+
     store = RolloutStore(
         folder,
         rank=0,
-        max_rows=16,
+        max_rows=max_rows,
         prompt_width=4,
         completion_width=4,
         source_names=["exact"],
@@ -65,25 +70,34 @@ def _stored_folder(folder, *, fingerprint):
         pad_token_id=0,
         tokenizer=fingerprint,
     )
+    rows = group_size * groups_per_step
+    prompt_ids = torch.arange(1, groups_per_step + 1).repeat_interleave(group_size)[:, None].expand(rows, 4)
     rollout = {
-        "prompt_ids": torch.ones(4, 4, dtype=torch.long),
-        "prompt_length": torch.full((4,), 4),
-        "completion_ids": torch.ones(4, 2, dtype=torch.long),
-        "completion_length": torch.full((4,), 2),
-        "logprobs": -torch.ones(4, 2),
-        "truncated": torch.zeros(4, dtype=torch.bool),
+        "prompt_ids": prompt_ids.clone(),
+        "prompt_length": torch.full((rows,), 4),
+        "completion_ids": torch.ones(rows, 2, dtype=torch.long),
+        "completion_length": torch.full((rows,), 2),
+        "logprobs": -torch.ones(rows, 2),
+        "truncated": torch.zeros(rows, dtype=torch.bool),
     }
-    from tensordict import TensorDict
+    reward = torch.tensor([0.0, 1.0]).repeat(rows // 2)
+    for step in range(1, steps + 1):
+        store.write(
+            TensorDict(rollout, batch_size=[rows]),
+            prompt_texts=["p"] * rows,
+            completion_texts=["c"] * rows,
+            rewards=reward[:, None],
+            reward=reward,
+            advantages=torch.zeros(rows),
+            step=step,
+        )
 
-    store.write(
-        TensorDict(rollout, batch_size=[4]),
-        prompt_texts=["p"] * 4,
-        completion_texts=["c"] * 4,
-        rewards=torch.tensor([[0.0], [1.0], [0.0], [1.0]]),
-        reward=torch.tensor([0.0, 1.0, 0.0, 1.0]),
-        advantages=torch.zeros(4),
-        step=1,
-    )
+
+def _policy_fingerprint(compose_config):
+    from recipes.common.models import load_tokenizer, tokenizer_fingerprint
+
+    cfg = compose_config("trl_grpo_torchrl_rollouts", TRL_SMALL)
+    return tokenizer_fingerprint(load_tokenizer(cfg.model, padding_side="left"))
 
 
 @pytest.mark.parametrize("case", ["empty", "damaged", "foreign"])
@@ -105,6 +119,41 @@ def test_a_replay_source_that_cannot_be_trusted_is_refused_before_any_model_load
     overrides = ["rollout.replay.enabled=true", f"rollout.replay.load_from={source}", f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(ConfigError, match=rf"rollout.replay.load_from=.*{message}"):
         _train(compose_config, *overrides)
+
+
+@pytest.mark.parametrize(
+    ("stored", "num_generations", "runs"),
+    [
+        ({"group_size": 4, "groups_per_step": 2}, 8, r"\[4\]"),  # another group size
+        ({"group_size": 4, "groups_per_step": 4, "max_rows": 14}, 4, r"\[2, 4\]"),  # a ring cut a group
+    ],
+)
+def test_a_replay_source_not_in_whole_groups_is_refused_naming_the_runs_found(
+    compose_config, tmp_path, stored, num_generations, runs
+):
+    """Read in blocks of train.num_generations, such a source's groups all straddle two prompts: none would load."""
+    source = tmp_path / "source" / "rollouts"
+    _stored_folder(source, fingerprint=_policy_fingerprint(compose_config), **stored)
+    replay = ["rollout.replay.enabled=true", f"rollout.replay.load_from={source}", f"output_dir={tmp_path / 'run'}"]
+    refusal = rf"load_from=.* groups of train.num_generations={num_generations}: they hold runs of {runs}"
+    other_group_size = [*TRL_SMALL, *replay, f"train.num_generations={num_generations}"]
+    with pytest.raises(ConfigError, match=refusal):
+        validate(compose_config("trl_grpo_torchrl_rollouts", other_group_size))
+    if "max_rows" not in stored:
+        validate(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *replay]))  # its groups of 4 load
+
+
+def test_overwrite_refuses_to_delete_the_rollouts_its_replay_loads(compose_config, tmp_path, monkeypatch):
+    """overwrite=true in the folder whose rollouts/ the replay loads would delete them, then find its source empty."""
+    run = tmp_path / "run"
+    _stored_folder(run / "rollouts", fingerprint=_policy_fingerprint(compose_config))
+    (run / "summary.json").write_text("{}")
+    monkeypatch.setattr(recipe, "load_causal_lm", pytest.fail)
+    overrides = ["overwrite=true", "rollout.replay.enabled=true", f"rollout.replay.load_from={run / 'rollouts'}"]
+    refusal = rf"overwrite=true would delete {run}/rollouts, which rollout.replay.load_from"
+    with pytest.raises(ConfigError, match=refusal):
+        _train(compose_config, *overrides, f"output_dir={run}")
+    assert load_rollouts(run / "rollouts").shape[0] == 4 and (run / "summary.json").is_file()
 
 
 def test_groups_stored_by_a_run_of_this_policy_fill_the_replay(compose_config, tmp_path, caplog):

@@ -73,6 +73,14 @@ def test_a_resume_trains_with_the_runs_own_settings_not_the_yaml_defaults(compos
     assert [row["step"] for row in read_metrics(tmp_path)] == [1.0, 2.0, 3.0]
 
 
+def test_a_run_started_with_overwrite_resumes(compose_config, tmp_path):
+    """overwrite=true said what to do with the folder at the start; the resume's command line says resume=true only."""
+    _run(compose_config, tmp_path, [*SAVED, "train.max_steps=2", "overwrite=true"])
+    summary = _run(compose_config, tmp_path, ["resume=true", "train.max_steps=3"])
+    assert summary["train/steps"] == 3 and [row["step"] for row in read_metrics(tmp_path)] == [1.0, 2.0, 3.0]
+    assert OmegaConf.load(tmp_path / "resolved_config.yaml").overwrite is False
+
+
 def test_a_changed_setting_is_refused_unless_named_and_then_applied_and_recorded(compose_config, tmp_path, monkeypatch):
     _run(compose_config, tmp_path, [*SAVED, "train.max_steps=2"])
     with pytest.raises(

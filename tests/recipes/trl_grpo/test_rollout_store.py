@@ -243,6 +243,24 @@ def test_the_pairs_script_never_writes_into_its_input_and_says_what_is_wrong(tmp
         rollouts_to_pairs.main([str(tmp_path / "rollouts"), "--out", str(tmp_path / "pairs.jsonl")])
 
 
+@pytest.mark.parametrize("target", ["model/config.json", "summary.json"])
+def test_the_pairs_script_never_replaces_a_file_of_a_run_folder(tmp_path, target):
+    """The rollouts' own run folder: pairs over its model's config.json or its summary.json would break the run."""
+    rollouts_to_pairs = _pairs_script()
+    rewards = torch.tensor([[1.0, 0.0], [3.0, 0.0], [2.0, 0.0], [0.0, 0.0]])
+    _write(_store(tmp_path / "rollouts"), 1, rewards=rewards, completions=["meh", "great", "good", "bad"])
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2"}')
+    (tmp_path / "summary.json").write_text('{"train/steps": 1}')
+    before = (tmp_path / target).read_text()
+    with pytest.raises(SystemExit, match=rf"--out .*{target} would replace .*{target}, a file of the run folder"):
+        rollouts_to_pairs.main([str(tmp_path / "rollouts"), "--out", str(tmp_path / target)])
+    assert (tmp_path / target).read_text() == before
+    with pytest.raises(SystemExit, match=r"would write among the records of the run folder .* \(model: "):
+        rollouts_to_pairs.main([str(tmp_path / "rollouts"), "--out", str(tmp_path / "model" / "pairs.jsonl")])
+    assert rollouts_to_pairs.main([str(tmp_path / "rollouts"), "--out", str(tmp_path / "pairs.jsonl")]) == 0
+
+
 def test_a_disk_too_full_for_the_next_batch_stops_the_run_with_a_message(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
