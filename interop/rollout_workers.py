@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 BACKENDS = ("processes", "ray")
 # How often one batch may lose a worker before the batch fails (a worker that dies at every try is a bug, not bad luck).
 _MAX_RESTARTS_PER_BATCH = 4
+# How long a replacement Ray worker may wait to be placed before it is given up (its node's share then goes to the
+# others): a node that is leaving can still look alive for a few seconds after its worker died.
+_REPLACEMENT_PLACEMENT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
         )
         return True
     try:
+        _probe(address)  # ray.init retries an address nobody answers at for minutes, then exits the process
         ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise ConnectionError(
@@ -134,6 +138,21 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
         ) from error
     log.info("Ray: joined the cluster at %s (%s).", address, _describe(ray.cluster_resources()))
     return False
+
+
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Raises ``ConnectionError`` when nothing listens at a ``host:port`` (or ``ray://host:port``) address."""
+    import socket
+
+    host_port = address.removeprefix("ray://")
+    if address == "auto" or ":" not in host_port:
+        return  # ray.init finds (or fails to find) this machine's cluster at once
+    host, _, port = host_port.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as error:
+        raise ConnectionError(f"nothing answers at {host_port} ({error})") from error
 
 
 def disconnect_ray() -> None:
@@ -175,13 +194,13 @@ def split_groups(rows: int, group_size: int, workers: int) -> list[range]:
     at most ``workers`` workers (fewer when there are fewer groups).
 
     >>> split_groups(8, 2, 3)
-    [range(0, 4), range(4, 6), range(6, 8)]
+    [range(0, 2), range(2, 4), range(4, 8)]
     """
     if group_size < 1 or rows % group_size:
         raise ValueError(f"split_groups: {rows} rows are not whole groups of {group_size}.")
     groups = rows // group_size
     used = max(1, min(workers, groups))
-    bounds = [round(index * groups / used) * group_size for index in range(used + 1)]
+    bounds = [index * groups // used * group_size for index in range(used + 1)]
     return [range(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
@@ -300,7 +319,8 @@ class RolloutWorkers:
 
     # ------------------------------------------------------------------------------------------------ workers
 
-    def _start(self, index: int) -> _Worker:
+    def _start(self, index: int, *, placement_s: float | None = None) -> _Worker | None:
+        """Worker ``index``; with ``placement_s``, ``None`` when Ray cannot place it within that many seconds."""
         seed = self._seed + index
         if self.backend == "processes":
             sampler = BackgroundSampler(
@@ -315,7 +335,7 @@ class RolloutWorkers:
                 timeout_s=self.timeout_s,
             )
             return _Worker(index, sampler, "this machine", sampler.pid)
-        options = sampler_options(seed=seed, **{k: v for k, v in self._options.items()})
+        options = sampler_options(seed=seed, **self._options)
         resources = self.resources
         actor = self._actor_class.options(
             num_cpus=resources.num_cpus,
@@ -323,7 +343,13 @@ class RolloutWorkers:
             resources=dict(resources.resources) or None,
             max_restarts=0,  # replaced by this class, which resubmits the batch and counts it
         ).remote(self._model_ref, sampler_tokenizer(self._tokenizer, self._dialogs), options)
-        node, pid = self._ray.get(actor.where.remote(), timeout=self.timeout_s)
+        try:
+            node, pid = self._ray.get(actor.where.remote(), timeout=placement_s or self.timeout_s)
+        except self._ray.exceptions.GetTimeoutError:
+            if placement_s is None:
+                raise
+            self._ray.kill(actor, no_restart=True)
+            return None
         return _Worker(index, actor, node, pid)
 
     def wait_until_ready(self) -> None:
@@ -429,38 +455,42 @@ class RolloutWorkers:
         return int(self._tokenizer.pad_token_id)
 
     def _replace(self, worker: _Worker, error: BaseException) -> _Worker | None:
-        """A worker that died: replaced on its node (the same index), or dropped when its node has left."""
+        """A worker that died: replaced (the same index), or dropped when its node has left the cluster or no node
+        can take a replacement (``None``: the others share its groups)."""
         self.restarts += 1
         position = self._workers.index(worker)
-        if self.backend == "ray" and not self._node_alive(worker.node):
-            self._workers.pop(position)
-            self.dropped_nodes.append(worker.node)
-            log.warning(
-                "RolloutWorkers: worker %d's node %s left the Ray cluster; its groups go to the %d remaining "
-                "worker(s).",
-                worker.index,
-                worker.node,
-                len(self._workers),
-            )
-            if not self._workers:
-                raise RuntimeError(f"RolloutWorkers: no worker left (the last one's node {worker.node} left).") from (
-                    error
-                )
-            return None
-        log.warning(
-            "RolloutWorkers: worker %d (pid %s on %s) died during a batch (%s); started another, which samples its "
-            "groups again.",
-            worker.index,
-            worker.pid,
-            worker.node,
-            type(error).__name__,
-        )
         self._stop(worker)
-        replacement = self._start(worker.index)
+        replacement = None
         if self.backend == "processes":
+            replacement = self._start(worker.index)
             replacement.handle.publish(self._model, version=self.version)
-        self._workers[position] = replacement
-        return replacement
+        elif self._node_alive(worker.node):
+            replacement = self._start(worker.index, placement_s=_REPLACEMENT_PLACEMENT_S)
+        if replacement is not None:
+            log.warning(
+                "RolloutWorkers: worker %d (pid %s on %s) died during a batch (%s); started another (pid %s on %s), "
+                "which samples its groups again.",
+                worker.index,
+                worker.pid,
+                worker.node,
+                type(error).__name__,
+                replacement.pid,
+                replacement.node,
+            )
+            self._workers[position] = replacement
+            return replacement
+        self._workers.pop(position)
+        self.dropped_nodes.append(worker.node)
+        log.warning(
+            "RolloutWorkers: worker %d's node %s left the Ray cluster (or has no room for it any more); its groups go "
+            "to the %d remaining worker(s).",
+            worker.index,
+            worker.node,
+            len(self._workers),
+        )
+        if not self._workers:
+            raise RuntimeError(f"RolloutWorkers: no worker left (the last one ran on node {worker.node}).") from error
+        return None
 
     def _node_alive(self, node: str) -> bool:
         return any(entry["NodeID"] == node and entry["Alive"] for entry in self._ray.nodes())

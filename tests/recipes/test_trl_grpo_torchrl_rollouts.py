@@ -197,6 +197,17 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         ),
         (["train.beta=0", "metric=train/kl_to_ref_last"], "metric='train/kl_to_ref_last' is not a summary.json"),
         (["data=arithmetic", "metric=rollout/oracle_mean_last"], "needs an oracle, but data.oracle is null"),
+        # Where sampling runs (rollout.backend): refused before any model loads, and before Ray starts.
+        (["rollout.mode=async", "rollout.backend=learner"], "rollout.backend=learner with rollout.mode=async"),
+        (["rollout.workers=2"], "rollout.workers=2 with rollout.backend=learner: the learner's process is one"),
+        (["rollout.workers=0"], "rollout.workers=0"),
+        (["rollout.backend=cluster"], "rollout.backend='cluster'"),
+        (["ray.address=auto"], "ray.address='auto' with rollout.backend=learner: only rollout.backend=ray reads it"),
+        (
+            ["rollout.backend=processes", "rollout.worker_resources.num_gpus=1"],
+            "local worker processes sample on CPU copies of the policy",
+        ),
+        (["rollout.backend=ray", "rollout.worker_resources.num_cpus=-1"], "rollout.worker_resources.num_cpus=-1"),
     ],
 )
 def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):

@@ -1,0 +1,270 @@
+"""interop.rollout_workers: samplers apart from the learner, in local processes or Ray actors. Each prompt group is
+sampled by one worker and the batch comes back in the submitted order; a worker killed in the middle of a batch is
+replaced and its groups sampled again (none lost, none twice); a worker whose Ray node left is dropped with a warning
+naming the node; a learner killed with SIGKILL leaves none of the Ray processes it started. The Ray tests start a
+two-node local cluster (``ray.cluster_utils.Cluster``) and are slow."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from interop import TorchRLRolloutFunc
+from interop.rollout_workers import RolloutWorkers, WorkerResources, split_groups
+from interop.sampling import SamplingSettings
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRODUCTS = ("mug", "lamp", "bike", "desk", "chair", "phone")
+
+
+def _prompt_ids(tokenizer, group_size: int) -> list[list[int]]:
+    """Each product's review prompt ``group_size`` times in a row, as trl hands them over."""
+    ids = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Review the {product}."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        for product in PRODUCTS
+    ]
+    return [list(row) for row in ids for _ in range(group_size)]
+
+
+def _unpadded_prompts(rollout) -> list[list[int]]:
+    ids, lengths = rollout.get("prompt_ids").tolist(), rollout.get("prompt_length").tolist()
+    return [row[len(row) - n :] for row, n in zip(ids, lengths)]
+
+
+def _workers(tiny_policy, backend: str, workers: int, **kwargs) -> RolloutWorkers:
+    model, tokenizer = tiny_policy
+    return RolloutWorkers(
+        model,
+        tokenizer,
+        settings=SamplingSettings(max_new_tokens=6),
+        eos_token_ids=[tokenizer.eos_token_id],
+        backend=backend,
+        workers=workers,
+        **kwargs,
+    )
+
+
+def _check_batch(rollout, prompts: list[list[int]]) -> None:
+    """Every submitted prompt once, in order, with a completion whose log-probs are finite and negative."""
+    assert _unpadded_prompts(rollout) == prompts
+    lengths = rollout.get("completion_length")
+    assert bool((lengths >= 1).all())
+    mask = torch.arange(rollout.get("logprobs").shape[1])[None] < lengths[:, None]
+    log_probs = rollout.get("logprobs")[mask]
+    assert bool(torch.isfinite(log_probs).all()) and bool((log_probs <= 0).all())
+
+
+@pytest.mark.parametrize(
+    ("rows", "group_size", "workers", "expected"),
+    [
+        (12, 2, 2, [range(0, 6), range(6, 12)]),
+        (12, 4, 2, [range(0, 4), range(4, 12)]),  # 3 groups over 2 workers: never half a group
+        (4, 2, 8, [range(0, 2), range(2, 4)]),  # more workers than groups: the extra ones get nothing
+        (6, 1, 4, [range(0, 1), range(1, 3), range(3, 4), range(4, 6)]),
+    ],
+)
+def test_each_group_goes_whole_to_one_worker(rows, group_size, workers, expected):
+    shards = split_groups(rows, group_size, workers)
+    assert shards == expected
+    assert [row for shard in shards for row in shard] == list(range(rows))
+    assert all(shard.start % group_size == 0 and len(shard) % group_size == 0 for shard in shards)
+
+
+def test_rows_that_are_not_whole_groups_are_refused():
+    with pytest.raises(ValueError, match="7 rows are not whole groups of 2"):
+        split_groups(7, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "async", "backend": "learner"}, "mode='async' samples apart from the learner"),
+        ({"workers": 2}, "workers=2 with backend='learner'"),
+        ({"backend": "processes", "workers": 0}, "workers must be an integer >= 1, got 0"),
+        ({"backend": "cluster"}, "backend must be one of"),
+    ],
+)
+def test_the_rollout_function_refuses_a_backend_it_cannot_honour(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TorchRLRolloutFunc(**kwargs)
+
+
+def test_worker_resources_refuse_negative_or_nan_amounts():
+    with pytest.raises(ValueError, match="num_gpus must be a number >= 0"):
+        WorkerResources(num_gpus=-1)
+    with pytest.raises(ValueError, match="sampler must be a number >= 0"):
+        WorkerResources(resources={"sampler": float("nan")})
+    assert WorkerResources(num_cpus=2, resources={"sampler": 1}).as_dict() == {"CPU": 2.0, "GPU": 0.0, "sampler": 1.0}
+
+
+def test_the_ray_backend_without_ray_names_the_extra_to_install(tiny_policy, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` does where ray is not installed
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[ray\]"'):
+        _workers(tiny_policy, "ray", 1)
+
+
+def test_local_workers_sample_every_group_once_when_one_is_killed_mid_batch(tiny_policy, caplog):
+    """Two local processes; the first is SIGKILLed during the second batch: a new one samples its groups, the batch
+    holds every prompt once in order, sampled by the published version."""
+    model, tokenizer = tiny_policy
+    prompts = _prompt_ids(tokenizer, group_size=2)
+    workers = _workers(tiny_policy, "processes", 2, seed=3)
+    try:
+        workers.wait_until_ready()
+        workers.publish(model, version=0)
+        workers.submit(prompts, group_size=2)
+        first, version = workers.result()
+        _check_batch(first, prompts)
+        assert version == 0 and workers.last_stats["worker_restarts"] == 0
+        assert set(workers.last_stats) >= {"worker_0/tokens_per_s", "worker_1/tokens_per_s", "workers"}
+        killed = workers.pids[0]
+        workers.publish(model, version=1)
+        with caplog.at_level(logging.WARNING, logger="interop.rollout_workers"):
+            workers.submit(prompts, group_size=2)
+            os.kill(killed, signal.SIGKILL)  # at once: it has the request, and no answer can be sent in microseconds
+            second, version = workers.result()
+        _check_batch(second, prompts)
+        assert version == 1
+        assert workers.last_stats["worker_restarts"] == 1 and workers.restarts == 1
+        assert f"worker 0 (pid {killed} on this machine) died during a batch" in caplog.text
+        assert killed not in workers.pids and not psutil.pid_exists(killed)
+    finally:
+        pids = [pid for pid in workers.pids if pid is not None]
+        workers.close()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+# ---------------------------------------------------------------------------------------------------- Ray (slow)
+
+
+@pytest.fixture
+def two_node_cluster():
+    """A head and a second node, one CPU each, this test's own; Ray connected to it and disconnected after."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    second = cluster.add_node(num_cpus=1, resources={"second": 1})
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        cluster.wait_for_nodes()
+        yield cluster, second
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_workers_on_two_nodes_lose_no_group_when_killed_twice_or_when_a_node_leaves(
+    tiny_policy, two_node_cluster, caplog
+):
+    """Four batches of six groups on two Ray workers (one per node): an actor killed with ray.kill during the second,
+    a worker process SIGKILLed during the third, the second node removed during the fourth. Every batch holds every
+    group once, in order; the first two faults replace the worker, the third drops it with a warning naming the node
+    and the run goes on with the other."""
+    import ray
+
+    cluster, second = two_node_cluster
+    model, tokenizer = tiny_policy
+    prompts = _prompt_ids(tokenizer, group_size=2)
+    workers = _workers(tiny_policy, "ray", 2, seed=1)
+    sampled_groups = 0
+    try:
+        nodes = {worker.node for worker in workers._workers}
+        assert len(nodes) == 2, "one worker per node (one CPU each)"
+        faults = [
+            None,
+            lambda: ray.kill(workers._workers[0].handle, no_restart=True),
+            lambda: os.kill(workers.pids[1], signal.SIGKILL),
+            lambda: cluster.remove_node(second),
+        ]
+        with caplog.at_level(logging.WARNING, logger="interop.rollout_workers"):
+            for version, fault in enumerate(faults):
+                workers.publish(model, version=version)
+                workers.submit(prompts, group_size=2)
+                if fault is not None:  # at once, while the batch is being sampled (it takes a fraction of a second)
+                    fault()
+                rollout, sampled_by = workers.result()
+                _check_batch(rollout, prompts)
+                assert sampled_by == version
+                sampled_groups += rollout.shape[0] // 2
+        assert sampled_groups == 4 * len(PRODUCTS), "every group of every batch once"
+        assert workers.restarts == 3 and workers.workers == 1
+        second_node = second.node_id
+        assert workers.dropped_nodes == [second_node]
+        assert f"node {second_node} left the Ray cluster" in caplog.text, caplog.text
+        assert caplog.text.count("died during a batch") == 2
+    finally:
+        workers.close()
+
+
+@pytest.mark.slow
+def test_a_cluster_too_small_for_the_workers_is_refused_naming_what_is_missing(two_node_cluster):
+    from interop.rollout_workers import check_placement
+
+    check_placement(2, WorkerResources(num_cpus=1))
+    with pytest.raises(ValueError, match=r"rollout.workers=3: .* missing CPU 1 \(the cluster has CPU 2"):
+        check_placement(3, WorkerResources(num_cpus=1))
+    with pytest.raises(ValueError, match=r"missing GPU 2, second 1"):
+        check_placement(2, WorkerResources(num_cpus=0.5, num_gpus=1, resources={"second": 1}))
+
+
+@pytest.mark.slow
+def test_an_unreachable_cluster_address_is_refused_naming_it():
+    pytest.importorskip("ray")
+    from interop.rollout_workers import connect_ray
+
+    with pytest.raises(ConnectionError, match=r"ray.address='127.0.0.1:9'.*ray start --head"):
+        connect_ray("127.0.0.1:9")
+
+
+_LEARNER = """
+import sys, time
+from interop.rollout_workers import connect_ray
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from interop.rollout_workers import RolloutWorkers
+from interop.sampling import SamplingSettings
+connect_ray(num_cpus=1)
+tokenizer = AutoTokenizer.from_pretrained("tiny/policy")
+model = AutoModelForCausalLM.from_pretrained("tiny/policy")
+workers = RolloutWorkers(model, tokenizer, settings=SamplingSettings(max_new_tokens=4),
+                         eos_token_ids=[tokenizer.eos_token_id], backend="ray", workers=1)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_learner_killed_with_sigkill_leaves_none_of_the_ray_processes_it_started():
+    """The learner started a local cluster (ray.address null) and a worker actor; SIGKILLed, every process it had
+    started (Ray's GCS, raylet, agents, the worker) is gone within seconds. Ray alone leaves its dashboard and
+    runtime-env agents running: interop._ray_janitor stops them."""
+    pytest.importorskip("ray")
+    learner = subprocess.Popen(
+        [sys.executable, "-c", _LEARNER], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert learner.stdout.readline().strip() == "ready"
+        started = psutil.Process(learner.pid).children(recursive=True)
+        names = " ".join(process.name() for process in started)
+        assert "raylet" in names and "gcs_server" in names, names
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(timeout=30)
+        _, alive = psutil.wait_procs(started, timeout=30)
+        left = [(process.pid, process.name()) for process in alive if process.status() != psutil.STATUS_ZOMBIE]
+        assert left == [], "still running after the learner's SIGKILL"
+    finally:
+        if learner.poll() is None:
+            learner.kill()
