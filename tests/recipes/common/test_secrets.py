@@ -145,3 +145,33 @@ def test_a_trl_run_given_a_token_in_clear_and_one_from_the_environment_writes_ne
         assert secret.decode() not in completed.stdout + completed.stderr
     record = (run_dir / "resolved_config.yaml").read_text()
     assert "hub_token: <HUB_TOKEN>" in record and "hub_model_id: ${oc.env:PROBE_REPO}" in record
+
+
+@pytest.mark.parametrize("recipe", ["grpo_torchrl_rm", "trl_grpo_torchrl_rollouts"])
+def test_an_mcp_server_that_prints_its_key_as_it_fails_leaves_the_key_out_of_the_run_s_log(tmp_path, recipe):
+    """Both GRPO recipes refuse a server that ends before answering, quoting its stderr (its reason), with the value
+    of each of its env settings shown as its name: the run's log and output keep the reason, not the key."""
+    pytest.importorskip("mcp")
+    server = tmp_path / "server.py"
+    server.write_text("import os, sys\nsys.exit(f\"refusing to start: API_KEY={os.environ['API_KEY']} is invalid\")\n")
+    run_dir = tmp_path / "run"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            f"recipes/{recipe}.py",
+            f"hydra.run.dir={run_dir}",
+            f"+tools.c.mcp.servers.c.command={sys.executable}",
+            f"+tools.c.mcp.servers.c.args=[{server}]",
+            "+tools.c.mcp.servers.c.env.API_KEY=sk-live-2468",
+        ],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 1
+    log = (run_dir / f"{recipe}.log").read_text()
+    assert "tools.c.mcp.servers.c: MCP server 'c'" in log and "API_KEY=<API_KEY> is invalid" in log
+    leaks = [str(path) for path in run_dir.rglob("*") if path.is_file() and b"sk-live-2468" in path.read_bytes()]
+    assert not leaks and "sk-live-2468" not in completed.stdout + completed.stderr
