@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.common.config import mask_secrets_in_text
+from recipes.common.config import mask_override
 
 __all__ = ["WANDB_ID_FILE", "MetricLogger", "make_logger", "peak_device_memory"]
 
@@ -32,7 +32,7 @@ WANDB_ID_FILE = "wandb_run_id"
 def _command_line_masked():
     """``sys.argv`` with every secret given in clear masked (``+train.hub_token=hf_...``), while wandb reads it."""
     saved = list(sys.argv)
-    sys.argv[:] = [mask_secrets_in_text(argument) for argument in saved]
+    sys.argv[:] = [mask_override(argument) for argument in saved]
     try:
         yield
     finally:
