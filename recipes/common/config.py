@@ -32,7 +32,9 @@ __all__ = [
     "mask_hydra_record_file",
     "mask_hydra_records",
     "mask_override",
+    "mask_overrides_in_text",
     "mask_secrets_in_text",
+    "mask_sweep_record",
     "mask_url_passwords",
     "masked_fields",
     "register_resolvers",
@@ -343,8 +345,9 @@ def mask_url_passwords(text: str) -> str:
 
 
 def _masked(record, path: str = "", kept: Mapping[str, str] | None = None):
-    """``record`` (plain dicts and lists) with every secret (:func:`is_secret_setting`) shown as ``<NAME>`` and every
-    URL's password as ``<PASSWORD>``, except the ``kept`` paths (read from the environment), shown as their text, and
+    """``record`` (plain dicts and lists) with every secret (:func:`is_secret_setting`) shown as ``<NAME>``, every
+    override written in a text (:func:`mask_overrides_in_text`) masked and every URL's password shown as
+    ``<PASSWORD>``, except the ``kept`` paths (read from the environment), shown as their text, and
     interpolations (``${...}``), kept. A boolean is never a secret (``use_auth_token: true``)."""
     kept = kept or {}
     if isinstance(record, dict):
@@ -357,7 +360,10 @@ def _masked(record, path: str = "", kept: Mapping[str, str] | None = None):
         return record
     if record not in (None, "") and not isinstance(record, bool) and is_secret_setting(path):
         return f"<{path.rsplit('.', 1)[-1].lstrip('+~').upper()}>"
-    return mask_url_passwords(record) if isinstance(record, str) else record
+    if not isinstance(record, str):
+        return record
+    # A setting made of overrides (a wandb run name of ${hydra:job.override_dirname}) holds their secrets too.
+    return mask_overrides_in_text(record) if "=" in record else mask_url_passwords(record)
 
 
 def _from_environment(cfg: DictConfig, prefix: str = "") -> dict[str, str]:
@@ -420,6 +426,17 @@ def mask_hydra_records(output_dir: Path) -> None:
     there (:func:`is_secret_setting`, a URL's password) is masked (:func:`mask_hydra_record_file`)."""
     for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
         mask_hydra_record_file(output_dir / ".hydra" / name)
+
+
+def mask_sweep_record() -> None:
+    """In a Hydra multirun, masks the sweep folder's ``multirun.yaml`` (the composed config, the command line's
+    overrides and ``override_dirname``), which Hydra writes before any job starts; each job of the sweep calls it, so
+    whatever launcher runs the jobs, the first to start masks it. Nothing outside a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        mask_hydra_record_file(Path(str(HydraConfig.get().sweep.dir)) / "multirun.yaml")
 
 
 def mask_hydra_record_file(path: Path) -> None:
@@ -520,6 +537,48 @@ def mask_override(line: str) -> str:
     else:  # range(...), interval(...), glob(...): numbers and group options
         text = None
     return line if text is None else f"{override.get_key_element()}={text}"
+
+
+def mask_overrides_in_text(text: str) -> str:
+    """``text`` with each override in it (``key=value`` between commas or spaces, as Hydra's ``override_dirname`` and
+    its launchers' job lists write them: ``#0 : seed=0 +train.hub_token=hf_x``) masked as :func:`mask_override` masks
+    it; a quoted or bracketed value holding commas or spaces stays one override. The rest of ``text`` is kept, but
+    for URLs' passwords.
+
+    Examples:
+        >>> mask_overrides_in_text('#0 : seed=0 +train.hub_token="hf a]b" x=1')
+        "#0 : seed=0 +train.hub_token='<HUB_TOKEN>' x=1"
+        >>> mask_overrides_in_text('+train.hub_token="hf_a,TAIL",data.x={a:1,b:2},seed=0')
+        "+train.hub_token='<HUB_TOKEN>',data.x={a:1,b:2},seed=0"
+    """
+    masked, group = [], ""
+    for piece in re.split(r"([,\s])", text):
+        group += piece
+        if not _opened(group):
+            masked.append(mask_override(group) if "=" in group else mask_url_passwords(group))
+            group = ""
+    if group:
+        masked.append(mask_override(group) if "=" in group else mask_url_passwords(group))
+    return "".join(masked)
+
+
+def _opened(text: str) -> bool:
+    """Whether ``text`` ends inside a quoted string or a bracket (``'``, ``"``, ``[``, ``{``, ``(``) it opened."""
+    quote, depth, escaped = None, 0, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif quote is not None:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+    return quote is not None or depth > 0
 
 
 def _override_value_text(value) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.common.config import mask_override
+from recipes.common.config import mask_override, mask_overrides_in_text
 
 __all__ = ["WANDB_ID_FILE", "MetricLogger", "make_logger", "peak_device_memory"]
 
@@ -70,7 +70,8 @@ class MetricLogger:
                     resume="allow" if resuming else None,
                     project=wandb_settings.project,
                     group=wandb_settings.group,
-                    name=wandb_settings.name,
+                    # A sweep preset names each run by its overrides (${hydra:job.override_dirname}).
+                    name=mask_overrides_in_text(wandb_settings.name) if wandb_settings.name else None,
                     mode=wandb_settings.mode,
                     dir=str(run_dir),
                     config=OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config,

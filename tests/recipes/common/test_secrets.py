@@ -10,7 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from _small_runs import REPO_ROOT
+from _small_runs import GRPO_SMALL, MCP_MULTIPLY, REPO_ROOT, SMALL_CALCULATOR, TRL_SMALL
 from omegaconf import OmegaConf
 
 from recipes.common.config import (
@@ -255,6 +255,49 @@ def test_a_refused_run_keeps_no_secret_of_its_command_line_in_its_folder_or_outp
     assert "hub_tokn: <HUB_TOKN>" in config and "DB_PASS: <DB_PASS>" in config and "max_steps: 1" in config
 
 
+# A sweep of two one-step jobs per recipe, a secret on its command line: the GRPO recipe's under an MCP server's env
+# (the calculator task's multiply served over MCP).
+SWEEPS = {
+    "trl_grpo_torchrl_rollouts": [
+        *[setting for setting in TRL_SMALL if not setting.startswith("train.max_steps=")],
+        "train.max_steps=1",
+        "+train.hub_token=hf_sweep_7777",
+    ],
+    "reward_trainer_from_buffer": [*REWARD_RUN[1:], "+train.hub_token=hf_sweep_7777"],
+    "grpo_torchrl_rm": [
+        *GRPO_SMALL,
+        *SMALL_CALCULATOR,
+        "train.steps=1",
+        "~tools.multiply",
+        *MCP_MULTIPLY,
+        "+tools.calc.mcp.servers.calc.env.API_KEY=hf_sweep_7777",
+    ],
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(SWEEPS))
+def test_a_sweep_that_succeeds_keeps_its_secret_out_of_the_sweep_folder_and_its_output(tmp_path, recipe):
+    """Hydra writes the sweep's ``multirun.yaml`` (the composed config, the task overrides, ``override_dirname``)
+    before any job runs: the jobs mask it, as they mask their own folders. Nothing under the sweep folder, and nothing
+    the sweep prints, holds the secret; ``multirun.yaml`` still says what was swept."""
+    sweep_dir = tmp_path / "sweep"
+    completed = subprocess.run(
+        [sys.executable, f"recipes/{recipe}.py", "-m", "seed=0,1", *SWEEPS[recipe], f"hydra.sweep.dir={sweep_dir}"],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert all((sweep_dir / job / "summary.json").is_file() for job in ("0", "1"))
+    leaks = [str(path) for path in sweep_dir.rglob("*") if path.is_file() and b"hf_sweep_7777" in path.read_bytes()]
+    assert not leaks
+    assert "hf_sweep_7777" not in completed.stdout + completed.stderr
+    multirun = OmegaConf.load(sweep_dir / "multirun.yaml")
+    assert "seed=0,1" in multirun.hydra.overrides.task and "seed=0,1" in multirun.hydra.job.override_dirname
+
+
 @pytest.mark.parametrize("recipe", ["grpo_torchrl_rm", "trl_grpo_torchrl_rollouts"])
 def test_an_mcp_server_that_prints_its_key_as_it_fails_leaves_the_key_out_of_the_run_s_log(tmp_path, recipe):
     """Both GRPO recipes refuse a server that ends before answering, quoting its stderr (its reason), with the value
@@ -292,3 +335,31 @@ def test_a_resume_refuses_a_url_whose_password_the_record_masks(tmp_path):
     cfg = OmegaConf.create({**record, "db": {"urls": ["https://me:pw-5555@db.x/y"]}})
     with pytest.raises(ConfigError, match=r"db\.urls\.0 is masked in .*resolved_config.yaml \(https://me:<PASSWORD>@"):
         resumed_config(cfg, has_checkpoint=True)
+
+
+def test_a_sweep_preset_names_each_wandb_run_by_its_overrides_masked(tmp_path):
+    """sweep=reward_lr_seed names each job's wandb run ${hydra:job.override_dirname}, the job's overrides as typed: the
+    name the run records (resolved_config.yaml, wandb) shows a token holding `,` masked whole, the rest readable."""
+    sweep_dir = tmp_path / "sweep"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "recipes/reward_trainer_from_buffer.py",
+            "-m",
+            "sweep=reward_lr_seed",
+            "hydra.sweeper.params={seed:0}",  # the preset's two learning rates, one seed
+            *REWARD_RUN[1:],
+            '+train.hub_token="hf_a,TAIL_6666"',
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", WANDB_SILENT="true"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    leaks = [str(path) for path in sweep_dir.rglob("*") if path.is_file() and b"TAIL_6666" in path.read_bytes()]
+    assert not leaks and any(sweep_dir.glob("*/wandb/*/*.wandb"))
+    name = OmegaConf.load(sweep_dir / "0" / "resolved_config.yaml").logger.wandb.name
+    assert name.startswith("+train.hub_token='<HUB_TOKEN>',data.num_eval_prompts=8,") and "seed=0" in name
