@@ -265,6 +265,9 @@ _SECRET_NAMES = (
 # by then: a name whose last word is one typo from one of these is masked too. "tokens" is a count (max_new_tokens).
 _SECRET_WORDS = ("token", "secret", "password", "passwd", "passphrase", "credentials", "apikey")
 _NOT_SECRET_WORDS = ("tokens",)
+# A tokenizer's special tokens are words of its vocabulary, not credentials: trl's RewardConfig takes eos_token (a
+# masked one would also be refused on resume as a secret to give again).
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 
 
 def _one_typo_apart(word: str, target: str) -> bool:
@@ -297,6 +300,8 @@ def is_secret_key(name: str) -> bool:
         (True, True, False)
     """
     snake = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower().replace("-", "_")
+    if snake in _SPECIAL_TOKENS:
+        return False
     if snake in _SECRET_NAMES or snake.endswith(_SECRET_SUFFIXES):
         return True
     last_word = re.split(r"[^a-z0-9]+", snake.strip("_"))[-1]

@@ -157,6 +157,16 @@ def test_misspelt_and_camel_cased_secret_names_are_secrets_and_names_of_counts_a
         assert not is_secret_key(name), name
 
 
+def test_a_tokenizer_s_special_tokens_are_recorded_readable_and_resume_as_they_are(tmp_path):
+    """trl's RewardConfig takes eos_token: a word of the vocabulary, not a credential. Masked, it would also be
+    refused on resume as a secret to give again."""
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "overwrite": False, "train": {"eos_token": "<|im_end|>"}})
+    record = config_record(resolved(cfg))
+    assert record["train"] == {"eos_token": "<|im_end|>"}
+    OmegaConf.save(OmegaConf.create(record), tmp_path / "resolved_config.yaml")
+    assert resumed_config(cfg, has_checkpoint=True).train.eos_token == "<|im_end|>"
+
+
 def test_a_tool_factory_s_key_argument_and_a_url_s_password_are_masked_in_the_record():
     """A tool built by a ``_target_`` factory takes its settings as arguments: ``key`` is a secret by its name, and a
     URL's password is masked wherever the URL is (its user, host and path stay readable)."""
