@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -132,17 +133,18 @@ class MCPStdioServer:
             except TimeoutError:
                 raise ValueError(
                     f"{self.described} did not answer MCP's initialize within {self.start_timeout_s:g} s; is it an "
-                    f"MCP server speaking over stdio?{_tail(errlog)}"
+                    f"MCP server speaking over stdio?{_tail(errlog, self.env)}"
                 ) from None
             except Exception as error:
                 raise ValueError(
-                    f"{self.described} ended before answering MCP's initialize ({_reason(error)}).{_tail(errlog)}"
+                    f"{self.described} ended before answering MCP's initialize ({_reason(error)})."
+                    f"{_tail(errlog, self.env)}"
                 ) from None
             try:
                 listed = connection.run(_list_all(connection.session), timeout=self.start_timeout_s)
             except Exception as error:
                 raise ValueError(
-                    f"{self.described} could not list its tools ({_reason(error)}).{_tail(errlog)}"
+                    f"{self.described} could not list its tools ({_reason(error)}).{_tail(errlog, self.env)}"
                 ) from None
             finally:
                 connection.close()
@@ -400,13 +402,30 @@ def _connection_lost(error: BaseException) -> bool:
     return not isinstance(error, MCPError) or error.code == CONNECTION_CLOSED
 
 
-def _tail(errlog) -> str:
+def _tail(errlog, env: Mapping[str, str]) -> str:
     errlog.flush()
     errlog.seek(0)
-    text = errlog.read().strip()
+    text = _without_env_values(errlog.read(), env).strip()
     if not text:
         return ""
     return f" Its stderr ends with: {text[-_STDERR_TAIL:]!r}"
+
+
+def _without_env_values(text: str, env: Mapping[str, str]) -> str:
+    """``text`` with each value of ``env`` shown as ``<NAME>``: a server's env holds its keys, which a server failing
+    at start may print, and its stderr is quoted in the error. Longest values first (one may contain another); a value
+    under 4 characters (``DEBUG=1``) only where it stands alone, not inside a longer word or number (``line 12``).
+
+    Examples:
+        >>> _without_env_values("bad key sk-123 at line 12: 1", {"API_KEY": "sk-123", "DEBUG": "1"})
+        'bad key <API_KEY> at line 12: <DEBUG>'
+    """
+    for name, value in sorted(env.items(), key=lambda item: -len(item[1])):
+        if not value:
+            continue
+        pattern = re.escape(value) if len(value) >= 4 else rf"(?<![\w.-]){re.escape(value)}(?![\w.-])"
+        text = re.sub(pattern, lambda _, name=name: f"<{name}>", text)
+    return text
 
 
 def _stderr():

@@ -48,6 +48,7 @@ from recipes.common.run import (
     Run,
     end_processes,
     exit_if_jobs_failed,
+    mask_sweep_logs,
     run_recipe,
     seed_everything,
     start_run,
@@ -532,6 +533,7 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     track_failed_jobs()
+    mask_sweep_logs()
     main()
     end_processes()
     exit_if_jobs_failed()

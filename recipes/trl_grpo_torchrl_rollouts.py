@@ -53,6 +53,7 @@ from recipes.common.rollout_backend import backend_of, ray_connection, worker_re
 from recipes.common.run import (
     end_processes,
     exit_if_jobs_failed,
+    mask_sweep_logs,
     run_recipe,
     seed_everything,
     start_run,
@@ -327,6 +328,7 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     track_failed_jobs()
+    mask_sweep_logs()
     main()
     end_processes()
     exit_if_jobs_failed()

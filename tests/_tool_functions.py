@@ -93,3 +93,18 @@ async def slow_echo(text: str) -> str:
         text: what to echo.
     """
     return text
+
+
+def make_lookup(key: str, url: str):
+    """A tool built by a factory from its settings (``tools.<name>.function: {_target_: ..., key: ..., url: ...}``),
+    as a tool holding an API key and a database URL is built."""
+
+    def lookup(name: str) -> str:
+        """Looks a name up.
+
+        Args:
+            name: what to look up.
+        """
+        return f"{name}: found"
+
+    return lookup

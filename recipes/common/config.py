@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -26,8 +27,15 @@ __all__ = [
     "hub_reachable",
     "is_secret_key",
     "is_secret_setting",
+    "MASKED_URL_PASSWORD",
+    "mask_hydra_record",
+    "mask_hydra_record_file",
     "mask_hydra_records",
+    "mask_override",
+    "mask_overrides_in_text",
     "mask_secrets_in_text",
+    "mask_sweep_record",
+    "mask_url_passwords",
     "masked_fields",
     "register_resolvers",
     "resolved",
@@ -222,19 +230,82 @@ def resolved(cfg: DictConfig) -> DictConfig:
 _FROM_ENV = "_from_environment"
 # Leaf names whose values are secrets: transformers masks every TrainingArguments field ending in "_token" (hub_token);
 # the rest are the usual names of keys and passwords.
-_SECRET_SUFFIXES = ("_token", "_api_key", "_apikey", "_secret", "_password", "_access_key", "_secret_key")
-_SECRET_NAMES = ("token", "api_key", "apikey", "secret", "password", "access_key", "secret_key", "credentials")
+_SECRET_SUFFIXES = (
+    "_token",
+    "_api_key",
+    "_apikey",
+    "_secret",
+    "_password",
+    "_passwd",
+    "_pass",
+    "_pwd",
+    "_passphrase",
+    "_access_key",
+    "_secret_key",
+    "_private_key",
+    "_credentials",
+)
+_SECRET_NAMES = (
+    "token",
+    "key",
+    "api_key",
+    "apikey",
+    "secret",
+    "password",
+    "passwd",
+    "pass",
+    "pwd",
+    "passphrase",
+    "access_key",
+    "secret_key",
+    "private_key",
+    "credentials",
+)
+# A misspelt secret name (hub_tokn, api_secert) is refused by the schema, but Hydra has written it to the run folder
+# by then: a name whose last word is one typo from one of these is masked too. "tokens" is a count (max_new_tokens).
+_SECRET_WORDS = ("token", "secret", "password", "passwd", "passphrase", "credentials", "apikey")
+_NOT_SECRET_WORDS = ("tokens",)
+# A tokenizer's special tokens are words of its vocabulary, not credentials: trl's RewardConfig takes eos_token (a
+# masked one would also be refused on resume as a secret to give again).
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+
+
+def _one_typo_apart(word: str, target: str) -> bool:
+    """Whether ``word`` is ``target``, or becomes it by one insertion, deletion, substitution or swap of adjacent
+    letters."""
+    if word == target:
+        return True
+    if len(word) == len(target):
+        differ = [index for index, (a, b) in enumerate(zip(word, target)) if a != b]
+        swapped = (
+            len(differ) == 2
+            and differ[1] == differ[0] + 1
+            and word[differ[0] : differ[1] + 1] == (target[differ[1]] + target[differ[0]])
+        )
+        return len(differ) == 1 or swapped
+    shorter, longer = sorted((word, target), key=len)
+    if len(longer) - len(shorter) != 1:
+        return False
+    return any(longer[:index] + longer[index + 1 :] == shorter for index in range(len(longer)))
 
 
 def is_secret_key(name: str) -> bool:
-    """Whether a setting named ``name`` holds a secret (``hub_token``, ``api_key``, ``password``...).
+    """Whether a setting named ``name`` holds a secret (``hub_token``, ``api_key``, ``password``, ``key``...), a
+    misspelling of one (``hub_tokn``) included.
 
     Examples:
         >>> is_secret_key("hub_token"), is_secret_key("max_new_tokens"), is_secret_key("WANDB_API_KEY")
         (True, False, True)
+        >>> is_secret_key("hub_tokn"), is_secret_key("accessToken"), is_secret_key("reward_key")
+        (True, True, False)
     """
-    name = name.lower()
-    return name in _SECRET_NAMES or name.endswith(_SECRET_SUFFIXES)
+    snake = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower().replace("-", "_")
+    if snake in _SPECIAL_TOKENS:
+        return False
+    if snake in _SECRET_NAMES or snake.endswith(_SECRET_SUFFIXES):
+        return True
+    last_word = re.split(r"[^a-z0-9]+", snake.strip("_"))[-1]
+    return last_word not in _NOT_SECRET_WORDS and any(_one_typo_apart(last_word, word) for word in _SECRET_WORDS)
 
 
 # Settings whose values are secrets whatever their names: an MCP server's environment (its API keys and URLs with
@@ -256,9 +327,33 @@ def is_secret_setting(path: str) -> bool:
     return is_secret_key(path.rsplit(".", 1)[-1]) or any(pattern.fullmatch(path) for pattern in _SECRET_PATHS)
 
 
+# The password of a URL's userinfo (scheme://user:password@host), whatever the setting holding the URL is named.
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)(?P<password>[^/\s@]+)(?=@)")
+MASKED_URL_PASSWORD = "<PASSWORD>"
+
+
+def mask_url_passwords(text: str) -> str:
+    """``text`` with the password of every URL in it (``scheme://user:password@host``) shown as ``<PASSWORD>``; an
+    interpolation in its place (``${oc.env:DB_PASSWORD}``) is kept.
+
+    Examples:
+        >>> mask_url_passwords("pg://me:pw-31@db/x and https://host/a:b@c")
+        'pg://me:<PASSWORD>@db/x and https://host/a:b@c'
+    """
+
+    def replace(match: re.Match) -> str:
+        if match.group("password").startswith("${"):
+            return match.group(0)
+        return match.group("head") + MASKED_URL_PASSWORD
+
+    return _URL_PASSWORD.sub(replace, text)
+
+
 def _masked(record, path: str = "", kept: Mapping[str, str] | None = None):
-    """``record`` (plain dicts and lists) with every secret (:func:`is_secret_setting`) shown as ``<NAME>``, except
-    the ``kept`` paths (read from the environment), shown as their text, and interpolations (``${...}``), kept."""
+    """``record`` (plain dicts and lists) with every secret (:func:`is_secret_setting`) shown as ``<NAME>``, every
+    override written in a text (:func:`mask_overrides_in_text`) masked and every URL's password shown as
+    ``<PASSWORD>``, except the ``kept`` paths (read from the environment), shown as their text, and
+    interpolations (``${...}``), kept. A boolean is never a secret (``use_auth_token: true``)."""
     kept = kept or {}
     if isinstance(record, dict):
         return {key: _masked(value, f"{path}.{key}" if path else str(key), kept) for key, value in record.items()}
@@ -266,9 +361,14 @@ def _masked(record, path: str = "", kept: Mapping[str, str] | None = None):
         return [_masked(value, f"{path}.{index}", kept) for index, value in enumerate(record)]
     if path in kept:
         return kept[path]
-    if record not in (None, "") and not str(record).startswith("${") and is_secret_setting(path):
-        return f"<{path.rsplit('.', 1)[-1].upper()}>"
-    return record
+    if isinstance(record, str) and record.startswith("${"):
+        return record
+    if record not in (None, "") and not isinstance(record, bool) and is_secret_setting(path):
+        return f"<{path.rsplit('.', 1)[-1].lstrip('+~').upper()}>"
+    if not isinstance(record, str):
+        return record
+    # A setting made of overrides (a wandb run name of ${hydra:job.override_dirname}) holds their secrets too.
+    return mask_overrides_in_text(record) if "=" in record else mask_url_passwords(record)
 
 
 def _from_environment(cfg: DictConfig, prefix: str = "") -> dict[str, str]:
@@ -327,28 +427,187 @@ def write_run_config(cfg: DictConfig, output_dir: Path) -> None:
 
 
 def mask_hydra_records(output_dir: Path) -> None:
-    """Hydra writes the composed config and the command line's overrides to ``<run>/.hydra/`` as typed: a secret given
-    there in clear (``+train.hub_token=hf_...``) is replaced by ``<HUB_TOKEN>`` (an ``${oc.env:...}`` interpolation
-    is already just its text)."""
-    folder = output_dir / ".hydra"
+    """Hydra writes the composed config and the command line's overrides to ``<run>/.hydra/`` as typed: each secret
+    there (:func:`is_secret_setting`, a URL's password) is masked (:func:`mask_hydra_record_file`)."""
     for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
-        path = folder / name
-        if not path.is_file():
-            continue
-        text = path.read_text()
-        masked = mask_secrets_in_text(_mask_config_text(text) if name == "config.yaml" else text)
-        if masked != text:
-            partial = path.with_name(name + ".partial")
-            partial.write_text(masked)
-            os.replace(partial, path)
+        mask_hydra_record_file(output_dir / ".hydra" / name)
 
 
-def _mask_config_text(text: str) -> str:
-    """Hydra's ``config.yaml`` with every secret its key's name does not reveal masked (an MCP server's env values,
-    nested under ``env:``); the text unchanged when there is none."""
-    record = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+def mask_sweep_record() -> None:
+    """In a Hydra multirun, masks the sweep folder's ``multirun.yaml`` (the composed config, the command line's
+    overrides and ``override_dirname``), which Hydra writes before any job starts; each job of the sweep calls it, so
+    whatever launcher runs the jobs, the first to start masks it. Nothing outside a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        mask_hydra_record_file(Path(str(HydraConfig.get().sweep.dir)) / "multirun.yaml")
+
+
+def mask_hydra_record_file(path: Path) -> None:
+    """Rewrites one of Hydra's records (``config.yaml``, ``hydra.yaml``, ``overrides.yaml``, ``multirun.yaml``) with
+    every secret masked, when it holds one (:func:`mask_hydra_record`); a missing file is left missing."""
+    if not path.is_file():
+        return
+    text = path.read_text()
+    try:
+        record = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+    except Exception:  # not YAML OmegaConf reads: masked line by line
+        masked_text = mask_url_passwords(mask_secrets_in_text(text))
+    else:
+        masked = mask_hydra_record(record)
+        masked_text = text if masked == record else OmegaConf.to_yaml(OmegaConf.create(masked))
+    if masked_text != text:
+        # A name of its own: the jobs of a sweep in parallel processes mask the sweep's multirun.yaml together.
+        handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        with os.fdopen(handle, "w") as written:
+            written.write(masked_text)
+        os.chmod(partial, path.stat().st_mode & 0o777)  # mkstemp's file is private; the record keeps Hydra's mode
+        os.replace(partial, path)
+
+
+def mask_hydra_record(record: dict | list) -> dict | list:
+    """One of Hydra's records, read as plain data, with every secret masked: the config's settings by name and path
+    (:func:`config_record`'s rules), each override of ``hydra.overrides`` (or of an ``overrides.yaml`` list) as Hydra
+    parses it (:func:`mask_override`), and ``hydra.job.override_dirname`` rebuilt from the masked overrides.
+
+    Examples:
+        >>> mask_hydra_record(["+train.hub_token='hf_a,TAIL'", "seed=1"])
+        ["+train.hub_token='<HUB_TOKEN>'", 'seed=1']
+        >>> job = {"override_dirname": "+train.hub_token=hf_a,seed=1", "config": {"override_dirname": {}}}
+        >>> record = {"hydra": {"overrides": {"task": ["seed=1", "+train.hub_token=hf_a"]}, "job": job}}
+        >>> mask_hydra_record(record)["hydra"]["job"]["override_dirname"]
+        "+train.hub_token='<HUB_TOKEN>',seed=1"
+    """
+    if isinstance(record, list):
+        return [mask_override(str(line)) for line in record]
     masked = _masked(record)
-    return text if masked == record else OmegaConf.to_yaml(OmegaConf.create(masked))
+    hydra = record.get("hydra")
+    overrides = hydra.get("overrides") if isinstance(hydra, dict) else None
+    if not isinstance(overrides, dict):
+        return masked
+    for kind in ("task", "hydra"):
+        if isinstance(overrides.get(kind), list):
+            masked["hydra"]["overrides"][kind] = [mask_override(str(line)) for line in overrides[kind]]
+    job = masked["hydra"].get("job")
+    if isinstance(job, dict) and "override_dirname" in job and isinstance(overrides.get("task"), list):
+        settings = (job.get("config") or {}).get("override_dirname") or {}
+        job["override_dirname"] = _override_dirname(masked["hydra"]["overrides"]["task"], settings)
+    return masked
+
+
+def _override_dirname(task: list[str], settings: Mapping) -> str:
+    """``hydra.job.override_dirname`` of these overrides, built as Hydra builds it (``get_overrides_dirname``: sorted
+    input lines, ``exclude_keys`` left out, joined with ``item_sep``, ``=`` replaced by ``kv_sep``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    excluded = set(settings.get("exclude_keys") or [])
+    lines = sorted(line for line in task if parser.parse_override(line).key_or_group not in excluded)
+    return (settings.get("item_sep") or ",").join(lines).replace("=", settings.get("kv_sep") or "=")
+
+
+def mask_override(line: str) -> str:
+    """One command-line argument as the run records it: a Hydra override is parsed as Hydra parses it (so a value
+    holding ``,`` or ``]`` is one value) and its secrets masked (a secret setting's whole value shown as
+    ``'<NAME>'``, a secret inside a ``{...}`` or ``[...]`` value by its path, a URL's password); an argument that is
+    no override (a script's path, ``-m``) is masked as text (:func:`mask_secrets_in_text`). An override without a
+    secret is returned as typed.
+
+    Examples:
+        >>> mask_override('+train.hub_token="hf_a]TAIL"'), mask_override("seed=0,1")
+        ("+train.hub_token='<HUB_TOKEN>'", 'seed=0,1')
+        >>> mask_override("+tools.t.function={_target_:m.make,key:sk-1,url:'https://me:pw@host'}")
+        "+tools.t.function={_target_:m.make,key:'<KEY>',url:'https://me:<PASSWORD>@host'}"
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, ValueType
+
+    try:
+        override = OverridesParser.create().parse_override(line)
+    except Exception:  # not an override (Hydra would have refused it): masked as text
+        return mask_url_passwords(mask_secrets_in_text(line))
+    if override.value_type is None:  # ~key: no value
+        return line
+    key, value = override.key_or_group, override.value()
+    if override.value_type == ValueType.ELEMENT:
+        masked = _masked(value, key)
+        text = None if masked == value else _override_value_text(masked)
+    elif is_secret_setting(key):  # a sweep over secrets: all of it
+        text = _override_value_text(f"<{key.rsplit('.', 1)[-1].upper()}>")
+    elif isinstance(value, ChoiceSweep):
+        masked = [_masked(choice, key) for choice in value.list]
+        texts = [_override_value_text(choice) for choice in masked]
+        text = None if masked == value.list else ",".join(texts) if value.simple_form else f"choice({','.join(texts)})"
+    else:  # range(...), interval(...), glob(...): numbers and group options
+        text = None
+    return line if text is None else f"{override.get_key_element()}={text}"
+
+
+def mask_overrides_in_text(text: str) -> str:
+    """``text`` with each override in it (``key=value`` between commas or spaces, as Hydra's ``override_dirname`` and
+    its launchers' job lists write them: ``#0 : seed=0 +train.hub_token=hf_x``) masked as :func:`mask_override` masks
+    it; a quoted or bracketed value holding commas or spaces stays one override. The rest of ``text`` is kept, but
+    for URLs' passwords.
+
+    Examples:
+        >>> mask_overrides_in_text('#0 : seed=0 +train.hub_token="hf a]b" x=1')
+        "#0 : seed=0 +train.hub_token='<HUB_TOKEN>' x=1"
+        >>> mask_overrides_in_text('+train.hub_token="hf_a,TAIL",data.x={a:1,b:2},seed=0')
+        "+train.hub_token='<HUB_TOKEN>',data.x={a:1,b:2},seed=0"
+    """
+    masked, group = [], ""
+    for piece in re.split(r"([,\s])", text):
+        group += piece
+        if not _opened(group):
+            masked.append(mask_override(group) if "=" in group else mask_url_passwords(group))
+            group = ""
+    if group:
+        masked.append(mask_override(group) if "=" in group else mask_url_passwords(group))
+    return "".join(masked)
+
+
+def _opened(text: str) -> bool:
+    """Whether ``text`` ends inside a quoted string or a bracket (``'``, ``"``, ``[``, ``{``, ``(``) it opened."""
+    quote, depth, escaped = None, 0, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif quote is not None:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+    return quote is not None or depth > 0
+
+
+def _override_value_text(value) -> str:
+    """``value`` written in Hydra's override grammar, read back as the same value (strings quoted where needed)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Override
+
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{_override_value_text(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_override_value_text(item) for item in value) + "]"
+    plain = Override._get_value_element_as_str(value)
+    if not isinstance(value, str):
+        return plain
+    parser = OverridesParser.create()
+    quoted = [quote + value.replace(quote, "\\" + quote) + quote for quote in ("'", '"')]
+    # Unquoted when it needs no escape (readable as typed), else quoted rather than escaped (a\,b reads badly).
+    for text in ([plain] if plain == value else []) + quoted + [plain]:
+        try:
+            if parser.parse_override(f"x={text}").value() == value:
+                return text
+        except Exception:
+            continue
+    return "'<MASKED>'"  # a string no quoting reads back (backslashes before a quote): dropped, not kept in clear
 
 
 # An env given whole on a command line (`...mcp.servers.<server>.env={API_KEY:abc}`, or inside a larger node).

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.common.config import mask_secrets_in_text
+from recipes.common.config import mask_override, mask_overrides_in_text
 
 __all__ = ["WANDB_ID_FILE", "MetricLogger", "make_logger", "peak_device_memory"]
 
@@ -32,7 +32,7 @@ WANDB_ID_FILE = "wandb_run_id"
 def _command_line_masked():
     """``sys.argv`` with every secret given in clear masked (``+train.hub_token=hf_...``), while wandb reads it."""
     saved = list(sys.argv)
-    sys.argv[:] = [mask_secrets_in_text(argument) for argument in saved]
+    sys.argv[:] = [mask_override(argument) for argument in saved]
     try:
         yield
     finally:
@@ -70,7 +70,8 @@ class MetricLogger:
                     resume="allow" if resuming else None,
                     project=wandb_settings.project,
                     group=wandb_settings.group,
-                    name=wandb_settings.name,
+                    # A sweep preset names each run by its overrides (${hydra:job.override_dirname}).
+                    name=mask_overrides_in_text(wandb_settings.name) if wandb_settings.name else None,
                     mode=wandb_settings.mode,
                     dir=str(run_dir),
                     config=OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config,

@@ -22,9 +22,15 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.common.config import ConfigError, command_line_keys, config_record, is_secret_setting
+from recipes.common.config import (
+    MASKED_URL_PASSWORD,
+    ConfigError,
+    command_line_keys,
+    config_record,
+    is_secret_setting,
+)
 
 __all__ = [
     "RESOLVED_CONFIG_FILE",
@@ -109,16 +115,22 @@ def _reroot(saved: DictConfig, key: str, *, old_root: Path, new_root: Path) -> N
         OmegaConf.update(saved, key, str(new_root / path.relative_to(old_root)), merge=False)
 
 
-def _refuse_masked_secrets(saved: DictConfig, saved_file: Path, prefix: str = "") -> None:
-    """A secret the record shows as ``<NAME>`` would reach the run as that text (a hub token ``<HUB_TOKEN>``)."""
-    for key in saved:
+def _refuse_masked_secrets(saved: DictConfig | ListConfig, saved_file: Path, prefix: str = "") -> None:
+    """A secret the record shows as ``<NAME>`` (or a URL whose password it shows as ``<PASSWORD>``) would reach the
+    run as that text (a hub token ``<HUB_TOKEN>``)."""
+    keys = saved.keys() if isinstance(saved, DictConfig) else range(len(saved))
+    for key in keys:
         path = f"{prefix}.{key}" if prefix else str(key)
         node = saved._get_node(key)
-        if isinstance(node, DictConfig):
+        if isinstance(node, (DictConfig, ListConfig)):
             _refuse_masked_secrets(node, saved_file, path)
-        elif not node._is_interpolation() and is_secret_setting(path) and node._value() == f"<{str(key).upper()}>":
+            continue
+        value = node._value()
+        masked_secret = is_secret_setting(path) and value == f"<{str(key).upper()}>"
+        masked_url = isinstance(value, str) and f":{MASKED_URL_PASSWORD}@" in value
+        if not node._is_interpolation() and (masked_secret or masked_url):
             raise ConfigError(
-                f"resume=true: {path} is masked in {saved_file} ({node._value()}: run records never keep a secret), so "
+                f"resume=true: {path} is masked in {saved_file} ({value}: run records never keep a secret), so "
                 f"the run cannot be continued with it. Give it again on the command line ({path}=<value>, or "
                 f"{path}='${{oc.env:NAME}}' to read it from the environment), or drop it ('~{path}') if the run no "
                 "longer needs it."

@@ -35,7 +35,15 @@ from tensordict import set_list_to_stack
 from transformers import set_seed
 
 from recipes.common.checkpoint import latest_checkpoint, recover_interrupted_writes
-from recipes.common.config import ConfigError, RunStopped, config_record, mask_hydra_records, write_run_config
+from recipes.common.config import (
+    ConfigError,
+    RunStopped,
+    config_record,
+    mask_hydra_records,
+    mask_overrides_in_text,
+    mask_sweep_record,
+    write_run_config,
+)
 from recipes.common.metrics import MetricLogger, make_logger
 from recipes.common.run_folder import RunFolderLock, clear_records
 
@@ -48,6 +56,7 @@ __all__ = [
     "check_sharded_launch",
     "end_processes",
     "exit_if_jobs_failed",
+    "mask_sweep_logs",
     "track_failed_jobs",
     "run_recipe",
     "seed_everything",
@@ -243,6 +252,31 @@ def track_failed_jobs() -> None:
     os.environ[FAILED_JOBS_ENV] = _OWN_FAILED_JOBS_FILE = path
 
 
+# The loggers of Hydra's launchers (basic, joblib, submitit): each lists every job's overrides before the job starts
+# ("#0 : seed=0 +train.hub_token=hf_..."), on the terminal and in whatever captures it (a CI or SLURM log).
+_LAUNCHER_LOGGERS = (
+    "hydra._internal.core_plugins.basic_launcher",
+    "hydra_plugins.hydra_joblib_launcher._core",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher",
+)
+
+
+class _MaskedOverrides(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = mask_overrides_in_text(record.getMessage()), None
+        return True
+
+
+def mask_sweep_logs() -> None:
+    """Called before Hydra starts the jobs (a recipe's ``__main__``): the job lists Hydra's launchers log show each
+    override with its secrets masked (``recipes.common.config.mask_override``). A filter on the logger itself:
+    Hydra replaces the handlers when it configures logging, not the loggers' filters."""
+    for name in _LAUNCHER_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, _MaskedOverrides) for existing in logger.filters):
+            logger.addFilter(_MaskedOverrides())
+
+
 def _record_failed_job(folder: str) -> None:
     _FAILED_JOBS.append(folder)
     path = os.environ.get(FAILED_JOBS_ENV)
@@ -266,11 +300,13 @@ def run_recipe(
     the message names the setting and the fix, and a traceback would only bury it. Any other error is logged with its
     traceback. SIGINT and SIGTERM are logged with the run's last checkpoint (``last_checkpoint(cfg)``; by default the
     newest of ``<output_dir>/checkpoints``). Python warnings go to the log as well. Hydra's own records of the config
-    in the run folder (``.hydra/``) have their secrets masked before anything else runs.
+    in the run folder (``.hydra/``) and, in a multirun, in the sweep folder (``multirun.yaml``) have their secrets
+    masked before anything else runs.
     """
     logging.captureWarnings(True)
     with contextlib.suppress(Exception):  # outside a Hydra run there is no .hydra/ to mask
         mask_hydra_records(Path(str(cfg.output_dir)))
+    mask_sweep_record()
     try:
         with _interruptions_raised():
             return train(cfg)

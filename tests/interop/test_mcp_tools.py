@@ -138,6 +138,18 @@ def test_bad_servers_are_refused_with_the_reason_their_env_never_shown(servers, 
     assert "k-999" not in str(refused.value)
 
 
+def test_a_server_that_prints_its_env_as_it_fails_is_quoted_with_every_env_value_masked():
+    """The refusal quotes the server's stderr (the reason it gives), where a server may print its keys: each env value
+    is shown as its name, the rest of the reason as the server wrote it (a short value only where it stands alone)."""
+    prints = (
+        "import os, sys; env = os.environ; sys.exit(f\"key {env['API_KEY']} refused at line 12, DEBUG={env['DEBUG']}\")"
+    )
+    server = MCPStdioServer("calc", sys.executable, ["-c", prints], env={"API_KEY": "sk-live-2468", "DEBUG": "1"})
+    with pytest.raises(ValueError, match=r"stderr ends with: 'key <API_KEY> refused at line 12, DEBUG=<DEBUG>'") as err:
+        server.list_tools()
+    assert "sk-live-2468" not in str(err.value)
+
+
 def test_a_server_silent_past_its_start_timeout_is_stopped_and_refused():
     server = MCPStdioServer("mute", sys.executable, ["-c", "import time; time.sleep(60)"], start_timeout_s=2.0)
     start = time.perf_counter()
