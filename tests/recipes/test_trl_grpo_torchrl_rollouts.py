@@ -195,6 +195,14 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         ),
         (["train.beta=0", "metric=train/kl_to_ref_last"], "metric='train/kl_to_ref_last' is not a summary.json"),
         (["data=arithmetic", "metric=rollout/oracle_mean_last"], "needs an oracle, but data.oracle is null"),
+        (
+            ["train.vllm_importance_sampling_mode=token_clip"],
+            "train.vllm_importance_sampling_mode='token_clip' is not one of trl's modes",
+        ),
+        (
+            ["train.vllm_importance_sampling_correction=true", "train.vllm_importance_sampling_clip_min=4.0"],
+            "train.vllm_importance_sampling_clip_min=4.0 is not below vllm_importance_sampling_clip_max=3.0",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):
