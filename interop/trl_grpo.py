@@ -241,6 +241,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             self.use_vllm = real
 
     def _generate(self, prompts: list):
+        # trl 1.16's _generate returns (prompt_ids, completion_ids, tool_mask, completions, logprobs, ...).
         with self._reads_use_vllm_as(self.args.use_vllm):
             generated = super()._generate(prompts)
         if self.corrects_sampler:
