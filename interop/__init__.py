@@ -15,7 +15,9 @@ Public classes and functions:
 - :class:`TorchRLGRPOTrainer`: ``trl.GRPOTrainer`` sampling through a :class:`TorchRLRolloutFunc`, each generation
   batch written to a TorchRL buffer once trl has scored it (text, rewards per function, reward, advantage); with
   ``TorchRLRolloutFunc(mode="async")`` the next batch is sampled (:class:`BackgroundSampler`, a child process) while
-  trl updates, and with ``replay=GroupReplay(...)`` groups whose rewards tie train on stored informative groups.
+  trl updates, and with ``replay=GroupReplay(...)`` groups whose rewards tie train on stored informative groups; the
+  ``GRPOConfig``'s ``vllm_importance_sampling_*`` correction (trl applies it to vLLM's completions only) applies to the
+  TorchRL sampler's log-probs, with its mismatch metrics.
 - :class:`GroupReplay`: scored GRPO groups in a TorchRL replay buffer, drawn in proportion to their reward spread.
 - :class:`BackgroundSampler`: a copy of a causal LM sampling in a child process on weights the caller publishes.
 - :class:`RolloutWorkers`: several such copies, in local processes or Ray actors (``interop.rollout_workers``), each

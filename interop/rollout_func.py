@@ -36,6 +36,7 @@ Dependencies: ``torch``, ``tensordict``, ``torchrl``; ``transformers`` tokenizer
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -281,6 +282,7 @@ class TorchRLRolloutFunc:
         self.runner: ToolRunner | None = tools if isinstance(tools, ToolRunner) else None
         self._owns_runner = False
         self.last_dialogs = None
+        self._correction_warned = False
 
     @staticmethod
     def _check_backend(mode: str, backend: str | None, workers: int) -> str:
@@ -365,6 +367,7 @@ class TorchRLRolloutFunc:
             self._check_tokenizer_matches(trainer)
             if self.tools is not None:
                 self._check_trainer_tools(trainer)
+            self._warn_if_correction_inert(trainer)
         training = trainer is not None and bool(getattr(getattr(trainer, "model", None), "training", False))
         if self.mode == "async" and training:
             rollout = self._async_rollout(prompts, trainer)
@@ -518,6 +521,23 @@ class TorchRLRolloutFunc:
         self._pending = None
         if self._owns_runner and self.runner is not None:  # the tool worker built here (a caller's runner is theirs)
             self.runner.close()
+
+    def _warn_if_correction_inert(self, trainer) -> None:
+        """trl 1.16's ``GRPOTrainer`` applies ``vllm_importance_sampling_correction`` (on by default) to vLLM's
+        completions only: under it, said once rather than dropped silently. ``interop.TorchRLGRPOTrainer`` applies it
+        (its ``corrects_sampler``)."""
+        correction = getattr(getattr(trainer, "args", None), "vllm_importance_sampling_correction", False)
+        if self._correction_warned or not correction or getattr(trainer, "use_vllm", False):
+            return
+        if hasattr(trainer, "corrects_sampler"):
+            return
+        self._correction_warned = True
+        warnings.warn(
+            "TorchRLRolloutFunc: trl.GRPOTrainer applies GRPOConfig.vllm_importance_sampling_correction=True to vLLM's "
+            "completions only; these TorchRL-sampled ones train without it. Use interop.TorchRLGRPOTrainer (trl's own "
+            "correction on the sampler's log-probs), or set vllm_importance_sampling_correction=False.",
+            stacklevel=3,
+        )
 
     def _check_tokenizer_matches(self, trainer) -> None:
         """A tokenizer of another vocabulary than the trainer's would hand trl ids its decoding and rewards misread."""

@@ -18,12 +18,25 @@ log-probs as its old log-probs (trl treats a batch generated in step with the op
 otherwise use the current weights' log-probs: a batch sampled one update ago is not), and logs ``policy_lag``,
 ``rollout/resampled`` and ``rollout/lookahead_misses`` with trl's metrics.
 
+The sampler/trainer mismatch correction: trl 1.16 applies its ``GRPOConfig`` ``vllm_importance_sampling_correction``
+(``vllm_importance_sampling_mode``, ``..._clip_min``, ``..._clip_max``) only to vLLM's completions.
+``TorchRLGRPOTrainer`` lets trl's own code apply them to the TorchRL sampler's: trl scores the batch's tokens with the
+trainer's weights (its old log-probs) and weights the loss by its ratio to the sampler's log-probs, truncated or masked
+as the mode says. With it on, an async batch keeps those old log-probs (the ratio then carries the lag too) and replayed
+groups train against their sampling log-probs with a ratio of 1. Beside trl's own mismatch metrics it logs the k3 KL
+between the two and the share of tokens and sequences the mode clips or masks (:func:`sampler_mismatch_metrics`).
+
+- :func:`check_importance_sampling_settings`: the settings refused before anything loads (a mode trl does not have,
+  ``clip_min >= clip_max``...), each error starting with the field's name.
+
 Dependencies: ``torch``, ``datasets``, ``trl`` (imported with this module: ``interop`` imports it only when this class
 is used).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import uuid
 from typing import Any
@@ -35,7 +48,17 @@ from trl import GRPOTrainer
 from interop.group_replay import GroupReplay, pad_rows
 from interop.rollout_func import TorchRLRolloutFunc
 
-__all__ = ["TorchRLGRPOTrainer"]
+__all__ = [
+    "IMPORTANCE_SAMPLING_MODES",
+    "TorchRLGRPOTrainer",
+    "check_importance_sampling_settings",
+    "sampler_mismatch_counts",
+    "sampler_mismatch_metrics",
+]
+
+# trl 1.16's vllm_importance_sampling_mode values (GRPOTrainer._generate_and_score_completions); it raises on any other
+# only once the first batch is scored.
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 _LIVE_LOOKAHEADS: dict[str, PromptLookahead] = {}
 
@@ -177,8 +200,15 @@ class TorchRLGRPOTrainer(GRPOTrainer):
                 "group would train without the env_mask that keeps its tool messages out of the loss. Drop one."
             )
         rollout_func.writes_scored_rows = True
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if config is not None:
+            check_importance_sampling_settings(config)  # trl would refuse a wrong mode only at the first batch
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is what this class is for
         super().__init__(*args, rollout_func=rollout_func, **kwargs)
+        if config is None:
+            check_importance_sampling_settings(self.args)
+        # trl's own vllm_importance_sampling_* code corrects the TorchRL sampler's log-probs (with vLLM it runs anyway).
+        self.corrects_sampler = bool(self.args.vllm_importance_sampling_correction) and not self.args.use_vllm
         self.last_scored: TensorDictBase | None = None
         self.scored_batches = 0
         self._scored = None
@@ -197,11 +227,40 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         self._scored = (prompts, completions, rewards_per_func)
         return rewards_per_func
 
+    @contextlib.contextmanager
+    def _reads_use_vllm_as(self, value: bool):
+        """trl 1.16 applies the ``vllm_importance_sampling_*`` settings where it reads ``self.use_vllm`` true, and
+        nowhere else in ``_generate_and_score_completions`` and ``_compute_loss`` but inside ``_generate`` (vLLM's
+        weight sync): reading it true around those two (and the real value inside ``_generate``) runs trl's own
+        correction, metrics and loss weighting on the TorchRL sampler's log-probs. Checked against trl 1.16.0."""
+        real = self.use_vllm
+        self.use_vllm = value
+        try:
+            yield
+        finally:
+            self.use_vllm = real
+
+    def _generate(self, prompts: list):
+        # trl 1.16's _generate returns (prompt_ids, completion_ids, tool_mask, completions, logprobs, ...).
+        with self._reads_use_vllm_as(self.args.use_vllm):
+            generated = super()._generate(prompts)
+        if self.corrects_sampler:
+            _check_sampler_log_probs(completion_ids=generated[1], log_probs=generated[4])
+        return generated
+
+    def _compute_loss(self, model, inputs):
+        with self._reads_use_vllm_as(self.use_vllm or self.corrects_sampler):
+            return super()._compute_loss(model, inputs)
+
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        with self._reads_use_vllm_as(self.use_vllm or self.corrects_sampler):
+            output = super()._generate_and_score_completions(inputs)
+        if self.corrects_sampler:
+            self._log_sampler_mismatch(output)
         if self.model.training:
             if self.rollout_func.mode == "async" or self.replay is not None:
-                self._behaviour_log_probs_as_old(output)
+                if not self.corrects_sampler:  # with it, trl's ratio to the sampling log-probs corrects the lag
+                    self._behaviour_log_probs_as_old(output)
             if self.rollout_func.backend != "learner":
                 self._log_rollout_stats()
             self._record(output)  # the batch as sampled and scored
@@ -212,7 +271,8 @@ class TorchRLGRPOTrainer(GRPOTrainer):
     def _replay_tied_groups(self, output: dict) -> dict:
         """Stored groups in the places of this batch's groups whose rewards all tie (zero advantages: they move
         nothing), drawn by reward spread; this batch's informative groups stored. The replayed rows keep their stored
-        sampling log-probs as old log-probs (and reference log-probs), so trl's ratio corrects for their age."""
+        sampling log-probs as old log-probs (and reference log-probs), so trl's ratio corrects for their age; with the
+        sampler correction on, their correction ratio is 1 (the rows trained fresh keep trl's)."""
         group, step = self.num_generations, self.state.global_step
         rewards = self.last_scored.get("reward")
         count = rewards.shape[0] // group
@@ -220,9 +280,12 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         tied = [g for g, spread in enumerate(spreads) if spread == 0.0]
         drawn = self.replay.sample(len(tied)) if tied and self.replay.drawable() else []
         with_ref = output.get("ref_per_token_logps") is not None
+        # What a stored group trains against later: the log-probs it was sampled with.
+        sampling_key = "sampling_per_token_logps" if self.corrects_sampler else "old_per_token_logps"
         for g, spread in enumerate(spreads):
             if spread > 0.0:
-                self.replay.add(_group_rows(output, g, group, with_ref=with_ref), reward_std=spread, step=step)
+                stored = _group_rows(output, g, group, with_ref=with_ref, old_key=sampling_key)
+                self.replay.add(stored, reward_std=spread, step=step)
         self._metrics["train"]["rollout/replayed_share"].append(len(drawn) / max(count, 1))
         if not drawn:
             return self._with_token_count(output)
@@ -230,11 +293,29 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             sum(step - int(stored["step"][0]) for stored in drawn) / len(drawn)
         )
         slots = dict(zip(tied, drawn, strict=False))
-        rows = [slots[g] if g in slots else _group_rows(output, g, group, with_ref=with_ref) for g in range(count)]
+        corrected = self.corrects_sampler
+        rows = [
+            self._as_replayed(slots[g])
+            if g in slots
+            else _group_rows(output, g, group, with_ref=with_ref, corrected=corrected)
+            for g in range(count)
+        ]
         if with_ref and any("ref_logps" not in entry.keys() for entry in rows):
             rows = [entry if "ref_logps" in entry.keys() else self._with_reference(entry) for entry in rows]
         stacked = _stacked(rows, pad_token_id=self._tokenizer.pad_token_id, device=self.accelerator.device)
         return self._with_token_count({**output, **stacked})
+
+    def _as_replayed(self, entry: TensorDictBase) -> TensorDictBase:
+        """A stored group as it trains under the sampler correction: its sampling log-probs are its old log-probs
+        already, so its correction ratio is 1 (one per token, or per completion in the ``sequence_*`` modes)."""
+        if not self.corrects_sampler:
+            return entry
+        entry = entry.clone()
+        old = entry["old_logps"]
+        width = 1 if self.args.vllm_importance_sampling_mode.startswith("sequence_") else old.shape[1]
+        entry.set("sampling_logps", old.clone())
+        entry.set("is_ratio", torch.ones(old.shape[0], width))
+        return entry
 
     def _with_token_count(self, output: dict) -> dict:
         """trl's ``num_items_in_batch`` (the loss's token normaliser) of the batch as trained, every process's: each
@@ -276,6 +357,25 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         ``rollout/worker_<i>/tokens_per_s``."""
         for name, value in self.rollout_func.stats.items():
             self._metrics["train"][name if name == "policy_lag" else f"rollout/{name}"].append(value)
+
+    def _log_sampler_mismatch(self, output: dict) -> None:
+        """:func:`sampler_mismatch_metrics` of the batch, every process's, beside trl's own mismatch metrics."""
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        args = self.args
+        counts = sampler_mismatch_counts(
+            output["old_per_token_logps"],
+            output["sampling_per_token_logps"],
+            mask,
+            mode=args.vllm_importance_sampling_mode,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+        )
+        totals = self.accelerator.gather(counts[None]).sum(0)
+        mode = "train" if self.model.training else "eval"
+        for name, value in sampler_mismatch_metrics(totals).items():
+            self._metrics[mode][name].append(value)
 
     def _record(self, output: dict) -> None:
         prompts, completions, rewards_all = self._scored
@@ -330,6 +430,148 @@ def _reading_ahead(rollout_func: TorchRLRolloutFunc, args: tuple, kwargs: dict) 
     return {**kwargs, "train_dataset": lookahead.dataset()}
 
 
+def check_importance_sampling_settings(args) -> None:
+    """Refuses ``vllm_importance_sampling_*`` settings trl would fail on only once a batch is scored, or not at all.
+
+    Each ``ValueError`` starts with the field's name: a mode trl 1.16 does not have, ``clip_min >= clip_max``, a
+    ``*_truncate`` mode with no bound, and a ``vespo`` loss with a ``sequence_*`` mode (trl refuses that pair only with
+    vLLM). A wrong mode is refused even with the correction off.
+
+    Args:
+        args: a ``trl.GRPOConfig`` (or any object with its fields).
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> settings = SimpleNamespace(
+        ...     vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_clip",
+        ...     vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0, loss_type="dapo",
+        ... )
+        >>> check_importance_sampling_settings(settings)
+        Traceback (most recent call last):
+        ...
+        ValueError: vllm_importance_sampling_mode='token_clip' is not one of trl's modes: ...
+    """
+    mode = args.vllm_importance_sampling_mode
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(
+            f"vllm_importance_sampling_mode={mode!r} is not one of trl's modes: {', '.join(IMPORTANCE_SAMPLING_MODES)} "
+            "(token_*: a ratio per token; sequence_*: one per completion, from its summed log-ratio; *_truncate clips "
+            "the ratio into [clip_min, clip_max], *_mask zeroes it outside)."
+        )
+    if not args.vllm_importance_sampling_correction:
+        return
+    if low is not None and high is not None and low >= high:
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min={low} is not below vllm_importance_sampling_clip_max={high}: the "
+            f"ratios kept would be an empty range. Set clip_min below clip_max (e.g. clip_min=0.5, clip_max=2.0)."
+        )
+    if mode.endswith("_truncate") and low is None and high is None:
+        raise ValueError(
+            f"vllm_importance_sampling_clip_max=None with vllm_importance_sampling_clip_min=None: {mode} clips the "
+            "ratio into [clip_min, clip_max] and needs one bound at least (trl's default clip_max is 3.0)."
+        )
+    if args.loss_type == "vespo" and mode.startswith("sequence_"):
+        raise ValueError(
+            f"vllm_importance_sampling_mode={mode!r} with loss_type='vespo': VESPO weighs sequences itself and takes "
+            "a per-token correction only; use token_truncate or token_mask."
+        )
+
+
+def sampler_mismatch_counts(
+    trainer_log_probs: torch.Tensor,
+    sampler_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """The sums behind :func:`sampler_mismatch_metrics` for one process's batch (sums gather across processes).
+
+    Args:
+        trainer_log_probs: ``[B, T]``, the completion tokens' log-probs under the trainer's weights (trl's old
+            log-probs).
+        sampler_log_probs: ``[B, T]``, the same tokens' log-probs recorded by the sampler (NaN: unknown).
+        mask: ``[B, T]``, 1 on the tokens trl's loss counts (completion mask times ``env_mask``).
+
+    Keyword Args:
+        mode, clip_min, clip_max: the ``GRPOConfig``'s ``vllm_importance_sampling_*`` settings.
+
+    Returns:
+        ``[6]``: the k3 KL summed over tokens with a known sampler log-prob, those tokens, the tokens counted by
+        ``mask``, those outside ``[clip_min, clip_max]`` (for ``sequence_*`` modes: every token of a sequence whose
+        ratio is), sequences with such a token, sequences with a token counted.
+    """
+    mask = mask.bool()
+    log_ratio = trainer_log_probs.float() - sampler_log_probs.float()  # log(pi_trainer / pi_sampler), x ~ sampler
+    known = mask & ~torch.isnan(log_ratio)
+    known_log_ratio = torch.where(known, log_ratio, 0.0)
+    # k3 (Schulman's): r - 1 - log r >= 0, an unbiased estimate of KL(sampler || trainer) from the sampler's tokens.
+    k3 = torch.where(known, torch.expm1(known_log_ratio) - known_log_ratio, 0.0)
+    # The ratio as trl 1.16 builds it: unknown tokens count as ratio 1, a sequence's ratio from its summed log-ratio.
+    if mode.startswith("sequence_"):
+        known_log_ratio = known_log_ratio.sum(-1, keepdim=True)
+    ratio = torch.exp(known_log_ratio)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    outside = ((ratio < low) | (ratio > high)).expand_as(mask) & mask
+    counted_rows = mask.any(-1)
+    return torch.stack(
+        [
+            k3.sum(),
+            known.sum().float(),
+            mask.sum().float(),
+            outside.sum().float(),
+            outside.any(-1).sum().float(),
+            counted_rows.sum().float(),
+        ]
+    )
+
+
+def sampler_mismatch_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """The mismatch figures :func:`sampler_mismatch_counts` adds to trl's own, from its (gathered, summed) counts:
+
+    - ``sampling/sampler_kl_k3``: the mean per-token k3 KL between the sampler's and the trainer's log-probs;
+    - ``sampling/importance_sampling_clipped_or_masked/token_fraction``: the share of loss tokens the mode clips
+      (``*_truncate``) or masks (``*_mask``);
+    - ``sampling/importance_sampling_clipped_or_masked/sequence_fraction``: the share of completions with such a token.
+
+    trl's own (``sampling/sampling_logp_difference/mean`` and ``/max``, ``sampling/importance_sampling_ratio/min``,
+    ``/mean``, ``/max``) are logged by trl.
+
+    Examples:
+        >>> trainer, sampler = torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, -math.log(4.0)]])
+        >>> mask = torch.ones(1, 2)
+        >>> counts = sampler_mismatch_counts(trainer, sampler, mask, mode="token_mask", clip_min=None, clip_max=3.0)
+        >>> figures = sampler_mismatch_metrics(counts)
+        >>> round(figures["sampling/sampler_kl_k3"], 4)
+        0.8069
+        >>> figures["sampling/importance_sampling_clipped_or_masked/token_fraction"]
+        0.5
+    """
+    k3, known, tokens, outside_tokens, outside_rows, rows = counts.tolist()
+    return {
+        "sampling/sampler_kl_k3": k3 / max(known, 1.0),
+        "sampling/importance_sampling_clipped_or_masked/token_fraction": outside_tokens / max(tokens, 1.0),
+        "sampling/importance_sampling_clipped_or_masked/sequence_fraction": outside_rows / max(rows, 1.0),
+    }
+
+
+def _check_sampler_log_probs(*, completion_ids: list, log_probs) -> None:
+    """The correction needs the sampler's log-prob of every completion token: a rollout function that returns none
+    (or rows of other lengths) is refused before trl weighs a loss with them."""
+    rows = [] if log_probs is None else list(log_probs)
+    bad = [i for i, ids in enumerate(completion_ids) if i >= len(rows) or rows[i] is None or len(rows[i]) != len(ids)]
+    if bad:
+        raise ValueError(
+            f"TorchRLGRPOTrainer: GRPOConfig.vllm_importance_sampling_correction=True weighs the loss by the trainer's "
+            f"and the sampler's log-probs, but the rollout function returned no sampler log-prob row for "
+            f"{len(bad)} of {len(completion_ids)} completions (e.g. row {bad[0]}; 'logprobs' must hold one value per "
+            "completion token). Return them, or set vllm_importance_sampling_correction=False."
+        )
+
+
 def _spread(rewards: torch.Tensor) -> float:
     """A group's reward spread (standard deviation over the rewards that apply): 0 when they all tie."""
     finite = rewards[torch.isfinite(rewards)].double()
@@ -338,8 +580,11 @@ def _spread(rewards: torch.Tensor) -> float:
     return float(finite.std(unbiased=True))
 
 
-def _group_rows(output: dict, index: int, group: int, *, with_ref: bool) -> TensorDict:
-    """Group ``index`` of a scored batch (trl's output) as a stored group: its rows' tensors on the CPU."""
+def _group_rows(
+    output: dict, index: int, group: int, *, with_ref: bool, old_key: str = "old_per_token_logps", corrected=False
+) -> TensorDict:
+    """Group ``index`` of a scored batch (trl's output) as a stored group: its rows' tensors on the CPU, its old
+    log-probs from ``old_key``; ``corrected``: with its sampling log-probs and correction ratio too (trl's)."""
     rows = slice(index * group, (index + 1) * group)
     fields = {
         "prompt_ids": output["prompt_ids"][rows],
@@ -347,10 +592,13 @@ def _group_rows(output: dict, index: int, group: int, *, with_ref: bool) -> Tens
         "completion_ids": output["completion_ids"][rows],
         "completion_mask": output["completion_mask"][rows],
         "advantages": output["advantages"][rows].float(),
-        "old_logps": output["old_per_token_logps"][rows].float(),
+        "old_logps": output[old_key][rows].float(),
     }
     if with_ref:
         fields["ref_logps"] = output["ref_per_token_logps"][rows].float()
+    if corrected:
+        fields["sampling_logps"] = output["sampling_per_token_logps"][rows].float()
+        fields["is_ratio"] = output["importance_sampling_ratio"][rows].float()
     return TensorDict({key: value.detach().cpu() for key, value in fields.items()}, batch_size=[group])
 
 
@@ -370,4 +618,7 @@ def _stacked(groups: list, *, pad_token_id: int, device) -> dict:
     }
     if "ref_logps" in groups[0].keys():
         stacked["ref_per_token_logps"] = pad_rows([g["ref_logps"] for g in groups], side="right", value=0.0)
+    if "is_ratio" in groups[0].keys():
+        stacked["sampling_per_token_logps"] = pad_rows([g["sampling_logps"] for g in groups], side="right", value=0.0)
+        stacked["importance_sampling_ratio"] = pad_rows([g["is_ratio"] for g in groups], side="right", value=1.0)
     return {key: value.to(device) for key, value in stacked.items()}

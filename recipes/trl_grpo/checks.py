@@ -303,13 +303,19 @@ def _check_lora_for_trl(lora) -> None:
 
 def _check_trainer_settings(args) -> None:
     """What ``train:``'s settings, as trl will read them (``args``: trl's defaults under the config's values), cannot
-    combine: the sampler's settings, and the group size against the generation batch."""
+    combine: the sampler's settings, the mismatch correction's, and the group size against the generation batch."""
+    from interop.trl_grpo import check_importance_sampling_settings  # imports trl: only where this recipe runs
+
     try:
         settings = SamplingSettings.from_grpo_config(args)
     except ValueError as error:
         raise ConfigError(
             f"train.{error}" if str(error).startswith("generation_kwargs") else f"train: {error}"
         ) from None
+    try:
+        check_importance_sampling_settings(args)
+    except ValueError as error:  # each message starts with the field's name
+        raise ConfigError(f"train.{error}") from None
     per_device, group = args.per_device_train_batch_size, args.num_generations
     if isinstance(group, int) and group < 2:
         raise ConfigError(

@@ -2,7 +2,8 @@
 next generation batch while trl updates; each completion is paired with the prompt trl passed (the look-ahead is
 checked, a wrong one never pairs); a batch sampled one update ago reaches trl's loss with the sampling log-probs as
 its old log-probs (trl's own _compute_loss: same loss and gradients as with old log-probs trl scored itself at the
-sampling weights); the child ends with the trainer however training ends."""
+sampling weights), or, with trl's sampler correction on, in its correction ratio; the child ends with the trainer
+however training ends."""
 
 from __future__ import annotations
 
@@ -132,11 +133,9 @@ def test_streams_that_cannot_be_read_ahead_are_refused(tiny_policy, tmp_path, ov
         _trainer(tiny_policy, tmp_path, **override)
 
 
-def test_a_stale_batch_reaches_trls_loss_with_its_sampling_log_probs_as_old(tiny_policy, tmp_path):
-    """Batch 2 is sampled (in the child) by the weights of call 1, then the weights move (an update): trl's
-    _compute_loss on our output equals, in loss and gradients, its loss on the same batch with the old log-probs trl
-    itself scores at the sampling weights; trl's default (no old log-probs: on-policy) differs."""
-    trainer = _trainer(tiny_policy, tmp_path)
+def _stale_batch(trainer):
+    """Batch 2 sampled (in the child) by the weights of call 1, then the weights moved (an update); returns trl's scored
+    batch and a copy of the sampling weights."""
     first = [PROMPTS[0]] * 4 + [PROMPTS[1]] * 4
     second = [PROMPTS[2]] * 4 + [PROMPTS[3]] * 4
     trainer.rollout_func.lookahead = lambda prompts: second if prompts == first else None
@@ -153,7 +152,15 @@ def test_a_stale_batch_reaches_trls_loss_with_its_sampling_log_probs_as_old(tiny
     finally:
         trainer.rollout_func.close()
     assert trainer.rollout_func.stats["policy_lag"] == 1.0
+    return stale, sampling_weights
 
+
+def test_a_stale_batch_reaches_trls_loss_with_its_sampling_log_probs_as_old(tiny_policy, tmp_path):
+    """Without trl's sampler correction: trl's _compute_loss on our output equals, in loss and gradients, its loss on
+    the same batch with the old log-probs trl itself scores at the sampling weights; trl's default (no old log-probs:
+    on-policy) differs."""
+    trainer = _trainer(tiny_policy, tmp_path, vllm_importance_sampling_correction=False)
+    stale, sampling_weights = _stale_batch(trainer)
     ids = torch.cat([stale["prompt_ids"], stale["completion_ids"]], dim=1)
     mask = torch.cat([stale["prompt_mask"], stale["completion_mask"]], dim=1)
     with torch.no_grad():
@@ -181,6 +188,31 @@ def test_a_stale_batch_reaches_trls_loss_with_its_sampling_log_probs_as_old(tiny
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
     on_policy, _ = loss_and_grads(None)
     assert not torch.allclose(on_policy, ours, atol=1e-4), "without the sampling log-probs the lag goes uncorrected"
+
+
+def test_with_trls_sampler_correction_a_stale_batch_keeps_trls_old_log_probs_and_the_ratio_carries_the_lag(
+    tiny_policy, tmp_path
+):
+    """With vllm_importance_sampling_correction on (trl's default), trl's old log-probs are its own at the current
+    weights and its correction ratio, exp(current - sampling log-prob) clipped at clip_max, corrects the lag."""
+    trainer = _trainer(tiny_policy, tmp_path, vllm_importance_sampling_mode="token_truncate")
+    stale, sampling_weights = _stale_batch(trainer)
+    ids = torch.cat([stale["prompt_ids"], stale["completion_ids"]], dim=1)
+    mask = torch.cat([stale["prompt_mask"], stale["completion_mask"]], dim=1)
+    width = stale["completion_ids"].shape[1]
+    with torch.no_grad():
+        at_sampling, _, _ = trainer._get_per_token_logps_and_entropies(sampling_weights, ids, mask, width)
+        current, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width)
+    completion = stale["completion_mask"].bool()
+    torch.testing.assert_close(stale["old_per_token_logps"][completion], current[completion], atol=2e-5, rtol=0)
+    torch.testing.assert_close(
+        stale["sampling_per_token_logps"][completion], at_sampling[completion], atol=2e-5, rtol=0
+    )
+    lag_ratio = torch.exp(current - at_sampling).clamp(max=trainer.args.vllm_importance_sampling_clip_max)
+    ratio = stale["importance_sampling_ratio"]
+    torch.testing.assert_close(ratio[completion], lag_ratio[completion], atol=1e-4, rtol=1e-4)
+    assert (ratio[completion] - 1).abs().max() > 1e-2, "the update between sampling and training is in the ratio"
+    assert trainer._metrics["train"]["sampling/sampling_logp_difference/max"][-1] > 1e-2
 
 
 def test_the_sampling_process_ends_when_a_reward_function_raises(tiny_policy, tmp_path):

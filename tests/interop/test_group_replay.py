@@ -81,6 +81,13 @@ def test_a_tied_group_trains_on_a_stored_group_with_its_own_log_probs(tiny_polic
     torch.testing.assert_close(second["old_per_token_logps"][replayed, :width], stored["old_logps"])
     torch.testing.assert_close(second["ref_per_token_logps"][replayed, :width], stored["ref_logps"])
     assert second["num_items_in_batch"] == second["completion_mask"].sum()
+    # trl's sampler correction (on by default): a stored group keeps the sampler's log-probs, and trains against them
+    # with a correction ratio of 1; the fresh group keeps trl's ratio.
+    assert trainer.corrects_sampler
+    torch.testing.assert_close(stored["old_logps"], first["sampling_per_token_logps"][:4, :width].float())
+    torch.testing.assert_close(second["sampling_per_token_logps"][replayed, :width], stored["old_logps"])
+    assert second["importance_sampling_ratio"].shape == (8, 1), "sequence_mask: one ratio per completion"
+    assert second["importance_sampling_ratio"][replayed].eq(1.0).all()
     assert trainer._metrics["train"]["rollout/replayed_share"] == [0.0, 0.5]
     assert trainer._metrics["train"]["rollout/replayed_age"] == [1.0]
     loss = trainer.compute_loss(trainer.model, second)

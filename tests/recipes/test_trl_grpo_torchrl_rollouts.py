@@ -208,6 +208,14 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
             "local worker processes sample on CPU copies of the policy",
         ),
         (["rollout.backend=ray", "rollout.worker_resources.num_cpus=-1"], "rollout.worker_resources.num_cpus=-1"),
+        (
+            ["train.vllm_importance_sampling_mode=token_clip"],
+            "train.vllm_importance_sampling_mode='token_clip' is not one of trl's modes",
+        ),
+        (
+            ["train.vllm_importance_sampling_correction=true", "train.vllm_importance_sampling_clip_min=4.0"],
+            "train.vllm_importance_sampling_clip_min=4.0 is not below vllm_importance_sampling_clip_max=3.0",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_any_model_loads(compose_config, tmp_path, monkeypatch, overrides, message):
