@@ -204,16 +204,32 @@ def split_groups(rows: int, group_size: int, workers: int) -> list[range]:
     return [range(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
 
 
+def _sampling_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A CPU copy of ``model`` that computes with its own weights. A trainer patches its model's ``forward`` on the
+    instance (accelerate wraps it to convert outputs, trl for its own needs) with functions that close over the
+    trainer's module; ``deepcopy`` keeps functions as they are, so the copy's patched ``forward`` would still run the
+    trainer's module (in a Ray worker: a stale copy of it, whatever weights the worker loads). The class's ``forward``
+    is the model's computation."""
+    clone = copy.deepcopy(model).to("cpu").eval().requires_grad_(False)
+    for module in clone.modules():
+        module.__dict__.pop("forward", None)
+    return clone
+
+
 def _ray_worker_class(ray):
     """The Ray actor a worker is: a copy of the policy with its sampler, loading each version's weights once."""
 
     class RaySamplerWorker:
         def __init__(self, model: torch.nn.Module, tokenizer, options: dict) -> None:
-            # Ray hands over read-only tensors: a private copy receives the weights.
-            self.model = copy.deepcopy(model).eval().requires_grad_(False)
+            # Ray hands over read-only tensors: each gets memory of its own, in place.
+            self.model = model.eval().requires_grad_(False)
+            with torch.no_grad():
+                for tensor in self.model.state_dict(keep_vars=True).values():
+                    tensor.data = tensor.data.clone()
             if ray.get_gpu_ids():  # a worker given a GPU (WorkerResources.num_gpus) samples on it
                 self.model.to("cuda")
             self.rollout_func = build_rollout_func(self.model, tokenizer, options)
+            self._targets = dict(self.model.state_dict(keep_vars=True))  # the tensors the forward pass reads
             self.version = None
 
         def where(self) -> tuple[str, int]:
@@ -224,7 +240,9 @@ def _ray_worker_class(ray):
         def sample(self, weights: list, version: int, prompt_ids: list[list[int]]):
             if version != self.version:
                 state = ray.get(weights[0])  # inside a list: fetched only when this worker lacks the version
-                self.model.load_state_dict(state)
+                with torch.no_grad():
+                    for name, value in state.items():
+                        self._targets[name].copy_(value)
                 self.version = version
             started = time.perf_counter()
             rollout = self.rollout_func.rollout_ids(prompt_ids)
@@ -290,7 +308,7 @@ class RolloutWorkers:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"RolloutWorkers: workers must be an integer >= 1, got {workers!r}.")
         self.backend, self.timeout_s = backend, timeout_s
-        self._model = copy.deepcopy(model).to("cpu").eval().requires_grad_(False)  # what a replacement starts from
+        self._model = _sampling_copy(model)  # what every worker (and a replacement) starts from
         self._tokenizer, self._dialogs = tokenizer, dialogs
         self._options = {
             "settings": settings,
@@ -410,7 +428,8 @@ class RolloutWorkers:
             seconds = float(rollout.get("sample_s")[0]) if rollout.shape[0] else 0.0
             return rollout.exclude("sample_s"), seconds
         data, batch_size, seconds = self._ray.get(future, timeout=self.timeout_s)
-        return TensorDict(data, batch_size=batch_size), seconds
+        # Copied out of Ray's object store: its zero-copy tensors' memory is not ours to keep once the reference goes.
+        return TensorDict({key: value.clone() for key, value in data.items()}, batch_size=batch_size), seconds
 
     def _died(self) -> tuple[type[BaseException], ...]:
         if self.backend == "processes":

@@ -6,6 +6,8 @@ two-node local cluster (``ray.cluster_utils.Cluster``) and are slow."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import os
 import signal
@@ -268,3 +270,30 @@ def test_a_learner_killed_with_sigkill_leaves_none_of_the_ray_processes_it_start
     finally:
         if learner.poll() is None:
             learner.kill()
+
+
+def test_workers_sample_with_the_published_weights_even_when_the_trainer_patched_its_models_forward(tiny_policy):
+    """A trainer wraps its model's forward on the instance (accelerate does), closing over the trainer's module: a copy
+    that kept that forward would sample with the trainer's weights as they were when copied, whatever is published."""
+    model, tokenizer = tiny_policy
+    patched = copy.deepcopy(model)
+    original = patched.forward
+    patched.forward = functools.wraps(original)(lambda *args, **kwargs: original(*args, **kwargs))
+    prompts = _prompt_ids(tokenizer, group_size=2)[:4]
+    workers = _workers((patched, tokenizer), "processes", 1)
+    try:
+        with torch.no_grad():
+            for parameter in patched.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+        workers.publish(patched, version=1)
+        workers.submit(prompts, group_size=2)
+        rollout, _ = workers.result()
+    finally:
+        workers.close()
+    length = int(rollout.get("completion_length")[0])
+    completion = rollout.get("completion_ids")[0, :length]
+    full = torch.tensor(prompts[0] + completion.tolist())[None]
+    with torch.no_grad():
+        logits = patched(input_ids=full).logits[0, len(prompts[0]) - 1 : -1]
+    expected = torch.log_softmax(logits, -1).gather(-1, completion[:, None]).squeeze(-1)
+    torch.testing.assert_close(rollout.get("logprobs")[0, :length], expected, atol=1e-4, rtol=1e-4)
