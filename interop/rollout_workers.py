@@ -119,7 +119,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
         return False
     options = {"include_dashboard": False, "log_to_driver": log_to_driver, "configure_logging": False}
     if address is None:
-        ray.init(num_cpus=num_cpus, **options)
+        ray.init(address="local", num_cpus=num_cpus, **options)  # "local": a new one, even where RAY_ADDRESS is set
         log.info("Ray: no cluster address given (ray.address=null): started a local Ray cluster on this machine.")
         import os
 

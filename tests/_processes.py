@@ -52,9 +52,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def kill_recipe_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], bool], timeout: float = 240) -> None:
+def kill_recipe_run_when(
+    recipe: str,
+    overrides: list[str],
+    *,
+    ready: Callable[[], bool],
+    timeout: float = 240,
+    before_kill: Callable[[int], None] | None = None,
+) -> None:
     """Runs ``python recipes/<recipe> <overrides>`` and kills it with SIGKILL as soon as ``ready()`` holds (a checkpoint
-    written, a step logged...). Fails, with the run's stderr, if the run ends or the timeout passes first."""
+    written, a step logged...); ``before_kill(pid)`` sees the run just before. Fails, with the run's stderr, if the run
+    ends or the timeout passes first."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, f"recipes/{recipe}", *overrides]
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -63,6 +71,8 @@ def kill_recipe_run_when(recipe: str, overrides: list[str], *, ready: Callable[[
         while time.monotonic() < deadline and process.poll() is None and not ready():
             time.sleep(0.02)
         assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        if before_kill is not None:
+            before_kill(process.pid)
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
     finally:
