@@ -190,7 +190,7 @@ def test_ray_workers_on_two_nodes_train_through_a_killed_actor_and_a_lost_node(
         assert second.node_id in pool.nodes  # one worker per node: each takes the node's only CPU
         cluster.remove_node(second)
 
-    _during_update(monkeypatch, {2: kill_actor_0, 4: remove_second_node})
+    _during_update(monkeypatch, {2: kill_actor_0, 3: remove_second_node})
     overrides = [
         "rollout.backend=ray",
         "rollout.mode=async",
@@ -204,7 +204,9 @@ def test_ray_workers_on_two_nodes_train_through_a_killed_actor_and_a_lost_node(
     assert summary["train/steps"] == 6
     assert [row["step"] for row in rows] == [float(step) for step in range(1, 7)]
     assert all(row["train/policy_lag"] <= 1.0 for row in rows)
-    assert [row["rollout/workers"] for row in rows] == [2.0] * 4 + [1.0] * 2
+    # The loss is seen when a batch in flight there, or the next one sent there, fails: at step 4 or 5.
+    workers = [row["rollout/workers"] for row in rows]
+    assert workers[:3] == [2.0] * 3 and workers[-1] == 1.0 and workers == sorted(workers, reverse=True), workers
     assert sum(row["rollout/worker_restarts"] for row in rows) == 2.0  # the killed actor, the lost node's
     assert "worker 0 (pid" in caplog.text and "died during a batch" in caplog.text
     assert f"node {lost[0]} left the Ray cluster" in caplog.text
