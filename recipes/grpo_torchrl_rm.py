@@ -3,6 +3,7 @@
     python recipes/grpo_torchrl_rm.py                                     # tiny policy + tiny RM, ~15 s on 2 CPUs
     python recipes/grpo_torchrl_rm.py -m optimizer.lr=1e-3,2e-3,4e-3      # a sweep: main() returns cfg.metric
     torchrun --standalone --nproc_per_node 2 recipes/grpo_torchrl_rm.py hydra.run.dir=outputs/ddp  # data-parallel
+    python recipes/grpo_torchrl_rm.py rollout.mode=async rollout.backend=ray rollout.workers=2  # samplers on Ray
 
 How a step flows (env -> policy -> reward -> collector -> advantage -> buffer -> loss) is told once, in docs/grpo.md.
 This file reads top to bottom: :func:`train` validates the config (``recipes.grpo.checks``), reads the

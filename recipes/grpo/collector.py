@@ -9,7 +9,9 @@ Two rollouts, chosen by ``rollout.env``:
   process, up to ``rollout.max_turns`` turns, in the same layout (the response is the whole dialog; the batch adds
   ``recipes.grpo.batch.DIALOG_KEYS``). With ``rollout.mode=async`` that collector runs in a child process
   (:class:`~recipes.grpo.collector_modes.BackgroundCollector`, which builds its own tool runner there) one batch ahead
-  of the learner.
+  of the learner; with ``rollout.backend=processes|ray``, ``rollout.workers`` of them feed the learner, in local
+  processes or Ray actors (:class:`~recipes.grpo.collector_workers.CollectorWorkers`), each built by
+  :func:`collector_factory`.
 - ``chat``: TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector`` (``recipes.common.chat``), for users
   who plug in TorchRL's multi-turn and tool transforms; its ragged rollout is padded into the same dense layout.
 

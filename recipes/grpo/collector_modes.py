@@ -20,6 +20,9 @@ heavy: ``recipes.grpo.collector_child``; and a check of the parent at every wait
 the learner with the child's traceback, and :meth:`shutdown` (also on a learner crash, from a ``finally``) stops and
 joins it.
 
+Several of them feed one learner with ``rollout.backend=processes`` (``recipes.grpo.collector_workers``, which
+replaces one whose process died: :class:`CollectorExited`).
+
 Dependencies: torch, tensordict.
 """
 

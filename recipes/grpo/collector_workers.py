@@ -4,10 +4,10 @@
 (env + sampler policy + reward: ``recipes.grpo.collector.build_prompt_collector``), each producing
 ``responses_per_step / N`` responses per batch in whole groups. Collector ``i`` is replica ``i`` of the ``N`` that
 deal out the prompt stream (``recipes.common.data.EndlessShuffleSampler``: positions ``start + i``, ``start + i + N``,
-...), so no two draw the same prompt position and together they draw exactly what one collector would; it samples
-with its own torch seed (``seed + i``). The learner takes one part from each per step and concatenates them
-(``recipes.grpo.batch.merge_batches``: prompts left-padded, responses right-padded to the widest part); every row
-carries the policy version it was sampled with (``"policy_version"``).
+...), so no two draw the same prompt position and each step they draw together the prompts one collector would (in
+another order); it samples with its own torch seed (``seed + i``). The learner takes one part from each per step and
+concatenates them (``recipes.grpo.batch.merge_batches``: prompts left-padded, responses right-padded to the widest
+part); every row carries the policy version it was sampled with (``"policy_version"``).
 
 Where the collectors run:
 
