@@ -3,6 +3,7 @@
     python recipes/grpo_torchrl_rm.py                                     # tiny policy + tiny RM, ~15 s on 2 CPUs
     python recipes/grpo_torchrl_rm.py -m optimizer.lr=1e-3,2e-3,4e-3      # a sweep: main() returns cfg.metric
     torchrun --standalone --nproc_per_node 2 recipes/grpo_torchrl_rm.py hydra.run.dir=outputs/ddp  # data-parallel
+    python recipes/grpo_torchrl_rm.py rollout.mode=async rollout.backend=ray rollout.workers=2  # samplers on Ray
 
 How a step flows (env -> policy -> reward -> collector -> advantage -> buffer -> loss) is told once, in docs/grpo.md.
 This file reads top to bottom: :func:`train` validates the config (``recipes.grpo.checks``), reads the
@@ -44,6 +45,7 @@ from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.metrics import peak_device_memory
 from recipes.common.models import load_causal_lm, load_tokenizer
+from recipes.common.rollout_backend import backend_of, ray_connection
 from recipes.common.run import (
     Run,
     end_processes,
@@ -98,7 +100,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Models:
     """What the learner loads: the policy and its tokenizer, the frozen reference, and the reward model and its
-    tokenizer (``None`` when the collector runs in a background process, which loads its own)."""
+    tokenizer (``None`` when the collectors run apart from the learner, ``rollout.backend``: each loads its own)."""
 
     tokenizer: Any
     policy: Any
@@ -122,7 +124,7 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
             reference_node = OmegaConf.merge(cfg.model, {"name_or_path": str(resume_from / REFERENCE_FOLDER)})
         reference = load_causal_lm(reference_node, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
     reward_tokenizer = reward_model = None
-    if cfg.rollout.mode == "sync":
+    if backend_of(cfg) == "learner":  # elsewhere each collector loads its own
         reward_tokenizer, reward_model = load_reward_scorer(cfg)
     return Models(
         tokenizer=load_tokenizer(policy_node, padding_side="left"),
@@ -312,6 +314,8 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
     learner.buffer.empty()
     collector.update_policy_weights_(models.policy, version=step)
     updates.update(step_timings(collector.last_timings, timings, lag=lag, update_start=update_start))
+    # The sampling workers apart from the learner (rollout.backend=processes|ray): how many, restarts, throughput.
+    updates.update({f"rollout/{name}": value for name, value in collector.last_stats.items()})
     updates.update(extra)
     metrics.update(mean_over_processes(updates))  # each rank's diagnostics and times; the rollout figures are global
     metrics["perf/tokens_per_s"] = tokens / metrics["perf/rollout_time_s"]
@@ -476,7 +480,9 @@ def train(cfg: DictConfig) -> dict:
         before_config=functools.partial(record_resume_changes, cfg) if cfg.resume else None,
         backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend,
     )
-    with run:  # the logger closes however the run ends: Hydra multirun jobs share this process
+    # The logger closes however the run ends (Hydra multirun jobs share this process); rollout.backend=ray: the
+    # cluster joined (or started, and stopped at the end) before any model loads.
+    with run, ray_connection(cfg):
         return _train(cfg, run, prompts=prompts, eval_prompts=eval_prompts, setup_start=setup_start)
 
 
@@ -494,7 +500,8 @@ def _train(
     evaluator = make_evaluator(cfg, models, eval_prompts) if eval_prompts is not None else None
     processes, collector = run.processes, None
     try:
-        # Last, and inside the try: an async collector is a child process, which the finally below always stops.
+        # Last, and inside the try: collectors apart from the learner (child processes, Ray actors) are stopped by
+        # the finally below, however the run ends.
         collector = make_collector(
             cfg,
             models,

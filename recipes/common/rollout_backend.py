@@ -45,8 +45,12 @@ def worker_resources(cfg: DictConfig):
     )
 
 
-def check_rollout_backend(cfg: DictConfig) -> None:
-    """What the backend cannot do with the rest of the config, refused naming the keys (no Ray is started here)."""
+def check_rollout_backend(cfg: DictConfig, *, workers_per_process: bool = False) -> None:
+    """What the backend cannot do with the rest of the config, refused naming the keys (no Ray is started here).
+
+    ``workers_per_process``: the recipe gives every process of a launcher its own local workers (the GRPO recipe, whose
+    every rank collects its own batch), so ``rollout.backend=processes`` runs under a launcher; ``ray`` never does
+    (each process would start or join a cluster of its own)."""
     backend, workers = backend_of(cfg), cfg.rollout.workers
     if backend == "learner":
         if cfg.rollout.mode == "async":
@@ -72,7 +76,7 @@ def check_rollout_backend(cfg: DictConfig) -> None:
         )
     if backend == "learner":
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (workers_per_process and backend == "processes"):
         raise ConfigError(
             f"rollout.backend={backend} under a launcher ({os.environ['WORLD_SIZE']} processes): the samplers feed "
             "one learner process. Use rollout.backend=learner with several processes, or one learner process."

@@ -30,6 +30,7 @@ from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, va
 from recipes.common.prompts import check_prompts_fit_policy
 from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
+from recipes.common.rollout_backend import backend_of, check_rollout_backend
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
 from recipes.common.tools import resolve_tools
@@ -64,6 +65,7 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 def _validate_settings(cfg: DictConfig) -> None:
     _validate_batches(cfg)
+    _validate_backend(cfg)
     _validate_memory(cfg)
     _validate_generation(cfg.rollout)
     _validate_tools(cfg)
@@ -148,6 +150,35 @@ def _validate_batches(cfg: DictConfig) -> None:
             f"train.gradient_accumulation_steps={accumulation} does not divide the {per_step // mini} mini-batches of "
             f"a step (rollout.responses_per_step={per_step} / train.mini_batch_size={mini}): every optimizer step "
             "accumulates as many. Pick a divisor."
+        )
+
+
+def _validate_backend(cfg: DictConfig) -> None:
+    """Where the batches are sampled (``rollout.backend``, ``rollout.workers``, ``ray:``): the keys' shared checks,
+    then what this recipe's collectors need: whole groups for every worker, and a collector that runs apart."""
+    check_rollout_backend(cfg, workers_per_process=True)
+    backend = backend_of(cfg)
+    if backend == "learner":
+        return
+    if cfg.rollout.env == "chat":
+        raise ConfigError(
+            f"rollout.env=chat with rollout.backend={backend}: TorchRL's ChatEnv collector samples in the learner's "
+            "process only. Use rollout.env=prompt for workers apart from the learner, or rollout.backend=learner."
+        )
+    per_step, group, workers = cfg.rollout.responses_per_step, cfg.rollout.group_size, cfg.rollout.workers
+    if per_step % (group * workers):
+        groups = per_step // group
+        raise ConfigError(
+            f"rollout.responses_per_step={per_step} does not split into whole groups of rollout.group_size={group} "
+            f"over rollout.workers={workers}: each worker samples responses_per_step / workers responses, whole groups "
+            f"only ({groups} groups per step). Use a number of workers that divides {groups}, or "
+            f"rollout.responses_per_step={group * workers * max(1, groups // workers)}."
+        )
+    if cfg.advantage.filter_zero_std_groups and cfg.rollout.mode == "sync":
+        raise ConfigError(
+            f"advantage.filter_zero_std_groups=true with rollout.backend={backend}: the workers sample one batch per "
+            "update, each waiting for the weights of the update before it, so the extra batches dynamic sampling "
+            "draws within a step would never come. Use rollout.backend=learner with it."
         )
 
 

@@ -9,7 +9,9 @@ Two rollouts, chosen by ``rollout.env``:
   process, up to ``rollout.max_turns`` turns, in the same layout (the response is the whole dialog; the batch adds
   ``recipes.grpo.batch.DIALOG_KEYS``). With ``rollout.mode=async`` that collector runs in a child process
   (:class:`~recipes.grpo.collector_modes.BackgroundCollector`, which builds its own tool runner there) one batch ahead
-  of the learner.
+  of the learner; with ``rollout.backend=processes|ray``, ``rollout.workers`` of them feed the learner, in local
+  processes or Ray actors (:class:`~recipes.grpo.collector_workers.CollectorWorkers`), each built by
+  :func:`collector_factory`.
 - ``chat``: TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector`` (``recipes.common.chat``), for users
   who plug in TorchRL's multi-turn and tool transforms; its ragged rollout is padded into the same dense layout.
 
@@ -44,6 +46,7 @@ from recipes.common.config import ConfigError, run_config
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
 from recipes.common.prompts import PromptTable
+from recipes.common.rollout_backend import backend_of, worker_resources
 from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools
 from recipes.grpo.batch import (
     BATCH_KEYS,
@@ -57,7 +60,8 @@ from recipes.grpo.batch import (
     SOURCE_REWARDS,
     TRUNCATED,
 )
-from recipes.grpo.collector_modes import BackgroundCollector, LocalCollector
+from recipes.grpo.collector_modes import LocalCollector
+from recipes.grpo.collector_workers import CollectorWorkers
 from recipes.grpo.policy import load_policy
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import load_reward_scorer, make_reward_transform
@@ -66,6 +70,7 @@ __all__ = [
     "build_prompt_collector",
     "check_generation_settings",
     "check_tool_template",
+    "collector_factory",
     "make_collector",
     "make_prompt_table",
     "make_sampling_policy",
@@ -209,10 +214,10 @@ def _dense_batch(rollout: TensorDictBase) -> TensorDictBase:
     return rollout.reshape(-1).select(*BATCH_KEYS, *optional)
 
 
-def _stream_start(cfg: DictConfig, start_step: int, num_replicas: int) -> int:
-    # The prompt stream is a function of the step (each step draws per_step / group prompts per process): resuming
+def _stream_start(start_step: int, *, prompts_per_batch: int, num_replicas: int) -> int:
+    # The prompt stream is a function of the step (each step draws prompts_per_batch prompts per replica): resuming
     # continues it.
-    return start_step * (cfg.rollout.responses_per_step // cfg.rollout.group_size) * num_replicas
+    return start_step * prompts_per_batch * num_replicas
 
 
 def _prompt_collector(
@@ -226,18 +231,20 @@ def _prompt_collector(
     start_step: int,
     num_replicas: int,
     rank: int,
+    responses: int,
 ) -> tuple[Collector, CausalLMSampler | DialogPolicy]:
     """``PromptEnv`` + reward transforms, stepped by a ``CausalLMSampler`` (a ``DialogPolicy`` with tools), driven by
-    a TorchRL ``Collector``."""
-    group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
+    a TorchRL ``Collector`` that yields ``responses`` responses per batch (replica ``rank`` of ``num_replicas``
+    sharing the prompt stream)."""
+    group = cfg.rollout.group_size
     prompts = make_prompt_table(cfg, prompts, tokenizer)
     env = PromptEnv(
         prompts,
         tokenizer=tokenizer,
         group_size=group,
-        num_prompts=per_step // group,
+        num_prompts=responses // group,
         seed=cfg.seed,
-        start=_stream_start(cfg, start_step, num_replicas),
+        start=_stream_start(start_step, prompts_per_batch=responses // group, num_replicas=num_replicas),
         num_replicas=num_replicas,
         rank=rank,
         device=cfg.device,
@@ -252,7 +259,7 @@ def _prompt_collector(
     collector = Collector(
         env,
         policy,
-        frames_per_batch=per_step,
+        frames_per_batch=responses,
         total_frames=-1,
         postproc=_dense_batch,
         use_buffers=False,
@@ -262,12 +269,20 @@ def _prompt_collector(
 
 
 def build_prompt_collector(
-    config: Mapping, *, start_step: int, num_replicas: int, rank: int
+    config: Mapping, *, start_step: int, num_replicas: int, rank: int, workers: int = 1, worker: int = 0
 ) -> tuple[Collector, CausalLMSampler | DialogPolicy]:
     """Loads the models a ``rollout.env=prompt`` collector needs and builds it: what a background collector runs.
 
     Args:
         config: the recipe config as a plain, resolved mapping (picklable, no Hydra state needed).
+
+    Keyword Args:
+        start_step: the steps done before its first batch (where its prompt stream starts).
+        num_replicas, rank: the data-parallel processes and this one's rank.
+        workers, worker: the collectors feeding this process's learner and which one this is: it samples
+            ``rollout.responses_per_step / workers`` responses per batch, replica ``rank * workers + worker`` of the
+            ``num_replicas * workers`` that deal out the prompt stream, so that no two collectors draw the same
+            position and together they draw what one collector per process would.
     """
     cfg = OmegaConf.create(dict(config))
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
@@ -283,8 +298,24 @@ def build_prompt_collector(
         reward_model=reward_model,
         reward_tokenizer=reward_tokenizer,
         start_step=start_step,
+        num_replicas=num_replicas * workers,
+        rank=rank * workers + worker,
+        responses=cfg.rollout.responses_per_step // workers,
+    )
+
+
+def collector_factory(config: Mapping, *, num_replicas: int, rank: int, workers: int, worker: int, start_step: int):
+    """The picklable factory of collector ``worker`` (of ``workers``) starting at ``start_step``: what
+    ``recipes.grpo.collector_workers.CollectorWorkers`` builds each worker's collector from, and rebuilds it from
+    when the worker is replaced."""
+    return functools.partial(
+        build_prompt_collector,
+        config,
+        start_step=start_step,
         num_replicas=num_replicas,
         rank=rank,
+        workers=workers,
+        worker=worker,
     )
 
 
@@ -296,7 +327,7 @@ def _chat_collector(
     loader = make_prompt_dataloader(
         prompts,
         seed=cfg.seed,
-        start=_stream_start(cfg, start_step, num_replicas),
+        start=_stream_start(start_step, prompts_per_batch=per_step // group, num_replicas=num_replicas),
         num_replicas=num_replicas,
         rank=rank,
     )
@@ -361,22 +392,28 @@ def make_collector(
         return _chat_collector(
             cfg, prompts.prompts, models, start_step=start_step, num_replicas=num_replicas, rank=rank
         )
-    if cfg.rollout.mode == "async":
-        factory = functools.partial(
-            build_prompt_collector,
-            OmegaConf.to_container(run_config(cfg), resolve=True),
-            start_step=start_step,
-            num_replicas=num_replicas,
-            rank=rank,
-        )
-        return BackgroundCollector(
-            factory,
+    backend = backend_of(cfg)
+    if backend != "learner":
+        workers = cfg.rollout.workers
+        return CollectorWorkers(
+            functools.partial(
+                collector_factory,
+                OmegaConf.to_container(run_config(cfg), resolve=True),
+                num_replicas=num_replicas,
+                rank=rank,
+                workers=workers,
+            ),
             models.policy,
+            backend=backend,
+            workers=workers,
             start_version=start_step,
-            max_policy_lag=cfg.rollout.max_policy_lag,
+            # Sync mode: every batch waits for the weights of the update before it.
+            max_policy_lag=cfg.rollout.max_policy_lag if cfg.rollout.mode == "async" else 0,
             num_threads=cfg.rollout.collector_threads,
-            # Its own sampling noise per rank and per resumed segment of the run.
-            seed=cfg.seed + rank + 7919 * start_step,
+            # Its own sampling noise per worker (seed + worker index), per rank and per resumed segment of the run.
+            seed=cfg.seed + rank * workers + 7919 * start_step,
+            pad_token_id=models.tokenizer.pad_token_id,
+            resources=worker_resources(cfg) if backend == "ray" else None,
         )
     collector, policy = _prompt_collector(
         cfg,
@@ -388,6 +425,7 @@ def make_collector(
         start_step=start_step,
         num_replicas=num_replicas,
         rank=rank,
+        responses=cfg.rollout.responses_per_step,
     )
     policy.version.fill_(start_step)
     return LocalCollector(collector, policy, policy.version)

@@ -30,11 +30,11 @@ def die_with_parent() -> None:
             pass
 
 
-def start(connection, version, condition, batches, stop) -> None:
+def start(connection, version, lock, wake, batches, stop) -> None:
     """The collector process's target: dies with its parent from here on, then collects."""
     die_with_parent()
     factory, weights, options = connection.recv()  # the heavy imports (torch, the recipe's modules) happen here
     connection.close()
     from recipes.grpo.collector_modes import collect
 
-    collect(factory, weights, version, condition, batches, stop, **options)
+    collect(factory, weights, version, lock, wake, batches, stop, **options)

@@ -20,6 +20,9 @@ heavy: ``recipes.grpo.collector_child``; and a check of the parent at every wait
 the learner with the child's traceback, and :meth:`shutdown` (also on a learner crash, from a ``finally``) stops and
 joins it.
 
+Several of them feed one learner with ``rollout.backend=processes`` (``recipes.grpo.collector_workers``, which
+replaces one whose process died: :class:`CollectorExited`).
+
 Dependencies: torch, tensordict.
 """
 
@@ -39,9 +42,14 @@ from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
 from recipes.grpo import collector_child
 
-__all__ = ["BackgroundCollector", "LocalCollector", "collect", "timed_batches"]
+__all__ = ["BackgroundCollector", "CollectorExited", "LocalCollector", "collect", "timed_batches"]
 
 _POLL_S = 0.5  # how often a waiting side checks that the other is still alive
+
+
+class CollectorExited(RuntimeError):
+    """The collector process is gone (killed, or crashed outside Python) without a batch or an error: what a pool of
+    collectors (``recipes.grpo.collector_workers``) replaces, unlike an error the collector raised."""
 
 
 class _ForwardClock:
@@ -86,6 +94,7 @@ class LocalCollector:
         self.policy = policy
         self.version = version
         self.last_timings = {"collect_s": 0.0, "generate_s": 0.0}
+        self.last_stats: dict[str, float] = {}  # no sampling workers to report on
         self._batches = timed_batches(collector, policy)
 
     def __iter__(self) -> Iterator[TensorDictBase]:
@@ -129,7 +138,8 @@ def collect(
     factory: Callable[[], tuple[Any, Any]],
     weights: dict[str, torch.Tensor],
     version,
-    condition,
+    lock,
+    wake,
     batches,
     stop,
     *,
@@ -151,14 +161,13 @@ def collect(
         for index in range(1, sys.maxsize):
             # Batch `index` is trained on when the learner holds version start_version + index - 1.
             oldest_allowed = start_version + index - 1 - max_policy_lag
-            with condition:
-                while version.value < oldest_allowed:
-                    if stop.is_set() or not _parent_alive():
-                        return
-                    condition.wait(_POLL_S)
-                with torch.no_grad():
-                    for name, tensor in weights.items():
-                        parameters[name].copy_(tensor)
+            while version.value < oldest_allowed:
+                if stop.is_set() or not _parent_alive():
+                    return
+                wake.acquire(timeout=_POLL_S)  # released by the learner at every update
+            with lock, torch.no_grad():  # the weights and their version, as the learner published them together
+                for name, tensor in weights.items():
+                    parameters[name].copy_(tensor)
                 policy.version.fill_(version.value)
             batch, timings = next(stream)
             payload = ("batch", (batch.to_dict(), timings), tuple(batch.batch_size))
@@ -191,6 +200,8 @@ class BackgroundCollector:
         num_threads: torch threads of the child.
         seed: the child's torch seed.
         timeout_s: how long the learner waits for a batch before it gives up.
+        wait_ready: wait here until the child has built its collector; ``False`` returns at once (call
+            :meth:`wait_until_ready`), so that several children build theirs at the same time.
     """
 
     def __init__(
@@ -203,13 +214,17 @@ class BackgroundCollector:
         num_threads: int = 1,
         seed: int = 0,
         timeout_s: float = 1800.0,
+        wait_ready: bool = True,
     ) -> None:
         if max_policy_lag < 0:
             raise ValueError(f"BackgroundCollector: max_policy_lag must be >= 0, got {max_policy_lag}.")
         context = multiprocessing.get_context("spawn")
         self._weights = {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in model.named_parameters()}
         self._version = context.Value("q", start_version, lock=False)
-        self._condition = context.Condition()
+        # A lock and a semaphore, not a Condition: a Condition's notify waits for every sleeper to wake, and a child
+        # killed while waiting never does; a semaphore's release never waits.
+        self._lock = context.Lock()
+        self._wake = context.Semaphore(0)
         self._batches = context.Queue(maxsize=max_policy_lag + 1)
         self._stop = context.Event()
         self.timeout_s = timeout_s
@@ -222,7 +237,7 @@ class BackgroundCollector:
         receiving, sending = context.Pipe(duplex=False)
         self.process = context.Process(
             target=collector_child.start,
-            args=(receiving, self._version, self._condition, self._batches, self._stop),
+            args=(receiving, self._version, self._lock, self._wake, self._batches, self._stop),
             daemon=True,
             name="grpo-collector",
         )
@@ -233,8 +248,17 @@ class BackgroundCollector:
         sending.send((factory, self._weights, {**options, "seed": seed}))
         sending.close()
         self._pid = self.process.pid
-        # Building the collector (imports, models) takes seconds: that is setup, not the first step's collection.
-        kind, payload, _ = self._receive()
+        if wait_ready:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        """Waits for the child to have built its collector (imports, models: seconds of setup, not of the first
+        step's collection); raises its error if it could not."""
+        try:
+            kind, payload, _ = self._receive()
+        except CollectorExited:
+            self.shutdown()
+            raise
         if kind != "ready":
             self.shutdown()
             raise RuntimeError(f"BackgroundCollector: the collector process failed to start:\n{payload}")
@@ -256,10 +280,17 @@ class BackgroundCollector:
         while True:
             try:
                 return self._batches.get(timeout=_POLL_S)
+            except (OSError, EOFError) as error:
+                # A batch's tensors travel as file descriptors the child hands out: one it queued before it was
+                # killed cannot be read any more.
+                raise CollectorExited(
+                    f"BackgroundCollector: a batch of the collector process could not be read ({error!r}); the "
+                    f"process {'exited' if not self.process.is_alive() else 'is unreachable'}."
+                ) from error
             except queue_module.Empty:
                 waited += _POLL_S
                 if not self.process.is_alive():
-                    raise RuntimeError(
+                    raise CollectorExited(
                         f"BackgroundCollector: the collector process exited (code {self.process.exitcode}) "
                         "without a batch or an error; see its output above."
                     ) from None
@@ -267,21 +298,34 @@ class BackgroundCollector:
                     raise TimeoutError(f"BackgroundCollector: no batch within {self.timeout_s:.0f} s.") from None
 
     def update_policy_weights_(self, model: torch.nn.Module, *, version: int) -> None:
-        """Publishes ``model``'s parameters as policy ``version`` (the number of updates it has had)."""
-        with self._condition, torch.no_grad():
-            for name, p in model.named_parameters():
-                self._weights[name].copy_(p.detach())
+        """Publishes ``model``'s parameters as policy ``version`` (the number of updates it has had). A child that
+        died gets nothing (its death is raised by :meth:`next`)."""
+        if not self._lock_while_alive():
+            return
+        try:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    self._weights[name].copy_(p.detach())
             self._version.value = version
-            self._condition.notify_all()
+        finally:
+            self._lock.release()
+        self._wake.release()
+
+    def _lock_while_alive(self) -> bool:
+        """Takes the weights' lock, unless the child is dead: a child killed while holding it never releases it."""
+        while not self._lock.acquire(timeout=_POLL_S):
+            if not self.process.is_alive():
+                return False
+        return True
 
     def shutdown(self) -> None:
         """Stops the child and waits for it (killing it if it has not stopped within a few seconds)."""
         if self._stopped:
             return
         self._stopped = True
-        self._stop.set()
-        with self._condition:
-            self._condition.notify_all()
+        if self.process.is_alive():  # an Event takes a lock the child shares: one killed holding it never lets go
+            self._stop.set()
+        self._wake.release()
         deadline = time.monotonic() + 5.0
         while self.process.is_alive() and time.monotonic() < deadline:
             try:  # a child blocked on a full queue gets room at once
@@ -297,8 +341,9 @@ class BackgroundCollector:
         self._batches.close()
         self._batches.cancel_join_thread()
         self.process.close()
-        # The queue, condition and event hold named semaphores: released now rather than reported as leaked at exit.
-        del self._batches, self._condition, self._stop
+        # The queue, lock, semaphore and event hold named semaphores: released now rather than reported as leaked at
+        # exit.
+        del self._batches, self._lock, self._wake, self._stop
 
     @property
     def pid(self) -> int | None:

@@ -333,6 +333,12 @@ _ROLLOUT_FIGURES = (
 )
 
 
+def _is_worker_figure(key: str) -> bool:
+    """``rollout/workers``, ``rollout/worker_restarts``, ``rollout/worker_<i>/tokens_per_s``: the sampling workers'
+    (``recipes.grpo.collector_workers``), in metrics.csv but no summary series."""
+    return key == "rollout/workers" or key.startswith("rollout/worker_")
+
+
 def summary_series(history: list[dict]) -> list[str]:
     """The training series summary.json gives ``_first``/``_last`` of: :data:`SUMMARY_SERIES`, a tool-calling run's
     :data:`TOOL_SERIES`, then each reward
@@ -343,7 +349,10 @@ def summary_series(history: list[dict]) -> list[str]:
     by_functions = [
         key
         for key in logged
-        if key.startswith("rollout/") and key not in _ROLLOUT_FIGURES and not key.startswith("rollout/rewards/")
+        if key.startswith("rollout/")
+        and key not in _ROLLOUT_FIGURES
+        and not key.startswith("rollout/rewards/")
+        and not _is_worker_figure(key)
     ]
     tools = [key for key in TOOL_SERIES if key in logged]
     return [*SUMMARY_SERIES, *tools, *per_source, *by_functions]

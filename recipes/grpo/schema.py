@@ -28,6 +28,8 @@ from recipes.common.schema import (
     ModelNode,
     NumThreads,
     Range,
+    RayNode,
+    WorkerResourcesNode,
 )
 
 __all__ = [
@@ -166,6 +168,10 @@ class Rollout:
     env: RolloutEnv
     mode: RolloutMode
     max_policy_lag: NonNegative
+    # Where training batches are sampled (recipes.common.rollout_backend); null: the mode's default.
+    backend: Literal["learner", "processes", "ray"] | None
+    workers: Positive
+    worker_resources: WorkerResourcesNode
     collector_threads: Positive
     group_size: Annotated[
         int,
@@ -406,6 +412,7 @@ class GRPORecipeConfig:
     log_every_n_steps: Positive
     samples: Samples
     rollout: Rollout
+    ray: RayNode
     # name -> {function}, label -> {torchrl: _target_ node} or label -> {mcp: {servers}}, plus timeout_s and
     # max_result_tokens: the names are the user's (recipes.common.tools checks each node, recipes.grpo.checks the
     # combinations).

@@ -57,7 +57,8 @@ def test_the_policy_lag_stays_within_its_bound(compose_config, tmp_path, collect
     assert [row["train/policy_lag"] for row in rows] == lags
     assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
     (collector,) = collectors
-    assert collector.pid != os.getpid() and _gone(collector.pid)  # its own process, stopped with the run
+    (pid,) = collector.pids  # rollout.backend=null in async mode: one worker process
+    assert pid != os.getpid() and _gone(pid)  # its own process, stopped with the run
 
 
 def test_a_crash_in_the_learner_stops_the_collector(compose_config, tmp_path, collectors, monkeypatch):
@@ -74,7 +75,7 @@ def test_a_crash_in_the_learner_stops_the_collector(compose_config, tmp_path, co
     with pytest.raises(RuntimeError, match="the learner broke"):
         recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, f"output_dir={tmp_path}", "train.steps=4"]))
     (collector,) = collectors
-    assert _gone(collector.pid)
+    assert all(_gone(pid) for pid in collector.pids)
 
 
 def test_a_crash_in_the_collector_reaches_the_learner(compose_config, tmp_path, collectors, other_rm_dir):

@@ -1,0 +1,243 @@
+"""recipes/grpo_torchrl_rm.py with rollout.backend=processes|ray: several collectors feeding one learner, their keys
+refused before anything loads where they cannot work, a worker that dies replaced and its share sampled again.
+
+The default suite checks the refusals (no Ray started); the slow suite runs the recipe on two local worker processes
+and on a two-node local Ray cluster (``ray.cluster_utils.Cluster``), killing a worker in the middle of the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+
+import pytest
+from _small_runs import GRPO_SMALL, read_metrics
+
+import recipes.grpo_torchrl_rm as recipe
+from recipes.common.config import ConfigError
+
+# Two workers, each sampling one group of 2 responses per step.
+TWO_WORKERS = [*GRPO_SMALL, "rollout.workers=2", "logger=csv"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.backend=learner", "rollout.mode=async"],
+            r"rollout.backend=learner with rollout.mode=async",
+        ),
+        (["rollout.backend=learner", "rollout.workers=2"], r"rollout.workers=2 with rollout.backend=learner"),
+        (["rollout.workers=2"], r"rollout.workers=2 with rollout.backend=learner"),  # null in sync mode: the learner
+        (["ray.address=auto"], r"ray.address='auto' with rollout.backend=learner: only rollout.backend=ray"),
+        (
+            ["rollout.backend=processes", "rollout.mode=async", "ray.address=auto"],
+            r"ray.address='auto' with rollout.backend=processes",
+        ),
+        (
+            ["rollout.backend=processes", "rollout.workers=3"],
+            r"rollout.responses_per_step=4 does not split into whole groups of rollout.group_size=2 over "
+            r"rollout.workers=3",
+        ),
+        (
+            ["rollout.backend=processes", "rollout.workers=4"],
+            r"rollout.responses_per_step=4 does not split into whole groups .* rollout.workers=4",
+        ),
+        (
+            ["rollout.backend=processes", "rollout.worker_resources.num_gpus=1"],
+            r"rollout.worker_resources.num_gpus=1 with rollout.backend=processes",
+        ),
+        (["rollout.backend=processes", "rollout.env=chat"], r"rollout.env=chat with rollout.backend=processes"),
+        (
+            ["rollout.backend=processes", "advantage.filter_zero_std_groups=true"],
+            r"advantage.filter_zero_std_groups=true with rollout.backend=processes",
+        ),
+    ],
+)
+def test_a_backend_setting_that_cannot_work_is_refused_before_anything_loads(
+    compose_config, tmp_path, nothing_loads, overrides, message
+):
+    cfg = compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        recipe.train(cfg)
+
+
+def test_the_ray_backend_without_ray_installed_names_the_extra(compose_config, tmp_path, nothing_loads, monkeypatch):
+    cfg = compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", "rollout.backend=ray"])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "ray" else find_spec(name, *args)
+    )
+    with pytest.raises(ConfigError, match=r'rollout.backend=ray, but ray is not installed: pip install -e "\.\[ray\]"'):
+        recipe.train(cfg)
+
+
+def test_processes_under_a_launcher_are_per_rank_but_ray_is_refused(compose_config, tmp_path, monkeypatch):
+    """Every rank of the GRPO recipe collects its own batch, so local worker processes run under torchrun (each rank
+    its own); a Ray cluster per rank is refused."""
+    from recipes.common.rollout_backend import check_rollout_backend
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    processes = compose_config("grpo_torchrl_rm", [*TWO_WORKERS, "rollout.backend=processes"])
+    check_rollout_backend(processes, workers_per_process=True)
+    with pytest.raises(ConfigError, match=r"rollout.backend=processes under a launcher"):
+        check_rollout_backend(processes)  # the trl recipe's: one learner process
+    ray = compose_config("grpo_torchrl_rm", [*TWO_WORKERS, "rollout.backend=ray"])
+    with pytest.raises(ConfigError, match=r"rollout.backend=ray under a launcher"):
+        check_rollout_backend(ray, workers_per_process=True)
+
+
+@pytest.fixture
+def collectors(monkeypatch):
+    """Every collector the recipe makes, to reach its workers during the run."""
+    made = []
+    make = recipe.make_collector
+
+    def recording(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(recipe, "make_collector", recording)
+    return made
+
+
+def _during_update(monkeypatch, actions: dict):
+    """Runs ``actions[n]()`` when the learner starts its ``n``-th update (the workers then sample the next batch)."""
+    optimize, calls = recipe.optimize, []
+
+    def optimize_then_act(*args, **kwargs):
+        calls.append(1)
+        if len(calls) in actions:
+            actions[len(calls)]()
+        return optimize(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "optimize", optimize_then_act)
+
+
+def _check_workers_fed_the_run(rows, *, steps: int, workers: int) -> None:
+    assert [row["step"] for row in rows] == [float(step) for step in range(1, steps + 1)]
+    for row in rows:
+        for index in range(workers):
+            assert row[f"rollout/worker_{index}/tokens_per_s"] > 0, row
+        assert row["train/policy_lag"] <= 1.0
+
+
+@pytest.mark.slow
+def test_two_local_worker_processes_train_and_a_killed_one_is_replaced(
+    compose_config, tmp_path, collectors, monkeypatch, caplog
+):
+    """Two collector processes feed the learner (each its own half of the step's groups); worker 0 SIGKILLed while
+    the learner updates is replaced, its share sampled again, counted and named in a warning."""
+    pids = []
+
+    def kill_worker_0():
+        (pool,) = collectors
+        pids.append(pool.pids[0])
+        os.kill(pool.pids[0], signal.SIGKILL)
+
+    _during_update(monkeypatch, {2: kill_worker_0})
+    overrides = ["rollout.backend=processes", "rollout.mode=async", "train.steps=4", f"output_dir={tmp_path}"]
+    with caplog.at_level(logging.WARNING, logger="recipes.grpo.collector_workers"):
+        summary = recipe.train(compose_config("grpo_torchrl_rm", [*TWO_WORKERS, *overrides]))
+    rows = read_metrics(tmp_path)
+    assert summary["train/steps"] == 4
+    _check_workers_fed_the_run(rows, steps=4, workers=2)
+    assert [row["rollout/workers"] for row in rows] == [2.0] * 4
+    assert sum(row["rollout/worker_restarts"] for row in rows) == 1.0
+    assert f"worker 0 (pid {pids[0]} on this machine) died" in caplog.text
+    (pool,) = collectors
+    assert pool.restarts == 1 and pool.pids[0] != pids[0]
+
+
+@pytest.fixture
+def two_node_cluster():
+    """A Ray cluster of two simulated nodes of 1 CPU each (the head and one more), shut down however the test ends."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        second = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster, second
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_workers_on_two_nodes_train_through_a_killed_actor_and_a_lost_node(
+    compose_config, tmp_path, collectors, monkeypatch, caplog, two_node_cluster
+):
+    """Two Ray actors, one per node, feed the learner; the actor of worker 0 killed mid-run is replaced and its share
+    sampled again; then the second node leaves the cluster: its worker is dropped with a warning naming the node, and
+    the other samples both shares to the end of the run."""
+    import ray
+
+    cluster, second = two_node_cluster
+    lost = []
+
+    def kill_actor_0():
+        (pool,) = collectors
+        ray.kill(pool.actors[0], no_restart=True)
+
+    def remove_second_node():
+        (pool,) = collectors
+        lost.append(second.node_id)
+        assert second.node_id in pool.nodes  # one worker per node: each takes the node's only CPU
+        cluster.remove_node(second)
+
+    _during_update(monkeypatch, {2: kill_actor_0, 3: remove_second_node})
+    overrides = [
+        "rollout.backend=ray",
+        "rollout.mode=async",
+        f"ray.address={cluster.address}",
+        "train.steps=6",
+        f"output_dir={tmp_path}",
+    ]
+    with caplog.at_level(logging.WARNING, logger="recipes.grpo.collector_workers"):
+        summary = recipe.train(compose_config("grpo_torchrl_rm", [*TWO_WORKERS, *overrides]))
+    rows = read_metrics(tmp_path)
+    assert summary["train/steps"] == 6
+    assert [row["step"] for row in rows] == [float(step) for step in range(1, 7)]
+    assert all(row["train/policy_lag"] <= 1.0 for row in rows)
+    # The loss is seen when a batch in flight there, or the next one sent there, fails: at step 4 or 5.
+    workers = [row["rollout/workers"] for row in rows]
+    assert workers[:3] == [2.0] * 3 and workers[-1] == 1.0 and workers == sorted(workers, reverse=True), workers
+    assert sum(row["rollout/worker_restarts"] for row in rows) == 2.0  # the killed actor, the lost node's
+    assert "worker 0 (pid" in caplog.text and "died during a batch" in caplog.text
+    assert f"node {lost[0]} left the Ray cluster" in caplog.text
+    (pool,) = collectors
+    assert pool.dropped_nodes == lost
+
+
+@pytest.mark.parametrize("start_step", [0, 3])
+def test_the_workers_deal_out_the_prompt_stream_one_collector_would_draw(compose_config, tmp_path, start_step):
+    """Worker ``i`` of ``N`` takes stream positions ``i``, ``i + N``...: no two workers draw the same position, and a
+    step's parts together are the prompts one collector would have drawn (from a resumed step too)."""
+    from omegaconf import OmegaConf
+
+    from recipes.common.config import run_config
+    from recipes.grpo.collector import collector_factory
+
+    cfg = compose_config("grpo_torchrl_rm", [*TWO_WORKERS, "rollout.responses_per_step=8", f"output_dir={tmp_path}"])
+    config = OmegaConf.to_container(run_config(cfg), resolve=True)
+
+    def prompt_indices(workers: int, worker: int) -> list[list[int]]:
+        factory = collector_factory(
+            config, num_replicas=1, rank=0, workers=workers, worker=worker, start_step=start_step
+        )
+        collector, _ = factory()
+        env = collector.env
+        steps = [env.reset()["prompt_index"].tolist() for _ in range(3)]
+        collector.shutdown()
+        return [row[:: cfg.rollout.group_size] for row in steps]  # one index per group
+
+    whole = prompt_indices(1, 0)
+    parts = [prompt_indices(2, worker) for worker in range(2)]
+    assert [len(step) for step in parts[0]] == [2, 2, 2]  # 8 responses over 2 workers: 2 groups of 2 each
+    for first, second, one in zip(*parts, whole, strict=True):
+        assert not set(first) & set(second) and sorted(first + second) == sorted(one)
