@@ -54,6 +54,8 @@ RESUME_FREE_KEYS = (
     "num_threads",
     "metric",
     "rollout.store",
+    "rollout.worker_resources",  # where the workers run, not what they sample
+    "ray",
     "train.output_dir",  # re-rooted in the run folder, and refused outside it
     "train.max_steps",
     "train.save_strategy",
