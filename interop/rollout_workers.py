@@ -56,8 +56,12 @@ __all__ = [
     "RolloutWorkers",
     "WorkerResources",
     "check_placement",
+    "RemoteWorker",
     "connect_ray",
     "disconnect_ray",
+    "kill_actor",
+    "node_alive",
+    "published_state",
     "split_groups",
 ]
 
@@ -216,6 +220,20 @@ def _sampling_copy(model: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
+def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict a Ray worker loads: on the CPU, each tensor once (tied weights, the output head and the
+    embeddings of most causal LMs, appear under two names: the worker's copy ties them too, so one load sets both).
+    Not copied here: ``ray.put`` copies it into the object store before it returns."""
+    state, seen = {}, set()
+    for name, value in model.state_dict().items():
+        key = (value.data_ptr(), tuple(value.shape), tuple(value.stride()))
+        if key in seen:
+            continue
+        seen.add(key)
+        state[name] = value.detach().cpu()
+    return state
+
+
 def _ray_worker_class(ray):
     """The Ray actor a worker is: a copy of the policy with its sampler, loading each version's weights once."""
 
@@ -251,11 +269,24 @@ def _ray_worker_class(ray):
     return ray.remote(RaySamplerWorker)
 
 
-class _Worker:
-    """One worker and where it runs (for the warnings)."""
+class RemoteWorker:
+    """One sampling worker (a local process's handle or a Ray actor) and where it runs (for the warnings)."""
 
     def __init__(self, index: int, handle: Any, node: str, pid: int | None) -> None:
         self.index, self.handle, self.node, self.pid = index, handle, node, pid
+
+
+def node_alive(node: str) -> bool:
+    """Whether the Ray node ``node`` (an id) is still in the cluster."""
+    return any(entry["NodeID"] == node and entry["Alive"] for entry in _import_ray().nodes())
+
+
+def kill_actor(handle) -> None:
+    """Kills a Ray actor for good (no restart); one already gone is fine."""
+    try:
+        _import_ray().kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 class RolloutWorkers:
@@ -321,7 +352,7 @@ class RolloutWorkers:
         self.resources = resources or WorkerResources()
         self.version: int | None = None
         self._weights_ref = None
-        self._pending: list[tuple[_Worker, range, Any]] | None = None
+        self._pending: list[tuple[RemoteWorker, range, Any]] | None = None
         self._prompt_ids: list[list[int]] | None = None
         self._closed = False
         self.restarts = 0  # workers replaced since the start
@@ -337,7 +368,7 @@ class RolloutWorkers:
 
     # ------------------------------------------------------------------------------------------------ workers
 
-    def _start(self, index: int, *, placement_s: float | None = None) -> _Worker | None:
+    def _start(self, index: int, *, placement_s: float | None = None) -> RemoteWorker | None:
         """Worker ``index``; with ``placement_s``, ``None`` when Ray cannot place it within that many seconds."""
         seed = self._seed + index
         if self.backend == "processes":
@@ -352,7 +383,7 @@ class RolloutWorkers:
                 dialogs=self._dialogs,
                 timeout_s=self.timeout_s,
             )
-            return _Worker(index, sampler, "this machine", sampler.pid)
+            return RemoteWorker(index, sampler, "this machine", sampler.pid)
         options = sampler_options(seed=seed, **self._options)
         resources = self.resources
         actor = self._actor_class.options(
@@ -366,9 +397,9 @@ class RolloutWorkers:
         except self._ray.exceptions.GetTimeoutError:
             if placement_s is None:
                 raise
-            self._ray.kill(actor, no_restart=True)
+            kill_actor(actor)
             return None
-        return _Worker(index, actor, node, pid)
+        return RemoteWorker(index, actor, node, pid)
 
     def wait_until_ready(self) -> None:
         """Waits for every worker to have started (local processes start in the background)."""
@@ -399,8 +430,7 @@ class RolloutWorkers:
             for worker in self._workers:
                 worker.handle.publish(model, version=version)
         else:
-            state = {name: value.detach().to("cpu", copy=True) for name, value in model.state_dict().items()}
-            self._weights_ref = self._ray.put(state)
+            self._weights_ref = self._ray.put(published_state(model))
         self._model.load_state_dict(model.state_dict())  # a replaced worker starts from the newest weights
         self.version = version
 
@@ -415,14 +445,14 @@ class RolloutWorkers:
         shards = split_groups(len(self._prompt_ids), group_size, len(self._workers))
         self._pending = [(worker, rows, self._send(worker, rows)) for worker, rows in zip(self._workers, shards)]
 
-    def _send(self, worker: _Worker, rows: range):
+    def _send(self, worker: RemoteWorker, rows: range):
         prompts = [self._prompt_ids[row] for row in rows]
         if self.backend == "processes":
             worker.handle.submit(prompts)
             return None
         return worker.handle.sample.remote([self._weights_ref], self.version, prompts)
 
-    def _receive(self, worker: _Worker, future) -> tuple[TensorDict, float]:
+    def _receive(self, worker: RemoteWorker, future) -> tuple[TensorDict, float]:
         if self.backend == "processes":
             rollout, _ = worker.handle.result()
             seconds = float(rollout.get("sample_s")[0]) if rollout.shape[0] else 0.0
@@ -473,7 +503,7 @@ class RolloutWorkers:
     def _pad_id(self) -> int:
         return int(self._tokenizer.pad_token_id)
 
-    def _replace(self, worker: _Worker, error: BaseException) -> _Worker | None:
+    def _replace(self, worker: RemoteWorker, error: BaseException) -> RemoteWorker | None:
         """A worker that died: replaced (the same index), or dropped when its node has left the cluster or no node
         can take a replacement (``None``: the others share its groups)."""
         self.restarts += 1
@@ -483,7 +513,7 @@ class RolloutWorkers:
         if self.backend == "processes":
             replacement = self._start(worker.index)
             replacement.handle.publish(self._model, version=self.version)
-        elif self._node_alive(worker.node):
+        elif node_alive(worker.node):
             replacement = self._start(worker.index, placement_s=_REPLACEMENT_PLACEMENT_S)
         if replacement is not None:
             log.warning(
@@ -511,17 +541,11 @@ class RolloutWorkers:
             raise RuntimeError(f"RolloutWorkers: no worker left (the last one ran on node {worker.node}).") from error
         return None
 
-    def _node_alive(self, node: str) -> bool:
-        return any(entry["NodeID"] == node and entry["Alive"] for entry in self._ray.nodes())
-
-    def _stop(self, worker: _Worker) -> None:
+    def _stop(self, worker: RemoteWorker) -> None:
         if self.backend == "processes":
             worker.handle.close()
             return
-        try:
-            self._ray.kill(worker.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        kill_actor(worker.handle)
 
     def close(self) -> None:
         """Stops every worker (local processes are joined; Ray actors killed)."""

@@ -127,11 +127,15 @@ def main(argv=None) -> dict:
 
 def _estimate(workers, model, prompts, publish_s: float, args) -> dict:
     """tokens/s of a batch split over W workers on separate machines, from one worker's time on rows / W rows."""
-    size_mb = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values()) / 2**20
+    from interop.rollout_workers import published_state
+
+    size_mb = sum(tensor.numel() * tensor.element_size() for tensor in published_state(model).values()) / 2**20
     print(f"  estimate (not measured on several machines): weights {size_mb:.1f} MiB cross the network per update")
     estimate = {"weights_mib": size_mb, "publish_s": publish_s, "workers": {}}
     for count in (1, 2, 4, 8):
-        rows = max(8, len(prompts) // count // 8 * 8)
+        rows = len(prompts) // count // 8 * 8
+        if rows == 0:  # fewer groups than workers: the extra workers would idle
+            break
         shard = prompts[:rows]
         times = []
         for round_index in range(max(2, args.rounds)):

@@ -39,11 +39,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
+from interop.rollout_workers import RemoteWorker, kill_actor, node_alive
 from recipes.grpo.batch import merge_batches, response_mask
 from recipes.grpo.collector_modes import BackgroundCollector, CollectorExited, timed_batches
 
@@ -97,11 +97,7 @@ def _collector_actor_class(ray):
     return ray.remote(CollectorActor)
 
 
-class _Worker:
-    """One worker, where it runs (for the warnings) and the shares it samples."""
-
-    def __init__(self, index: int, handle: Any, node: str, pid: int | None) -> None:
-        self.index, self.handle, self.node, self.pid = index, handle, node, pid
+_Worker = RemoteWorker  # one worker and where it runs (for the warnings)
 
 
 class CollectorWorkers:
@@ -234,8 +230,8 @@ class CollectorWorkers:
         where = actor.where.remote()
         deadline = time.monotonic() + self.timeout_s
         while not self._ray.wait([where], timeout=_POLL_S)[0]:
-            if unless_lost is not None and not self._node_alive(unless_lost):
-                self._ray.kill(actor, no_restart=True)
+            if unless_lost is not None and not node_alive(unless_lost):
+                kill_actor(actor)
                 return None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"CollectorWorkers: no Ray worker started within {self.timeout_s:.0f} s.")
@@ -372,7 +368,7 @@ class CollectorWorkers:
         position = self._workers.index(worker)
         self._stop(worker)
         replacement = None
-        if self._node_alive(worker.node):
+        if node_alive(worker.node):
             replacement = self._start_actor(worker.index, unless_lost=worker.node)
         if replacement is not None:
             self._warn_replaced(worker, error)
@@ -407,17 +403,11 @@ class CollectorWorkers:
             type(error).__name__,
         )
 
-    def _node_alive(self, node: str) -> bool:
-        return any(entry["NodeID"] == node and entry["Alive"] for entry in self._ray.nodes())
-
     def _stop(self, worker: _Worker) -> None:
         if self.backend == "processes":
             worker.handle.shutdown()
             return
-        try:
-            self._ray.kill(worker.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        kill_actor(worker.handle)
 
     def shutdown(self) -> None:
         """Stops every worker (local processes joined, Ray actors killed)."""
