@@ -74,6 +74,12 @@ def check_rollout_backend(cfg: DictConfig, *, workers_per_process: bool = False)
             "rollout.backend=processes: local worker processes sample on CPU copies of the policy. Use "
             "rollout.backend=ray for GPU workers, or rollout.worker_resources.num_gpus=0."
         )
+    if backend == "ray" and str(cfg.device).startswith("cuda") and not cfg.rollout.worker_resources.num_gpus:
+        raise ConfigError(
+            f"device={cfg.device} with rollout.backend=ray and rollout.worker_resources.num_gpus=0: Ray gives a worker "
+            "no GPU unless it asks for one, so the workers would sample on CPU (or fail to load on CUDA). Set "
+            "rollout.worker_resources.num_gpus=1 (a GPU each; 0.5 shares one between two), or device=cpu."
+        )
     if backend == "learner":
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (workers_per_process and backend == "processes"):

@@ -297,3 +297,20 @@ def test_workers_sample_with_the_published_weights_even_when_the_trainer_patched
         logits = patched(input_ids=full).logits[0, len(prompts[0]) - 1 : -1]
     expected = torch.log_softmax(logits, -1).gather(-1, completion[:, None]).squeeze(-1)
     torch.testing.assert_close(rollout.get("logprobs")[0, :length], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("recipe_name", ["trl_grpo_torchrl_rollouts", "grpo_torchrl_rm"])
+def test_ray_workers_for_a_cuda_run_must_ask_for_gpus(compose_config, recipe_name):
+    """Ray gives an actor no GPU unless it asks: with device=cuda and no GPU per worker, the workers would sample on
+    CPU (the trl recipe's) or fail loading on CUDA (the GRPO recipe's collectors). Refused naming the key, in both."""
+    from recipes.common.config import ConfigError
+    from recipes.common.rollout_backend import check_rollout_backend
+
+    cfg = compose_config(recipe_name, ["device=cuda", "rollout.backend=ray", "rollout.workers=2"])
+    with pytest.raises(
+        ConfigError, match=r"device=cuda with rollout.backend=ray and rollout.worker_resources.num_gpus=0"
+    ):
+        check_rollout_backend(cfg)
+    check_rollout_backend(
+        compose_config(recipe_name, ["device=cuda", "rollout.backend=ray", "rollout.worker_resources.num_gpus=1"])
+    )
