@@ -212,6 +212,9 @@ def make_trl_config(cfg, *, output_dir: str):
         num_iterations=cfg.train.epochs_per_step,
         num_generations=cfg.rollout.group_size,
         max_completion_length=generation.max_new_tokens,
+        # trl's own generation applies its sampler correction only to vLLM completions, never here; TorchRL's side
+        # would pay a forward pass for it (trl's default is on): off, both sides do the same work.
+        vllm_importance_sampling_correction=False,
         **sampling_fields(cfg),
         generation_kwargs=extra_generation_kwargs(cfg) or None,
         max_steps=cfg.train.steps * micro_batches_per_generation // accumulation * cfg.train.epochs_per_step,
