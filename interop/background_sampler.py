@@ -267,6 +267,11 @@ class BackgroundSampler:
     def pid(self) -> int | None:
         return self.process.pid
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The shared copy the child samples with: the weights last published."""
+        return self._shared
+
 
 def _dialog_rollout_func(model, tokenizer, options: dict):
     """The child's rollout function for tools: an :class:`~interop.dialogs.DialogSampler` on the shared model, its

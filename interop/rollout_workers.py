@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -105,10 +106,8 @@ def _import_ray():
     return ray
 
 
-class _ClusterWeStarted:
-    """The local cluster :func:`connect_ray` started, and its watcher process."""
-
-    janitor: subprocess.Popen | None = None
+# The watcher of the local cluster connect_ray started (interop._ray_janitor); None: none started.
+_janitor: subprocess.Popen | None = None
 
 
 def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = False) -> bool:
@@ -118,6 +117,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
     Returns whether this call started a cluster (then :func:`disconnect_ray` stops it; a joined cluster is left
     running). Already connected: nothing is done. An unreachable address raises ``ConnectionError`` naming it.
     """
+    global _janitor
     ray = _import_ray()
     if ray.is_initialized():
         return False
@@ -125,9 +125,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
     if address is None:
         ray.init(address="local", num_cpus=num_cpus, **options)  # "local": a new one, even where RAY_ADDRESS is set
         log.info("Ray: no cluster address given (ray.address=null): started a local Ray cluster on this machine.")
-        import os
-
-        _ClusterWeStarted.janitor = subprocess.Popen(
+        _janitor = subprocess.Popen(
             [sys.executable, "-m", "interop._ray_janitor", str(os.getpid())], stdin=subprocess.PIPE
         )
         return True
@@ -162,10 +160,11 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
 def disconnect_ray() -> None:
     """Stops Ray in this process: a cluster :func:`connect_ray` started is shut down (its processes end), a joined one
     is only left."""
+    global _janitor
     ray = _import_ray()
     if ray.is_initialized():
         ray.shutdown()
-    janitor, _ClusterWeStarted.janitor = _ClusterWeStarted.janitor, None
+    janitor, _janitor = _janitor, None
     if janitor is not None:
         try:
             janitor.communicate(b"done\n", timeout=10)
@@ -339,7 +338,7 @@ class RolloutWorkers:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"RolloutWorkers: workers must be an integer >= 1, got {workers!r}.")
         self.backend, self.timeout_s = backend, timeout_s
-        self._model = _sampling_copy(model)  # what every worker (and a replacement) starts from
+        self._model = _sampling_copy(model)  # what every worker starts from
         self._tokenizer, self._dialogs = tokenizer, dialogs
         self._options = {
             "settings": settings,
@@ -368,12 +367,16 @@ class RolloutWorkers:
 
     # ------------------------------------------------------------------------------------------------ workers
 
-    def _start(self, index: int, *, placement_s: float | None = None) -> RemoteWorker | None:
-        """Worker ``index``; with ``placement_s``, ``None`` when Ray cannot place it within that many seconds."""
+    def _start(
+        self, index: int, *, placement_s: float | None = None, weights: torch.nn.Module | None = None
+    ) -> RemoteWorker | None:
+        """Worker ``index`` (a local one starting from ``weights``' copy, by default the first weights); with
+        ``placement_s``, ``None`` when Ray cannot place it within that many seconds (a Ray worker starts from the first
+        weights and loads the published ones with its next batch)."""
         seed = self._seed + index
         if self.backend == "processes":
             sampler = BackgroundSampler(
-                self._model,
+                self._model if weights is None else weights,
                 self._tokenizer,
                 settings=self._options["settings"],
                 log_probs_at_temperature=self._options["log_probs_at_temperature"],
@@ -431,7 +434,6 @@ class RolloutWorkers:
                 worker.handle.publish(model, version=version)
         else:
             self._weights_ref = self._ray.put(published_state(model))
-        self._model.load_state_dict(model.state_dict())  # a replaced worker starts from the newest weights
         self.version = version
 
     def submit(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int = 1) -> None:
@@ -458,7 +460,7 @@ class RolloutWorkers:
             seconds = float(rollout.get("sample_s")[0]) if rollout.shape[0] else 0.0
             return rollout.exclude("sample_s"), seconds
         data, batch_size, seconds = self._ray.get(future, timeout=self.timeout_s)
-        # Copied out of Ray's object store: its zero-copy tensors' memory is not ours to keep once the reference goes.
+        # Ray hands tensors back on its object store's read-only memory: the batch is the caller's to change.
         return TensorDict({key: value.clone() for key, value in data.items()}, batch_size=batch_size), seconds
 
     def _died(self) -> tuple[type[BaseException], ...]:
@@ -510,9 +512,9 @@ class RolloutWorkers:
         position = self._workers.index(worker)
         self._stop(worker)
         replacement = None
-        if self.backend == "processes":
-            replacement = self._start(worker.index)
-            replacement.handle.publish(self._model, version=self.version)
+        if self.backend == "processes":  # the dead one's shared copy, in this process, holds the published weights
+            replacement = self._start(worker.index, weights=worker.handle.model)
+            replacement.handle.publish(worker.handle.model, version=self.version)
         elif node_alive(worker.node):
             replacement = self._start(worker.index, placement_s=_REPLACEMENT_PLACEMENT_S)
         if replacement is not None:

@@ -111,3 +111,22 @@ def compose_config():
             return cfg
 
     return _compose
+
+
+@pytest.fixture
+def two_node_cluster():
+    """A Ray cluster of two simulated nodes of 1 CPU each (the head and one more, which also offers a custom resource
+    ``second``), this test's own, shut down however the test ends (Ray disconnected first): ``(cluster, second node)``.
+    A recipe joins it with ``ray.address=<cluster.address>``."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        second = cluster.add_node(num_cpus=1, resources={"second": 1})
+        cluster.wait_for_nodes()
+        yield cluster, second
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()

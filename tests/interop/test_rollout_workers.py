@@ -152,25 +152,17 @@ def test_local_workers_sample_every_group_once_when_one_is_killed_mid_batch(tiny
 
 
 @pytest.fixture
-def two_node_cluster():
-    """A head and a second node, one CPU each, this test's own; Ray connected to it and disconnected after."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
+def connected_two_node_cluster(two_node_cluster):
+    """tests/conftest.py's two-node cluster, this process connected to it."""
+    import ray
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    second = cluster.add_node(num_cpus=1, resources={"second": 1})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
-        cluster.wait_for_nodes()
-        yield cluster, second
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    ray.init(address=two_node_cluster[0].address, include_dashboard=False, log_to_driver=False)
+    return two_node_cluster
 
 
 @pytest.mark.slow
 def test_ray_workers_on_two_nodes_lose_no_group_when_killed_twice_or_when_a_node_leaves(
-    tiny_policy, two_node_cluster, caplog
+    tiny_policy, connected_two_node_cluster, caplog
 ):
     """Four batches of six groups on two Ray workers (one per node): an actor killed with ray.kill during the second,
     a worker process SIGKILLed during the third, the second node removed during the fourth. Every batch holds every
@@ -178,7 +170,7 @@ def test_ray_workers_on_two_nodes_lose_no_group_when_killed_twice_or_when_a_node
     and the run goes on with the other."""
     import ray
 
-    cluster, second = two_node_cluster
+    cluster, second = connected_two_node_cluster
     model, tokenizer = tiny_policy
     prompts = _prompt_ids(tokenizer, group_size=2)
     workers = _workers(tiny_policy, "ray", 2, seed=1)
@@ -213,7 +205,7 @@ def test_ray_workers_on_two_nodes_lose_no_group_when_killed_twice_or_when_a_node
 
 
 @pytest.mark.slow
-def test_a_cluster_too_small_for_the_workers_is_refused_naming_what_is_missing(two_node_cluster):
+def test_a_cluster_too_small_for_the_workers_is_refused_naming_what_is_missing(connected_two_node_cluster):
     from interop.rollout_workers import check_placement
 
     check_placement(2, WorkerResources(num_cpus=1))
