@@ -390,6 +390,7 @@ class ToolStats:
     cut_results: int = 0
 
     def record(self, result: ToolResult) -> None:
+        """Counts one call: its error kind if it failed, and whether its result was cut."""
         self.calls += 1
         if result.error is not None:
             self.errors[result.error] += 1
@@ -407,6 +408,7 @@ class ToolStats:
         return self.errors["timeout"]
 
     def as_metrics(self, prefix: str = "tools/") -> dict[str, int]:
+        """The counts as metric names under ``prefix``: calls, failures, cut results, and one count per error kind."""
         metrics = {f"{prefix}calls": self.calls, f"{prefix}failures": self.failures}
         metrics[f"{prefix}cut_results"] = self.cut_results
         metrics.update({f"{prefix}errors/{kind}": count for kind, count in sorted(self.errors.items())})
