@@ -212,14 +212,15 @@ class MCPTool:
     def __call__(self, **arguments) -> str:
         return self.server.call(self.__name__, arguments)
 
-    def start_in_worker(self) -> None:
+    def start_in_worker(self) -> str:
         """Called by the tool worker once it has loaded the tools, before the first call (so that the server's start
-        is not counted in the call's timeout). A server that fails to start here is tried again by the call, whose
-        answer then says why."""
+        is not counted in the call's timeout); returns what happened, which the runner logs. A server that fails to
+        start here is tried again by the call, whose answer then says why."""
         try:
             self.server.start()
-        except Exception:
-            pass
+        except Exception as error:
+            return f"{self.server.described} did not start ({_reason(error)}); each call of its tools tries again."
+        return f"{self.server.described} started."
 
     def __repr__(self) -> str:
         return f"MCPTool({self.__name__!r}, server={self.server.name!r})"
