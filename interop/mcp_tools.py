@@ -13,8 +13,9 @@ Tool names are the server's own. Two servers listing a tool of one name are refu
 tool by its name alone (TorchRL's transform prefixes ``server.`` instead, in its own call format).
 
 The server process dies with the process that started it (``PR_SET_PDEATHSIG``, set by ``_mcp_launcher.py`` before it
-becomes the server): the mcp client starts it in a session of its own, out of the worker's process group, so when the
-runner kills its worker (a call past ``timeout_s``) the server goes with it, and the next worker starts a fresh one.
+becomes the server), and it is below the tool worker's keeper, which kills every process below it when the worker is
+stopped (a call past ``timeout_s``, the run's end, the trainer's death): the server, the real server a launcher such as
+``npx`` or ``uvx`` starts as its child, and what its tools start. The next worker starts a fresh server.
 The server runs as the training process's user, in its working folder, with ``HOME``, ``LOGNAME``, ``PATH``,
 ``SHELL``, ``TERM``, ``USER`` (what the mcp client passes on) and the ``env`` given: it is not a sandbox.
 

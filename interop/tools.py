@@ -10,7 +10,7 @@ Public names:
   {...}}</tool_call>`` by default (Qwen2.5's template; the markers are parameters), and :meth:`ToolCallFormat.parse`.
 - :class:`ToolCall`: one call as parsed, or a malformed one with the reason; :class:`ParsedTurn`: a turn's text before
   its calls, and its calls.
-- :class:`ToolRunner`: runs calls in a worker process (kept alive across calls; killed, with the processes a tool
+- :class:`ToolRunner`: runs calls in a worker process (kept alive across calls; stopped, with every process a tool
   started, and restarted after a call overruns ``timeout_s``; dead with its parent), results cut at
   ``max_result_tokens``. Nothing a tool or a model does makes it raise: a tool that raises, overruns or kills its
   process, a malformed call, an unknown tool or wrong arguments are each answered with an error text as the tool
@@ -90,6 +90,9 @@ class ToolSet:
 
     Args:
         tools: the functions (their ``__name__`` is the tool's name).
+
+    Pickled (to a sampling process), the functions of the script that was run travel by value (``cloudpickle``), as
+    that process does not run the script.
 
     Raises:
         ValueError: a tool that is not callable, has no name, docstring or type hints, or whose docstring does not
@@ -433,16 +436,19 @@ class ToolRunner:
     """Runs tool calls in a worker process, answering every call with a tool message's content.
 
     The worker (a pool of one) starts on the first call and is kept for the next; a call that overruns ``timeout_s``
-    is answered with a timeout error and its worker killed (``SIGKILL``), the next call starting a fresh one. The
-    worker dies with this process (``PR_SET_PDEATHSIG``) and on :meth:`close` (a ``with`` block closes it). Calls run
-    one at a time, in order.
+    is answered with a timeout error and its worker stopped, the next call starting a fresh one. The worker ends on
+    :meth:`close` (a ``with`` block closes it) and with this process, however it ends. On Linux every process a tool
+    starts ends with the worker, in a session of its own or double-forked too: the worker's keeper process is a child
+    subreaper that kills everything below it (``interop/_tool_worker.py`` says what can still escape). Calls run one
+    at a time, in order.
 
-    The tools are sent to the worker pickled by reference, so each must be importable by its module and name (a
+    The tools are sent to the worker with ``cloudpickle``: by reference when importable by their module and name (a
     function at a module's top level, or a bound method of an object that pickles; such an object's state lives in the
-    worker from then on). A tool defined in the script that was run (``__main__``) is found by running that script
-    again in the worker under another name, as ``multiprocessing``'s spawn does. A tool with a ``start_in_worker()``
-    method has it called once in each worker, after loading, before the first call, within ``start_timeout_s`` (an
-    :class:`interop.mcp_tools.MCPTool` starts its server there).
+    worker from then on), by value when defined in the script that was run (``__main__``), which the worker does not
+    run (a training script with no ``if __name__ == "__main__":`` guard would train there). A tool with a
+    ``start_in_worker()`` method has it called once in each worker, after loading, before the first call, within
+    ``start_timeout_s`` (an :class:`interop.mcp_tools.MCPTool` starts its server there); what it returns as text is
+    logged (``logging``, INFO).
 
     Args:
         tools: a :class:`ToolSet`, or the functions to build one from.
@@ -455,7 +461,7 @@ class ToolRunner:
         start_timeout_s: the longest the worker may take to start and import the tools' modules.
 
     Examples:
-        A tool must be importable by the worker, so this one comes from a module (``mytools.py``)::
+        A tool from a module (``mytools.py``; one defined in the script that runs works the same)::
 
             >>> from mytools import multiply  # doctest: +SKIP
             >>> with ToolRunner([multiply], timeout_s=5.0, max_result_tokens=None) as runner:  # doctest: +SKIP
