@@ -1,16 +1,18 @@
 """A tool defined in a trl user's own script (a typed, documented function beside the trainer, as trl's docs write
 it, and no ``if __name__ == "__main__":`` guard) works in sync and async mode, and no other process runs the script:
 the tool travels by value to the tool worker (and to the async sampling process), which never re-import ``__main__``.
-"""
+The processes such a tool starts die with the trainer killed by SIGKILL, through the async sampling process."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from _processes import REPO_ROOT
+from _processes import REPO_ROOT, kill_leftovers, still_running
 
 # The user's script. Its top level notes each process that runs it; the tool notes each process that calls it.
 SCRIPT = '''
@@ -37,6 +39,11 @@ def multiply(a: int, b: int) -> int:
     """
     with open(os.environ["TOOL_CALLS"], "a") as calls:
         calls.write(f"{os.getpid()}\\n")
+    if os.environ.get("SLEEPERS"):  # a tool that starts a process per call (a command it runs)
+        import subprocess
+
+        with open(os.environ["SLEEPERS"], "a") as sleepers:
+            sleepers.write(f"{subprocess.Popen(['sleep', '600'], start_new_session=True).pid}\\n")
     return a * b
 
 
@@ -91,3 +98,32 @@ def test_a_tool_in_an_unguarded_user_script_is_called_and_the_script_runs_once(t
     assert len(runs.read_text().split()) == 1, "another process ran the user's script"
     callers = set(calls.read_text().split()) if calls.exists() else set()
     assert callers and runs.read_text().split()[0] not in callers, "the tool ran, in a worker process"
+
+
+@pytest.mark.slow
+def test_what_a_tool_started_in_async_mode_dies_with_the_trainer_killed_by_sigkill(tiny_dir, tmp_path):
+    """Trainer -> sampling process -> tool worker -> the tool's processes (in sessions of their own)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    sleepers = tmp_path / "sleepers"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SCRIPT_RUNS": str(tmp_path / "runs")}
+    env.update(TOOL_CALLS=str(tmp_path / "calls"), SLEEPERS=str(sleepers), TRL_EXPERIMENTAL_SILENCE="1")
+    pids = []
+
+    def read_pids() -> list[int]:
+        pids[:] = [int(pid) for pid in sleepers.read_text().split()] if sleepers.exists() else []
+        return pids
+
+    trainer = subprocess.Popen([sys.executable, str(script), str(tiny_dir), "async", str(tmp_path / "out")], env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while len(read_pids()) < 2 and trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert trainer.poll() is None and len(pids) >= 2, "the run ended, or called no tool twice, in 300 s"
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        assert still_running(read_pids(), 10.0) == [], "the tool's processes outlived the trainer"
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        kill_leftovers(read_pids())
