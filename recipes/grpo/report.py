@@ -21,6 +21,7 @@ import torch
 from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
+from recipes.common.metrics import sampler_mismatch_line, sampler_mismatch_summary
 from recipes.common.run import Run
 from recipes.common.text_metrics import distinct_bigrams
 from recipes.common.tools import tool_entries
@@ -299,7 +300,7 @@ def closing_message(summary: dict, output_dir: Path) -> str:
         f"({summary['perf/tokens_per_s']:.0f} "
         f"generated tokens/s of rollout); reward {summary['rollout/reward_mean_first']:.3f} -> "
         f"{summary['rollout/reward_mean_last']:.3f}{oracle}. Run folder: {output_dir}. Curves: python "
-        f"scripts/plot_run.py {output_dir}"
+        f"scripts/plot_run.py {output_dir}.{sampler_mismatch_line(summary)}"
     )
 
 
@@ -380,6 +381,9 @@ def summarize(progress: TrainingProgress, *, window: int, num_processes: int) ->
             summary[f"{name}_first"] = values[0]
             last = [value for value in values[-window:] if not math.isnan(value)]
             summary[f"{name}_last"] = sum(last) / len(last) if last else math.nan
+    # The sampler/trainer mismatch over the run, where it is large enough to matter.
+    logged = {key for row in history for key in row}
+    summary.update(sampler_mismatch_summary({key: [row[key] for row in history if key in row] for key in logged}))
     # Held-out figures: the evaluation before training, and the last one (not averaged: they are few and far apart).
     if progress.evaluations:
         first, last = progress.evaluations[0], progress.evaluations[-1]
