@@ -197,12 +197,23 @@ def make_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
 
 
 def make_replay_buffer(cfg: DictConfig) -> ReplayBuffer:
-    """One step's responses (with their advantages), handed out in mini-batches without replacement."""
+    """One step's responses (with their advantages), handed out in mini-batches without replacement, in an order
+    drawn from the buffer's own generator (:func:`optimize` seeds it every step)."""
     return ReplayBuffer(
         storage=LazyStackStorage(cfg.rollout.responses_per_step),
         sampler=SamplerWithoutReplacement(),
         batch_size=cfg.train.mini_batch_size,
+        generator=torch.Generator(),
     )
+
+
+def mini_batch_order_seed(cfg: DictConfig, learner: Learner) -> int:
+    """The seed of a step's mini-batch order: the run's seed, the process and the optimizer steps done. Drawn apart
+    from torch's global generator, the order neither consumes nor depends on the sampling noise: a sync run's
+    sampler, which shares the learner's process, draws what an async collector draws in its own (a zero-lag async run
+    trains as the sync run), and a resumed run draws as the uninterrupted one (the optimizer steps are checkpointed)."""
+    return cfg.seed * 1_000_003 + PartialState().process_index * 7919 + learner.optimizer_steps_done
+
 
 def is_on_policy(cfg: DictConfig) -> bool:
     """One update per step: the responses train the very policy that sampled them, old log-probs = current ones."""
@@ -318,6 +329,7 @@ def optimize(cfg: DictConfig, learner: Learner, batch: TensorDictBase) -> dict[s
     Each loss forward runs in ``learner.forward_context()`` (bf16 autocast, checkpointed layers), its backward
     outside it; the learning-rate schedule steps with the optimizer."""
     scale = step_scale(cfg, batch)
+    learner.buffer.set_rng(torch.Generator().manual_seed(mini_batch_order_seed(cfg, learner)))
     sums: dict[str, float] = {}
     mismatch: list[torch.Tensor] = []
     for update in range(cfg.train.epochs_per_step * optimizer_steps(cfg)):
