@@ -121,6 +121,14 @@ class MetricLogger:
             table = wandb.Table(columns=["step", *columns], data=[[step, *(row[c] for c in columns)] for row in rows])
             self._wandb_run.log({"samples": table}, step=step, commit=False)
 
+    def log_histogram(self, name: str, values: list[float], step: int) -> None:
+        """``values`` as a wandb histogram under ``name`` (csv and none keep none: the recipe logs a scalar beside
+        it). Call it before the step's :meth:`log`, which commits the step."""
+        if self._wandb_run is not None and values:
+            import wandb
+
+            self._wandb_run.log({name: wandb.Histogram(values)}, step=step, commit=False)
+
     def log_summary(self, summary: dict) -> None:
         """The run's final figures, in the wandb run's summary (a csv run has them in the recipe's summary.json)."""
         if self._wandb_run is not None:

@@ -166,10 +166,12 @@ def is_source_figure(key: str) -> bool:
     return key.startswith("rollout/rewards/")
 
 
-def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
+def report_step(run: Run, step: int, metrics: dict, bar, *, samples, lags: list[float] = ()) -> None:
     """The step's metrics to the logger, a progress line every ``log_every_n_steps`` steps and sample rollouts every
-    ``samples.every_n_steps`` to the log (``samples(count=n)`` draws them), the live reward on the progress bar."""
+    ``samples.every_n_steps`` to the log (``samples(count=n)`` draws them), the live reward on the progress bar;
+    ``lags``: the policy lag of every batch trained so far, a wandb histogram (``train/policy_lag_histogram``)."""
     cfg = run.cfg
+    run.logger.log_histogram("train/policy_lag_histogram", list(lags), step=step)
     every = cfg.samples.every_n_steps
     drawn = []
     if run.is_main and every is not None and (step % every == 0 or step in (1, cfg.train.steps)):
@@ -335,9 +337,10 @@ _ROLLOUT_FIGURES = (
 
 
 def _is_worker_figure(key: str) -> bool:
-    """``rollout/workers``, ``rollout/worker_restarts``, ``rollout/worker_<i>/tokens_per_s``: the sampling workers'
-    (``recipes.grpo.collector_workers``), in metrics.csv but no summary series."""
-    return key == "rollout/workers" or key.startswith("rollout/worker_")
+    """``rollout/workers``, ``rollout/worker_restarts``, ``rollout/worker_<i>/tokens_per_s``, ``rollout/withheld``,
+    ``rollout/withheld_s``: the sampling workers' (``recipes.grpo.collector_workers``), in metrics.csv but no summary
+    series."""
+    return key in ("rollout/workers", "rollout/withheld", "rollout/withheld_s") or key.startswith("rollout/worker_")
 
 
 def summary_series(history: list[dict]) -> list[str]:

@@ -55,6 +55,13 @@ def test_the_policy_lag_stays_within_its_bound(compose_config, tmp_path, collect
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
     rows = read_metrics(tmp_path)
     assert [row["train/policy_lag"] for row in rows] == lags
+    # No batch is sampled past the bound: with 0, every batch after the first waited for the update before it.
+    withheld = [row["rollout/withheld"] for row in rows]
+    if max_policy_lag == 0:
+        assert withheld == [0.0, 1.0, 1.0, 1.0]
+        assert all(row["rollout/withheld_s"] > 0 for row in rows[1:])
+    else:
+        assert withheld[:2] == [0.0, 0.0]  # the second batch may be sampled with the initial weights
     assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
     (collector,) = collectors
     (pid,) = collector.pids  # rollout.backend=null in async mode: one worker process
