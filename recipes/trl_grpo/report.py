@@ -167,6 +167,9 @@ class MetricsCallback(TrainerCallback):
         # with it every checkpoint's trainer_state.json, which a resumed run's summary reads.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(figures)
+        # Async: the lag of every batch logged so far (a resumed run's history included), before the step commits.
+        lags = [entry["policy_lag"] for entry in state.log_history if "policy_lag" in entry and "loss" in entry]
+        self.logger.log_histogram("train/policy_lag_histogram", lags, step=state.global_step)
         self.logger.log(metrics, step=state.global_step)
         if args.process_index == 0 and (state.global_step % self.every == 0 or state.global_step == self.total_steps):
             shown = [

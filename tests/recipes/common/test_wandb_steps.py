@@ -59,3 +59,21 @@ def test_an_async_run_gives_wandb_the_lag_of_every_trained_batch_as_a_histogram(
     for step, histogram in enumerate(histograms, start=1):
         assert sum(histogram.histogram) == step
         assert histogram.bins[0] <= min(lags[:step]) and histogram.bins[-1] >= max(lags[:step])
+
+
+def test_the_trl_recipe_gives_wandb_the_lag_of_every_logged_batch_as_a_histogram(compose_config, tmp_path, monkeypatch):
+    import wandb
+    from _small_runs import TRL_SMALL
+
+    import recipes.trl_grpo_torchrl_rollouts as trl_recipe
+
+    run = StrictRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    overrides = [*TRL_SMALL, "rollout.mode=async", "logger=wandb", f"output_dir={tmp_path}"]
+    trl_recipe.train(compose_config("trl_grpo_torchrl_rollouts", overrides))
+    assert run.dropped == []
+    lags = [run.history[step]["train/policy_lag"] for step in (1, 2, 3)]
+    for step in (1, 2, 3):
+        histogram = run.history[step]["train/policy_lag_histogram"]
+        assert sum(histogram.histogram) == step
+        assert histogram.bins[0] <= min(lags[:step]) and histogram.bins[-1] >= max(lags[:step])
