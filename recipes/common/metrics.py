@@ -214,10 +214,12 @@ def sampler_mismatch_line(summary: dict) -> str:
     if _MISMATCH_MEAN not in summary:
         return ""
     clipped = summary.get("sampling/importance_sampling_clipped_or_masked/token_fraction")
-    share = f", {100 * clipped:.1f}% of tokens outside the correction's clip range" if clipped is not None else ""
+    share = ""
+    if clipped is not None:
+        share = f", {100 * clipped:.1f}% of tokens outside the sampler correction's clip range"
     return (
         f" Sampler/trainer mismatch: |log-prob difference| {summary[_MISMATCH_MEAN]:.3g} per token on average (above "
         f"{SAMPLER_MISMATCH_THRESHOLD}; largest {summary.get('sampling/sampling_logp_difference/max', math.nan):.3g})"
-        f"{share}: the sampler's log-probs are not the trainer's (lag, precision or engine); the sampler correction "
-        "weighs them (docs/grpo.md, docs/trl_grpo_rollouts.md)."
+        f"{share}: the sampler's log-probs are not the trainer's (policy lag, precision or engine), which the sampler "
+        "correction weighs the loss for (docs/grpo.md#the-samplertrainer-mismatch-correction)."
     )

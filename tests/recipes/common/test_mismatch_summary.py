@@ -56,7 +56,7 @@ def test_a_mismatch_above_the_threshold_is_in_the_summary_and_the_closing_line(r
     assert summary[MAX] == pytest.approx(0.4), "the largest per-step maximum of the run"
     assert summary[CLIPPED] == pytest.approx(0.1 / 3)
     assert "Sampler/trainer mismatch: |log-prob difference| 0.03 per token" in closing
-    assert "3.3% of tokens outside the correction's clip range" in closing
+    assert "3.3% of tokens outside the sampler correction's clip range" in closing
 
 
 @pytest.mark.parametrize("recipe_summary", [_grpo, _trl], ids=["grpo", "trl"])
