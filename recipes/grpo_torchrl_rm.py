@@ -281,7 +281,9 @@ def train_loop(
             samples = functools.partial(
                 sample_rollouts, batch, prompts.prompts, models.tokenizer, oracle, source_names=source_names(cfg)
             )
-            report_step(run, step, metrics, bar, samples=samples)
+            # async: the lag of every batch trained so far, a histogram in wandb (train/policy_lag: this step's).
+            lags = [row["train/policy_lag"] for row in progress.history] if cfg.rollout.mode == "async" else []
+            report_step(run, step, metrics, bar, samples=samples, lags=lags)
             save_if_due(run, step, models, learner, progress)
     finally:
         bar.close()

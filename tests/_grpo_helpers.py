@@ -24,9 +24,9 @@ MAX_COMPLETION_LENGTH = 48
 
 
 def loss_settings(**changes):
-    """The ``loss:`` node (``recipes.grpo.schema.Loss``) of a bnpo loss without a KL term or masks (trl's values for
-    sapo's and vespo's own), with ``changes`` on top."""
-    from recipes.grpo.schema import Loss, Sapo, Vespo
+    """The ``loss:`` node (``recipes.grpo.schema.Loss``) of a bnpo loss without a KL term, masks or sampler correction
+    (trl's values for sapo's and vespo's own), with ``changes`` on top."""
+    from recipes.grpo.schema import Loss, SamplerCorrection, Sapo, Vespo
 
     settings = {
         "type": "bnpo",
@@ -45,5 +45,16 @@ def loss_settings(**changes):
         "ref_model_sync_steps": 512,
         "sapo": Sapo(temperature_pos=1.0, temperature_neg=1.05),
         "vespo": Vespo(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0),
+        "sampler_correction": SamplerCorrection(enabled=False, mode="sequence_mask", clip_min=None, clip_max=3.0),
     }
     return Loss(**{**settings, **changes})
+
+
+def trl_cpu_config(output_dir, **settings):
+    """A ``trl.GRPOConfig`` for a trainer whose loss a test calls on CPU (no reporting, no bf16, no progress bar),
+    with ``settings`` on top."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(output_dir), use_cpu=True, report_to="none", bf16=False, disable_tqdm=True, **settings
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import math
 import secrets
 import sys
 from pathlib import Path
@@ -23,9 +24,31 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.common.config import mask_override, mask_overrides_in_text
 
-__all__ = ["WANDB_ID_FILE", "MetricLogger", "make_logger", "peak_device_memory"]
+__all__ = [
+    "SAMPLER_MISMATCH_THRESHOLD",
+    "WANDB_ID_FILE",
+    "MetricLogger",
+    "make_logger",
+    "peak_device_memory",
+    "sampler_mismatch_line",
+    "sampler_mismatch_summary",
+]
 
 WANDB_ID_FILE = "wandb_run_id"
+
+# A run whose mean |trainer - sampler log-prob| per token, averaged over its steps, is above this (a token's
+# probability off by about 1% on average) reports the mismatch in summary.json and its closing line
+# (docs/grpo.md#the-samplertrainer-mismatch-correction). A sampler that is the trained model itself stays
+# around 1e-6; one update of lag, or a bf16 or vLLM sampler, goes above.
+SAMPLER_MISMATCH_THRESHOLD = 0.01
+# The per-step mismatch figures both GRPO recipes log (trl's names), and how the summary folds each over the run.
+_MISMATCH_MEAN = "sampling/sampling_logp_difference/mean"
+_MISMATCH_FOLDS = {
+    _MISMATCH_MEAN: "mean",
+    "sampling/sampling_logp_difference/max": "max",
+    "sampling/sampler_kl_k3": "mean",
+    "sampling/importance_sampling_clipped_or_masked/token_fraction": "mean",
+}
 
 
 @contextlib.contextmanager
@@ -98,6 +121,14 @@ class MetricLogger:
             table = wandb.Table(columns=["step", *columns], data=[[step, *(row[c] for c in columns)] for row in rows])
             self._wandb_run.log({"samples": table}, step=step, commit=False)
 
+    def log_histogram(self, name: str, values: list[float], step: int) -> None:
+        """``values`` as a wandb histogram under ``name`` (csv and none keep none: the recipe logs a scalar beside
+        it). Call it before the step's :meth:`log`, which commits the step."""
+        if self._wandb_run is not None and values:
+            import wandb
+
+            self._wandb_run.log({name: wandb.Histogram(values)}, step=step, commit=False)
+
     def log_summary(self, summary: dict) -> None:
         """The run's final figures, in the wandb run's summary (a csv run has them in the recipe's summary.json)."""
         if self._wandb_run is not None:
@@ -153,3 +184,42 @@ def peak_device_memory(device) -> dict[str, float]:
     # "cuda" without an index is the process's current device (its rank's, under torchrun).
     peak = torch.cuda.max_memory_allocated(device if device.index is not None else None)
     return {"perf/peak_cuda_memory_gib": peak / 2**30}
+
+
+def sampler_mismatch_summary(series: dict[str, list[float]]) -> dict[str, float]:
+    """The run's sampler/trainer mismatch for summary.json, from its logged per-step figures (``name -> values``):
+    the mean over the steps of each (the largest, for the per-step maximum), under the same names; empty when the
+    mean difference is at most :data:`SAMPLER_MISMATCH_THRESHOLD` (or was never measured).
+
+    Examples:
+        >>> sampler_mismatch_summary({"sampling/sampling_logp_difference/mean": [1e-6, 2e-6]})
+        {}
+        >>> sampler_mismatch_summary({"sampling/sampling_logp_difference/mean": [0.02, 0.04],
+        ...                           "sampling/sampling_logp_difference/max": [0.5, 1.5]})
+        {'sampling/sampling_logp_difference/mean': 0.03, 'sampling/sampling_logp_difference/max': 1.5}
+    """
+    folded = {}
+    for name, fold in _MISMATCH_FOLDS.items():
+        values = [value for value in series.get(name, []) if value == value]  # NaN: not measured that step
+        if values:
+            folded[name] = max(values) if fold == "max" else sum(values) / len(values)
+    if folded.get(_MISMATCH_MEAN, 0.0) <= SAMPLER_MISMATCH_THRESHOLD:
+        return {}
+    return folded
+
+
+def sampler_mismatch_line(summary: dict) -> str:
+    """A sentence for the run's closing line when :func:`sampler_mismatch_summary` put the mismatch in ``summary``;
+    empty otherwise."""
+    if _MISMATCH_MEAN not in summary:
+        return ""
+    clipped = summary.get("sampling/importance_sampling_clipped_or_masked/token_fraction")
+    share = ""
+    if clipped is not None:
+        share = f", {100 * clipped:.1f}% of tokens outside the sampler correction's clip range"
+    return (
+        f" Sampler/trainer mismatch: |log-prob difference| {summary[_MISMATCH_MEAN]:.3g} per token on average (above "
+        f"{SAMPLER_MISMATCH_THRESHOLD}; largest {summary.get('sampling/sampling_logp_difference/max', math.nan):.3g})"
+        f"{share}: the sampler's log-probs are not the trainer's (policy lag, precision or engine), which the sampler "
+        "correction weighs the loss for (docs/grpo.md#the-samplertrainer-mismatch-correction)."
+    )

@@ -23,7 +23,9 @@ starting at the same column (``generate``'s layout, what TorchRL's padded ``GRPO
   sit between the turns, with a log-prob of 0), and each dialog's turns, tool calls and tool errors ``[B]``.
 
 The learner then adds :data:`ADVANTAGE` (``[B, 1, 1]``), :data:`REF_LOG_PROBS` (``[B, P + R]``, the frozen
-reference's) and :data:`LOSS_MASK` (``[B, R]``: the response tokens the loss counts: the policy's own,
+reference's), with ``loss.sampler_correction`` :data:`SAMPLER_LOG_PROBS` (the sampler's :data:`LOG_PROBS`, moved there:
+:data:`LOG_PROBS` then holds the trainer's own log-probs of the sampling policy, or is absent when the loss's own stand
+in) and :data:`LOSS_MASK` (``[B, R]``: the response tokens the loss counts: the policy's own,
 :func:`policy_token_mask`, a dialog's tool messages out as trl's ``env_mask`` leaves them out; truncated responses
 left out with ``loss.mask_truncated_completions``). :data:`BATCH_KEYS` is what a collector hands over;
 :func:`response_start` and :func:`response_mask` are the one way to find the responses in it,
@@ -72,6 +74,7 @@ __all__ = [
     "RESPONSE_TOKENS",
     "REWARD",
     "REWARD_LOGS",
+    "SAMPLER_LOG_PROBS",
     "SOURCE_REWARDS",
     "TOKENS",
     "TRUNCATED",
@@ -89,6 +92,7 @@ REWARD_LOGS = ("next", "reward_logs")
 DONE = ("next", "done")
 ADVANTAGE = "advantage"
 REF_LOG_PROBS = ("next", "ref_log_probs", "full")
+SAMPLER_LOG_PROBS = ("log_probs", "sampler")
 LOSS_MASK = ("masks", "loss")
 
 # What a step hands the learner: the dense sequences, the behaviour log-probs, the group ids, rewards and the policy
@@ -226,6 +230,7 @@ def merge_batches(batches: list[TensorDictBase], *, pad_token_id: int) -> Tensor
             ATTENTION_MASK: False,
             ASSISTANT_MASK: False,
             LOG_PROBS: 0.0,
+            SAMPLER_LOG_PROBS: 0.0,
             REF_LOG_PROBS: 0.0,
             LOSS_MASK: False,
         }

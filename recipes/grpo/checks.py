@@ -198,6 +198,13 @@ def _validate_algorithm(cfg: DictConfig) -> None:
             "which no update may move (the policy is built on it). Use full fine-tuning (model.lora=null) to sync the "
             "reference, or loss.sync_ref_model=false."
         )
+    if loss.sampler_correction.enabled and cfg.rollout.env == "chat":
+        raise ConfigError(
+            "loss.sampler_correction.enabled=true with rollout.env=chat: the correction weighs the loss by the "
+            "trainer's and the sampler's log-probs, and TorchRL's TransformersWrapper records no usable sampler "
+            "log-probs (it zeroes each response's first one). Use rollout.env=prompt (its sampler records them), or "
+            "loss.sampler_correction.enabled=false."
+        )
     if cfg.advantage.filter_zero_std_groups and cfg.rollout.mode == "async":
         raise ConfigError(
             "advantage.filter_zero_std_groups=true with rollout.mode=async: the background collector samples one batch "

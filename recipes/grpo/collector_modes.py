@@ -11,7 +11,9 @@ how long the last batch took (``last_timings``: ``collect_s``, of which ``genera
 picklable factory) and iterates it: while the learner updates the policy on batch ``t``, the child generates batch
 ``t + 1``. The learner pushes its weights after every update (:meth:`BackgroundCollector.update_policy_weights_`);
 the child loads the newest ones before each batch, between batches only, so every batch is sampled by one version of
-the policy, and it never starts a batch that would be more than ``max_policy_lag`` updates old when trained on.
+the policy, and it never starts a batch that would be more than ``max_policy_lag`` updates old when trained on: the
+batch is withheld until the weights are recent enough (``last_timings["withheld"]``: whether it was, and
+``"withheld_s"``: how long), not sampled and thrown away.
 Each batch carries the version it was sampled with (``"policy_version"``, written by the policy module), from which
 the learner measures the lag.
 
@@ -159,17 +161,21 @@ def collect(
         torch.manual_seed(seed)
         stream = timed_batches(collector, policy)
         for index in range(1, sys.maxsize):
-            # Batch `index` is trained on when the learner holds version start_version + index - 1.
+            # Batch `index` is trained on when the learner holds version start_version + index - 1: it is withheld
+            # until the weights are recent enough, never sampled past the bound.
             oldest_allowed = start_version + index - 1 - max_policy_lag
+            started, withheld = time.perf_counter(), version.value < oldest_allowed
             while version.value < oldest_allowed:
                 if stop.is_set() or not _parent_alive():
                     return
                 wake.acquire(timeout=_POLL_S)  # released by the learner at every update
+            held_s = time.perf_counter() - started if withheld else 0.0
             with lock, torch.no_grad():  # the weights and their version, as the learner published them together
                 for name, tensor in weights.items():
                     parameters[name].copy_(tensor)
                 policy.version.fill_(version.value)
             batch, timings = next(stream)
+            timings = {**timings, "withheld": float(withheld), "withheld_s": held_s}
             payload = ("batch", (batch.to_dict(), timings), tuple(batch.batch_size))
             while True:
                 if stop.is_set() or not _parent_alive():

@@ -100,6 +100,15 @@ def _collector_actor_class(ray):
 _Worker = RemoteWorker  # one worker and where it runs (for the warnings)
 
 
+def _withheld(timings: list[dict]) -> dict[str, float]:
+    """``withheld``: the share of a step's parts whose sampling waited for weights within the lag bound;
+    ``withheld_s``: the longest such wait."""
+    return {
+        "withheld": sum(timing["withheld"] for timing in timings) / len(timings),
+        "withheld_s": max(timing["withheld_s"] for timing in timings),
+    }
+
+
 class CollectorWorkers:
     """``workers`` TorchRL collectors apart from the learner, one batch of all of them per step.
 
@@ -123,8 +132,9 @@ class CollectorWorkers:
     Attributes:
         last_timings: the last batch's ``collect_s`` and ``generate_s``: its slowest part's (the parts are sampled at
             the same time).
-        last_stats: the last batch's ``workers`` (alive), ``worker_restarts`` (during it) and
-            ``worker_<i>/tokens_per_s`` (response tokens per second of worker ``i``'s collection).
+        last_stats: the last batch's ``workers`` (alive), ``worker_restarts`` (during it),
+            ``worker_<i>/tokens_per_s`` (response tokens per second of worker ``i``'s collection) and, with
+            ``processes``, ``withheld`` and ``withheld_s`` (:func:`_withheld`).
         restarts: workers replaced since the start.
     """
 
@@ -333,6 +343,9 @@ class CollectorWorkers:
         self.last_stats = {
             "workers": float(len(self._workers)),
             "worker_restarts": float(restarts),
+            # How long the parts were held back for the lag bound (the longest part's; local processes only: a Ray
+            # part is held back by the learner, which submits it once the bound allows).
+            **(_withheld(timings) if self.backend == "processes" else {}),
             **{f"worker_{index}/tokens_per_s": tokens[index] / max(seconds[index], 1e-9) for index in sorted(tokens)},
         }
         return merge_batches(parts, pad_token_id=self._pad_token_id)

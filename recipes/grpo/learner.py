@@ -5,11 +5,12 @@
   from the config and the loaded models.
 - :class:`PrepareBatch`: group advantages (``advantage.scale_rewards``), the loss mask (the policy's own tokens, a
   dialog's tool messages out; ``loss.mask_truncated_completions``), then the reference's (and, where a batch lacks
-  them and a step makes several updates, the old policy's) log-probs over the response positions.
+  them or ``loss.sampler_correction`` keeps the sampler's apart, and a step makes several updates, the old policy's)
+  log-probs over the response positions.
 - :func:`informative_batch`: DAPO's dynamic sampling (``advantage.filter_zero_std_groups``): groups whose rewards all
   tie are dropped and more are drawn, up to ``advantage.max_extra_batches`` batches.
 - :func:`optimize`: ``train.epochs_per_step`` passes over the step's responses, ``train.gradient_accumulation_steps``
-  mini-batches per optimizer step.
+  mini-batches per optimizer step; the step's sampler/trainer mismatch (``sampling/*``) over every process's batch.
 
 Dependencies: torch, tensordict, torchrl, hydra, transformers, accelerate.
 """
@@ -33,10 +34,26 @@ from transformers import get_scheduler
 
 from recipes.common.config import RunStopped
 from recipes.common.sharding import is_sharded, shard_frozen_model
-from recipes.grpo.batch import LOG_PROBS, LOSS_MASK, REF_LOG_PROBS, REWARD, TRUNCATED, merge_batches, policy_token_mask
+from recipes.grpo.batch import (
+    LOG_PROBS,
+    LOSS_MASK,
+    REF_LOG_PROBS,
+    REWARD,
+    SAMPLER_LOG_PROBS,
+    TRUNCATED,
+    merge_batches,
+    policy_token_mask,
+)
 from recipes.grpo.distributed import pool_over_processes
 from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs, make_policy_scorer, make_reference_scorer
-from recipes.grpo.loss import GroupAdvantage, GRPOObjective, Scale, make_loss
+from recipes.grpo.loss import (
+    GroupAdvantage,
+    GRPOObjective,
+    Scale,
+    combine_mismatch_counts,
+    make_loss,
+    sampler_mismatch_metrics,
+)
 from recipes.grpo.policy import enable_activation_checkpointing, trainable_parameters, update_forward
 from recipes.grpo.rewards import reward_sources
 
@@ -69,6 +86,9 @@ class PrepareBatch:
             carries them, or is trained on-policy (the loss takes its own log-probs).
         micro_batch_size: sequences per scoring forward pass; ``None``: all at once.
         aggregation: ``reward.aggregation``; weights: the reward sources' weights (``normalize_then_sum`` only).
+        keep_sampler_log_probs: ``loss.sampler_correction.enabled``: the sampler's log-probs move to
+            ``SAMPLER_LOG_PROBS``, and the old ones are the trainer's (scored with ``policy``, or, without it, the
+            loss's own, as trl's are with one update per batch).
     """
 
     def __init__(
@@ -82,9 +102,11 @@ class PrepareBatch:
         micro_batch_size: int | None = None,
         aggregation: str = "sum_then_normalize",
         weights: torch.Tensor | None = None,
+        keep_sampler_log_probs: bool = False,
     ) -> None:
         self.advantage = GroupAdvantage(group_size, scale=scale_rewards, aggregation=aggregation, weights=weights)
         self.mask_truncated = mask_truncated
+        self.keep_sampler_log_probs = keep_sampler_log_probs
         self.reference = None
         if reference is not None:
             self.reference = ScoreLogProbs(reference, out_key=REF_LOG_PROBS, micro_batch_size=micro_batch_size)
@@ -102,6 +124,8 @@ class PrepareBatch:
         scored = time.perf_counter()
         if self.reference is not None:
             self.reference(batch)
+        if self.keep_sampler_log_probs:
+            batch.rename_key_(LOG_PROBS, SAMPLER_LOG_PROBS)
         if self.policy is not None:
             self.policy(batch)
         return {"advantage_s": scored - start, "log_probs_s": time.perf_counter() - scored}
@@ -173,12 +197,22 @@ def make_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
 
 
 def make_replay_buffer(cfg: DictConfig) -> ReplayBuffer:
-    """One step's responses (with their advantages), handed out in mini-batches without replacement."""
+    """One step's responses (with their advantages), handed out in mini-batches without replacement, in an order
+    drawn from the buffer's own generator (:func:`optimize` seeds it every step)."""
     return ReplayBuffer(
         storage=LazyStackStorage(cfg.rollout.responses_per_step),
         sampler=SamplerWithoutReplacement(),
         batch_size=cfg.train.mini_batch_size,
+        generator=torch.Generator(),
     )
+
+
+def mini_batch_order_seed(cfg: DictConfig, learner: Learner) -> int:
+    """The seed of a step's mini-batch order: the run's seed, the process and the optimizer steps done. Drawn apart
+    from torch's global generator, the order neither consumes nor depends on the sampling noise: a sync run's
+    sampler, which shares the learner's process, draws what an async collector draws in its own (a zero-lag async run
+    trains as the sync run), and a resumed run draws as the uninterrupted one (the optimizer steps are checkpointed)."""
+    return cfg.seed * 1_000_003 + PartialState().process_index * 7919 + learner.optimizer_steps_done
 
 
 def is_on_policy(cfg: DictConfig) -> bool:
@@ -188,9 +222,10 @@ def is_on_policy(cfg: DictConfig) -> bool:
 
 def make_batch_preparation(cfg: DictConfig, models, scorer) -> PrepareBatch:
     """Advantages, the loss mask and reference log-probs; the old log-probs too where the collector records none
-    (``chat``) and a step makes several updates. On-policy, the loss takes its own (as trl does with one update per
-    batch)."""
-    scores_old = cfg.rollout.env == "chat" and not is_on_policy(cfg)
+    (``chat``) or the sampler correction wants the trainer's (trl scores them too), and a step makes several updates.
+    On-policy, the loss takes its own (as trl does with one update per batch)."""
+    correction = cfg.loss.sampler_correction.enabled
+    scores_old = (cfg.rollout.env == "chat" or correction) and not is_on_policy(cfg)
     reference = None
     if cfg.loss.kl_to_ref_coeff:
         reference = make_reference_scorer(models.reference, policy=models.policy, policy_scorer=scorer)
@@ -203,6 +238,7 @@ def make_batch_preparation(cfg: DictConfig, models, scorer) -> PrepareBatch:
         micro_batch_size=cfg.rollout.log_prob_micro_batch_size,
         aggregation=cfg.reward.aggregation,
         weights=torch.tensor([source.weight for source in reward_sources(cfg)]),
+        keep_sampler_log_probs=correction,
     )
 
 
@@ -293,9 +329,14 @@ def optimize(cfg: DictConfig, learner: Learner, batch: TensorDictBase) -> dict[s
     Each loss forward runs in ``learner.forward_context()`` (bf16 autocast, checkpointed layers), its backward
     outside it; the learning-rate schedule steps with the optimizer."""
     scale = step_scale(cfg, batch)
+    learner.buffer.set_rng(torch.Generator().manual_seed(mini_batch_order_seed(cfg, learner)))
     sums: dict[str, float] = {}
-    for _ in range(cfg.train.epochs_per_step * optimizer_steps(cfg)):
-        values = _accumulate(cfg, learner, scale)
+    mismatch: list[torch.Tensor] = []
+    for update in range(cfg.train.epochs_per_step * optimizer_steps(cfg)):
+        # The first pass sees each response once: the mismatch is counted there.
+        values = _accumulate(
+            cfg, learner, scale, fresh=update == 0, mismatch=mismatch if update < optimizer_steps(cfg) else None
+        )
         # null or 0: no clipping (trl's meaning of 0), but the norm is still measured (train/grad_norm).
         grad_norm = torch.nn.utils.clip_grad_norm_(learner.parameters, cfg.train.max_grad_norm or math.inf)
         _stop_unless_finite(grad_norm, "gradient norm")
@@ -309,17 +350,33 @@ def optimize(cfg: DictConfig, learner: Learner, batch: TensorDictBase) -> dict[s
         for key, value in values.items():
             sums[key] = sums.get(key, 0.0) + value
     steps = cfg.train.epochs_per_step * optimizer_steps(cfg)
-    return {key: total / steps for key, total in sums.items()}
+    return {key: total / steps for key, total in sums.items()} | step_mismatch(mismatch)
 
 
-def _accumulate(cfg: DictConfig, learner: Learner, scale: Scale) -> dict[str, float]:
-    """The forward and backward passes of one optimizer step's mini-batches; their summed loss and mean diagnostics."""
+def step_mismatch(mismatch: list[torch.Tensor]) -> dict[str, float]:
+    """The step's ``sampling/*`` figures over every process's mini-batches that measured them (every process
+    measures as many: the same config); none where none did."""
+    if not mismatch:
+        return {}
+    local = combine_mismatch_counts(mismatch)
+    return sampler_mismatch_metrics(combine_mismatch_counts(pool_over_processes(local.reshape(1, -1))))
+
+
+def _accumulate(
+    cfg: DictConfig, learner: Learner, scale: Scale, *, fresh: bool, mismatch: list | None
+) -> dict[str, float]:
+    """The forward and backward passes of one optimizer step's mini-batches; their summed loss and mean diagnostics.
+    ``fresh``: no update yet this step; ``mismatch``: where the mini-batches' sampler mismatch counts go (``None``:
+    not counted)."""
     values: dict[str, float] = {}
     for _ in range(scale.accumulation):
         # LazyStackStorage hands out a lazy stack of samples: stacked once here, the loss's logits are not split
         # into per-sample tensors and re-stacked (whose backward copies the whole gradient once per sample).
         with learner.forward_context():
-            out = learner.loss(learner.buffer.sample().contiguous(), scale=scale)
+            out = learner.loss(learner.buffer.sample().contiguous(), scale=scale, fresh=fresh)
+        counts = out.pop("sampler_mismatch", None)
+        if counts is not None and mismatch is not None:
+            mismatch.append(counts.detach().float().cpu())
         _stop_unless_finite(out["loss"], "loss")
         out["loss"].backward()
         values["train/loss"] = values.get("train/loss", 0.0) + float(out["loss"].detach())

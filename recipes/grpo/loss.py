@@ -8,7 +8,11 @@
   (GSPO), clip-higher (``clip_epsilon_high``), two-sided clipping (``delta``), the high-entropy token mask
   (``top_entropy_quantile``), the off-policy sequence mask (``off_policy_mask_threshold``) and a KL penalty to the
   reference with trl's ``beta`` semantics: a per-response-token term (``kl_to_ref_coeff``), bias-corrected by the
-  importance ratio (``kl_bias_correction``), normalised exactly as the policy term of the loss type.
+  importance ratio (``kl_bias_correction``), normalised exactly as the policy term of the loss type; and trl's
+  sampler/trainer mismatch correction (``loss.sampler_correction``, trl's ``vllm_importance_sampling_*``).
+- :func:`sampler_correction_ratio`: trl's truncated or masked importance weight exp(trainer - sampler log-prob), per
+  token or per response; :func:`sampler_mismatch_counts` and :func:`sampler_mismatch_metrics`: how far the sampler's
+  log-probs are from the trainer's (``sampling/*`` in metrics.csv, trl's names).
 - :data:`POLICY_LOSSES` and :data:`NORMALIZERS`: name -> rule tables (verl's registry style), one entry per type.
 
 Why not TorchRL's ``GRPOLoss`` (or its ``DAPO``/``CISPOLoss`` subclasses): 0.14.1 aggregates per mini-batch only
@@ -36,6 +40,8 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torch import nn
 
+from interop.importance_sampling import sampler_mismatch_counts as _ratio_counts
+from interop.importance_sampling import sampler_mismatch_metrics as _ratio_metrics
 from recipes.common.schema import typed_config
 from recipes.grpo.batch import (
     ADVANTAGE,
@@ -44,11 +50,19 @@ from recipes.grpo.batch import (
     LOSS_MASK,
     REF_LOG_PROBS,
     REWARD,
+    SAMPLER_LOG_PROBS,
     SOURCE_REWARDS,
     TOKENS,
     response_start,
 )
-from recipes.grpo.schema import ImportanceSamplingLevel, Loss, LossType, RewardAggregation, ScaleRewards
+from recipes.grpo.schema import (
+    ImportanceSamplingLevel,
+    Loss,
+    LossType,
+    RewardAggregation,
+    SamplerCorrection,
+    ScaleRewards,
+)
 
 __all__ = [
     "IS_LEVELS",
@@ -61,6 +75,9 @@ __all__ = [
     "group_advantages",
     "make_loss",
     "normalized_sum_advantages",
+    "sampler_correction_ratio",
+    "sampler_mismatch_counts",
+    "sampler_mismatch_metrics",
 ]
 
 SCALE_REWARDS = typing.get_args(ScaleRewards)
@@ -189,6 +206,8 @@ class _Tokens:
     advantages: torch.Tensor  # [B, 1]
     log_ratio: torch.Tensor
     coef_1: torch.Tensor  # the importance ratio: [B, R] (token level) or [B, 1] (sequence level)
+    sampler_log_probs: torch.Tensor | None = None  # the sampler's, where they differ from old_log_probs' source
+    sampler_ratio: torch.Tensor | None = None  # loss.sampler_correction's weight: [B, R] or [B, 1]
 
 
 def _clipped(tokens: _Tokens, s: Loss) -> torch.Tensor:
@@ -212,6 +231,8 @@ def _gamma_weights(tokens: _Tokens, s: Loss) -> torch.Tensor:
     """VESPO's phi(w) = e^lambda w^k e^(-lambda w) of the sequence ratio w, in log space (a gradient scale only)."""
     floor = math.log(1e-8)
     seq_log_ratio = (torch.clamp(tokens.log_ratio, -20.0, 20.0) * tokens.mask).sum(-1, keepdim=True)
+    if tokens.sampler_ratio is not None:  # the sampler correction joins the sequence ratio (a masked token: the floor)
+        seq_log_ratio = seq_log_ratio + torch.clamp(torch.log(tokens.sampler_ratio), floor, 20.0).sum(-1, keepdim=True)
     log_w = torch.clamp(seq_log_ratio, floor, 20.0)
     positive = tokens.advantages >= 0
     k = torch.where(positive, s.vespo.k_pos, s.vespo.k_neg)
@@ -294,10 +315,92 @@ def _high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: fl
 
 def _off_policy_mask(tokens: _Tokens, threshold: float) -> torch.Tensor:
     """``[B, 1]``: keep a response unless its advantage is negative and its mean KL to the sampling policy
-    (``old - current``, over its trained tokens) exceeds ``threshold``."""
-    kl = (tokens.old_log_probs - tokens.log_probs.detach()).nan_to_num(nan=0.0)
+    (``sampler - current``, over its trained tokens; the sampler's log-probs are the old ones unless the sampler
+    correction keeps them apart) exceeds ``threshold``."""
+    sampler = tokens.old_log_probs if tokens.sampler_log_probs is None else tokens.sampler_log_probs
+    kl = (sampler - tokens.log_probs.detach()).nan_to_num(nan=0.0)
     mean_kl = (kl * tokens.mask).sum(-1, keepdim=True) / tokens.mask.sum(-1, keepdim=True).clamp(min=1.0)
     return ((tokens.advantages >= 0) | (mean_kl <= threshold)).to(tokens.mask.dtype)
+
+
+def sampler_correction_ratio(
+    trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, mask: torch.Tensor, settings: SamplerCorrection
+) -> torch.Tensor:
+    """trl's ``vllm_importance_sampling_*`` weight: exp(trainer - sampler log-prob) over the ``mask``ed tokens (1
+    elsewhere, and where the sampler's is unknown: NaN), per token (``token_*``: ``[B, R]``) or per response from its
+    summed log-ratio (``sequence_*``: ``[B, 1]``), clipped into ``[clip_min, clip_max]`` (``*_truncate``) or zeroed
+    outside it (``*_mask``); a null bound is no bound.
+
+    Examples:
+        >>> from recipes.grpo.schema import SamplerCorrection
+        >>> trainer, sampler = torch.zeros(1, 3), torch.tensor([[0.0, -2.0, 0.3]])
+        >>> mask = torch.ones(1, 3)
+        >>> sampler_correction_ratio(trainer, sampler, mask, SamplerCorrection(True, "token_mask", 0.5, 3.0))
+        tensor([[1.0000, 0.0000, 0.7408]])
+        >>> sampler_correction_ratio(trainer, sampler, mask, SamplerCorrection(True, "sequence_truncate", None, 2.0))
+        tensor([[2.]])
+    """
+    log_ratio = torch.where(mask.bool(), trainer_log_probs - sampler_log_probs, 0.0).nan_to_num(nan=0.0)
+    if settings.mode.startswith("sequence_"):
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    if settings.mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=settings.clip_min, max=settings.clip_max)
+    low = -math.inf if settings.clip_min is None else settings.clip_min
+    high = math.inf if settings.clip_max is None else settings.clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def sampler_mismatch_counts(
+    trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, mask: torch.Tensor, settings: SamplerCorrection
+) -> torch.Tensor:
+    """``[8]``: the sums behind :func:`sampler_mismatch_metrics` for one mini-batch (they add up over mini-batches
+    and processes, but the second, a maximum): the summed and the largest |trainer - sampler log-prob| over the
+    ``mask``ed tokens whose sampler log-prob is known, then ``interop.trl_grpo.sampler_mismatch_counts``' six (k3 KL,
+    tokens known, tokens, tokens and responses outside the clip range, responses)."""
+    difference = (trainer_log_probs.float() - sampler_log_probs.float()).abs()
+    known = mask.bool() & ~torch.isnan(difference)
+    difference = torch.where(known, difference, 0.0)
+    ratio_counts = _ratio_counts(
+        trainer_log_probs,
+        sampler_log_probs,
+        mask,
+        mode=settings.mode,
+        clip_min=settings.clip_min,
+        clip_max=settings.clip_max,
+    )
+    largest = difference.max() if difference.numel() else difference.new_zeros(())
+    return torch.cat([torch.stack([difference.sum(), largest]), ratio_counts.to(difference)])
+
+
+def sampler_mismatch_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """The step's mismatch figures, trl's names, from :func:`sampler_mismatch_counts` combined over its mini-batches:
+    ``sampling/sampling_logp_difference/mean`` and ``/max`` (|trainer - sampler log-prob| per token),
+    ``sampling/sampler_kl_k3`` (the mean k3 estimate of KL(sampler || trainer) per token) and
+    ``sampling/importance_sampling_clipped_or_masked/token_fraction`` and ``/sequence_fraction`` (the share of loss
+    tokens, and of responses, whose ``loss.sampler_correction`` ratio falls outside ``[clip_min, clip_max]``).
+
+    Examples:
+        >>> counts = torch.tensor([0.5, 0.4, 0.2, 2.0, 2.0, 1.0, 1.0, 2.0])
+        >>> sampler_mismatch_metrics(counts)["sampling/sampling_logp_difference/mean"]
+        0.25
+    """
+    absolute, largest = counts[:2].tolist()
+    known = float(counts[3])
+    return {
+        "sampling/sampling_logp_difference/mean": absolute / max(known, 1.0),
+        "sampling/sampling_logp_difference/max": largest,
+        **_ratio_metrics(counts[2:]),
+    }
+
+
+def combine_mismatch_counts(counts: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`sampler_mismatch_counts` of several mini-batches (or processes: ``[N, 8]``) as one: sums, and the
+    largest difference."""
+    stacked = torch.stack(counts) if isinstance(counts, list) else counts
+    combined = stacked.sum(0)
+    combined[1] = stacked[:, 1].max()
+    return combined
 
 
 class GRPOObjective(nn.Module):
@@ -315,9 +418,18 @@ class GRPOObjective(nn.Module):
     Keyword Args:
         max_completion_length: ``dr_grpo``'s constant normaliser (trl's ``max_completion_length``; the recipe's
             ``rollout.generation.max_new_tokens``).
+        sampler_log_probs_recorded: the batches' ``LOG_PROBS`` are the sampler's own record (``rollout.env=prompt``;
+            TorchRL's chat wrapper zeroes the first one of each response): the sampler mismatch is measured only then.
     """
 
-    def __init__(self, scorer: nn.Module, settings: Loss, *, max_completion_length: int) -> None:
+    def __init__(
+        self,
+        scorer: nn.Module,
+        settings: Loss,
+        *,
+        max_completion_length: int,
+        sampler_log_probs_recorded: bool = True,
+    ) -> None:
         super().__init__()
         if settings.type not in POLICY_LOSSES:
             raise ValueError(f"GRPOObjective: type={settings.type!r}, expected one of {list(LOSS_TYPES)}.")
@@ -326,8 +438,12 @@ class GRPOObjective(nn.Module):
         self.scorer = scorer
         self.settings = settings
         self.max_completion_length = max_completion_length
+        self.sampler_log_probs_recorded = sampler_log_probs_recorded
 
-    def forward(self, batch: TensorDictBase, *, scale: Scale) -> dict[str, torch.Tensor]:
+    def forward(self, batch: TensorDictBase, *, scale: Scale, fresh: bool = False) -> dict[str, torch.Tensor]:
+        """The mini-batch's loss and diagnostics; ``fresh``: the policy has not been updated since the step began
+        (its log-probs are then the trainer's of the sampling step: with the correction off, the mismatch is measured
+        against them, ``sampler_mismatch`` in the output)."""
         s = self.settings
         tokens = self._tokens(batch)
         per_token = POLICY_LOSSES[s.type](tokens, s)
@@ -337,6 +453,8 @@ class GRPOObjective(nn.Module):
         if s.top_entropy_quantile < 1.0:
             entropy_mask = _high_entropy_mask(tokens.entropies, tokens.mask, s.top_entropy_quantile)
             per_token = per_token * entropy_mask
+        if tokens.sampler_ratio is not None and s.type != "vespo":  # vespo weighs it into its own (_gamma_weights)
+            per_token = per_token * tokens.sampler_ratio
         kl = None
         if s.kl_to_ref_coeff:
             kl = self._kl(batch, tokens)
@@ -350,7 +468,21 @@ class GRPOObjective(nn.Module):
         if kl is not None:
             out["kl_to_ref"] = _masked_mean(kl.detach().expand_as(tokens.mask), tokens.mask)
         out.update(self._clip_fractions(tokens))
+        mismatch = self._mismatch(batch, tokens, fresh=fresh)
+        if mismatch is not None:
+            out["sampler_mismatch"] = mismatch
         return out
+
+    def _mismatch(self, batch: TensorDictBase, tokens: _Tokens, *, fresh: bool) -> torch.Tensor | None:
+        """:func:`sampler_mismatch_counts` where the trainer's and the sampler's log-probs of the batch are both
+        known: with the correction on, always; off, while the policy is the one that began the step (``fresh``)."""
+        if tokens.sampler_log_probs is not None:
+            trainer, sampler = tokens.old_log_probs, tokens.sampler_log_probs
+        elif fresh and self.sampler_log_probs_recorded and batch.get(LOG_PROBS, None) is not None:
+            trainer, sampler = tokens.log_probs.detach(), tokens.old_log_probs
+        else:
+            return None
+        return sampler_mismatch_counts(trainer, sampler, tokens.mask, self.settings.sampler_correction)
 
     def _tokens(self, batch: TensorDictBase) -> _Tokens:
         s = self.settings
@@ -362,6 +494,11 @@ class GRPOObjective(nn.Module):
         mask = batch.get(LOSS_MASK).float()
         old = batch.get(LOG_PROBS, None)
         old = log_probs.detach() if old is None else old[:, start:]
+        sampler = sampler_ratio = None
+        if s.sampler_correction.enabled:
+            # The ratio below is to the trainer's own log-probs of the sampling policy (old); this weighs the rest.
+            sampler = batch.get(SAMPLER_LOG_PROBS)[:, start:]
+            sampler_ratio = sampler_correction_ratio(old, sampler, mask, s.sampler_correction)
         # Zero off the mask: a dialog's tool tokens carry no sampling log-prob (0), and a ratio or KL term built on
         # them could overflow to inf, whose product with a mask of 0 is NaN in the loss and its gradient.
         log_ratio = torch.where(mask.bool(), log_probs - old, 0.0)
@@ -370,7 +507,9 @@ class GRPOObjective(nn.Module):
         else:  # GSPO: one ratio per response, the mean of its tokens' log-ratios
             log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
         advantages = batch.get(ADVANTAGE).reshape(-1, 1).to(log_probs.dtype)
-        return _Tokens(log_probs, old, entropies, mask, advantages, log_ratio, torch.exp(log_weights))
+        return _Tokens(
+            log_probs, old, entropies, mask, advantages, log_ratio, torch.exp(log_weights), sampler, sampler_ratio
+        )
 
     def _kl(self, batch: TensorDictBase, tokens: _Tokens) -> torch.Tensor:
         """The k3 estimate of KL(policy || reference) per response token, times the importance ratio when
@@ -407,4 +546,9 @@ def _masked_mean(values: torch.Tensor, mask) -> torch.Tensor:
 def make_loss(cfg: DictConfig, scorer: nn.Module) -> GRPOObjective:
     """The :class:`GRPOObjective` of the recipe's ``loss:`` node, over the policy's ``scorer``."""
     settings = typed_config(cfg.loss, Loss, key="loss")
-    return GRPOObjective(scorer, settings, max_completion_length=cfg.rollout.generation.max_new_tokens)
+    return GRPOObjective(
+        scorer,
+        settings,
+        max_completion_length=cfg.rollout.generation.max_new_tokens,
+        sampler_log_probs_recorded=cfg.rollout.env == "prompt",
+    )

@@ -21,6 +21,7 @@ import torch
 from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
+from recipes.common.metrics import sampler_mismatch_line, sampler_mismatch_summary
 from recipes.common.run import Run
 from recipes.common.text_metrics import distinct_bigrams
 from recipes.common.tools import tool_entries
@@ -165,10 +166,12 @@ def is_source_figure(key: str) -> bool:
     return key.startswith("rollout/rewards/")
 
 
-def report_step(run: Run, step: int, metrics: dict, bar, *, samples) -> None:
+def report_step(run: Run, step: int, metrics: dict, bar, *, samples, lags: list[float] = ()) -> None:
     """The step's metrics to the logger, a progress line every ``log_every_n_steps`` steps and sample rollouts every
-    ``samples.every_n_steps`` to the log (``samples(count=n)`` draws them), the live reward on the progress bar."""
+    ``samples.every_n_steps`` to the log (``samples(count=n)`` draws them), the live reward on the progress bar;
+    ``lags``: the policy lag of every batch trained so far, a wandb histogram (``train/policy_lag_histogram``)."""
     cfg = run.cfg
+    run.logger.log_histogram("train/policy_lag_histogram", list(lags), step=step)
     every = cfg.samples.every_n_steps
     drawn = []
     if run.is_main and every is not None and (step % every == 0 or step in (1, cfg.train.steps)):
@@ -299,7 +302,7 @@ def closing_message(summary: dict, output_dir: Path) -> str:
         f"({summary['perf/tokens_per_s']:.0f} "
         f"generated tokens/s of rollout); reward {summary['rollout/reward_mean_first']:.3f} -> "
         f"{summary['rollout/reward_mean_last']:.3f}{oracle}. Run folder: {output_dir}. Curves: python "
-        f"scripts/plot_run.py {output_dir}"
+        f"scripts/plot_run.py {output_dir}.{sampler_mismatch_line(summary)}"
     )
 
 
@@ -334,9 +337,10 @@ _ROLLOUT_FIGURES = (
 
 
 def _is_worker_figure(key: str) -> bool:
-    """``rollout/workers``, ``rollout/worker_restarts``, ``rollout/worker_<i>/tokens_per_s``: the sampling workers'
-    (``recipes.grpo.collector_workers``), in metrics.csv but no summary series."""
-    return key == "rollout/workers" or key.startswith("rollout/worker_")
+    """``rollout/workers``, ``rollout/worker_restarts``, ``rollout/worker_<i>/tokens_per_s``, ``rollout/withheld``,
+    ``rollout/withheld_s``: the sampling workers' (``recipes.grpo.collector_workers``), in metrics.csv but no summary
+    series."""
+    return key in ("rollout/workers", "rollout/withheld", "rollout/withheld_s") or key.startswith("rollout/worker_")
 
 
 def summary_series(history: list[dict]) -> list[str]:
@@ -380,6 +384,9 @@ def summarize(progress: TrainingProgress, *, window: int, num_processes: int) ->
             summary[f"{name}_first"] = values[0]
             last = [value for value in values[-window:] if not math.isnan(value)]
             summary[f"{name}_last"] = sum(last) / len(last) if last else math.nan
+    # The sampler/trainer mismatch over the run, where it is large enough to matter.
+    logged = {key for row in history for key in row}
+    summary.update(sampler_mismatch_summary({key: [row[key] for row in history if key in row] for key in logged}))
     # Held-out figures: the evaluation before training, and the last one (not averaged: they are few and far apart).
     if progress.evaluations:
         first, last = progress.evaluations[0], progress.evaluations[-1]

@@ -47,6 +47,8 @@ __all__ = [
     "Rollout",
     "RolloutEnv",
     "RolloutMode",
+    "SamplerCorrection",
+    "SamplerCorrectionMode",
     "Sapo",
     "ScaleRewards",
     "Strategy",
@@ -72,6 +74,10 @@ TRL_NAMES = Aliases(
         "top_entropy_quantile": "loss.top_entropy_quantile",
         "mask_truncated_completions": "loss.mask_truncated_completions",
         "off_policy_mask_threshold": "loss.off_policy_mask_threshold",
+        "vllm_importance_sampling_correction": "loss.sampler_correction.enabled",
+        "vllm_importance_sampling_mode": "loss.sampler_correction.mode",
+        "vllm_importance_sampling_clip_min": "loss.sampler_correction.clip_min",
+        "vllm_importance_sampling_clip_max": "loss.sampler_correction.clip_max",
         "sync_ref_model": "loss.sync_ref_model",
         "ref_model_mixup_alpha": "loss.ref_model_mixup_alpha",
         "ref_model_sync_steps": "loss.ref_model_sync_steps",
@@ -126,6 +132,8 @@ NonNegative = Annotated[int, Range(ge=0)]
 # trl's loss_type menu, in trl's order (recipes.grpo.loss.POLICY_LOSSES has one rule per name).
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
+# trl's vllm_importance_sampling_mode menu: a ratio per token or per response, clipped (truncate) or zeroed (mask).
+SamplerCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 ScaleRewards = Literal["group", "batch", "none"]
 RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 # prompt: PromptEnv + CausalLMSampler; chat: TorchRL's ChatEnv + TransformersWrapper (recipes.grpo.collector).
@@ -279,6 +287,35 @@ class Vespo:
 
 
 @dataclass
+class SamplerCorrection:
+    """``loss.sampler_correction``: trl's ``vllm_importance_sampling_*`` for the recipe's sampler
+    (``recipes.grpo.loss.sampler_correction_ratio``)."""
+
+    enabled: bool
+    mode: Annotated[
+        SamplerCorrectionMode,
+        Hint("{key}={value} is not one of trl's modes: expected one of {choices} (vllm_importance_sampling_mode)."),
+    ]
+    # null: no bound on that side.
+    clip_min: Annotated[float, Range(ge=0)] | None
+    clip_max: Annotated[float, Range(gt=0)] | None
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        if self.clip_min is not None and self.clip_max is not None and self.clip_min >= self.clip_max:
+            raise ValueError(
+                f"clip_min={self.clip_min} is not below clip_max={self.clip_max}: the ratios kept would be an empty "
+                "range. Set clip_min below clip_max (trl's defaults: clip_min=null, clip_max=3.0)."
+            )
+        if self.mode.endswith("_truncate") and self.clip_min is None and self.clip_max is None:
+            raise ValueError(
+                f"clip_max=null with clip_min=null: mode={self.mode} clips the ratio into [clip_min, clip_max] and "
+                "needs one bound at least (trl's default clip_max is 3.0)."
+            )
+
+
+@dataclass
 class Loss:
     """``loss:`` as the loss reads it (``recipes.grpo.loss.GRPOObjective``; trl's ``GRPOConfig`` names in the YAML's
     comments). Built, the clip range is two numbers: ``clip_epsilon`` the lower one, ``clip_epsilon_high`` the upper
@@ -303,9 +340,17 @@ class Loss:
     ref_model_sync_steps: Positive
     sapo: Sapo
     vespo: Vespo
+    sampler_correction: SamplerCorrection
 
     def __post_init__(self) -> None:
         self.clip_epsilon, self.clip_epsilon_high = self._clip_range()
+        correction = self.sampler_correction
+        if correction.enabled and self.type == "vespo" and correction.mode.startswith("sequence_"):
+            raise ValueError(
+                f"sampler_correction.mode={correction.mode} with type=vespo: VESPO weighs each response by its "
+                "sequence ratio itself and takes a per-token correction only (trl refuses it too); use "
+                "sampler_correction.mode=token_truncate or token_mask."
+            )
         if self.sync_ref_model and not self.kl_to_ref_coeff:
             raise ValueError(
                 "sync_ref_model=true with no KL term (kl_to_ref_coeff=0 or null): there is no reference to keep in "

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import TrainerCallback
 
-from recipes.common.metrics import MetricLogger, peak_device_memory
+from recipes.common.metrics import MetricLogger, peak_device_memory, sampler_mismatch_line, sampler_mismatch_summary
 from recipes.common.text_metrics import distinct_bigrams
 from recipes.common.tools import tool_entries
 from recipes.trl_grpo.evaluation import EVAL_KEYS, eval_series, format_dialog
@@ -89,7 +89,7 @@ def metric_name(trl_key: str) -> str:
     """
     if trl_key in _GRPO_NAMES:
         return _GRPO_NAMES[trl_key]
-    if trl_key.startswith(("rollout/", "train/")):
+    if trl_key.startswith(("rollout/", "train/", "sampling/")):  # sampling/*: the mismatch, as the GRPO recipe's
         return trl_key
     if trl_key in _ROLLOUT_KEYS or trl_key.startswith(("rewards/", "completions/")):
         return f"rollout/{trl_key}"
@@ -167,6 +167,9 @@ class MetricsCallback(TrainerCallback):
         # with it every checkpoint's trainer_state.json, which a resumed run's summary reads.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(figures)
+        # Async: the lag of every batch logged so far (a resumed run's history included), before the step commits.
+        lags = [entry["policy_lag"] for entry in state.log_history if "policy_lag" in entry and "loss" in entry]
+        self.logger.log_histogram("train/policy_lag_histogram", lags, step=state.global_step)
         self.logger.log(metrics, step=state.global_step)
         if args.process_index == 0 and (state.global_step % self.every == 0 or state.global_step == self.total_steps):
             shown = [
@@ -232,6 +235,7 @@ def summarize(trainer, totals: dict[str, int], *, steps_trained: int, tokens: in
             summary[f"{name}_first"], summary[f"{name}_last"] = values[0], values[-1]
     for name, values in sorted(eval_series(trainer.state.log_history).items()):
         summary[f"{name}_first"], summary[f"{name}_last"] = values[0], values[-1]
+    summary.update(sampler_mismatch_summary(logged_series(trainer.state.log_history)))
     summary.update(
         {
             "train/steps": trainer.state.global_step,
@@ -262,5 +266,5 @@ def closing_message(summary: dict, output_dir: Path) -> str:
     return (
         f"trl GRPO with TorchRL rollouts: {summary['train/steps']} steps, reward {first:.3f} -> {last:.3f}{oracle}; "
         f"model in {output_dir / 'model'}, {summary['rollouts/rows']} rollouts in {output_dir / ROLLOUTS_DIR}{kept} "
-        "(recipes.trl_grpo.rollout_store.load_rollouts reads them)."
+        f"(recipes.trl_grpo.rollout_store.load_rollouts reads them).{sampler_mismatch_line(summary)}"
     )

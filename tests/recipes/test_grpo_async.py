@@ -55,6 +55,13 @@ def test_the_policy_lag_stays_within_its_bound(compose_config, tmp_path, collect
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
     rows = read_metrics(tmp_path)
     assert [row["train/policy_lag"] for row in rows] == lags
+    # No batch is sampled past the bound: with 0, every batch after the first waited for the update before it.
+    withheld = [row["rollout/withheld"] for row in rows]
+    if max_policy_lag == 0:
+        assert withheld == [0.0, 1.0, 1.0, 1.0]
+        assert all(row["rollout/withheld_s"] > 0 for row in rows[1:])
+    else:
+        assert withheld[:2] == [0.0, 0.0]  # the second batch may be sampled with the initial weights
     assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
     (collector,) = collectors
     (pid,) = collector.pids  # rollout.backend=null in async mode: one worker process
@@ -189,3 +196,25 @@ def test_what_reward_functions_log_travels_with_the_batch_from_the_collector(com
     assert sorted(tables) == [1, 2]
     for samples in tables.values():
         assert samples and all(sample["words"] == len(sample["response"].split()) for sample in samples)
+
+
+@pytest.mark.slow  # two runs, about 30 s on 2 busy cores
+def test_a_zero_lag_async_run_trains_as_the_sync_run(compose_config, tmp_path):
+    """With rollout.max_policy_lag=0 the async collector samples every batch with the weights the sync run samples
+    with, from its own process: same seed, the same batches, so the same losses step for step (float tolerance), and
+    the same responses (their lengths and rewards). Async mode changes nothing but what the lag changes. Two
+    mini-batches per step: the learner's mini-batch draws must not shift the sampling noise either."""
+    common = [*GRPO_SMALL, "logger=csv", "train.steps=3", "rollout.responses_per_step=8", "train.mini_batch_size=4"]
+    runs = {}
+    for mode in ("sync", "async"):
+        folder = tmp_path / mode
+        recipe.train(
+            compose_config(
+                "grpo_torchrl_rm", [*common, f"output_dir={folder}", f"rollout.mode={mode}", "rollout.max_policy_lag=0"]
+            )
+        )
+        runs[mode] = read_metrics(folder)
+    for sync, async_ in zip(runs["sync"], runs["async"], strict=True):
+        assert async_["train/policy_lag"] == 0.0
+        for key in ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm"):
+            assert async_[key] == pytest.approx(sync[key], rel=1e-5, abs=1e-6), key

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from _grpo_helpers import loss_settings
+from _grpo_helpers import loss_settings, trl_cpu_config
 from tensordict import TensorDict
 
 from recipes.grpo.batch import (
@@ -36,19 +36,15 @@ MAX_COMPLETION = 7
 def trl_trainer(tiny_policy, tmp_path_factory):
     """A trl GRPOTrainer over a copy of the tiny policy: its ``_compute_loss`` is what the recipe must equal."""
     import datasets
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     model, tokenizer = tiny_policy
-    args = GRPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("trl")),
-        use_cpu=True,
-        report_to="none",
-        bf16=False,
+    args = trl_cpu_config(
+        tmp_path_factory.mktemp("trl"),
         per_device_train_batch_size=B,
         num_generations=GROUP,
         max_completion_length=MAX_COMPLETION,
         beta=0.1,
-        disable_tqdm=True,
     )
     prompts = datasets.Dataset.from_dict({"prompt": ["Review the mug."] * B})
     trainer = GRPOTrainer(

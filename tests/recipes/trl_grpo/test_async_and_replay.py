@@ -32,6 +32,27 @@ def test_an_async_run_trains_each_batch_one_update_behind_and_logs_it(compose_co
     assert stored.shape[0] == 4 * 8 and sorted(set(stored["step"].tolist())) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # two runs, about 12 s on 2 busy cores
+def test_a_zero_lag_async_run_trains_as_the_sync_run_on_the_same_prompts(compose_config, tmp_path):
+    """rollout.max_policy_lag=0: every batch read ahead is one update old when trl asks for it, so it is sampled
+    again (rollout/resampled) in trl's process, from the same generator as a sync run: the same rewards, lengths,
+    losses and gradient norms step for step (float tolerance: trl's old log-probs are the sampler's in async mode, the
+    trained weights' in sync). The sync run reads its prompts unshuffled as async mode does
+    (train.shuffle_dataset=false: the TorchRL stream shuffles them once; trl's own shuffle on top of it is the one
+    difference left)."""
+    runs = {}
+    for mode, extra in (("sync", ["+train.shuffle_dataset=false"]), ("async", [])):
+        _train(
+            compose_config, f"rollout.mode={mode}", "rollout.max_policy_lag=0", f"output_dir={tmp_path / mode}", *extra
+        )
+        runs[mode] = read_metrics(tmp_path / mode)
+    assert [row["rollout/resampled"] for row in runs["async"]] == [0.0, 1.0, 1.0]
+    for sync, async_ in zip(runs["sync"], runs["async"], strict=True):
+        for key in ("rollout/reward_mean", "rollout/response_length", "train/grad_norm"):
+            assert async_[key] == pytest.approx(sync[key], rel=1e-5), key
+        assert async_["train/loss"] == pytest.approx(sync["train/loss"], abs=1e-6)
+
+
 def test_async_refuses_what_would_make_the_next_prompts_unknowable(compose_config, tmp_path):
     with pytest.raises(ConfigError, match="train.shuffle_dataset=true with rollout.mode=async"):
         _train(compose_config, "rollout.mode=async", "+train.shuffle_dataset=true", f"output_dir={tmp_path}")
