@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
-from interop.rollout_workers import RemoteWorker, kill_actor, node_alive
+from interop.rollout_workers import PublishedWeights, RemoteWorker, kill_actor, node_alive
 from recipes.grpo.batch import merge_batches, response_mask
 from recipes.grpo.collector_modes import BackgroundCollector, CollectorExited, timed_batches
 
@@ -78,17 +78,14 @@ def _collector_actor_class(ray):
             self.shares[share] = {
                 "batches": timed_batches(collector, policy),
                 "policy": policy,
-                "parameters": dict(policy.model.named_parameters()),
                 "version": None,
             }
 
         def sample(self, share: int, weights: list, version: int) -> tuple[dict, tuple, dict]:
             state = self.shares[share]
             if state["version"] != version:
-                loaded = ray.get(weights[0])  # inside a list: fetched here, only when this share lacks the version
-                with torch.no_grad():
-                    for name, tensor in loaded.items():
-                        state["parameters"][name].copy_(tensor)
+                # Inside a list: fetched here, only when this share lacks the version; mapped out of the object store.
+                ray.get(weights[0]).load_into(state["policy"].model, share=True)
                 state["policy"].version.fill_(version)
                 state["version"] = version
             batch, timings = next(state["batches"])
@@ -347,9 +344,8 @@ class CollectorWorkers:
         self._weights_ref = self._ray.put(self._state(model))  # once per version, whatever the number of workers
         self._submit_due()
 
-    def _state(self, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
-        model = self._model if model is None else model
-        return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    def _state(self, model: torch.nn.Module | None = None) -> PublishedWeights:
+        return PublishedWeights(self._model if model is None else model)
 
     # ------------------------------------------------------------------------------------------------ faults
 

@@ -10,6 +10,7 @@ import copy
 import functools
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from interop import TorchRLRolloutFunc
-from interop.rollout_workers import RolloutWorkers, WorkerResources, split_groups
+from interop.rollout_workers import PublishedWeights, RolloutWorkers, WorkerResources, split_groups
 from interop.sampling import SamplingSettings
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -306,3 +307,31 @@ def test_ray_workers_for_a_cuda_run_must_ask_for_gpus(compose_config, recipe_nam
     check_rollout_backend(
         compose_config(recipe_name, ["device=cuda", "rollout.backend=ray", "rollout.worker_resources.num_gpus=1"])
     )
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_published_weights_travel_without_copies_and_load_as_the_learners(tiny_policy, dtype):
+    """What a Ray worker gets: every weight as an out-of-band pickle buffer (Ray's object store maps those on the
+    worker's node without a copy; a pickled torch tensor travels inside the pickle and is copied on both sides), tied
+    weights once, and, loaded into the sampler's copy (its tensors then on those buffers), the learner's weights cast
+    to the sampler's dtype, the head still tied to the embeddings."""
+    model, _ = tiny_policy
+    learner = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in learner.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    buffers = []
+    payload = pickle.dumps(PublishedWeights(learner, dtype=dtype), protocol=5, buffer_callback=buffers.append)
+    published = pickle.loads(payload, buffers=buffers)
+    distinct = {id(tensor) for tensor in learner.state_dict(keep_vars=True).values()}
+    assert len(buffers) == len(published.arrays) == len(distinct) < len(learner.state_dict())
+    assert len(payload) < 0.05 * published.nbytes, "the weights travel beside the pickle, not inside it"
+    sampler = copy.deepcopy(model).to(dtype or torch.float32)
+    published.load_into(sampler, share=True)
+    for name, value in learner.state_dict().items():
+        assert torch.equal(sampler.state_dict()[name], value.to(dtype or value.dtype)), name
+    assert sampler.lm_head.weight is sampler.model.embed_tokens.weight
+    shared = [
+        name for name, array in published.arrays.items() if sampler.state_dict()[name].data_ptr() == array.ctypes.data
+    ]
+    assert shared == list(published.arrays), "share=True: the sampler's CPU tensors are the published memory"
