@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from interop.background_sampler import (
     BackgroundSampler,
     SamplerExited,
     build_rollout_func,
+    pushed_names,
     sampler_options,
     sampler_tokenizer,
 )
@@ -239,8 +240,8 @@ class PublishedWeights:
         dtype: the dtype the sampler computes in (``None``: the model's): the weights are cast here, once per push,
             not at every sampling step. numpy has no bfloat16: such a tensor travels as its bits (int16) and is read
             back as bfloat16.
-        names: publish only the weights whose name it accepts (e.g. LoRA adapters, where the sampler holds the
-            base); ``None``: all.
+        names: publish only these weights (LoRA's adapters, where the sampler holds the base:
+            :func:`~interop.background_sampler.pushed_names`); ``None``: all.
 
     Examples:
         >>> model = torch.nn.Linear(2, 2)
@@ -256,14 +257,14 @@ class PublishedWeights:
         model: torch.nn.Module,
         *,
         dtype: torch.dtype | None = None,
-        names: Callable[[str], bool] | None = None,
+        names: Collection[str] | None = None,
     ) -> None:
         self.arrays: dict[str, np.ndarray] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         seen = set()
         for name, value in model.state_dict().items():
             key = (value.data_ptr(), tuple(value.shape), tuple(value.stride()))
-            if key in seen or (names is not None and not names(name)):
+            if key in seen or (names is not None and name not in names):
                 continue
             seen.add(key)
             value = value.detach()
@@ -376,6 +377,8 @@ class RolloutWorkers:
         num_threads: torch threads of each worker.
         seed: worker ``i`` samples with torch seed ``seed + i``.
         resources: what each Ray worker takes (:class:`WorkerResources`).
+        dtype: what the workers sample in (``None``: the model's): each holds a copy in it, and the weights are cast
+            to it as they are published, not at every step. The log-probs they record are that copy's.
 
     Examples:
         A sketch (Ray backend, two workers on a local cluster)::
@@ -403,6 +406,7 @@ class RolloutWorkers:
         seed: int = 0,
         dialogs: dict | None = None,
         resources: WorkerResources | None = None,
+        dtype: torch.dtype | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
         if backend not in BACKENDS:
@@ -410,7 +414,10 @@ class RolloutWorkers:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"RolloutWorkers: workers must be an integer >= 1, got {workers!r}.")
         self.backend, self.timeout_s = backend, timeout_s
+        self.dtype = dtype
         self._model = _sampling_copy(model)  # what every worker starts from
+        if dtype is not None:
+            self._model.to(dtype)
         self._tokenizer, self._dialogs = tokenizer, dialogs
         self._options = {
             "settings": settings,
@@ -498,14 +505,15 @@ class RolloutWorkers:
     # ------------------------------------------------------------------------------------------------ batches
 
     def publish(self, model: torch.nn.Module, *, version: int) -> None:
-        """The weights every batch from now on is sampled with, as ``version``."""
+        """The weights every batch from now on is sampled with, as ``version`` (cast to the workers' ``dtype``; where
+        ``model`` freezes some weights, LoRA's base, only the others: the workers' copies hold those already)."""
         if self._pending is not None:
             raise RuntimeError("RolloutWorkers.publish: a batch is being sampled; wait for result() first.")
         if self.backend == "processes":
             for worker in self._workers:
                 worker.handle.publish(model, version=version)
         else:
-            self._weights_ref = self._ray.put(published_state(model))
+            self._weights_ref = self._ray.put(PublishedWeights(model, dtype=self.dtype, names=pushed_names(model)))
         self.version = version
 
     def submit(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int = 1) -> None:

@@ -243,3 +243,22 @@ def test_two_ray_workers_on_two_nodes_learn_the_default_task(compose_config, tmp
     assert {row["rollout/workers"] for row in rows} == {2.0}
     speeds = [(row["rollout/worker_0/tokens_per_s"], row["rollout/worker_1/tokens_per_s"]) for row in rows]
     assert all(first > 0 and second > 0 for first, second in speeds)
+
+
+@pytest.mark.slow
+def test_weights_pushed_every_second_update_reach_a_bf16_worker_and_tag_every_row(compose_config, tmp_path):
+    """rollout.weight_sync_every=2 in sync mode with a bfloat16 sampler: the worker holds version 0 for steps 1-2 and
+    version 2 for steps 3-4, so the lag it reports alternates 0, 1 (within rollout.max_policy_lag=1), and the run
+    trains with finite losses."""
+    overrides = [
+        "rollout.backend=processes",
+        "rollout.weight_sync_every=2",
+        "rollout.sampler_dtype=bfloat16",
+        "train.steps=4",
+        f"output_dir={tmp_path}",
+    ]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, *overrides]))
+    rows = read_metrics(tmp_path)
+    assert summary["train/steps"] == 4
+    assert [row["train/policy_lag"] for row in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert all(row["train/loss"] == row["train/loss"] for row in rows)  # not NaN
