@@ -1,9 +1,9 @@
 """Starts an MCP server for ``interop.mcp_tools`` so that it dies with the process that started it.
 
 ``python interop/_mcp_launcher.py <parent pid> <command> [args...]``: asks Linux to kill this process with its parent
-(``PR_SET_PDEATHSIG``, which ``execvp`` keeps), then becomes the server (``execvp``). The mcp client starts a stdio
-server in a session of its own (``start_new_session=True``), out of the tool worker's process group, so the group kill
-that stops an overrunning tool call would otherwise leave the server running as an orphan.
+(``PR_SET_PDEATHSIG``, which ``execvp`` keeps), then becomes the server (``execvp``): the server ends as soon as the
+tool worker's caller process does. What the server starts, and the real server behind a launcher command (``npx``,
+``uvx``, a shell), do not get the signal: the worker's keeper, a child subreaper, kills those (``_tool_worker.py``).
 
 Dependencies: the standard library (``_tool_worker``'s ``_die_with_parent``, found beside this file).
 """

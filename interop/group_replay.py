@@ -62,12 +62,15 @@ class ProportionalSampler(Sampler):
         self.priorities = torch.zeros(capacity, dtype=torch.float64)
 
     def extend(self, index: torch.Tensor) -> None:
+        """New entries at ``index``: priority 1 until :meth:`update_priority` sets theirs."""
         self.priorities[torch.as_tensor(index, dtype=torch.long).reshape(-1)] = 1.0  # until update_priority
 
     def add(self, index: int) -> None:
+        """One new entry at ``index`` (see :meth:`extend`)."""
         self.extend(torch.tensor([index]))
 
     def update_priority(self, index, priority, *, storage=None) -> None:
+        """Sets the priorities of the entries at ``index`` (finite, >= 0; one value for all, or one each)."""
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         priority = torch.as_tensor(priority, dtype=torch.float64).reshape(-1).expand(index.shape[0])
         if not bool(torch.isfinite(priority).all()) or bool((priority < 0).any()):
@@ -75,6 +78,7 @@ class ProportionalSampler(Sampler):
         self.priorities[index] = priority
 
     def sample(self, storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        """``batch_size`` indices of ``storage``'s entries, drawn with replacement by ``priority ** alpha``."""
         stored = len(storage)
         if stored == 0:
             raise RuntimeError("ProportionalSampler: the storage is empty; nothing to sample.")
@@ -97,15 +101,19 @@ class ProportionalSampler(Sampler):
         self.priorities.zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        """The priorities (a copy), what a checkpoint keeps."""
         return {"priorities": self.priorities.clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the priorities :meth:`state_dict` returned."""
         self.priorities = state_dict["priorities"].clone()
 
     def dumps(self, path) -> None:
+        """Writes the priorities into the buffer folder ``path`` (TorchRL's ``ReplayBuffer.dumps`` calls it)."""
         torch.save(self.state_dict(), f"{path}/proportional_sampler.pt")
 
     def loads(self, path) -> None:
+        """Reads the priorities :meth:`dumps` wrote (tensors only: ``weights_only=True``)."""
         self.load_state_dict(torch.load(f"{path}/proportional_sampler.pt", weights_only=True))
 
 

@@ -13,8 +13,9 @@ Tool names are the server's own. Two servers listing a tool of one name are refu
 tool by its name alone (TorchRL's transform prefixes ``server.`` instead, in its own call format).
 
 The server process dies with the process that started it (``PR_SET_PDEATHSIG``, set by ``_mcp_launcher.py`` before it
-becomes the server): the mcp client starts it in a session of its own, out of the worker's process group, so when the
-runner kills its worker (a call past ``timeout_s``) the server goes with it, and the next worker starts a fresh one.
+becomes the server), and it is below the tool worker's keeper, which kills every process below it when the worker is
+stopped (a call past ``timeout_s``, the run's end, the trainer's death): the server, the real server a launcher such as
+``npx`` or ``uvx`` starts as its child, and what its tools start. The next worker starts a fresh server.
 The server runs as the training process's user, in its working folder, with ``HOME``, ``LOGNAME``, ``PATH``,
 ``SHELL``, ``TERM``, ``USER`` (what the mcp client passes on) and the ``env`` given: it is not a sandbox.
 
@@ -212,14 +213,15 @@ class MCPTool:
     def __call__(self, **arguments) -> str:
         return self.server.call(self.__name__, arguments)
 
-    def start_in_worker(self) -> None:
+    def start_in_worker(self) -> str:
         """Called by the tool worker once it has loaded the tools, before the first call (so that the server's start
-        is not counted in the call's timeout). A server that fails to start here is tried again by the call, whose
-        answer then says why."""
+        is not counted in the call's timeout); returns what happened, which the runner logs. A server that fails to
+        start here is tried again by the call, whose answer then says why."""
         try:
             self.server.start()
-        except Exception:
-            pass
+        except Exception as error:
+            return f"{self.server.described} did not start ({_reason(error)}); each call of its tools tries again."
+        return f"{self.server.described} started."
 
     def __repr__(self) -> str:
         return f"MCPTool({self.__name__!r}, server={self.server.name!r})"

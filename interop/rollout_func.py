@@ -525,7 +525,7 @@ class TorchRLRolloutFunc:
         if self.tools is not None:  # the child runs the same dialogs with a tool worker of its own
             sampler = self.policy
             dialogs = {
-                "tools": list(sampler.runner.tools.functions.values()),
+                "tools": sampler.runner.tools,  # a ToolSet: the functions of the script that was run travel by value
                 "timeout_s": sampler.runner.timeout_s,
                 "max_result_tokens": sampler.runner.max_result_tokens,
                 "max_turns": sampler.max_turns,

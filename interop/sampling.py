@@ -107,6 +107,7 @@ class SamplingSettings:
 
     @classmethod
     def names(cls) -> list[str]:
+        """The settings' names, in declaration order (what a config section may hold)."""
         return [field.name for field in fields(cls)]
 
     @classmethod

@@ -10,7 +10,7 @@ Public names:
   {...}}</tool_call>`` by default (Qwen2.5's template; the markers are parameters), and :meth:`ToolCallFormat.parse`.
 - :class:`ToolCall`: one call as parsed, or a malformed one with the reason; :class:`ParsedTurn`: a turn's text before
   its calls, and its calls.
-- :class:`ToolRunner`: runs calls in a worker process (kept alive across calls; killed, with the processes a tool
+- :class:`ToolRunner`: runs calls in a worker process (kept alive across calls; stopped, with every process a tool
   started, and restarted after a call overruns ``timeout_s``; dead with its parent), results cut at
   ``max_result_tokens``. Nothing a tool or a model does makes it raise: a tool that raises, overruns or kills its
   process, a malformed call, an unknown tool or wrong arguments are each answered with an error text as the tool
@@ -28,11 +28,13 @@ tokenizer a :class:`ToolRunner` counts result tokens with.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
 import pickle
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -53,6 +55,8 @@ __all__ = [
     "error_content",
 ]
 
+log = logging.getLogger(__name__)
+
 # What can go wrong with a call, as counted in ToolStats.errors: the tool raised (or answered with text that is not
 # valid Unicode), overran its time, killed its process; the call was not parseable, named no known tool, or had
 # arguments its schema refuses.
@@ -61,6 +65,8 @@ _WORKER = Path(__file__).with_name("_tool_worker.py")
 # A result is cut to this many characters per allowed token in the worker already, so that a tool returning a huge
 # text costs neither the pipe nor the tokenizer; the cut at max_result_tokens tokens then happens here.
 _CHARS_PER_TOKEN_BOUND = 32
+# How long the worker's keeper may take to kill what the tools started and end, before its process group is killed.
+_KEEPER_STOP_S = 10.0
 
 
 def error_content(message: str) -> str:
@@ -84,6 +90,9 @@ class ToolSet:
 
     Args:
         tools: the functions (their ``__name__`` is the tool's name).
+
+    Pickled (to a sampling process), the functions of the script that was run travel by value (``cloudpickle``), as
+    that process does not run the script.
 
     Raises:
         ValueError: a tool that is not callable, has no name, docstring or type hints, or whose docstring does not
@@ -121,6 +130,16 @@ class ToolSet:
             self.schemas.append(schema)
             self.functions[name] = tool
             self._parameters[name] = schema["function"]["parameters"]
+
+    def __getstate__(self) -> dict:
+        # Pickled to a sampling process: the functions of the script that was run travel by value (cloudpickle), as
+        # that process does not run the script; the others by reference, as pickle sends them.
+        import cloudpickle
+
+        return {**self.__dict__, "functions": cloudpickle.dumps(self.functions)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({**state, "functions": pickle.loads(state["functions"])})
 
     @property
     def names(self) -> list[str]:
@@ -390,6 +409,7 @@ class ToolStats:
     cut_results: int = 0
 
     def record(self, result: ToolResult) -> None:
+        """Counts one call: its error kind if it failed, and whether its result was cut."""
         self.calls += 1
         if result.error is not None:
             self.errors[result.error] += 1
@@ -407,6 +427,7 @@ class ToolStats:
         return self.errors["timeout"]
 
     def as_metrics(self, prefix: str = "tools/") -> dict[str, int]:
+        """The counts as metric names under ``prefix``: calls, failures, cut results, and one count per error kind."""
         metrics = {f"{prefix}calls": self.calls, f"{prefix}failures": self.failures}
         metrics[f"{prefix}cut_results"] = self.cut_results
         metrics.update({f"{prefix}errors/{kind}": count for kind, count in sorted(self.errors.items())})
@@ -417,16 +438,19 @@ class ToolRunner:
     """Runs tool calls in a worker process, answering every call with a tool message's content.
 
     The worker (a pool of one) starts on the first call and is kept for the next; a call that overruns ``timeout_s``
-    is answered with a timeout error and its worker killed (``SIGKILL``), the next call starting a fresh one. The
-    worker dies with this process (``PR_SET_PDEATHSIG``) and on :meth:`close` (a ``with`` block closes it). Calls run
-    one at a time, in order.
+    is answered with a timeout error and its worker stopped, the next call starting a fresh one. The worker ends on
+    :meth:`close` (a ``with`` block closes it) and with this process, however it ends. On Linux every process a tool
+    starts ends with the worker, in a session of its own or double-forked too: the worker's keeper process is a child
+    subreaper that kills everything below it (``interop/_tool_worker.py`` says what can still escape). Calls run one
+    at a time, in order.
 
-    The tools are sent to the worker pickled by reference, so each must be importable by its module and name (a
+    The tools are sent to the worker with ``cloudpickle``: by reference when importable by their module and name (a
     function at a module's top level, or a bound method of an object that pickles; such an object's state lives in the
-    worker from then on). A tool defined in the script that was run (``__main__``) is found by running that script
-    again in the worker under another name, as ``multiprocessing``'s spawn does. A tool with a ``start_in_worker()``
-    method has it called once in each worker, after loading, before the first call, within ``start_timeout_s`` (an
-    :class:`interop.mcp_tools.MCPTool` starts its server there).
+    worker from then on), by value when defined in the script that was run (``__main__``), which the worker does not
+    run (a training script with no ``if __name__ == "__main__":`` guard would train there). A tool with a
+    ``start_in_worker()`` method has it called once in each worker, after loading, before the first call, within
+    ``start_timeout_s`` (an :class:`interop.mcp_tools.MCPTool` starts its server there); what it returns as text is
+    logged (``logging``, INFO).
 
     Args:
         tools: a :class:`ToolSet`, or the functions to build one from.
@@ -439,7 +463,7 @@ class ToolRunner:
         start_timeout_s: the longest the worker may take to start and import the tools' modules.
 
     Examples:
-        A tool must be importable by the worker, so this one comes from a module (``mytools.py``)::
+        A tool from a module (``mytools.py``; one defined in the script that runs works the same)::
 
             >>> from mytools import multiply  # doctest: +SKIP
             >>> with ToolRunner([multiply], timeout_s=5.0, max_result_tokens=None) as runner:  # doctest: +SKIP
@@ -477,7 +501,7 @@ class ToolRunner:
             )
         self.timeout_s, self.start_timeout_s = float(timeout_s), float(start_timeout_s)
         self.max_result_tokens, self.tokenizer = max_result_tokens, tokenizer
-        self._pickled, self._main_path = _pickled_tools(self.tools)
+        self._pickled = _pickled_tools(self.tools)
         self._process = None
         self._connection = None
         self._workers_started = 0
@@ -547,7 +571,7 @@ class ToolRunner:
                 return "timeout", f"{name} timed out after {self.timeout_s:g} s."
             status, payload = connection.recv()
         except (EOFError, OSError, BrokenPipeError):
-            code = self._stop_worker()
+            code = self._stop_worker(wait_s=_KEEPER_STOP_S)  # the keeper ends by itself, with the caller's status
             return "crashed", f"{name}: the tool's process ended (exit code {code}) during the call."
         return status, payload
 
@@ -556,8 +580,6 @@ class ToolRunner:
             return self._connection
         if self._process is not None:  # ended by itself between calls
             self._stop_worker()
-        import subprocess
-
         ours, theirs = Pipe(duplex=True)
         try:
             # PR_SET_PDEATHSIG fires when the thread that started the worker ends: a worker started from a thread
@@ -571,7 +593,7 @@ class ToolRunner:
             theirs.close()
         self._connection = ours
         self._workers_started += 1
-        ours.send((list(sys.path), self._main_path, self._pickled))
+        ours.send((list(sys.path), self._pickled))
         if not ours.poll(self.start_timeout_s):
             self._stop_worker()
             raise RuntimeError(
@@ -582,18 +604,31 @@ class ToolRunner:
         if status != "ready":
             self._stop_worker()
             raise RuntimeError(f"ToolRunner: the tool worker could not load the tools {self.tools.names}:\n{detail}")
+        for said in detail:  # what the tools' start_in_worker() said: an MCP server started (or why not)
+            log.info("ToolRunner: tool worker %d: %s", self._process.pid, said)
         return ours
 
-    def _stop_worker(self) -> int | None:
-        """Kills the worker (if any) and returns its exit code."""
+    def _stop_worker(self, wait_s: float = 0.0) -> int | None:
+        """Ends the worker (if any), everything its tools started with it, and returns its exit code; ``wait_s``: how
+        long it may take to end by itself first (its caller process has ended)."""
         process, connection = self._process, self._connection
         self._process = self._connection = None
         if connection is not None:
             connection.close()
         if process is None:
             return None
+        if wait_s and process.poll() is None:
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
         if process.poll() is None:
-            try:  # the worker leads its own process group: what a tool started (a subprocess) ends with it
+            process.terminate()  # the keeper kills every process below it (see interop/_tool_worker.py), then ends
+            try:
+                return process.wait(timeout=_KEEPER_STOP_S)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # a keeper that did not end: its process group, where all that left no session of its own still is
                 os.killpg(process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 process.kill()
@@ -605,24 +640,22 @@ class ToolRunner:
             self._stop_worker()
 
 
-def _pickled_tools(tools: ToolSet) -> tuple[bytes, str | None]:
-    """The tools pickled for the worker, and the main script's path when one of them lives there."""
-    main_path = None
+def _pickled_tools(tools: ToolSet) -> bytes:
+    """The tools pickled for the worker: by reference where they are importable (a module's top level), by value
+    where they live in the script that was run (``__main__``), so that the worker never runs that script (a trl
+    user's training script, unguarded by ``if __name__ == "__main__":``, would train a second time there)."""
+    import cloudpickle
+
     for name, tool in tools.functions.items():
-        if getattr(tool, "__module__", None) == "__main__":
-            main_file = getattr(sys.modules["__main__"], "__file__", None)
-            if main_file is None:
-                raise ValueError(
-                    f"ToolRunner: tool {name!r} is defined in an interactive session (__main__ has no file), which "
-                    "the worker process cannot import; define it in a module and import it from there."
-                )
-            main_path = os.path.abspath(main_file)
         try:
-            pickle.dumps(tool)
+            if getattr(tool, "__module__", None) != "__main__":
+                pickle.dumps(tool)  # importable by its module and name
+            cloudpickle.dumps(tool)  # and what a tool of the script that was run uses travels by value
         except Exception as error:
             raise ValueError(
                 f"ToolRunner: tool {name!r} cannot be sent to the worker process ({type(error).__name__}: {error}); "
                 "a tool must be importable by its module and name: define it at a module's top level (not a lambda "
-                "or a function inside a function)."
+                "or a function inside a function), or in the script you run, where what it uses must pickle (no "
+                "lock, open file or connection among the globals it reads)."
             ) from None
-    return pickle.dumps(tools.functions), main_path
+    return cloudpickle.dumps(tools.functions)

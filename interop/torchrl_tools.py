@@ -237,6 +237,8 @@ class ParserCallFormat:
     close: str | None = None
 
     def parse(self, text: str) -> ParsedTurn:
+        """The calls the parser finds and the text it leaves (the whole turn when it finds none); a parser error
+        is one malformed call naming it."""
         try:
             result = self.parser(text)
         except (TypeError, ValueError, KeyError, AttributeError) as error:  # JSONCallParser on an odd object
@@ -254,6 +256,7 @@ class PatternCallFormat:
     close: str | None = None
 
     def parse(self, text: str) -> ParsedTurn:
+        """The turn's calls in this format, in order, and its text before the first call."""
         matches = list(re.finditer(self.pattern, text, re.DOTALL))
         calls = [_call(*match.groups()[:2], match.group(0)) for match in matches]
         return _turn(text, calls, matches[0].start() if matches else None)
@@ -269,6 +272,7 @@ class PythonBlockFormat:
     pattern: str = r"```python\n(.*?)\n```"  # torchrl's PythonInterpreter._extract_python_code
 
     def parse(self, text: str) -> ParsedTurn:
+        """The turn's calls in this format, in order, and its text before the first call."""
         matches = list(re.finditer(self.pattern, text, re.DOTALL))
         calls = [ToolCall(self.tool_name, {"code": match.group(1)}, match.group(0)) for match in matches]
         return _turn(text, calls, matches[0].start() if matches else None)
@@ -287,6 +291,7 @@ class CombinedCallFormat:
         return markers.pop() if len(markers) == 1 else None
 
     def parse(self, text: str) -> ParsedTurn:
+        """Every format's calls, one format after the other, and the turn's text before the first call of any."""
         parsed = [fmt.parse(text) for fmt in self.formats]
         calls = [call for turn in parsed for call in turn.calls]
         contents = [turn.content for turn in parsed if turn.calls]

@@ -60,6 +60,20 @@ __all__ = [
 # only once the first batch is scored.
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
+# trl's private names this module relies on, and nothing else in the repository does (the recipes reach trl through
+# this class and trl's public API). Checked against trl 1.16.0, the version range pyproject.toml pins (>=1.16,<1.17).
+# Each method: the leading parameters this module overrides it with or passes to it, in order; each attribute: set by
+# ``GRPOTrainer.__init__``. tests/interop/test_trl_private_api.py fails naming the one a trl release changes.
+TRL_CHECKED_VERSION = "1.16.0"
+TRL_PRIVATE_METHODS = {
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),  # overridden: reads rewards
+    "_generate": ("prompts",),  # overridden: checks the sampler's log-probs; returns (..., logprobs at [4], ...)
+    "_compute_loss": ("model", "inputs"),  # overridden: trl's loss with the sampler correction
+    "_generate_and_score_completions": ("inputs",),  # overridden: records, replays, corrects
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep"),  # called
+}
+TRL_PRIVATE_ATTRIBUTES = ("_metrics", "_tokenizer", "use_vllm")  # read (and use_vllm set around trl's correction)
+
 _LIVE_LOOKAHEADS: dict[str, PromptLookahead] = {}
 
 

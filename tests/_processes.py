@@ -1,5 +1,6 @@
 """Processes for the multi-process tests: forked ranks in one gloo group (no launcher), a free port for those a
-launcher starts, and a recipe run killed with SIGKILL once it has got somewhere."""
+launcher starts, a recipe run killed with SIGKILL once it has got somewhere, and processes counted by id (those a test
+started, still running or left over)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,52 @@ def kill_recipe_run_when(
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def still_running(pids: list[int], within_s: float) -> list[int]:
+    """Those of ``pids`` that still run after ``within_s`` seconds (sooner when none does)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = [pid for pid in pids if running(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def kill_leftovers(pids: list[int]) -> None:
+    """Kills those of ``pids`` (processes a test started) that still run: a failing test leaves nothing behind."""
+    for pid in pids:
+        if running(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def left_after_sigkill(script: Path, count: int, *, env: dict) -> list[int]:
+    """Runs ``python script``, reads ``count`` process ids from its output (processes it started, all running), kills
+    it with SIGKILL and returns those ids still running 10 s later (then killed: a failing test leaves nothing)."""
+    trainer = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        pids = [int(trainer.stdout.readline()) for _ in range(count)]
+        assert all(running(pid) for pid in pids), pids
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        return still_running(pids, 10.0)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        kill_leftovers(pids)
 
 
 def kill_ray_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], bool]) -> None:

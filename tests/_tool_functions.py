@@ -108,3 +108,38 @@ def make_lookup(key: str, url: str):
         return f"{name}: found"
 
     return lookup
+
+
+# What start_sleeper starts: a child of the tool's process, a child in a session of its own (out of the worker's
+# process group), a daemon (double-forked: its parent gone at once, in a session of its own).
+_DAEMON = (
+    "import subprocess as s; "
+    "print(s.Popen(['sleep', '600'], start_new_session=True, stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"
+)
+
+
+def start_sleeper(how: Literal["child", "session", "daemon"]) -> int:
+    """Starts a `sleep 600` and answers its process id.
+
+    Args:
+        how: "child", "session" (start_new_session=True) or "daemon" (double-forked, in a session of its own).
+    """
+    import subprocess
+    import sys
+
+    if how == "daemon":
+        return int(subprocess.run([sys.executable, "-c", _DAEMON], capture_output=True, text=True).stdout)
+    return subprocess.Popen(["sleep", "600"], start_new_session=how == "session").pid
+
+
+def start_sleepers_and_hang(pid_file: str) -> str:
+    """Starts a sleeper of each kind, writes their process ids to a file, then hangs.
+
+    Args:
+        pid_file: where the process ids go, one a line.
+    """
+    pids = [start_sleeper(how) for how in ("child", "session", "daemon")]
+    with open(pid_file, "w") as out:
+        out.write("".join(f"{pid}\n" for pid in pids))
+    time.sleep(600)
+    return "never"

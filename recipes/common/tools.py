@@ -46,6 +46,7 @@ path or a ``_target_`` node is resolved).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 
@@ -56,6 +57,8 @@ from recipes.common.config import ConfigError
 from recipes.common.reward_functions import _import_from_the_working_folder, function_name, resolve_function
 
 __all__ = ["SETTINGS", "make_tool_runner", "resolve_call_format", "resolve_tools", "tool_entries"]
+
+log = logging.getLogger(__name__)
 
 # The keys of `tools:` that are settings of every tool, not tools.
 SETTINGS = ("timeout_s", "max_result_tokens")
@@ -269,6 +272,15 @@ def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
                 ) from None
             except ValueError as error:
                 raise ConfigError(f"{key}: {str(error).removeprefix('MCPStdioServer: ')}") from None
+            names = [tool.__name__ for tool in _MCP_LISTINGS[listing]]
+            log.info(
+                "%s: MCP server %r started and lists %d tool(s): %s (stopped again: each tool worker starts its own "
+                "at its start).",
+                key,
+                str(name),
+                len(names),
+                ", ".join(names),
+            )
         brought += [(tool, key) for tool in _MCP_LISTINGS[listing]]
     return brought
 

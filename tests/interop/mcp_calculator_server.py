@@ -1,8 +1,8 @@
 """A tiny MCP server over stdio for the MCP tool tests (``python mcp_calculator_server.py [--no-tools]``), written
 with the mcp package's ``MCPServer``: ``multiply`` (the calculator task's tool), ``fail`` (answers with an error
-result), ``nap`` (sleeps, to overrun a timeout), ``whoami`` (this process's id and its calls so far: a server-side
-counter that tells one long-lived server from a server per call) and ``secret`` (reads an environment variable the
-tests give the server).
+result), ``nap`` (sleeps, to overrun a timeout), ``spawn`` (starts a ``sleep 600`` child, answers its process id),
+``whoami`` (this process's id and its calls so far: a server-side counter that tells one long-lived server from a
+server per call) and ``secret`` (reads an environment variable the tests give the server).
 
 ``--only multiply,fail``: the server lists those tools only (``--only ""``: none, a tool source that brings nothing).
 Where ``MCP_TEST_STARTS`` names a file, each start appends its process id to it (the tests count servers started)."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
 
@@ -56,6 +57,13 @@ def whoami() -> str:
     """This server's process id and the calls it has answered, this one included."""
     _count()
     return f"{os.getpid()} {calls}"
+
+
+@server.tool()
+def spawn() -> str:
+    """Starts a `sleep 600` child (what a server's tool running a command does) and answers its process id."""
+    _count()
+    return str(subprocess.Popen(["sleep", "600"]).pid)
 
 
 @server.tool()

@@ -1,11 +1,13 @@
 """interop.mcp_tools: an MCP server (tests/interop/mcp_calculator_server.py, started over stdio with this Python) as
 tools of a ToolSet. Its tools are listed with the server's names, descriptions and schemas; calls go through the
 ToolRunner's worker to ONE server process per worker; an error result is answered as an error and counted; a call past
-the timeout ends the worker and its server (no orphan), and the next call starts both afresh; bad servers are refused
-with the reason, their env values never shown."""
+the timeout ends the worker and its server (no orphan, a server behind a launcher shell included), and the next call
+starts both afresh; a process a server's tool started ends with the run, normal or killed; the server's start is
+logged; bad servers are refused with the reason, their env values never shown."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _processes import REPO_ROOT, kill_leftovers, left_after_sigkill, running, still_running
 
 pytest.importorskip("mcp")
 
@@ -50,7 +53,7 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
 
 def test_the_servers_tools_are_listed_with_its_names_descriptions_and_schemas(listed):
     tools, starts = listed
-    assert [tool.__name__ for tool in tools] == ["multiply", "fail", "nap", "whoami", "secret"]
+    assert [tool.__name__ for tool in tools] == ["multiply", "fail", "nap", "whoami", "spawn", "secret"]
     assert all(isinstance(tool, MCPTool) and tool.server is tools[0].server for tool in tools)
     assert all(_gone(pid) for pid in _started(starts)), "the listing's server outlived its short session"
     tool_set = ToolSet(tools)
@@ -171,3 +174,53 @@ def test_torchrl_s_mcp_transform_is_refused_pointing_at_its_servers():
 
     with pytest.raises(ValueError, match=r"mcp_tools\(transform\.server_configs\)"):
         torchrl_tools(MCPToolTransform(servers={}))
+
+
+def test_what_a_servers_tool_started_ends_with_the_run_and_the_start_is_logged(listed, caplog):
+    tools, _ = listed
+    pids = []
+    try:
+        with caplog.at_level("INFO", logger="interop.tools"):
+            with ToolRunner(tools, timeout_s=20.0, max_result_tokens=None) as runner:
+                pids = [int(runner.run_one(ToolCall("spawn", {}, "")).content)]
+                pids.append(int(runner.run_one(ToolCall("whoami", {}, "")).content.split()[0]))  # the server
+                assert all(running(pid) for pid in pids)
+        assert still_running(pids, 10.0) == [], "left after close(): the server's child, the server"
+    finally:
+        kill_leftovers(pids)
+    started = [record.getMessage() for record in caplog.records if "started" in record.getMessage()]
+    assert len(started) == 1 and f"MCP server 'calc' ({sys.executable} {SERVER}) started." in started[0]
+
+
+def test_a_server_behind_a_launcher_ends_at_each_timeout():
+    """npx and uvx start the real server as their child: here a shell that does not exec it."""
+    tools = mcp_tools({"calc": {"command": "bash", "args": ["-c", f"{sys.executable} {SERVER}; true"]}})
+    servers = []
+    try:
+        with ToolRunner(tools, timeout_s=2.0, max_result_tokens=None) as runner:
+            servers.append(int(runner.run_one(ToolCall("whoami", {}, "")).content.split()[0]))
+            assert runner.run_one(ToolCall("nap", {"seconds": 60}, "")).error == "timeout"
+            assert still_running(servers, 10.0) == [], "the real server outlived the timeout"
+            servers.append(int(runner.run_one(ToolCall("whoami", {}, "")).content.split()[0]))  # a fresh one
+    finally:
+        kill_leftovers(servers)
+
+
+TRAINER = """
+import sys, time
+from interop.mcp_tools import mcp_tools
+from interop.tools import ToolCall, ToolRunner
+
+runner = ToolRunner(mcp_tools({{"calc": {{"command": sys.executable, "args": [{server!r}]}}}}), max_result_tokens=None)
+print(runner.run_one(ToolCall("spawn", {{}}, "")).content, flush=True)
+print(runner.run_one(ToolCall("whoami", {{}}, "")).content.split()[0], flush=True)
+print(runner._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_and_what_its_tool_started_die_with_the_trainer_killed_by_sigkill(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER.format(server=SERVER))
+    left = left_after_sigkill(script, 3, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert left == [], "left after SIGKILL (the ids in the order the server's child, the server, the worker)"

@@ -1,10 +1,10 @@
 """interop.tools: tools as trl takes them (schemas, refusals), tool calls parsed from text, and a worker process that
-answers every call (results, errors by kind, timeouts, cut results), kept across calls and dead with its parent."""
+answers every call (results, errors by kind, timeouts, cut results), kept across calls (that it dies with its parent,
+and what its tools started with it: tests/interop/test_tool_processes.py)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -296,8 +296,8 @@ def test_tool_results_message_is_trls():
     assert ToolResult("multiply", "6").message == {"role": "tool", "name": "multiply", "content": "6"}
 
 
-# The scripts load interop/tools.py by its path: importing the interop package (torch, torchrl) would take most of
-# the test's time, twice in the second test, whose worker runs the script again.
+# The script loads interop/tools.py by its path: importing the interop package (torch, torchrl) would take most of the
+# test's time.
 TOOLS_FILE = os.path.join(REPO_ROOT, "interop", "tools.py")
 LOAD_TOOLS_MODULE = (
     f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('interop_tools', {TOOLS_FILE!r}); "
@@ -308,33 +308,6 @@ LOAD_TOOLS_MODULE = (
 
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, TESTS_DIR])}
-
-
-def test_the_worker_dies_with_its_parent(tmp_path):
-    script = tmp_path / "parent.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import time
-            from _tool_functions import worker_pid
-            {LOAD_TOOLS_MODULE}
-
-            runner = ToolRunner([worker_pid], timeout_s=30.0, max_result_tokens=None)
-            print(runner.run_one(ToolCall("worker_pid", {}, "")).content, flush=True)
-            time.sleep(600)
-            """
-        ).replace("{LOAD_TOOLS_MODULE}", LOAD_TOOLS_MODULE)
-    )
-    parent = subprocess.Popen([sys.executable, str(script)], env=_env(), stdout=subprocess.PIPE, text=True)
-    try:
-        worker = int(parent.stdout.readline())
-        assert _alive(worker)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=30)
-        assert _gone_within(worker, 10.0)
-    finally:
-        if parent.poll() is None:
-            parent.kill()
 
 
 def test_a_tool_defined_in_the_script_that_runs_is_found(tmp_path):

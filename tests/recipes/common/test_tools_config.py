@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -79,3 +81,18 @@ def test_the_runner_answers_with_the_settings():
         assert (runner.timeout_s, runner.max_result_tokens) == (5.0, 16)
         (result,) = runner.run([ToolCall("multiply", {"a": 12, "b": 34}, "")])
     assert (result.content, result.error) == ("408", None)
+
+
+def test_an_mcp_servers_start_is_logged_with_its_tools(caplog):
+    pytest.importorskip("mcp")
+    from _small_runs import MCP_SERVER
+
+    server = {"command": sys.executable, "args": [str(MCP_SERVER), "--only", "multiply,whoami"]}
+    server["env"] = {"PROBE": "logged-once"}  # a server this process never listed (listings are kept)
+    tools = OmegaConf.create({"timeout_s": 5, "max_result_tokens": None, "calc": {"mcp": {"servers": {"c": server}}}})
+    with caplog.at_level("INFO", logger="recipes.common.tools"):
+        assert resolve_tools(tools).names == ["multiply", "whoami"]
+    assert [record.getMessage() for record in caplog.records] == [
+        "tools.calc.mcp.servers.c: MCP server 'c' started and lists 2 tool(s): multiply, whoami (stopped again: each "
+        "tool worker starts its own at its start)."
+    ]

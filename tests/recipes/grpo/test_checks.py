@@ -195,9 +195,10 @@ def test_a_non_finite_reward_stops_the_run_naming_its_source(compose_config, tmp
 
 
 def test_warm_up_with_a_schedule_that_ignores_it_is_refused(compose_config, tmp_path, nothing_loads):
-    """train.warmup_steps with the default constant schedule warmed nothing up (trl's default schedule is linear)."""
+    """train.warmup_steps with the constant schedule warmed nothing up (trl's default schedule is linear)."""
+    overrides = [*GRPO_SMALL, f"output_dir={tmp_path}", "train.warmup_steps=5", "train.lr_scheduler=constant"]
     with pytest.raises(ConfigError) as error:
-        recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", "train.warmup_steps=5"]))
+        recipe.train(compose_config("grpo_torchrl_rm", overrides))
     message = str(error.value)
     assert message.startswith("train.warmup_steps=5 with train.lr_scheduler=constant: that schedule has no warm-up")
     assert "constant_with_warmup, linear, cosine" in message and "train.warmup_steps=0" in message
