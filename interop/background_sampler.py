@@ -34,9 +34,32 @@ from tensordict import TensorDict
 from interop import _sampler_child
 from interop.sampling import SamplingSettings
 
-__all__ = ["BackgroundSampler", "SamplerExited", "build_rollout_func", "sampler_options", "sampler_tokenizer", "serve"]
+__all__ = [
+    "BackgroundSampler",
+    "SamplerExited",
+    "build_rollout_func",
+    "pushed_names",
+    "sampler_options",
+    "sampler_tokenizer",
+    "serve",
+]
 
 _POLL_S = 0.25  # how often a waiting side checks that the other is still alive
+
+
+def pushed_names(model: torch.nn.Module) -> frozenset[str] | None:
+    """The weights a push must carry: where ``model`` freezes some (LoRA: the base under its adapters), only the ones
+    that train, since a sampler's copy already holds the others and no update changes them; ``None``: all of them.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> pushed_names(model) is None
+    True
+    >>> _ = model[0].requires_grad_(False)
+    >>> sorted(pushed_names(model))
+    ['1.bias', '1.weight']
+    """
+    trained = frozenset(name for name, parameter in model.named_parameters() if parameter.requires_grad)
+    return trained if 0 < len(trained) < len(list(model.parameters())) else None
 
 
 class SamplerExited(RuntimeError):
@@ -174,11 +197,15 @@ class BackgroundSampler:
         self._finalizer = weakref.finalize(self, BackgroundSampler._stop, self.process, self._connection)
 
     def publish(self, model: torch.nn.Module, *, version: int) -> None:
-        """Copies ``model``'s weights into the child's (by name), as ``version`` (the updates they have had)."""
+        """Copies ``model``'s weights into the child's (by name, cast to its copy's dtype), as ``version`` (the
+        updates they have had); only the ones that train where ``model`` freezes others (:func:`pushed_names`)."""
         if self._waiting:
             raise RuntimeError("BackgroundSampler.publish: a rollout is being sampled; wait for result() first.")
+        names = pushed_names(model)
         with torch.no_grad():
             for name, value in model.state_dict().items():
+                if names is not None and name not in names:
+                    continue
                 target = self._shared_tensors.get(name)
                 if target is None:
                     raise KeyError(f"BackgroundSampler.publish: the sampler's model has no {name!r}.")

@@ -159,6 +159,12 @@ class TorchRLRolloutFunc:
         worker_resources: ``"ray"``: what each worker takes of the cluster
             (:class:`interop.rollout_workers.WorkerResources`, or a dict of its fields).
         sampler_threads: apart from the learner: torch threads of each sampler.
+        weight_sync_every: apart from the learner: the weights are published every this many optimizer steps (1:
+            each); every row keeps the version that sampled it (``step``). A batch is then up to
+            ``weight_sync_every - 1`` steps old in sync mode, ``weight_sync_every`` in async mode: refused beyond
+            ``max_policy_lag``.
+        sampler_dtype: apart from the learner: what the samplers compute in (``None``: the model's; e.g.
+            ``torch.bfloat16``), a copy cast at each publication; the log-probs returned are that sampler's.
         seed: apart from the learner: the samplers' torch seed (worker ``i``: ``seed + i``).
         tools: the tools the model may call (trl's form: typed functions with a docstring), an
             :class:`interop.tools.ToolSet`, or a :class:`interop.tools.ToolRunner` (the caller's, which the caller
@@ -220,6 +226,8 @@ class TorchRLRolloutFunc:
         workers: int = 1,
         worker_resources=None,
         sampler_threads: int = 1,
+        weight_sync_every: int = 1,
+        sampler_dtype: torch.dtype | None = None,
         seed: int = 0,
         tools=None,
         max_turns: int | None = None,
@@ -233,6 +241,7 @@ class TorchRLRolloutFunc:
         if max_policy_lag < 0:
             raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
         backend = self._check_backend(mode, backend, workers)
+        self._check_weight_push(mode, backend, max_policy_lag, weight_sync_every, sampler_dtype)
         if backend != "learner" and policy is not None and not isinstance(policy, CausalLMSampler):
             raise ValueError(
                 f"TorchRLRolloutFunc: mode={mode!r}, backend={backend!r} samples with a CausalLMSampler on a copy of "
@@ -269,6 +278,7 @@ class TorchRLRolloutFunc:
             worker_resources = WorkerResources(**worker_resources)
         self.worker_resources = worker_resources
         self.sampler_threads, self.seed = sampler_threads, seed
+        self.weight_sync_every, self.sampler_dtype = weight_sync_every, sampler_dtype
         # async: the prompts of the generation batch after a given one (interop.TorchRLGRPOTrainer sets it), the
         # child process, and the batch it samples.
         self.lookahead = None
@@ -283,6 +293,23 @@ class TorchRLRolloutFunc:
         self._owns_runner = False
         self.last_dialogs = None
         self._correction_warned = False
+
+    @staticmethod
+    def _check_weight_push(mode: str, backend: str, max_policy_lag: int, every: int, dtype) -> None:
+        """``weight_sync_every`` and ``sampler_dtype``: a copy apart from the learner, within the lag bound."""
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"TorchRLRolloutFunc: weight_sync_every must be an integer >= 1, got {every!r}.")
+        if backend == "learner" and (every != 1 or dtype is not None):
+            raise ValueError(
+                "TorchRLRolloutFunc: weight_sync_every and sampler_dtype set how the weights reach a copy apart from "
+                "the learner; backend='learner' samples with the weights it trains. Use backend='processes' or 'ray'."
+            )
+        reached = every - 1 + (mode == "async")
+        if reached > max_policy_lag:
+            raise ValueError(
+                f"TorchRLRolloutFunc: weight_sync_every={every} in {mode} mode lets a batch be {reached} steps old, "
+                f"more than max_policy_lag={max_policy_lag}; raise max_policy_lag or lower weight_sync_every."
+            )
 
     @staticmethod
     def _check_backend(mode: str, backend: str | None, workers: int) -> str:
@@ -452,7 +479,7 @@ class TorchRLRolloutFunc:
         upcoming = self.lookahead(prompts)
         if not upcoming:
             return
-        self._background.publish(_model_of(trainer.model), version=step)
+        self._publish_due(trainer, step)
         self._background.submit(self.tokenize(upcoming, trainer), group_size=self._group_size(trainer, upcoming))
         self._pending = list(upcoming)
 
@@ -462,12 +489,19 @@ class TorchRLRolloutFunc:
         step = self._step(trainer)
         if self._background is None:
             self._start_background()
-        self._background.publish(_model_of(trainer.model), version=step)
+        self._publish_due(trainer, step)
         self._background.submit(self.tokenize(prompts, trainer), group_size=self._group_size(trainer, prompts))
         rollout, version = self._background.result()
         rollout.set("step", torch.full((rollout.shape[0],), version, dtype=torch.long))
         self.stats = {"policy_lag": float(step - version), **self._background.last_stats}
         return rollout
+
+    def _publish_due(self, trainer, step: int) -> None:
+        """The trainer's weights of ``step`` to the samplers, unless they hold a version less than
+        ``weight_sync_every`` steps older (their rows then carry that version)."""
+        published = self._background.version
+        if published is None or step - published >= self.weight_sync_every or step < published:
+            self._background.publish(_model_of(trainer.model), version=step)
 
     @staticmethod
     def _group_size(trainer, prompts: list) -> int:
@@ -507,6 +541,7 @@ class TorchRLRolloutFunc:
             backend=self.backend,
             workers=self.workers,
             resources=self.worker_resources,
+            dtype=self.sampler_dtype,
             num_threads=self.sampler_threads,
             seed=self.seed,
             dialogs=dialogs,

@@ -15,8 +15,9 @@ Public names:
   refuses a number of workers the cluster cannot place, naming the resources missing.
 
 Weights. Local workers read the caller's weights from shared memory (``BackgroundSampler.publish`` copies them there).
-Ray workers read them from Ray's object store: :meth:`RolloutWorkers.publish` puts one CPU copy of the state dict per
-version (``ray.put``), and each worker loads it before its first batch of that version. TorchRL 0.14.1's
+Ray workers read them from Ray's object store: :meth:`RolloutWorkers.publish` puts one CPU copy of the weights per
+version (``ray.put`` of a :class:`PublishedWeights`, numpy arrays), and each worker maps it, without a copy, before its
+first batch of that version. TorchRL 0.14.1's
 ``RayWeightSyncScheme`` was the other candidate; it sends over a gloo process group of fixed size formed at the first
 sync, which a worker that is killed and replaced cannot rejoin (every worker's group would have to be formed again),
 while an object in Ray's store is read by whichever actor holds the batch, restarted or not.
@@ -37,9 +38,11 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Collection, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -47,6 +50,7 @@ from interop.background_sampler import (
     BackgroundSampler,
     SamplerExited,
     build_rollout_func,
+    pushed_names,
     sampler_options,
     sampler_tokenizer,
 )
@@ -54,6 +58,7 @@ from interop.sampling import SamplingSettings
 
 __all__ = [
     "BACKENDS",
+    "PublishedWeights",
     "RolloutWorkers",
     "WorkerResources",
     "check_placement",
@@ -219,18 +224,89 @@ def _sampling_copy(model: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
-def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict a Ray worker loads: on the CPU, each tensor once (tied weights, the output head and the
-    embeddings of most causal LMs, appear under two names: the worker's copy ties them too, so one load sets both).
-    Not copied here: ``ray.put`` copies it into the object store before it returns."""
-    state, seen = {}, set()
-    for name, value in model.state_dict().items():
-        key = (value.data_ptr(), tuple(value.shape), tuple(value.stride()))
-        if key in seen:
-            continue
-        seen.add(key)
-        state[name] = value.detach().cpu()
-    return state
+class PublishedWeights:
+    """A model's weights as one Ray object: each tensor once, as a numpy array on the CPU.
+
+    Why numpy: ``ray.put`` writes a numpy array into the object store with one copy, and ``ray.get`` on a worker's
+    node maps it out of the store with none (pickle 5 buffers); a torch tensor is pickled byte by byte on both sides
+    (at the real-vocabulary build, 369 MiB: 0.6 s to put, 0.4 s to load inside each worker's batch, measured with
+    ``scripts/bench_rollout_workers.py``). Tied weights (the output head and the embeddings of most causal LMs) appear
+    under two names: kept once, since the worker's copy ties them too and one load sets both.
+
+    Args:
+        model: the model whose weights are published.
+
+    Keyword Args:
+        dtype: the dtype the sampler computes in (``None``: the model's): the weights are cast here, once per push,
+            not at every sampling step. numpy has no bfloat16: such a tensor travels as its bits (int16) and is read
+            back as bfloat16.
+        names: publish only these weights (LoRA's adapters, where the sampler holds the base:
+            :func:`~interop.background_sampler.pushed_names`); ``None``: all.
+
+    Examples:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> weights = PublishedWeights(model, dtype=torch.bfloat16)
+        >>> sampler = torch.nn.Linear(2, 2).to(torch.bfloat16)
+        >>> weights.load_into(sampler)
+        >>> bool(torch.equal(sampler.weight, model.weight.to(torch.bfloat16)))
+        True
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        names: Collection[str] | None = None,
+    ) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        seen = set()
+        for name, value in model.state_dict().items():
+            key = (value.data_ptr(), tuple(value.shape), tuple(value.stride()))
+            if key in seen or (names is not None and name not in names):
+                continue
+            seen.add(key)
+            value = value.detach()
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            value = value.to("cpu").contiguous()
+            self.dtypes[name] = value.dtype
+            if value.dtype == torch.bfloat16:
+                value = value.view(torch.int16)
+            self.arrays[name] = value.numpy()
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the published weights."""
+        return sum(array.nbytes for array in self.arrays.values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The weights as torch tensors on the arrays' memory (read-only where Ray mapped them: do not write)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return {name: torch.from_numpy(array).view(self.dtypes[name]) for name, array in self.arrays.items()}
+
+    def load_into(self, model: torch.nn.Module, *, share: bool = False) -> None:
+        """Sets ``model``'s weights (by name) to these. ``share``: a CPU model's tensors take these arrays' memory
+        instead of a copy of them (a Ray worker: the object store's, mapped read-only, which sampling never writes);
+        a model on a GPU is always copied to."""
+        targets = model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in self.tensors().items():
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"PublishedWeights.load_into: the model has no {name!r}.")
+                if share and target.device.type == "cpu" and target.dtype == value.dtype:
+                    target.data = value
+                else:
+                    target.copy_(value)
+
+
+def published_state(model: torch.nn.Module, *, dtype: torch.dtype | None = None) -> PublishedWeights:
+    """The weights a Ray worker loads (:class:`PublishedWeights`). Not copied here but by ``ray.put``, into the
+    object store, before it returns."""
+    return PublishedWeights(model, dtype=dtype)
 
 
 def _ray_worker_class(ray):
@@ -246,7 +322,6 @@ def _ray_worker_class(ray):
             if ray.get_gpu_ids():  # a worker given a GPU (WorkerResources.num_gpus) samples on it
                 self.model.to("cuda")
             self.rollout_func = build_rollout_func(self.model, tokenizer, options)
-            self._targets = dict(self.model.state_dict(keep_vars=True))  # the tensors the forward pass reads
             self.version = None
 
         def where(self) -> tuple[str, int]:
@@ -256,10 +331,8 @@ def _ray_worker_class(ray):
 
         def sample(self, weights: list, version: int, prompt_ids: list[list[int]]):
             if version != self.version:
-                state = ray.get(weights[0])  # inside a list: fetched only when this worker lacks the version
-                with torch.no_grad():
-                    for name, value in state.items():
-                        self._targets[name].copy_(value)
+                # Inside a list: fetched only when this worker lacks the version; mapped out of the object store.
+                ray.get(weights[0]).load_into(self.model, share=True)
                 self.version = version
             started = time.perf_counter()
             rollout = self.rollout_func.rollout_ids(prompt_ids)
@@ -304,6 +377,8 @@ class RolloutWorkers:
         num_threads: torch threads of each worker.
         seed: worker ``i`` samples with torch seed ``seed + i``.
         resources: what each Ray worker takes (:class:`WorkerResources`).
+        dtype: what the workers sample in (``None``: the model's): each holds a copy in it, and the weights are cast
+            to it as they are published, not at every step. The log-probs they record are that copy's.
 
     Examples:
         A sketch (Ray backend, two workers on a local cluster)::
@@ -331,6 +406,7 @@ class RolloutWorkers:
         seed: int = 0,
         dialogs: dict | None = None,
         resources: WorkerResources | None = None,
+        dtype: torch.dtype | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
         if backend not in BACKENDS:
@@ -338,7 +414,10 @@ class RolloutWorkers:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"RolloutWorkers: workers must be an integer >= 1, got {workers!r}.")
         self.backend, self.timeout_s = backend, timeout_s
+        self.dtype = dtype
         self._model = _sampling_copy(model)  # what every worker starts from
+        if dtype is not None:
+            self._model.to(dtype)
         self._tokenizer, self._dialogs = tokenizer, dialogs
         self._options = {
             "settings": settings,
@@ -426,14 +505,15 @@ class RolloutWorkers:
     # ------------------------------------------------------------------------------------------------ batches
 
     def publish(self, model: torch.nn.Module, *, version: int) -> None:
-        """The weights every batch from now on is sampled with, as ``version``."""
+        """The weights every batch from now on is sampled with, as ``version`` (cast to the workers' ``dtype``; where
+        ``model`` freezes some weights, LoRA's base, only the others: the workers' copies hold those already)."""
         if self._pending is not None:
             raise RuntimeError("RolloutWorkers.publish: a batch is being sampled; wait for result() first.")
         if self.backend == "processes":
             for worker in self._workers:
                 worker.handle.publish(model, version=version)
         else:
-            self._weights_ref = self._ray.put(published_state(model))
+            self._weights_ref = self._ray.put(PublishedWeights(model, dtype=self.dtype, names=pushed_names(model)))
         self.version = version
 
     def submit(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int = 1) -> None:

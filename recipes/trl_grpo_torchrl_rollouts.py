@@ -149,6 +149,9 @@ def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
         workers=cfg.rollout.workers,
         worker_resources=worker_resources(cfg),
         sampler_threads=cfg.rollout.sampler_threads,
+        weight_sync_every=cfg.rollout.weight_sync_every,
+        # The trainer's own dtype: no copy in another (the learner backend samples with the weights it trains).
+        sampler_dtype=None if cfg.rollout.sampler_dtype == cfg.dtype else getattr(torch, cfg.rollout.sampler_dtype),
         seed=cfg.seed,
         **tool_options,
     )

@@ -80,6 +80,7 @@ QUICK_OVERRIDES = [
 ]
 PHASES = ("generate", "reward", "reference", "advantage", "update", "other")
 ASYNC = "ours (async)"
+ASYNC_BF16 = "ours (async, bf16)"  # --sampler-dtype bfloat16: the collector samples on a bf16 copy
 
 
 def _threads(count: int) -> str:
@@ -352,7 +353,9 @@ def run_trl(
         from interop import TorchRLRolloutFunc
 
         # The library's default: a CausalLMSampler around the trained model at the GRPOConfig's settings.
-        rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer, mode=mode, seed=cfg.seed)
+        # rollout.sampler_dtype other than dtype (async: apart from the learner): the child samples on a cast copy.
+        sampler_dtype = None if cfg.rollout.sampler_dtype == cfg.dtype else getattr(torch, cfg.rollout.sampler_dtype)
+        rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer, mode=mode, seed=cfg.seed, sampler_dtype=sampler_dtype)
     args = make_trl_config(cfg, output_dir=output_dir)
     if stream:
         from recipes.common.prompts import PromptTable, make_prompt_stream
@@ -428,6 +431,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sync-target", type=float, default=1.0, help="the ratio ours (sync) / trl to reach")
     parser.add_argument("--async-target", type=float, default=1.5, help="the ratio ours (async) / trl to reach")
     parser.add_argument(
+        "--sampler-dtype",
+        choices=("bfloat16",),
+        default=None,
+        help="also run ours (async) with rollout.sampler_dtype=bfloat16 (the collector samples on a bf16 copy, cast "
+        "at each push; the learner stays in dtype), in the same rounds: its generation phase and step against ours "
+        "(async) in float32",
+    )
+    parser.add_argument(
         "--memory", action="store_true", help="then measure each side's peak memory, each in a fresh process"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the medians and ratios to this JSON file")
@@ -473,7 +484,8 @@ def _config_for(args, side: str, run_index: int, scratch: Path):
         "checkpoint.keep_last=1",
         f"train.steps={args.steps}",
         f"seed={run_index}",
-        f"rollout.mode={'async' if side == ASYNC else 'sync'}",
+        f"rollout.mode={'async' if side in (ASYNC, ASYNC_BF16) else 'sync'}",
+        *([f"rollout.sampler_dtype={args.sampler_dtype}"] if side == ASYNC_BF16 else []),
         *([f"loss.type={args.loss_type}"] if args.loss_type else []),
         *args.overrides,
     ]
@@ -576,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
 
     sync_sides = [f"ours (sync, {_threads(n)})" for n in args.sync_threads]
     trl_sides = [f"trl ({_threads(n)})" for n in args.trl_threads]
-    sides = [*sync_sides, ASYNC, *trl_sides]
+    sides = [*sync_sides, ASYNC, *([ASYNC_BF16] if args.sampler_dtype else []), *trl_sides]
     cfg = _config_for(args, sync_sides[0], 0, scratch)
     async_cfg = _config_for(args, ASYNC, 0, scratch)
     if cfg.reward_model is None:
@@ -650,6 +662,16 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
     print("  (async: generate and reward run in the collector process while the learner updates; the learner's step")
     print("   is reference + advantage + update + other, where other is mostly its wait for the next batch)")
 
+    if args.sampler_dtype:
+
+        def phase(side: str, name: str) -> float:
+            return statistics.median(run.phases[name] for run in results[side])
+
+        print(
+            f"the {args.sampler_dtype} sampler against the float32 one (ours (async), same rounds): generation "
+            f"{phase(ASYNC, 'generate') / phase(ASYNC_BF16, 'generate'):.2f}x shorter, a step "
+            f"{median(ASYNC, 's_per_step') / median(ASYNC_BF16, 's_per_step'):.2f}x shorter"
+        )
     targets = {"ours (sync)": args.sync_target, "ours (async)": args.async_target}
     report = {
         "trl": best_trl,

@@ -129,7 +129,7 @@ def _estimate(workers, model, prompts, publish_s: float, args) -> dict:
     """tokens/s of a batch split over W workers on separate machines, from one worker's time on rows / W rows."""
     from interop.rollout_workers import published_state
 
-    size_mb = sum(tensor.numel() * tensor.element_size() for tensor in published_state(model).values()) / 2**20
+    size_mb = published_state(model).nbytes / 2**20
     print(f"  estimate (not measured on several machines): weights {size_mb:.1f} MiB cross the network per update")
     estimate = {"weights_mib": size_mb, "publish_s": publish_s, "workers": {}}
     for count in (1, 2, 4, 8):

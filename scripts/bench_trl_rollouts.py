@@ -41,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_grpo  # noqa: E402  (this folder's sibling: the shared trl config, timing and phases)
 
 TRL, SYNC, ASYNC = "trl", "trl + TorchRL (sync)", "trl + TorchRL (async)"
+ASYNC_BF16 = "trl + TorchRL (async, bf16)"  # --sampler-dtype bfloat16: the child samples on a bf16 copy
 SIDES = (TRL, SYNC, ASYNC)
-MODES = {TRL: False, SYNC: "sync", ASYNC: "async"}
+MODES = {TRL: False, SYNC: "sync", ASYNC: "async", ASYNC_BF16: "async"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of both sides (default 1)")
     parser.add_argument("--target", type=float, default=1.5, help="the ratio to reach (1.5 tiny, 1.2 real vocabulary)")
     parser.add_argument("--json", type=Path, default=None, help="also write the medians and the ratio to this file")
+    parser.add_argument(
+        "--sampler-dtype",
+        choices=("bfloat16",),
+        default=None,
+        help="also run the async side with rollout.sampler_dtype=bfloat16 (a bf16 copy samples, cast at each push; "
+        "the trainer stays in dtype), in the same rounds, its generation phase and step against the float32 one",
+    )
     parser.add_argument("overrides", nargs="*", help="GRPO recipe config overrides for both sides")
     args = parser.parse_args(argv)
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
@@ -63,9 +71,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _config(args, run_index: int, scratch: Path, side: str):
-    out = scratch / f"{run_index}-{SIDES.index(side)}"
+    out = scratch / f"{run_index}-{list(MODES).index(side)}"
     overrides = [*(bench_grpo.QUICK_OVERRIDES if args.quick else []), f"output_dir={out}", f"hydra.run.dir={out}"]
     overrides += [f"train.steps={args.steps}", f"seed={run_index}", *args.overrides]
+    if side == ASYNC_BF16:
+        overrides.append(f"rollout.sampler_dtype={args.sampler_dtype}")
     cfg = bench_grpo.compose_config(overrides)
     # One optimizer step per generation batch; every completion max_new_tokens long.
     overrides += [
@@ -92,9 +102,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"{cfg.loss.kl_to_ref_coeff or 0.0}, {args.threads} torch thread(s)",
         flush=True,
     )
-    results: dict[str, list[bench_grpo.Run]] = {side: [] for side in SIDES}
+    sides = SIDES + ((ASYNC_BF16,) if args.sampler_dtype else ())
+    results: dict[str, list[bench_grpo.Run]] = {side: [] for side in sides}
     for round_index in range(args.rounds + 1):
-        order = SIDES[round_index % 3 :] + SIDES[: round_index % 3]  # each side first in turn
+        shift = round_index % len(sides)
+        order = sides[shift:] + sides[:shift]  # each side first in turn
         for side in order:
             run_cfg = _config(args, round_index, scratch, side)
             run = bench_grpo.run_trl(
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     phases = (*bench_grpo.PHASES, "total")
     print(f"\n{'median over rounds':26s} {'tokens/s':>10s} {'s/step':>9s}   " + " ".join(f"{p:>9s}" for p in phases))
-    for side in SIDES:
+    for side in sides:
         row = " ".join(f"{phase(side, p):9.4f}" for p in phases)
         print(f"{side:26s} {median(side, 'tokens_per_s'):10.1f} {median(side, 's_per_step'):9.4f}   {row}")
     print("  (phases: seconds per generation batch; generate is trl's _generate, the rollout function included)")
@@ -137,15 +149,22 @@ def main(argv: list[str] | None = None) -> dict:
             f"(median of per-round ratios {paired[mode]:.2f}x; generation's wait {generate_ratios[mode]:.2f}x "
             "shorter)"
         )
+    if args.sampler_dtype:
+        ratios["async_bf16"] = median(ASYNC_BF16, "tokens_per_s") / median(TRL, "tokens_per_s")
+        print(
+            f"The {args.sampler_dtype} sampler against the float32 one (async, same rounds): generation's wait "
+            f"{phase(ASYNC, 'generate') / phase(ASYNC_BF16, 'generate'):.2f}x shorter, a step "
+            f"{median(ASYNC, 's_per_step') / median(ASYNC_BF16, 's_per_step'):.2f}x shorter"
+        )
     best = max(ratios, key=ratios.get)
     verdict = "meets" if ratios[best] >= args.target else "misses"
     print(f"The faster mode, {best}, {verdict} the target >= {args.target:.2f}x.")
     report = {
         "medians": {
             side: {"tokens_per_s": median(side, "tokens_per_s"), "s_per_step": median(side, "s_per_step")}
-            for side in SIDES
+            for side in sides
         },
-        "phases": {side: {p: phase(side, p) for p in phases} for side in SIDES},
+        "phases": {side: {p: phase(side, p) for p in phases} for side in sides},
         "ratios": ratios,
         "paired_ratios": paired,
         "generate_ratios": generate_ratios,

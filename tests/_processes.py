@@ -125,3 +125,22 @@ def left_after_sigkill(script: Path, count: int, *, env: dict) -> list[int]:
         if trainer.poll() is None:
             trainer.kill()
         kill_leftovers(pids)
+
+
+def kill_ray_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], bool]) -> None:
+    """:func:`kill_recipe_run_when` for a run that started its own local Ray cluster (``rollout.backend=ray``, no
+    ``ray.address``): fails unless Ray's processes (GCS, raylet) were among its children and every one of its
+    children is gone within 30 s of the SIGKILL."""
+    import psutil
+
+    started: list[psutil.Process] = []
+
+    def note_its_processes(pid: int) -> None:
+        started.extend(psutil.Process(pid).children(recursive=True))
+
+    kill_recipe_run_when(recipe, overrides, ready=ready, before_kill=note_its_processes)
+    names = " ".join(process.name() for process in started)
+    assert "raylet" in names and "gcs_server" in names, names
+    _, alive = psutil.wait_procs(started, timeout=30)
+    left = [(process.pid, process.name()) for process in alive if process.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], "Ray processes of the killed run still running"

@@ -80,6 +80,7 @@ def check_rollout_backend(cfg: DictConfig, *, workers_per_process: bool = False)
             "no GPU unless it asks for one, so the workers would sample on CPU (or fail to load on CUDA). Set "
             "rollout.worker_resources.num_gpus=1 (a GPU each; 0.5 shares one between two), or device=cpu."
         )
+    _check_weight_push(cfg, backend)
     if backend == "learner":
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (workers_per_process and backend == "processes"):
@@ -91,6 +92,33 @@ def check_rollout_backend(cfg: DictConfig, *, workers_per_process: bool = False)
         raise ConfigError(
             'rollout.backend=ray, but ray is not installed: pip install -e ".[ray]" (the project\'s ray extra), or '
             "use rollout.backend=processes."
+        )
+
+
+def _check_weight_push(cfg: DictConfig, backend: str) -> None:
+    """``rollout.weight_sync_every`` and ``rollout.sampler_dtype``: what a copy of the policy apart from the learner
+    takes, refused with the learner (it samples with the weights it trains) and beyond the lag bound."""
+    every, sampler_dtype = cfg.rollout.weight_sync_every, cfg.rollout.sampler_dtype
+    if backend == "learner" and every != 1:
+        raise ConfigError(
+            f"rollout.weight_sync_every={every} with rollout.backend=learner: the learner samples with the weights "
+            "it trains, so nothing is pushed. Use rollout.backend=processes or ray, or rollout.weight_sync_every=1."
+        )
+    if backend == "learner" and sampler_dtype != cfg.dtype:
+        raise ConfigError(
+            f"rollout.sampler_dtype={sampler_dtype} with rollout.backend=learner: the learner samples with the "
+            f"weights it trains (dtype={cfg.dtype}); a sampler of another dtype is a copy apart from it. Use "
+            f"rollout.backend=processes or ray, or rollout.sampler_dtype={cfg.dtype}."
+        )
+    # Weights pushed every k updates: a batch sampled right before a push is k - 1 updates old in sync mode, and one
+    # more in async mode (sampled during the update before its own).
+    lookahead = int(cfg.rollout.mode == "async")
+    reached, bound = every - 1 + lookahead, cfg.rollout.max_policy_lag
+    if reached > bound:
+        raise ConfigError(
+            f"rollout.weight_sync_every={every} with rollout.mode={cfg.rollout.mode}: a batch can then be {reached} "
+            f"updates old, more than rollout.max_policy_lag={bound} allows. Set rollout.max_policy_lag={reached} or "
+            f"more, or rollout.weight_sync_every={max(1, bound + 1 - lookahead)} or less."
         )
 
 

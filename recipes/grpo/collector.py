@@ -293,7 +293,8 @@ def build_prompt_collector(
         # The weights are the learner's, loaded over these by the background collector before every batch.
         # With LoRA, built as the learner builds its policy: the parameter names match, so all of them (the
         # unchanging base included) are copied; a resumed run's adapter weights arrive the same way.
-        policy_model=load_policy(cfg.model, device=cfg.device, dtype=cfg.dtype).eval(),
+        # In rollout.sampler_dtype: the learner's weights are cast to it as they are pushed.
+        policy_model=load_policy(cfg.model, device=cfg.device, dtype=cfg.rollout.sampler_dtype).eval(),
         tokenizer=tokenizer,
         reward_model=reward_model,
         reward_tokenizer=reward_tokenizer,
@@ -407,8 +408,12 @@ def make_collector(
             backend=backend,
             workers=workers,
             start_version=start_step,
-            # Sync mode: every batch waits for the weights of the update before it.
-            max_policy_lag=cfg.rollout.max_policy_lag if cfg.rollout.mode == "async" else 0,
+            # Sync mode: every batch waits for the weights of the update before it (with rollout.weight_sync_every=k,
+            # for the last push: k - 1 updates at most, which the checks hold within rollout.max_policy_lag).
+            max_policy_lag=(
+                cfg.rollout.max_policy_lag if cfg.rollout.mode == "async" else cfg.rollout.weight_sync_every - 1
+            ),
+            dtype=getattr(torch, cfg.rollout.sampler_dtype),
             num_threads=cfg.rollout.collector_threads,
             # Its own sampling noise per worker (seed + worker index), per rank and per resumed segment of the run.
             seed=cfg.seed + rank * workers + 7919 * start_step,

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
+from interop.background_sampler import pushed_names
 from recipes.grpo import collector_child
 
 __all__ = ["BackgroundCollector", "CollectorExited", "LocalCollector", "collect", "timed_batches"]
@@ -208,6 +209,8 @@ class BackgroundCollector:
         timeout_s: how long the learner waits for a batch before it gives up.
         wait_ready: wait here until the child has built its collector; ``False`` returns at once (call
             :meth:`wait_until_ready`), so that several children build theirs at the same time.
+        dtype: what the factory's model samples in (``None``: ``model``'s): the shared weights are kept in it, cast
+            as they are pushed.
     """
 
     def __init__(
@@ -221,11 +224,17 @@ class BackgroundCollector:
         seed: int = 0,
         timeout_s: float = 1800.0,
         wait_ready: bool = True,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if max_policy_lag < 0:
             raise ValueError(f"BackgroundCollector: max_policy_lag must be >= 0, got {max_policy_lag}.")
         context = multiprocessing.get_context("spawn")
-        self._weights = {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in model.named_parameters()}
+        self._weights = {
+            name: p.detach().to("cpu", dtype=dtype or p.dtype, copy=True).share_memory_()
+            for name, p in model.named_parameters()
+        }
+        # Where the model freezes some weights (LoRA's base), the child's collector has them already: pushed once.
+        self._pushed = pushed_names(model)
         self._version = context.Value("q", start_version, lock=False)
         # A lock and a semaphore, not a Condition: a Condition's notify waits for every sleeper to wake, and a child
         # killed while waiting never does; a semaphore's release never waits.
@@ -311,7 +320,8 @@ class BackgroundCollector:
         try:
             with torch.no_grad():
                 for name, p in model.named_parameters():
-                    self._weights[name].copy_(p.detach())
+                    if self._pushed is None or name in self._pushed:
+                        self._weights[name].copy_(p.detach())  # cast to the sampler's dtype here, once per push
             self._version.value = version
         finally:
             self._lock.release()

@@ -43,7 +43,8 @@ from collections.abc import Callable, Iterator
 import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
-from interop.rollout_workers import RemoteWorker, kill_actor, node_alive
+from interop.background_sampler import pushed_names
+from interop.rollout_workers import PublishedWeights, RemoteWorker, kill_actor, node_alive
 from recipes.grpo.batch import merge_batches, response_mask
 from recipes.grpo.collector_modes import BackgroundCollector, CollectorExited, timed_batches
 
@@ -78,17 +79,14 @@ def _collector_actor_class(ray):
             self.shares[share] = {
                 "batches": timed_batches(collector, policy),
                 "policy": policy,
-                "parameters": dict(policy.model.named_parameters()),
                 "version": None,
             }
 
         def sample(self, share: int, weights: list, version: int) -> tuple[dict, tuple, dict]:
             state = self.shares[share]
             if state["version"] != version:
-                loaded = ray.get(weights[0])  # inside a list: fetched here, only when this share lacks the version
-                with torch.no_grad():
-                    for name, tensor in loaded.items():
-                        state["parameters"][name].copy_(tensor)
+                # Inside a list: fetched here, only when this share lacks the version; mapped out of the object store.
+                ray.get(weights[0]).load_into(state["policy"].model, share=True)
                 state["policy"].version.fill_(version)
                 state["version"] = version
             batch, timings = next(state["batches"])
@@ -127,6 +125,8 @@ class CollectorWorkers:
         seed: worker ``i`` samples with torch seed ``seed + i``.
         pad_token_id: what pads the parts to the widest one.
         resources: what each Ray worker takes (``interop.rollout_workers.WorkerResources``).
+        dtype: what the factories' models sample in (``None``: the learner's): the weights are cast to it as they are
+            pushed.
         timeout_s: how long the learner waits for a part before it gives up.
 
     Attributes:
@@ -151,6 +151,7 @@ class CollectorWorkers:
         seed: int,
         pad_token_id: int,
         resources=None,
+        dtype: torch.dtype | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
         if backend not in BACKENDS:
@@ -160,7 +161,7 @@ class CollectorWorkers:
                 f"CollectorWorkers: need workers >= 1 and max_policy_lag >= 0, got workers={workers}, "
                 f"max_policy_lag={max_policy_lag}."
             )
-        self.backend, self.timeout_s = backend, timeout_s
+        self.backend, self.timeout_s, self.dtype = backend, timeout_s, dtype
         self._factory_for, self._model = factory_for, model
         self._num_threads, self._seed, self._pad_token_id = num_threads, seed, pad_token_id
         self.start_version, self.version, self.max_policy_lag = start_version, start_version, max_policy_lag
@@ -223,6 +224,7 @@ class CollectorWorkers:
             seed=self._share_seed(share),
             timeout_s=self.timeout_s,
             wait_ready=wait_ready,
+            dtype=self.dtype,
         )
         return _Worker(share, collector, "this machine", collector.pid)
 
@@ -360,9 +362,9 @@ class CollectorWorkers:
         self._weights_ref = self._ray.put(self._state(model))  # once per version, whatever the number of workers
         self._submit_due()
 
-    def _state(self, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    def _state(self, model: torch.nn.Module | None = None) -> PublishedWeights:
         model = self._model if model is None else model
-        return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+        return PublishedWeights(model, dtype=self.dtype, names=pushed_names(model))
 
     # ------------------------------------------------------------------------------------------------ faults
 

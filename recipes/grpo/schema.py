@@ -181,6 +181,9 @@ class Rollout:
     workers: Positive
     worker_resources: WorkerResourcesNode
     collector_threads: Positive
+    # Apart from the learner: push the weights every this many updates; the samplers' dtype.
+    weight_sync_every: Positive
+    sampler_dtype: Literal["float32", "bfloat16"]
     group_size: Annotated[
         int,
         Range(ge=2),

@@ -10,6 +10,7 @@ import copy
 import functools
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from interop import TorchRLRolloutFunc
-from interop.rollout_workers import RolloutWorkers, WorkerResources, split_groups
+from interop.rollout_workers import PublishedWeights, RolloutWorkers, WorkerResources, split_groups
 from interop.sampling import SamplingSettings
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,6 +97,11 @@ def test_rows_that_are_not_whole_groups_are_refused():
         ({"workers": 2}, "workers=2 with backend='learner'"),
         ({"backend": "processes", "workers": 0}, "workers must be an integer >= 1, got 0"),
         ({"backend": "cluster"}, "backend must be one of"),
+        ({"weight_sync_every": 2}, "backend='learner' samples with the weights it trains"),
+        ({"sampler_dtype": torch.bfloat16}, "backend='learner' samples with the weights it trains"),
+        ({"backend": "processes", "weight_sync_every": 0}, "weight_sync_every must be an integer >= 1, got 0"),
+        ({"backend": "processes", "weight_sync_every": 3}, "weight_sync_every=3 in sync mode lets a batch be 2 steps"),
+        ({"mode": "async", "weight_sync_every": 2}, "weight_sync_every=2 in async mode lets a batch be 2 steps"),
     ],
 )
 def test_the_rollout_function_refuses_a_backend_it_cannot_honour(kwargs, message):
@@ -306,3 +312,146 @@ def test_ray_workers_for_a_cuda_run_must_ask_for_gpus(compose_config, recipe_nam
     check_rollout_backend(
         compose_config(recipe_name, ["device=cuda", "rollout.backend=ray", "rollout.worker_resources.num_gpus=1"])
     )
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_published_weights_travel_without_copies_and_load_as_the_learners(tiny_policy, dtype):
+    """What a Ray worker gets: every weight as an out-of-band pickle buffer (Ray's object store maps those on the
+    worker's node without a copy; a pickled torch tensor travels inside the pickle and is copied on both sides), tied
+    weights once, and, loaded into the sampler's copy (its tensors then on those buffers), the learner's weights cast
+    to the sampler's dtype, the head still tied to the embeddings."""
+    model, _ = tiny_policy
+    learner = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in learner.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    buffers = []
+    payload = pickle.dumps(PublishedWeights(learner, dtype=dtype), protocol=5, buffer_callback=buffers.append)
+    published = pickle.loads(payload, buffers=buffers)
+    distinct = {id(tensor) for tensor in learner.state_dict(keep_vars=True).values()}
+    assert len(buffers) == len(published.arrays) == len(distinct) < len(learner.state_dict())
+    assert len(payload) < 0.05 * published.nbytes, "the weights travel beside the pickle, not inside it"
+    sampler = copy.deepcopy(model).to(dtype or torch.float32)
+    published.load_into(sampler, share=True)
+    for name, value in learner.state_dict().items():
+        assert torch.equal(sampler.state_dict()[name], value.to(dtype or value.dtype)), name
+    assert sampler.lm_head.weight is sampler.model.embed_tokens.weight
+    shared = [
+        name for name, array in published.arrays.items() if sampler.state_dict()[name].data_ptr() == array.ctypes.data
+    ]
+    assert shared == list(published.arrays), "share=True: the sampler's CPU tensors are the published memory"
+
+
+@pytest.mark.parametrize("recipe_name", ["trl_grpo_torchrl_rollouts", "grpo_torchrl_rm"])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.weight_sync_every=2"], r"rollout.weight_sync_every=2 with rollout.backend=learner"),
+        (["rollout.sampler_dtype=bfloat16"], r"rollout.sampler_dtype=bfloat16 with rollout.backend=learner"),
+        (  # sync: k - 1 = 2 updates old at most, over the bound of 1
+            ["rollout.backend=processes", "rollout.weight_sync_every=3"],
+            r"rollout.weight_sync_every=3 with rollout.mode=sync: a batch can then be 2 updates old, more than "
+            r"rollout.max_policy_lag=1 allows. Set rollout.max_policy_lag=2 or more, or rollout.weight_sync_every=2",
+        ),
+        (  # async: one more (sampled during the update before its own)
+            ["rollout.mode=async", "rollout.weight_sync_every=2"],
+            r"a batch can then be 2 updates old, .* or rollout.weight_sync_every=1 or less",
+        ),
+    ],
+)
+def test_a_weight_push_the_backend_or_the_lag_bound_cannot_honour_is_refused(
+    compose_config, recipe_name, overrides, message
+):
+    """rollout.weight_sync_every and rollout.sampler_dtype set how the weights reach a copy apart from the learner:
+    refused with the learner's backend (it samples with the weights it trains), and a push interval whose stale
+    batches the lag bound would not allow, in both recipes, naming the keys and the fix."""
+    from recipes.common.config import ConfigError
+    from recipes.common.rollout_backend import check_rollout_backend
+
+    with pytest.raises(ConfigError, match=message):
+        check_rollout_backend(compose_config(recipe_name, overrides))
+    check_rollout_backend(compose_config(recipe_name, ["rollout.backend=processes", "rollout.weight_sync_every=2"]))
+    check_rollout_backend(compose_config(recipe_name, ["rollout.backend=ray", "rollout.sampler_dtype=bfloat16"]))
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # adapters that change the model (peft starts lora_B at zero)
+        for name, parameter in lora.named_parameters():
+            if "lora_" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return lora
+
+
+def _merged(model) -> dict[str, torch.Tensor]:
+    return {name: value.float() for name, value in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+
+
+def test_a_lora_learner_pushes_only_its_adapters_and_the_samplers_hold_its_merged_weights(tiny_policy):
+    """LoRA: a push carries the adapters only (the samplers' copies hold the base, which no update changes), through
+    Ray's object store (PublishedWeights) and into a local worker's shared copy alike; after it the sampler's weights,
+    merged, equal the learner's merged weights (and a stale sampler's do not: the push is what made them equal)."""
+    model, tokenizer = tiny_policy
+    learner = _lora(model)
+    sampler = copy.deepcopy(learner)
+    with torch.no_grad():  # the learner's update: the adapters move, the base is frozen
+        for parameter in learner.parameters():
+            if parameter.requires_grad:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    stale = _merged(sampler)
+    expected = _merged(learner)
+    assert not all(torch.equal(stale[name], value) for name, value in expected.items())
+    adapters = {name for name, parameter in learner.named_parameters() if parameter.requires_grad}
+    assert adapters and all("lora_" in name for name in adapters)
+
+    buffers = []
+    payload = pickle.dumps(PublishedWeights(learner, names=adapters), protocol=5, buffer_callback=buffers.append)
+    published = pickle.loads(payload, buffers=buffers)
+    assert set(published.arrays) == adapters
+    published.load_into(sampler, share=True)
+    for name, value in _merged(sampler).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+    workers = _workers((learner, tokenizer), "processes", 1)
+    try:
+        before = {name: value.clone() for name, value in workers._workers[0].handle.model.state_dict().items()}
+        with torch.no_grad():
+            for parameter in learner.parameters():
+                if parameter.requires_grad:
+                    parameter.add_(torch.randn_like(parameter) * 0.1)
+                else:  # a frozen weight no push carries (none changes in training: this shows which are sent)
+                    parameter.add_(1.0)
+        workers.publish(learner, version=1)
+        shared = workers._workers[0].handle.model
+        for name, value in shared.state_dict().items():
+            changed = not torch.equal(value, before[name])
+            assert changed == (name in adapters), name
+    finally:
+        workers.close()
+
+
+def test_a_bf16_sampler_holds_the_learners_weights_cast_at_each_push_and_the_learner_keeps_float32(tiny_policy):
+    """RolloutWorkers(dtype=torch.bfloat16): the worker's copy is bfloat16, the learner's weights are cast into it as
+    they are published (each push, not each step: the copy equals the learner's weights cast), the learner stays in
+    float32, and the worker samples valid completions with it."""
+    model, tokenizer = tiny_policy
+    learner = copy.deepcopy(model)
+    workers = _workers((learner, tokenizer), "processes", 1, dtype=torch.bfloat16)
+    try:
+        with torch.no_grad():
+            for parameter in learner.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+        workers.publish(learner, version=3)
+        copy_state = workers._workers[0].handle.model.state_dict()
+        for name, value in learner.state_dict().items():
+            assert value.dtype == torch.float32, name
+            assert copy_state[name].dtype == torch.bfloat16 and torch.equal(copy_state[name], value.bfloat16()), name
+        prompts = _prompt_ids(tokenizer, group_size=2)[:4]
+        workers.submit(prompts, group_size=2)
+        rollout, version = workers.result()
+        assert version == 3
+        _check_batch(rollout, prompts)
+    finally:
+        workers.close()

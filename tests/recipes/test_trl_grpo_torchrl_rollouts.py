@@ -434,3 +434,18 @@ def test_two_processes_each_generate_and_store_their_own_rollouts(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["train/steps"] == 3
     assert summary["rollouts/rows"] == 2 * 3 * 8, "every process's rows"
+
+
+@pytest.mark.slow
+def test_weights_pushed_every_second_step_reach_a_bf16_worker_and_every_row_keeps_its_version(compose_config, tmp_path):
+    """rollout.weight_sync_every=2 (sync, one local worker, a bfloat16 sampler): the worker samples steps 1-2 with the
+    weights of step 0 and steps 3-4 with those of step 2; the stored rows carry that version and the logged lag
+    alternates 0, 1 (within rollout.max_policy_lag=1)."""
+    overrides = [*TRL_SMALL, "train.max_steps=4", "logger=csv", f"output_dir={tmp_path}"]
+    overrides += ["rollout.backend=processes", "rollout.weight_sync_every=2", "rollout.sampler_dtype=bfloat16"]
+    summary = recipe.train(compose_config("trl_grpo_torchrl_rollouts", overrides))
+    assert summary["train/steps"] == 4
+    assert [row["train/policy_lag"] for row in read_metrics(tmp_path)] == [0.0, 1.0, 0.0, 1.0]
+    rows = load_rollouts(tmp_path / "rollouts")
+    versions = {int(step): sorted(set(rows["policy_version"][rows["step"] == step].tolist())) for step in range(1, 5)}
+    assert versions == {1: [0], 2: [0], 3: [2], 4: [2]}

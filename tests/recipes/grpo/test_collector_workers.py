@@ -13,6 +13,7 @@ import os
 import signal
 
 import pytest
+from _processes import kill_ray_run_when
 from _small_runs import GRPO_SMALL, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
@@ -243,3 +244,67 @@ def test_two_ray_workers_on_two_nodes_learn_the_default_task(compose_config, tmp
     assert {row["rollout/workers"] for row in rows} == {2.0}
     speeds = [(row["rollout/worker_0/tokens_per_s"], row["rollout/worker_1/tokens_per_s"]) for row in rows]
     assert all(first > 0 and second > 0 for first, second in speeds)
+
+
+@pytest.mark.slow
+def test_weights_pushed_every_second_update_reach_a_bf16_worker_and_tag_every_row(compose_config, tmp_path):
+    """rollout.weight_sync_every=2 in sync mode with a bfloat16 sampler: the worker holds version 0 for steps 1-2 and
+    version 2 for steps 3-4, so the lag it reports alternates 0, 1 (within rollout.max_policy_lag=1), and the run
+    trains with finite losses."""
+    overrides = [
+        "rollout.backend=processes",
+        "rollout.weight_sync_every=2",
+        "rollout.sampler_dtype=bfloat16",
+        "train.steps=4",
+        f"output_dir={tmp_path}",
+    ]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, *overrides]))
+    rows = read_metrics(tmp_path)
+    assert summary["train/steps"] == 4
+    assert [row["train/policy_lag"] for row in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert all(row["train/loss"] == row["train/loss"] for row in rows)  # not NaN
+
+
+def _record_prompts(monkeypatch) -> dict[int, list[int]]:
+    """Each trained step's prompt rows (the prompt table's indices, sorted), as the learner receives them."""
+    from recipes.grpo.batch import PROMPT_INDEX
+
+    seen: dict[int, list[int]] = {}
+    train_step = recipe.train_step
+
+    def recording(cfg, step, batch, *args, **kwargs):
+        seen[step] = sorted(batch[PROMPT_INDEX].tolist())
+        return train_step(cfg, step, batch, *args, **kwargs)
+
+    monkeypatch.setattr(recipe, "train_step", recording)
+    return seen
+
+
+@pytest.mark.slow
+def test_a_ray_run_killed_after_a_checkpoint_leaves_no_ray_process_and_resumes_on_its_prompts(
+    compose_config, tmp_path, monkeypatch
+):
+    """rollout.backend=ray with no address, two workers: the run starts its own cluster. SIGKILLed after its step-2
+    checkpoint, every process it had started is gone; resumed (Ray again), it trains steps 3-5, each once, on the
+    prompts an unkilled run trains them on."""
+    pytest.importorskip("ray")
+    overrides = [*TWO_WORKERS, "train.steps=5", "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
+    overrides += ["rollout.backend=ray", "ray.num_cpus=2"]
+    prompts = _record_prompts(monkeypatch)
+    recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={tmp_path / 'straight'}"]))
+    straight = dict(prompts)
+    assert sorted(straight) == [1, 2, 3, 4, 5]
+
+    run_dir = tmp_path / "killed"
+
+    def step_3_logged() -> bool:
+        metrics = run_dir / "metrics.csv"
+        return metrics.exists() and any(row["step"] == 3.0 for row in read_metrics(run_dir))
+
+    kill_ray_run_when("grpo_torchrl_rm.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=step_3_logged)
+    prompts.clear()
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={run_dir}", "resume=true"]))
+    assert summary["train/steps"] == 5
+    assert sorted(prompts) == [3, 4, 5], "resumed from the step-2 checkpoint"
+    assert {step: prompts[step] for step in (3, 4, 5)} == {step: straight[step] for step in (3, 4, 5)}
+    assert [row["step"] for row in read_metrics(run_dir)] == [1.0, 2.0, 3.0, 4.0, 5.0], "no step twice, none missing"
