@@ -123,6 +123,7 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
         max_text_bytes=cfg.rollout.store.max_text_bytes,
         pad_token_id=rollout_func.tokenizer.pad_token_id,
         tokenizer=tokenizer_fingerprint(rollout_func.tokenizer),
+        group_size=trainer.args.num_generations,
     )
 
 

@@ -160,7 +160,7 @@ def load_replay_source(cfg: DictConfig, *, group_size: int):
     none, is damaged, or was written with another tokenizer (its token ids would be other tokens) or another group
     size. Returns the rows (``recipes.trl_grpo.rollout_store.load_rollouts``)."""
     from recipes.common.models import load_tokenizer, tokenizer_fingerprint
-    from recipes.trl_grpo.rollout_store import DamagedRollouts, load_rollouts, stored_tokenizer
+    from recipes.trl_grpo.rollout_store import DamagedRollouts, load_rollouts, stored_group_sizes, stored_tokenizer
 
     key = "rollout.replay.load_from"
     folder = Path(str(cfg.rollout.replay.load_from)).expanduser()
@@ -175,6 +175,14 @@ def load_replay_source(cfg: DictConfig, *, group_size: int):
             f"{key}={str(folder)!r} was written with another tokenizer than model={cfg.model.name_or_path!r}'s "
             f"({'no fingerprint recorded' if written_with is None else 'its vocabulary differs'}): its token ids would "
             "be other tokens here. Load rollouts a run of this policy stored."
+        )
+    recorded = stored_group_sizes(folder)
+    if any(size != group_size for size in recorded):
+        raise ConfigError(
+            f"{key}={str(folder)!r} holds groups of {' and '.join(map(str, recorded))} completions per prompt (the "
+            f"train.num_generations of the run that stored them), and this run samples train.num_generations="
+            f"{group_size}: its groups would be loaded cut or merged, their advantages computed over other groups than "
+            f"trl's. Set train.num_generations={recorded[0]}, or load rollouts stored with {group_size}."
         )
     runs = _runs_of_one_prompt(rows)
     if rows.shape[0] < group_size or any(length % group_size for length in runs):
@@ -255,6 +263,7 @@ def _check_resume(cfg: DictConfig, args) -> None:
         )
     if (Path(cfg.output_dir) / "metrics.csv").is_file():
         read_metrics_rows(Path(cfg.output_dir) / "metrics.csv")  # a damaged file is named now, not after loading
+    _check_rollouts_are_the_runs(Path(cfg.output_dir))
     stored = stored_sources(Path(cfg.output_dir) / ROLLOUTS_DIR)
     if stored is not None and stored != reward_source_names(cfg):
         raise ConfigError(
@@ -264,6 +273,19 @@ def _check_resume(cfg: DictConfig, args) -> None:
             "start a new run in another folder."
         )
     check_resume_changes(resume_changes(cfg), allowed=cfg.resume_allow_changes)
+
+
+def _check_rollouts_are_the_runs(output_dir: Path) -> None:
+    """A resumed run writes its new rollouts into ``rollouts/``: where that (or a process's folder in it) is a link,
+    they would land in the storage it points to, another run's."""
+    folder = output_dir / ROLLOUTS_DIR
+    links = [path for path in (folder, *sorted(folder.glob("rank_*"))) if path.is_symlink()]
+    if links:
+        raise ConfigError(
+            f"resume=true, but {links[0]} is a link to {links[0].resolve()}: the resumed run would write its new "
+            "rollouts into that storage (another run's). Replace the link with a copy of what it points to "
+            f"(cp -r --remove-destination {links[0].resolve()} {links[0]}), or start a new run in another folder."
+        )
 
 
 def _check_prompt_lengths(cfg: DictConfig, rows, args) -> None:

@@ -81,6 +81,20 @@ def test_a_run_started_with_overwrite_resumes(compose_config, tmp_path):
     assert OmegaConf.load(tmp_path / "resolved_config.yaml").overwrite is False
 
 
+def test_a_resume_through_a_linked_rollouts_folder_is_refused(compose_config, tmp_path):
+    """The run's rollouts/ moved elsewhere and linked back: a resume would write its new rows into the linked storage
+    (another run's); it is refused, and that storage keeps its rows."""
+    run, elsewhere = tmp_path / "run", tmp_path / "other_run" / "rollouts"
+    _run(compose_config, run, [*SAVED, "train.max_steps=2"])
+    elsewhere.parent.mkdir()
+    shutil.move(run / "rollouts", elsewhere)
+    (run / "rollouts").symlink_to(elsewhere, target_is_directory=True)
+    rows = load_rollouts(elsewhere).shape[0]
+    with pytest.raises(ConfigError, match=rf"{run}/rollouts is a link to {elsewhere}: the resumed run would write"):
+        _run(compose_config, run, ["resume=true", "train.max_steps=3"])
+    assert load_rollouts(elsewhere).shape[0] == rows and len(list(elsewhere.glob("rank_0/part_*"))) == 1
+
+
 def test_a_changed_setting_is_refused_unless_named_and_then_applied_and_recorded(compose_config, tmp_path, monkeypatch):
     _run(compose_config, tmp_path, [*SAVED, "train.max_steps=2"])
     with pytest.raises(
