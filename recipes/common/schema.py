@@ -389,6 +389,9 @@ def _check_leaf(value: Any, base: Any, extras: tuple, key: str, recipe: str) -> 
     hint = next((extra for extra in extras if isinstance(extra, Hint)), None)
     if hint is not None:
         raise ConfigError(hint.message(key, value, base, bounds))
+    if not fits and base is int and isinstance(value, float) and value.is_integer():
+        # 1e10 on a command line is a float to Hydra's parser: the fix is to write the digits.
+        raise ConfigError(f"{key}={value!r}: expected an integer; write it as one ({key}={int(value)}).")
     if not fits:
         raise ConfigError(f"{key}={value!r}: expected {_describe(base)}.")
     raise ConfigError(f"{key}={value!r} must be {bounds}.")

@@ -9,6 +9,7 @@ Dependencies: omegaconf, transformers, trl (for ``train:``'s keys), and the reci
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from recipes.common.schema import checked_config, checked_trainer_config
 from recipes.common.tools import resolve_call_format, resolve_tools
 from recipes.trl_grpo.report import reward_source_names, summary_keys
 from recipes.trl_grpo.resume import checkpoint_step, resume_changes, resumed_config
-from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, stored_sources
+from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, row_bytes, stored_sources
 from recipes.trl_grpo.schema import RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
 
 __all__ = ["validate"]
@@ -69,7 +70,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check_resume(cfg, args)
     rows = load_prompt_rows(cfg.data, "train")
     check_reward_functions(cfg, columns=list(rows.columns))
-    _check_prompt_lengths(cfg, rows, args)
+    longest_prompt = _check_prompt_lengths(cfg, rows, args)
+    _check_store_fits_the_disk(cfg, args, prompt_width=longest_prompt)
     _check_eval(cfg)
     if cfg.rollout.replay.load_from is not None:
         load_replay_source(cfg, group_size=args.num_generations)
@@ -288,9 +290,9 @@ def _check_rollouts_are_the_runs(output_dir: Path) -> None:
         )
 
 
-def _check_prompt_lengths(cfg: DictConfig, rows, args) -> None:
+def _check_prompt_lengths(cfg: DictConfig, rows, args) -> int:
     """Prompts the policy cannot read whole with ``train.max_completion_length`` tokens after them (tokenizer and model
-    config only: before any weights load)."""
+    config only: before any weights load). Returns the longest prompt's tokens."""
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
     table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.system_prompt)
     tools = resolve_tools(cfg.tools)
@@ -307,6 +309,31 @@ def _check_prompt_lengths(cfg: DictConfig, rows, args) -> None:
         max_new_tokens=args.max_completion_length,
         max_new_tokens_key="train.max_completion_length",
     )
+    return max(lengths)
+
+
+def _check_store_fits_the_disk(cfg: DictConfig, args, *, prompt_width: int) -> None:
+    """The rollout store of every process, full (``rollout.store.max_rows`` rows of ``max_text_bytes`` of text each),
+    must fit the free space of the disk that holds the run: a store that cannot would stop the run once it filled the
+    disk, and one sized past what any disk holds fails at its first write ("File too large", or an allocation of
+    the text columns), after the models have loaded."""
+    store = cfg.rollout.store
+    one_row = row_bytes(
+        prompt_width=prompt_width, completion_width=args.max_completion_length, max_text_bytes=store.max_text_bytes
+    )
+    needed = one_row * store.max_rows * int(os.environ.get("WORLD_SIZE", "1"))
+    folder = Path(str(cfg.output_dir)).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise ConfigError(
+            f"rollout.store.max_rows={store.max_rows} rows of rollout.store.max_text_bytes={store.max_text_bytes} "
+            f"bytes of text each take {needed / 2**30:.3g} GiB once the store is full ({one_row} bytes a row, per "
+            f"process), more than the {free / 2**30:.3g} GiB free on the disk holding {cfg.output_dir}. Lower "
+            "rollout.store.max_rows (the oldest rows are dropped past it) or rollout.store.max_text_bytes, or run "
+            "on a larger disk (hydra.run.dir=...)."
+        )
 
 
 def _check_lora_for_trl(lora) -> None:

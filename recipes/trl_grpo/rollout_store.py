@@ -51,6 +51,7 @@ __all__ = [
     "RolloutStore",
     "load_rollouts",
     "prompts",
+    "row_bytes",
     "stored_group_sizes",
     "stored_sources",
     "stored_totals",
@@ -283,6 +284,12 @@ class RolloutStore:
     @property
     def dropped(self) -> int:
         return max(0, self.rows - self.max_rows)
+
+
+def row_bytes(*, prompt_width: int, completion_width: int, max_text_bytes: int) -> int:
+    """The bytes one stored row takes (a part's files hold ``max_rows`` of them once its ring is full): the id and
+    ``env_mask`` columns as int64, ``logprobs`` as float32, the two texts and the scalar columns."""
+    return 8 * (prompt_width + 2 * completion_width) + 4 * completion_width + 2 * max_text_bytes + 256
 
 
 def _tool_columns(rollout: TensorDictBase, right: int) -> dict[str, torch.Tensor]:
