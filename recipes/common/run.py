@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
-from omegaconf import DictConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 from tensordict import set_list_to_stack
 from transformers import set_seed
 
@@ -46,13 +47,21 @@ from recipes.common.config import (
     write_run_config,
 )
 from recipes.common.metrics import MetricLogger, make_logger
-from recipes.common.run_folder import LOCK_FILE, FolderInUse, RunFolderLock, clear_records, earlier_records
+from recipes.common.run_folder import (
+    LOCK_FILE,
+    FolderInUse,
+    RunFolderLock,
+    check_writable,
+    clear_records,
+    earlier_records,
+)
 
 __all__ = [
     "FAILED_FILE",
     "SUMMARY_FILE",
     "Interrupted",
     "Run",
+    "RunFolderCheck",
     "accelerate_shards_on",
     "check_sharded_launch",
     "end_processes",
@@ -350,6 +359,32 @@ def run_recipe(
         folder.mkdir(parents=True, exist_ok=True)
         (folder / FAILED_FILE).write_text(json.dumps({"reason": reason}, indent=2))
     return {cfg.metric: float("nan")}
+
+
+class RunFolderCheck(Callback):
+    """A Hydra callback (``hydra.callbacks`` of every recipe's config) that checks, before Hydra creates the run's
+    folder (a multirun's sweep folder) and opens its log there, that the folder can be written: otherwise Hydra's own
+    ``mkdir`` or log handler fails with a raw traceback. Says which folder, why, and what to do; exits with status 1."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.run.dir", "the run's output folder")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.sweep.dir", "the sweep's folder")
+
+    @staticmethod
+    def _check(config: DictConfig, key: str, what: str) -> None:
+        try:
+            folder = Path(str(OmegaConf.select(config, key)))
+        except Exception:  # an interpolation only a job can resolve: Hydra creates and reports that folder itself
+            return
+        try:
+            check_writable(
+                folder, what=what, fix=f"choose a folder this user may write ({key}=...), or fix its permissions"
+            )
+        except ConfigError as error:
+            print(error, file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 def _stop_logging_into(folder: Path) -> None:

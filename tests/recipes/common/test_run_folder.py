@@ -98,3 +98,24 @@ def test_a_run_refused_on_a_folder_in_use_changes_nothing_of_the_run_there(tmp_p
     assert completed.returncode == 1 and f"{run} is in use by another run" in completed.stderr + completed.stdout
     after = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
     assert after == before
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_a_run_folder_that_cannot_be_written_is_refused_naming_it_not_with_hydras_traceback(tmp_path, mode):
+    """A folder below a file stands for any folder this user cannot write (a read-only one: the tests run as root)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "a_file").write_text("")
+    folder = tmp_path / "a_file" / "run"
+    key = "hydra.run.dir" if mode == "run" else "hydra.sweep.dir"
+    command = [sys.executable, "recipes/grpo_torchrl_rm.py", f"{key}={folder}", *(["-m"] if mode == "sweep" else [])]
+    completed = subprocess.run(
+        command, cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 1 and "Traceback" not in completed.stderr
+    assert f"Cannot write the run's output folder {folder} (Not a directory): choose a folder" in completed.stderr or (
+        f"Cannot write the sweep's folder {folder} (Not a directory)" in completed.stderr
+    )
+    assert f"({key}=...)" in completed.stderr
