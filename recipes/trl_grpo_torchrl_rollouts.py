@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 import time
 
 import hydra
@@ -59,6 +60,7 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
+from recipes.common.schema import refuse_unknown_overrides, trainer_aliases
 from recipes.common.tools import resolve_tools
 from recipes.trl_grpo.checks import load_replay_source, validate
 from recipes.trl_grpo.evaluation import EvalCallback
@@ -66,6 +68,7 @@ from recipes.trl_grpo.report import MetricsCallback, closing_message, summarize
 from recipes.trl_grpo.resume import checkpoint_step, finished_run_summary, record_resume_start, resumed_config
 from recipes.trl_grpo.rewards import checked_reward_function, refuse_non_finite_scores
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, RolloutStore, stored_totals
+from recipes.trl_grpo.schema import TrlGRPORecipeConfig
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +330,14 @@ def main(cfg: DictConfig) -> float:
     return summary.get(metric, float("nan"))
 
 
+def _trl_names():
+    from trl import GRPOConfig  # trl prints a notice on import: only for a key the recipe does not have
+
+    return trainer_aliases(GRPOConfig)
+
+
 if __name__ == "__main__":
+    refuse_unknown_overrides(sys.argv[1:], TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", aliases=_trl_names)
     track_failed_jobs()
     mask_sweep_logs()
     main()

@@ -36,9 +36,10 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Union
@@ -74,6 +75,8 @@ __all__ = [
     "check_config",
     "check_trainer_config_keys",
     "checked_config",
+    "refuse_unknown_overrides",
+    "trainer_aliases",
     "checked_trainer_config",
     "checked_tree",
     "trainer_config_view",
@@ -171,6 +174,60 @@ class Aliases:
             f"{error.key}: {error.recipe} has no such setting, so it would be ignored. {suggestion}{self.source}'s "
             f"{error.name} is {target} here: {fix}. {error.known_settings}"
         )
+
+
+def refuse_unknown_overrides(
+    argv: Sequence[str], schema: type, *, recipe: str, aliases: Aliases | Callable[[], Aliases] | None = None
+) -> None:
+    """Before Hydra composes the config (a recipe's ``__main__``): a command-line override without ``+`` of a key that
+    ``schema`` does not have is refused as :func:`check_config` refuses it, naming the nearest keys or, for another
+    tool's name (``aliases``: ``num_generations=4``, ``train.learning_rate=1e-3``), the recipe's key for it. Hydra
+    would answer only "Could not override ... Key ... is not in struct". Keys under an open mapping, a choice of
+    schemas or Hydra's own are left to Hydra. Prints the refusal and exits with status 1.
+
+    Keyword Args:
+        aliases: another tool's names, or a function that builds them (called only for an unknown key).
+    """
+    for argument in argv:
+        key, equals, value = argument.partition("=")
+        if not equals or key.startswith(("-", "+", "~", "hydra")) or "/" in key or "@" in key:
+            continue
+        error = _unknown_override(key, value, schema, recipe)
+        if error is None:
+            continue
+        known = aliases() if callable(aliases) else aliases
+        print((known.message(error) if known is not None else None) or str(error), file=sys.stderr)
+        raise SystemExit(1)
+
+
+def trainer_aliases(config_class: type) -> Aliases:
+    """A trl / transformers trainer config's fields as the ``train.<field>`` keys of a recipe whose ``train:`` node
+    takes them (``num_generations=4`` is ``train.num_generations=4`` there)."""
+    names = {field.name: f"train.{field.name}" for field in dataclasses.fields(config_class)}
+    return Aliases(f"trl.{config_class.__name__}", names)
+
+
+def _unknown_override(key: str, value: str, schema: type, recipe: str) -> _UnknownKey | None:
+    """The refusal of ``key`` when the dataclasses of ``schema`` along its path do not have it; ``None`` when they do
+    or the path leaves them (an open mapping, a choice of schemas, a value)."""
+    node, parent = schema, ""
+    *path, name = key.split(".")
+    for part in path:
+        hints = typing.get_type_hints(node, include_extras=True)
+        if part not in hints:
+            name = part  # the first unknown part is the unknown key
+            break
+        base, extras = _unwrap(hints[part])
+        if not dataclasses.is_dataclass(base) or any(isinstance(extra, Variant) for extra in extras):
+            return None
+        node, parent = base, _join(parent, part)
+    known = _field_names(node)
+    if name in known:
+        return None
+    full = _join(parent, name)
+    nearest = [_join(parent, n) for n in difflib.get_close_matches(name, known, n=3, cutoff=0.5)]
+    message, settings = _unknown_key_message(full, nearest, known, parent, recipe)
+    return _UnknownKey(message, key=full, value=value, recipe=recipe, nearest=nearest, known_settings=settings)
 
 
 class _UnknownKey(ConfigError):
