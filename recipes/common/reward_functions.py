@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from hydra.utils import get_object, instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from transformers import TrainerState
@@ -48,6 +48,7 @@ __all__ = [
     "RewardFunction",
     "RewardLogs",
     "check_reward_functions",
+    "check_reward_weights",
     "checked_rewards",
     "function_name",
     "resolve_function",
@@ -156,6 +157,22 @@ def check_reward_functions(cfg: DictConfig, columns: Sequence[str]) -> None:
                 f"{setting}.function={function_name(node.function)} takes no **kwargs: trl passes every column and "
                 "more to each reward function, so it must accept them (def f(completions, **kwargs))."
             )
+    check_reward_weights(cfg)
+
+
+def check_reward_weights(cfg: DictConfig) -> None:
+    """Every reward source weighted 0 makes every reward 0: every group ties, every advantage is 0, nothing trains."""
+    scored_by_model = OmegaConf.select(cfg, "reward_model") is not None
+    weights = {"reward.model_weight": cfg.reward.model_weight} if scored_by_model else {}
+    for group in ("functions", "terms"):
+        for name, node in (cfg.reward.get(group) or {}).items():
+            weights[f"reward.{group}.{name}.weight"] = node.get("weight", 1.0) if isinstance(node, DictConfig) else 1.0
+    if weights and all(weight == 0 for weight in weights.values()):
+        shown = ", ".join(f"{key}={weight}" for key, weight in weights.items())
+        raise ConfigError(
+            f"Every reward source is weighted 0 ({shown}): every completion's reward would be 0, every advantage 0, "
+            "and nothing would train. Give one of them a nonzero weight."
+        )
 
 
 class RewardLogs:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import sys
 import types
@@ -837,6 +838,28 @@ class TrainerNode:
     learning_rate: Annotated[float, Range(gt=0), Hint("{key}={value} must be a positive number (e.g. {key}=1e-4).")]
     max_grad_norm: MaxGradNorm
     per_device_train_batch_size: Annotated[int, Range(ge=1)]
+    warmup_steps: Annotated[float, Range(ge=0)]
+    push_to_hub: bool
+
+    def __post_init__(self) -> None:
+        # transformers 5: an int counts optimizer steps, a float below 1 is a fraction of them; 1.5 is neither.
+        if isinstance(self.warmup_steps, float) and self.warmup_steps >= 1 and not self.warmup_steps.is_integer():
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps:g}: transformers reads a number below 1 as a fraction of the "
+                f"training steps and a whole number as steps. Write warmup_steps={math.ceil(self.warmup_steps)} "
+                f"(steps) or a fraction below 1 (warmup_steps=0.1: the first tenth of max_steps)."
+            )
+        offline = [name for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _env_flag(name)]
+        if self.push_to_hub and offline:
+            raise ValueError(
+                f"push_to_hub=True, but {offline[0]} is set: the push at the end of training would fail after the "
+                f"whole run. Drop push_to_hub (the model is saved in the run folder either way), or unset {offline[0]} "
+                "on a machine that can reach the hub."
+            )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def checked_trainer_config(
