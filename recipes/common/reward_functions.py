@@ -49,6 +49,7 @@ __all__ = [
     "RewardLogs",
     "check_reward_functions",
     "check_reward_weights",
+    "reward_function_failure",
     "checked_rewards",
     "function_name",
     "resolve_function",
@@ -295,11 +296,7 @@ class RewardFunction(TensorDictModuleBase):
         try:
             values = self.function(**kwargs)
         except Exception as error:
-            raise RuntimeError(
-                f"The reward function reward.functions.{self.name} raised {type(error).__name__}: {error}"
-                f"{self._first_failing_row(kwargs)}. Fix the function (or the data): a reward it cannot compute is "
-                "never counted as 0."
-            ) from error
+            raise reward_function_failure(self.function, f"reward.functions.{self.name}", error, kwargs) from error
         for column, logged in self._extra.items():
             self.logs.column(column, logged, function=self.name, count=count)
         checked = checked_rewards(values, setting=f"reward.functions.{self.name}", arguments=kwargs)
@@ -309,20 +306,32 @@ class RewardFunction(TensorDictModuleBase):
         tensordict.set("score", torch.tensor(scores, dtype=torch.float32).reshape(shape))
         return tensordict
 
-    def _first_failing_row(self, kwargs: dict) -> str:
-        """`` on row i (prompt ..., completion ...)``: the function called again row by row (only now that it
-        failed) to find the first row it fails on; empty if every row alone passes."""
-        per_row = [key for key, value in kwargs.items() if isinstance(value, list)]
-        for row in range(len(kwargs["completions"])):
-            single = {key: ([value[row]] if key in per_row else value) for key, value in kwargs.items()}
-            try:
-                self.function(**single)
-            except Exception:  # noqa: BLE001 - looking for the row, the error itself is reported above
-                return (
-                    f" on row {row} of the step's responses (prompt {_shown(kwargs['prompts'][row])}, completion "
-                    f"{_shown(kwargs['completions'][row])})"
-                )
+
+def reward_function_failure(function: Callable, setting: str, error: Exception, kwargs: dict) -> RuntimeError:
+    """The error to raise (``from error``: its traceback follows) when the reward function of ``setting`` raised
+    ``error`` on the batch of ``kwargs``: naming the setting, the error and the first row it fails on alone."""
+    return RuntimeError(
+        f"The reward function {setting} raised {type(error).__name__}: {error}{_first_failing_row(function, kwargs)}. "
+        "Fix the function (or the data): a reward it cannot compute is never counted as 0."
+    )
+
+
+def _first_failing_row(function: Callable, kwargs: dict) -> str:
+    """`` on row i (prompt ..., completion ...)``: the function called again row by row (only now that it failed) to
+    find the first row it fails on; empty if every row alone passes (or it is a coroutine function)."""
+    if inspect.iscoroutinefunction(function):
         return ""
+    per_row = [key for key, value in kwargs.items() if isinstance(value, list)]
+    for row in range(len(kwargs["completions"])):
+        single = {key: ([value[row]] if key in per_row else value) for key, value in kwargs.items()}
+        try:
+            function(**single)
+        except Exception:  # noqa: BLE001 - looking for the row, the error itself is reported above
+            return (
+                f" on row {row} of the step's responses (prompt {_shown(kwargs['prompts'][row])}, completion "
+                f"{_shown(kwargs['completions'][row])})"
+            )
+    return ""
 
 
 def checked_rewards(values, *, setting: str, arguments: dict) -> list[float | None]:

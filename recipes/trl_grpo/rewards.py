@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from recipes.common.config import RunStopped
-from recipes.common.reward_functions import checked_rewards
+from recipes.common.reward_functions import checked_rewards, reward_function_failure
 
 __all__ = ["checked_reward_function", "refuse_non_finite_scores"]
 
@@ -30,12 +30,20 @@ def checked_reward_function(function: Callable, *, name: str) -> Callable:
     if inspect.iscoroutinefunction(function):
 
         async def named(**kwargs):
-            return checked_rewards(await function(**kwargs), setting=setting, arguments=kwargs)
+            try:
+                values = await function(**kwargs)
+            except Exception as error:
+                raise reward_function_failure(function, setting, error, kwargs) from error
+            return checked_rewards(values, setting=setting, arguments=kwargs)
 
     else:
 
         def named(**kwargs):
-            return checked_rewards(function(**kwargs), setting=setting, arguments=kwargs)
+            try:
+                values = function(**kwargs)
+            except Exception as error:
+                raise reward_function_failure(function, setting, error, kwargs) from error
+            return checked_rewards(values, setting=setting, arguments=kwargs)
 
     named.__name__ = str(name)
     return named

@@ -75,3 +75,29 @@ def test_one_nonzero_weight_among_zeros_is_accepted(compose_config, tmp_path, ro
     small, checks = RECIPES[root]
     overrides = [*small, "reward.model_weight=0", "+reward.functions.a.function=_reward_functions.length_reward"]
     importlib.import_module(checks).validate(compose_config(root, [*overrides, f"output_dir={tmp_path}"]))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_raising_trl_reward_function_is_named_with_the_row_it_fails_on(kind):
+    """In the trl recipe the error came from deep inside trl, naming neither the setting nor the row."""
+    import asyncio
+
+    from recipes.trl_grpo.rewards import checked_reward_function
+
+    def no_b(completions, **kwargs):
+        if any("b" in completion for completion in completions):
+            raise ValueError("cannot score a b")
+        return [1.0] * len(completions)
+
+    async def no_b_async(completions, **kwargs):
+        return no_b(completions)
+
+    named = checked_reward_function(no_b if kind == "sync" else no_b_async, name="strict")
+    arguments = {"prompts": ["p", "q"], "completions": ["a", "b"], "completion_ids": [[1], [2]]}
+    row = " on row 1 of the step's responses (prompt 'q', completion 'b')" if kind == "sync" else ""
+    message = f"The reward function reward.functions.strict raised ValueError: cannot score a b{row}. Fix the function"
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")) as raised:
+        result = named(**arguments)
+        if kind == "async":
+            asyncio.run(result)
+    assert isinstance(raised.value.__cause__, ValueError)  # its traceback follows in the log
