@@ -81,6 +81,38 @@ def _is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], Mapping) and "role" in prompt[0]
 
 
+def _check_prompt_shapes(prompts: list) -> None:
+    """Refuses prompts in a shape trl never passes, naming the first: each must be a string or a conversation (a list
+    of messages, each with a ``"role"``), all of one kind (a dataset's prompt column holds one)."""
+    kinds = []
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            kinds.append("text")
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(message, Mapping) and "role" in message for message in prompt)
+        ):
+            kinds.append("conversation")
+        else:
+            raise ValueError(
+                f"TorchRLRolloutFunc: prompt {row} is {_shown(prompt)}; trl passes each prompt as a string or as a "
+                'conversation, a list of {"role": ..., "content": ...} messages. Give the dataset\'s "prompt" column '
+                "one of these."
+            )
+        if kinds[-1] != kinds[0]:
+            raise ValueError(
+                f"TorchRLRolloutFunc: prompt 0 is {kinds[0]} and prompt {row} is {kinds[-1]}: one batch is rendered "
+                "one way (conversations through the chat template, text as it is). Make the dataset's prompt column "
+                "all strings or all conversations."
+            )
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _declares(out_keys: Sequence[NestedKey], key: tuple) -> bool:
     """Whether ``out_keys`` names ``key`` or a parent of it (TorchRL's wrapper declares ``"log_probs"`` whole)."""
     for declared in out_keys:
@@ -757,6 +789,7 @@ class TorchRLRolloutFunc:
         """
         if not prompts:
             raise ValueError("TorchRLRolloutFunc: no prompts to generate for.")
+        _check_prompt_shapes(prompts)
         conversational = _is_conversational(prompts[0])
         options = {
             "chat_template": getattr(trainer, "chat_template", None),
@@ -783,7 +816,14 @@ class TorchRLRolloutFunc:
             if len(self._ids) + len(missing) > _MAX_CACHED_PROMPTS:
                 self._ids.clear()
             self._ids.update({key: list(map(int, row)) for (key, _), row in zip(missing, ids, strict=True)})
-        return [list(self._ids[key]) for key in keys]
+        ids = [list(self._ids[key]) for key in keys]
+        empty = [row for row, row_ids in enumerate(ids) if not row_ids]
+        if empty:
+            raise ValueError(
+                f"TorchRLRolloutFunc: prompt(s) {empty[:10]} tokenize to no tokens (an empty string?): the model needs "
+                "at least one token to write after. Drop empty prompts from the dataset."
+            )
+        return ids
 
     @torch.inference_mode()  # nothing sampled here is differentiated; cheaper than no_grad per decoding step
     def rollout(self, prompts: list, *, trainer=None) -> TensorDict:

@@ -161,3 +161,26 @@ def test_the_settings_refusal_names_every_setting_that_differs(tiny_policy):
         "log_probs_at_temperature: policy False, GRPOConfig True",
     ):
         assert shown in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "refusal"),
+    [
+        (
+            ["Hi", [{"role": "user", "content": "Hi"}]],
+            r"prompt 0 is text and prompt 1 is conversation: .* all strings or",
+        ),
+        (
+            [{"role": "user", "content": "Hi"}],
+            r"prompt 0 is \{'role': 'user', 'content': 'Hi'\}; trl passes each prompt",
+        ),
+        ([[{"content": "Hi"}]], r"prompt 0 is \[\{'content': 'Hi'\}\]; trl passes each prompt as a string or as a con"),
+        ([["Hi", "there"]], r"prompt 0 is \['Hi', 'there'\]; trl passes"),
+        (["Hi", ""], r"prompt\(s\) \[1\] tokenize to no tokens .* Drop empty prompts"),
+    ],
+)
+def test_prompts_in_a_shape_trl_never_passes_are_refused_naming_the_row(tiny_policy, prompts, refusal):
+    model, tokenizer = tiny_policy
+    policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=4))
+    with pytest.raises(ValueError, match=refusal):
+        TorchRLRolloutFunc(policy, tokenizer)(prompts, trainer=None)
