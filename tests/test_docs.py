@@ -260,6 +260,26 @@ def test_each_command_in_the_docs_composes_and_fits_its_recipe_schema(command):
     assert check_command(command) >= 1
 
 
+@pytest.mark.parametrize("command", COMMANDS, ids=[f"{c.source}:{c.recipe}" for c in COMMANDS])
+def test_each_command_in_the_docs_parses_as_written(command):
+    """Hydra's own argument parser reads the command as typed: overrides after a flag (``a=1 -m seed=0,1``) are
+    "unrecognized arguments" there (exit 2), though composing its overrides alone would pass."""
+    from hydra._internal.utils import get_args_parser
+
+    args = [str(arg) for arg in command.args]
+    try:
+        get_args_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{command.source}: {' '.join(args)} is refused by Hydra's command line (exit 2)")
+
+
+def test_the_replay_sweep_is_a_whole_command_hydra_reads():
+    """docs/trl_grpo_rollouts.md gave the replay sweep as a fragment to append ("... rollout.replay.enabled=true,false
+    -m seed=0,1,2"), which appended as written exits 2: it is a whole command now, composed and parsed above."""
+    sweeps = [c for c in COMMANDS if "rollout.replay.enabled=true,false" in c.args and c.source.startswith("docs/trl")]
+    assert sweeps and all(check_command(command) == 3 for command in sweeps)  # every value of each list composed
+
+
 # ------------------------------------------------------------------------------------------------ the checker itself
 
 SAMPLE = """\
