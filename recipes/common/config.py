@@ -424,7 +424,10 @@ def write_run_config(cfg: DictConfig, output_dir: Path) -> None:
     (what ``scripts/sweep_report.py`` reads the ranking metric from), secrets masked (:func:`config_record`). Hydra's
     own copies of the config in ``output_dir/.hydra/`` are masked the same way (:func:`mask_hydra_records`)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(config_record(cfg)), output_dir / "resolved_config.yaml")
+    record = config_record(cfg)
+    if "resume_allow_changes" in record:  # one resume's permission, not a setting of the run
+        record["resume_allow_changes"] = []
+    OmegaConf.save(OmegaConf.create(record), output_dir / "resolved_config.yaml")
     mask_hydra_records(output_dir)
 
 

@@ -113,6 +113,17 @@ def test_a_changed_setting_is_refused_unless_named_and_then_applied_and_recorded
     assert recorded["step"] == 2 and recorded["changes"] == {"train.learning_rate": [0.002, 0.0005]}
 
 
+def test_a_change_allowed_to_one_resume_is_not_allowed_to_the_next(compose_config, tmp_path):
+    """resume_allow_changes is the resume's own: kept in resolved_config.yaml, it let a later resume change the
+    learning rate again without naming it."""
+    _run(compose_config, tmp_path, [*SAVED, "train.max_steps=2"])
+    allowed = ["train.learning_rate=5e-4", "resume_allow_changes=[train.learning_rate]"]
+    _run(compose_config, tmp_path, ["resume=true", "train.max_steps=3", *allowed])
+    assert list(OmegaConf.load(tmp_path / "resolved_config.yaml").resume_allow_changes) == []
+    with pytest.raises(ConfigError, match=r"train.learning_rate: 0.0005 -> 0.0001\).*resume_allow_changes="):
+        _run(compose_config, tmp_path, ["resume=true", "train.max_steps=4", "train.learning_rate=1e-4"])
+
+
 def test_a_changed_reward_function_is_refused_and_other_sources_even_when_allowed(compose_config, tmp_path):
     """Another function under the same name is a change to name; another set of sources would leave the store with
     parts no reader can put in one table, so it is refused even when allowed."""
