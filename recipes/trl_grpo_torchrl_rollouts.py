@@ -40,6 +40,7 @@ import hydra
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
+from transformers import PrinterCallback
 
 from interop import GroupReplay, TorchRLRolloutFunc
 from recipes.common.callbacks import make_finite_guard, make_record_masker
@@ -236,6 +237,9 @@ def train(cfg: DictConfig) -> dict:
         )
         store = make_rollout_store(cfg, run, table, rollout_func, trainer)
         rollout_func.replay_buffer = store  # every scored batch is written there (interop.TorchRLGRPOTrainer)
+        # transformers prints trl's whole dict of figures (~1 KB) at every logging step (PrinterCallback, with
+        # disable_tqdm): the recipe's progress line says what a step did, and metrics.csv keeps every figure.
+        trainer.remove_callback(PrinterCallback)
         guard = make_finite_guard()
         trainer.add_callback(guard)
         trainer.add_callback(make_record_masker(masked_fields(cfg, "train")))
