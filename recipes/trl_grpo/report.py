@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import TrainerCallback
 
-from recipes.common.metrics import MetricLogger, peak_device_memory
+from recipes.common.metrics import MetricLogger, held_out_accuracy, peak_device_memory
 from recipes.common.text_metrics import distinct_bigrams
 from recipes.common.tools import tool_entries
 from recipes.trl_grpo.evaluation import EVAL_KEYS, eval_series, format_dialog
@@ -260,7 +260,8 @@ def closing_message(summary: dict, output_dir: Path) -> str:
     dropped = summary["rollouts/rows_dropped"]
     kept = f" (the {dropped} oldest dropped: rollout.store.max_rows)" if dropped else ""
     return (
-        f"trl GRPO with TorchRL rollouts: {summary['train/steps']} steps, reward {first:.3f} -> {last:.3f}{oracle}; "
+        f"trl GRPO with TorchRL rollouts: {summary['train/steps']} steps, reward {first:.3f} -> {last:.3f}{oracle}"
+        f"{held_out_accuracy(summary)}; "
         f"model in {output_dir / 'model'}, {summary['rollouts/rows']} rollouts in {output_dir / ROLLOUTS_DIR}{kept} "
         "(recipes.trl_grpo.rollout_store.load_rollouts reads them)."
     )
