@@ -475,3 +475,20 @@ def test_the_readme_trl_example_runs_as_a_user_runs_it(trl_example_process):
     # Four scored completions, each with trl's advantage and its text.
     printed = re.findall(r"^[+-]\d+\.\d\d  (\S.*)$", stdout, re.M)
     assert len(printed) == 4 and all(len(text.split()) >= 2 for text in printed), stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_async_library_example_runs_as_written(tmp_path):
+    """docs/trl_grpo_rollouts.md's async example for library users (a datasets.Dataset, trl's default shuffling), run
+    as a user runs it: a script in a folder of its own, ``tiny`` beside it, offline."""
+    text = (REPO_ROOT / "docs" / "trl_grpo_rollouts.md").read_text(encoding="utf-8")
+    after = text[text.index("As a library, `TorchRLGRPOTrainer` takes the async") :]
+    block = re.search(r"```python\n(.*?)```", after, re.S).group(1)
+    (tmp_path / "tiny").symlink_to(REPO_ROOT / "tiny")
+    (tmp_path / "async_example.py").write_text(block)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    completed = subprocess.run(
+        [sys.executable, "async_example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().splitlines()[-1] == "[0.0, 1.0]", completed.stdout[-1000:]
