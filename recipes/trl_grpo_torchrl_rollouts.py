@@ -67,7 +67,7 @@ from recipes.trl_grpo.checks import load_replay_source, validate
 from recipes.trl_grpo.evaluation import EvalCallback
 from recipes.trl_grpo.report import MetricsCallback, closing_message, summarize
 from recipes.trl_grpo.resume import checkpoint_step, finished_run_summary, record_resume_start, resumed_config
-from recipes.trl_grpo.rewards import checked_reward_function, refuse_non_finite_scores
+from recipes.trl_grpo.rewards import DeclinedByEverySource, checked_reward_function, refuse_non_finite_scores
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, RolloutStore, stored_totals
 from recipes.trl_grpo.schema import TrlGRPORecipeConfig
 
@@ -108,9 +108,11 @@ def make_reward_funcs(cfg: DictConfig, *, device: str):
         refuse_non_finite_scores(model, setting=f"reward_model.name_or_path={str(cfg.reward_model.name_or_path)!r}")
         funcs.append(model.eval())
         classes.append(tokenizer)
+    # Without a reward model, a completion every function declines (None) gets no reward: said once, naming them.
+    declined = DeclinedByEverySource(list(map(str, cfg.reward.functions))) if cfg.reward_model is None else None
     for name, node in cfg.reward.functions.items():
         function = resolve_function(f"reward.functions.{name}.function", node.function)
-        funcs.append(checked_reward_function(function, name=str(name)))
+        funcs.append(checked_reward_function(function, name=str(name), declined=declined))
         classes.append(None)
     return funcs, classes
 

@@ -101,3 +101,26 @@ def test_a_raising_trl_reward_function_is_named_with_the_row_it_fails_on(kind):
         if kind == "async":
             asyncio.run(result)
     assert isinstance(raised.value.__cause__, ValueError)  # its traceback follows in the log
+
+
+def test_completions_every_reward_function_declines_are_warned_of_once_naming_the_functions(caplog):
+    """trl gives them a NaN reward and warns "All reward functions returned None" naming no setting; the run ended on
+    "reward nan -> nan" at INFO."""
+    from recipes.trl_grpo.rewards import DeclinedByEverySource, checked_reward_function
+
+    declined = DeclinedByEverySource(["format", "answer"])
+    functions = [
+        checked_reward_function(lambda completions, **kw: [None, 1.0], name="format", declined=declined),
+        checked_reward_function(lambda completions, **kw: [None, None], name="answer", declined=declined),
+    ]
+    arguments = {"prompts": ["p", "q"], "completions": ["a", "b"], "completion_ids": [[1], [2]]}
+    with caplog.at_level("WARNING"):
+        for _ in range(2):  # two batches: said once
+            for function in functions:
+                function(**arguments)
+    warned = [record.message for record in caplog.records if "returned None" in record.message]
+    assert warned == [
+        "Every reward source (reward.functions.format, reward.functions.answer) returned None for 1 of 2 completions "
+        "of a batch: their reward is NaN and they train nothing. Make one function return a number wherever the "
+        "others do not apply."
+    ]
