@@ -95,7 +95,8 @@ def resumed_config(cfg: DictConfig, *, has_checkpoint: bool, paths_in_run: Itera
     # overwrite=true resumes without clearing what it continues.
     saved.overwrite = cfg.overwrite
     # So are the changes this resume allows: allowed once, a change is not allowed to every later resume.
-    saved.resume_allow_changes = cfg.resume_allow_changes
+    if "resume_allow_changes" in cfg:
+        saved.resume_allow_changes = cfg.resume_allow_changes
     _refuse_masked_secrets(saved, saved_file)
     OmegaConf.set_struct(saved, True)
     return saved

@@ -42,6 +42,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Union
 
@@ -193,6 +194,8 @@ def refuse_unknown_overrides(
         key, equals, value = argument.partition("=")
         if not equals or key.startswith(("-", "+", "~", "hydra")) or "/" in key or "@" in key:
             continue
+        if (_CONF_DIR / key.replace(".", "/")).is_dir():  # a config group (experiment=, sweep=): no setting itself
+            continue
         error = _unknown_override(key, value, schema, recipe)
         if error is None:
             continue
@@ -206,6 +209,9 @@ def trainer_aliases(config_class: type) -> Aliases:
     takes them (``num_generations=4`` is ``train.num_generations=4`` there)."""
     names = {field.name: f"train.{field.name}" for field in dataclasses.fields(config_class)}
     return Aliases(f"trl.{config_class.__name__}", names)
+
+
+_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def _unknown_override(key: str, value: str, schema: type, recipe: str) -> _UnknownKey | None:

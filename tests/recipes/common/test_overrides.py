@@ -32,7 +32,16 @@ def test_an_unknown_key_without_plus_is_answered_with_the_recipes_key(capsys, ar
 
 @pytest.mark.parametrize(
     "argument",
-    ["train.steps=3", "model=tiny", "+train.learning_rate=1", "hydra.run.dir=x", "hydra/launcher=joblib", "--cfg"],
+    [
+        "train.steps=3",
+        "model=tiny",
+        "experiment=calculator",
+        "sweep=grpo_lr_seed",
+        "+train.learning_rate=1",
+        "hydra.run.dir=x",
+        "hydra/launcher=joblib",
+        "--cfg",
+    ],
 )
 def test_known_keys_added_keys_groups_and_hydras_own_are_left_to_hydra(argument):
     refuse_unknown_overrides([argument], GRPORecipeConfig, recipe="grpo_torchrl_rm", aliases=TRL_NAMES)
