@@ -176,7 +176,9 @@ class GroupReplay:
         """Fills the replay with the groups of stored rollouts (``recipes``' rollout store layout: ``prompt_ids``
         left-padded with ``prompt_length``, ``completion_ids`` right-padded with ``completion_length``, ``logprobs``,
         ``advantage``, ``reward``, ``step``): consecutive runs of ``group_size`` rows of one prompt and step. Returns
-        the groups kept."""
+        the groups kept. The stored steps are another run's: each group keeps its age relative to the newest stored
+        one, which counts as sampled at step 0 (before this run's first update), so that no age is negative."""
+        newest = int(rows["step"].max()) if rows.shape[0] else 0
         kept = 0
         for start in range(0, rows.shape[0] - group_size + 1, group_size):
             block = rows[start : start + group_size]
@@ -184,7 +186,8 @@ class GroupReplay:
             same_step = bool((block["step"] == block["step"][0]).all())
             if not (same_prompt and same_step):
                 continue
-            self.add(_group_of_rows(block, pad_token_id), reward_std=_std(block["reward"]), step=int(block["step"][0]))
+            step = int(block["step"][0]) - newest
+            self.add(_group_of_rows(block, pad_token_id), reward_std=_std(block["reward"]), step=step)
             kept += 1
         return kept
 

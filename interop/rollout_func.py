@@ -81,6 +81,38 @@ def _is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], Mapping) and "role" in prompt[0]
 
 
+def _check_prompt_shapes(prompts: list) -> None:
+    """Refuses prompts in a shape trl never passes, naming the first: each must be a string or a conversation (a list
+    of messages, each with a ``"role"``), all of one kind (a dataset's prompt column holds one)."""
+    kinds = []
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            kinds.append("text")
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(message, Mapping) and "role" in message for message in prompt)
+        ):
+            kinds.append("conversation")
+        else:
+            raise ValueError(
+                f"TorchRLRolloutFunc: prompt {row} is {_shown(prompt)}; trl passes each prompt as a string or as a "
+                'conversation, a list of {"role": ..., "content": ...} messages. Give the dataset\'s "prompt" column '
+                "one of these."
+            )
+        if kinds[-1] != kinds[0]:
+            raise ValueError(
+                f"TorchRLRolloutFunc: prompt 0 is {kinds[0]} and prompt {row} is {kinds[-1]}: one batch is rendered "
+                "one way (conversations through the chat template, text as it is). Make the dataset's prompt column "
+                "all strings or all conversations."
+            )
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _declares(out_keys: Sequence[NestedKey], key: tuple) -> bool:
     """Whether ``out_keys`` names ``key`` or a parent of it (TorchRL's wrapper declares ``"log_probs"`` whole)."""
     for declared in out_keys:
@@ -261,6 +293,8 @@ class TorchRLRolloutFunc:
                 f"TorchRLRolloutFunc: {type(policy).__name__} has no `model` attribute; pass model=<the nn.Module that "
                 "samples>, so that the adapter can check it is the model trl trains."
             )
+        if policy is not None and tokenizer is not None:
+            self._check_policy_tokenizer(policy, tokenizer, self.model)
         # TorchRL 0.14.1's TransformersWrapper writes 0 for the first response token's log-prob when generating.
         self._first_log_prob_missing = type(policy).__name__ == "TransformersWrapper" and bool(
             getattr(policy, "generate", False)
@@ -339,6 +373,27 @@ class TorchRLRolloutFunc:
             raise ValueError(
                 "TorchRLRolloutFunc: the tokenizer has no pad token; give it one distinct from EOS "
                 "(tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) and resize the model's embeddings)."
+            )
+
+    @staticmethod
+    def _check_policy_tokenizer(policy, tokenizer, model) -> None:
+        """A tokenizer that is not the policy's would hand it ids that it reads as other tokens, or past its model's
+        vocabulary: refused when built, trainer or not."""
+        own = getattr(policy, "tokenizer", None)
+        if own is not None and own is not tokenizer and callable(getattr(own, "get_vocab", None)):
+            theirs = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else None
+            if theirs is not None and theirs != own.get_vocab():
+                raise ValueError(
+                    f"TorchRLRolloutFunc: the tokenizer ({len(theirs)} tokens) is not the policy's "
+                    f"{type(policy).__name__}.tokenizer ({len(own.get_vocab())} tokens): the prompts' ids would be "
+                    "read as other tokens. Pass the policy's tokenizer (or none with a trainer: its processing_class)."
+                )
+        size = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(size, int) and hasattr(tokenizer, "__len__") and len(tokenizer) > size:
+            raise ValueError(
+                f"TorchRLRolloutFunc: the tokenizer has {len(tokenizer)} tokens and the policy's model "
+                f"{type(model).__name__} {size} (config.vocab_size): ids past {size - 1} have no embedding. Pass the "
+                "model's own tokenizer, or resize its embeddings (model.resize_token_embeddings(len(tokenizer)))."
             )
 
     @staticmethod
@@ -603,7 +658,10 @@ class TorchRLRolloutFunc:
             self._check_tokenizer(self.tokenizer)
         model = _model_of(trainer.model)
         check_pad_token(self.tokenizer, owner="TorchRLRolloutFunc: the trainer's processing_class")
-        settings = SamplingSettings.from_grpo_config(trainer.args)
+        try:
+            settings = SamplingSettings.from_grpo_config(trainer.args)
+        except ValueError as error:
+            raise ValueError(f"TorchRLRolloutFunc: the trainer's GRPOConfig: {error}") from None
         self.model = model
         if self.tools is not None:
             self.policy = self._dialog_sampler(model, trainer, settings)
@@ -664,8 +722,8 @@ class TorchRLRolloutFunc:
         if isinstance(self.policy, CausalLMSampler) or self.tools is not None:
             wanted = SamplingSettings.from_grpo_config(args)
             differences = self.policy.settings.differences(wanted)
-            if not differences and wanted.temperature != 1.0 and not self.policy.log_probs_at_temperature:
-                differences = {"log_probs_at_temperature": (False, True)}
+            if wanted.temperature != 1.0 and not self.policy.log_probs_at_temperature:
+                differences["log_probs_at_temperature"] = (False, True)
         else:
             given = dict(getattr(self.policy, "generate_kwargs", None) or {})
             differences = {
@@ -766,6 +824,7 @@ class TorchRLRolloutFunc:
         """
         if not prompts:
             raise ValueError("TorchRLRolloutFunc: no prompts to generate for.")
+        _check_prompt_shapes(prompts)
         conversational = _is_conversational(prompts[0])
         options = {
             "chat_template": getattr(trainer, "chat_template", None),
@@ -792,7 +851,14 @@ class TorchRLRolloutFunc:
             if len(self._ids) + len(missing) > _MAX_CACHED_PROMPTS:
                 self._ids.clear()
             self._ids.update({key: list(map(int, row)) for (key, _), row in zip(missing, ids, strict=True)})
-        return [list(self._ids[key]) for key in keys]
+        ids = [list(self._ids[key]) for key in keys]
+        empty = [row for row, row_ids in enumerate(ids) if not row_ids]
+        if empty:
+            raise ValueError(
+                f"TorchRLRolloutFunc: prompt(s) {empty[:10]} tokenize to no tokens (an empty string?): the model needs "
+                "at least one token to write after. Drop empty prompts from the dataset."
+            )
+        return ids
 
     @torch.inference_mode()  # nothing sampled here is differentiated; cheaper than no_grad per decoding step
     def rollout(self, prompts: list, *, trainer=None) -> TensorDict:
@@ -805,6 +871,39 @@ class TorchRLRolloutFunc:
         """
         return self.rollout_ids(self.tokenize(prompts, trainer))
 
+    def _max_new_tokens(self) -> int | None:
+        """The most tokens the policy writes after a prompt (``None``: it does not say)."""
+        if hasattr(self.policy, "max_completion_tokens"):  # a DialogSampler: the whole dialog's budget
+            return self.policy.max_completion_tokens
+        settings = getattr(self.policy, "settings", None)
+        if isinstance(settings, SamplingSettings):
+            return settings.max_new_tokens
+        return (getattr(self.policy, "generate_kwargs", None) or {}).get("max_new_tokens")
+
+    def _check_context(self, prompt_ids: list[list[int]]) -> None:
+        """Refuses prompts the model cannot read whole with the completion after them (past its
+        ``max_position_embeddings``, a model reads positions it has no embedding for), as the recipes refuse them."""
+        positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if not isinstance(positions, int):
+            return
+        new_tokens = self._max_new_tokens()
+        if new_tokens is not None and new_tokens >= positions:
+            raise ValueError(
+                f"TorchRLRolloutFunc: completions of up to {new_tokens} tokens (GRPOConfig.max_completion_length, or "
+                f"the policy's max_new_tokens) leave no room for a prompt in the model's {positions} positions "
+                f"(max_position_embeddings). Lower max_completion_length below {positions} minus the longest prompt."
+            )
+        lengths = torch.tensor([len(row) for row in prompt_ids])
+        rows = (lengths + (new_tokens or 0) > positions).nonzero().flatten().tolist()
+        if rows:
+            raise ValueError(
+                f"TorchRLRolloutFunc: {len(rows)} of {len(prompt_ids)} prompts (rows {rows[:10]}) take up to "
+                f"{int(lengths.max())} tokens; with completions of up to {new_tokens or 0} tokens "
+                "(GRPOConfig.max_completion_length) they pass the model's "
+                f"{positions} positions (max_position_embeddings). Shorten or drop those prompts, or lower "
+                "max_completion_length."
+            )
+
     def _tool_set(self) -> ToolSet:
         if isinstance(self.tools, ToolRunner):
             return self.tools.tools
@@ -815,6 +914,7 @@ class TorchRLRolloutFunc:
     @torch.inference_mode()
     def rollout_ids(self, prompt_ids: list[list[int]]) -> TensorDict:
         """:meth:`rollout` from the prompts' token ids (unpadded)."""
+        self._check_context(prompt_ids)
         if self.tools is not None:
             return self._dialog_rollout(prompt_ids)
         device = self._device()
@@ -925,11 +1025,22 @@ class TorchRLRolloutFunc:
             attention = output.get(ATTENTION_MASK)
             response_mask = attention[:, width : width + response_width].bool()
         else:
-            response_mask = response != pad
+            response_mask = self._response_mask(response, pad)
         if self._first_log_prob_missing and response_width:
             log_probs = log_probs.clone()
             log_probs[:, 0] = self._first_token_log_probs(prompt, prompt_mask, response[:, 0])
         return response, response_mask, log_probs
+
+    def _response_mask(self, response: torch.Tensor, pad: int) -> torch.Tensor:
+        """True up to and including each row's first EOS (without one: its last token that is not the pad id). A
+        pad id the policy sampled inside a response is one of its tokens: ``response != pad`` would cut the response
+        there and lose its EOS."""
+        columns = torch.arange(response.shape[-1], device=response.device)
+        eos = torch.isin(response, torch.tensor(self._eos_ids(), device=response.device, dtype=response.dtype))
+        first_eos = torch.where(eos, columns, response.shape[-1]).min(-1).values
+        last_real = torch.where(response != pad, columns, -1).max(-1).values
+        ends = torch.where(eos.any(-1), first_eos, last_real)
+        return columns <= ends[:, None]
 
     def _first_token_log_probs(self, prompt, prompt_mask, first) -> torch.Tensor:
         """The first response token's log-prob under the model: one forward pass over the prompts."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
@@ -94,6 +95,8 @@ class SamplingSettings:
             problems.append(f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens]")
         if self.do_sample and self.temperature <= 0:
             problems.append(f"temperature={self.temperature} must be > 0 when sampling")
+        elif self.do_sample and not math.isfinite(self.temperature):
+            problems.append(f"temperature={self.temperature} must be a finite number (every logit divided by it)")
         if self.top_k is not None and self.top_k < 0:
             problems.append(f"top_k={self.top_k} must be >= 0 (0 or null: off)")
         if not 0 < self.top_p <= 1:
@@ -102,6 +105,8 @@ class SamplingSettings:
             problems.append(f"min_p={self.min_p} must be in [0, 1]")
         if self.repetition_penalty <= 0:
             problems.append(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        elif not math.isfinite(self.repetition_penalty):
+            problems.append(f"repetition_penalty={self.repetition_penalty} must be a finite number (1.0: off)")
         if problems:
             raise ValueError("SamplingSettings: " + "; ".join(problems) + ".")
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 __all__ = [
     "ERROR_KINDS",
+    "MAX_RESULT_CHARS",
     "ParsedTurn",
     "ToolCall",
     "ToolCallFormat",
@@ -67,6 +68,9 @@ _WORKER = Path(__file__).with_name("_tool_worker.py")
 _CHARS_PER_TOKEN_BOUND = 32
 # How long the worker's keeper may take to kill what the tools started and end, before its process group is killed.
 _KEEPER_STOP_S = 10.0
+# The most characters of a result read from the worker, whatever max_result_tokens says (None or 10**12 included): a
+# model's context holds far fewer tokens, and tokenizing a 50 MB result takes minutes with no progress to show.
+MAX_RESULT_CHARS = 1 << 20
 
 
 def error_content(message: str) -> str:
@@ -458,7 +462,8 @@ class ToolRunner:
     Keyword Args:
         timeout_s: the longest a call may run, in seconds (the worker's start is not counted).
         max_result_tokens: a result (or error text) longer than this many tokens of ``tokenizer`` is cut to them,
-            and counted; ``None``: never cut.
+            and counted; ``None``: no cut in tokens. Either way a result is read up to :data:`MAX_RESULT_CHARS`
+            characters (1 MiB) from the worker, the rest cut (and counted) before any tokenizer sees it.
         tokenizer: counts the result tokens (needed with ``max_result_tokens``).
         start_timeout_s: the longest the worker may take to start and import the tools' modules.
 
@@ -563,7 +568,9 @@ class ToolRunner:
     def _call_worker(self, name: str, arguments: dict) -> tuple[str, object]:
         """``("ok", (text, cut))`` or ``(error kind, message)``."""
         connection = self._worker()
-        char_limit = None if self.max_result_tokens is None else self.max_result_tokens * _CHARS_PER_TOKEN_BOUND
+        char_limit = MAX_RESULT_CHARS
+        if self.max_result_tokens is not None:
+            char_limit = min(char_limit, self.max_result_tokens * _CHARS_PER_TOKEN_BOUND)
         try:
             connection.send((name, arguments, char_limit))
             if not connection.poll(self.timeout_s):

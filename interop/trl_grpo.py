@@ -36,6 +36,8 @@ is used).
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 import os
 import uuid
 from typing import Any
@@ -134,6 +136,31 @@ class PromptLookahead:
                     return None
                 return [prompt for prompt in upcoming for _ in range(group)]
         return None
+
+
+def _passes_over(dataset, *, shuffle: bool, seed: int):
+    """``dataset`` (a ``datasets.Dataset``) as an endless ``datasets.IterableDataset``: pass after pass over its rows,
+    each pass in an order drawn from ``seed`` and the pass's number when ``shuffle``."""
+    import datasets
+
+    return datasets.IterableDataset.from_generator(_Passes(dataset, shuffle, seed), features=dataset.features)
+
+
+class _Passes:
+    """The generator of :func:`_passes_over` (an object: ``datasets`` pickles it)."""
+
+    def __init__(self, dataset, shuffle: bool, seed: int) -> None:
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+
+    def __call__(self):
+        if len(self.dataset) == 0:
+            return
+        for number in itertools.count():
+            order = range(len(self.dataset))
+            if self.shuffle:
+                order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + number))
+            for index in order:
+                yield self.dataset[int(index)]
 
 
 class _LookaheadGenerator:
@@ -419,12 +446,21 @@ def _reading_ahead(rollout_func: TorchRLRolloutFunc, args: tuple, kwargs: dict) 
             "stream ahead of trl)."
         )
     problems = []
-    if not isinstance(dataset, datasets.IterableDataset):
+    if isinstance(dataset, datasets.Dataset):
+        # Read as a stream of passes over it, each shuffled as trl's sampler would (args.shuffle_dataset, args.seed):
+        # trl then reads the stream in order, so that the next batch's prompts are known ahead.
+        if config.max_steps is None or config.max_steps <= 0:
+            problems.append("a datasets.Dataset is read as a stream here, which has no length: set args.max_steps")
+        dataset = _passes_over(dataset, shuffle=config.shuffle_dataset, seed=config.seed)
+        config = copy.copy(config)
+        config.shuffle_dataset = False
+        kwargs = {**kwargs, "args": config}
+    elif not isinstance(dataset, datasets.IterableDataset):
         problems.append(
-            f"train_dataset is a {type(dataset).__name__}: pass a stream (interop.TorchRLBufferDataset(...)."
-            "as_hf_dataset(), whose TorchRL sampler shuffles)"
+            f"train_dataset is a {type(dataset).__name__}: pass a datasets.Dataset or a stream (a datasets."
+            "IterableDataset such as interop.TorchRLBufferDataset(...).as_hf_dataset(), whose TorchRL sampler shuffles)"
         )
-    if config.shuffle_dataset:
+    elif config.shuffle_dataset:
         problems.append("args.shuffle_dataset=True reorders the stream in a buffer: set shuffle_dataset=False")
     if config.dataloader_num_workers:
         problems.append("args.dataloader_num_workers > 0 draws the stream in other processes: set it to 0")

@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
+from recipes.common.schema import refuse_unknown_overrides
 from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
 from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, REWARD_LOGS, merge_batches
 from recipes.grpo.checkpointing import (
@@ -90,6 +92,7 @@ from recipes.grpo.report import (
     summarize,
 )
 from recipes.grpo.rewards import load_reward_scorer, source_names
+from recipes.grpo.schema import TRL_NAMES, GRPORecipeConfig
 
 log = logging.getLogger(__name__)
 
@@ -542,6 +545,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    refuse_unknown_overrides(sys.argv[1:], GRPORecipeConfig, recipe="grpo_torchrl_rm", aliases=TRL_NAMES)
     track_failed_jobs()
     mask_sweep_logs()
     main()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -67,6 +68,7 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
+from recipes.common.schema import refuse_unknown_overrides, trainer_aliases
 from recipes.common.sharding import gather_full_model_state, is_sharded
 from recipes.reward.buffer import make_eval_dataset, make_training_stream
 from recipes.reward.checks import kept_records, validate
@@ -79,7 +81,7 @@ from recipes.reward.pairs import (
     pairs_from_dataset,
     pairs_from_policy,
 )
-from recipes.reward.schema import reward_trainer_view
+from recipes.reward.schema import RewardRecipeConfig, reward_trainer_view
 
 # trl is imported where the trainer is made: it prints a notice on import and takes a second, which `--help` and a
 # config refused by validate() need not wait for (the same rule as recipes.common.data's datasets and
@@ -386,7 +388,14 @@ def main(cfg: DictConfig) -> float:
     return summary[cfg.metric]
 
 
+def _trl_names():
+    from trl import RewardConfig  # trl prints a notice on import: only for a key the recipe does not have
+
+    return trainer_aliases(RewardConfig)
+
+
 if __name__ == "__main__":
+    refuse_unknown_overrides(sys.argv[1:], RewardRecipeConfig, recipe="reward_trainer_from_buffer", aliases=_trl_names)
     track_failed_jobs()
     mask_sweep_logs()
     main()

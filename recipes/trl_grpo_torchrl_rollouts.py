@@ -33,12 +33,14 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 import time
 
 import hydra
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
+from transformers import PrinterCallback
 
 from interop import GroupReplay, TorchRLRolloutFunc
 from recipes.common.callbacks import make_finite_guard, make_record_masker
@@ -59,13 +61,15 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
+from recipes.common.schema import refuse_unknown_overrides, trainer_aliases
 from recipes.common.tools import resolve_tools
 from recipes.trl_grpo.checks import load_replay_source, validate
 from recipes.trl_grpo.evaluation import EvalCallback
 from recipes.trl_grpo.report import MetricsCallback, closing_message, summarize
 from recipes.trl_grpo.resume import checkpoint_step, finished_run_summary, record_resume_start, resumed_config
-from recipes.trl_grpo.rewards import checked_reward_function, refuse_non_finite_scores
+from recipes.trl_grpo.rewards import DeclinedByEverySource, checked_reward_function, refuse_non_finite_scores
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, RolloutStore, stored_totals
+from recipes.trl_grpo.schema import TrlGRPORecipeConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +108,11 @@ def make_reward_funcs(cfg: DictConfig, *, device: str):
         refuse_non_finite_scores(model, setting=f"reward_model.name_or_path={str(cfg.reward_model.name_or_path)!r}")
         funcs.append(model.eval())
         classes.append(tokenizer)
+    # Without a reward model, a completion every function declines (None) gets no reward: said once, naming them.
+    declined = DeclinedByEverySource(list(map(str, cfg.reward.functions))) if cfg.reward_model is None else None
     for name, node in cfg.reward.functions.items():
         function = resolve_function(f"reward.functions.{name}.function", node.function)
-        funcs.append(checked_reward_function(function, name=str(name)))
+        funcs.append(checked_reward_function(function, name=str(name), declined=declined))
         classes.append(None)
     return funcs, classes
 
@@ -123,6 +129,7 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
         max_text_bytes=cfg.rollout.store.max_text_bytes,
         pad_token_id=rollout_func.tokenizer.pad_token_id,
         tokenizer=tokenizer_fingerprint(rollout_func.tokenizer),
+        group_size=trainer.args.num_generations,
     )
 
 
@@ -235,6 +242,9 @@ def train(cfg: DictConfig) -> dict:
         )
         store = make_rollout_store(cfg, run, table, rollout_func, trainer)
         rollout_func.replay_buffer = store  # every scored batch is written there (interop.TorchRLGRPOTrainer)
+        # transformers prints trl's whole dict of figures (~1 KB) at every logging step (PrinterCallback, with
+        # disable_tqdm): the recipe's progress line says what a step did, and metrics.csv keeps every figure.
+        trainer.remove_callback(PrinterCallback)
         guard = make_finite_guard()
         trainer.add_callback(guard)
         trainer.add_callback(make_record_masker(masked_fields(cfg, "train")))
@@ -329,7 +339,14 @@ def main(cfg: DictConfig) -> float:
     return summary.get(metric, float("nan"))
 
 
+def _trl_names():
+    from trl import GRPOConfig  # trl prints a notice on import: only for a key the recipe does not have
+
+    return trainer_aliases(GRPOConfig)
+
+
 if __name__ == "__main__":
+    refuse_unknown_overrides(sys.argv[1:], TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", aliases=_trl_names)
     track_failed_jobs()
     mask_sweep_logs()
     main()

@@ -84,6 +84,7 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("T
 import torch  # noqa: E402
 
 from recipes.common.config import ConfigError  # noqa: E402
+from recipes.common.schema import refuse_unknown_overrides  # noqa: E402
 from recipes.grpo.log_probs import CHUNK_ELEMENTS  # noqa: E402  (the logits the recipe's scorer holds at once)
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -601,6 +602,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         PartialState(cpu=True)  # the launcher's processes join one group (gloo), as the recipe's CPU processes do
 
+    from recipes.grpo.schema import TRL_NAMES, GRPORecipeConfig
+
+    # A key without + that the recipe lacks: its key named (trl's num_generations is rollout.group_size), not Hydra's.
+    refuse_unknown_overrides(args.overrides, GRPORecipeConfig, recipe="grpo_torchrl_rm", aliases=TRL_NAMES)
     try:
         cfg = compose_config(args.overrides)
     except ConfigError as error:

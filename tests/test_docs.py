@@ -260,6 +260,41 @@ def test_each_command_in_the_docs_composes_and_fits_its_recipe_schema(command):
     assert check_command(command) >= 1
 
 
+@pytest.mark.parametrize("command", COMMANDS, ids=[f"{c.source}:{c.recipe}" for c in COMMANDS])
+def test_each_command_in_the_docs_parses_as_written(command):
+    """Hydra's own argument parser reads the command as typed: overrides after a flag (``a=1 -m seed=0,1``) are
+    "unrecognized arguments" there (exit 2), though composing its overrides alone would pass."""
+    from hydra._internal.utils import get_args_parser
+
+    args = [str(arg) for arg in command.args]
+    try:
+        get_args_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{command.source}: {' '.join(args)} is refused by Hydra's command line (exit 2)")
+
+
+def test_the_replay_sweep_is_a_whole_command_hydra_reads():
+    """docs/trl_grpo_rollouts.md gave the replay sweep as a fragment to append ("... rollout.replay.enabled=true,false
+    -m seed=0,1,2"), which appended as written exits 2: it is a whole command now, composed and parsed above."""
+    sweeps = [c for c in COMMANDS if "rollout.replay.enabled=true,false" in c.args and c.source.startswith("docs/trl")]
+    assert sweeps and all(check_command(command) == 3 for command in sweeps)  # every value of each list composed
+
+
+def test_the_key_by_key_calculator_command_is_the_calculator_preset():
+    """docs/trl_grpo_rollouts.md calls it "the same, key by key": it ran with the default max_completion_length of
+    32, where no tool result fits, and trained nothing. Composed, it is experiment=calculator_trl setting for setting
+    (a function's weight left to its default of 1.0)."""
+    from omegaconf import OmegaConf
+
+    (command,) = [c for c in COMMANDS if c.source.startswith("docs/trl") and "model=tiny_calculator" in c.args]
+    by_key = OmegaConf.to_container(compose_job(command.recipe, list(command.args)), resolve=False)
+    preset = OmegaConf.to_container(compose_job(command.recipe, ["experiment=calculator_trl"]), resolve=False)
+    for config in (by_key, preset):
+        config.pop("hydra")
+        config["reward"]["functions"]["exact_answer"].setdefault("weight", 1.0)
+    assert by_key == preset
+
+
 # ------------------------------------------------------------------------------------------------ the checker itself
 
 SAMPLE = """\
@@ -440,3 +475,20 @@ def test_the_readme_trl_example_runs_as_a_user_runs_it(trl_example_process):
     # Four scored completions, each with trl's advantage and its text.
     printed = re.findall(r"^[+-]\d+\.\d\d  (\S.*)$", stdout, re.M)
     assert len(printed) == 4 and all(len(text.split()) >= 2 for text in printed), stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_async_library_example_runs_as_written(tmp_path):
+    """docs/trl_grpo_rollouts.md's async example for library users (a datasets.Dataset, trl's default shuffling), run
+    as a user runs it: a script in a folder of its own, ``tiny`` beside it, offline."""
+    text = (REPO_ROOT / "docs" / "trl_grpo_rollouts.md").read_text(encoding="utf-8")
+    after = text[text.index("As a library, `TorchRLGRPOTrainer` takes the async") :]
+    block = re.search(r"```python\n(.*?)```", after, re.S).group(1)
+    (tmp_path / "tiny").symlink_to(REPO_ROOT / "tiny")
+    (tmp_path / "async_example.py").write_text(block)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    completed = subprocess.run(
+        [sys.executable, "async_example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().splitlines()[-1] == "[0.0, 1.0]", completed.stdout[-1000:]

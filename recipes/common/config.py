@@ -31,6 +31,8 @@ __all__ = [
     "mask_hydra_record",
     "mask_hydra_record_file",
     "mask_hydra_records",
+    "hydra_records",
+    "write_hydra_records",
     "mask_override",
     "mask_overrides_in_text",
     "mask_secrets_in_text",
@@ -422,8 +424,39 @@ def write_run_config(cfg: DictConfig, output_dir: Path) -> None:
     (what ``scripts/sweep_report.py`` reads the ranking metric from), secrets masked (:func:`config_record`). Hydra's
     own copies of the config in ``output_dir/.hydra/`` are masked the same way (:func:`mask_hydra_records`)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(config_record(cfg)), output_dir / "resolved_config.yaml")
+    record = config_record(cfg)
+    if "resume_allow_changes" in record:  # one resume's permission, not a setting of the run
+        record["resume_allow_changes"] = []
+    OmegaConf.save(OmegaConf.create(record), output_dir / "resolved_config.yaml")
     mask_hydra_records(output_dir)
+
+
+def hydra_records(cfg: DictConfig) -> dict[str, str]:
+    """The records Hydra keeps of a run in ``<run>/.hydra/`` (``config.yaml``: the composed config ``cfg``,
+    ``hydra.yaml``, ``overrides.yaml``), as text with every secret masked (:func:`mask_hydra_record`); empty outside a
+    Hydra run. The recipes' configs set ``hydra.output_subdir: null``, so that Hydra writes none of them at start: a
+    run refused because its folder is another run's (in use, or holding an earlier run) would otherwise have replaced
+    that run's records before the refusal. :func:`write_hydra_records` writes them once the run holds its folder."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    hydra_cfg = HydraConfig.instance().cfg
+    records = {"config.yaml": cfg, "hydra.yaml": hydra_cfg, "overrides.yaml": hydra_cfg.hydra.overrides.task}
+    return {
+        name: OmegaConf.to_yaml(OmegaConf.create(mask_hydra_record(OmegaConf.to_container(record, resolve=False))))
+        for name, record in records.items()
+    }
+
+
+def write_hydra_records(output_dir: Path, records: dict[str, str]) -> None:
+    """Writes :func:`hydra_records` to ``output_dir/.hydra/``, each file whole or not at all."""
+    folder = output_dir / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in records.items():
+        partial = folder / f".{name}.partial"
+        partial.write_text(text)
+        os.replace(partial, folder / name)
 
 
 def mask_hydra_records(output_dir: Path) -> None:

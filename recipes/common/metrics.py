@@ -28,6 +28,7 @@ __all__ = [
     "SAMPLER_MISMATCH_THRESHOLD",
     "WANDB_ID_FILE",
     "MetricLogger",
+    "held_out_accuracy",
     "make_logger",
     "peak_device_memory",
     "sampler_mismatch_line",
@@ -223,3 +224,11 @@ def sampler_mismatch_line(summary: dict) -> str:
         f"{share}: the sampler's log-probs are not the trainer's (policy lag, precision or engine), which the sampler "
         "correction weighs the loss for (docs/grpo.md#the-samplertrainer-mismatch-correction)."
     )
+
+
+def held_out_accuracy(summary: dict) -> str:
+    """``", held-out accuracy 0.120 -> 0.640"`` for a closing line, from a summary's ``eval/accuracy`` first and last
+    (a run that evaluated: the tasks with a verifier, arithmetic and calculator); empty otherwise."""
+    if "eval/accuracy_last" not in summary:
+        return ""
+    return f", held-out accuracy {summary['eval/accuracy_first']:.3f} -> {summary['eval/accuracy_last']:.3f}"

@@ -53,8 +53,8 @@ def resumed_config(cfg: DictConfig, *, has_checkpoint: bool, paths_in_run: Itera
     on top (a setting it leaves out keeps the run's value, not the YAML default). ``output_dir`` is always this run's
     own: a copied or moved run folder resumes as itself, where it is, and never writes into the folder it was copied
     from; so are the settings of ``paths_in_run`` (folders inside the run folder, such as trl's ``train.output_dir``)
-    that the command line leaves alone. ``overwrite`` is always this command line's: a run started with
-    ``overwrite=true`` resumes.
+    that the command line leaves alone. ``overwrite`` and ``resume_allow_changes`` are always this command line's: a
+    run started with ``overwrite=true`` resumes, and a change allowed to one resume is not allowed to the next.
 
     Args:
         cfg: the composed config of this command line (``output_dir`` the run folder).
@@ -94,6 +94,9 @@ def resumed_config(cfg: DictConfig, *, has_checkpoint: bool, paths_in_run: Itera
     # Whether to clear the folder is this command's decision, not a setting of the run: a run started with
     # overwrite=true resumes without clearing what it continues.
     saved.overwrite = cfg.overwrite
+    # So are the changes this resume allows: allowed once, a change is not allowed to every later resume.
+    if "resume_allow_changes" in cfg:
+        saved.resume_allow_changes = cfg.resume_allow_changes
     _refuse_masked_secrets(saved, saved_file)
     OmegaConf.set_struct(saved, True)
     return saved

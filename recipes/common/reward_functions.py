@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from hydra.utils import get_object, instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from transformers import TrainerState
@@ -48,6 +48,8 @@ __all__ = [
     "RewardFunction",
     "RewardLogs",
     "check_reward_functions",
+    "check_reward_weights",
+    "reward_function_failure",
     "checked_rewards",
     "function_name",
     "resolve_function",
@@ -156,6 +158,22 @@ def check_reward_functions(cfg: DictConfig, columns: Sequence[str]) -> None:
                 f"{setting}.function={function_name(node.function)} takes no **kwargs: trl passes every column and "
                 "more to each reward function, so it must accept them (def f(completions, **kwargs))."
             )
+    check_reward_weights(cfg)
+
+
+def check_reward_weights(cfg: DictConfig) -> None:
+    """Every reward source weighted 0 makes every reward 0: every group ties, every advantage is 0, nothing trains."""
+    scored_by_model = OmegaConf.select(cfg, "reward_model") is not None
+    weights = {"reward.model_weight": cfg.reward.model_weight} if scored_by_model else {}
+    for group in ("functions", "terms"):
+        for name, node in (cfg.reward.get(group) or {}).items():
+            weights[f"reward.{group}.{name}.weight"] = node.get("weight", 1.0) if isinstance(node, DictConfig) else 1.0
+    if weights and all(weight == 0 for weight in weights.values()):
+        shown = ", ".join(f"{key}={weight}" for key, weight in weights.items())
+        raise ConfigError(
+            f"Every reward source is weighted 0 ({shown}): every completion's reward would be 0, every advantage 0, "
+            "and nothing would train. Give one of them a nonzero weight."
+        )
 
 
 class RewardLogs:
@@ -278,11 +296,7 @@ class RewardFunction(TensorDictModuleBase):
         try:
             values = self.function(**kwargs)
         except Exception as error:
-            raise RuntimeError(
-                f"The reward function reward.functions.{self.name} raised {type(error).__name__}: {error}"
-                f"{self._first_failing_row(kwargs)}. Fix the function (or the data): a reward it cannot compute is "
-                "never counted as 0."
-            ) from error
+            raise reward_function_failure(self.function, f"reward.functions.{self.name}", error, kwargs) from error
         for column, logged in self._extra.items():
             self.logs.column(column, logged, function=self.name, count=count)
         checked = checked_rewards(values, setting=f"reward.functions.{self.name}", arguments=kwargs)
@@ -292,20 +306,32 @@ class RewardFunction(TensorDictModuleBase):
         tensordict.set("score", torch.tensor(scores, dtype=torch.float32).reshape(shape))
         return tensordict
 
-    def _first_failing_row(self, kwargs: dict) -> str:
-        """`` on row i (prompt ..., completion ...)``: the function called again row by row (only now that it
-        failed) to find the first row it fails on; empty if every row alone passes."""
-        per_row = [key for key, value in kwargs.items() if isinstance(value, list)]
-        for row in range(len(kwargs["completions"])):
-            single = {key: ([value[row]] if key in per_row else value) for key, value in kwargs.items()}
-            try:
-                self.function(**single)
-            except Exception:  # noqa: BLE001 - looking for the row, the error itself is reported above
-                return (
-                    f" on row {row} of the step's responses (prompt {_shown(kwargs['prompts'][row])}, completion "
-                    f"{_shown(kwargs['completions'][row])})"
-                )
+
+def reward_function_failure(function: Callable, setting: str, error: Exception, kwargs: dict) -> RuntimeError:
+    """The error to raise (``from error``: its traceback follows) when the reward function of ``setting`` raised
+    ``error`` on the batch of ``kwargs``: naming the setting, the error and the first row it fails on alone."""
+    return RuntimeError(
+        f"The reward function {setting} raised {type(error).__name__}: {error}{_first_failing_row(function, kwargs)}. "
+        "Fix the function (or the data): a reward it cannot compute is never counted as 0."
+    )
+
+
+def _first_failing_row(function: Callable, kwargs: dict) -> str:
+    """`` on row i (prompt ..., completion ...)``: the function called again row by row (only now that it failed) to
+    find the first row it fails on; empty if every row alone passes (or it is a coroutine function)."""
+    if inspect.iscoroutinefunction(function):
         return ""
+    per_row = [key for key, value in kwargs.items() if isinstance(value, list)]
+    for row in range(len(kwargs["completions"])):
+        single = {key: ([value[row]] if key in per_row else value) for key, value in kwargs.items()}
+        try:
+            function(**single)
+        except Exception:  # noqa: BLE001 - looking for the row, the error itself is reported above
+            return (
+                f" on row {row} of the step's responses (prompt {_shown(kwargs['prompts'][row])}, completion "
+                f"{_shown(kwargs['completions'][row])})"
+            )
+    return ""
 
 
 def checked_rewards(values, *, setting: str, arguments: dict) -> list[float | None]:

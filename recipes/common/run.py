@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
-from omegaconf import DictConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 from tensordict import set_list_to_stack
 from transformers import set_seed
 
@@ -39,19 +40,28 @@ from recipes.common.config import (
     ConfigError,
     RunStopped,
     config_record,
-    mask_hydra_records,
+    hydra_records,
     mask_overrides_in_text,
     mask_sweep_record,
+    write_hydra_records,
     write_run_config,
 )
 from recipes.common.metrics import MetricLogger, make_logger
-from recipes.common.run_folder import RunFolderLock, clear_records
+from recipes.common.run_folder import (
+    LOCK_FILE,
+    FolderInUse,
+    RunFolderLock,
+    check_writable,
+    clear_records,
+    earlier_records,
+)
 
 __all__ = [
     "FAILED_FILE",
     "SUMMARY_FILE",
     "Interrupted",
     "Run",
+    "RunFolderCheck",
     "accelerate_shards_on",
     "check_sharded_launch",
     "end_processes",
@@ -161,6 +171,7 @@ def start_run(
             clear_records(run.output_dir, keep=keep)
         if before_config is not None:
             before_config(run.output_dir)
+        write_hydra_records(run.output_dir, _hydra_records_due.pop(str(run.output_dir), {}))
         write_run_config(cfg, run.output_dir)
         if cfg.logger.kind != "none":
             run.logger = make_logger(cfg.logger, run.output_dir, config=config_record(cfg), resume=resume)
@@ -232,6 +243,10 @@ def _interruptions_raised() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+# Hydra's records of each run this process started (recipes.common.config.hydra_records) by folder, until the run
+# holds its folder: a run refused on another run's folder must not replace that run's records.
+_hydra_records_due: dict[str, dict[str, str]] = {}
+
 # Jobs of this process's Hydra multirun that failed (their folders hold failed.json); the sweep goes on past them.
 _FAILED_JOBS: list[str] = []
 FAILED_FILE = "failed.json"
@@ -299,13 +314,14 @@ def run_recipe(
     :class:`~recipes.common.config.RunStopped` (a full disk, a non-finite value) is logged as its message alone:
     the message names the setting and the fix, and a traceback would only bury it. Any other error is logged with its
     traceback. SIGINT and SIGTERM are logged with the run's last checkpoint (``last_checkpoint(cfg)``; by default the
-    newest of ``<output_dir>/checkpoints``). Python warnings go to the log as well. Hydra's own records of the config
-    in the run folder (``.hydra/``) and, in a multirun, in the sweep folder (``multirun.yaml``) have their secrets
-    masked before anything else runs.
+    newest of ``<output_dir>/checkpoints``). Python warnings go to the log as well. Hydra's records of the run
+    (``.hydra/``, secrets masked) are written once the run holds its folder, or at its refusal in a folder of its own:
+    a run refused on another run's folder changes nothing there (not its records, not its log). In a multirun, the
+    sweep folder's ``multirun.yaml`` has its secrets masked before anything else runs.
     """
     logging.captureWarnings(True)
-    with contextlib.suppress(Exception):  # outside a Hydra run there is no .hydra/ to mask
-        mask_hydra_records(Path(str(cfg.output_dir)))
+    folder = Path(str(cfg.output_dir))
+    _hydra_records_due[str(folder)] = hydra_records(cfg)  # written by start_run, once the run holds the folder
     mask_sweep_record()
     try:
         with _interruptions_raised():
@@ -324,17 +340,60 @@ def run_recipe(
         )
         raise SystemExit(128 + signal.Signals[name].value) from None
     except (ConfigError, RunStopped) as error:
+        if isinstance(error, FolderInUse):
+            _stop_logging_into(error.folder)  # the log there is the other run's
         log.error("%s", error)
         reason = str(error)
     except Exception as error:
         log.exception("The run failed; the traceback follows.")
         reason = f"{type(error).__name__}: {error}"
+    # The folder is this run's when start_run took its records (the run held it) or it holds no other run's.
+    records = _hydra_records_due.pop(str(folder), None)
+    own_folder = records is None or not (earlier_records(folder) or (folder / LOCK_FILE).exists())
+    if own_folder and records:
+        write_hydra_records(folder, records)  # a run refused in a folder of its own keeps its records of what was run
     if not _in_multirun():
         raise SystemExit(1)
-    _record_failed_job(str(cfg.output_dir))
-    Path(str(cfg.output_dir)).mkdir(parents=True, exist_ok=True)
-    (Path(str(cfg.output_dir)) / FAILED_FILE).write_text(json.dumps({"reason": reason}, indent=2))
+    _record_failed_job(str(folder))
+    if own_folder:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / FAILED_FILE).write_text(json.dumps({"reason": reason}, indent=2))
     return {cfg.metric: float("nan")}
+
+
+class RunFolderCheck(Callback):
+    """A Hydra callback (``hydra.callbacks`` of every recipe's config) that checks, before Hydra creates the run's
+    folder (a multirun's sweep folder) and opens its log there, that the folder can be written: otherwise Hydra's own
+    ``mkdir`` or log handler fails with a raw traceback. Says which folder, why, and what to do; exits with status 1."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.run.dir", "the run's output folder")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.sweep.dir", "the sweep's folder")
+
+    @staticmethod
+    def _check(config: DictConfig, key: str, what: str) -> None:
+        try:
+            folder = Path(str(OmegaConf.select(config, key)))
+        except Exception:  # an interpolation only a job can resolve: Hydra creates and reports that folder itself
+            return
+        try:
+            check_writable(
+                folder, what=what, fix=f"choose a folder this user may write ({key}=...), or fix its permissions"
+            )
+        except ConfigError as error:
+            print(error, file=sys.stderr)
+            raise SystemExit(1) from None
+
+
+def _stop_logging_into(folder: Path) -> None:
+    """Closes the log files Hydra opened inside ``folder`` for this run: what this run says goes to the terminal."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == folder.resolve():
+            root.removeHandler(handler)
+            handler.close()
 
 
 def _in_multirun() -> bool:

@@ -6,8 +6,8 @@ and overwrite its model. :func:`check_output_folder` refuses that before anythin
 earlier one (``resume=true``, GRPO) or asks for the folder to be cleared (``overwrite=true``), which
 :func:`clear_records` then does: only the records a recipe writes, by name, inside the folder, a link deleted as a
 link (never what it points to). An input of the run inside what would be cleared (a model, a tokenizer, data) is
-refused first (:func:`check_inputs_survive_overwrite`). What Hydra writes at every start (``.hydra/``, the log file)
-and ``resolved_config.yaml`` are not records: a run rewrites them.
+refused first (:func:`check_inputs_survive_overwrite`). Hydra's records (``.hydra/``, the log file) and
+``resolved_config.yaml`` are not records: a run that holds the folder rewrites them, a refused run leaves them be.
 
 :class:`RunFolderLock` holds an exclusive lock on the folder for a run's life: a second run started on the same
 folder is refused, naming the first one's process.
@@ -30,6 +30,7 @@ from recipes.common.metrics import WANDB_ID_FILE
 
 __all__ = [
     "LOCK_FILE",
+    "FolderInUse",
     "TRAINER_RECORD",
     "RECORDS",
     "RunFolderLock",
@@ -216,12 +217,20 @@ def input_paths(cfg) -> dict[str, str | None]:
     return paths
 
 
+class FolderInUse(ConfigError):
+    """The run folder is held by another run (:class:`RunFolderLock`)."""
+
+    def __init__(self, folder: Path, message: str) -> None:
+        super().__init__(message)
+        self.folder = folder
+
+
 class RunFolderLock:
     """An exclusive lock on a run folder for a run's life (``fcntl.flock`` on ``<folder>/.run.lock``, which holds the
     locking process's id). The kernel drops it when the process ends, however it ends.
 
     Raises:
-        ConfigError: another process holds the folder, naming its process id.
+        FolderInUse: another process holds the folder, naming its process id.
     """
 
     def __init__(self, folder: str | Path) -> None:
@@ -235,10 +244,11 @@ class RunFolderLock:
             self._handle.close()
             if error.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            raise ConfigError(
+            raise FolderInUse(
+                Path(folder),
                 f"{Path(folder)} is in use by another run (process {holder}): two runs in one folder would interleave "
                 "their metrics and checkpoints. Wait for it to end, stop it, or run in another folder "
-                "(hydra.run.dir=...)."
+                "(hydra.run.dir=...).",
             ) from None
         self._handle.truncate(0)
         self._handle.write(str(os.getpid()))

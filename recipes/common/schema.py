@@ -35,11 +35,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
+import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Union
 
@@ -74,6 +77,8 @@ __all__ = [
     "check_config",
     "check_trainer_config_keys",
     "checked_config",
+    "refuse_unknown_overrides",
+    "trainer_aliases",
     "checked_trainer_config",
     "checked_tree",
     "trainer_config_view",
@@ -171,6 +176,65 @@ class Aliases:
             f"{error.key}: {error.recipe} has no such setting, so it would be ignored. {suggestion}{self.source}'s "
             f"{error.name} is {target} here: {fix}. {error.known_settings}"
         )
+
+
+def refuse_unknown_overrides(
+    argv: Sequence[str], schema: type, *, recipe: str, aliases: Aliases | Callable[[], Aliases] | None = None
+) -> None:
+    """Before Hydra composes the config (a recipe's ``__main__``): a command-line override without ``+`` of a key that
+    ``schema`` does not have is refused as :func:`check_config` refuses it, naming the nearest keys or, for another
+    tool's name (``aliases``: ``num_generations=4``, ``train.learning_rate=1e-3``), the recipe's key for it. Hydra
+    would answer only "Could not override ... Key ... is not in struct". Keys under an open mapping, a choice of
+    schemas or Hydra's own are left to Hydra. Prints the refusal and exits with status 1.
+
+    Keyword Args:
+        aliases: another tool's names, or a function that builds them (called only for an unknown key).
+    """
+    for argument in argv:
+        key, equals, value = argument.partition("=")
+        if not equals or key.startswith(("-", "+", "~", "hydra")) or "/" in key or "@" in key:
+            continue
+        if (_CONF_DIR / key.replace(".", "/")).is_dir():  # a config group (experiment=, sweep=): no setting itself
+            continue
+        error = _unknown_override(key, value, schema, recipe)
+        if error is None:
+            continue
+        known = aliases() if callable(aliases) else aliases
+        print((known.message(error) if known is not None else None) or str(error), file=sys.stderr)
+        raise SystemExit(1)
+
+
+def trainer_aliases(config_class: type) -> Aliases:
+    """A trl / transformers trainer config's fields as the ``train.<field>`` keys of a recipe whose ``train:`` node
+    takes them (``num_generations=4`` is ``train.num_generations=4`` there)."""
+    names = {field.name: f"train.{field.name}" for field in dataclasses.fields(config_class)}
+    return Aliases(f"trl.{config_class.__name__}", names)
+
+
+_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def _unknown_override(key: str, value: str, schema: type, recipe: str) -> _UnknownKey | None:
+    """The refusal of ``key`` when the dataclasses of ``schema`` along its path do not have it; ``None`` when they do
+    or the path leaves them (an open mapping, a choice of schemas, a value)."""
+    node, parent = schema, ""
+    *path, name = key.split(".")
+    for part in path:
+        hints = typing.get_type_hints(node, include_extras=True)
+        if part not in hints:
+            name = part  # the first unknown part is the unknown key
+            break
+        base, extras = _unwrap(hints[part])
+        if not dataclasses.is_dataclass(base) or any(isinstance(extra, Variant) for extra in extras):
+            return None
+        node, parent = base, _join(parent, part)
+    known = _field_names(node)
+    if name in known:
+        return None
+    full = _join(parent, name)
+    nearest = [_join(parent, n) for n in difflib.get_close_matches(name, known, n=3, cutoff=0.5)]
+    message, settings = _unknown_key_message(full, nearest, known, parent, recipe)
+    return _UnknownKey(message, key=full, value=value, recipe=recipe, nearest=nearest, known_settings=settings)
 
 
 class _UnknownKey(ConfigError):
@@ -389,6 +453,9 @@ def _check_leaf(value: Any, base: Any, extras: tuple, key: str, recipe: str) -> 
     hint = next((extra for extra in extras if isinstance(extra, Hint)), None)
     if hint is not None:
         raise ConfigError(hint.message(key, value, base, bounds))
+    if not fits and base is int and isinstance(value, float) and value.is_integer():
+        # 1e10 on a command line is a float to Hydra's parser: the fix is to write the digits.
+        raise ConfigError(f"{key}={value!r}: expected an integer; write it as one ({key}={int(value)}).")
     if not fits:
         raise ConfigError(f"{key}={value!r}: expected {_describe(base)}.")
     raise ConfigError(f"{key}={value!r} must be {bounds}.")
@@ -777,6 +844,28 @@ class TrainerNode:
     learning_rate: Annotated[float, Range(gt=0), Hint("{key}={value} must be a positive number (e.g. {key}=1e-4).")]
     max_grad_norm: MaxGradNorm
     per_device_train_batch_size: Annotated[int, Range(ge=1)]
+    warmup_steps: Annotated[float, Range(ge=0)]
+    push_to_hub: bool
+
+    def __post_init__(self) -> None:
+        # transformers 5: an int counts optimizer steps, a float below 1 is a fraction of them; 1.5 is neither.
+        if isinstance(self.warmup_steps, float) and self.warmup_steps >= 1 and not self.warmup_steps.is_integer():
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps:g}: transformers reads a number below 1 as a fraction of the "
+                f"training steps and a whole number as steps. Write warmup_steps={math.ceil(self.warmup_steps)} "
+                f"(steps) or a fraction below 1 (warmup_steps=0.1: the first tenth of max_steps)."
+            )
+        offline = [name for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _env_flag(name)]
+        if self.push_to_hub and offline:
+            raise ValueError(
+                f"push_to_hub=True, but {offline[0]} is set: the push at the end of training would fail after the "
+                f"whole run. Drop push_to_hub (the model is saved in the run folder either way), or unset {offline[0]} "
+                "on a machine that can reach the hub."
+            )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def checked_trainer_config(

@@ -21,7 +21,7 @@ import torch
 from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
-from recipes.common.metrics import sampler_mismatch_line, sampler_mismatch_summary
+from recipes.common.metrics import held_out_accuracy, sampler_mismatch_line, sampler_mismatch_summary
 from recipes.common.run import Run
 from recipes.common.text_metrics import distinct_bigrams
 from recipes.common.tools import tool_entries
@@ -301,8 +301,8 @@ def closing_message(summary: dict, output_dir: Path) -> str:
         f"GRPO done: {summary['train/steps']} steps in {summary['perf/wall_time_s']:.1f} s "
         f"({summary['perf/tokens_per_s']:.0f} "
         f"generated tokens/s of rollout); reward {summary['rollout/reward_mean_first']:.3f} -> "
-        f"{summary['rollout/reward_mean_last']:.3f}{oracle}. Run folder: {output_dir}. Curves: python "
-        f"scripts/plot_run.py {output_dir}.{sampler_mismatch_line(summary)}"
+        f"{summary['rollout/reward_mean_last']:.3f}{oracle}{held_out_accuracy(summary)}. Run folder: {output_dir}. "
+        f"Curves: python scripts/plot_run.py {output_dir}.{sampler_mismatch_line(summary)}"
     )
 
 

@@ -43,7 +43,7 @@ from recipes.common.chat import CHAT_STEP_KEYS
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.common.prompts import PromptTable, non_tensor_rows
-from recipes.common.reward_functions import RewardFunction, RewardLogs, resolve_function
+from recipes.common.reward_functions import RewardFunction, RewardLogs, check_reward_weights, resolve_function
 from recipes.common.tools import tool_entries
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, REWARD_LOGS, SOURCE_REWARDS
 from recipes.grpo.prompt_env import PromptEnv
@@ -213,6 +213,7 @@ def check_reward_sources(cfg: DictConfig) -> None:
                 "metrics (rollout/rewards/<name>/mean); rename one."
             )
         seen[source.name] = source.setting
+    check_reward_weights(cfg)
 
 
 def _term_module(node: DictConfig):

@@ -406,7 +406,17 @@ class Train:
         Hint("{key}={value}: expected one of {choices} (transformers' schedules that need no more settings)."),
     ]
     # A number of optimizer steps, or a float in [0, 1): that fraction of them.
-    warmup_steps: Annotated[int, Range(ge=0)] | Annotated[float, Range(ge=0, lt=1)]
+    warmup_steps: (
+        Annotated[int, Range(ge=0)]
+        | Annotated[
+            float,
+            Range(ge=0, lt=1),
+            Hint(
+                "{key}={value}: a fraction of the optimizer steps must be below 1 (e.g. {key}=0.1); write a number of "
+                "steps as a whole number (e.g. {key}=2)."
+            ),
+        ]
+    )
     max_grad_norm: MaxGradNorm
     gradient_checkpointing: bool
     mixed_precision: MixedPrecision

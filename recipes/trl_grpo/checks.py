@@ -9,6 +9,7 @@ Dependencies: omegaconf, transformers, trl (for ``train:``'s keys), and the reci
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from recipes.common.schema import checked_config, checked_trainer_config
 from recipes.common.tools import resolve_call_format, resolve_tools
 from recipes.trl_grpo.report import reward_source_names, summary_keys
 from recipes.trl_grpo.resume import checkpoint_step, resume_changes, resumed_config
-from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, stored_sources
+from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, row_bytes, stored_sources
 from recipes.trl_grpo.schema import RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
 
 __all__ = ["validate"]
@@ -69,7 +70,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check_resume(cfg, args)
     rows = load_prompt_rows(cfg.data, "train")
     check_reward_functions(cfg, columns=list(rows.columns))
-    _check_prompt_lengths(cfg, rows, args)
+    longest_prompt = _check_prompt_lengths(cfg, rows, args)
+    _check_store_fits_the_disk(cfg, args, prompt_width=longest_prompt)
     _check_eval(cfg)
     if cfg.rollout.replay.load_from is not None:
         load_replay_source(cfg, group_size=args.num_generations)
@@ -160,7 +162,7 @@ def load_replay_source(cfg: DictConfig, *, group_size: int):
     none, is damaged, or was written with another tokenizer (its token ids would be other tokens) or another group
     size. Returns the rows (``recipes.trl_grpo.rollout_store.load_rollouts``)."""
     from recipes.common.models import load_tokenizer, tokenizer_fingerprint
-    from recipes.trl_grpo.rollout_store import DamagedRollouts, load_rollouts, stored_tokenizer
+    from recipes.trl_grpo.rollout_store import DamagedRollouts, load_rollouts, stored_group_sizes, stored_tokenizer
 
     key = "rollout.replay.load_from"
     folder = Path(str(cfg.rollout.replay.load_from)).expanduser()
@@ -175,6 +177,14 @@ def load_replay_source(cfg: DictConfig, *, group_size: int):
             f"{key}={str(folder)!r} was written with another tokenizer than model={cfg.model.name_or_path!r}'s "
             f"({'no fingerprint recorded' if written_with is None else 'its vocabulary differs'}): its token ids would "
             "be other tokens here. Load rollouts a run of this policy stored."
+        )
+    recorded = stored_group_sizes(folder)
+    if any(size != group_size for size in recorded):
+        raise ConfigError(
+            f"{key}={str(folder)!r} holds groups of {' and '.join(map(str, recorded))} completions per prompt (the "
+            f"train.num_generations of the run that stored them), and this run samples train.num_generations="
+            f"{group_size}: its groups would be loaded cut or merged, their advantages computed over other groups than "
+            f"trl's. Set train.num_generations={recorded[0]}, or load rollouts stored with {group_size}."
         )
     runs = _runs_of_one_prompt(rows)
     if rows.shape[0] < group_size or any(length % group_size for length in runs):
@@ -255,6 +265,7 @@ def _check_resume(cfg: DictConfig, args) -> None:
         )
     if (Path(cfg.output_dir) / "metrics.csv").is_file():
         read_metrics_rows(Path(cfg.output_dir) / "metrics.csv")  # a damaged file is named now, not after loading
+    _check_rollouts_are_the_runs(Path(cfg.output_dir))
     stored = stored_sources(Path(cfg.output_dir) / ROLLOUTS_DIR)
     if stored is not None and stored != reward_source_names(cfg):
         raise ConfigError(
@@ -266,9 +277,22 @@ def _check_resume(cfg: DictConfig, args) -> None:
     check_resume_changes(resume_changes(cfg), allowed=cfg.resume_allow_changes)
 
 
-def _check_prompt_lengths(cfg: DictConfig, rows, args) -> None:
+def _check_rollouts_are_the_runs(output_dir: Path) -> None:
+    """A resumed run writes its new rollouts into ``rollouts/``: where that (or a process's folder in it) is a link,
+    they would land in the storage it points to, another run's."""
+    folder = output_dir / ROLLOUTS_DIR
+    links = [path for path in (folder, *sorted(folder.glob("rank_*"))) if path.is_symlink()]
+    if links:
+        raise ConfigError(
+            f"resume=true, but {links[0]} is a link to {links[0].resolve()}: the resumed run would write its new "
+            "rollouts into that storage (another run's). Replace the link with a copy of what it points to "
+            f"(cp -r --remove-destination {links[0].resolve()} {links[0]}), or start a new run in another folder."
+        )
+
+
+def _check_prompt_lengths(cfg: DictConfig, rows, args) -> int:
     """Prompts the policy cannot read whole with ``train.max_completion_length`` tokens after them (tokenizer and model
-    config only: before any weights load)."""
+    config only: before any weights load). Returns the longest prompt's tokens."""
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
     table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.system_prompt)
     tools = resolve_tools(cfg.tools)
@@ -285,6 +309,31 @@ def _check_prompt_lengths(cfg: DictConfig, rows, args) -> None:
         max_new_tokens=args.max_completion_length,
         max_new_tokens_key="train.max_completion_length",
     )
+    return max(lengths)
+
+
+def _check_store_fits_the_disk(cfg: DictConfig, args, *, prompt_width: int) -> None:
+    """The rollout store of every process, full (``rollout.store.max_rows`` rows of ``max_text_bytes`` of text each),
+    must fit the free space of the disk that holds the run: a store that cannot would stop the run once it filled the
+    disk, and one sized past what any disk holds fails at its first write ("File too large", or an allocation of
+    the text columns), after the models have loaded."""
+    store = cfg.rollout.store
+    one_row = row_bytes(
+        prompt_width=prompt_width, completion_width=args.max_completion_length, max_text_bytes=store.max_text_bytes
+    )
+    needed = one_row * store.max_rows * int(os.environ.get("WORLD_SIZE", "1"))
+    folder = Path(str(cfg.output_dir)).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise ConfigError(
+            f"rollout.store.max_rows={store.max_rows} rows of rollout.store.max_text_bytes={store.max_text_bytes} "
+            f"bytes of text each take {needed / 2**30:.3g} GiB once the store is full ({one_row} bytes a row, per "
+            f"process), more than the {free / 2**30:.3g} GiB free on the disk holding {cfg.output_dir}. Lower "
+            "rollout.store.max_rows (the oldest rows are dropped past it) or rollout.store.max_text_bytes, or run "
+            "on a larger disk (hydra.run.dir=...)."
+        )
 
 
 def _check_lora_for_trl(lora) -> None:

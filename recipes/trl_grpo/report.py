@@ -20,7 +20,13 @@ import torch
 from omegaconf import DictConfig
 from transformers import TrainerCallback
 
-from recipes.common.metrics import MetricLogger, peak_device_memory, sampler_mismatch_line, sampler_mismatch_summary
+from recipes.common.metrics import (
+    MetricLogger,
+    held_out_accuracy,
+    peak_device_memory,
+    sampler_mismatch_line,
+    sampler_mismatch_summary,
+)
 from recipes.common.text_metrics import distinct_bigrams
 from recipes.common.tools import tool_entries
 from recipes.trl_grpo.evaluation import EVAL_KEYS, eval_series, format_dialog
@@ -132,6 +138,7 @@ class MetricsCallback(TrainerCallback):
         self.total_steps, self.every = total_steps, every
         self.trainer_figures: dict[int, dict[str, float]] = {}  # step -> the figures of the batch it trained first
         self._batches_seen = 0
+        self._warned_dropped = False
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.trainer.scored_batches != self._batches_seen:  # a new generation batch trained in this step
@@ -145,9 +152,40 @@ class MetricsCallback(TrainerCallback):
         if self.oracle is not None:
             texts = self.trainer.last_scored.get("completion_text")
             scores = [float(self.oracle(text)) for text in (texts.tolist() if hasattr(texts, "tolist") else texts)]
-            device = self.trainer.accelerator.device
-            totals = self.trainer.accelerator.gather(torch.tensor([[sum(scores), len(scores)]], device=device)).sum(0)
-            figures["rollout/oracle_mean"] = float(totals[0] / totals[1])
+            figures["rollout/oracle_mean"] = self._pooled_mean(sum(scores), len(scores))
+        if "env_mask" in rollout.keys():
+            figures.update(self._dialog_figures(rollout, mask))
+        return figures
+
+    def _pooled_mean(self, total: float, count: int) -> float:
+        """``total / count`` over every process's batch."""
+        device = self.trainer.accelerator.device
+        totals = self.trainer.accelerator.gather(torch.tensor([[float(total), float(count)]], device=device)).sum(0)
+        return float(totals[0] / totals[1])
+
+    def _dialog_figures(self, rollout, mask: torch.Tensor) -> dict[str, float]:
+        """Tools: ``rollout/frac_truncated`` counts the dialogs the completion budget cut (a turn, or a tool result
+        that did not fit) as the sampler records them; trl's own ratio counts only completions without a final EOS,
+        and a dialog whose tool result was left out ends on the call turn's EOS. ``rollout/frac_results_dropped``:
+        the dialogs that called a tool and got no result back. Warns once when no calling dialog got one."""
+        dialogs = rollout.shape[0]
+        called = rollout.get("tool_calls") > 0
+        answered = ((rollout.get("env_mask") == 0) & mask).any(-1)
+        dropped = int((called & ~answered).sum())
+        figures = {
+            "rollout/frac_truncated": self._pooled_mean(int(rollout.get("truncated").sum()), dialogs),
+            "rollout/frac_results_dropped": self._pooled_mean(dropped, dialogs),
+        }
+        if not self._warned_dropped and int(called.sum()) and not int((called & answered).sum()):
+            self._warned_dropped = True
+            log.warning(
+                "%d of %d dialogs called a tool and none got its result back: the tool message did not fit in "
+                "train.max_completion_length=%d, the whole dialog's budget (the call, the result and the answer), so "
+                "no dialog can use a tool. Raise train.max_completion_length (experiment=calculator_trl uses 64).",
+                int(called.sum()),
+                dialogs,
+                self.trainer.args.max_completion_length,
+            )
         return figures
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -264,7 +302,8 @@ def closing_message(summary: dict, output_dir: Path) -> str:
     dropped = summary["rollouts/rows_dropped"]
     kept = f" (the {dropped} oldest dropped: rollout.store.max_rows)" if dropped else ""
     return (
-        f"trl GRPO with TorchRL rollouts: {summary['train/steps']} steps, reward {first:.3f} -> {last:.3f}{oracle}; "
+        f"trl GRPO with TorchRL rollouts: {summary['train/steps']} steps, reward {first:.3f} -> {last:.3f}{oracle}"
+        f"{held_out_accuracy(summary)}; "
         f"model in {output_dir / 'model'}, {summary['rollouts/rows']} rollouts in {output_dir / ROLLOUTS_DIR}{kept} "
         f"(recipes.trl_grpo.rollout_store.load_rollouts reads them).{sampler_mismatch_line(summary)}"
     )

@@ -12,30 +12,76 @@ Dependencies: torch, the recipes' own modules.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 
 import torch
 
 from recipes.common.config import RunStopped
-from recipes.common.reward_functions import checked_rewards
+from recipes.common.reward_functions import checked_rewards, reward_function_failure
 
-__all__ = ["checked_reward_function", "refuse_non_finite_scores"]
+__all__ = ["DeclinedByEverySource", "checked_reward_function", "refuse_non_finite_scores"]
+
+log = logging.getLogger(__name__)
 
 
-def checked_reward_function(function: Callable, *, name: str) -> Callable:
+class DeclinedByEverySource:
+    """Warns once when every reward source (the functions of a run without a reward model) returned ``None`` for a
+    completion: trl gives it a NaN reward ("All reward functions returned None", naming no setting) and it trains
+    nothing. Each function reports its values in the order trl calls them; the last one of a batch checks."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.declined, self.reported, self.warned = list(names), None, 0, False
+
+    def report(self, values: list) -> None:
+        declined = [value is None for value in values]
+        self.declined = declined if self.declined is None else [a and b for a, b in zip(self.declined, declined)]
+        self.reported += 1
+        if self.reported < len(self.names):
+            return
+        count, self.declined, self.reported = sum(self.declined), None, 0
+        if count and not self.warned:
+            self.warned = True
+            settings = ", ".join(f"reward.functions.{name}" for name in self.names)
+            log.warning(
+                "Every reward source (%s) returned None for %d of %d completions of a batch: their reward is NaN and "
+                "they train nothing. Make one function return a number wherever the others do not apply.",
+                settings,
+                count,
+                len(values),
+            )
+
+
+def checked_reward_function(
+    function: Callable, *, name: str, declined: DeclinedByEverySource | None = None
+) -> Callable:
     """``function`` (a trl reward function, sync or async) under the name trl logs it by (``rewards/<name>/mean``),
     its values checked on every call; a bad one raises :class:`~recipes.common.config.RunStopped` naming
-    ``reward.functions.<name>``."""
+    ``reward.functions.<name>``. ``declined``: told each call's values (:class:`DeclinedByEverySource`)."""
     setting = f"reward.functions.{name}"
     if inspect.iscoroutinefunction(function):
 
         async def named(**kwargs):
-            return checked_rewards(await function(**kwargs), setting=setting, arguments=kwargs)
+            try:
+                values = await function(**kwargs)
+            except Exception as error:
+                raise reward_function_failure(function, setting, error, kwargs) from error
+            checked = checked_rewards(values, setting=setting, arguments=kwargs)
+            if declined is not None:
+                declined.report(checked)
+            return checked
 
     else:
 
         def named(**kwargs):
-            return checked_rewards(function(**kwargs), setting=setting, arguments=kwargs)
+            try:
+                values = function(**kwargs)
+            except Exception as error:
+                raise reward_function_failure(function, setting, error, kwargs) from error
+            checked = checked_rewards(values, setting=setting, arguments=kwargs)
+            if declined is not None:
+                declined.report(checked)
+            return checked
 
     named.__name__ = str(name)
     return named

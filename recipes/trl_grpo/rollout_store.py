@@ -51,6 +51,8 @@ __all__ = [
     "RolloutStore",
     "load_rollouts",
     "prompts",
+    "row_bytes",
+    "stored_group_sizes",
     "stored_sources",
     "stored_totals",
     "texts",
@@ -113,6 +115,8 @@ class RolloutStore:
         pad_token_id: the pad of the id columns.
         tokenizer: the fingerprint of the tokenizer that made the ids (``recipes.common.models.tokenizer_fingerprint``),
             which a run loading the folder's groups checks against its own.
+        group_size: the completions sampled per prompt (trl's ``num_generations``): a run loading the folder's
+            groups must sample groups of that size (a group of 8 would otherwise load as two groups of 4).
     """
 
     def __init__(
@@ -127,6 +131,7 @@ class RolloutStore:
         max_text_bytes: int,
         pad_token_id: int,
         tokenizer: dict | None = None,
+        group_size: int | None = None,
     ) -> None:
         rank_dir = Path(folder) / f"rank_{rank}"
         rank_dir.mkdir(parents=True, exist_ok=True)
@@ -136,7 +141,7 @@ class RolloutStore:
         self.buffer = ReplayBuffer(storage=LazyMemmapStorage(max_rows, scratch_dir=self.folder / STORAGE_DIR))
         self.max_rows, self.prompt_width, self.completion_width = max_rows, prompt_width, completion_width
         self.source_names, self.max_text_bytes, self.pad_token_id = list(source_names), max_text_bytes, pad_token_id
-        self.tokenizer = tokenizer
+        self.tokenizer, self.group_size = tokenizer, group_size
         self.rows = 0
         self.tokens = 0  # completion tokens written
         self.last_step = 0
@@ -270,6 +275,7 @@ class RolloutStore:
                 "max_text_bytes": self.max_text_bytes,
                 "pad_token_id": self.pad_token_id,
                 "tokenizer": self.tokenizer,
+                "group_size": self.group_size,
                 "last_step": self.last_step,
                 "tokens_written": self.tokens,
             },
@@ -278,6 +284,12 @@ class RolloutStore:
     @property
     def dropped(self) -> int:
         return max(0, self.rows - self.max_rows)
+
+
+def row_bytes(*, prompt_width: int, completion_width: int, max_text_bytes: int) -> int:
+    """The bytes one stored row takes (a part's files hold ``max_rows`` of them once its ring is full): the id and
+    ``env_mask`` columns as int64, ``logprobs`` as float32, the two texts and the scalar columns."""
+    return 8 * (prompt_width + 2 * completion_width) + 4 * completion_width + 2 * max_text_bytes + 256
 
 
 def _tool_columns(rollout: TensorDictBase, right: int) -> dict[str, torch.Tensor]:
@@ -446,6 +458,18 @@ def stored_sources(folder: str | os.PathLike) -> list[str] | None:
         if progress is not None and progress["rows_written"] and "sources" in progress:
             found = list(progress["sources"])
     return found
+
+
+def stored_group_sizes(folder: str | os.PathLike) -> list[int]:
+    """The group sizes (trl's ``num_generations``) the parts of a rollouts folder that wrote rows recorded, each once,
+    in the order written (parts written before the size was recorded say nothing)."""
+    sizes = []
+    for part in sorted(Path(folder).glob("rank_*/part_*"), key=lambda path: (path.parent.name, int(path.name[5:]))):
+        progress = _read_progress(part) or {}
+        size = progress.get("group_size")
+        if progress.get("rows_written") and size is not None and size not in sizes:
+            sizes.append(int(size))
+    return sizes
 
 
 def _part_number(progress_file: Path) -> int:

@@ -178,6 +178,7 @@ class GRPOTrainerNode(TrainerNode):
     warmup_steps: Annotated[float, Range(ge=0)]
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.warmup_steps and self.lr_scheduler_type in _IGNORE_WARMUP:
             raise ValueError(
                 f"warmup_steps={self.warmup_steps:g} with lr_scheduler_type={self.lr_scheduler_type}: that schedule "

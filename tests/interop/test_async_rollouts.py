@@ -269,3 +269,44 @@ def test_the_sampling_process_dies_with_its_trainer(tmp_path, repo_root, signal_
         assert not alive, f"left running after {signal_name} of the trainer: {alive}"
     finally:
         trainer.kill()
+
+
+def test_async_mode_takes_a_datasets_dataset_and_shuffles_each_pass_as_trl_would(tiny_policy, tmp_path):
+    """A library user's map-style dataset with trl's default shuffle_dataset=True (refused before: async mode needed a
+    stream and shuffle_dataset=False, said only in an error): read as passes over it, each in its own seeded order;
+    every batch pre-sampled for the very prompts trl then passes."""
+    import datasets
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    model, tokenizer = copy.deepcopy(tiny_policy[0]), tiny_policy[1]
+    buffer = ReplayBuffer(storage=LazyStackStorage(100))
+    trainer = TorchRLGRPOTrainer(
+        model=model,
+        reward_funcs=_length_reward,
+        args=_args(tmp_path, shuffle_dataset=True),
+        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        rollout_func=TorchRLRolloutFunc(tokenizer=tokenizer, mode="async", replay_buffer=buffer),
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
+    assert [entry["policy_lag"] for entry in logs] == [0.0, 1.0, 1.0, 1.0]
+    assert all(entry["rollout/lookahead_misses"] == 0 for entry in logs)
+    prompts = [prompt[0]["content"] for prompt in buffer[: len(buffer)].get("prompt").tolist()]
+    groups = [prompts[i] for i in range(0, 32, 4)]
+    assert sorted(groups) == sorted(prompt[0]["content"] for prompt in PROMPTS), "one pass: every prompt once"
+    assert groups != [prompt[0]["content"] for prompt in PROMPTS], "in a shuffled order"
+
+
+def test_async_mode_refuses_a_dataset_without_max_steps_at_construction(tiny_policy, tmp_path):
+    import datasets
+
+    with pytest.raises(ValueError, match=r"a datasets.Dataset is read as a stream here, which has no length: set args"):
+        TorchRLGRPOTrainer(
+            model=tiny_policy[0],
+            reward_funcs=_length_reward,
+            args=_args(tmp_path, max_steps=-1),
+            train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+            processing_class=tiny_policy[1],
+            rollout_func=TorchRLRolloutFunc(tokenizer=tiny_policy[1], mode="async"),
+        )

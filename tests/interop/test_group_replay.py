@@ -144,3 +144,25 @@ def _group(value):
         },
         batch_size=[2],
     )
+
+
+def test_groups_loaded_from_another_run_are_never_younger_than_this_runs_first_step():
+    """Their steps are the other run's (up to 30 there): as they were, a draw at this run's step 1 logged
+    rollout/replayed_age -6. The newest loaded group counts as sampled at step 0, the others older by their distance."""
+    groups = [_group(value) for value in range(3)]
+    rows = TensorDict(
+        {
+            "prompt_ids": torch.cat([g["prompt_ids"] for g in groups]),
+            "prompt_length": torch.full((6,), 3),
+            "completion_ids": torch.cat([g["completion_ids"] for g in groups]),
+            "completion_length": torch.full((6,), 2),
+            "logprobs": -torch.ones(6, 2),
+            "advantage": torch.tensor([1.0, -1.0] * 3),
+            "reward": torch.tensor([1.0, 0.0] * 3),
+            "step": torch.tensor([28, 28, 30, 30, 7, 7]),
+        },
+        batch_size=[6],
+    )
+    replay = GroupReplay(capacity=8)
+    assert replay.load_rows(rows, group_size=2, pad_token_id=0) == 3
+    assert [int(replay.buffer.storage[i]["step"][0]) for i in range(3)] == [-2, 0, -23]

@@ -343,9 +343,20 @@ def _train_with_reward_trainer(tok, rows, tmp_path):
     )
     trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     trainer.train()
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    assert losses[-1] < losses[0], f"RewardTrainer did not learn: {losses}"
-    return trainer.model.eval(), trainer.train_dataset
+    trained = trainer.model.eval()
+    _assert_learned(trained, trainer.train_dataset)
+    return trained, trainer.train_dataset
+
+
+def _assert_learned(model, processed) -> None:
+    """Every one of the 24 training pairs ranked right, by a mean margin of at least 1.0. An untrained head ranks all
+    of them right on some seeds (every chosen answer shares its words: 1.0 on seeds 1 and 2, 0.96 on 3, 0.29 on 0),
+    so ranking alone says nothing; its mean margin is below 0.015 on seeds 0-3, the trained one's 1.86-2.20 (text and
+    conversational data, 12 steps, measured 2026-12-06)."""
+    chosen = torch.stack([score_alone(model, ids) for ids in processed["chosen_ids"]])
+    rejected = torch.stack([score_alone(model, ids) for ids in processed["rejected_ids"]])
+    assert bool((chosen > rejected).all()), f"RewardTrainer did not learn the ranking: {chosen - rejected}"
+    assert float((chosen - rejected).mean()) >= 1.0, f"RewardTrainer barely learned: {chosen - rejected}"
 
 
 def _preference_rows(conversational):
@@ -384,7 +395,7 @@ def test_reward_trainer_equality_plain_text(rm_tok, tmp_path):
     reward = HFRewardModelWrapper(model, tokenizer=rm_tok, inference_mode=True)(td)["reward"]
     expected = torch.stack([score_alone(model, ids) for ids in trained_ids])
     torch.testing.assert_close(reward, expected, atol=1e-5, rtol=1e-5)
-    assert (reward[:n] > reward[n:]).float().mean() > 0.5  # it learned the preference
+    assert float((reward[:n] - reward[n:]).min()) > 0 and float((reward[:n] - reward[n:]).mean()) >= 1.0  # learned
 
 
 def test_reward_trainer_equality_conversational(rm_tok, tmp_path):
@@ -494,13 +505,21 @@ def test_check_finite_names_the_model_and_the_rows():
 
 
 def test_bf16_model_gives_float32_reward(rm_tok):
+    """The bf16 model's rewards, in float32, are the float32 model's within bf16's precision. The tiny head scores
+    about 0.0075 and -0.0046, where an absolute tolerance of 0.05 would pass 0 or the wrong sign: the head is scaled
+    so that every reward is at least 1 in size, and compared relatively: within 10% (bf16 rounds each activation to
+    ~0.4%, and the head's output is a sum of terms that partly cancel: 5.7% off measured here)."""
     model32 = reward_model(rm_tok)
-    model16 = reward_model(rm_tok).to(torch.bfloat16)
     seqs = [[5, 6, 7, 2], [8, 9, 2]]
-    r16 = HFRewardModelWrapper(model16, inference_mode=True)(ragged_tokens(seqs))["reward"]
     r32 = HFRewardModelWrapper(model32, inference_mode=True)(ragged_tokens(seqs))["reward"]
-    assert r16.dtype == torch.float32
-    torch.testing.assert_close(r16, r32, atol=0.05, rtol=0.05)
+    with torch.no_grad():
+        model32.score.weight.mul_(2.0 / float(r32.abs().min()))
+    r32 = HFRewardModelWrapper(model32, inference_mode=True)(ragged_tokens(seqs))["reward"]
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    r16 = HFRewardModelWrapper(model16, inference_mode=True)(ragged_tokens(seqs))["reward"]
+    assert r16.dtype == torch.float32 and float(r32.abs().min()) >= 1.0
+    assert torch.equal(r16.sign(), r32.sign())
+    torch.testing.assert_close(r16, r32, atol=0.0, rtol=0.1)
 
 
 def test_inference_mode_and_gradients(rm_tok):

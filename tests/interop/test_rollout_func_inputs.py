@@ -1,5 +1,6 @@
 """interop.TorchRLRolloutFunc on what a user may hand it: TorchRL's ragged wrapper output (pad_output=False), a
-tokenizer of another vocabulary than the trainer's, a policy that returns non-finite log-probs (issue 29)."""
+tokenizer of another vocabulary than the trainer's, a policy that returns non-finite log-probs (issue 29); prompts past
+the model's context, infinite sampling settings, a pad id sampled mid-response, another tokenizer than the policy's."""
 
 from __future__ import annotations
 
@@ -78,3 +79,108 @@ def test_non_finite_log_probs_are_refused_naming_the_rows(tiny_policy):
 
     with pytest.raises(ValueError, match=r"non-finite log-probs for 1 completion\(s\) \(rows \[1\]\)"):
         TorchRLRolloutFunc(NaNLogProbs(), tokenizer, model=model)(PROMPTS, trainer=None)
+
+
+def _grpo_trainer(model, tokenizer, **args):
+    """What TorchRLRolloutFunc reads of a trl GRPOTrainer: its model, GRPOConfig sampling fields, tokenizer, step."""
+    fields = dict(
+        max_completion_length=8, temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
+        generation_kwargs=None,
+    )  # fmt: skip
+    return types.SimpleNamespace(
+        model=model,
+        args=types.SimpleNamespace(**{**fields, **args}),
+        processing_class=tokenizer,
+        state=types.SimpleNamespace(global_step=0),
+    )
+
+
+def test_prompts_and_completions_past_the_models_context_are_refused(tiny_policy):
+    """As the recipes refuse them before loading: a prompt that with the completion budget passes the model's
+    max_position_embeddings, and a completion budget that alone fills it."""
+    model, tokenizer = tiny_policy
+    positions = model.config.max_position_embeddings
+    long_prompt = " ".join(["kettle"] * positions)
+    policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=4))
+    with pytest.raises(
+        ValueError, match=rf"1 of 2 prompts \(rows \[1\]\) take up to \d+ tokens.*{positions} positions"
+    ):
+        TorchRLRolloutFunc(policy, tokenizer)(["Hi", long_prompt], trainer=None)
+    trainer = _grpo_trainer(model, tokenizer, max_completion_length=positions + 10)
+    with pytest.raises(ValueError, match=rf"up to {positions + 10} tokens.*{positions} positions.*Lower max_comp"):
+        TorchRLRolloutFunc()(["Hi", "Hi"], trainer)
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty"])
+def test_an_infinite_sampling_setting_of_the_trainer_is_refused(tiny_policy, field):
+    model, tokenizer = tiny_policy
+    trainer = _grpo_trainer(model, tokenizer, **{field: float("inf")})
+    with pytest.raises(ValueError, match=rf"GRPOConfig: SamplingSettings: {field}=inf must be a finite number"):
+        TorchRLRolloutFunc()(["Hi", "Hi"], trainer)
+
+
+def test_a_pad_id_sampled_inside_a_response_keeps_the_rest_of_it_and_its_eos(tiny_policy):
+    """A policy that writes no attention mask: the pad id it sampled mid-response is one of the response's tokens,
+    and the response ends at its EOS (not at the pad, which lost the EOS and marked the row truncated)."""
+    model, tokenizer = tiny_policy
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    sampled = [[5, pad, 7, eos], [9, eos, pad, pad]]
+
+    class SamplesThePad(TensorDictModuleBase):
+        in_keys, out_keys = [("tokens", "prompt")], [("tokens", "response"), ("log_probs", "response")]
+
+        def forward(self, td):
+            td["tokens", "response"] = torch.tensor(sampled)
+            td["log_probs", "response"] = -torch.ones(2, 4)
+            return td
+
+    out = TorchRLRolloutFunc(SamplesThePad(), tokenizer, model=model).rollout(["Hi", "Hello"])
+    assert out["completion_length"].tolist() == [4, 2]
+    assert out["completion_ids"][0].tolist() == [5, pad, 7, eos] and out["truncated"].tolist() == [False, False]
+    assert out["logprobs"].tolist() == [[-1.0] * 4, [-1.0, -1.0, 0.0, 0.0]]
+
+
+def test_a_tokenizer_that_is_not_the_policys_is_refused_without_a_trainer(tiny_policy, tiny_dir):
+    model, tokenizer = tiny_policy
+    other = AutoTokenizer.from_pretrained(tiny_dir / "arithmetic_policy", padding_side="left")
+    policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=4))
+    with pytest.raises(ValueError, match=r"the tokenizer \(\d+ tokens\) is not the policy's CausalLMSampler.tokenizer"):
+        TorchRLRolloutFunc(policy, other)
+
+
+def test_the_settings_refusal_names_every_setting_that_differs(tiny_policy):
+    model, tokenizer = tiny_policy
+    policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=4, top_k=50))
+    trainer = _grpo_trainer(model, tokenizer, max_completion_length=8, temperature=0.7)
+    with pytest.raises(ValueError) as refused:
+        TorchRLRolloutFunc(policy, tokenizer)(["Hi", "Hi"], trainer)
+    for shown in (
+        "max_new_tokens: policy 4, GRPOConfig 8",
+        "temperature: policy 1.0, GRPOConfig 0.7",
+        "top_k: policy 50, GRPOConfig None",
+        "log_probs_at_temperature: policy False, GRPOConfig True",
+    ):
+        assert shown in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "refusal"),
+    [
+        (
+            ["Hi", [{"role": "user", "content": "Hi"}]],
+            r"prompt 0 is text and prompt 1 is conversation: .* all strings or",
+        ),
+        (
+            [{"role": "user", "content": "Hi"}],
+            r"prompt 0 is \{'role': 'user', 'content': 'Hi'\}; trl passes each prompt",
+        ),
+        ([[{"content": "Hi"}]], r"prompt 0 is \[\{'content': 'Hi'\}\]; trl passes each prompt as a string or as a con"),
+        ([["Hi", "there"]], r"prompt 0 is \['Hi', 'there'\]; trl passes"),
+        (["Hi", ""], r"prompt\(s\) \[1\] tokenize to no tokens .* Drop empty prompts"),
+    ],
+)
+def test_prompts_in_a_shape_trl_never_passes_are_refused_naming_the_row(tiny_policy, prompts, refusal):
+    model, tokenizer = tiny_policy
+    policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=4))
+    with pytest.raises(ValueError, match=refusal):
+        TorchRLRolloutFunc(policy, tokenizer)(prompts, trainer=None)

@@ -238,6 +238,18 @@ def test_text_that_is_not_valid_unicode_is_answered_as_the_tools_error(tokenizer
     tokenizer(result.content)  # the message joins the dialog
 
 
+@pytest.mark.parametrize("max_result_tokens", [None, 10**12])
+def test_a_huge_result_is_read_up_to_a_bound_whatever_max_result_tokens_says(tokenizer, max_result_tokens):
+    """A 50 MB result with no token cut (or one no result reaches) came whole through the pipe into the tokenizer: no
+    progress for minutes. It is cut at MAX_RESULT_CHARS characters in the worker, and the cut counted."""
+    from interop.tools import MAX_RESULT_CHARS
+
+    with ToolRunner([long_text], timeout_s=60.0, max_result_tokens=max_result_tokens, tokenizer=tokenizer) as runner:
+        result = runner.run_one(ToolCall("long_text", {"words": 10_000_000}, ""))
+    assert result.error is None and result.cut
+    assert len(result.content) == MAX_RESULT_CHARS and result.content.startswith("word word")
+
+
 def test_the_worker_is_kept_across_calls_and_replaced_after_a_timeout_or_a_crash():
     with ToolRunner([worker_pid, count_calls, sleepy, die], timeout_s=1.0, max_result_tokens=None) as runner:
         first = int(runner.run_one(ToolCall("worker_pid", {}, "")).content)

@@ -302,6 +302,14 @@ def test_a_non_finite_reward_model_score_stops_the_run_naming_the_reward_model(c
     assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
 
 
+def test_the_run_prints_its_progress_line_not_trls_raw_dict_of_figures(compose_config, tmp_path, capsys, caplog):
+    cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", "train.logging_steps=1"])
+    with caplog.at_level("INFO"):
+        recipe.train(cfg)
+    printed = capsys.readouterr()
+    assert "'loss':" not in printed.out + printed.err and "Step 3/3:" in caplog.text
+
+
 def test_the_rollout_count_is_what_the_store_holds(compose_config, tmp_path, caplog):
     """A ring of 4 rows keeps the newest 4 of 24: the summary and the closing line count what the store holds."""
     cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", "rollout.store.max_rows=4"])

@@ -205,3 +205,18 @@ def test_eval_sampling_is_counted_where_it_holds_more_than_the_rollout():
         ["--prompt-tokens", "16", "experiment=arithmetic", "eval.generation.max_new_tokens=40"]
     )
     assert longer["eval_generation_kv_cache"] == same["eval_generation_kv_cache"] * (16 + 40) / (16 + 12)
+
+
+@pytest.mark.parametrize(
+    ("override", "answer"),
+    [
+        ("num_generations=4", "set rollout.group_size=4"),
+        ("train.learning_rate=1e-3", "set optimizer.lr=1e-3"),
+        ("+loss.beta=0.1", "set loss.kl_to_ref_coeff=0.1"),
+    ],
+)
+def test_a_trl_key_is_answered_with_the_recipes_key_not_a_traceback(capsys, override, answer):
+    with pytest.raises(SystemExit) as stopped:
+        estimate_memory.main([override])
+    shown = str(stopped.value.code) + capsys.readouterr().err
+    assert answer in shown and "Traceback" not in shown

@@ -34,7 +34,7 @@ SMALL = [*GRPO_SMALL, "logger=csv"]
         (["advantage.scale_rewards=max"], r"advantage.scale_rewards='max': expected one of \['group', 'batch', 'none'"),
         (["train.gradient_accumulation_steps=3"], r"train.gradient_accumulation_steps=3 does not divide the 2 mini"),
         (["train.lr_scheduler=warmup_stable_decay"], r"train.lr_scheduler='warmup_stable_decay': expected one of"),
-        (["train.warmup_steps=1.5"], r"train.warmup_steps=1.5 must be >= 0 and < 1"),
+        (["train.warmup_steps=1.5"], r"train.warmup_steps=1.5: a fraction of the optimizer steps must be below 1"),
         (["loss.top_entropy_quantile=1.5"], r"loss.top_entropy_quantile=1.5 must be >= 0 and <= 1"),
         (["loss.delta=0.9"], r"loss.delta=0.9 must be > 1"),
     ],

@@ -5,6 +5,7 @@ settings, not the YAML defaults; the config is resolved once."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from _small_runs import GRPO_SMALL, read_metrics
@@ -398,6 +399,14 @@ def test_the_trl_defaults_experiment_is_grpo_configs_defaults_read_from_trl(comp
 
 
 def test_the_trl_defaults_experiment_trains(compose_config, tmp_path):
-    overrides = ["experiment=trl_defaults", *GRPO_SMALL, "train.steps=1", f"output_dir={tmp_path}"]
+    """It trains as trl's defaults say: trl's learning rate on its decaying (linear) schedule, where this recipe's own
+    default is constant; no reference model (beta 0); gradients finite and nonzero."""
+    from trl import GRPOConfig
+
+    overrides = ["experiment=trl_defaults", *GRPO_SMALL, "train.steps=2", "logger=csv", f"output_dir={tmp_path}"]
     summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
-    assert summary["train/steps"] == 1 and "train/kl_to_ref_last" not in summary  # beta 0: no reference
+    assert summary["train/steps"] == 2 and "train/kl_to_ref_last" not in summary  # beta 0: no reference
+    rows = read_metrics(tmp_path)
+    first, last = rows[0]["train/lr"], rows[1]["train/lr"]
+    assert GRPOConfig.learning_rate >= first > last > 0, "trl's rate, decaying (the recipe's constant would not)"
+    assert all(math.isfinite(row["train/grad_norm"]) and row["train/grad_norm"] > 0 for row in rows)

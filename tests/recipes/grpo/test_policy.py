@@ -3,9 +3,11 @@ bf16 autocast over float32 weights; and a GRPO run with both switches on."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from _small_runs import GRPO_SMALL
+from _small_runs import GRPO_SMALL, read_metrics
 from transformers import AutoModelForCausalLM
 
 import recipes.grpo_torchrl_rm as recipe
@@ -85,7 +87,15 @@ def test_bf16_autocast_keeps_float32_weights_and_gradients_close_to_float32(poli
 
 
 def test_grpo_trains_with_checkpointing_and_bf16_autocast(compose_config, tmp_path):
-    overrides = [*GRPO_SMALL, f"output_dir={tmp_path}", "train.steps=2", "logger=none", "samples.every_n_steps=null"]
-    overrides += ["train.gradient_checkpointing=true", "train.mixed_precision=bf16", "checkpoint.every_n_steps=null"]
-    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
-    assert summary["train/steps"] == 2
+    """The same first update as a float32 run without checkpointing (the same rollouts: sampling is not autocast),
+    to bf16's precision: its gradient norm within 5% and its rewards equal; both steps' figures finite."""
+    base = [*GRPO_SMALL, "train.steps=2", "logger=csv", "samples.every_n_steps=null", "checkpoint.every_n_steps=null"]
+    switches = ["train.gradient_checkpointing=true", "train.mixed_precision=bf16"]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*base, *switches, f"output_dir={tmp_path / 'bf16'}"]))
+    recipe.train(compose_config("grpo_torchrl_rm", [*base, f"output_dir={tmp_path / 'fp32'}"]))
+    mixed, full = read_metrics(tmp_path / "bf16"), read_metrics(tmp_path / "fp32")
+    assert summary["train/steps"] == 2 and len(mixed) == 2
+    assert all(math.isfinite(row[key]) for row in mixed for key in ("train/loss", "train/grad_norm"))
+    assert mixed[0]["rollout/reward_mean"] == full[0]["rollout/reward_mean"]
+    assert mixed[0]["train/grad_norm"] > 0
+    assert mixed[0]["train/grad_norm"] == pytest.approx(full[0]["train/grad_norm"], rel=0.05)

@@ -75,9 +75,11 @@ def test_replay_trains_stored_groups_in_the_places_of_tied_ones_and_logs_their_s
     assert all(row["rollout/replayed_age"] >= 1.0 for row in rows[1:])
 
 
-def _stored_folder(folder, *, fingerprint, group_size=4, groups_per_step=1, steps=1, max_rows=16):
+def _stored_folder(
+    folder, *, fingerprint, group_size=4, groups_per_step=1, steps=1, max_rows=16, recorded_group_size=None
+):
     """A rollouts folder of ``steps`` batches of ``groups_per_step`` groups of ``group_size`` rows (each group its own
-    prompt), in a ring of ``max_rows``."""
+    prompt), in a ring of ``max_rows``; ``recorded_group_size``: the num_generations its progress.json records."""
     from tensordict import TensorDict
 
     store = RolloutStore(
@@ -90,6 +92,7 @@ def _stored_folder(folder, *, fingerprint, group_size=4, groups_per_step=1, step
         max_text_bytes=32,
         pad_token_id=0,
         tokenizer=fingerprint,
+        **({} if recorded_group_size is None else {"group_size": recorded_group_size}),
     )
     rows = group_size * groups_per_step
     prompt_ids = torch.arange(1, groups_per_step + 1).repeat_interleave(group_size)[:, None].expand(rows, 4)
@@ -162,6 +165,19 @@ def test_a_replay_source_not_in_whole_groups_is_refused_naming_the_runs_found(
         validate(compose_config("trl_grpo_torchrl_rollouts", other_group_size))
     if "max_rows" not in stored:
         validate(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *replay]))  # its groups of 4 load
+
+
+def test_a_replay_source_of_larger_groups_is_refused_naming_both_group_sizes(compose_config, tmp_path):
+    """Groups of 8 split evenly in blocks of 4, so the stored runs alone cannot tell: the store records its group size,
+    and a run that samples another one is refused rather than loading each group as two halves."""
+    source = tmp_path / "source" / "rollouts"
+    fingerprint = _policy_fingerprint(compose_config)
+    _stored_folder(source, fingerprint=fingerprint, group_size=8, recorded_group_size=8)
+    replay = ["rollout.replay.enabled=true", f"rollout.replay.load_from={source}", f"output_dir={tmp_path / 'run'}"]
+    refusal = r"holds groups of 8 completions per prompt .* train.num_generations=4.* Set train.num_generations=8"
+    with pytest.raises(ConfigError, match=refusal):
+        validate(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *replay]))
+    validate(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *replay, "train.num_generations=8"]))
 
 
 def test_overwrite_refuses_to_delete_the_rollouts_its_replay_loads(compose_config, tmp_path, monkeypatch):

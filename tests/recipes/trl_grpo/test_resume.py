@@ -81,6 +81,20 @@ def test_a_run_started_with_overwrite_resumes(compose_config, tmp_path):
     assert OmegaConf.load(tmp_path / "resolved_config.yaml").overwrite is False
 
 
+def test_a_resume_through_a_linked_rollouts_folder_is_refused(compose_config, tmp_path):
+    """The run's rollouts/ moved elsewhere and linked back: a resume would write its new rows into the linked storage
+    (another run's); it is refused, and that storage keeps its rows."""
+    run, elsewhere = tmp_path / "run", tmp_path / "other_run" / "rollouts"
+    _run(compose_config, run, [*SAVED, "train.max_steps=2"])
+    elsewhere.parent.mkdir()
+    shutil.move(run / "rollouts", elsewhere)
+    (run / "rollouts").symlink_to(elsewhere, target_is_directory=True)
+    rows = load_rollouts(elsewhere).shape[0]
+    with pytest.raises(ConfigError, match=rf"{run}/rollouts is a link to {elsewhere}: the resumed run would write"):
+        _run(compose_config, run, ["resume=true", "train.max_steps=3"])
+    assert load_rollouts(elsewhere).shape[0] == rows and len(list(elsewhere.glob("rank_0/part_*"))) == 1
+
+
 def test_a_changed_setting_is_refused_unless_named_and_then_applied_and_recorded(compose_config, tmp_path, monkeypatch):
     _run(compose_config, tmp_path, [*SAVED, "train.max_steps=2"])
     with pytest.raises(
@@ -97,6 +111,17 @@ def test_a_changed_setting_is_refused_unless_named_and_then_applied_and_recorded
     assert made[0].learning_rate == 5e-4
     recorded = json.loads((tmp_path / "resumes.jsonl").read_text().splitlines()[-1])
     assert recorded["step"] == 2 and recorded["changes"] == {"train.learning_rate": [0.002, 0.0005]}
+
+
+def test_a_change_allowed_to_one_resume_is_not_allowed_to_the_next(compose_config, tmp_path):
+    """resume_allow_changes is the resume's own: kept in resolved_config.yaml, it let a later resume change the
+    learning rate again without naming it."""
+    _run(compose_config, tmp_path, [*SAVED, "train.max_steps=2"])
+    allowed = ["train.learning_rate=5e-4", "resume_allow_changes=[train.learning_rate]"]
+    _run(compose_config, tmp_path, ["resume=true", "train.max_steps=3", *allowed])
+    assert list(OmegaConf.load(tmp_path / "resolved_config.yaml").resume_allow_changes) == []
+    with pytest.raises(ConfigError, match=r"train.learning_rate: 0.0005 -> 0.0001\).*resume_allow_changes="):
+        _run(compose_config, tmp_path, ["resume=true", "train.max_steps=4", "train.learning_rate=1e-4"])
 
 
 def test_a_changed_reward_function_is_refused_and_other_sources_even_when_allowed(compose_config, tmp_path):

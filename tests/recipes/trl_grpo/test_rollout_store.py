@@ -8,8 +8,10 @@ import json
 
 import pytest
 import torch
+from _small_runs import TRL_SMALL
 from tensordict import TensorDict
 
+from recipes.common.config import ConfigError
 from recipes.trl_grpo.rollout_store import RolloutStore, load_rollouts, texts
 
 
@@ -274,3 +276,24 @@ def test_a_disk_too_full_for_the_next_batch_stops_the_run_with_a_message(tmp_pat
     with pytest.raises(RunStopped, match="1 MiB free.*rollout.store.max_rows"):
         _write(store, 2)
     assert load_rollouts(tmp_path)["step"].tolist() == [1] * 4, "what was written before stays readable"
+
+
+@pytest.mark.parametrize("setting", ["rollout.store.max_text_bytes=10000000000", "rollout.store.max_rows=100000000000"])
+def test_a_store_larger_than_the_free_disk_is_refused_before_any_model_loads(compose_config, tmp_path, setting):
+    """Such a store failed at its first write (an allocation of the text columns, "File too large") after the models
+    had loaded."""
+    from recipes.trl_grpo.checks import validate
+
+    cfg = compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, setting, f"output_dir={tmp_path}"])
+    refusal = r"rollout.store.max_rows=\d+ rows of rollout.store.max_text_bytes=\d+ bytes .* GiB free on the disk"
+    with pytest.raises(ConfigError, match=refusal):
+        validate(cfg)
+
+
+def test_a_whole_number_written_as_a_float_is_refused_saying_how_to_write_it(compose_config, tmp_path):
+    from recipes.trl_grpo.checks import validate
+
+    overrides = [*TRL_SMALL, "rollout.store.max_rows=1e11", f"output_dir={tmp_path}"]
+    refusal = r"max_rows=100000000000.0: expected an integer; write it as one \(rollout.store.max_rows=100000000000\)"
+    with pytest.raises(ConfigError, match=refusal):
+        validate(compose_config("trl_grpo_torchrl_rollouts", overrides))

@@ -109,6 +109,34 @@ def test_a_run_whose_tools_raise_and_overrun_completes_with_them_counted(compose
 
 
 @pytest.mark.slow
+def test_dialogs_whose_tool_results_do_not_fit_are_counted_truncated_and_warned_of(
+    compose_config, tmp_path, monkeypatch, caplog
+):
+    """The docs' key-by-key calculator command ran with the default max_completion_length of 32: no tool result fit,
+    nothing trained, and rollout/frac_truncated read 0 (trl counts only completions without a final EOS, and a dialog
+    whose result was left out ends on its call turn's EOS)."""
+    model_dir = tmp_path / "policy"
+    _, tokenizer = build_tool_policy(model_dir, ["What is 3 + 4?", "Tools: multiply", "The answer is 7."])
+    call = tool_call("multiply", '{"a": 3, "b": 4}')
+    inject_turns(monkeypatch, tokenizer, lambda context: call)
+    budget = len(tokenizer.encode(call + tokenizer.eos_token, add_special_tokens=False)) + 2  # the call, no result
+    overrides = [
+        *TRL_SMALL,
+        *ARITHMETIC,
+        f"output_dir={tmp_path / 'run'}",
+        f"model.name_or_path={model_dir}",
+        f"train.max_completion_length={budget}",
+        MULTIPLY,
+        "rollout.max_turns=2",
+        "logger=csv",
+    ]
+    with caplog.at_level(logging.INFO):
+        summary = recipe.train(compose_config("trl_grpo_torchrl_rollouts", overrides))
+    assert summary["rollout/frac_truncated_first"] == 1.0 and summary["rollout/frac_results_dropped_first"] == 1.0
+    warnings = [r.message for r in caplog.records if "called a tool and none got its result back" in r.message]
+    assert len(warnings) == 1 and f"train.max_completion_length={budget}" in warnings[0]
+
+
 def test_a_tool_using_run_killed_after_its_checkpoint_resumes_with_its_dialogs_counted(compose_config, tmp_path):
     """experiment=calculator_trl (tiny/calculator_policy calls the tool in about a third of its answers), killed by
     SIGKILL after its step-2 checkpoint and step 3's log: the resumed run trains steps 3-4 again, each step's rows are
