@@ -58,15 +58,18 @@ def _prompts(tokenizer, rows: int) -> list[list[int]]:
     return ids
 
 
-def _batch(workers, model, prompts, version: int) -> tuple[float, float, int]:
-    """publish_s, batch_s (submit to result), completion tokens."""
+def _batch(workers, model, prompts, version: int) -> tuple[float, float, int, float]:
+    """publish_s, batch_s (submit to result), completion tokens, sample_s (the workers' own sampling time, slowest;
+    batch_s - sample_s is what reaching them costs: the weights' load, the prompts and rows in transit)."""
     started = time.perf_counter()
     workers.publish(model, version=version)
     published = time.perf_counter()
     workers.submit(prompts, group_size=8)
     rollout, _ = workers.result()
     done = time.perf_counter()
-    return published - started, done - published, int(rollout.get("completion_length").sum())
+    tokens = int(rollout.get("completion_length").sum())
+    rates = [value for name, value in workers.last_stats.items() if name.endswith("/tokens_per_s")]
+    return published - started, done - published, tokens, tokens / len(rates) / min(rates)
 
 
 def main(argv=None) -> dict:
@@ -89,18 +92,19 @@ def main(argv=None) -> dict:
                 model, tokenizer, settings=settings, eos_token_ids=[tokenizer.eos_token_id], backend=backend, seed=0
             )
             backends[backend].wait_until_ready()
-        figures = {name: {"publish_s": [], "batch_s": [], "tokens_per_s": []} for name in backends}
+        figures = {name: {"publish_s": [], "batch_s": [], "sample_s": [], "tokens_per_s": []} for name in backends}
         order = list(backends)
         for round_index in range(args.rounds + 1):
             for name in order if round_index % 2 == 0 else order[::-1]:
                 with torch.no_grad():  # new weights each round, as after an update
                     for parameter in model.parameters():
                         parameter.mul_(1.0 + 1e-4)
-                publish_s, batch_s, tokens = _batch(backends[name], model, prompts, version=round_index)
+                publish_s, batch_s, tokens, sample_s = _batch(backends[name], model, prompts, version=round_index)
                 if round_index == 0:
                     continue  # warm-up
                 figures[name]["publish_s"].append(publish_s)
                 figures[name]["batch_s"].append(batch_s)
+                figures[name]["sample_s"].append(sample_s)
                 figures[name]["tokens_per_s"].append(tokens / batch_s)
         medians = {
             name: {key: statistics.median(values) for key, values in table.items()} for name, table in figures.items()
@@ -110,8 +114,8 @@ def main(argv=None) -> dict:
         print(f"{args.rows} completions x {args.tokens} tokens, {args.rounds} rounds, model {args.model}")
         for name, values in medians.items():
             print(
-                f"  {name:9s} {values['tokens_per_s']:9.0f} tokens/s  batch {values['batch_s']:.3f} s  "
-                f"publish {values['publish_s'] * 1000:.1f} ms"
+                f"  {name:9s} {values['tokens_per_s']:9.0f} tokens/s  batch {values['batch_s']:.3f} s (of which "
+                f"sampling in the worker {values['sample_s']:.3f} s)  publish {values['publish_s'] * 1000:.1f} ms"
             )
         print(f"  ray / processes: {ratio:.2f}x (target >= 0.9x: {'met' if ratio >= 0.9 else 'NOT met'})")
         if args.estimate:
@@ -139,7 +143,7 @@ def _estimate(workers, model, prompts, publish_s: float, args) -> dict:
         shard = prompts[:rows]
         times = []
         for round_index in range(max(2, args.rounds)):
-            _, batch_s, _ = _batch(workers, model, shard, version=10_000 + count * 100 + round_index)
+            _, batch_s, _, _ = _batch(workers, model, shard, version=10_000 + count * 100 + round_index)
             times.append(batch_s)
         shard_s = statistics.median(times)
         tokens_per_s = len(prompts) * args.tokens / (shard_s + publish_s)
