@@ -136,7 +136,9 @@ def make_learner(cfg: DictConfig, models) -> Learner:
     of each per process (every process scores as many micro-batches as the others, so their gathers match)."""
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(models.policy)
-    scorer = make_policy_scorer(models.policy, strategy=cfg.distributed.strategy, device=cfg.device)
+    scorer = make_policy_scorer(
+        models.policy, strategy=cfg.distributed.strategy, device=cfg.device, share_prompt=cfg.train.share_prompt
+    )
     if is_sharded(models.policy):
         for frozen in (models.reference, models.reward_model):
             if frozen is not None:
@@ -193,7 +195,9 @@ def make_batch_preparation(cfg: DictConfig, models, scorer) -> PrepareBatch:
     scores_old = cfg.rollout.env == "chat" and not is_on_policy(cfg)
     reference = None
     if cfg.loss.kl_to_ref_coeff:
-        reference = make_reference_scorer(models.reference, policy=models.policy, policy_scorer=scorer)
+        reference = make_reference_scorer(
+            models.reference, policy=models.policy, policy_scorer=scorer, share_prompt=cfg.train.share_prompt
+        )
     return PrepareBatch(
         cfg.rollout.group_size,
         scale_rewards=cfg.advantage.scale_rewards,

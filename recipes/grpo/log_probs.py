@@ -9,7 +9,10 @@ exist at once, forward or backward (the backward recomputes each chunk's logits 
 
 - :class:`ResponseLogProbs`: an ``nn.Module`` over a causal LM: ``(tokens, attention_mask, response_start)`` ->
   per-token log-probs (and entropies) of the response tokens, laid out ``[B, T]`` with zeros elsewhere. Wrap it (not
-  the bare model) in ``DistributedDataParallel`` so that its backward averages the gradients.
+  the bare model) in ``DistributedDataParallel`` so that its backward averages the gradients. A GRPO batch repeats
+  each prompt ``group_size`` times: by default each distinct prompt (:func:`distinct_prompts`) runs once and its
+  responses read its keys and values from a cache (prefix sharing; verl's ``PrefixGrouper`` gets there with a custom
+  attention mask instead, which costs SDPA on CPU the whole group's square).
 - :class:`ShardedResponseLogProbs`: the same over a policy FSDP2 sharded (``recipes.common.sharding``). It runs the
   backbone and the LM head itself, outside the policy's ``forward``, where FSDP2 would leave the root's weights
   sharded: its scoring is registered as one of the policy's forward methods, so that FSDP2 gathers them around it
@@ -25,8 +28,10 @@ Dependencies: torch, tensordict, accelerate, and the ``transformers`` model the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterator
 
 import torch
 from accelerate import PartialState
@@ -34,6 +39,7 @@ from tensordict import NestedKey, TensorDictBase
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
+from transformers.cache_utils import Cache, DynamicLayer
 
 from recipes.common.lora import is_peft_model
 from recipes.common.sharding import is_sharded, shard_policy
@@ -46,6 +52,7 @@ __all__ = [
     "ResponseLogProbs",
     "ScoreLogProbs",
     "ShardedResponseLogProbs",
+    "distinct_prompts",
     "make_data_parallel_policy",
     "make_policy_scorer",
     "make_reference_scorer",
@@ -135,6 +142,66 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
+class _RecordedLayer(DynamicLayer):
+    """A cache layer that keeps the keys and values of one pass (the distinct prompts'), replacing rather than
+    appending: a checkpointed layer's recomputation in the backward writes the same values again, harmlessly."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys, self.values, self.is_initialized = key_states, value_states, True
+        return key_states, value_states
+
+
+class _SharedPromptLayer(DynamicLayer):
+    """A read-only cache layer: each row's prompt keys and values (gathered from the distinct prompts' pass) before the
+    response's own. Nothing is stored, so a checkpointed layer's recomputation sees exactly what its forward saw."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+@contextlib.contextmanager
+def _cache_kept_under_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Lets checkpointed decoder layers keep the prompt-sharing caches, which transformers otherwise drops under
+    gradient checkpointing (a growing cache would be written twice by the recomputation; these two are not)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+def distinct_prompts(tokens: torch.Tensor, attention_mask: torch.Tensor, response_start: int):
+    """The distinct prompts of a dense batch (columns ``[:response_start]``, pads ignored): ``(rows, inverse)``, the
+    batch row of each distinct prompt's first occurrence, and each row's distinct prompt.
+
+    Examples:
+        >>> tokens = torch.tensor([[0, 5, 9], [0, 5, 8], [6, 7, 9], [0, 5, 7]])
+        >>> distinct_prompts(tokens, tokens != 0, response_start=2)
+        (tensor([0, 2]), tensor([0, 0, 1, 0]))
+    """
+    prompts = torch.where(attention_mask[:, :response_start].bool(), tokens[:, :response_start], -1)
+    _, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    rows = torch.full((int(inverse.max()) + 1,), tokens.shape[0], dtype=torch.long, device=tokens.device)
+    rows = rows.scatter_reduce(0, inverse, torch.arange(tokens.shape[0], device=tokens.device), reduce="amin")
+    return rows, inverse
+
+
+def _only_full_attention(config) -> bool:
+    """Whether every layer of the model attends to the whole sequence: the one case the prompt-sharing cache serves
+    (a sliding-window or linear-attention layer keeps other state)."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return set(layer_types) == {"full_attention"} and not getattr(config, "use_sliding_window", False)
+
+
 class ResponseLogProbs(nn.Module):
     """The log-prob (and entropy) of every response token of a dense batch under ``model``, response positions only.
 
@@ -149,6 +216,11 @@ class ResponseLogProbs(nn.Module):
 
     Keyword Args:
         chunk_elements: at most this many logits (rows x vocabulary) exist at once.
+        share_prompt: run each distinct prompt of a batch once (``train.share_prompt``): its keys and values, recorded
+            per layer, are gathered for the rows that share it and read by one pass over the responses alone, whose
+            gradients flow back through the prompt's single pass. The same numbers as ``False`` (every row whole) to
+            float rounding; a batch of distinct prompts, or a model with sliding-window or linear-attention layers,
+            takes the padded path.
 
     Examples:
         >>> import torch
@@ -162,7 +234,7 @@ class ResponseLogProbs(nn.Module):
         (torch.Size([2, 5]), True, True, True)
     """
 
-    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS, share_prompt: bool = True) -> None:
         super().__init__()
         if chunk_elements < 1:
             raise ValueError(f"ResponseLogProbs: chunk_elements must be >= 1, got {chunk_elements}.")
@@ -177,6 +249,7 @@ class ResponseLogProbs(nn.Module):
         self._chunked = isinstance(head, nn.Linear) and not any(
             getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS
         )
+        self.share_prompt = share_prompt and _only_full_attention(config)
 
     def forward(
         self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, response_start: int, with_entropy: bool = False
@@ -186,40 +259,31 @@ class ResponseLogProbs(nn.Module):
                 f"ResponseLogProbs: response_start={response_start} must leave a prompt and a response in "
                 f"sequences of {tokens.shape[-1]} tokens."
             )
-        mask = attention_mask.long()
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
         scored = attention_mask[:, response_start:].bool()  # [B, R]: the response tokens
         targets = tokens[:, response_start:][scored]
-        if self._chunked:
-            # No KV cache: nothing decodes after this pass, and a cache would hold every layer's keys and values.
-            hidden = self.model.get_decoder()(
-                input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False
-            )
-            # The hidden state at column t - 1 predicts the token at column t.
-            hidden = hidden.last_hidden_state[:, response_start - 1 : -1][scored]
-            head = self.model.get_output_embeddings()
-            if hidden.shape[0] * head.weight.shape[0] <= self.chunk_elements:
-                # Every logit fits at once: autograd's own log-softmax is then the faster way.
-                log_probs, entropy = _log_probs_and_entropy(head(hidden).float(), targets, with_entropy)
-            else:
-                chunk = max(1, self.chunk_elements // hidden.shape[0])  # vocabulary columns per chunk
-                log_probs, entropy = _ChunkedHeadLogProbs.apply(
-                    hidden, head.weight, head.bias, targets, chunk, with_entropy
-                )
+        prompts, inverse = (None, None)
+        if self.share_prompt:
+            prompts, inverse = distinct_prompts(tokens, attention_mask, response_start)
+        if prompts is not None and len(prompts) < tokens.shape[0]:
+            # Column t - 1 predicts the token at column t: the prompt's last state, then the response's but its last.
+            states = self._shared_prompt_states(tokens, attention_mask, response_start, prompts, inverse)
         else:
-            width = tokens.shape[-1] - response_start
-            logits = (
-                self.model(
-                    input_ids=tokens,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    logits_to_keep=width + 1,
-                    use_cache=False,
+            mask = attention_mask.long()
+            states = self._states(tokens, mask, (mask.cumsum(-1) - 1).clamp_min(0), None, tokens.shape[-1])
+            states = states[:, response_start - 1 : -1]
+        states = states[scored]
+        if not self._chunked:
+            log_probs, entropy = _log_probs_and_entropy(states.float(), targets, with_entropy)
+        else:
+            head = self.model.get_output_embeddings()
+            if states.shape[0] * head.weight.shape[0] <= self.chunk_elements:
+                # Every logit fits at once: autograd's own log-softmax is then the faster way.
+                log_probs, entropy = _log_probs_and_entropy(head(states).float(), targets, with_entropy)
+            else:
+                chunk = max(1, self.chunk_elements // states.shape[0])  # vocabulary columns per chunk
+                log_probs, entropy = _ChunkedHeadLogProbs.apply(
+                    states, head.weight, head.bias, targets, chunk, with_entropy
                 )
-                .logits[:, :-1][scored]
-                .float()
-            )
-            log_probs, entropy = _log_probs_and_entropy(logits, targets, with_entropy)
 
         def laid_out(values: torch.Tensor) -> torch.Tensor:
             # masked_scatter keeps the graph; the prompt columns are zeros.
@@ -227,6 +291,52 @@ class ResponseLogProbs(nn.Module):
             return torch.cat([values.new_zeros(tokens.shape[0], response_start), response], dim=-1)
 
         return laid_out(log_probs), (laid_out(entropy) if entropy is not None else None)
+
+    def _states(self, tokens, mask, positions, cache, keep: int) -> torch.Tensor:
+        """The last ``keep`` columns' final hidden states (chunked head) or logits (the model's own forward)."""
+        if self._chunked:
+            # No KV cache unless one is given: nothing decodes after this pass, and a cache would hold every layer's
+            # keys and values.
+            hidden = self.model.get_decoder()(
+                input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None
+            )
+            return hidden.last_hidden_state[:, -keep:]
+        return self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=cache is not None,
+            logits_to_keep=keep,
+        ).logits
+
+    def _shared_prompt_states(self, tokens, attention_mask, response_start, prompts, inverse) -> torch.Tensor:
+        """:meth:`_states` of columns ``response_start - 1 .. T - 2``, each distinct prompt run once: its keys and
+        values, recorded per layer, are gathered for every row that shares it and read (not recomputed) by the pass over
+        the responses. Under autograd the gathers sum each row's gradient into its prompt's single pass."""
+        mask = attention_mask.long()
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        layers = self.model.config.num_hidden_layers
+        recorded = Cache(layers=[_RecordedLayer() for _ in range(layers)])
+        with _cache_kept_under_checkpointing(self.model):
+            prompt_states = self._states(
+                tokens[prompts, :response_start],
+                mask[prompts, :response_start],
+                positions[prompts, :response_start],
+                recorded,
+                1,
+            )
+            shared = Cache(
+                layers=[_SharedPromptLayer(layer.keys[inverse], layer.values[inverse]) for layer in recorded.layers]
+            )
+            response_states = self._states(
+                tokens[:, response_start:],
+                mask,
+                positions[:, response_start:],
+                shared,
+                tokens.shape[-1] - response_start,
+            )
+        return torch.cat([prompt_states[inverse], response_states[:, :-1]], dim=1)
 
 
 class ScoreLogProbs:
@@ -283,13 +393,13 @@ class ShardedResponseLogProbs(ResponseLogProbs):
         model: a causal LM sharded by :func:`shard_policy`.
 
     Keyword Args:
-        chunk_elements: as :class:`ResponseLogProbs`'s.
+        chunk_elements, share_prompt: as :class:`ResponseLogProbs`'s.
     """
 
-    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS, share_prompt: bool = True) -> None:
         if not is_sharded(model):
             raise ValueError("ShardedResponseLogProbs: the model is not sharded; call shard_policy(model) first.")
-        super().__init__(model, chunk_elements=chunk_elements)
+        super().__init__(model, chunk_elements=chunk_elements, share_prompt=share_prompt)
         # A plain attribute, not a submodule: the policy's state dict does not change.
         object.__setattr__(model, _SCORE_METHOD, functools.partial(ResponseLogProbs.forward, self))
         register_fsdp_forward_method(model, _SCORE_METHOD)
@@ -344,27 +454,29 @@ def make_data_parallel_policy(model, *, device: str):
     return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
 
-def make_policy_scorer(policy, *, strategy: str, device: str):
+def make_policy_scorer(policy, *, strategy: str, device: str, share_prompt: bool = True):
     """The policy's :class:`ResponseLogProbs` as the loss must see it, averaging the
     gradients over the processes. ``strategy="ddp"``: wrapped in ``DistributedDataParallel``. ``strategy="fsdp"``:
     ``policy`` is sharded in place (``recipes.common.sharding.shard_policy``; build the optimizer afterwards). In
-    a single process, the plain scorer either way."""
+    a single process, the plain scorer either way. ``share_prompt``: ``train.share_prompt``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"make_policy_scorer: strategy={strategy!r}, expected one of {list(STRATEGIES)}.")
     if strategy == "fsdp" and PartialState().use_distributed:
-        return ShardedResponseLogProbs(shard_policy(policy))
-    return make_data_parallel_policy(ResponseLogProbs(policy), device=device)
+        return ShardedResponseLogProbs(shard_policy(policy), share_prompt=share_prompt)
+    return make_data_parallel_policy(ResponseLogProbs(policy, share_prompt=share_prompt), device=device)
 
 
-def make_reference_scorer(reference, *, policy, policy_scorer=None):
+def make_reference_scorer(reference, *, policy, policy_scorer=None, share_prompt: bool = True):
     """The frozen reference's log-prob scorer (the KL term's): over ``reference``, the initial policy loaded beside
     the policy (sharded too under FSDP2), or, with ``reference=None`` and a LoRA ``policy``, the policy with its
     adapters switched off (its base weights never train). A sharded LoRA policy is scored through ``policy_scorer``,
-    the FSDP2 forward that gathers its weights."""
+    the FSDP2 forward that gathers its weights (which shares prompts as the policy's does)."""
     if reference is None:
         if not is_peft_model(policy):
             raise ValueError("make_reference_scorer: no reference model, and the policy has no adapters to switch off.")
-        return AdapterDisabledLogProbs(policy, scorer=policy_scorer if is_sharded(policy) else None)
+        if is_sharded(policy):
+            return AdapterDisabledLogProbs(policy, scorer=policy_scorer)
+        return AdapterDisabledLogProbs(policy, scorer=ResponseLogProbs(policy, share_prompt=share_prompt))
     if is_sharded(reference):
-        return ShardedResponseLogProbs(reference)
-    return ResponseLogProbs(reference)
+        return ShardedResponseLogProbs(reference, share_prompt=share_prompt)
+    return ResponseLogProbs(reference, share_prompt=share_prompt)
