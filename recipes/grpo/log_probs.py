@@ -90,7 +90,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             logits = nn.functional.linear(hidden, weight[columns], bias[columns] if bias is not None else None).float()
             new_max = torch.maximum(running_max, logits.max(-1).values)
             rescale = (running_max - new_max).exp()
-            exp = (logits - new_max[:, None]).exp()
+            exp = torch.sub(logits, new_max[:, None]).exp_()
             sum_exp = sum_exp * rescale + exp.sum(-1)
             if with_entropy:
                 sum_exp_logit = sum_exp_logit * rescale + (exp * logits).sum(-1)
@@ -105,6 +105,8 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, normaliser, entropy)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(targets)
+        # An output no loss term uses (the entropy, logged only, without an entropy bonus) gets None, not zeros.
+        ctx.set_materialize_grads(False)
         return target_logit - normaliser, entropy
 
     @staticmethod
@@ -119,18 +121,22 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             columns = slice(start, start + ctx.chunk)
             chunk_weight = weight[columns]
             logits = nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None).float()
-            log_softmax = logits - normaliser[:, None]
+            # In place, each [rows, chunk] buffer reused: at a real vocabulary these passes over the chunk cost about
+            # as much as its matmuls.
+            log_softmax = logits.sub_(normaliser[:, None])
             probs = log_softmax.exp()
-            grad_logits = torch.zeros_like(logits)
+            if grad_entropy is not None:
+                # d H / d logits = -p * (log p + H)
+                grad_logits = log_softmax.add_(entropy[:, None]).mul_(probs).mul_(-grad_entropy[:, None])
+                if grad_log_probs is not None:
+                    grad_logits.sub_(probs.mul_(grad_log_probs[:, None]))
+            else:
+                # d log p[target] / d logits = onehot(target) - p (the entropy unused: no gradient, none computed)
+                grad_logits = probs.mul_(-grad_log_probs[:, None])
             if grad_log_probs is not None:
-                # d log p[target] / d logits = onehot(target) - p
-                grad_logits -= probs * grad_log_probs[:, None]
                 local = targets - start
                 here = (local >= 0) & (local < logits.shape[-1])
                 grad_logits[rows[here], local[here]] += grad_log_probs[here]
-            if grad_entropy is not None:
-                # d H / d logits = -p * (log p + H)
-                grad_logits -= grad_entropy[:, None] * probs * (log_softmax + entropy[:, None])
             grad_logits = grad_logits.to(weight.dtype)
             if want_hidden:
                 grad_hidden += (grad_logits @ chunk_weight).float()

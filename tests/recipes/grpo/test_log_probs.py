@@ -114,3 +114,24 @@ def test_score_log_probs_writes_them_in_place_in_micro_batches(tiny_policy, batc
     assert not scored.requires_grad
     with torch.no_grad():
         torch.testing.assert_close(scored, _full_forward(model, tokens, mask)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("used", ["log_probs", "entropy"])
+def test_the_chunked_backward_of_one_output_alone_equals_the_full_forwards(tiny_policy, batch, used):
+    """A loss of the log-probs alone (the entropy logged, no entropy bonus: autograd hands its gradient as None) or of
+    the entropy alone: the chunked backward skips the unused term and keeps the other exact."""
+    model, _ = tiny_policy
+    tokens, mask = batch
+    weights = torch.linspace(-1.0, 1.0, 100).reshape(5, 20)
+    gradients = []
+    for compute in (
+        lambda: ResponseLogProbs(model, chunk_elements=463 * 3)(tokens, mask, response_start=START, with_entropy=True),
+        lambda: _full_forward(model, tokens, mask),
+    ):
+        model.zero_grad()
+        log_probs, entropy = compute()
+        ((log_probs if used == "log_probs" else entropy) * weights).sum().backward()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    for got, expected in zip(*gradients, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
