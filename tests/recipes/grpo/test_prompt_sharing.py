@@ -2,7 +2,8 @@
 model once, its keys and values read by the pass over its responses. The log-probs, entropies, losses and gradients
 equal the padded path's (every row its own prompt) within float32 tolerance: for every loss type, under LoRA, with
 gradient checkpointing, on multi-turn tool dialogs (the shared prompt is the first user turn only), and on mini-batches
-whose groups are shuffled apart."""
+whose groups are shuffled apart. Token-budget micro-batches (``train.max_tokens_per_micro_batch``) give the same update
+as the whole mini-batch in one pass."""
 
 from __future__ import annotations
 
@@ -272,3 +273,49 @@ def test_rows_of_distinct_prompts_take_the_padded_path(tiny_policy, batch):
     with _EmbeddedShapes(model) as shapes, torch.no_grad():
         ResponseLogProbs(model, share_prompt=True)(tokens[one_each], mask[one_each], response_start=start)
     assert shapes == [(2, tokens.shape[-1])]
+
+
+class _OneBatch:
+    """A replay buffer that hands out one mini-batch (a copy: the learner reorders what it samples)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def sample(self):
+        return self.batch.clone()
+
+
+def _accumulated(model, batch, settings, max_tokens):
+    from omegaconf import OmegaConf
+
+    from recipes.grpo.learner import Learner, _accumulate
+
+    cfg = OmegaConf.create({"loss": {"type": settings.type}, "train": {"max_tokens_per_micro_batch": max_tokens}})
+    objective = GRPOObjective(ResponseLogProbs(model), settings, max_completion_length=MAX_COMPLETION_LENGTH)
+    learner = Learner(
+        prepare=None, buffer=_OneBatch(batch), loss=objective, optimizer=None, scheduler=None, parameters=[]
+    )
+    model.zero_grad()
+    values = _accumulate(cfg, learner, Scale(accumulation=2, step_tokens=80.0))  # two mini-batches, one optimizer step
+    gradients = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return values, gradients
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_token_budget_micro_batches_make_the_whole_mini_batchs_update(tiny_policy, batch, loss_type):
+    from recipes.grpo.learner import token_micro_batches
+
+    model, _ = tiny_policy
+    budget = 100
+    parts = token_micro_batches(batch, budget)
+    assert len(parts) >= 3 and all(part["masks", "all_attention_mask"].sum() <= budget for part in parts)
+    assert sorted(len(part) for part in parts) != [2, 2, 2]  # uneven parts: the shares matter
+    settings = loss_settings(type=loss_type, kl_to_ref_coeff=0.1, clip_epsilon_high=1.28)
+    whole, whole_gradients = _accumulated(model, batch, settings, None)
+    micro, micro_gradients = _accumulated(model, batch, settings, budget)
+    assert micro.keys() == whole.keys()
+    for key, value in whole.items():
+        assert micro[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for got, expected in zip(micro_gradients, whole_gradients, strict=True):
+        _assert_close(got, expected)
