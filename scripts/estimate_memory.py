@@ -28,7 +28,7 @@ What it prints, per device (one process):
   that budget), with and without ``train.gradient_checkpointing``; with ``train.share_prompt`` each distinct prompt
   (at most one per group of the step) is computed once, the responses read its keys and values; the LM head projects
   the response positions only (``recipes/grpo/log_probs.py``), so no ``[B, T, V]`` logits, and at most ``2**23``
-  logits per chunk beyond a size.
+  logits per chunk beyond a size (the forward's chunks kept for the backward, up to ``2**27`` logits in all).
 - generation: the KV cache of all ``rollout.responses_per_step`` sequences sampled in one decoding loop; reference
   scoring: one layer's activations of the whole batch (``rollout.log_prob_micro_batch_size``) without gradients.
 - eval generation (``eval.every_n_steps`` set): the KV cache of one of the evaluation's decoding loops,
@@ -86,7 +86,7 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("T
 import torch  # noqa: E402
 
 from recipes.common.config import ConfigError  # noqa: E402
-from recipes.grpo.log_probs import CHUNK_ELEMENTS  # noqa: E402  (the logits the recipe's scorer holds at once)
+from recipes.grpo.log_probs import CHUNK_ELEMENTS, KEEP_ELEMENTS  # noqa: E402  (the logits the scorer holds)
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -265,6 +265,9 @@ def update_activation_bytes(
     # Unchunked: logits, their float32 log-softmax and its exp (entropy); chunked: one chunk of each at a time; and
     # the response rows of the last hidden state, the head's input.
     head = 3 * min(rows * shape["vocab"], CHUNK_ELEMENTS) * 4 + rows * shape["hidden"] * element
+    # Chunked within KEEP_ELEMENTS, the forward's float32 logits are all kept for the backward.
+    if CHUNK_ELEMENTS < rows * shape["vocab"] <= KEEP_ELEMENTS:
+        head += rows * shape["vocab"] * 4
     # Its input and normalised output, outside any layer (float32 under autocast, as the layers' norms).
     final_norm = 2 * tokens * shape["hidden"] * (4 if autocast else element)
     outside = head + final_norm

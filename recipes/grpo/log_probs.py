@@ -48,6 +48,7 @@ from recipes.grpo.distributed import STRATEGIES
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "KEEP_ELEMENTS",
     "AdapterDisabledLogProbs",
     "ResponseLogProbs",
     "ScoreLogProbs",
@@ -60,6 +61,11 @@ __all__ = [
 
 # ResponseLogProbs' default budget: at most this many logits (rows x vocabulary, float32) exist at once.
 CHUNK_ELEMENTS = 2**23
+# ... unless the backward may keep a forward's logits instead of recomputing them: up to this many in all (float32,
+# 512 MiB; trl's update holds all of its [B, R, V] logits and their log-softmax), beyond which the chunks are
+# recomputed. Keeping them saves one of the LM head's four matmuls in an update, the largest cost at a real
+# vocabulary.
+KEEP_ELEMENTS = 2**27
 
 # Configuration entries by which some models rescale or cap their logits after the LM head: such models are scored
 # through their own forward (logits_to_keep) instead of the chunked head, which would miss the rescaling.
@@ -75,12 +81,14 @@ def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, with_ent
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     """``log_softmax(hidden @ weight.T + bias)[target]`` (and the entropy) per row, ``chunk`` vocabulary columns at a
     time: the log-normaliser is accumulated online over the chunks (running max and sums), and the backward
-    recomputes each chunk's logits rather than keeping ``[N, V]`` of them. Chunking the vocabulary (not the rows)
-    lets each chunk's weight gradient be written once, where row chunks would each add a ``[V, H]`` product."""
+    recomputes each chunk's logits rather than keeping ``[N, V]`` of them (with ``keep``, it keeps them). Chunking the
+    vocabulary (not the rows) lets each chunk's weight gradient be written once, where row chunks would each add a
+    ``[V, H]`` product."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, with_entropy: bool, keep: bool):
         rows = hidden.shape[0]
+        ctx.kept = [] if keep else None
         running_max = hidden.new_full((rows,), float("-inf"), dtype=torch.float32)
         sum_exp = hidden.new_zeros(rows, dtype=torch.float32)
         sum_exp_logit = hidden.new_zeros(rows, dtype=torch.float32) if with_entropy else None
@@ -88,6 +96,8 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         for start in range(0, weight.shape[0], chunk):
             columns = slice(start, start + chunk)
             logits = nn.functional.linear(hidden, weight[columns], bias[columns] if bias is not None else None).float()
+            if keep:
+                ctx.kept.append(logits)
             new_max = torch.maximum(running_max, logits.max(-1).values)
             rescale = (running_max - new_max).exp()
             exp = torch.sub(logits, new_max[:, None]).exp_()
@@ -117,10 +127,15 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if want_weight else None
         grad_bias = torch.empty_like(bias) if bias is not None and want_bias else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        for start in range(0, weight.shape[0], ctx.chunk):
+        for index, start in enumerate(range(0, weight.shape[0], ctx.chunk)):
             columns = slice(start, start + ctx.chunk)
             chunk_weight = weight[columns]
-            logits = nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None).float()
+            if ctx.kept is not None and ctx.kept[index] is not None:
+                # Handed over (and changed in place below): a second backward through this graph recomputes.
+                logits, ctx.kept[index] = ctx.kept[index], None
+            else:
+                logits = nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None)
+                logits = logits.float()
             # In place, each [rows, chunk] buffer reused: at a real vocabulary these passes over the chunk cost about
             # as much as its matmuls.
             log_softmax = logits.sub_(normaliser[:, None])
@@ -145,7 +160,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias[columns] = grad_logits.sum(0)
         grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 class _RecordedLayer(DynamicLayer):
@@ -221,7 +236,10 @@ class ResponseLogProbs(nn.Module):
         model: a ``transformers`` causal LM, or a ``peft.PeftModel`` over one (its adapters active).
 
     Keyword Args:
-        chunk_elements: at most this many logits (rows x vocabulary) exist at once.
+        chunk_elements: at most this many logits (rows x vocabulary) exist at once, unless ``keep_elements`` allows
+            the backward to keep them.
+        keep_elements: with gradients, a backward keeps the forward's chunks of logits up to this many in all (and
+            recomputes them beyond): one matmul of the LM head less for that memory. 0: always recompute.
         share_prompt: run each distinct prompt of a batch once (``train.share_prompt``): its keys and values, recorded
             per layer, are gathered for the rows that share it and read by one pass over the responses alone, whose
             gradients flow back through the prompt's single pass. The same numbers as ``False`` (every row whole) to
@@ -240,10 +258,18 @@ class ResponseLogProbs(nn.Module):
         (torch.Size([2, 5]), True, True, True)
     """
 
-    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS, share_prompt: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        chunk_elements: int = CHUNK_ELEMENTS,
+        share_prompt: bool = True,
+        keep_elements: int = KEEP_ELEMENTS,
+    ) -> None:
         super().__init__()
         if chunk_elements < 1:
             raise ValueError(f"ResponseLogProbs: chunk_elements must be >= 1, got {chunk_elements}.")
+        self.keep_elements = keep_elements
         # A peft model: score through the model its LoRA layers were injected into (they stay active), whose
         # backbone and LM head are a plain transformers model's.
         if callable(getattr(model, "get_base_model", None)):
@@ -282,13 +308,15 @@ class ResponseLogProbs(nn.Module):
             log_probs, entropy = _log_probs_and_entropy(states.float(), targets, with_entropy)
         else:
             head = self.model.get_output_embeddings()
-            if states.shape[0] * head.weight.shape[0] <= self.chunk_elements:
+            logits = states.shape[0] * head.weight.shape[0]
+            if logits <= self.chunk_elements:
                 # Every logit fits at once: autograd's own log-softmax is then the faster way.
                 log_probs, entropy = _log_probs_and_entropy(head(states).float(), targets, with_entropy)
             else:
                 chunk = max(1, self.chunk_elements // states.shape[0])  # vocabulary columns per chunk
+                keep = torch.is_grad_enabled() and logits <= self.keep_elements
                 log_probs, entropy = _ChunkedHeadLogProbs.apply(
-                    states, head.weight, head.bias, targets, chunk, with_entropy
+                    states, head.weight, head.bias, targets, chunk, with_entropy, keep
                 )
 
         def laid_out(values: torch.Tensor) -> torch.Tensor:

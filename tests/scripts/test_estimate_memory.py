@@ -234,3 +234,22 @@ def test_shared_prompts_and_token_micro_batches_shrink_the_update_activations(ti
     )
     assert budget["setting"]["update_sequences"] == 10  # 480 tokens // 48 per sequence
     assert budget["activations_without_checkpointing"] < whole["activations_without_checkpointing"]
+
+
+def test_the_chunked_heads_kept_logits_are_counted_within_their_budget():
+    """At a real vocabulary an update of 16 responses of 32 tokens keeps its 512 x 151,936 float32 logits for the
+    backward (within KEEP_ELEMENTS); at 16x the rows they are recomputed, one chunk at a time."""
+    shape = {"hidden": 512, "kv": 256, "mlp": 1536, "layers": 6, "vocab": 151936}
+
+    def head_bytes(sequences: int) -> int:
+        with_head = estimate_memory.update_activation_bytes(
+            shape, sequences=sequences, length=48, responses=32, element=4
+        )
+        tiny_vocab = {**shape, "vocab": 1}
+        without = estimate_memory.update_activation_bytes(
+            tiny_vocab, sequences=sequences, length=48, responses=32, element=4
+        )
+        return with_head["without_checkpointing"] - without["without_checkpointing"]
+
+    assert head_bytes(16) == 512 * 151936 * 4 + 3 * estimate_memory.CHUNK_ELEMENTS * 4 - 3 * 512 * 4
+    assert head_bytes(256) == 3 * estimate_memory.CHUNK_ELEMENTS * 4 - 3 * 256 * 32 * 4
