@@ -24,9 +24,11 @@ What it prints, per device (one process):
   shards: the root's (embeddings, final norm, LM head), which FSDP2 keeps gathered from a forward to its backward,
   and two decoder layers (the one running and the next, prefetched).
 - activations of the update: kept for the backward of one mini-batch of ``train.mini_batch_size`` sequences of
-  (prompt + ``max_new_tokens``) tokens, with and without ``train.gradient_checkpointing``; the LM head projects the
-  response positions only (``recipes/grpo/log_probs.py``), so no ``[B, T, V]`` logits, and at most ``2**23`` logits
-  per chunk beyond a size.
+  (prompt + ``max_new_tokens``) tokens (with ``train.max_tokens_per_micro_batch``, of the whole sequences that fit
+  that budget), with and without ``train.gradient_checkpointing``; with ``train.share_prompt`` each distinct prompt
+  (at most one per group of the step) is computed once, the responses read its keys and values; the LM head projects
+  the response positions only (``recipes/grpo/log_probs.py``), so no ``[B, T, V]`` logits, and at most ``2**23``
+  logits per chunk beyond a size (the forward's chunks kept for the backward, up to ``2**27`` logits in all).
 - generation: the KV cache of all ``rollout.responses_per_step`` sequences sampled in one decoding loop; reference
   scoring: one layer's activations of the whole batch (``rollout.log_prob_micro_batch_size``) without gradients.
 - eval generation (``eval.every_n_steps`` set): the KV cache of one of the evaluation's decoding loops,
@@ -85,7 +87,7 @@ import torch  # noqa: E402
 
 from recipes.common.config import ConfigError  # noqa: E402
 from recipes.common.schema import refuse_unknown_overrides  # noqa: E402
-from recipes.grpo.log_probs import CHUNK_ELEMENTS  # noqa: E402  (the logits the recipe's scorer holds at once)
+from recipes.grpo.log_probs import CHUNK_ELEMENTS, KEEP_ELEMENTS  # noqa: E402  (the logits the scorer holds)
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -231,16 +233,27 @@ def _shape(config) -> dict:
 
 
 def update_activation_bytes(
-    shape: dict, *, sequences: int, length: int, responses: int, element: int, autocast: bool = False
+    shape: dict,
+    *,
+    sequences: int,
+    length: int,
+    responses: int,
+    element: int,
+    autocast: bool = False,
+    prompts: int | None = None,
 ) -> dict:
     """Bytes of activations an update's backward holds at its peak, with and without checkpointing, and what it
     still holds beside every gradient when it reaches the first layer (see the module docstring). ``autocast``: bf16
-    autocast over float32 weights (``element`` 2), where the residual stream and the norms stay float32."""
-    tokens = sequences * length
+    autocast over float32 weights (``element`` 2), where the residual stream and the norms stay float32.
+    ``prompts``: the distinct prompts run once each (``train.share_prompt``); ``None``: every sequence whole."""
+    prompts = sequences if prompts is None else prompts
+    # The positions the layers compute: each distinct prompt once, then every response (train.share_prompt).
+    tokens = prompts * (length - responses) + sequences * responses
     # One decoder layer's saved tensors per token (counted with saved_tensors_hooks on Qwen2, sdpa): 8 h (the two
     # RMSNorms' inputs and normalised outputs, 4 h; q and the attention output, 2 h; the o_proj input copy and the
-    # residual, 2 h), 2 kv (k and v after rotary, as sdpa keeps them) and 4 m (gate, up, act(gate), act * up).
-    per_layer = tokens * (8 * shape["hidden"] + 2 * shape["kv"] + 4 * shape["mlp"]) * element
+    # residual, 2 h), 2 kv (k and v after rotary, as sdpa keeps them: every row's whole keys and values, its shared
+    # prompt's gathered in) and 4 m (gate, up, act(gate), act * up).
+    per_layer = (tokens * (8 * shape["hidden"] + 4 * shape["mlp"]) + sequences * length * 2 * shape["kv"]) * element
     # Under autocast the same tensors are saved in bf16 (the linears' inputs as their bf16 casts), and the norms'
     # float32 inputs and outputs on top: 4 h more per token in float32 (counted the same way: 42 h of bf16 and 18 h
     # of float32 bytes per token at h 256, kv 128, m 768).
@@ -253,6 +266,9 @@ def update_activation_bytes(
     # Unchunked: logits, their float32 log-softmax and its exp (entropy); chunked: one chunk of each at a time; and
     # the response rows of the last hidden state, the head's input.
     head = 3 * min(rows * shape["vocab"], CHUNK_ELEMENTS) * 4 + rows * shape["hidden"] * element
+    # Chunked within KEEP_ELEMENTS, the forward's float32 logits are all kept for the backward.
+    if CHUNK_ELEMENTS < rows * shape["vocab"] <= KEEP_ELEMENTS:
+        head += rows * shape["vocab"] * 4
     # Its input and normalised output, outside any layer (float32 under autocast, as the layers' norms).
     final_norm = 2 * tokens * shape["hidden"] * (4 if autocast else element)
     outside = head + final_norm
@@ -319,9 +335,20 @@ def estimate(
         "fsdp_gathered_weights": gathered_unit_bytes(policy) if shards > 1 else 0,
     }
     length = prompt_tokens + new_tokens
-    mini_batch = min(cfg.train.mini_batch_size, responses_per_step)
+    sequences = min(cfg.train.mini_batch_size, responses_per_step)
+    if cfg.train.max_tokens_per_micro_batch is not None:  # micro-batches of whole sequences within the budget
+        sequences = min(sequences, max(1, cfg.train.max_tokens_per_micro_batch // length))
+    # With train.share_prompt each distinct prompt runs once: at most one per group of the step in a (micro-)batch.
+    groups = max(1, responses_per_step // cfg.rollout.group_size)
+    prompts = min(sequences, groups) if cfg.train.share_prompt else sequences
     activations = update_activation_bytes(
-        shape, sequences=mini_batch, length=length, responses=new_tokens, element=compute_element, autocast=mixed
+        shape,
+        sequences=sequences,
+        length=length,
+        responses=new_tokens,
+        element=compute_element,
+        autocast=mixed,
+        prompts=prompts,
     )
     figures["activations_without_checkpointing"] = activations["without_checkpointing"]
     figures["activations_with_checkpointing"] = activations["with_checkpointing"]
@@ -364,7 +391,9 @@ def estimate(
         "mixed_precision": str(cfg.train.mixed_precision),
         "gradient_checkpointing": bool(cfg.train.gradient_checkpointing),
         "responses_per_step": responses_per_step,
-        "mini_batch_size": mini_batch,
+        "mini_batch_size": cfg.train.mini_batch_size,
+        "update_sequences": sequences,  # per forward: the mini-batch, or a token-budget micro-batch
+        "distinct_prompts": prompts,
         "prompt_tokens": prompt_tokens,
         "max_new_tokens": new_tokens,
         "eval_sequences": eval_sequences,
@@ -470,11 +499,19 @@ def measure_update(cfg, *, prompt_tokens: int) -> int:
     policy = load_policy(cfg.model, device=device, dtype=cfg.dtype).eval()
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(policy)
-    scorer = make_policy_scorer(policy, strategy=cfg.distributed.strategy, device=device)
+    scorer = make_policy_scorer(
+        policy, strategy=cfg.distributed.strategy, device=device, share_prompt=cfg.train.share_prompt
+    )
     optimizer = instantiate(cfg.optimizer)(trainable_parameters(policy))
     new_tokens = cfg.rollout.generation.max_new_tokens
     vocab = policy.get_output_embeddings().weight.shape[0]
-    tokens = torch.randint(0, vocab, (cfg.train.mini_batch_size, prompt_tokens + new_tokens), device=device)
+    sequences = min(cfg.train.mini_batch_size, cfg.rollout.responses_per_step)
+    if cfg.train.max_tokens_per_micro_batch is not None:
+        sequences = min(sequences, max(1, cfg.train.max_tokens_per_micro_batch // (prompt_tokens + new_tokens)))
+    tokens = torch.randint(0, vocab, (sequences, prompt_tokens + new_tokens), device=device)
+    # Groups of group_size rows share their prompt, as a step's batch does (train.share_prompt computes each once).
+    group = torch.arange(sequences, device=device) // cfg.rollout.group_size
+    tokens[:, :prompt_tokens] = tokens[group * cfg.rollout.group_size, :prompt_tokens]
     mask = torch.ones_like(tokens, dtype=torch.bool)
     # A warm-up update on one short sequence first: the first backward and optimizer step initialise library state
     # (autograd threads, kernels, FSDP2's lazy set-up) that no estimate of the run's tensors should be compared with.
@@ -528,7 +565,8 @@ def report(figures: dict, fitting: list[dict] | None, device_memory: int | None)
         f"dtype={setting['dtype']}, mixed_precision={setting['mixed_precision']}, "
         f"{'LoRA' if setting['lora'] else 'full fine-tuning'}: {setting['trainable_parameters']:,} trainable "
         f"parameters; {setting['responses_per_step']} responses per step in mini-batches of "
-        f"{setting['mini_batch_size']}, {setting['prompt_tokens']} prompt + {setting['max_new_tokens']} new tokens"
+        f"{setting['mini_batch_size']} ({setting['update_sequences']} sequences and {setting['distinct_prompts']} "
+        f"distinct prompts per forward), {setting['prompt_tokens']} prompt + {setting['max_new_tokens']} new tokens"
         + (
             f"; eval: {setting['eval_sequences']} answers of up to {setting['eval_tokens']} tokens at once)"
             if setting["eval_sequences"]

@@ -205,6 +205,15 @@ def _validate_algorithm(cfg: DictConfig) -> None:
             "log-probs (it zeroes each response's first one). Use rollout.env=prompt (its sampler records them), or "
             "loss.sampler_correction.enabled=false."
         )
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is not None and (loss.entropy_coeff or loss.top_entropy_quantile < 1.0):
+        raise ConfigError(
+            f"train.max_tokens_per_micro_batch={budget} with loss.entropy_coeff={loss.entropy_coeff} and "
+            f"loss.top_entropy_quantile={loss.top_entropy_quantile}: the entropy bonus is a token mean and the entropy "
+            "mask a quantile over the whole mini-batch, which micro-batches cannot reproduce exactly. Set "
+            "train.max_tokens_per_micro_batch=null (bound memory with train.mini_batch_size instead), or "
+            "loss.entropy_coeff=0 and loss.top_entropy_quantile=1.0."
+        )
     if cfg.advantage.filter_zero_std_groups and cfg.rollout.mode == "async":
         raise ConfigError(
             "advantage.filter_zero_std_groups=true with rollout.mode=async: the background collector samples one batch "
@@ -350,6 +359,13 @@ def _validate_strategy(cfg: DictConfig) -> None:
             "distributed.strategy=fsdp with rollout.mode=async: the background collector samples with a whole copy "
             "of the policy, refreshed from the learner's weights, which sharding splits between the processes. Use "
             "rollout.mode=sync with fsdp, or distributed.strategy=ddp for async collection."
+        )
+    if cfg.train.max_tokens_per_micro_batch is not None:
+        raise ConfigError(
+            f"distributed.strategy=fsdp with train.max_tokens_per_micro_batch={cfg.train.max_tokens_per_micro_batch}: "
+            "every sharded forward needs every process, and processes cut their mini-batches into different numbers "
+            "of micro-batches. Use train.max_tokens_per_micro_batch=null with fsdp (bound memory with "
+            "train.mini_batch_size), or distributed.strategy=ddp."
         )
     if cfg.rollout.env == "chat":
         raise ConfigError(

@@ -29,24 +29,35 @@ from accelerate import PartialState
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
+from torch.nn.parallel import DistributedDataParallel
 from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
 from transformers import get_scheduler
 
 from recipes.common.config import RunStopped
 from recipes.common.sharding import is_sharded, shard_frozen_model
 from recipes.grpo.batch import (
+    ATTENTION_MASK,
     LOG_PROBS,
     LOSS_MASK,
     REF_LOG_PROBS,
     REWARD,
     SAMPLER_LOG_PROBS,
+    TOKENS,
     TRUNCATED,
     merge_batches,
     policy_token_mask,
+    response_start,
 )
 from recipes.grpo.distributed import pool_over_processes
-from recipes.grpo.log_probs import ResponseLogProbs, ScoreLogProbs, make_policy_scorer, make_reference_scorer
+from recipes.grpo.log_probs import (
+    ResponseLogProbs,
+    ScoreLogProbs,
+    distinct_prompts,
+    make_policy_scorer,
+    make_reference_scorer,
+)
 from recipes.grpo.loss import (
+    MICRO_BATCH_SHARES,
     GroupAdvantage,
     GRPOObjective,
     Scale,
@@ -66,6 +77,7 @@ __all__ = [
     "make_replay_buffer",
     "optimize",
     "optimizer_steps",
+    "token_micro_batches",
 ]
 
 
@@ -160,7 +172,9 @@ def make_learner(cfg: DictConfig, models) -> Learner:
     of each per process (every process scores as many micro-batches as the others, so their gathers match)."""
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(models.policy)
-    scorer = make_policy_scorer(models.policy, strategy=cfg.distributed.strategy, device=cfg.device)
+    scorer = make_policy_scorer(
+        models.policy, strategy=cfg.distributed.strategy, device=cfg.device, share_prompt=cfg.train.share_prompt
+    )
     if is_sharded(models.policy):
         for frozen in (models.reference, models.reward_model):
             if frozen is not None:
@@ -228,7 +242,9 @@ def make_batch_preparation(cfg: DictConfig, models, scorer) -> PrepareBatch:
     scores_old = (cfg.rollout.env == "chat" or correction) and not is_on_policy(cfg)
     reference = None
     if cfg.loss.kl_to_ref_coeff:
-        reference = make_reference_scorer(models.reference, policy=models.policy, policy_scorer=scorer)
+        reference = make_reference_scorer(
+            models.reference, policy=models.policy, policy_scorer=scorer, share_prompt=cfg.train.share_prompt
+        )
     return PrepareBatch(
         cfg.rollout.group_size,
         scale_rewards=cfg.advantage.scale_rewards,
@@ -362,28 +378,79 @@ def step_mismatch(mismatch: list[torch.Tensor]) -> dict[str, float]:
     return sampler_mismatch_metrics(combine_mismatch_counts(pool_over_processes(local.reshape(1, -1))))
 
 
+def token_micro_batches(batch: TensorDictBase, max_tokens: int | None) -> list[TensorDictBase]:
+    """``batch`` cut into micro-batches of at most ``max_tokens`` tokens each (prompt and response, pads not counted;
+    a longer sequence alone), its rows first ordered by prompt so that each group's rows share a micro-batch (and
+    their prompt pass, ``train.share_prompt``); ``None``: the whole batch.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> full = torch.tensor([[1, 5, 6], [2, 5, 0], [1, 7, 0]])  # prompts 1, 2, 1 of one token; 0 pads
+        >>> batch = TensorDict({"tokens": {"prompt": full[:, :1], "full": full},
+        ...                     "masks": {"all_attention_mask": full > 0}}, batch_size=[3])
+        >>> [part["tokens", "full"][:, 0].tolist() for part in token_micro_batches(batch, 5)]
+        [[1, 1], [2]]
+    """
+    if max_tokens is None:
+        return [batch]
+    _, prompts = distinct_prompts(batch.get(TOKENS), batch.get(ATTENTION_MASK), response_start(batch))
+    batch = batch[torch.argsort(prompts, stable=True)]
+    parts, first, used = [], 0, 0
+    for row, length in enumerate(batch.get(ATTENTION_MASK).sum(-1).tolist()):
+        if row > first and used + length > max_tokens:
+            parts.append(batch[first:row])
+            first, used = row, 0
+        used += length
+    parts.append(batch[first:])
+    return parts
+
+
 def _accumulate(
     cfg: DictConfig, learner: Learner, scale: Scale, *, fresh: bool, mismatch: list | None
 ) -> dict[str, float]:
     """The forward and backward passes of one optimizer step's mini-batches; their summed loss and mean diagnostics.
     ``fresh``: no update yet this step; ``mismatch``: where the mini-batches' sampler mismatch counts go (``None``:
-    not counted)."""
+    not counted; the counts are sums, so micro-batches add up to their mini-batch's).
+
+    With ``train.max_tokens_per_micro_batch`` each mini-batch runs as token-budget micro-batches, each loss scaled by
+    its share of the mini-batch's (``MICRO_BATCH_SHARES``): the gradients add up to the mini-batch's own. Under DDP
+    only the last micro-batch's backward all-reduces (processes may cut their mini-batches into different numbers)."""
     values: dict[str, float] = {}
+    share_of = MICRO_BATCH_SHARES[cfg.loss.type]
     for _ in range(scale.accumulation):
         # LazyStackStorage hands out a lazy stack of samples: stacked once here, the loss's logits are not split
         # into per-sample tensors and re-stacked (whose backward copies the whole gradient once per sample).
-        with learner.forward_context():
-            out = learner.loss(learner.buffer.sample().contiguous(), scale=scale, fresh=fresh)
-        counts = out.pop("sampler_mismatch", None)
-        if counts is not None and mismatch is not None:
-            mismatch.append(counts.detach().float().cpu())
-        _stop_unless_finite(out["loss"], "loss")
-        out["loss"].backward()
-        values["train/loss"] = values.get("train/loss", 0.0) + float(out["loss"].detach())
-        for name, value in out.items():
-            if name != "loss":
-                values[f"train/{name}"] = values.get(f"train/{name}", 0.0) + float(value) / scale.accumulation
+        mini_batch = learner.buffer.sample().contiguous()
+        parts = token_micro_batches(mini_batch, cfg.train.max_tokens_per_micro_batch)
+        whole_mask = mini_batch.get(LOSS_MASK)
+        for index, part in enumerate(parts):
+            share = share_of(part.get(LOSS_MASK), whole_mask) if len(parts) > 1 else 1.0
+            tokens_share = (
+                float(part.get(LOSS_MASK).sum()) / max(float(whole_mask.sum()), 1.0) if len(parts) > 1 else 1.0
+            )
+            with learner.forward_context():
+                out = learner.loss(part, scale=scale, fresh=fresh)
+            counts = out.pop("sampler_mismatch", None)
+            if counts is not None and mismatch is not None:
+                mismatch.append(counts.detach().float().cpu())
+            _stop_unless_finite(out["loss"], "loss")
+            with _gradient_sync(learner.loss.scorer, last=index == len(parts) - 1):
+                (out["loss"] * share).backward()
+            values["train/loss"] = values.get("train/loss", 0.0) + float(out["loss"].detach()) * share
+            for name, value in out.items():
+                if name == "loss":
+                    continue
+                weight = share if name == "policy_loss" else tokens_share  # the diagnostics are token means
+                values[f"train/{name}"] = values.get(f"train/{name}", 0.0) + float(value) * weight / scale.accumulation
     return values
+
+
+def _gradient_sync(scorer, *, last: bool):
+    """DDP's ``no_sync`` for all but a mini-batch's last backward: the gradients accumulate locally, then all-reduce
+    once, so processes that cut their mini-batches into different numbers of micro-batches stay in step."""
+    if last or not isinstance(scorer, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return scorer.no_sync()
 
 
 def _sync_reference(cfg: DictConfig, learner: Learner) -> None:

@@ -9,7 +9,10 @@ exist at once, forward or backward (the backward recomputes each chunk's logits 
 
 - :class:`ResponseLogProbs`: an ``nn.Module`` over a causal LM: ``(tokens, attention_mask, response_start)`` ->
   per-token log-probs (and entropies) of the response tokens, laid out ``[B, T]`` with zeros elsewhere. Wrap it (not
-  the bare model) in ``DistributedDataParallel`` so that its backward averages the gradients.
+  the bare model) in ``DistributedDataParallel`` so that its backward averages the gradients. A GRPO batch repeats
+  each prompt ``group_size`` times: by default each distinct prompt (:func:`distinct_prompts`) runs once and its
+  responses read its keys and values from a cache (prefix sharing; verl's ``PrefixGrouper`` gets there with a custom
+  attention mask instead, which costs SDPA on CPU the whole group's square).
 - :class:`ShardedResponseLogProbs`: the same over a policy FSDP2 sharded (``recipes.common.sharding``). It runs the
   backbone and the LM head itself, outside the policy's ``forward``, where FSDP2 would leave the root's weights
   sharded: its scoring is registered as one of the policy's forward methods, so that FSDP2 gathers them around it
@@ -25,8 +28,10 @@ Dependencies: torch, tensordict, accelerate, and the ``transformers`` model the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterator
 
 import torch
 from accelerate import PartialState
@@ -34,6 +39,7 @@ from tensordict import NestedKey, TensorDictBase
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
+from transformers.cache_utils import Cache, DynamicLayer
 
 from recipes.common.lora import is_peft_model
 from recipes.common.sharding import is_sharded, shard_policy
@@ -42,10 +48,12 @@ from recipes.grpo.distributed import STRATEGIES
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "KEEP_ELEMENTS",
     "AdapterDisabledLogProbs",
     "ResponseLogProbs",
     "ScoreLogProbs",
     "ShardedResponseLogProbs",
+    "distinct_prompts",
     "make_data_parallel_policy",
     "make_policy_scorer",
     "make_reference_scorer",
@@ -53,6 +61,11 @@ __all__ = [
 
 # ResponseLogProbs' default budget: at most this many logits (rows x vocabulary, float32) exist at once.
 CHUNK_ELEMENTS = 2**23
+# ... unless the backward may keep a forward's logits instead of recomputing them: up to this many in all (float32,
+# 512 MiB; trl's update holds all of its [B, R, V] logits and their log-softmax), beyond which the chunks are
+# recomputed. Keeping them saves one of the LM head's four matmuls in an update, the largest cost at a real
+# vocabulary.
+KEEP_ELEMENTS = 2**27
 
 # Configuration entries by which some models rescale or cap their logits after the LM head: such models are scored
 # through their own forward (logits_to_keep) instead of the chunked head, which would miss the rescaling.
@@ -68,12 +81,14 @@ def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, with_ent
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     """``log_softmax(hidden @ weight.T + bias)[target]`` (and the entropy) per row, ``chunk`` vocabulary columns at a
     time: the log-normaliser is accumulated online over the chunks (running max and sums), and the backward
-    recomputes each chunk's logits rather than keeping ``[N, V]`` of them. Chunking the vocabulary (not the rows)
-    lets each chunk's weight gradient be written once, where row chunks would each add a ``[V, H]`` product."""
+    recomputes each chunk's logits rather than keeping ``[N, V]`` of them (with ``keep``, it keeps them). Chunking the
+    vocabulary (not the rows) lets each chunk's weight gradient be written once, where row chunks would each add a
+    ``[V, H]`` product."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, with_entropy: bool, keep: bool):
         rows = hidden.shape[0]
+        ctx.kept = [] if keep else None
         running_max = hidden.new_full((rows,), float("-inf"), dtype=torch.float32)
         sum_exp = hidden.new_zeros(rows, dtype=torch.float32)
         sum_exp_logit = hidden.new_zeros(rows, dtype=torch.float32) if with_entropy else None
@@ -81,9 +96,11 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         for start in range(0, weight.shape[0], chunk):
             columns = slice(start, start + chunk)
             logits = nn.functional.linear(hidden, weight[columns], bias[columns] if bias is not None else None).float()
+            if keep:
+                ctx.kept.append(logits)
             new_max = torch.maximum(running_max, logits.max(-1).values)
             rescale = (running_max - new_max).exp()
-            exp = (logits - new_max[:, None]).exp()
+            exp = torch.sub(logits, new_max[:, None]).exp_()
             sum_exp = sum_exp * rescale + exp.sum(-1)
             if with_entropy:
                 sum_exp_logit = sum_exp_logit * rescale + (exp * logits).sum(-1)
@@ -98,6 +115,8 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, normaliser, entropy)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(targets)
+        # An output no loss term uses (the entropy, logged only, without an entropy bonus) gets None, not zeros.
+        ctx.set_materialize_grads(False)
         return target_logit - normaliser, entropy
 
     @staticmethod
@@ -108,22 +127,31 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if want_weight else None
         grad_bias = torch.empty_like(bias) if bias is not None and want_bias else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        for start in range(0, weight.shape[0], ctx.chunk):
+        for index, start in enumerate(range(0, weight.shape[0], ctx.chunk)):
             columns = slice(start, start + ctx.chunk)
             chunk_weight = weight[columns]
-            logits = nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None).float()
-            log_softmax = logits - normaliser[:, None]
+            if ctx.kept is not None and ctx.kept[index] is not None:
+                # Handed over (and changed in place below): a second backward through this graph recomputes.
+                logits, ctx.kept[index] = ctx.kept[index], None
+            else:
+                logits = nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None)
+                logits = logits.float()
+            # In place, each [rows, chunk] buffer reused: at a real vocabulary these passes over the chunk cost about
+            # as much as its matmuls.
+            log_softmax = logits.sub_(normaliser[:, None])
             probs = log_softmax.exp()
-            grad_logits = torch.zeros_like(logits)
+            if grad_entropy is not None:
+                # d H / d logits = -p * (log p + H)
+                grad_logits = log_softmax.add_(entropy[:, None]).mul_(probs).mul_(-grad_entropy[:, None])
+                if grad_log_probs is not None:
+                    grad_logits.sub_(probs.mul_(grad_log_probs[:, None]))
+            else:
+                # d log p[target] / d logits = onehot(target) - p (the entropy unused: no gradient, none computed)
+                grad_logits = probs.mul_(-grad_log_probs[:, None])
             if grad_log_probs is not None:
-                # d log p[target] / d logits = onehot(target) - p
-                grad_logits -= probs * grad_log_probs[:, None]
                 local = targets - start
                 here = (local >= 0) & (local < logits.shape[-1])
                 grad_logits[rows[here], local[here]] += grad_log_probs[here]
-            if grad_entropy is not None:
-                # d H / d logits = -p * (log p + H)
-                grad_logits -= grad_entropy[:, None] * probs * (log_softmax + entropy[:, None])
             grad_logits = grad_logits.to(weight.dtype)
             if want_hidden:
                 grad_hidden += (grad_logits @ chunk_weight).float()
@@ -132,7 +160,67 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias[columns] = grad_logits.sum(0)
         grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+class _RecordedLayer(DynamicLayer):
+    """A cache layer that keeps the keys and values of one pass (the distinct prompts'), replacing rather than
+    appending: a checkpointed layer's recomputation in the backward writes the same values again, harmlessly."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys, self.values, self.is_initialized = key_states, value_states, True
+        return key_states, value_states
+
+
+class _SharedPromptLayer(DynamicLayer):
+    """A read-only cache layer: each row's prompt keys and values (gathered from the distinct prompts' pass) before the
+    response's own. Nothing is stored, so a checkpointed layer's recomputation sees exactly what its forward saw."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+@contextlib.contextmanager
+def _cache_kept_under_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Lets checkpointed decoder layers keep the prompt-sharing caches, which transformers otherwise drops under
+    gradient checkpointing (a growing cache would be written twice by the recomputation; these two are not)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+def distinct_prompts(tokens: torch.Tensor, attention_mask: torch.Tensor, response_start: int):
+    """The distinct prompts of a dense batch (columns ``[:response_start]``, pads ignored): ``(rows, inverse)``, the
+    batch row of each distinct prompt's first occurrence, and each row's distinct prompt.
+
+    Examples:
+        >>> tokens = torch.tensor([[0, 5, 9], [0, 5, 8], [6, 7, 9], [0, 5, 7]])
+        >>> distinct_prompts(tokens, tokens != 0, response_start=2)
+        (tensor([0, 2]), tensor([0, 0, 1, 0]))
+    """
+    prompts = torch.where(attention_mask[:, :response_start].bool(), tokens[:, :response_start], -1)
+    _, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    rows = torch.full((int(inverse.max()) + 1,), tokens.shape[0], dtype=torch.long, device=tokens.device)
+    rows = rows.scatter_reduce(0, inverse, torch.arange(tokens.shape[0], device=tokens.device), reduce="amin")
+    return rows, inverse
+
+
+def _only_full_attention(config) -> bool:
+    """Whether every layer of the model attends to the whole sequence: the one case the prompt-sharing cache serves
+    (a sliding-window or linear-attention layer keeps other state)."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return set(layer_types) == {"full_attention"} and not getattr(config, "use_sliding_window", False)
 
 
 class ResponseLogProbs(nn.Module):
@@ -148,7 +236,15 @@ class ResponseLogProbs(nn.Module):
         model: a ``transformers`` causal LM, or a ``peft.PeftModel`` over one (its adapters active).
 
     Keyword Args:
-        chunk_elements: at most this many logits (rows x vocabulary) exist at once.
+        chunk_elements: at most this many logits (rows x vocabulary) exist at once, unless ``keep_elements`` allows
+            the backward to keep them.
+        keep_elements: with gradients, a backward keeps the forward's chunks of logits up to this many in all (and
+            recomputes them beyond): one matmul of the LM head less for that memory. 0: always recompute.
+        share_prompt: run each distinct prompt of a batch once (``train.share_prompt``): its keys and values, recorded
+            per layer, are gathered for the rows that share it and read by one pass over the responses alone, whose
+            gradients flow back through the prompt's single pass. The same numbers as ``False`` (every row whole) to
+            float rounding; a batch of distinct prompts, or a model with sliding-window or linear-attention layers,
+            takes the padded path.
 
     Examples:
         >>> import torch
@@ -162,10 +258,18 @@ class ResponseLogProbs(nn.Module):
         (torch.Size([2, 5]), True, True, True)
     """
 
-    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        chunk_elements: int = CHUNK_ELEMENTS,
+        share_prompt: bool = True,
+        keep_elements: int = KEEP_ELEMENTS,
+    ) -> None:
         super().__init__()
         if chunk_elements < 1:
             raise ValueError(f"ResponseLogProbs: chunk_elements must be >= 1, got {chunk_elements}.")
+        self.keep_elements = keep_elements
         # A peft model: score through the model its LoRA layers were injected into (they stay active), whose
         # backbone and LM head are a plain transformers model's.
         if callable(getattr(model, "get_base_model", None)):
@@ -177,6 +281,7 @@ class ResponseLogProbs(nn.Module):
         self._chunked = isinstance(head, nn.Linear) and not any(
             getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS
         )
+        self.share_prompt = share_prompt and _only_full_attention(config)
 
     def forward(
         self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, response_start: int, with_entropy: bool = False
@@ -186,40 +291,33 @@ class ResponseLogProbs(nn.Module):
                 f"ResponseLogProbs: response_start={response_start} must leave a prompt and a response in "
                 f"sequences of {tokens.shape[-1]} tokens."
             )
-        mask = attention_mask.long()
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
         scored = attention_mask[:, response_start:].bool()  # [B, R]: the response tokens
         targets = tokens[:, response_start:][scored]
-        if self._chunked:
-            # No KV cache: nothing decodes after this pass, and a cache would hold every layer's keys and values.
-            hidden = self.model.get_decoder()(
-                input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False
-            )
-            # The hidden state at column t - 1 predicts the token at column t.
-            hidden = hidden.last_hidden_state[:, response_start - 1 : -1][scored]
-            head = self.model.get_output_embeddings()
-            if hidden.shape[0] * head.weight.shape[0] <= self.chunk_elements:
-                # Every logit fits at once: autograd's own log-softmax is then the faster way.
-                log_probs, entropy = _log_probs_and_entropy(head(hidden).float(), targets, with_entropy)
-            else:
-                chunk = max(1, self.chunk_elements // hidden.shape[0])  # vocabulary columns per chunk
-                log_probs, entropy = _ChunkedHeadLogProbs.apply(
-                    hidden, head.weight, head.bias, targets, chunk, with_entropy
-                )
+        prompts, inverse = (None, None)
+        if self.share_prompt:
+            prompts, inverse = distinct_prompts(tokens, attention_mask, response_start)
+        if prompts is not None and len(prompts) < tokens.shape[0]:
+            # Column t - 1 predicts the token at column t: the prompt's last state, then the response's but its last.
+            states = self._shared_prompt_states(tokens, attention_mask, response_start, prompts, inverse)
         else:
-            width = tokens.shape[-1] - response_start
-            logits = (
-                self.model(
-                    input_ids=tokens,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    logits_to_keep=width + 1,
-                    use_cache=False,
+            mask = attention_mask.long()
+            states = self._states(tokens, mask, (mask.cumsum(-1) - 1).clamp_min(0), None, tokens.shape[-1])
+            states = states[:, response_start - 1 : -1]
+        states = states[scored]
+        if not self._chunked:
+            log_probs, entropy = _log_probs_and_entropy(states.float(), targets, with_entropy)
+        else:
+            head = self.model.get_output_embeddings()
+            logits = states.shape[0] * head.weight.shape[0]
+            if logits <= self.chunk_elements:
+                # Every logit fits at once: autograd's own log-softmax is then the faster way.
+                log_probs, entropy = _log_probs_and_entropy(head(states).float(), targets, with_entropy)
+            else:
+                chunk = max(1, self.chunk_elements // states.shape[0])  # vocabulary columns per chunk
+                keep = torch.is_grad_enabled() and logits <= self.keep_elements
+                log_probs, entropy = _ChunkedHeadLogProbs.apply(
+                    states, head.weight, head.bias, targets, chunk, with_entropy, keep
                 )
-                .logits[:, :-1][scored]
-                .float()
-            )
-            log_probs, entropy = _log_probs_and_entropy(logits, targets, with_entropy)
 
         def laid_out(values: torch.Tensor) -> torch.Tensor:
             # masked_scatter keeps the graph; the prompt columns are zeros.
@@ -227,6 +325,52 @@ class ResponseLogProbs(nn.Module):
             return torch.cat([values.new_zeros(tokens.shape[0], response_start), response], dim=-1)
 
         return laid_out(log_probs), (laid_out(entropy) if entropy is not None else None)
+
+    def _states(self, tokens, mask, positions, cache, keep: int) -> torch.Tensor:
+        """The last ``keep`` columns' final hidden states (chunked head) or logits (the model's own forward)."""
+        if self._chunked:
+            # No KV cache unless one is given: nothing decodes after this pass, and a cache would hold every layer's
+            # keys and values.
+            hidden = self.model.get_decoder()(
+                input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None
+            )
+            return hidden.last_hidden_state[:, -keep:]
+        return self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=cache is not None,
+            logits_to_keep=keep,
+        ).logits
+
+    def _shared_prompt_states(self, tokens, attention_mask, response_start, prompts, inverse) -> torch.Tensor:
+        """:meth:`_states` of columns ``response_start - 1 .. T - 2``, each distinct prompt run once: its keys and
+        values, recorded per layer, are gathered for every row that shares it and read (not recomputed) by the pass over
+        the responses. Under autograd the gathers sum each row's gradient into its prompt's single pass."""
+        mask = attention_mask.long()
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        layers = self.model.config.num_hidden_layers
+        recorded = Cache(layers=[_RecordedLayer() for _ in range(layers)])
+        with _cache_kept_under_checkpointing(self.model):
+            prompt_states = self._states(
+                tokens[prompts, :response_start],
+                mask[prompts, :response_start],
+                positions[prompts, :response_start],
+                recorded,
+                1,
+            )
+            shared = Cache(
+                layers=[_SharedPromptLayer(layer.keys[inverse], layer.values[inverse]) for layer in recorded.layers]
+            )
+            response_states = self._states(
+                tokens[:, response_start:],
+                mask,
+                positions[:, response_start:],
+                shared,
+                tokens.shape[-1] - response_start,
+            )
+        return torch.cat([prompt_states[inverse], response_states[:, :-1]], dim=1)
 
 
 class ScoreLogProbs:
@@ -283,13 +427,13 @@ class ShardedResponseLogProbs(ResponseLogProbs):
         model: a causal LM sharded by :func:`shard_policy`.
 
     Keyword Args:
-        chunk_elements: as :class:`ResponseLogProbs`'s.
+        chunk_elements, share_prompt: as :class:`ResponseLogProbs`'s.
     """
 
-    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    def __init__(self, model, *, chunk_elements: int = CHUNK_ELEMENTS, share_prompt: bool = True) -> None:
         if not is_sharded(model):
             raise ValueError("ShardedResponseLogProbs: the model is not sharded; call shard_policy(model) first.")
-        super().__init__(model, chunk_elements=chunk_elements)
+        super().__init__(model, chunk_elements=chunk_elements, share_prompt=share_prompt)
         # A plain attribute, not a submodule: the policy's state dict does not change.
         object.__setattr__(model, _SCORE_METHOD, functools.partial(ResponseLogProbs.forward, self))
         register_fsdp_forward_method(model, _SCORE_METHOD)
@@ -344,27 +488,29 @@ def make_data_parallel_policy(model, *, device: str):
     return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
 
-def make_policy_scorer(policy, *, strategy: str, device: str):
+def make_policy_scorer(policy, *, strategy: str, device: str, share_prompt: bool = True):
     """The policy's :class:`ResponseLogProbs` as the loss must see it, averaging the
     gradients over the processes. ``strategy="ddp"``: wrapped in ``DistributedDataParallel``. ``strategy="fsdp"``:
     ``policy`` is sharded in place (``recipes.common.sharding.shard_policy``; build the optimizer afterwards). In
-    a single process, the plain scorer either way."""
+    a single process, the plain scorer either way. ``share_prompt``: ``train.share_prompt``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"make_policy_scorer: strategy={strategy!r}, expected one of {list(STRATEGIES)}.")
     if strategy == "fsdp" and PartialState().use_distributed:
-        return ShardedResponseLogProbs(shard_policy(policy))
-    return make_data_parallel_policy(ResponseLogProbs(policy), device=device)
+        return ShardedResponseLogProbs(shard_policy(policy), share_prompt=share_prompt)
+    return make_data_parallel_policy(ResponseLogProbs(policy, share_prompt=share_prompt), device=device)
 
 
-def make_reference_scorer(reference, *, policy, policy_scorer=None):
+def make_reference_scorer(reference, *, policy, policy_scorer=None, share_prompt: bool = True):
     """The frozen reference's log-prob scorer (the KL term's): over ``reference``, the initial policy loaded beside
     the policy (sharded too under FSDP2), or, with ``reference=None`` and a LoRA ``policy``, the policy with its
     adapters switched off (its base weights never train). A sharded LoRA policy is scored through ``policy_scorer``,
-    the FSDP2 forward that gathers its weights."""
+    the FSDP2 forward that gathers its weights (which shares prompts as the policy's does)."""
     if reference is None:
         if not is_peft_model(policy):
             raise ValueError("make_reference_scorer: no reference model, and the policy has no adapters to switch off.")
-        return AdapterDisabledLogProbs(policy, scorer=policy_scorer if is_sharded(policy) else None)
+        if is_sharded(policy):
+            return AdapterDisabledLogProbs(policy, scorer=policy_scorer)
+        return AdapterDisabledLogProbs(policy, scorer=ResponseLogProbs(policy, share_prompt=share_prompt))
     if is_sharded(reference):
-        return ShardedResponseLogProbs(reference)
-    return ResponseLogProbs(reference)
+        return ShardedResponseLogProbs(reference, share_prompt=share_prompt)
+    return ResponseLogProbs(reference, share_prompt=share_prompt)

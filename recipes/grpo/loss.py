@@ -67,6 +67,7 @@ from recipes.grpo.schema import (
 __all__ = [
     "IS_LEVELS",
     "LOSS_TYPES",
+    "MICRO_BATCH_SHARES",
     "NORMALIZERS",
     "POLICY_LOSSES",
     "SCALE_REWARDS",
@@ -297,6 +298,33 @@ NORMALIZERS: dict[str, Callable[[torch.Tensor, torch.Tensor, Scale, int], torch.
     "cispo": _step_tokens,
     "vespo": _step_tokens,
     "luspo": _sequence_sum,
+}
+
+
+def _row_share(micro_mask: torch.Tensor, whole_mask: torch.Tensor) -> float:
+    return micro_mask.shape[0] / whole_mask.shape[0]
+
+
+def _token_share(micro_mask: torch.Tensor, whole_mask: torch.Tensor) -> float:
+    return float(micro_mask.sum()) / max(float(whole_mask.sum()), 1.0)
+
+
+def _whole(micro_mask: torch.Tensor, whole_mask: torch.Tensor) -> float:
+    return 1.0
+
+
+# What share of a mini-batch's loss one of its micro-batches carries under each type's normaliser (from their loss
+# masks): the micro-batches' losses times their shares add up to the mini-batch's (train.max_tokens_per_micro_batch).
+# Per-response means count rows, bnpo's token mean tokens; dapo's step-token normaliser is already the whole step's.
+MICRO_BATCH_SHARES: dict[str, Callable[[torch.Tensor, torch.Tensor], float]] = {
+    "grpo": _row_share,
+    "sapo": _row_share,
+    "bnpo": _token_share,
+    "dr_grpo": _row_share,
+    "dapo": _whole,
+    "cispo": _whole,
+    "vespo": _whole,
+    "luspo": _row_share,
 }
 
 

@@ -420,6 +420,8 @@ class Train:
     max_grad_norm: MaxGradNorm
     gradient_checkpointing: bool
     mixed_precision: MixedPrecision
+    share_prompt: bool
+    max_tokens_per_micro_batch: Positive | None
 
     def __post_init__(self) -> None:
         if self.warmup_steps and self.lr_scheduler not in WARMUP_SCHEDULERS:

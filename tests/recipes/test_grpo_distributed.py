@@ -215,6 +215,21 @@ def test_fsdp_trains_as_ddp_does(tmp_path, memory_switches):
     _assert_same_weights(tmp_path / "fsdp", tmp_path / "ddp")
 
 
+@pytest.mark.slow  # three two-process runs
+def test_shared_prompts_train_as_the_padded_path_under_ddp_and_fsdp(tmp_path):
+    """train.share_prompt (each group's prompt run once, gradients through its one pass) under DDP and under FSDP2
+    (its scoring a registered forward of the sharded policy, two decoder passes inside): the same figures and weights
+    as DDP with every row run whole."""
+    overrides = [*SMALL, "train.steps=2"]
+    _torchrun(2, [*overrides, "train.share_prompt=false"], tmp_path / "padded")
+    _torchrun(2, overrides, tmp_path / "ddp")
+    _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
+    keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/kl_to_ref")
+    for shared in ("ddp", "fsdp"):
+        _assert_same_steps(tmp_path / shared, tmp_path / "padded", keys, steps=2)
+        _assert_same_weights(tmp_path / shared, tmp_path / "padded")
+
+
 @pytest.mark.slow
 def test_a_resumed_fsdp_run_replays_the_uninterrupted_one(tmp_path):
     """The gathered optimizer state is sharded again on resume; the RNG states and the prompt stream as under DDP."""

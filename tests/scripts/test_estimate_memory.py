@@ -220,3 +220,51 @@ def test_a_trl_key_is_answered_with_the_recipes_key_not_a_traceback(capsys, over
         estimate_memory.main([override])
     shown = str(stopped.value.code) + capsys.readouterr().err
     assert answer in shown and "Traceback" not in shown
+
+
+def test_shared_prompts_and_token_micro_batches_shrink_the_update_activations(tiny_dir):
+    """train.share_prompt computes each group's prompt once (its keys and values still read by every row);
+    train.max_tokens_per_micro_batch bounds the sequences of one forward."""
+    shape = {"hidden": 64, "kv": 32, "mlp": 192, "layers": 2, "vocab": 463}
+    padded = estimate_memory.update_activation_bytes(shape, sequences=16, length=48, responses=32, element=4)
+    shared = estimate_memory.update_activation_bytes(shape, sequences=16, length=48, responses=32, element=4, prompts=2)
+    # 14 of 16 prompts' 16 tokens less: each layer's 8 h + 4 m per token, the final norm's 2 h and a layer backward's
+    # 2 m; the 2 kv per token of every row's whole keys and values stay.
+    fewer = (16 - 2) * 16
+    saved = fewer * (2 * (8 * 64 + 4 * 192) + 2 * 64 + 2 * 192) * 4
+    assert padded["without_checkpointing"] - shared["without_checkpointing"] == saved
+    cfg = estimate_memory.compose_config(["train.mini_batch_size=64"])
+    whole = estimate_memory.estimate(cfg, processes=1, prompt_tokens=16)
+    assert whole["setting"]["distinct_prompts"] == 8 and whole["setting"]["update_sequences"] == 64
+    no_sharing = estimate_memory.estimate(
+        estimate_memory.compose_config(["train.mini_batch_size=64", "train.share_prompt=false"]),
+        processes=1,
+        prompt_tokens=16,
+    )
+    assert no_sharing["activations_without_checkpointing"] > whole["activations_without_checkpointing"]
+    budget = estimate_memory.estimate(
+        estimate_memory.compose_config(["train.mini_batch_size=64", "train.max_tokens_per_micro_batch=480"]),
+        processes=1,
+        prompt_tokens=16,
+    )
+    assert budget["setting"]["update_sequences"] == 10  # 480 tokens // 48 per sequence
+    assert budget["activations_without_checkpointing"] < whole["activations_without_checkpointing"]
+
+
+def test_the_chunked_heads_kept_logits_are_counted_within_their_budget():
+    """At a real vocabulary an update of 16 responses of 32 tokens keeps its 512 x 151,936 float32 logits for the
+    backward (within KEEP_ELEMENTS); at 16x the rows they are recomputed, one chunk at a time."""
+    shape = {"hidden": 512, "kv": 256, "mlp": 1536, "layers": 6, "vocab": 151936}
+
+    def head_bytes(sequences: int) -> int:
+        with_head = estimate_memory.update_activation_bytes(
+            shape, sequences=sequences, length=48, responses=32, element=4
+        )
+        tiny_vocab = {**shape, "vocab": 1}
+        without = estimate_memory.update_activation_bytes(
+            tiny_vocab, sequences=sequences, length=48, responses=32, element=4
+        )
+        return with_head["without_checkpointing"] - without["without_checkpointing"]
+
+    assert head_bytes(16) == 512 * 151936 * 4 + 3 * estimate_memory.CHUNK_ELEMENTS * 4 - 3 * 512 * 4
+    assert head_bytes(256) == 3 * estimate_memory.CHUNK_ELEMENTS * 4 - 3 * 256 * 32 * 4

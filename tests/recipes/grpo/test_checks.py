@@ -84,6 +84,26 @@ def test_a_choice_or_a_nodes_own_rule_is_refused_by_the_schema_before_anything_l
 
 
 @pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["loss.entropy_coeff=0.01"], r"train.max_tokens_per_micro_batch=64 with loss.entropy_coeff=0.01 .* Set "),
+        (["loss.top_entropy_quantile=0.2"], r"with .*loss.top_entropy_quantile=0.2: the entropy bonus is a token mean"),
+        (["distributed.strategy=fsdp"], r"distributed.strategy=fsdp with train.max_tokens_per_micro_batch=64: every"),
+    ],
+)
+def test_token_budget_micro_batches_refuse_what_they_cannot_make_exact(
+    compose_config, tmp_path, nothing_loads, overrides, message
+):
+    with pytest.raises(ConfigError, match=message):
+        recipe.train(
+            compose_config(
+                "grpo_torchrl_rm",
+                [*GRPO_SMALL, f"output_dir={tmp_path}", "train.max_tokens_per_micro_batch=64", *overrides],
+            )
+        )
+
+
+@pytest.mark.parametrize(
     ("overrides", "expected"),
     [
         ([], None),

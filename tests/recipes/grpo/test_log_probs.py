@@ -51,13 +51,18 @@ def _values_and_gradients(model, compute):
 
 
 @pytest.mark.parametrize(
-    ("chunk_elements", "path"),
-    [(2**23, "one chunk"), (463 * 3, "rows x vocabulary above the budget: vocabulary chunks"), (1, "a column a chunk")],
+    ("chunk_elements", "keep_elements", "path"),
+    [
+        (2**23, 0, "one chunk"),
+        (463 * 3, 2**27, "rows x vocabulary above the budget: vocabulary chunks, kept for the backward"),
+        (463 * 3, 0, "vocabulary chunks, recomputed in the backward"),
+        (1, 0, "a column a chunk"),
+    ],
 )
-def test_equal_to_the_full_forward_values_and_gradients(tiny_policy, batch, chunk_elements, path):
+def test_equal_to_the_full_forward_values_and_gradients(tiny_policy, batch, chunk_elements, keep_elements, path):
     model, _ = tiny_policy
     tokens, mask = batch
-    scorer = ResponseLogProbs(model, chunk_elements=chunk_elements)
+    scorer = ResponseLogProbs(model, chunk_elements=chunk_elements, keep_elements=keep_elements)
     got = _values_and_gradients(model, lambda: scorer(tokens, mask, response_start=START, with_entropy=True))
     expected = _values_and_gradients(model, lambda: _full_forward(model, tokens, mask))
     torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5, msg=path)
@@ -114,3 +119,41 @@ def test_score_log_probs_writes_them_in_place_in_micro_batches(tiny_policy, batc
     assert not scored.requires_grad
     with torch.no_grad():
         torch.testing.assert_close(scored, _full_forward(model, tokens, mask)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keep_elements", [0, 2**27])
+@pytest.mark.parametrize("used", ["log_probs", "entropy"])
+def test_the_chunked_backward_of_one_output_alone_equals_the_full_forwards(tiny_policy, batch, used, keep_elements):
+    """A loss of the log-probs alone (the entropy logged, no entropy bonus: autograd hands its gradient as None) or of
+    the entropy alone: the chunked backward skips the unused term and keeps the other exact."""
+    model, _ = tiny_policy
+    tokens, mask = batch
+    weights = torch.linspace(-1.0, 1.0, 100).reshape(5, 20)
+    gradients = []
+    for compute in (
+        lambda: ResponseLogProbs(model, chunk_elements=463 * 3, keep_elements=keep_elements)(
+            tokens, mask, response_start=START, with_entropy=True
+        ),
+        lambda: _full_forward(model, tokens, mask),
+    ):
+        model.zero_grad()
+        log_probs, entropy = compute()
+        ((log_probs if used == "log_probs" else entropy) * weights).sum().backward()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    for got, expected in zip(*gradients, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_kept_logits_serve_one_backward_and_a_retained_graphs_second_recomputes(tiny_policy, batch):
+    model, _ = tiny_policy
+    tokens, mask = batch
+    log_probs, _ = ResponseLogProbs(model, chunk_elements=463 * 3)(tokens, mask, response_start=START)
+    gradients = []
+    for _ in range(2):
+        model.zero_grad()
+        log_probs.sum().backward(retain_graph=True)
+        gradients.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    for first, second in zip(*gradients, strict=True):
+        torch.testing.assert_close(first, second, atol=1e-6, rtol=1e-5)
