@@ -98,6 +98,18 @@ CHECKS: dict[str, Check] = {
         0.6,
         "tests/recipes/test_grpo_async.py::test_async_grpo_raises_the_oracle_score",
     ),
+    "grpo_bf16_sampler": Check(
+        "grpo_torchrl_rm",
+        (
+            "rollout.backend=processes",
+            "rollout.sampler_dtype=bfloat16",
+            "loss.sampler_correction.enabled=true",
+            "loss.sampler_correction.mode=token_truncate",
+        ),
+        "rise:rollout/oracle_mean",
+        0.6,
+        "tests/recipes/grpo/test_sampler_correction.py::test_a_bf16_sampler_with_the_correction_learns_the_default_task",
+    ),
     "grpo_lora": Check(
         "grpo_torchrl_rm",
         (_TINY_LORA, "logger=none"),
