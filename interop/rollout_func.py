@@ -339,7 +339,7 @@ class TorchRLRolloutFunc:
                 "the learner; backend='learner' samples with the weights it trains. Use backend='processes' or 'ray'."
             )
         reached = every - 1 + (mode == "async")
-        if reached > max_policy_lag:
+        if every > 1 and reached > max_policy_lag:  # every=1: each update pushed, the mode's own lag bound holds
             raise ValueError(
                 f"TorchRLRolloutFunc: weight_sync_every={every} in {mode} mode lets a batch be {reached} steps old, "
                 f"more than max_policy_lag={max_policy_lag}; raise max_policy_lag or lower weight_sync_every."

@@ -108,7 +108,7 @@ CHECKS: dict[str, Check] = {
         ),
         "rise:rollout/oracle_mean",
         0.6,
-        "tests/recipes/grpo/test_sampler_correction.py::test_a_bf16_sampler_with_the_correction_learns_the_default_task",
+        "tests/recipes/grpo/test_grpo_sampler_correction.py::test_a_bf16_sampler_with_the_correction_learns_the_default_task",
     ),
     "grpo_lora": Check(
         "grpo_torchrl_rm",

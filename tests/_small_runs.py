@@ -17,6 +17,9 @@ GRPO_SMALL = [
     "rollout.responses_per_step=4",
     "rollout.generation.max_new_tokens=8",
     "train.mini_batch_size=2",
+    # A constant learning rate: the recipe's cosine decays over train.steps, so a 2-step run would not be the first
+    # half of a 4-step one, which the resume tests compare.
+    "train.lr_scheduler=constant",
     "progress_bar=false",
 ]
 

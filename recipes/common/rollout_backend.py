@@ -110,11 +110,16 @@ def _check_weight_push(cfg: DictConfig, backend: str) -> None:
             f"weights it trains (dtype={cfg.dtype}); a sampler of another dtype is a copy apart from it. Use "
             f"rollout.backend=processes or ray, or rollout.sampler_dtype={cfg.dtype}."
         )
+    if sampler_dtype == "float16" and cfg.device == "cpu" and cfg.dtype != "float16":  # dtype=float16: its own check
+        raise ConfigError(
+            "rollout.sampler_dtype=float16 on the CPU: CPU kernels have no float16 for most of a model's layers. Use "
+            "rollout.sampler_dtype=bfloat16 (or float32), or device=cuda."
+        )
     # Weights pushed every k updates: a batch sampled right before a push is k - 1 updates old in sync mode, and one
     # more in async mode (sampled during the update before its own).
     lookahead = int(cfg.rollout.mode == "async")
     reached, bound = every - 1 + lookahead, cfg.rollout.max_policy_lag
-    if reached > bound:
+    if every > 1 and reached > bound:  # every=1 pushes each update: the lag is the mode's own, bounded as always
         raise ConfigError(
             f"rollout.weight_sync_every={every} with rollout.mode={cfg.rollout.mode}: a batch can then be {reached} "
             f"updates old, more than rollout.max_policy_lag={bound} allows. Set rollout.max_policy_lag={reached} or "

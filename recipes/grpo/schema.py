@@ -183,7 +183,7 @@ class Rollout:
     collector_threads: Positive
     # Apart from the learner: push the weights every this many updates; the samplers' dtype.
     weight_sync_every: Positive
-    sampler_dtype: Literal["float32", "bfloat16"]
+    sampler_dtype: DType  # the same choices as dtype (float16: CUDA only, as dtype)
     group_size: Annotated[
         int,
         Range(ge=2),

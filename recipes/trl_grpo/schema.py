@@ -86,7 +86,7 @@ class Rollout:
     sampler_threads: Positive
     # Apart from the learner: push the weights every this many updates; the samplers' dtype.
     weight_sync_every: Positive
-    sampler_dtype: Literal["float32", "bfloat16"]
+    sampler_dtype: DType  # the same choices as dtype (float16: CUDA only, as dtype)
     # Assistant turns per dialog when tools: names tools (trl: max_tool_calling_iterations + 1).
     max_turns: Positive
     replay: Replay

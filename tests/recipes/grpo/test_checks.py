@@ -216,8 +216,8 @@ def test_a_non_finite_reward_stops_the_run_naming_its_source(compose_config, tmp
 
 
 def test_warm_up_with_a_schedule_that_ignores_it_is_refused(compose_config, tmp_path, nothing_loads):
-    """train.warmup_steps with the constant schedule warmed nothing up (trl's default schedule is linear)."""
-    overrides = [*GRPO_SMALL, f"output_dir={tmp_path}", "train.warmup_steps=5", "train.lr_scheduler=constant"]
+    """train.warmup_steps with the constant schedule (GRPO_SMALL's) warmed nothing up (trl's default is linear)."""
+    overrides = [*GRPO_SMALL, f"output_dir={tmp_path}", "train.warmup_steps=5"]
     with pytest.raises(ConfigError) as error:
         recipe.train(compose_config("grpo_torchrl_rm", overrides))
     message = str(error.value)
@@ -420,10 +420,11 @@ def test_the_trl_defaults_experiment_is_grpo_configs_defaults_read_from_trl(comp
 
 def test_the_trl_defaults_experiment_trains(compose_config, tmp_path):
     """It trains as trl's defaults say: trl's learning rate on its decaying (linear) schedule, where this recipe's own
-    default is constant; no reference model (beta 0); gradients finite and nonzero."""
+    default is cosine; no reference model (beta 0); gradients finite and nonzero."""
     from trl import GRPOConfig
 
-    overrides = ["experiment=trl_defaults", *GRPO_SMALL, "train.steps=2", "logger=csv", f"output_dir={tmp_path}"]
+    small = [override for override in GRPO_SMALL if not override.startswith("train.lr_scheduler=")]  # trl's, here
+    overrides = ["experiment=trl_defaults", *small, "train.steps=2", "logger=csv", f"output_dir={tmp_path}"]
     summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
     assert summary["train/steps"] == 2 and "train/kl_to_ref_last" not in summary  # beta 0: no reference
     rows = read_metrics(tmp_path)

@@ -296,7 +296,9 @@ def _accumulated(model, batch, settings, max_tokens):
         prepare=None, buffer=_OneBatch(batch), loss=objective, optimizer=None, scheduler=None, parameters=[]
     )
     model.zero_grad()
-    values = _accumulate(cfg, learner, Scale(accumulation=2, step_tokens=80.0))  # two mini-batches, one optimizer step
+    values = _accumulate(  # two mini-batches, one optimizer step
+        cfg, learner, Scale(accumulation=2, step_tokens=80.0), fresh=True, mismatch=None
+    )
     gradients = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     return values, gradients
