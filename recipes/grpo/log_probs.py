@@ -243,8 +243,8 @@ class ResponseLogProbs(nn.Module):
         share_prompt: run each distinct prompt of a batch once (``train.share_prompt``): its keys and values, recorded
             per layer, are gathered for the rows that share it and read by one pass over the responses alone, whose
             gradients flow back through the prompt's single pass. The same numbers as ``False`` (every row whole) to
-            float rounding; a batch of distinct prompts, or a model with sliding-window or linear-attention layers,
-            takes the padded path.
+            float rounding; a batch of distinct prompts (but under FSDP2, where every process must make the same
+            calls), or a model with sliding-window or linear-attention layers, takes the padded path.
 
     Examples:
         >>> import torch
@@ -282,6 +282,9 @@ class ResponseLogProbs(nn.Module):
             getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS
         )
         self.share_prompt = share_prompt and _only_full_attention(config)
+        # Under FSDP2 every process must make the same calls of the sharded layers (each gathers its weights from
+        # all): a batch of distinct prompts takes the shared path too there, whatever the other processes' batches.
+        self._same_path_on_every_process = False
 
     def forward(
         self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, response_start: int, with_entropy: bool = False
@@ -296,7 +299,7 @@ class ResponseLogProbs(nn.Module):
         prompts, inverse = (None, None)
         if self.share_prompt:
             prompts, inverse = distinct_prompts(tokens, attention_mask, response_start)
-        if prompts is not None and len(prompts) < tokens.shape[0]:
+        if prompts is not None and (len(prompts) < tokens.shape[0] or self._same_path_on_every_process):
             # Column t - 1 predicts the token at column t: the prompt's last state, then the response's but its last.
             states = self._shared_prompt_states(tokens, attention_mask, response_start, prompts, inverse)
         else:
@@ -434,6 +437,7 @@ class ShardedResponseLogProbs(ResponseLogProbs):
         if not is_sharded(model):
             raise ValueError("ShardedResponseLogProbs: the model is not sharded; call shard_policy(model) first.")
         super().__init__(model, chunk_elements=chunk_elements, share_prompt=share_prompt)
+        self._same_path_on_every_process = True
         # A plain attribute, not a submodule: the policy's state dict does not change.
         object.__setattr__(model, _SCORE_METHOD, functools.partial(ResponseLogProbs.forward, self))
         register_fsdp_forward_method(model, _SCORE_METHOD)
@@ -497,7 +501,15 @@ def make_policy_scorer(policy, *, strategy: str, device: str, share_prompt: bool
         raise ValueError(f"make_policy_scorer: strategy={strategy!r}, expected one of {list(STRATEGIES)}.")
     if strategy == "fsdp" and PartialState().use_distributed:
         return ShardedResponseLogProbs(shard_policy(policy), share_prompt=share_prompt)
-    return make_data_parallel_policy(ResponseLogProbs(policy, share_prompt=share_prompt), device=device)
+    return make_data_parallel_policy(_scorer(policy, share_prompt), device=device)
+
+
+def _scorer(model, share_prompt: bool) -> ResponseLogProbs:
+    """A :class:`ResponseLogProbs`; over several processes it takes the same path for every batch as a sharded one
+    does (DDP and FSDP2 runs then compute the same numbers, which a bf16 run would otherwise not to 1e-4)."""
+    scorer = ResponseLogProbs(model, share_prompt=share_prompt)
+    scorer._same_path_on_every_process = PartialState().use_distributed
+    return scorer
 
 
 def make_reference_scorer(reference, *, policy, policy_scorer=None, share_prompt: bool = True):
@@ -510,7 +522,7 @@ def make_reference_scorer(reference, *, policy, policy_scorer=None, share_prompt
             raise ValueError("make_reference_scorer: no reference model, and the policy has no adapters to switch off.")
         if is_sharded(policy):
             return AdapterDisabledLogProbs(policy, scorer=policy_scorer)
-        return AdapterDisabledLogProbs(policy, scorer=ResponseLogProbs(policy, share_prompt=share_prompt))
+        return AdapterDisabledLogProbs(policy, scorer=_scorer(policy, share_prompt))
     if is_sharded(reference):
         return ShardedResponseLogProbs(reference, share_prompt=share_prompt)
-    return ResponseLogProbs(reference, share_prompt=share_prompt)
+    return _scorer(reference, share_prompt)
