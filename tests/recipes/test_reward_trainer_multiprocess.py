@@ -97,7 +97,8 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
         f"hydra.run.dir={tmp_path}/two${{oc.env:RANK}}",
         script="tests/_batch_recording.py",
     )
-    assert sorted(p.name for p in (tmp_path / "two1").iterdir()) == [".hydra", "reward_trainer_from_buffer.log"]
+    # Rank 1's own folder gets its log alone: the .hydra records are written by the process that holds the run folder.
+    assert sorted(p.name for p in (tmp_path / "two1").iterdir()) == ["reward_trainer_from_buffer.log"]
 
     # One summary, printed once and written once by the main process; one model folder.
     summary = json.loads((two / "summary.json").read_text())
