@@ -59,6 +59,13 @@ def checked_reward_function(
     its values checked on every call; a bad one raises :class:`~recipes.common.config.RunStopped` naming
     ``reward.functions.<name>``. ``declined``: told each call's values (:class:`DeclinedByEverySource`)."""
     setting = f"reward.functions.{name}"
+
+    def checked(values, kwargs: dict) -> list[float | None]:
+        checked_values = checked_rewards(values, setting=setting, arguments=kwargs)
+        if declined is not None:
+            declined.report(checked_values)
+        return checked_values
+
     if inspect.iscoroutinefunction(function):
 
         async def named(**kwargs):
@@ -66,10 +73,7 @@ def checked_reward_function(
                 values = await function(**kwargs)
             except Exception as error:
                 raise reward_function_failure(function, setting, error, kwargs) from error
-            checked = checked_rewards(values, setting=setting, arguments=kwargs)
-            if declined is not None:
-                declined.report(checked)
-            return checked
+            return checked(values, kwargs)
 
     else:
 
@@ -78,10 +82,7 @@ def checked_reward_function(
                 values = function(**kwargs)
             except Exception as error:
                 raise reward_function_failure(function, setting, error, kwargs) from error
-            checked = checked_rewards(values, setting=setting, arguments=kwargs)
-            if declined is not None:
-                declined.report(checked)
-            return checked
+            return checked(values, kwargs)
 
     named.__name__ = str(name)
     return named
