@@ -317,8 +317,10 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
     update_start = time.perf_counter()
     updates = optimize(cfg, learner, batch)
     learner.buffer.empty()
+    push_start = time.perf_counter()
     if step % cfg.rollout.weight_sync_every == 0:  # the samplers apart from the learner get every k-th version
         collector.update_policy_weights_(models.policy, version=step)
+    updates["perf/weight_sync_s"] = time.perf_counter() - push_start  # the learner's share of the push (in update_s)
     updates.update(step_timings(collector.last_timings, timings, lag=lag, update_start=update_start))
     # The sampling workers apart from the learner (rollout.backend=processes|ray): how many, restarts, throughput.
     updates.update({f"rollout/{name}": value for name, value in collector.last_stats.items()})

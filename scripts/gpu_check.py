@@ -12,20 +12,31 @@ each in its own process under its own time limit, so that one slow or broken par
    CUDA with the 0.5B policy and reward model (bf16 weights; the last with float32 weights under bf16 autocast);
 5. ``reward``: the reward recipe, training the 0.5B reward model for a few steps (the tiny policy samples pairs);
 6. ``bench``: ``scripts/bench_grpo.py``, ours against trl's ``GRPOTrainer`` (its own ``generate``), at the 0.5B build;
-7. ``estimate_memory``: ``scripts/estimate_memory.py --measure``, one real update on CUDA against the estimate.
+7. ``estimate_memory``: ``scripts/estimate_memory.py --measure``, one real update on CUDA against the estimate;
+8. ``grpo_ray``: the GRPO recipe with ``rollout.backend=ray rollout.workers=1``, its one worker a Ray actor on the GPU
+   (``rollout.worker_resources.num_gpus=1``: the learner, Ray's driver, is outside Ray's books and shares the GPU)
+   in a local cluster the run starts: the worker's sampling tokens/s, the learner's weight push into Ray's object
+   store (``perf/weight_sync_s``) and the step time, per step and their mean after the first. Skipped, with a line
+   saying so, where ``ray`` cannot be imported: on the GPU machine it comes in a second call
+   (``scripts/gpu_check.sh`` says why and how).
 
 Everything goes to ``<out>/gpu_check.json`` (per part: passed, seconds, figures, the error's last lines; figures:
 tokens/s and s/step per side and phase, peak CUDA memory per run, the estimator's ratio) and the full log to
 ``<out>/gpu_check.log``. ``--dry-run`` runs the same parts on this CPU machine with a small build of the same shape
-family and fewer steps: everything but CUDA itself is proven here (a slow test runs it).
+family and fewer steps (the Ray worker on a CPU): everything but CUDA itself is proven here.
+``--only NAME[,NAME...]`` runs those parts (and ``versions``), reusing the models an earlier run left in the scratch
+folder (building them otherwise), and adds their results to that run's ``gpu_check.json``.
 
     bash scripts/gpu_check.sh --dry-run           # here: CPU, small models, about 5 minutes on 2 cores
     bash scripts/gpu_check.sh                     # there, $OUT set by the device tool, carry=[".whl"]
+    bash scripts/gpu_check.sh --only grpo_ray     # there, next call, carry=[".whl", ".whl-ray"]
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +54,8 @@ TINY_TOKENIZER = REPO_ROOT / "tiny" / "policy"
 # The packages the recipes import that the GPU machine does not hold (scripts/gpu_wheels.sh carries them).
 CARRIED = ("torchrl", "tensordict", "trl", "datasets", "hydra-core", "omegaconf")
 REPORTED = ("torch", "transformers", "accelerate", "peft", "safetensors", "pyarrow", *CARRIED)
+# The Ray part's call also carries these (scripts/gpu_wheels.sh --ray).
+RAY_CARRIED = ("ray", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py")
 
 # Qwen2.5-0.5B's shapes, randomly initialised; the dry run's build is the same family at a size a CPU steps fast.
 SHAPES = {
@@ -79,7 +93,10 @@ class Mode:
     grpo_steps: int
     reward_steps: int
     bench_args: tuple[str, ...]
-    # Seconds per part: they add up to under 9 minutes on the GPU machine, install included.
+    # The Ray part's steps: its first builds the worker's collector and warms up, the others are what it measures.
+    ray_steps: int = 2
+    # Seconds per part: the parts before grpo_ray add up to under 9 minutes on the GPU machine, install included;
+    # grpo_ray runs in a call of its own there (scripts/gpu_check.sh).
     budgets: dict[str, int] = field(default_factory=dict)
 
 
@@ -90,6 +107,7 @@ GPU = Mode(
     grpo_steps=3,
     reward_steps=10,
     bench_args=("--rounds", "2", "--steps", "4", "--sync-threads", "1", "--trl-threads", "1"),
+    ray_steps=4,
     budgets=dict(
         versions=20,
         build_models=50,
@@ -101,6 +119,7 @@ GPU = Mode(
         reward=45,
         bench=110,
         estimate_memory=40,
+        grpo_ray=150,
     ),
 )
 DRY_RUN = Mode(
@@ -121,6 +140,7 @@ DRY_RUN = Mode(
         reward=90,
         bench=240,
         estimate_memory=60,
+        grpo_ray=120,
     ),
 )
 
@@ -128,10 +148,10 @@ DRY_RUN = Mode(
 class Check:
     """Runs the parts one after another, each a child process under its budget, and records what each gave."""
 
-    def __init__(self, out: Path, scratch: Path, mode: Mode) -> None:
+    def __init__(self, out: Path, scratch: Path, mode: Mode, *, earlier: dict[str, dict] | None = None) -> None:
         self.out, self.scratch, self.mode = out, scratch, mode
         self.log = (out / "gpu_check.log").open("a", encoding="utf-8")
-        self.results: dict[str, dict] = {}
+        self.results: dict[str, dict] = dict(earlier or {})  # an earlier call's parts, which a part run again replaces
         self.env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
@@ -198,12 +218,45 @@ class Check:
         self.write()
         return result["passed"]
 
+    def skip(self, name: str, reason: str) -> None:
+        """Records that ``name`` did not run, and why: a line in the log, ``{"passed": null, "skipped": reason}`` in
+        the report."""
+        self.results[name] = {"passed": None, "skipped": reason}
+        self.say(f"\n=== {name}: skipped: {reason}")
+        self.write()
+
     def write(self) -> None:
-        report = {"mode": "dry-run" if self.mode is DRY_RUN else "gpu", "parts": self.results}
-        path = self.out / "gpu_check.json"
-        temporary = path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(report, indent=2))
-        temporary.replace(path)
+        report = {"mode": _mode_name(self.mode), "parts": self.results}
+        # The scratch copy is what a later --only call on the same machine adds its parts to ($OUT is emptied).
+        for folder in (self.out, self.scratch):
+            path = folder / "gpu_check.json"
+            temporary = path.with_suffix(".json.tmp")
+            temporary.write_text(json.dumps(report, indent=2))
+            temporary.replace(path)
+
+
+def _mode_name(mode: Mode) -> str:
+    return "dry-run" if mode is DRY_RUN else "gpu"
+
+
+def earlier_results(scratch: Path, mode: Mode) -> dict[str, dict]:
+    """The parts an earlier run of the same mode recorded in ``scratch`` (none if it holds no report)."""
+    path = scratch / "gpu_check.json"
+    if not path.exists():
+        return {}
+    report = json.loads(path.read_text())
+    return report["parts"] if report.get("mode") == _mode_name(mode) else {}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the check: the command it runs and what reads its figures once it passed."""
+
+    name: str
+    command: list[str]
+    figures: Callable[[list[str]], dict] | None = None
+    needs_models: bool = False  # runs on the models the build_models part writes
+    needs_module: str | None = None  # skipped, with a line saying so, where this module cannot be imported
 
 
 def summary_figures(run_dir: Path):
@@ -217,74 +270,117 @@ def summary_figures(run_dir: Path):
     return read
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true", help="on this CPU machine, small models, fewer steps")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(os.environ.get("OUT") or REPO_ROOT / "outputs" / "gpu_check"),
-        help="where gpu_check.json and gpu_check.log go (default: $OUT, else outputs/gpu_check)",
-    )
-    parser.add_argument("--scratch", type=Path, default=None, help="models and run folders (default: a temp folder)")
-    parser.add_argument("--build-models", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one part
-    parser.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.build_models is not None:
-        return build_models(args.build_models, shape=args.shape, device="cpu" if args.dry_run else "cuda")
-    if args.versions:
-        return print_versions(gpu=not args.dry_run)
+def ray_figures(run_dir: Path):
+    """The Ray part's figures: per step (``metrics.csv``) the one worker's sampling throughput
+    (``rollout/worker_0/tokens_per_s``), the learner's push of its weights into Ray's object store
+    (``perf/weight_sync_s``) and the step's time, each with its mean over the steps after the first (which builds the
+    worker's collector and warms up); where the worker ran (``resolved_config.yaml``); the run's summary figures."""
 
-    mode = DRY_RUN if args.dry_run else GPU
-    args.out.mkdir(parents=True, exist_ok=True)
-    scratch = args.scratch or Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_check"
-    if scratch.exists():
-        shutil.rmtree(scratch)
-    scratch.mkdir(parents=True)
-    check = Check(args.out, scratch, mode)
-    python = sys.executable
-    dry = ["--dry-run"] if args.dry_run else []
-    policy, reward_model = scratch / "models" / "policy", scratch / "models" / "reward_model"
+    def read(tail) -> dict:
+        import yaml
 
-    check.part("versions", [python, __file__, "--versions", *dry], figures=_json_line)
-    built = check.part(
-        "build_models",
-        [python, __file__, "--build-models", str(scratch / "models"), "--shape", mode.shape, *dry],
-        figures=_json_line,
-    )
-    check.part(
-        "gpu_tests",
+        with (run_dir / "metrics.csv").open(newline="") as file:
+            rows = list(csv.DictReader(file))
+        if not rows or not rows[0].get("rollout/worker_0/tokens_per_s"):
+            raise ValueError(f"{run_dir / 'metrics.csv'} has no rollout/worker_0/tokens_per_s: no Ray worker sampled")
+        figures = summary_figures(run_dir)(tail)
+        for key, name in RAY_FIGURES.items():
+            values = [float(row[key]) for row in rows]
+            figures[name] = values
+            measured = values[1:] or values
+            figures[f"{name}_mean_after_first"] = sum(measured) / len(measured)
+        figures["worker_restarts"] = sum(float(row["rollout/worker_restarts"]) for row in rows)
+        config = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+        figures["device"] = config["device"]
+        figures["worker_resources"] = config["rollout"]["worker_resources"]
+        return figures
+
+    return read
+
+
+# The Ray part's per-step figures: metrics.csv's column -> the name in gpu_check.json.
+RAY_FIGURES = {
+    "rollout/worker_0/tokens_per_s": "worker_tokens_per_s",
+    "perf/weight_sync_s": "weight_sync_s",
+    "perf/step_time_s": "step_time_s",
+}
+# Why a part that needs a module is skipped where it cannot be imported, and how to get it.
+MISSING_MODULE = {
+    "ray": "ray cannot be imported: on the GPU machine the Ray part runs in a call of its own, carrying the wheels "
+    "of `bash scripts/gpu_wheels.sh --ray` (carry=['.whl', '.whl-ray'], `bash scripts/gpu_check.sh --only grpo_ray`);"
+    ' here, pip install -e ".[ray]"',
+}
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` can be imported here (without importing it: ray's import takes seconds)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def models_ready(folder: Path, shape: str) -> bool:
+    """Whether ``folder`` holds a policy and a reward model of ``SHAPES[shape]`` (an earlier run's build)."""
+    for name in ("policy", "reward_model"):
+        path = folder / name / "config.json"
+        if not path.exists():
+            return False
+        config = json.loads(path.read_text())
+        if any(config.get(key) != SHAPES[shape][key] for key in ("hidden_size", "num_hidden_layers", "vocab_size")):
+            return False
+    return True
+
+
+def plan(mode: Mode, scratch: Path, *, python: str = sys.executable) -> list[Part]:
+    """Every part of the check in ``mode``, in the order they run; models and run folders under ``scratch``."""
+    dry = ["--dry-run"] if mode is DRY_RUN else []
+    models = scratch / "models"
+    policy, reward_model = models / "policy", models / "reward_model"
+    parts = [
+        Part("versions", [python, str(Path(__file__)), "--versions", *dry], figures=_json_line),
+        Part(
+            "build_models",
+            [python, str(Path(__file__)), "--build-models", str(models), "--shape", mode.shape, *dry],
+            figures=_json_line,
+        ),
         # One process (-n 0, not pyproject's -n auto): the gpu tests share one device, and workers that only find
         # skips here would each collect the whole suite again.
-        [python, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-p", "no:cacheprovider", "tests"],
-        figures=_pytest_counts,
-    )
-    if built:
-        common = [
-            f"model.name_or_path={policy}",
-            f"reward_model.name_or_path={reward_model}",
-            f"device={mode.device}",
-            "logger=csv",
-            "progress_bar=false",
-        ]
-        grpo = [python, "recipes/grpo_torchrl_rm.py", *common, f"train.steps={mode.grpo_steps}"]
-        runs = {
-            "grpo_sync": [f"dtype={mode.dtype}"],
-            "grpo_async": [f"dtype={mode.dtype}", "rollout.mode=async"],
-            "grpo_lora": [f"dtype={mode.dtype}", "model.lora.r=16"],
-            # float32 master weights under bf16 autocast: the mixed-precision path, with activation checkpointing.
-            "grpo_gradient_checkpointing": [
-                "dtype=float32",
-                "train.mixed_precision=bf16",
-                "train.gradient_checkpointing=true",
-            ],
-        }
-        for name, overrides in runs.items():
-            run_dir = scratch / "runs" / name
-            check.part(name, [*grpo, *overrides, f"hydra.run.dir={run_dir}"], figures=summary_figures(run_dir))
-        reward_dir = scratch / "runs" / "reward"
-        check.part(
+        Part(
+            "gpu_tests",
+            [python, "-m", "pytest", "-m", "gpu", "-n", "0", "-q", "-p", "no:cacheprovider", "tests"],
+            figures=_pytest_counts,
+        ),
+    ]
+    common = [
+        f"model.name_or_path={policy}",
+        f"reward_model.name_or_path={reward_model}",
+        f"device={mode.device}",
+        "logger=csv",
+        "progress_bar=false",
+    ]
+    grpo = [python, "recipes/grpo_torchrl_rm.py", *common]
+    runs = {
+        "grpo_sync": [f"dtype={mode.dtype}"],
+        "grpo_async": [f"dtype={mode.dtype}", "rollout.mode=async"],
+        "grpo_lora": [f"dtype={mode.dtype}", "model.lora.r=16"],
+        # float32 master weights under bf16 autocast: the mixed-precision path, with activation checkpointing.
+        "grpo_gradient_checkpointing": [
+            "dtype=float32",
+            "train.mixed_precision=bf16",
+            "train.gradient_checkpointing=true",
+        ],
+    }
+    for name, overrides in runs.items():
+        run_dir = scratch / "runs" / name
+        parts.append(
+            Part(
+                name,
+                [*grpo, f"train.steps={mode.grpo_steps}", *overrides, f"hydra.run.dir={run_dir}"],
+                figures=summary_figures(run_dir),
+                needs_models=True,
+            )
+        )
+    reward_dir = scratch / "runs" / "reward"
+    parts.append(
+        Part(
             "reward",
             [
                 python,
@@ -297,9 +393,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"hydra.run.dir={reward_dir}",
             ],
             figures=summary_figures(reward_dir),
+            needs_models=True,
         )
-        bench_json = scratch / "bench.json"
-        check.part(
+    )
+    bench_json = scratch / "bench.json"
+    parts.append(
+        Part(
             "bench",
             [
                 python,
@@ -313,9 +412,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"dtype={mode.dtype}",
             ],
             figures=lambda _tail: json.loads(bench_json.read_text()),
+            needs_models=True,
         )
-        estimate_json = scratch / "estimate.json"
-        check.part(
+    )
+    estimate_json = scratch / "estimate.json"
+    parts.append(
+        Part(
             "estimate_memory",
             [
                 python,
@@ -329,15 +431,100 @@ def main(argv: list[str] | None = None) -> int:
                 f"dtype={mode.dtype}",
             ],
             figures=lambda _tail: _estimate_figures(json.loads(estimate_json.read_text())),
+            needs_models=True,
         )
-    failed = [name for name, result in check.results.items() if not result["passed"]]
-    skipped = [] if built else ["every recipe part (no models were built)"]
+    )
+    ray_dir = scratch / "runs" / "grpo_ray"
+    parts.append(
+        Part(
+            "grpo_ray",
+            [
+                *grpo,
+                f"dtype={mode.dtype}",
+                f"train.steps={mode.ray_steps}",
+                "rollout.backend=ray",  # a local cluster the run starts (ray.address null) and stops
+                "rollout.workers=1",
+                # On CUDA the worker asks Ray for the GPU; the learner, Ray's driver, is outside Ray's books and uses
+                # the same one. On the CPU a worker that asks for no GPU samples on its CPU.
+                f"rollout.worker_resources.num_gpus={1 if mode.device == 'cuda' else 0}",
+                f"hydra.run.dir={ray_dir}",
+            ],
+            figures=ray_figures(ray_dir),
+            needs_models=True,
+            needs_module="ray",
+        )
+    )
+    return parts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="on this CPU machine, small models, fewer steps")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT") or REPO_ROOT / "outputs" / "gpu_check"),
+        help="where gpu_check.json and gpu_check.log go (default: $OUT, else outputs/gpu_check)",
+    )
+    parser.add_argument("--scratch", type=Path, default=None, help="models and run folders (default: a temp folder)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="run these parts (and versions) only, on the models an earlier run left in --scratch (built otherwise); "
+        "their results join that run's gpu_check.json",
+    )
+    parser.add_argument("--build-models", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one part
+    parser.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.build_models is not None:
+        return build_models(args.build_models, shape=args.shape, device="cpu" if args.dry_run else "cuda")
+    if args.versions:
+        return print_versions(gpu=not args.dry_run)
+
+    mode = DRY_RUN if args.dry_run else GPU
+    scratch = args.scratch or Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_check"
+    parts = plan(mode, scratch)
+    names = [part.name for part in parts]
+    only = None if args.only is None else [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(only or []) - set(names))
+    if unknown:
+        parser.error(f"--only {args.only}: no part named {unknown}; the parts are {', '.join(names)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if only is None and scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    check = Check(args.out, scratch, mode, earlier=earlier_results(scratch, mode) if only else None)
+
+    selected = [part for part in parts if only is None or part.name in ("versions", *only)]
+    models = scratch / "models"
+    built = only is not None and models_ready(models, mode.shape)  # --only: an earlier run's models, if it left them
+    if built:
+        check.say(f"\n=== build_models: reusing the models of an earlier run in {models}")
+    elif any(part.needs_models for part in selected) and "build_models" not in [part.name for part in selected]:
+        selected.insert(1, next(part for part in parts if part.name == "build_models"))
+    not_built = []
+    for part in selected:
+        if part.needs_models and not built:
+            not_built.append(part.name)
+            check.skip(part.name, "no models were built")
+        elif part.needs_module is not None and not importable(part.needs_module):
+            check.skip(part.name, MISSING_MODULE.get(part.needs_module, f"{part.needs_module} cannot be imported"))
+        else:
+            shutil.rmtree(scratch / "runs" / part.name, ignore_errors=True)  # --only again: the part starts afresh
+            passed = check.part(part.name, part.command, figures=part.figures)
+            built = passed if part.name == "build_models" else built
+    check.write()  # in $OUT, the earlier call's parts too, whatever ran in this one
+    failed = [name for name, result in check.results.items() if result["passed"] is False]
+    skipped = [name for name, result in check.results.items() if result["passed"] is None]
+    ran = len(check.results) - len(skipped)
     check.say(
-        f"\ngpu_check ({'dry run' if args.dry_run else 'GPU'}): {len(check.results) - len(failed)} of "
-        f"{len(check.results)} parts passed{'; failed: ' + ', '.join(failed) if failed else ''}"
+        f"\ngpu_check ({'dry run' if args.dry_run else 'GPU'}): {ran - len(failed)} of {ran} parts passed"
+        f"{'; failed: ' + ', '.join(failed) if failed else ''}"
         f"{'; skipped: ' + ', '.join(skipped) if skipped else ''}. Figures: {args.out / 'gpu_check.json'}"
     )
-    return 1 if failed or skipped else 0
+    return 1 if failed or not_built else 0
 
 
 def print_versions(*, gpu: bool) -> int:
@@ -347,7 +534,9 @@ def print_versions(*, gpu: bool) -> int:
     import torch
     from packaging.requirements import Requirement
 
-    figures = {name: importlib.metadata.version(name) for name in REPORTED}
+    # Ray where it was carried (the Ray part's call): the versions, and their requirements met like the others'.
+    carried = (*CARRIED, *RAY_CARRIED) if importable("ray") else CARRIED
+    figures = {name: importlib.metadata.version(name) for name in dict.fromkeys((*REPORTED, *carried))}
     figures["python"] = sys.version.split()[0]
     figures["cuda_available"] = torch.cuda.is_available()
     if torch.cuda.is_available():
@@ -355,7 +544,7 @@ def print_versions(*, gpu: bool) -> int:
         figures["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
         figures["torch_cuda"] = torch.version.cuda
     unmet = []
-    for name in CARRIED:
+    for name in carried:
         for text in importlib.metadata.requires(name) or []:
             requirement = Requirement(text)
             if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):

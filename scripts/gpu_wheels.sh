@@ -9,11 +9,25 @@
 # what the machine already holds, and nothing is missing. It prints the set's size (one device call carries at most
 # 64 MiB of working tree).
 #
+# --ray also fetches Ray, for the check's Ray part, into .whl-ray/ (git-ignored): ray 2.60.0 and the requirements the
+# machine lacks (jsonschema and its own), proven with the rest. Ray's wheel is 79.3 MB (75.6 MiB), over what one call
+# carries; 30.7 MiB of it is ray/jars/ray_dist.jar, the Java workers' runtime, which a Python-only cluster never loads.
+# The wheel is carried without it (`zip -d`; pip installs it as it is, its RECORD listing a file the wheel no longer
+# holds): 47.1 MB, so that .whl, .whl-ray and this repository together stay under 64 MiB and the Ray part's call
+# needs nothing an earlier call left on the machine. The script prints that call's total.
+#
 #   bash scripts/gpu_wheels.sh            # then: run `bash scripts/gpu_check.sh` there with carry=[".whl"]
+#   bash scripts/gpu_wheels.sh --ray      # then also: `bash scripts/gpu_check.sh --only grpo_ray`, carry=[".whl", ".whl-ray"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
+RAY_WHEELS=.whl-ray
 PYTHON=${PYTHON:-python}
+case "${1:-}" in
+    "") RAY=false ;;
+    --ray) RAY=true ;;
+    *) echo "usage: bash scripts/gpu_wheels.sh [--ray]" >&2; exit 2 ;;
+esac
 
 # What the machine lacks, pinned: the project's own requirements, then theirs that the machine does not hold.
 CARRIED=(
@@ -30,6 +44,15 @@ HELD=(
     tokenizers==0.23.2
     peft pyarrow pandas filelock fsspec packaging pyyaml requests httpx tqdm xxhash cloudpickle zipp jinja2 psutil
 )
+# --ray: Ray as this project is tested with it, its requirements the machine lacks, and those it holds.
+RAY_CARRIED=(
+    ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+)
+RAY_HELD=(click msgpack protobuf attrs typing-extensions)
+if ! $RAY; then
+    RAY_CARRIED=()
+    RAY_HELD=()
+fi
 PLATFORM=(
     --only-binary=:all: --python-version 3.12 --implementation cp
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
@@ -38,21 +61,35 @@ PLATFORM=(
 
 mkdir -p "$WHEELS"
 "$PYTHON" -m pip download --quiet --no-deps "${PLATFORM[@]}" -d "$WHEELS" "${CARRIED[@]}"
+FOLDERS=("$WHEELS")
+if $RAY; then
+    command -v zip >/dev/null || { echo "gpu_wheels: --ray needs zip (apt-get install zip)" >&2; exit 1; }
+    mkdir -p "$RAY_WHEELS"
+    "$PYTHON" -m pip download --quiet --no-deps "${PLATFORM[@]}" -d "$RAY_WHEELS" "${RAY_CARRIED[@]}"
+    ray_wheel=$(ls "$RAY_WHEELS"/ray-*.whl)
+    # pip download fetches the whole wheel again each time (its hash differs from the slim one): slim it again.
+    if unzip -l "$ray_wheel" 'ray/jars/*' >/dev/null 2>&1; then
+        zip -q -d "$ray_wheel" 'ray/jars/*'
+    fi
+    FOLDERS+=("$RAY_WHEELS")
+fi
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 "$PYTHON" -m pip download --quiet --no-deps --no-binary=:all: -d "$scratch/source" "${SOURCE_ONLY[@]}"
 "$PYTHON" -m pip wheel --quiet --no-deps -w "$WHEELS" "$scratch"/source/*
 
 # One version of each package: two would stop the install there.
-duplicates=$(ls "$WHEELS"/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z_' 'a-z-' | sort | uniq -d)
-if [[ -n "$duplicates" ]]; then
-    echo "gpu_wheels: $WHEELS holds several versions of: $duplicates; delete $WHEELS and run this again." >&2
-    exit 1
-fi
+for folder in "${FOLDERS[@]}"; do
+    duplicates=$(ls "$folder"/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z_' 'a-z-' | sort | uniq -d)
+    if [[ -n "$duplicates" ]]; then
+        echo "gpu_wheels: $folder holds several versions of: $duplicates; delete $folder and run this again." >&2
+        exit 1
+    fi
+done
 
 # Stand-ins for what the machine holds: empty wheels carrying only a name and a version, so that pip's resolver
 # checks the carried set against them offline without downloading multi-GB builds.
-"$PYTHON" - "$scratch/held" "${HELD[@]}" <<'EOF'
+"$PYTHON" - "$scratch/held" "${HELD[@]}" "${RAY_HELD[@]}" <<'EOF'
 import importlib.metadata
 import sys
 import zipfile
@@ -76,16 +113,18 @@ for spec in sys.argv[2:]:
 EOF
 
 # The proof: the project's packages resolve offline, for Python 3.12, from the carried wheels and the stand-ins.
-"$PYTHON" -m pip install --quiet --dry-run --no-index --find-links "$WHEELS" --find-links "$scratch/held" \
+links=()
+for folder in "${FOLDERS[@]}" "$scratch/held"; do links+=(--find-links "$folder"); done
+"$PYTHON" -m pip install --quiet --dry-run --no-index "${links[@]}" \
     "${PLATFORM[@]}" --target "$scratch/target" --report "$scratch/report.json" \
-    "${CARRIED[@]%%==*}" "${SOURCE_ONLY[@]%%==*}" peft transformers accelerate safetensors
-"$PYTHON" - "$scratch/report.json" "$WHEELS" <<'EOF'
+    "${CARRIED[@]%%==*}" "${SOURCE_ONLY[@]%%==*}" "${RAY_CARRIED[@]%%==*}" peft transformers accelerate safetensors
+"$PYTHON" - "$scratch/report.json" "${FOLDERS[@]}" <<'EOF'
 import json
 import sys
 from pathlib import Path
 
 report = json.loads(Path(sys.argv[1]).read_text())
-carried = {path.name for path in Path(sys.argv[2]).glob("*.whl")}
+carried = {path.name for folder in sys.argv[2:] for path in Path(folder).glob("*.whl")}
 used = {Path(item["download_info"]["url"]).name for item in report["install"]}
 unused = sorted(carried - used)
 if unused:
@@ -93,5 +132,18 @@ if unused:
 print(f"gpu_wheels: resolved for CPython 3.12 with nothing missing: {len(carried)} carried wheels, "
       f"{len(used) - len(carried)} packages the machine holds")
 EOF
-total=$(du -cb "$WHEELS"/*.whl | tail -1 | cut -f1)
-echo "gpu_wheels: $(ls "$WHEELS"/*.whl | wc -l) wheels in $WHEELS, $((total / 1024)) KiB in all (a device call carries at most 64 MiB)"
+for folder in "${FOLDERS[@]}"; do
+    total=$(du -cb "$folder"/*.whl | tail -1 | cut -f1)
+    echo "gpu_wheels: $(ls "$folder"/*.whl | wc -l) wheels in $folder, $((total / 1024)) KiB in all"
+done
+# What a call carrying these folders sends: the repository's tracked and untracked-but-not-ignored files, and them.
+tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+wheels=$(find "${FOLDERS[@]}" -name '*.whl' -print0 | du -cb --files0-from=- | tail -1 | cut -f1)
+call=$((tree + wheels))
+echo "gpu_wheels: a call carrying ${FOLDERS[*]} sends $((call / 1048576)) MiB (the repository $((tree / 1048576)) MiB)" \
+    "of the 64 MiB it may"
+if ((call > 64 * 1048576)); then
+    echo "gpu_wheels: that is over 64 MiB: the call would be refused. Make the repository's working tree smaller" \
+        "(untracked files count unless git ignores them)." >&2
+    exit 1
+fi

@@ -198,6 +198,7 @@ def test_few_steps_write_summary_metrics_and_loadable_checkpoints(compose_config
         "perf/reward_s",
         "perf/reference_s",
         "perf/update_s",
+        "perf/weight_sync_s",
         "train/policy_lag",
     ):
         assert all(torch.isfinite(torch.tensor(row[name])) for row in rows), name
