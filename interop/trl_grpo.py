@@ -209,12 +209,15 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             rollouts[:4]["completion_text"], rollouts[:4]["advantage"]
     """
 
-    # What trl's attributes hold here (transformers' Trainer and trl declare wider types): trl's config (validated,
-    # so num_generations is set), the model it trains, and the rollout function this class installs.
+    # trl's attributes, typed as they are here (transformers' Trainer and trl declare wider types, for mypy).
     args: GRPOConfig
+    """trl's config, validated (``num_generations`` is set)."""
     num_generations: int
+    """Completions per prompt: trl's ``num_generations``."""
     model: torch.nn.Module
+    """The model trl trains."""
     rollout_func: TorchRLRolloutFunc
+    """What samples each generation batch: the ``rollout_func`` given, or the default ``TorchRLRolloutFunc()``."""
 
     def __init__(
         self,
