@@ -14,7 +14,8 @@ import os
 import sys
 
 if __name__ == "__main__":
-    from _tool_worker import _die_with_parent  # run as a script: this folder is on sys.path
+    # Run as a script: this folder is on sys.path (mypy checks interop/ as a package, where it is not).
+    from _tool_worker import _die_with_parent  # type: ignore[import-not-found]
 
     _die_with_parent(int(sys.argv[1]))
     command = sys.argv[2:]

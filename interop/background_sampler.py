@@ -248,6 +248,7 @@ class BackgroundSampler:
         data, batch_size, seconds = payload
         rollout = TensorDict(data, batch_size=batch_size)
         rollout.set("sample_s", torch.full(batch_size, seconds))
+        assert self.version is not None  # submit() refuses to start before publish()
         return rollout, self.version
 
     def _receive(self) -> tuple[str, Any]:

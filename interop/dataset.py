@@ -729,6 +729,7 @@ def _pad(tensors: list[torch.Tensor], padding_side: str, padding_value: Any) -> 
     out = torch.full((len(tensors), *shape), padding_value, dtype=dtype, device=tensors[0].device)
     mask = torch.zeros((len(tensors), *shape), dtype=torch.bool, device=tensors[0].device)
     for i, tensor in enumerate(tensors):
+        region: tuple[int | slice, ...]
         if padding_side == "right":
             region = (i, *(slice(0, s) for s in tensor.shape))
         else:
@@ -834,8 +835,8 @@ def _check_samples(samples: Sequence[Mapping[str, Any]], padding_side: str) -> l
 def _collate_column(values: list, name: str, padding_side: str, padding_value, *, masked: bool):
     """Key ``name``'s values as one batched entry and its mask (``None`` unless padded, or ``masked``): stacked
     tensors, padded ragged tensors, or a non-tensor stack."""
-    tensors = [_as_tensor(v) for v in values]
-    if any(t is None for t in tensors):
+    tensors = [t for t in map(_as_tensor, values) if t is not None]
+    if len(tensors) < len(values):  # a value that is not numeric
         return NonTensorStack.from_list(values), None
     shape = tensors[0].shape
     if all(t.shape == shape for t in tensors):

@@ -270,7 +270,7 @@ class DialogSampler:
         """
         name = tool_messages[0]["name"]
         calls = [{"type": "function", "function": {"name": name, "arguments": {}}}]
-        dummy = [_DUMMY_USER, {"role": "assistant", "content": "", "tool_calls": calls}]
+        dummy: list[dict] = [_DUMMY_USER, {"role": "assistant", "content": "", "tool_calls": calls}]
         key = ("tool_turn", name)
         if key not in self._render_cache:
             self._render_cache[key] = list(self._render(dummy, add_generation_prompt=False, tokenize=True))
@@ -415,9 +415,11 @@ class DialogSampler:
     def _past_of(self, rows: list[int]) -> KeptCache | None:
         """The KV caches the last turn kept for ``rows`` (each a row of that turn: dialogs only ever drop out), or
         ``None`` when there was no last turn or it kept none."""
-        if not self.keep_cache_across_turns or self._last_turn is None or self._last_turn[1] is None:
+        if not self.keep_cache_across_turns or self._last_turn is None:
             return None
         last_rows, kept = self._last_turn
+        if kept is None:
+            return None
         index = {row: position for position, row in enumerate(last_rows)}
         return kept.select([index[row] for row in rows])
 

@@ -40,6 +40,10 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # mcp is an optional dependency, imported when a server starts
+    from mcp import ClientSession
 
 __all__ = ["MCPStdioServer", "MCPTool", "mcp_tools", "server_from_spec"]
 
@@ -179,6 +183,7 @@ class MCPStdioServer:
         """
         self.start()
         connection = self._connection
+        assert connection is not None  # start() opened it
         try:
             result = connection.run(connection.session.call_tool(tool, dict(arguments)))
         except Exception as error:
@@ -251,7 +256,8 @@ def mcp_tools(servers: Mapping[str, Mapping], *, start_timeout_s: float = 60.0) 
     """
     if not isinstance(servers, Mapping) or not servers:
         raise ValueError(f"mcp_tools: servers={servers!r} must be a non-empty dict of name -> {{command, args, env}}.")
-    tools, owners = [], {}
+    tools: list[MCPTool] = []
+    owners: dict[str, str] = {}
     for name, spec in servers.items():
         server = server_from_spec(str(name), spec, start_timeout_s=start_timeout_s)
         for tool in server.list_tools():
@@ -293,9 +299,8 @@ class _Connection:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"mcp-{server.name}", daemon=True)
         self._thread.start()
-        self._ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._stop = None
-        self.session = None
+        self._ready: concurrent.futures.Future[ClientSession] = concurrent.futures.Future()
+        self._stop: asyncio.Event | None = None
         self._held = asyncio.run_coroutine_threadsafe(self._hold(server, errlog), self._loop)
         try:
             self.session = self._ready.result(timeout=server.start_timeout_s)
@@ -385,8 +390,8 @@ def _result_text(result) -> str:
 
 def _leaf(error: BaseException) -> BaseException:
     """The first exception inside (nested) exception groups: anyio's task groups wrap what went wrong."""
-    while getattr(error, "exceptions", None):  # an ExceptionGroup (the exceptiongroup backport on Python 3.10)
-        error = error.exceptions[0]
+    while inner := getattr(error, "exceptions", None):  # an ExceptionGroup (the exceptiongroup backport on 3.10)
+        error = inner[0]
     return error
 
 
@@ -426,7 +431,7 @@ def _without_env_values(text: str, env: Mapping[str, str]) -> str:
         if not value:
             continue
         pattern = re.escape(value) if len(value) >= 4 else rf"(?<![\w.-]){re.escape(value)}(?![\w.-])"
-        text = re.sub(pattern, lambda _, name=name: f"<{name}>", text)
+        text = re.sub(pattern, f"<{name}>".replace("\\", r"\\"), text)  # a literal replacement: backslashes escaped
     return text
 
 

@@ -89,7 +89,7 @@ def _flatten_conversations(values: Any) -> list[list[dict]]:
     """The conversations (lists of message dicts) of a possibly nested list, one per sample, in order."""
     if _is_conversation(values):
         return [list(values)]
-    out = []
+    out: list[list[dict]] = []
     for value in values:
         out.extend([list(value)] if _is_conversation(value) else _flatten_conversations(value))
     return out
@@ -350,16 +350,15 @@ class HFRewardModelWrapper(TensorDictModuleBase):
 
     # ------------------------------------------------------------------ scoring
 
-    @property
-    def _truncation_window(self) -> slice:
+    def _truncation_window(self, max_length: int) -> slice:
         """The ``max_length`` tokens kept: the first ones, or the last with a tokenizer that truncates on the left."""
         keep_end = getattr(self.tokenizer, "truncation_side", "right") == "left"
-        return slice(-self.max_length, None) if keep_end else slice(0, self.max_length)
+        return slice(-max_length, None) if keep_end else slice(0, max_length)
 
     def _truncate(self, seq, seq_mask):
         if self.max_length is None or len(seq) <= self.max_length:
             return seq, seq_mask
-        window = self._truncation_window
+        window = self._truncation_window(self.max_length)
         return seq[window], (seq_mask[window] if seq_mask is not None else None)
 
     def _pad(self, seqs: list, masks: list | None, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,8 +378,8 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             masks = None
         if masks is None:  # real tokens only: the mask follows from the lengths
             positions = torch.arange(longest)
-            lengths = torch.tensor(lengths).unsqueeze(-1)
-            mask = positions < lengths if right else positions >= longest - lengths
+            length_column = torch.tensor(lengths).unsqueeze(-1)
+            mask = positions < length_column if right else positions >= longest - length_column
         else:
             mask = pad_sequence(masks, batch_first=True, padding_value=0, padding_side=self.padding_side)
         return ids.to(device, non_blocking=True), mask.to(device=device, dtype=torch.long, non_blocking=True)
@@ -440,8 +439,9 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             if isinstance(ids, torch.Tensor) and self.max_length is not None and ids.shape[-1] > self.max_length:
                 if mask is None or bool(mask.all()):
                     # Every row is all real tokens: truncating each one is truncating the columns.
-                    ids = ids[..., self._truncation_window]
-                    mask = mask[..., self._truncation_window] if mask is not None else None
+                    window = self._truncation_window(self.max_length)
+                    ids = ids[..., window]
+                    mask = mask[..., window] if mask is not None else None
                 else:
                     # Padded rows: each keeps max_length of its own real tokens, wherever its padding is, and is
                     # padded again on padding_side (cutting columns would cut the real tokens of left-padded rows).

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase
@@ -56,6 +56,9 @@ from interop.sampling import (
 )
 from interop.sampling import LOG_PROBS as FULL_LOG_PROBS
 from interop.tools import ToolRunner, ToolSet
+
+if TYPE_CHECKING:  # for annotations; imported where the workers start
+    from interop.rollout_workers import RolloutWorkers
 
 __all__ = ["TorchRLRolloutFunc", "message_text"]
 
@@ -287,7 +290,7 @@ class TorchRLRolloutFunc:
         self.policy = policy
         self.tokenizer = tokenizer
         self.replay_buffer = replay_buffer
-        self.model = model if model is not None else getattr(policy, "model", None)
+        self.model: Any = model if model is not None else getattr(policy, "model", None)  # None until built
         if policy is not None and not isinstance(self.model, torch.nn.Module):
             raise ValueError(
                 f"TorchRLRolloutFunc: {type(policy).__name__} has no `model` attribute; pass model=<the nn.Module that "
@@ -315,8 +318,8 @@ class TorchRLRolloutFunc:
         self.weight_sync_every, self.sampler_dtype = weight_sync_every, sampler_dtype
         # async: the prompts of the generation batch after a given one (interop.TorchRLGRPOTrainer sets it), the
         # child process, and the batch it samples.
-        self.lookahead = None
-        self._background = None
+        self.lookahead: Any = None  # prompts -> the next batch's prompts (a PromptLookahead)
+        self._background: Any = None  # interop.rollout_workers.RolloutWorkers, once started
         self._pending: list | None = None
         self.stats: dict[str, float] = {}  # the last call's figures: policy_lag, resampled, lookahead_misses
         # tools: what the dialogs run (a ToolRunner built at the first call when functions were given), the turn
@@ -427,7 +430,7 @@ class TorchRLRolloutFunc:
                 "generate from prompt tokens (TransformersWrapper(input_mode='tokens', generate=True))."
             )
         out_keys = list(getattr(policy, "out_keys", []))
-        missing = []
+        missing: list[object] = []
         if not _declares(out_keys, RESPONSE_TOKENS):
             missing.append(RESPONSE_TOKENS)
         if not (_declares(out_keys, RESPONSE_LOG_PROBS) or _declares(out_keys, FULL_LOG_PROBS)):
@@ -570,10 +573,9 @@ class TorchRLRolloutFunc:
         if self.policy is None:
             self._build_policy(trainer)
         if self.backend != "learner" and self._background is None:
-            self._start_background()
-            self._background.wait_until_ready()
+            self._start_background().wait_until_ready()
 
-    def _start_background(self) -> None:
+    def _start_background(self) -> RolloutWorkers:
         from interop.rollout_workers import RolloutWorkers
 
         dialogs = None
@@ -601,6 +603,7 @@ class TorchRLRolloutFunc:
             seed=self.seed,
             dialogs=dialogs,
         )
+        return self._background
 
     def close(self) -> None:
         """Stops the samplers apart from the learner, if any (``interop.TorchRLGRPOTrainer`` does at the end of

@@ -40,7 +40,7 @@ import sys
 import time
 import warnings
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -322,7 +322,7 @@ def _ray_worker_class(ray):
             if ray.get_gpu_ids():  # a worker given a GPU (WorkerResources.num_gpus) samples on it
                 self.model.to("cuda")
             self.rollout_func = build_rollout_func(self.model, tokenizer, options)
-            self.version = None
+            self.version: int | None = None
 
         def where(self) -> tuple[str, int]:
             import os
@@ -419,7 +419,7 @@ class RolloutWorkers:
         if dtype is not None:
             self._model.to(dtype)
         self._tokenizer, self._dialogs = tokenizer, dialogs
-        self._options = {
+        self._options: dict[str, Any] = {
             "settings": settings,
             "log_probs_at_temperature": log_probs_at_temperature,
             "eos_token_ids": list(eos_token_ids),
@@ -431,7 +431,7 @@ class RolloutWorkers:
         self.version: int | None = None
         self._weights_ref = None
         self._pending: list[tuple[RemoteWorker, range, Any]] | None = None
-        self._prompt_ids: list[list[int]] | None = None
+        self._prompt_ids: list[list[int]] = []  # the submitted batch's
         self._closed = False
         self.restarts = 0  # workers replaced since the start
         self.dropped_nodes: list[str] = []
@@ -445,6 +445,16 @@ class RolloutWorkers:
         self._workers = [self._start(index) for index in range(workers)]
 
     # ------------------------------------------------------------------------------------------------ workers
+
+    @overload
+    def _start(
+        self, index: int, *, placement_s: None = None, weights: torch.nn.Module | None = None
+    ) -> RemoteWorker: ...
+
+    @overload
+    def _start(
+        self, index: int, *, placement_s: float, weights: torch.nn.Module | None = None
+    ) -> RemoteWorker | None: ...
 
     def _start(
         self, index: int, *, placement_s: float | None = None, weights: torch.nn.Module | None = None
@@ -569,10 +579,10 @@ class RolloutWorkers:
                     raise RuntimeError(
                         f"RolloutWorkers: workers died {restarts} times during one batch; the last: {error}"
                     ) from error
-                worker = self._replace(worker, error)
-                if worker is None:  # its node left: a surviving worker takes the groups
-                    worker = min(self._workers, key=lambda alive: sum(p[0] is alive for p in pending))
-                pending.append((worker, rows, self._send(worker, rows)))
+                replacement = self._replace(worker, error)
+                if replacement is None:  # its node left: a surviving worker takes the groups
+                    replacement = min(self._workers, key=lambda alive: sum(p[0] is alive for p in pending))
+                pending.append((replacement, rows, self._send(replacement, rows)))
                 continue
             parts[rows.start] = part
             tokens = float(part.get("completion_length").sum()) if part.shape[0] else 0.0
@@ -580,6 +590,7 @@ class RolloutWorkers:
         stats["workers"] = float(len(self._workers))
         stats["worker_restarts"] = float(restarts)
         self.last_stats = stats
+        assert self.version is not None  # submit() refuses to start before publish()
         return _concatenate([parts[start] for start in sorted(parts)], self._pad_id()), self.version
 
     def _pad_id(self) -> int:

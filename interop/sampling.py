@@ -577,7 +577,7 @@ class _Keeper:
         """The :class:`KeptCache`: each row's columns past the first ``prefilled`` (the response's) count only up to
         the row's last fed token (a finished row still in the batch fed pads after its EOS)."""
         lengths = responses.lengths
-        where = [None] * prompt_tokens.shape[0]
+        where: dict[int, tuple[int, int]] = {}  # every row: the last take() keeps the rows still decoding
         for piece, ((_, mask), rows) in enumerate(zip(self.pieces, self.rows)):
             steps = torch.arange(mask.shape[1] - prefilled, device=mask.device)
             mask[:, prefilled:] &= steps < (lengths[rows] - 1)[:, None]
@@ -587,7 +587,7 @@ class _Keeper:
             torch.cat([context[keep.bool()], response[: int(length) - 1]]).cpu()
             for context, keep, response, length in zip(prompt_tokens, prompt_mask, responses.tokens, lengths)
         ]
-        return KeptCache(self.pieces, held, where)
+        return KeptCache(self.pieces, held, [where[row] for row in range(prompt_tokens.shape[0])])
 
 
 # Finished rows leave the decoding batch once more than this fraction of its rows have finished: at every step that
@@ -627,18 +627,17 @@ def _output_head_for_few_rows(model, *, skip: bool = False):
     restored on leaving, whatever happens inside."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) and not skip else None
-    weight = getattr(head, "weight", None)
     if (
         type(head) is not torch.nn.Linear
         or "forward" in vars(head)
-        or type(weight.data) is not torch.Tensor
-        or weight.device.type != "cpu"
-        or weight.dtype != torch.float32
-        or weight.numel() < _ROWS_FIRST_MIN_WEIGHTS
+        or type(head.weight.data) is not torch.Tensor
+        or head.weight.device.type != "cpu"
+        or head.weight.dtype != torch.float32
+        or head.weight.numel() < _ROWS_FIRST_MIN_WEIGHTS
     ):
         yield
         return
-    head.forward = _head_rows_first.__get__(head)
+    head.forward = _head_rows_first.__get__(head)  # type: ignore[method-assign]  # this instance only, undone below
     try:
         yield
     finally:

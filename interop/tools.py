@@ -41,7 +41,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ERROR_KINDS",
@@ -158,7 +160,7 @@ class ToolSet:
     def __repr__(self) -> str:
         return f"ToolSet({self.names})"
 
-    def check_call(self, name: str, arguments: object) -> tuple[str, str] | None:
+    def check_call(self, name: str | None, arguments: object) -> tuple[str, str] | None:
         """``None`` when ``name(**arguments)`` fits a tool's schema; else ``(kind, message)``, kind ``unknown_tool`` (in
         trl's words: ``Tool {name} not found.``) or ``bad_arguments`` (unknown or missing names, wrong JSON types)."""
         if name not in self.functions:
@@ -507,8 +509,8 @@ class ToolRunner:
         self.timeout_s, self.start_timeout_s = float(timeout_s), float(start_timeout_s)
         self.max_result_tokens, self.tokenizer = max_result_tokens, tokenizer
         self._pickled = _pickled_tools(self.tools)
-        self._process = None
-        self._connection = None
+        self._process: subprocess.Popen | None = None
+        self._connection: Connection | None = None
         self._workers_started = 0
 
     @property
@@ -543,6 +545,7 @@ class ToolRunner:
         if problem is not None:
             kind, message = problem
             return self._answer(name, error_content(message), kind, start)
+        assert call.name is not None and call.arguments is not None  # check_call found the tool and its arguments
         status, payload = self._call_worker(call.name, call.arguments)
         if status == "ok":
             text, cut = payload
@@ -565,7 +568,7 @@ class ToolRunner:
                 cut = True
         return ToolResult(name, content, error, cut, time.perf_counter() - start)
 
-    def _call_worker(self, name: str, arguments: dict) -> tuple[str, object]:
+    def _call_worker(self, name: str, arguments: dict) -> tuple[str, Any]:
         """``("ok", (text, cut))`` or ``(error kind, message)``."""
         connection = self._worker()
         char_limit = MAX_RESULT_CHARS
@@ -583,7 +586,7 @@ class ToolRunner:
         return status, payload
 
     def _worker(self):
-        if self._connection is not None and self._process.poll() is None:
+        if self._connection is not None and self._process is not None and self._process.poll() is None:
             return self._connection
         if self._process is not None:  # ended by itself between calls
             self._stop_worker()

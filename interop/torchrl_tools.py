@@ -33,6 +33,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from interop.tools import ParsedTurn, ToolCall, ToolCallFormat
 
@@ -179,7 +180,7 @@ class PythonCodeTool:
         if not timeout_s > 0:
             raise ValueError(f"PythonCodeTool: timeout_s={timeout_s} must be > 0 (seconds).")
         self.timeout_s, self.__name__ = float(timeout_s), name
-        self._interpreter = None
+        self._interpreter: Any = None  # a torchrl PythonInterpreter, built in the tool worker
         parameters = {
             "type": "object",
             "properties": {"code": {"type": "string", "description": "the Python code; print what you want back."}},
@@ -255,10 +256,18 @@ class PatternCallFormat:
     pattern: str
     close: str | None = None
 
+    def __post_init__(self) -> None:
+        groups = re.compile(self.pattern, re.DOTALL).groups
+        if groups < 2:
+            raise ValueError(
+                f"PatternCallFormat: pattern {self.pattern!r} captures {groups} group(s); it needs two, the tool's "
+                r"name then its JSON arguments, as in r'<tool>(name)\n(arguments)</tool>'."
+            )
+
     def parse(self, text: str) -> ParsedTurn:
         """The turn's calls in this format, in order, and its text before the first call."""
         matches = list(re.finditer(self.pattern, text, re.DOTALL))
-        calls = [_call(*match.groups()[:2], match.group(0)) for match in matches]
+        calls = [_call(match.group(1), match.group(2), match.group(0)) for match in matches]
         return _turn(text, calls, matches[0].start() if matches else None)
 
 
@@ -338,9 +347,9 @@ def torchrl_tools(piece) -> TorchRLTools:
         tools = [ServiceTool(service, pass_state=piece.pass_state_to_tools) for service in _services(piece.registry)]
         return TorchRLTools(tools, _parser_format(piece.parser))
     if isinstance(piece, llm.SimpleToolTransform):
-        tools = [FunctionTool(name, fn, piece.tool_schemas.get(name)) for name, fn in piece.tools.items()]
+        functions = [FunctionTool(name, fn, piece.tool_schemas.get(name)) for name, fn in piece.tools.items()]
         fmt = _parser_format(piece.parser) if piece.parser is not None else PatternCallFormat(piece.tool_call_pattern)
-        return TorchRLTools(tools, fmt)
+        return TorchRLTools(functions, fmt)
     if isinstance(piece, llm.PythonInterpreter):
         if piece.persistent or piece.services is not None:
             raise ValueError(

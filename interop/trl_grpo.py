@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from interop.group_replay import GroupReplay, pad_rows
 from interop.importance_sampling import IMPORTANCE_SAMPLING_MODES, sampler_mismatch_counts, sampler_mismatch_metrics
@@ -156,7 +156,7 @@ class _Passes:
         if len(self.dataset) == 0:
             return
         for number in itertools.count():
-            order = range(len(self.dataset))
+            order: range | torch.Tensor = range(len(self.dataset))
             if self.shuffle:
                 order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + number))
             for index in order:
@@ -209,6 +209,16 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             rollouts[:4]["completion_text"], rollouts[:4]["advantage"]
     """
 
+    # trl's attributes, typed as they are here (transformers' Trainer and trl declare wider types, for mypy).
+    args: GRPOConfig
+    """trl's config, validated (``num_generations`` is set)."""
+    num_generations: int
+    """Completions per prompt: trl's ``num_generations``."""
+    model: torch.nn.Module
+    """The model trl trains."""
+    rollout_func: TorchRLRolloutFunc
+    """What samples each generation batch: the ``rollout_func`` given, or the default ``TorchRLRolloutFunc()``."""
+
     def __init__(
         self,
         *args,
@@ -242,14 +252,15 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         if config is not None:
             check_importance_sampling_settings(config)  # trl would refuse a wrong mode only at the first batch
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is what this class is for
-        super().__init__(*args, rollout_func=rollout_func, **kwargs)
+        # mypy: *args could reach trl's 13th parameter, rollout_func, positionally; trl's scripts pass a few at most.
+        super().__init__(*args, rollout_func=rollout_func, **kwargs)  # type: ignore[misc]
         if config is None:
             check_importance_sampling_settings(self.args)
         # trl's own vllm_importance_sampling_* code corrects the TorchRL sampler's log-probs (with vLLM it runs anyway).
         self.corrects_sampler = bool(self.args.vllm_importance_sampling_correction) and not self.args.use_vllm
         self.last_scored: TensorDictBase | None = None
         self.scored_batches = 0
-        self._scored = None
+        self._scored: tuple[list, list, torch.Tensor] | None = None  # the last batch's (_calculate_rewards)
         self.replay = replay
 
     def train(self, *args, **kwargs):
@@ -311,6 +322,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         nothing), drawn by reward spread; this batch's informative groups stored. The replayed rows keep their stored
         sampling log-probs as old log-probs (and reference log-probs), so trl's ratio corrects for their age; with the
         sampler correction on, their correction ratio is 1 (the rows trained fresh keep trl's)."""
+        assert self.last_scored is not None and self.replay is not None  # _record() ran; replay= was given
         group, step = self.num_generations, self.state.global_step
         rewards = self.last_scored.get("reward")
         count = rewards.shape[0] // group
@@ -384,6 +396,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
         """trl's old log-probs := the log-probs the completions were sampled with (at trl's temperature), so that its
         ratio and clipping correct the policy lag."""
         rollout = self.rollout_func.last_rollout
+        assert rollout is not None  # the rollout function sampled this batch
         width = output["completion_ids"].shape[1]
         behaviour = rollout.get("logprobs")[:, :width]
         behaviour = torch.nn.functional.pad(behaviour, (0, width - behaviour.shape[1]))
@@ -416,6 +429,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value)
 
     def _record(self, output: dict) -> None:
+        assert self._scored is not None  # _calculate_rewards() ran in this batch's scoring
         prompts, completions, rewards_all = self._scored
         rank, rows = self.accelerator.process_index, len(prompts)
         rewards = rewards_all[rank * rows : (rank + 1) * rows].detach().float().cpu()

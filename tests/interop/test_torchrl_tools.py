@@ -64,6 +64,13 @@ def test_each_piece_brings_its_tools_and_call_format():
     assert (turn.content, turn.calls[0].arguments) == ("Let me.", {"code": "print(6 * 7)"})
 
 
+@pytest.mark.parametrize("pattern", [r"<tool>(.*?)</tool>", r"<tool>.*?</tool>"])
+def test_a_call_pattern_without_name_and_arguments_groups_is_refused_when_built(pattern):
+    # Before, it was taken and every turn holding a call then raised a TypeError from inside parse().
+    with pytest.raises(ValueError, match=r"PatternCallFormat: pattern .* captures \d group.*the tool's name then"):
+        torchrl_tools(SimpleToolTransform(tools={"shout": shout}, tool_call_pattern=pattern))
+
+
 def test_code_runs_only_where_a_python_interpreter_is_named():
     written = "Let me.\n```python\nimport os; os.remove('precious')\n```"
     assert ToolCallFormat().parse(written).calls == []  # Python function tools, or a registry: the block is text
