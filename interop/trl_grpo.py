@@ -16,7 +16,8 @@ With ``TorchRLRolloutFunc(mode="async")`` the trainer also reads its prompt stre
 (the rollout function samples that batch in a child process while trl updates), gives trl's loss the sampling
 log-probs as its old log-probs (trl treats a batch generated in step with the optimizer as on-policy and would
 otherwise use the current weights' log-probs: a batch sampled one update ago is not), and logs ``policy_lag``,
-``rollout/resampled`` and ``rollout/lookahead_misses`` with trl's metrics.
+``rollout/resampled``, ``rollout/withheld``, ``rollout/withheld_s`` and ``rollout/lookahead_misses`` with trl's
+metrics (the rollout function's ``past_lag_bound`` says which of the two a batch past the lag bound gets).
 
 The sampler/trainer mismatch correction: trl 1.16 applies its ``GRPOConfig`` ``vllm_importance_sampling_correction``
 (``vllm_importance_sampling_mode``, ``..._clip_min``, ``..._clip_max``) only to vLLM's completions.
@@ -391,7 +392,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
 
     def _log_rollout_stats(self) -> None:
         """The samplers' figures of the batch into trl's metrics: ``policy_lag``, ``rollout/resampled``,
-        ``rollout/lookahead_misses``, ``rollout/workers``, ``rollout/worker_restarts`` and each worker's
+        ``rollout/withheld``, ``rollout/withheld_s``, ``rollout/lookahead_misses``, ``rollout/workers``, ``rollout/worker_restarts`` and each worker's
         ``rollout/worker_<i>/tokens_per_s``."""
         for name, value in self.rollout_func.stats.items():
             self._metrics["train"][name if name == "policy_lag" else f"rollout/{name}"].append(value)
