@@ -392,8 +392,8 @@ class TorchRLGRPOTrainer(GRPOTrainer):
 
     def _log_rollout_stats(self) -> None:
         """The samplers' figures of the batch into trl's metrics: ``policy_lag``, ``rollout/resampled``,
-        ``rollout/withheld``, ``rollout/withheld_s``, ``rollout/lookahead_misses``, ``rollout/workers``, ``rollout/worker_restarts`` and each worker's
-        ``rollout/worker_<i>/tokens_per_s``."""
+        ``rollout/withheld``, ``rollout/withheld_s``, ``rollout/lookahead_misses``, ``rollout/workers``,
+        ``rollout/worker_restarts`` and each worker's ``rollout/worker_<i>/tokens_per_s``."""
         for name, value in self.rollout_func.stats.items():
             self._metrics["train"][name if name == "policy_lag" else f"rollout/{name}"].append(value)
 
