@@ -7,6 +7,8 @@ Public names:
   generate mode, or any module with the same keys) as the ``rollout_func`` of ``trl.GRPOTrainer``. Built without a
   policy, it samples with a :class:`~interop.sampling.CausalLMSampler` around the trainer's model, with the
   trainer's ``GRPOConfig`` sampling settings. Optionally writes every rollout into a TorchRL ``ReplayBuffer``.
+- :data:`PAST_LAG_BOUND`: the choices of its ``past_lag_bound`` (what async mode does with a batch that would train
+  past ``max_policy_lag``: ``"withhold"`` or ``"resample"``).
 
 trl's contract (trl 1.16, ``GRPOTrainer._generate``): the function gets the process's prompts (trl's sampler has already
 repeated each prompt ``num_generations`` times, consecutively) and the trainer, and returns one completion per prompt:
