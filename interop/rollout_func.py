@@ -190,10 +190,12 @@ class TorchRLRolloutFunc:
         past_lag_bound: async: what happens to the next generation batch when sampling it ahead would train it more
             than ``max_policy_lag`` steps old (trl updates ``steps_per_generation * num_iterations /
             gradient_accumulation_steps`` times per generation batch, rounded up). ``"withhold"``: it is not sampled
-            ahead; it is sampled when trl asks for it, with the weights trl then trains (``stats["withheld"]``,
-            and ``"withheld_s"``: how long trl waited for it). ``"resample"``: it is sampled ahead anyway, and sampled
-            again with the current weights when trl asks for it past the bound (``stats["resampled"]``). Either way
-            no batch trains past the bound; ``"resample"`` throws the first sampling away.
+            ahead but once the weights are recent enough: at the optimizer step ``max_policy_lag`` steps before trl
+            asks for it (:meth:`on_optimizer_step`, which ``interop.TorchRLGRPOTrainer`` calls), or when trl asks
+            for it (``stats["withheld"]``, and ``"withheld_s"``: how long trl waited for it). ``"resample"``: it is
+            sampled ahead anyway, and sampled again with the current weights when trl asks for it past the bound
+            (``stats["resampled"]``). Either way no batch trains past the bound; ``"resample"`` throws the first
+            sampling away.
         backend: where training batches are sampled. ``"learner"``: in this process (sync mode only);
             ``"processes"``: in ``workers`` local child processes; ``"ray"``: in ``workers`` Ray actors on the
             cluster this process is connected to (:func:`interop.rollout_workers.connect_ray`). Apart from the
@@ -338,7 +340,10 @@ class TorchRLRolloutFunc:
         self.lookahead = None
         self._background = None
         self._pending: list | None = None
-        self._withheld: list | None = None  # the next batch's prompts, when it is not sampled ahead (withhold)
+        # withhold: the next batch's prompts, when it is not sampled ahead, and the step from which it may be.
+        self._withheld: list | None = None
+        self._release_step = 0
+        self._pending_withheld = False  # whether the batch being sampled was withheld first
         # The last call's figures: policy_lag, resampled, withheld, withheld_s, lookahead_misses.
         self.stats: dict[str, float] = {}
         # tools: what the dialogs run (a ToolRunner built at the first call when functions were given), the turn
@@ -535,7 +540,10 @@ class TorchRLRolloutFunc:
             self._start_background()
         rollout, stats = None, {"resampled": 0.0, "withheld": 0.0, "withheld_s": 0.0, "lookahead_misses": 0.0}
         if self._pending is not None:
+            started = time.perf_counter()
             sampled, version = self._background.result()
+            if self._pending_withheld:
+                stats["withheld"], stats["withheld_s"] = 1.0, time.perf_counter() - started
             stats.update(self._background.last_stats)
             if self._pending != list(prompts):
                 stats["lookahead_misses"] = 1.0  # the stream moved otherwise than read ahead: never paired
@@ -550,7 +558,7 @@ class TorchRLRolloutFunc:
             if self._withheld == list(prompts):
                 stats["withheld"], stats["withheld_s"] = 1.0, time.perf_counter() - started
             stats.update(self._background.last_stats)
-        self._withheld = None
+        self._withheld, self._pending_withheld = None, False
         rollout.set("step", torch.full((rollout.shape[0],), version, dtype=torch.long))
         stats["policy_lag"] = float(step - version)
         self.stats = stats
@@ -563,12 +571,27 @@ class TorchRLRolloutFunc:
         upcoming = self.lookahead(prompts)
         if not upcoming:
             return
-        if self.past_lag_bound == "withhold" and self._updates_per_generation(trainer) > self.max_policy_lag:
-            self._withheld = list(upcoming)  # sampled when trl asks for it, with the weights it then trains
+        updates = self._updates_per_generation(trainer)
+        if self.past_lag_bound == "withhold" and updates > self.max_policy_lag:
+            # Sampled from the update max_policy_lag steps before trl asks for it (on_optimizer_step), or then.
+            self._withheld, self._release_step = list(upcoming), step + updates - self.max_policy_lag
             return
+        self._submit(upcoming, trainer, step)
+
+    def _submit(self, prompts: list, trainer, step: int) -> None:
         self._publish_due(trainer, step)
-        self._background.submit(self.tokenize(upcoming, trainer), group_size=self._group_size(trainer, upcoming))
-        self._pending = list(upcoming)
+        self._background.submit(self.tokenize(prompts, trainer), group_size=self._group_size(trainer, prompts))
+        self._pending = list(prompts)
+
+    def on_optimizer_step(self, trainer) -> None:
+        """Async mode, ``past_lag_bound="withhold"``: starts the sampling of a withheld generation batch once trl's
+        weights are recent enough for it (``max_policy_lag`` optimizer steps before trl asks for it), so that it
+        overlaps trl's last updates on the batch before. A trainer calls it after each optimizer step
+        (``interop.TorchRLGRPOTrainer`` does); without it, a withheld batch is sampled when trl asks for it."""
+        if self._withheld is None or self._pending is not None or self._step(trainer) < self._release_step:
+            return
+        self._submit(self._withheld, trainer, self._step(trainer))
+        self._withheld, self._pending_withheld = None, True
 
     @staticmethod
     def _updates_per_generation(trainer) -> int:
@@ -656,6 +679,7 @@ class TorchRLRolloutFunc:
             self._background.close()
             self._background = None
         self._pending = self._withheld = None
+        self._pending_withheld = False
         if self._owns_runner and self.runner is not None:  # the tool worker built here (a caller's runner is theirs)
             self.runner.close()
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from interop.group_replay import GroupReplay, pad_rows
@@ -248,6 +249,8 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             check_importance_sampling_settings(self.args)
         # trl's own vllm_importance_sampling_* code corrects the TorchRL sampler's log-probs (with vLLM it runs anyway).
         self.corrects_sampler = bool(self.args.vllm_importance_sampling_correction) and not self.args.use_vllm
+        if self.rollout_func.mode == "async":  # a withheld batch starts once the weights are recent enough
+            self.add_callback(_OptimizerSteps(self))
         self.last_scored: TensorDictBase | None = None
         self.scored_batches = 0
         self._scored = None
@@ -432,6 +435,16 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             train_step=self.state.global_step,
         )
         self.scored_batches += 1
+
+
+class _OptimizerSteps(TrainerCallback):
+    """Tells the async rollout function of each optimizer step (:meth:`TorchRLRolloutFunc.on_optimizer_step`)."""
+
+    def __init__(self, trainer: TorchRLGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.rollout_func.on_optimizer_step(self.trainer)
 
 
 def _reading_ahead(rollout_func: TorchRLRolloutFunc, args: tuple, kwargs: dict) -> dict:

@@ -143,7 +143,35 @@ def test_past_the_lag_bound_the_next_batch_is_withheld_or_sampled_again_as_chose
     assert buffer[: len(buffer)]["step"].tolist() == [0] * 8 + [1] * 8 + [2] * 8 + [3] * 8
 
 
-def test_within_the_lag_bound_withhold_and_resample_both_sample_ahead(tiny_policy, tmp_path):
+@pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
+def test_a_withheld_batch_starts_as_soon_as_the_bound_allows_a_resampled_one_when_trl_asks(
+    tiny_policy, tmp_path, past_lag_bound
+):
+    """steps_per_generation=2: trl updates twice per generation batch, so one read ahead would train two updates old,
+    past max_policy_lag=1. withhold starts it after the first of the two updates (it overlaps the second) and it
+    trains one update old; resample samples it ahead, throws it away when trl asks for it, and samples it again."""
+    options = {"past_lag_bound": past_lag_bound}
+    trainer = _trainer(tiny_policy, tmp_path, rollout_options=options, steps_per_generation=2, max_steps=6)
+    rollout_func, calls = trainer.rollout_func, []
+    sample = rollout_func._async_rollout
+
+    def recording(prompts, trainer):
+        rollout = sample(prompts, trainer)
+        calls.append(dict(rollout_func.stats))
+        return rollout
+
+    rollout_func._async_rollout = recording
+    trainer.train()
+    assert len(calls) == 3
+    if past_lag_bound == "withhold":
+        assert [call["policy_lag"] for call in calls] == [0.0, 1.0, 1.0]
+        assert [(call["withheld"], call["resampled"]) for call in calls] == [(0.0, 0.0), (1.0, 0.0), (1.0, 0.0)]
+    else:
+        assert [call["policy_lag"] for call in calls] == [0.0, 0.0, 0.0]
+        assert [(call["withheld"], call["resampled"]) for call in calls] == [(0.0, 0.0), (0.0, 1.0), (0.0, 1.0)]
+
+
+def test_within_the_lag_bound_withhold_still_samples_ahead(tiny_policy, tmp_path):
     """The default max_policy_lag=1 with one update per generation batch: nothing is withheld or sampled again."""
     trainer = _trainer(tiny_policy, tmp_path, rollout_options={"past_lag_bound": "withhold"}, max_steps=3)
     trainer.train()
