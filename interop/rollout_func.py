@@ -577,21 +577,27 @@ class TorchRLRolloutFunc:
             self._withheld, self._release_step = list(upcoming), step + updates - self.max_policy_lag
             return
         self._submit(upcoming, trainer, step)
+        self._pending = list(upcoming)
 
     def _submit(self, prompts: list, trainer, step: int) -> None:
+        """``prompts``' sampling started on the workers, each group on one, with the weights of ``step`` (published
+        first, where due)."""
         self._publish_due(trainer, step)
         self._background.submit(self.tokenize(prompts, trainer), group_size=self._group_size(trainer, prompts))
-        self._pending = list(prompts)
 
     def on_optimizer_step(self, trainer) -> None:
         """Async mode, ``past_lag_bound="withhold"``: starts the sampling of a withheld generation batch once trl's
         weights are recent enough for it (``max_policy_lag`` optimizer steps before trl asks for it), so that it
         overlaps trl's last updates on the batch before. A trainer calls it after each optimizer step
         (``interop.TorchRLGRPOTrainer`` does); without it, a withheld batch is sampled when trl asks for it."""
-        if self._withheld is None or self._pending is not None or self._step(trainer) < self._release_step:
+        step = self._step(trainer)
+        if self._withheld is None or self._pending is not None or step < self._release_step:
             return
-        self._submit(self._withheld, trainer, self._step(trainer))
-        self._withheld, self._pending_withheld = None, True
+        self._publish_due(trainer, step)
+        if self._background.version < self._release_step:  # weight_sync_every > 1: not pushed yet, wait for the push
+            return
+        self._submit(self._withheld, trainer, step)
+        self._pending, self._withheld, self._pending_withheld = self._withheld, None, True
 
     @staticmethod
     def _updates_per_generation(trainer) -> int:
@@ -604,10 +610,9 @@ class TorchRLRolloutFunc:
         return -(-micro_steps // accumulation)
 
     def _sample_now(self, prompts: list, trainer, step: int) -> tuple[TensorDict, int]:
-        """``prompts`` sampled by the workers with the weights of ``step`` (published first, where due), waited for;
-        each group on one worker. Returns the batch and the version that sampled it."""
-        self._publish_due(trainer, step)
-        self._background.submit(self.tokenize(prompts, trainer), group_size=self._group_size(trainer, prompts))
+        """``prompts`` sampled by the workers with the weights of ``step`` (:meth:`_submit`), waited for. Returns the
+        batch and the version that sampled it."""
+        self._submit(prompts, trainer, step)
         return self._background.result()
 
     def _remote_rollout(self, prompts: list, trainer) -> TensorDict:
