@@ -171,6 +171,27 @@ def test_a_withheld_batch_starts_as_soon_as_the_bound_allows_a_resampled_one_whe
         assert [(call["withheld"], call["resampled"]) for call in calls] == [(0.0, 0.0), (0.0, 1.0), (0.0, 1.0)]
 
 
+def test_a_withheld_batch_waits_for_a_weight_push_recent_enough_under_weight_sync_every(tiny_policy, tmp_path):
+    """steps_per_generation=3 with max_policy_lag=2 and weights pushed every second update: a withheld batch may start
+    after the first update of the three, but only with weights pushed at or after it (an older push would train it
+    three updates old); every batch stays within the bound and none is sampled again."""
+    options = {"max_policy_lag": 2, "weight_sync_every": 2}
+    trainer = _trainer(tiny_policy, tmp_path, rollout_options=options, steps_per_generation=3, max_steps=9)
+    rollout_func, calls = trainer.rollout_func, []
+    sample = rollout_func._async_rollout
+
+    def recording(prompts, trainer):
+        rollout = sample(prompts, trainer)
+        calls.append(dict(rollout_func.stats))
+        return rollout
+
+    rollout_func._async_rollout = recording
+    trainer.train()
+    assert len(calls) == 3
+    assert all(call["policy_lag"] <= 2 for call in calls) and all(call["resampled"] == 0 for call in calls)
+    assert [call["withheld"] for call in calls] == [0.0, 1.0, 1.0]
+
+
 def test_within_the_lag_bound_withhold_still_samples_ahead(tiny_policy, tmp_path):
     """The default max_policy_lag=1 with one update per generation batch: nothing is withheld or sampled again."""
     trainer = _trainer(tiny_policy, tmp_path, rollout_options={"past_lag_bound": "withhold"}, max_steps=3)
