@@ -143,15 +143,8 @@ def test_past_the_lag_bound_the_next_batch_is_withheld_or_sampled_again_as_chose
     assert buffer[: len(buffer)]["step"].tolist() == [0] * 8 + [1] * 8 + [2] * 8 + [3] * 8
 
 
-@pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
-def test_a_withheld_batch_starts_as_soon_as_the_bound_allows_a_resampled_one_when_trl_asks(
-    tiny_policy, tmp_path, past_lag_bound
-):
-    """steps_per_generation=2: trl updates twice per generation batch, so one read ahead would train two updates old,
-    past max_policy_lag=1. withhold starts it after the first of the two updates (it overlaps the second) and it
-    trains one update old; resample samples it ahead, throws it away when trl asks for it, and samples it again."""
-    options = {"past_lag_bound": past_lag_bound}
-    trainer = _trainer(tiny_policy, tmp_path, rollout_options=options, steps_per_generation=2, max_steps=6)
+def _train_recording_each_call(trainer) -> list[dict]:
+    """Trains, and returns the rollout function's figures of each generation batch (trl logs per optimizer step)."""
     rollout_func, calls = trainer.rollout_func, []
     sample = rollout_func._async_rollout
 
@@ -162,6 +155,19 @@ def test_a_withheld_batch_starts_as_soon_as_the_bound_allows_a_resampled_one_whe
 
     rollout_func._async_rollout = recording
     trainer.train()
+    return calls
+
+
+@pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
+def test_a_withheld_batch_starts_as_soon_as_the_bound_allows_a_resampled_one_when_trl_asks(
+    tiny_policy, tmp_path, past_lag_bound
+):
+    """steps_per_generation=2: trl updates twice per generation batch, so one read ahead would train two updates old,
+    past max_policy_lag=1. withhold starts it after the first of the two updates (it overlaps the second) and it
+    trains one update old; resample samples it ahead, throws it away when trl asks for it, and samples it again."""
+    options = {"past_lag_bound": past_lag_bound}
+    trainer = _trainer(tiny_policy, tmp_path, rollout_options=options, steps_per_generation=2, max_steps=6)
+    calls = _train_recording_each_call(trainer)
     assert len(calls) == 3
     if past_lag_bound == "withhold":
         assert [call["policy_lag"] for call in calls] == [0.0, 1.0, 1.0]
@@ -177,16 +183,7 @@ def test_a_withheld_batch_waits_for_a_weight_push_recent_enough_under_weight_syn
     three updates old); every batch stays within the bound and none is sampled again."""
     options = {"max_policy_lag": 2, "weight_sync_every": 2}
     trainer = _trainer(tiny_policy, tmp_path, rollout_options=options, steps_per_generation=3, max_steps=9)
-    rollout_func, calls = trainer.rollout_func, []
-    sample = rollout_func._async_rollout
-
-    def recording(prompts, trainer):
-        rollout = sample(prompts, trainer)
-        calls.append(dict(rollout_func.stats))
-        return rollout
-
-    rollout_func._async_rollout = recording
-    trainer.train()
+    calls = _train_recording_each_call(trainer)
     assert len(calls) == 3
     assert all(call["policy_lag"] <= 2 for call in calls) and all(call["resampled"] == 0 for call in calls)
     assert [call["withheld"] for call in calls] == [0.0, 1.0, 1.0]
