@@ -181,7 +181,7 @@ class MetricsCallback(TrainerCallback):
             log.warning(
                 "%d of %d dialogs called a tool and none got its result back: the tool message did not fit in "
                 "train.max_completion_length=%d, the whole dialog's budget (the call, the result and the answer), so "
-                "no dialog can use a tool. Raise train.max_completion_length (experiment=calculator_trl uses 64).",
+                "no dialog can use a tool. Raise train.max_completion_length (experiment=calculator uses 64).",
                 int(called.sum()),
                 dialogs,
                 self.trainer.args.max_completion_length,
