@@ -18,10 +18,10 @@ from interop import RewardModelTransform
 from recipes.common.config import ConfigError
 from recipes.common.data import PromptRows
 from recipes.common.prompts import PromptTable
-from recipes.common.reward_functions import RewardFunction, check_reward_functions
+from recipes.common.reward_functions import check_reward_functions
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
 from recipes.grpo.loss import normalized_sum_advantages
-from recipes.grpo.rewards import RewardSource, TrainerStepCounter, score_sources
+from recipes.grpo.rewards import RewardFunction, RewardSource, TrainerStepCounter, score_sources
 
 GROUP = 4
 PROMPTS = ["What is 1 + 2?", "Add 3 and 4."]
