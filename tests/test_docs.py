@@ -363,7 +363,7 @@ def test_a_misspelled_or_renamed_key_in_a_doc_command_fails():
 
 
 # Paths (`recipes/grpo/checks.py`, `tiny/policy`) and dotted names (`interop.TorchRLRolloutFunc`,
-# `recipes.common.arithmetic.exact_answer_reward`) of the repository.
+# `recipes.tasks.arithmetic.exact_answer_reward`) of the repository.
 REPOSITORY_PATH = re.compile(r"(?<![\w/.<-])((?:interop|recipes|scripts|tests|conf|docs|tiny)/[\w./-]*\w)")
 DOTTED_NAME = re.compile(r"(?<![\w./])((?:interop|recipes)(?:\.\w+)+)")
 

@@ -16,7 +16,7 @@ every tool:
       timeout_s: 10            # a call running longer is stopped (its worker process killed) and answered with an error
       max_result_tokens: 256   # a longer result is cut to this many tokens of the policy's tokenizer
       multiply:
-        function: recipes.common.calculator.multiply
+        function: recipes.tasks.calculator.multiply
       python:                  # a label: a TorchRL piece may bring several tools
         torchrl:
           _target_: torchrl.envs.llm.transforms.PythonInterpreter

@@ -630,7 +630,7 @@ class TextScoreReward(TensorDictModuleBase):
     ``reward.terms`` entry its ``weight`` scales it in the sum.
 
     Args:
-        score: ``callable(str) -> float``, e.g. ``recipes.common.synthetic.oracle_score``.
+        score: ``callable(str) -> float``, e.g. ``recipes.tasks.synthetic.oracle_score``.
 
     Keyword Args:
         text_key: the response text (TorchRL's wrappers write ``("text", "response")``, special tokens included).

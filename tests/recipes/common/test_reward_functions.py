@@ -265,7 +265,7 @@ def _cfg(functions: dict, **reward) -> OmegaConf:
 
 
 def test_a_function_needing_a_column_the_data_lacks_is_refused_before_loading():
-    node = {"acc": {"function": "recipes.common.arithmetic.exact_answer_reward"}}
+    node = {"acc": {"function": "recipes.tasks.arithmetic.exact_answer_reward"}}
     check_reward_functions(_cfg(node), columns=["solution"])
     with pytest.raises(ConfigError, match=r"requires \['solution'\].*columns \['product'\]"):
         check_reward_functions(_cfg(node), columns=["product"])
@@ -279,7 +279,7 @@ def test_a_function_needing_a_column_the_data_lacks_is_refused_before_loading():
         ({"f": {"function": "builtins.len", "wieght": 2}}, r"unknown key\(s\) \['wieght'\]"),
         ({"f": "trl.rewards.think_format_reward"}, r"expected \{function: "),
         ({"f": {"function": "trl.rewards.think_format_reward", "weight": "high"}}, "weight='high': expected a finite"),
-        ({"f": {"function": "recipes.common.synthetic.oracle_score"}}, "requires"),
+        ({"f": {"function": "recipes.tasks.synthetic.oracle_score"}}, "requires"),
     ],
 )
 def test_bad_function_nodes_are_refused_naming_the_key(node, match):

@@ -16,7 +16,7 @@ pytest.importorskip("mcp")
 def test_a_name_clash_with_a_function_tool_is_refused_naming_both_keys(compose_config, tmp_path, monkeypatch):
     loads = []
     monkeypatch.setattr(recipe, "load_causal_lm", lambda *args, **kwargs: loads.append(1))
-    clash = [*MCP_MULTIPLY, "+tools.multiply.function=recipes.common.calculator.multiply"]
+    clash = [*MCP_MULTIPLY, "+tools.multiply.function=recipes.tasks.calculator.multiply"]
     cfg = compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, f"output_dir={tmp_path / 'run'}", *clash])
     with pytest.raises(ConfigError, match=r"tools\.calc\.mcp\.servers\.calc and tools\.multiply\.function both"):
         recipe.train(cfg)

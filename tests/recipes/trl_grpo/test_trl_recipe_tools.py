@@ -20,18 +20,18 @@ from recipes.trl_grpo.rollout_store import load_rollouts
 ARITHMETIC = [
     "reward_model=none",
     "data=arithmetic",
-    "+reward.functions.exact.function=recipes.common.arithmetic.exact_answer_reward",
+    "+reward.functions.exact.function=recipes.tasks.arithmetic.exact_answer_reward",
     "metric=rollout/reward_mean_last",
 ]
-MULTIPLY = "+tools.multiply.function=recipes.common.calculator.multiply"
+MULTIPLY = "+tools.multiply.function=recipes.tasks.calculator.multiply"
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["+tools.multiply.function=recipes.common.calculator.nope"], r"tools.multiply.function=.*cannot be loaded"),
+        (["+tools.multiply.function=recipes.tasks.calculator.nope"], r"tools.multiply.function=.*cannot be loaded"),
         (["+tools.join.function=os.path.join"], r"tools.join.function=os.path.join: .*"),
-        (["+tools.times.function=recipes.common.calculator.multiply"], r"rename the key to tools.multiply"),
+        (["+tools.times.function=recipes.tasks.calculator.multiply"], r"rename the key to tools.multiply"),
         (["+tools.multiply=3"], r"tools.multiply: expected \{function: "),
         ([MULTIPLY, "tools.timeout_s=0"], r"tools.timeout_s=0: expected a number of seconds > 0"),
         (["+train.max_tool_calling_iterations=2"], r"train.max_tool_calling_iterations=2: .*set rollout.max_turns"),
