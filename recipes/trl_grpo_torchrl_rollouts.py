@@ -49,6 +49,7 @@ from recipes.common.config import RunStopped, hand_token_to_environment, masked_
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.dotted_paths import resolve_function
 from recipes.common.lora import make_lora_config
+from recipes.common.metrics import barely_learned_line
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, tokenizer_fingerprint
 from recipes.common.prompts import PromptTable, make_prompt_stream
 from recipes.common.rollout_backend import backend_of, ray_connection, worker_resources
@@ -282,7 +283,7 @@ def train(cfg: DictConfig) -> dict:
                 wall_s=time.perf_counter() - start,
             )
         summary = run.broadcast(summary)
-        return run.finish(summary, closing_message(summary, run.output_dir))
+        return run.finish(summary, closing_message(summary, run.output_dir), warn=bool(barely_learned_line(summary)))
 
 
 def make_trainer(

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from recipes.common.metrics import (
     MetricLogger,
+    barely_learned_line,
     held_out_accuracy,
     peak_device_memory,
     sampler_mismatch_line,
@@ -306,4 +307,5 @@ def closing_message(summary: dict, output_dir: Path) -> str:
         f"{held_out_accuracy(summary)}; "
         f"model in {output_dir / 'model'}, {summary['rollouts/rows']} rollouts in {output_dir / ROLLOUTS_DIR}{kept} "
         f"(recipes.trl_grpo.rollout_store.load_rollouts reads them).{sampler_mismatch_line(summary)}"
+        f"{barely_learned_line(summary)}"
     )
