@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows, load_prompt_rows
-from recipes.common.metrics import peak_device_memory
+from recipes.common.metrics import barely_learned_line, peak_device_memory
 from recipes.common.models import load_causal_lm, load_tokenizer
 from recipes.common.rollout_backend import backend_of, ray_connection
 from recipes.common.run import (
@@ -533,7 +533,7 @@ def _train(
             evaluator.close()
     summary = summarize(progress, window=cfg.summary.window, num_processes=processes.num_processes)
     summary.update(peak_device_memory(cfg.device))
-    return run.finish(summary, closing_message(summary, run.output_dir))
+    return run.finish(summary, closing_message(summary, run.output_dir), warn=bool(barely_learned_line(summary)))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grpo_torchrl_rm")

@@ -24,7 +24,7 @@
 
     python recipes/trl_grpo_torchrl_rollouts.py
     python recipes/trl_grpo_torchrl_rollouts.py -m seed=0,1,2
-    python recipes/trl_grpo_torchrl_rollouts.py experiment=calculator_trl     # a tool-using policy
+    python recipes/trl_grpo_torchrl_rollouts.py experiment=calculator     # a tool-using policy
     accelerate launch --multi_gpu --num_processes 2 recipes/trl_grpo_torchrl_rollouts.py device=cpu hydra.run.dir=out
 """
 
@@ -47,10 +47,11 @@ from recipes.common.callbacks import make_finite_guard, make_record_masker
 from recipes.common.checkpoint import latest_trl_checkpoint, save_model_folder, write_folder_atomically
 from recipes.common.config import RunStopped, hand_token_to_environment, masked_fields
 from recipes.common.data import PromptRows, load_prompt_rows
+from recipes.common.dotted_paths import resolve_function
 from recipes.common.lora import make_lora_config
+from recipes.common.metrics import barely_learned_line
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, tokenizer_fingerprint
 from recipes.common.prompts import PromptTable, make_prompt_stream
-from recipes.common.reward_functions import resolve_function
 from recipes.common.rollout_backend import backend_of, ray_connection, worker_resources
 from recipes.common.run import (
     end_processes,
@@ -283,7 +284,7 @@ def train(cfg: DictConfig) -> dict:
                 wall_s=time.perf_counter() - start,
             )
         summary = run.broadcast(summary)
-        return run.finish(summary, closing_message(summary, run.output_dir))
+        return run.finish(summary, closing_message(summary, run.output_dir), warn=bool(barely_learned_line(summary)))
 
 
 def make_trainer(

@@ -4,7 +4,7 @@
     python scripts/bench_dialog_cache.py --quick         # smoke: 3 rounds of 8 dialogs
 
 Both ways sample the same batches with ``interop.dialogs.DialogSampler`` and the calculator task's real tool: the
-same policy (loaded once), prompts (``recipes.common.calculator.make_task``, each repeated ``--group`` times in a row
+same policy (loaded once), prompts (``recipes.tasks.calculator.make_task``, each repeated ``--group`` times in a row
 as GRPO samples them), settings and seed per round. The only difference is ``keep_cache_across_turns``. Rounds
 alternate which way runs first, so neither always meets a warm or a cold machine first.
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     from interop.dialogs import DialogSampler
     from interop.sampling import SamplingSettings
     from interop.tools import ToolRunner
-    from recipes.common import calculator
+    from recipes.tasks import calculator
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.policy, padding_side="left")

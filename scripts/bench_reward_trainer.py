@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def make_pairs(num_pairs: int, *, seed: int) -> list[dict]:
     """Conversational preference pairs of the synthetic task, labelled by its oracle (no policy needed)."""
-    from recipes.common.synthetic import PRODUCTS, OracleLabeler, make_prompts, make_review
+    from recipes.tasks.synthetic import PRODUCTS, OracleLabeler, make_prompts, make_review
 
     rng = random.Random(seed)
     labeler = OracleLabeler(max_pairs_per_prompt=1)

@@ -4,8 +4,8 @@
     python scripts/bench_trl_tools.py                    # tiny/calculator_policy, seeds 0 1 2, 30 steps each
     python scripts/bench_trl_tools.py --quick            # smoke: seed 0, 2 steps, 16 eval prompts
 
-Both sides get the same policy (a fresh load per run), tools (``recipes.common.calculator.multiply``), training
-prompts (``recipes.common.calculator.make_task``, one order for both: trl reads them unshuffled), reward
+Both sides get the same policy (a fresh load per run), tools (``recipes.tasks.calculator.multiply``), training
+prompts (``recipes.tasks.calculator.make_task``, one order for both: trl reads them unshuffled), reward
 (``exact_answer_reward``), ``GRPOConfig`` (group size, completions per step, ``max_completion_length`` for the whole
 dialog, temperature, learning rate, ``max_tool_calling_iterations`` = turns - 1), seed and torch threads. The only
 difference is who samples the dialogs and runs the tools: trl (``model.generate`` per turn, the tools called in its
@@ -97,7 +97,7 @@ def load_policy(path: Path):
 def datasets_for(args, seed: int):
     import datasets
 
-    from recipes.common import calculator
+    from recipes.tasks import calculator
 
     prompts, columns = calculator.make_task(args.completions // args.group * args.steps, seed=1234 + seed)
     train = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts], **columns})
@@ -111,7 +111,7 @@ def accuracy(trainer, args, held_out, seed: int) -> float:
     import torch
 
     from interop import TorchRLRolloutFunc
-    from recipes.common import calculator
+    from recipes.tasks import calculator
 
     prompts, solutions = held_out
     evaluator = TorchRLRolloutFunc(tools=list(calculator.TOOLS), max_turns=args.max_turns)
@@ -132,7 +132,7 @@ def run(side: str, args, seed: int, scratch: Path) -> dict:
     from trl.chat_template_utils import qwen3_template
 
     from interop import TorchRLRolloutFunc
-    from recipes.common import calculator
+    from recipes.tasks import calculator
 
     torch.manual_seed(seed)
     model, tokenizer = load_policy(args.policy)

@@ -16,9 +16,9 @@ pretrained briefly on reviews of mixed sentiment so that it writes on-distributi
 sequence classifier (num_labels=1) initialised from that policy's backbone, ready for
 ``recipes/reward_trainer_from_buffer.py``. The trained tiny reward model (tiny/reward_model) is that recipe's output:
 ``--train-reward-model`` runs it after the build. ``--task arithmetic`` builds the verifiable task's policy instead
-(``recipes/common/arithmetic.py``): a Qwen2 of about 0.4M parameters pretrained on sums answered in three forms, of
+(``recipes/tasks/arithmetic.py``): a Qwen2 of about 0.4M parameters pretrained on sums answered in three forms, of
 which only the written-out one is reliable. ``--task calculator`` builds the tool-use task's policy
-(``recipes/common/calculator.py``): a Qwen2 with Qwen2.5's tool-call format in a compact template
+(``recipes/tasks/calculator.py``): a Qwen2 with Qwen2.5's tool-call format in a compact template
 (scripts/calculator_chat_template.jinja: ``<tool_call>`` blocks in assistant turns, tool results in
 ``<tool_response>`` blocks, the tools in one system line), its tokenizer holding the four tool markers as single tokens
 as Qwen2.5's does and every digit as its own token, pretrained on the assistant's turns of products answered sometimes
@@ -52,9 +52,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from recipes.common import arithmetic, calculator
 from recipes.common.checkpoint import write_folder_atomically
-from recipes.common.synthetic import make_sft_conversations
+from recipes.tasks import arithmetic, calculator
+from recipes.tasks.synthetic import make_sft_conversations
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Qwen's special tokens: pad <|endoftext|> distinct from EOS <|im_end|>; AutoTokenizer then loads this as a
@@ -89,7 +89,7 @@ CALCULATOR_MAX_POSITIONS = 256
 
 
 # Each task's build settings. The arithmetic policy needs more capacity and steps to learn every sum under the noise
-# of its replies (recipes/common/arithmetic.py); smaller builds learn too few sums for GRPO to reach 0.9 held out.
+# of its replies (recipes/tasks/arithmetic.py); smaller builds learn too few sums for GRPO to reach 0.9 held out.
 TASK_DEFAULTS = {
     "reviews": dict(
         num_conversations=4000, vocab_size=600, hidden_size=64, num_layers=2, pretrain_steps=600, batch_size=32, lr=3e-3
@@ -279,7 +279,7 @@ def save_policy(policy: Qwen2ForCausalLM, tokenizer, folder: Path, *, max_new_to
 
 def build_arithmetic_policy(args: argparse.Namespace) -> None:
     """``<out>/arithmetic_policy``: the verifiable task's policy, pretrained on noisy answers to the 100 addition
-    problems (``recipes.common.arithmetic.make_sft_conversations``)."""
+    problems (``recipes.tasks.arithmetic.make_sft_conversations``)."""
     start = time.perf_counter()
     conversations = arithmetic.make_sft_conversations(args.num_conversations, seed=args.seed)
     policy, tokenizer, description = pretrained_policy(conversations, args)
@@ -290,7 +290,7 @@ def build_arithmetic_policy(args: argparse.Namespace) -> None:
 
 def build_calculator_policy(args: argparse.Namespace) -> None:
     """``<out>/calculator_policy``: the tool-use task's policy, pretrained on products answered with or without the
-    ``multiply`` tool (``recipes.common.calculator.make_sft_conversations``), rendered with the compact Qwen2.5-format
+    ``multiply`` tool (``recipes.tasks.calculator.make_sft_conversations``), rendered with the compact Qwen2.5-format
     template (:data:`CALCULATOR_CHAT_TEMPLATE`) and the tool's schema as a trl tool-calling run renders them."""
     start = time.perf_counter()
     # A model this small gains nothing from a second intra-op thread, and on 2 shared cores loses a lot (NOTES.md).
@@ -404,8 +404,8 @@ def main(argv: list[str] | None = None) -> None:
         choices=("reviews", "arithmetic", "calculator"),
         default="reviews",
         help="reviews: the policy and reward base of the review task; arithmetic: <out>/arithmetic_policy, the "
-        "verifiable task's policy (recipes/common/arithmetic.py), its answers pretrained right about a third of the "
-        "time; calculator: <out>/calculator_policy, the tool-use task's policy (recipes/common/calculator.py), which "
+        "verifiable task's policy (recipes/tasks/arithmetic.py), its answers pretrained right about a third of the "
+        "time; calculator: <out>/calculator_policy, the tool-use task's policy (recipes/tasks/calculator.py), which "
         "calls its multiply tool in about a quarter of its answers",
     )
     parser.add_argument(

@@ -4,7 +4,7 @@
     python scripts/eval_calculator_policy.py --model <folder> --prompts 200 --seeds 0 1 2
 
 Each prompt is sampled as one dialog through ``interop.dialogs.DialogSampler`` with the task's real ``multiply`` tool
-(``recipes/common/calculator.py``) run by ``interop.tools.ToolRunner``, at the sampling settings GRPO uses (temperature
+(``recipes/tasks/calculator.py``) run by ``interop.tools.ToolRunner``, at the sampling settings GRPO uses (temperature
 1, the whole vocabulary), and scored with the task's reward (``exact_answer_reward``). The prompts are
 ``data=calculator``'s eval prompts (``make_eval_task(n, seed=data.seed + 1)``, as ``recipes/common/data.py`` draws
 them). Prints, per sampling seed: the share of dialogs that called the tool, the exact accuracy (overall, with and
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from interop.dialogs import DialogSampler
 from interop.sampling import SamplingSettings
 from interop.tools import ToolRunner, ToolStats
-from recipes.common import calculator
+from recipes.tasks import calculator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_SEED = 1234  # conf/data/calculator.yaml's seed; the eval prompts are drawn with seed + 1

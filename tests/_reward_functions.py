@@ -4,7 +4,7 @@ the recipe exactly as a user's module would be."""
 from __future__ import annotations
 
 from interop.rollout_func import message_text
-from recipes.common.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS
+from recipes.tasks.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS
 
 # What record_rows saw: (prompt, product) per completion, in the order of the calls.
 SEEN: list[tuple[str, str]] = []

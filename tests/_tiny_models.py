@@ -59,7 +59,7 @@ def qwen2_config(tok, **overrides):
 def build_reward_model_with_own_tokenizer(folder):
     """A Qwen2 reward model (``num_labels=1``, untrained) whose tokenizer is not the tiny policy's: another
     vocabulary, pad id and chat template. Saved to ``folder``, which is returned."""
-    from recipes.common.synthetic import make_sft_conversations
+    from recipes.tasks.synthetic import make_sft_conversations
 
     corpus = [m["content"] for c in make_sft_conversations(300, seed=7) for m in c]
     tokenizer = build_tokenizer(

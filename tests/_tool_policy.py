@@ -10,7 +10,7 @@ from _tiny_models import build_tokenizer, qwen2_config
 
 import interop.dialogs
 from interop.sampling import SampledResponses
-from recipes.common import calculator
+from recipes.tasks import calculator
 
 # Qwen2.5's tool-calling format (what tiny/calculator_policy's template renders) with a one-line tool preamble:
 # prefix-preserving, and parsed by trl's qwen3 response template.

@@ -29,17 +29,22 @@ def _groups_in_defaults(root: str) -> set[str]:
     """The groups a root config selects (``- model: tiny``, ``- optional sweep: null``...), Hydra's own included."""
     defaults = OmegaConf.load(CONF_DIR / f"{root}.yaml").get("defaults", [])
     names = {
-        str(next(iter(entry))).removeprefix("optional ").lstrip("/") for entry in defaults if hasattr(entry, "keys")
+        str(next(iter(entry))).removeprefix("optional ").lstrip("/").split("@")[0]
+        for entry in defaults
+        if hasattr(entry, "keys")
     }
     return names | {"hydra/launcher"}
 
 
 def _presets_of(root: str, group: str, option: str) -> bool:
     """Whether an option is ``root``'s: every option, except that ``conf/experiment/`` is shared by the recipes' config
-    trees and a preset there is the recipe's whose command its comment gives (``recipes/<root>.py``)."""
+    trees and a preset there is the recipe's that has a part for it (``conf/experiment_for/<root>/<option>.yaml``),
+    and that a recipe's parts are composed through ``experiment=`` only."""
+    if group.startswith("experiment_for/"):
+        return False
     if group != "experiment":
         return True
-    return f"recipes/{root}.py" in (CONF_DIR / group / f"{option}.yaml").read_text()
+    return (CONF_DIR / "experiment_for" / root / f"{option}.yaml").is_file()
 
 
 # Each root with each option of each group it selects (a group of the other recipe is not this root's choice).
@@ -67,8 +72,13 @@ def test_repository_has_both_root_configs():
     assert {"grpo_torchrl_rm", "reward_trainer_from_buffer"} <= set(ROOT_CONFIGS)
     # Every option of every group is composed with at least one root, or inside an option that is.
     nested = {(group, option) for group, option in GROUP_OPTIONS if group in _groups_inside_options()}
-    assert {(group, option) for _, group, option in COMBINATIONS} | nested == set(GROUP_OPTIONS)
+    # A recipe's part of a preset is composed through experiment=<its name>.
+    parts = {(group, option) for group, option in GROUP_OPTIONS if group.startswith("experiment_for/")}
+    composed = {(group, option) for _, group, option in COMBINATIONS}
+    assert composed | nested | parts == set(GROUP_OPTIONS)
     assert nested == {("lora", "default")}
+    presets = {(f"experiment_for/{root}", option) for root, group, option in COMBINATIONS if group == "experiment"}
+    assert presets == parts  # every part belongs to a preset of conf/experiment/ that its recipe composes
 
 
 def _group_override(group: str, option: str) -> str:
@@ -148,7 +158,7 @@ def test_help_lists_the_groups_of_its_recipe_with_every_option(root):
         line.split(":")[0]: [option.strip() for option in line.split(":", 1)[1].split("(")[0].split(",")]
         for line in groups_part.strip().splitlines()
     }
-    assert set(listed) == _groups_in_defaults(root)
+    assert set(listed) == {group for group in _groups_in_defaults(root) if not group.startswith("experiment_for/")}
     for group, options in listed.items():
         on_disk = sorted(option for g, option in GROUP_OPTIONS if g == group)
         if group == "hydra/launcher":
@@ -159,3 +169,53 @@ def test_help_lists_the_groups_of_its_recipe_with_every_option(root):
             on_disk = [option for option in on_disk if _presets_of(root, group, option)]
         assert sorted(options) == on_disk, group
     assert result.stdout.startswith(f"{root}: ")  # what the recipe does comes first
+
+
+PRESETS = sorted(path.stem for path in (CONF_DIR / "experiment").glob("*.yaml"))
+GRPO_RECIPES = ["grpo_torchrl_rm", "trl_grpo_torchrl_rollouts"]
+
+
+@pytest.mark.parametrize("root", GRPO_RECIPES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_under_its_one_name_in_each_grpo_recipe_or_is_refused_naming_the_one_it_fits(
+    compose_config, capsys, tmp_path, root, preset
+):
+    """One vocabulary: ``experiment=<name>`` is the same task in both GRPO recipes (the shared part and the recipe's
+    own), its settings pass the recipe's checks; a preset with no part for a recipe is refused there before Hydra
+    composes, naming the recipe it fits (``experiment=trl_defaults`` is the GRPO recipe's alone)."""
+    from recipes.common.schema import refuse_unknown_overrides
+    from recipes.grpo.schema import GRPORecipeConfig
+    from recipes.trl_grpo.schema import TrlGRPORecipeConfig
+
+    schema = {"grpo_torchrl_rm": GRPORecipeConfig, "trl_grpo_torchrl_rollouts": TrlGRPORecipeConfig}[root]
+    if not (CONF_DIR / "experiment_for" / root / f"{preset}.yaml").is_file():
+        with pytest.raises(SystemExit) as refused:
+            refuse_unknown_overrides([f"experiment={preset}"], schema, recipe=root)
+        message = capsys.readouterr().err
+        fits = [other for other in GRPO_RECIPES if (CONF_DIR / "experiment_for" / other / f"{preset}.yaml").is_file()]
+        assert refused.value.code == 1 and fits
+        assert f"experiment={preset} fits " in message and all(f"recipes/{other}.py" in message for other in fits)
+        return
+    refuse_unknown_overrides([f"experiment={preset}"], schema, recipe=root)  # no refusal
+    cfg = compose_config(root, [f"experiment={preset}", f"output_dir={tmp_path}"])
+    shared = OmegaConf.load(CONF_DIR / "experiment" / f"{preset}.yaml")
+    for entry in shared.get("defaults", []):  # the task's model, data and reward model, whichever recipe runs it
+        (group, option), *_ = entry.items()
+        assert cfg.hydra.runtime.choices[group.removeprefix("override /")] == option
+    shared_settings = OmegaConf.masked_copy(shared, [key for key in shared.keys() if key != "defaults"])
+    assert OmegaConf.merge(cfg, shared_settings) == cfg  # every shared setting holds in the composed config
+    # The composed config passes the recipe's own checks, everything before a model loads.
+    import recipes.grpo.checks
+    import recipes.trl_grpo.checks
+
+    validate = {"grpo_torchrl_rm": recipes.grpo.checks, "trl_grpo_torchrl_rollouts": recipes.trl_grpo.checks}[root]
+    validate.validate(cfg)
+
+
+def test_a_renamed_preset_is_refused_naming_its_new_name(capsys):
+    from recipes.common.schema import refuse_unknown_overrides
+    from recipes.trl_grpo.schema import TrlGRPORecipeConfig
+
+    with pytest.raises(SystemExit):
+        refuse_unknown_overrides(["experiment=calculator_trl"], TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts")
+    assert "experiment=calculator now" in capsys.readouterr().err

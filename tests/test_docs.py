@@ -282,13 +282,13 @@ def test_the_replay_sweep_is_a_whole_command_hydra_reads():
 
 def test_the_key_by_key_calculator_command_is_the_calculator_preset():
     """docs/trl_grpo_rollouts.md calls it "the same, key by key": it ran with the default max_completion_length of
-    32, where no tool result fits, and trained nothing. Composed, it is experiment=calculator_trl setting for setting
+    32, where no tool result fits, and trained nothing. Composed, it is experiment=calculator setting for setting
     (a function's weight left to its default of 1.0)."""
     from omegaconf import OmegaConf
 
     (command,) = [c for c in COMMANDS if c.source.startswith("docs/trl") and "model=tiny_calculator" in c.args]
     by_key = OmegaConf.to_container(compose_job(command.recipe, list(command.args)), resolve=False)
-    preset = OmegaConf.to_container(compose_job(command.recipe, ["experiment=calculator_trl"]), resolve=False)
+    preset = OmegaConf.to_container(compose_job(command.recipe, ["experiment=calculator"]), resolve=False)
     for config in (by_key, preset):
         config.pop("hydra")
         config["reward"]["functions"]["exact_answer"].setdefault("weight", 1.0)
@@ -363,7 +363,7 @@ def test_a_misspelled_or_renamed_key_in_a_doc_command_fails():
 
 
 # Paths (`recipes/grpo/checks.py`, `tiny/policy`) and dotted names (`interop.TorchRLRolloutFunc`,
-# `recipes.common.arithmetic.exact_answer_reward`) of the repository.
+# `recipes.tasks.arithmetic.exact_answer_reward`) of the repository.
 REPOSITORY_PATH = re.compile(r"(?<![\w/.<-])((?:interop|recipes|scripts|tests|conf|docs|tiny)/[\w./-]*\w)")
 DOTTED_NAME = re.compile(r"(?<![\w./])((?:interop|recipes)(?:\.\w+)+)")
 

@@ -19,8 +19,8 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
-from recipes.common import arithmetic, calculator, synthetic
 from recipes.common.config import ConfigError, first_items
+from recipes.tasks import arithmetic, calculator, synthetic
 
 # datasets is imported where a file or hub dataset loads: it takes about half a second, which the synthetic task,
 # `--help` and config validation need not spend.
@@ -290,7 +290,7 @@ def load_prompts(data: DictConfig, split: str) -> list:
 
 def load_prompt_rows(data: DictConfig, split: str) -> PromptRows:
     """The prompts of ``split`` ("train" or "eval") with their rows' other columns (:class:`PromptRows`); empty when
-    no eval set is set. The synthetic tasks provide their own columns (``recipes.common.synthetic``)."""
+    no eval set is set. The synthetic tasks provide their own columns (``recipes.tasks.synthetic``)."""
     if data.source in SYNTHETIC_TASKS:
         count = data.num_train_prompts if split == "train" else data.num_eval_prompts
         # Distinct seeds keep the eval prompts' draws independent of the train prompts'.

@@ -7,108 +7,39 @@ keyword arguments are every other column of the data row each prompt came from (
 (``trl.rewards.think_format_reward``), or builds one with a ``_target_`` node (a factory such as
 ``trl.rewards.get_soft_overlong_punishment``).
 
-- :func:`resolve_function`: the callable a config node names; :func:`check_reward_functions`: every function
-  importable, callable, able to take what trl passes with this data's columns, its weight finite, before any model
-  loads; :func:`checked_rewards`: what a function returned, one finite value (or ``None``) per completion.
+- :func:`check_reward_functions`: every function (resolved by ``recipes.common.dotted_paths``) importable, callable,
+  able to take what trl passes with this data's columns, its weight finite, before any model loads;
+  :func:`checked_rewards`: what a function returned, one finite value (or ``None``) per completion.
 - :class:`RewardLogs`: what the functions hand trl's ``log_metric`` (scalars, averaged per step as trl averages
   them) and ``log_extra`` (a column of values, one per completion, for the completions table), kept per batch until
   whoever reports the batch takes them (:meth:`RewardLogs.pop`).
-- :class:`RewardFunction`: a TensorDict module over a ``PromptEnv`` step that decodes the responses as trl does,
-  looks up each row's prompt and columns, calls the function once for the whole batch, and writes one reward per
-  response, NaN where it returned ``None`` (trl's "not applicable"). The recipes render every prompt with the
-  policy's chat template, so the function gets what trl gives it for conversational data (and what the trl
-  recipe's ``GRPOTrainer`` gives it): ``prompts`` as message lists (the system prompt included) and
-  ``completions`` as ``[{"role": "assistant", "content": text}]``, whatever form the data's prompt column has. A
-  function that raises fails the step naming itself and the first row it fails on; a wrong count or a NaN fails it
-  naming the function.
+- The recipes render every prompt with the policy's chat template, so a function gets what trl gives it for
+  conversational data: ``prompts`` as message lists (the system prompt included) and ``completions`` as
+  ``[{"role": "assistant", "content": text}]``, whatever form the data's prompt column has. The GRPO recipe calls
+  them through ``recipes.grpo.rewards.RewardFunction`` (over its env's step), the trl recipe through trl itself.
 
-Dependencies: torch, tensordict, hydra, transformers.
+Dependencies: torch, transformers, and ``recipes.common``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
-import os
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
-from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
-from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModuleBase
-from transformers import TrainerState
 
 from recipes.common.config import ConfigError, RunStopped
-from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
+from recipes.common.dotted_paths import function_name, resolve_function
 
 __all__ = [
-    "RewardFunction",
     "RewardLogs",
     "check_reward_functions",
     "check_reward_weights",
     "reward_function_failure",
     "checked_rewards",
-    "function_name",
-    "resolve_function",
 ]
-
-
-# trl's accuracy reward parses LaTeX with math-verify, an optional extra here.
-_NEEDS_MATH_VERIFY = ("trl.rewards.accuracy_reward", "trl.rewards.accuracy_rewards.accuracy_reward")
-
-
-def function_name(node) -> str:
-    """The dotted path a ``reward.functions.<name>.function`` node names (its ``_target_`` for a factory)."""
-    if isinstance(node, str):
-        return node
-    return str(node.get("_target_", "<no _target_>"))
-
-
-def _import_from_the_working_folder() -> None:
-    """The folder the run was started from on the import path (after everything else, so it shadows nothing): trl
-    users keep their reward functions next to where they run, ``my_rewards.py``, while ``python
-    recipes/<recipe>.py`` puts only ``recipes/`` there."""
-    folder = os.getcwd()
-    if folder not in sys.path and os.path.abspath(folder) not in map(os.path.abspath, sys.path):
-        sys.path.append(folder)
-
-
-def resolve_function(setting: str, node) -> Callable:
-    """The callable ``node`` names: a dotted path (imported; a module in the folder the run started from is found
-    too) or a ``_target_`` node (instantiated, e.g. a factory that returns the function).
-
-    Raises:
-        ConfigError: naming ``setting``, when it cannot be imported or built, or is not callable.
-    """
-    path = function_name(node)
-    if path in _NEEDS_MATH_VERIFY and importlib.util.find_spec("math_verify") is None:
-        raise ConfigError(
-            f"{setting}={path} needs the math-verify package (trl's accuracy reward parses LaTeX with it): "
-            "pip install -e '.[math]'."
-        )
-    _import_from_the_working_folder()
-    try:
-        function = get_object(node) if isinstance(node, str) else instantiate(node)
-    except Exception as error:  # whatever the import or the factory raised, the user needs the setting named
-        module = path.rsplit(".", 1)[0] if "." in path else path
-        found = importlib.util.find_spec(module.split(".")[0]) is not None
-        where = (
-            f"the module {module} was found but has no such function, or failed to import"
-            if found
-            else f"no module {module.split('.')[0]} in {os.getcwd()} (the folder the run started from) or on the "
-            "Python path: run from the folder that holds it, or add that folder to PYTHONPATH"
-        )
-        raise ConfigError(
-            f"{setting}={path} cannot be loaded ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
-            f"{where}. The setting takes a function's dotted path (<module>.<function>, e.g. my_rewards.exact_match "
-            "for my_rewards.py), or a {_target_: ...} node whose target returns one."
-        ) from None
-    if not callable(function):
-        raise ConfigError(f"{setting}={path} is a {type(function).__name__}, not a function.")
-    return function
 
 
 def _call_arguments(columns: Sequence[str]) -> list[str]:
@@ -219,92 +150,6 @@ class RewardLogs:
         logged = (self.metrics, self.columns)
         self.metrics, self.columns = {}, {}
         return logged
-
-
-class RewardFunction(TensorDictModuleBase):
-    """A trl reward function over a ``PromptEnv`` step, called once for the whole batch as trl calls it.
-
-    Args:
-        function: the reward function.
-
-    Keyword Args:
-        name: what messages call it (``reward.functions.<name>``).
-        prompts: the env's ``PromptTable`` (the prompts as the data holds them, and their columns).
-        tokenizer: the policy's tokenizer (responses are decoded without special tokens, as trl decodes them).
-        trainer_state: the ``TrainerState`` handed to the function; its owner moves its step.
-        logs: where the function's ``log_metric`` / ``log_extra`` calls go (:class:`RewardLogs`, shared by the
-            functions of one scorer, whose owner reports them); ``None``: kept here, in a :class:`RewardLogs` of its
-            own (``self.logs``).
-
-    Writes ``"score"``: one float per response, NaN where the function returned ``None``.
-    """
-
-    def __init__(
-        self,
-        function: Callable,
-        *,
-        name: str,
-        prompts,
-        tokenizer,
-        trainer_state: TrainerState,
-        logs: RewardLogs | None = None,
-    ) -> None:
-        super().__init__()
-        self.function = function
-        self.name = name
-        self.prompts = prompts
-        self.tokenizer = tokenizer
-        self.trainer_state = trainer_state
-        self.logs = logs if logs is not None else RewardLogs()
-        self._extra: dict[str, list] = {}  # this call's log_extra columns, checked once the call returns
-        self.in_keys = [RESPONSE_TOKENS, ATTENTION_MASK, PROMPT_INDEX]
-        self.out_keys = ["score"]
-
-    def arguments(self, tensordict: TensorDictBase) -> dict:
-        """What trl passes the function for these responses (keyword arguments)."""
-        tokens = tensordict.get(RESPONSE_TOKENS)
-        mask = tensordict.get(ATTENTION_MASK)[..., -tokens.shape[-1] :]
-        flat_tokens, flat_mask = tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu()
-        completion_ids = [row[keep].tolist() for row, keep in zip(flat_tokens, flat_mask, strict=True)]
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        indices = tensordict.get(PROMPT_INDEX).reshape(-1).tolist()
-        # The policy answers every prompt rendered with its chat template: a conversation, as trl's GRPOTrainer (and
-        # the trl recipe) passes it, with message-list completions.
-        prompts = [self.prompts.conversations[index] for index in indices]
-        completions = [[{"role": "assistant", "content": text}] for text in texts]
-        columns = {name: [values[index] for index in indices] for name, values in self.prompts.columns.items()}
-        return {
-            "prompts": prompts,
-            "completions": completions,
-            "completion_ids": completion_ids,
-            **columns,
-            "trainer_state": self.trainer_state,
-            "log_extra": self._log_extra,
-            "log_metric": self._log_metric,
-        }
-
-    def _log_extra(self, column: str, values: list) -> None:
-        self._extra[column] = list(values)
-
-    def _log_metric(self, name: str, value: float) -> None:
-        self.logs.metric(name, value, function=self.name)
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        kwargs = self.arguments(tensordict)
-        count = len(kwargs["completions"])
-        self._extra = {}
-        try:
-            values = self.function(**kwargs)
-        except Exception as error:
-            raise reward_function_failure(self.function, f"reward.functions.{self.name}", error, kwargs) from error
-        for column, logged in self._extra.items():
-            self.logs.column(column, logged, function=self.name, count=count)
-        checked = checked_rewards(values, setting=f"reward.functions.{self.name}", arguments=kwargs)
-        # None is trl's "not applicable": NaN, left out of this source's mean and the sum.
-        scores = [math.nan if value is None else value for value in checked]
-        shape = tensordict.batch_size
-        tensordict.set("score", torch.tensor(scores, dtype=torch.float32).reshape(shape))
-        return tensordict
 
 
 def reward_function_failure(function: Callable, setting: str, error: Exception, kwargs: dict) -> RuntimeError:

@@ -192,6 +192,8 @@ def refuse_unknown_overrides(
     """
     for argument in argv:
         key, equals, value = argument.partition("=")
+        if key == "experiment" and equals:
+            _refuse_unfit_presets(value, recipe)
         if not equals or key.startswith(("-", "+", "~", "hydra")) or "/" in key or "@" in key:
             continue
         if (_CONF_DIR / key.replace(".", "/")).is_dir():  # a config group (experiment=, sweep=): no setting itself
@@ -212,6 +214,37 @@ def trainer_aliases(config_class: type) -> Aliases:
 
 
 _CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# Presets that changed name: the old name -> the new one.
+_RENAMED_PRESETS = {"calculator_trl": "calculator"}
+
+
+def _refuse_unfit_presets(value: str, recipe: str) -> None:
+    """Refuses ``experiment=<value>`` (a name, or a sweep's comma list) naming what fits, when a preset has no part in
+    ``recipe``'s keys (``conf/experiment_for/<recipe>/<name>.yaml``: the preset fits the other recipe only) or changed
+    name; a name that is no preset at all is left to Hydra, which lists the presets there are."""
+    if "(" in value:  # a sweep function (choice(...), glob(...)): Hydra expands it
+        return
+    fitting = _CONF_DIR / "experiment_for" / recipe
+    for name in (part.strip() for part in value.split(",")):
+        if name in _RENAMED_PRESETS:
+            message = (
+                f"experiment={name}: this preset is experiment={_RENAMED_PRESETS[name]} now, one name in both GRPO "
+                f"recipes: run python recipes/{recipe}.py experiment={_RENAMED_PRESETS[name]}."
+            )
+        elif not (_CONF_DIR / "experiment" / f"{name}.yaml").is_file() or (fitting / f"{name}.yaml").is_file():
+            continue
+        else:
+            others = sorted(part.parent.name for part in (_CONF_DIR / "experiment_for").glob(f"*/{name}.yaml"))
+            fits = " or ".join(f"recipes/{other}.py" for other in others) or "no recipe"
+            own = sorted(part.stem for part in fitting.glob("*.yaml") if part.stem != "none")
+            choices = f"this recipe's presets are {own}" if own else f"recipes/{recipe}.py takes no preset"
+            message = (
+                f"experiment={name} fits {fits}, not recipes/{recipe}.py (there is no "
+                f"conf/experiment_for/{recipe}/{name}.yaml): {choices}; conf/experiment/{name}.yaml says what the "
+                "preset is."
+            )
+        print(message, file=sys.stderr)
+        raise SystemExit(1)
 
 
 def _unknown_override(key: str, value: str, schema: type, recipe: str) -> _UnknownKey | None:

@@ -16,7 +16,7 @@ every tool:
       timeout_s: 10            # a call running longer is stopped (its worker process killed) and answered with an error
       max_result_tokens: 256   # a longer result is cut to this many tokens of the policy's tokenizer
       multiply:
-        function: recipes.common.calculator.multiply
+        function: recipes.tasks.calculator.multiply
       python:                  # a label: a TorchRL piece may bring several tools
         torchrl:
           _target_: torchrl.envs.llm.transforms.PythonInterpreter
@@ -54,7 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from interop.tools import ToolCallFormat, ToolRunner, ToolSet
 from recipes.common.config import ConfigError
-from recipes.common.reward_functions import _import_from_the_working_folder, function_name, resolve_function
+from recipes.common.dotted_paths import function_name, import_from_the_working_folder, resolve_function
 
 __all__ = ["SETTINGS", "make_tool_runner", "resolve_call_format", "resolve_tools", "tool_entries"]
 
@@ -222,7 +222,7 @@ def _torchrl_piece(setting: str, node):
     reason = _REFUSED_UNBUILT.get(target.rsplit(".", 1)[-1])
     if reason is not None:
         raise ConfigError(f"{setting}._target_={target}: {reason}.")
-    _import_from_the_working_folder()
+    import_from_the_working_folder()
     try:
         piece = instantiate(node)
     except Exception as error:  # a missing module, a wrong argument: the user needs the setting named

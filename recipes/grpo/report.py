@@ -21,7 +21,12 @@ import torch
 from accelerate.utils import gather_object
 from omegaconf import DictConfig
 
-from recipes.common.metrics import held_out_accuracy, sampler_mismatch_line, sampler_mismatch_summary
+from recipes.common.metrics import (
+    barely_learned_line,
+    held_out_accuracy,
+    sampler_mismatch_line,
+    sampler_mismatch_summary,
+)
 from recipes.common.run import Run
 from recipes.common.text_metrics import distinct_bigrams
 from recipes.common.tools import tool_entries
@@ -303,6 +308,7 @@ def closing_message(summary: dict, output_dir: Path) -> str:
         f"generated tokens/s of rollout); reward {summary['rollout/reward_mean_first']:.3f} -> "
         f"{summary['rollout/reward_mean_last']:.3f}{oracle}{held_out_accuracy(summary)}. Run folder: {output_dir}. "
         f"Curves: python scripts/plot_run.py {output_dir}.{sampler_mismatch_line(summary)}"
+        f"{barely_learned_line(summary)}"
     )
 
 

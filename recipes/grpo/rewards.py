@@ -2,7 +2,7 @@
 
 Every reward is a named, weighted source (trl's ``reward_funcs`` and ``reward_weights``): the reward model
 (``interop.HFRewardModelWrapper``), the trl reward functions of ``reward.functions``
-(``recipes.common.reward_functions.RewardFunction``) and the TorchRL reward terms of ``reward.terms``. One
+(:class:`RewardFunction`, each called as trl calls it) and the TorchRL reward terms of ``reward.terms``. One
 ``interop.RewardModelTransform`` scores them all at every step where the step is collected (in the learner's process,
 or in the background collector's) and writes their NaN-skipping weighted sum and each source's own values.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,14 +42,21 @@ from interop.dialog_policy import DialogPolicy
 from interop.sampling import CausalLMSampler
 from recipes.common.chat import CHAT_STEP_KEYS
 from recipes.common.config import ConfigError, tensordict_key
+from recipes.common.dotted_paths import resolve_function
 from recipes.common.models import load_reward_model, load_tokenizer
 from recipes.common.prompts import PromptTable, non_tensor_rows
-from recipes.common.reward_functions import RewardFunction, RewardLogs, check_reward_weights, resolve_function
+from recipes.common.reward_functions import (
+    RewardLogs,
+    check_reward_weights,
+    checked_rewards,
+    reward_function_failure,
+)
 from recipes.common.tools import tool_entries
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, REWARD_LOGS, SOURCE_REWARDS
 from recipes.grpo.prompt_env import PromptEnv
 
 __all__ = [
+    "RewardFunction",
     "READ_KEYS_OF_INPUT",
     "LengthPenalty",
     "ResponseText",
@@ -71,6 +79,95 @@ __all__ = [
 
 # The reward.read_keys entries the reward model reads, for each reward.input.
 READ_KEYS_OF_INPUT = {"history": ("history",), "text": ("text",), "tokens": ("tokens", "attention_mask")}
+
+
+class RewardFunction(TensorDictModuleBase):
+    """A trl reward function over a ``PromptEnv`` step, called once for the whole batch as trl calls it: decodes the
+    responses as trl does, looks up each row's prompt and columns, and writes one reward per response, NaN where it
+    returned ``None`` (trl's "not applicable"). A function that raises fails the step naming itself and the first row
+    it fails on; a wrong count or a NaN fails it naming the function.
+
+    Args:
+        function: the reward function.
+
+    Keyword Args:
+        name: what messages call it (``reward.functions.<name>``).
+        prompts: the env's ``PromptTable`` (the prompts as the data holds them, and their columns).
+        tokenizer: the policy's tokenizer (responses are decoded without special tokens, as trl decodes them).
+        trainer_state: the ``TrainerState`` handed to the function; its owner moves its step.
+        logs: where the function's ``log_metric`` / ``log_extra`` calls go (:class:`RewardLogs`, shared by the
+            functions of one scorer, whose owner reports them); ``None``: kept here, in a :class:`RewardLogs` of its
+            own (``self.logs``).
+
+    Writes ``"score"``: one float per response, NaN where the function returned ``None``.
+    """
+
+    def __init__(
+        self,
+        function: Callable,
+        *,
+        name: str,
+        prompts,
+        tokenizer,
+        trainer_state: TrainerState,
+        logs: RewardLogs | None = None,
+    ) -> None:
+        super().__init__()
+        self.function = function
+        self.name = name
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.trainer_state = trainer_state
+        self.logs = logs if logs is not None else RewardLogs()
+        self._extra: dict[str, list] = {}  # this call's log_extra columns, checked once the call returns
+        self.in_keys = [RESPONSE_TOKENS, ATTENTION_MASK, PROMPT_INDEX]
+        self.out_keys = ["score"]
+
+    def arguments(self, tensordict: TensorDictBase) -> dict:
+        """What trl passes the function for these responses (keyword arguments)."""
+        tokens = tensordict.get(RESPONSE_TOKENS)
+        mask = tensordict.get(ATTENTION_MASK)[..., -tokens.shape[-1] :]
+        flat_tokens, flat_mask = tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu()
+        completion_ids = [row[keep].tolist() for row, keep in zip(flat_tokens, flat_mask, strict=True)]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        indices = tensordict.get(PROMPT_INDEX).reshape(-1).tolist()
+        # The policy answers every prompt rendered with its chat template: a conversation, as trl's GRPOTrainer (and
+        # the trl recipe) passes it, with message-list completions.
+        prompts = [self.prompts.conversations[index] for index in indices]
+        completions = [[{"role": "assistant", "content": text}] for text in texts]
+        columns = {name: [values[index] for index in indices] for name, values in self.prompts.columns.items()}
+        return {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **columns,
+            "trainer_state": self.trainer_state,
+            "log_extra": self._log_extra,
+            "log_metric": self._log_metric,
+        }
+
+    def _log_extra(self, column: str, values: list) -> None:
+        self._extra[column] = list(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self.logs.metric(name, value, function=self.name)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        kwargs = self.arguments(tensordict)
+        count = len(kwargs["completions"])
+        self._extra = {}
+        try:
+            values = self.function(**kwargs)
+        except Exception as error:
+            raise reward_function_failure(self.function, f"reward.functions.{self.name}", error, kwargs) from error
+        for column, logged in self._extra.items():
+            self.logs.column(column, logged, function=self.name, count=count)
+        checked = checked_rewards(values, setting=f"reward.functions.{self.name}", arguments=kwargs)
+        # None is trl's "not applicable": NaN, left out of this source's mean and the sum.
+        scores = [math.nan if value is None else value for value in checked]
+        shape = tensordict.batch_size
+        tensordict.set("score", torch.tensor(scores, dtype=torch.float32).reshape(shape))
+        return tensordict
 
 
 def _as_tuple(key: NestedKey) -> tuple:
@@ -533,7 +630,7 @@ class TextScoreReward(TensorDictModuleBase):
     ``reward.terms`` entry its ``weight`` scales it in the sum.
 
     Args:
-        score: ``callable(str) -> float``, e.g. ``recipes.common.synthetic.oracle_score``.
+        score: ``callable(str) -> float``, e.g. ``recipes.tasks.synthetic.oracle_score``.
 
     Keyword Args:
         text_key: the response text (TorchRL's wrappers write ``("text", "response")``, special tokens included).

@@ -86,7 +86,7 @@ def _check_trl_tool_keys(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"train.{name}: trl takes its tools as GRPOTrainer(tools=...), which this recipe builds from the "
                 "tools: node: name each function as tools.<name>.function=<dotted path> (e.g. "
-                "tools.multiply.function=recipes.common.calculator.multiply), and the turns as rollout.max_turns."
+                "tools.multiply.function=recipes.tasks.calculator.multiply), and the turns as rollout.max_turns."
             )
 
 

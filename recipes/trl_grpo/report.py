@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from recipes.common.metrics import (
     MetricLogger,
+    barely_learned_line,
     held_out_accuracy,
     peak_device_memory,
     sampler_mismatch_line,
@@ -181,7 +182,7 @@ class MetricsCallback(TrainerCallback):
             log.warning(
                 "%d of %d dialogs called a tool and none got its result back: the tool message did not fit in "
                 "train.max_completion_length=%d, the whole dialog's budget (the call, the result and the answer), so "
-                "no dialog can use a tool. Raise train.max_completion_length (experiment=calculator_trl uses 64).",
+                "no dialog can use a tool. Raise train.max_completion_length (experiment=calculator uses 64).",
                 int(called.sum()),
                 dialogs,
                 self.trainer.args.max_completion_length,
@@ -306,4 +307,5 @@ def closing_message(summary: dict, output_dir: Path) -> str:
         f"{held_out_accuracy(summary)}; "
         f"model in {output_dir / 'model'}, {summary['rollouts/rows']} rollouts in {output_dir / ROLLOUTS_DIR}{kept} "
         f"(recipes.trl_grpo.rollout_store.load_rollouts reads them).{sampler_mismatch_line(summary)}"
+        f"{barely_learned_line(summary)}"
     )

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from interop.dialogs import Dialogs, DialogSampler, _Turn
 from interop.sampling import SamplingSettings
 from interop.tools import ToolRunner
-from recipes.common import calculator
+from recipes.tasks import calculator
 
 
 @pytest.fixture(scope="module")

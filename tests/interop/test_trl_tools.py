@@ -17,7 +17,7 @@ from _tool_policy import build_tool_policy, inject_turns, tool_call
 from torchrl.data import LazyStackStorage, ReplayBuffer
 
 from interop import TorchRLRolloutFunc
-from recipes.common import calculator
+from recipes.tasks import calculator
 
 # Each prompt's turns, in order (its last repeated): a call then the answer; an answer at once; an unknown tool, then
 # an answer; a call in every turn (the turn limit ends it); a tool that raises; a tool that overruns tools' timeout.

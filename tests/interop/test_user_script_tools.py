@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from interop import TorchRLRolloutFunc
-from recipes.common.calculator import exact_answer_reward, make_task
+from recipes.tasks.calculator import exact_answer_reward, make_task
 
 
 def multiply(a: int, b: int) -> int:

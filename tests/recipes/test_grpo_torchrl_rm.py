@@ -419,7 +419,7 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
     """``+reward.terms.<name>={_target_: ...}`` (as the config's comment shows) adds a term to every reward."""
 
     from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
-    from recipes.common.synthetic import well_formed_score
+    from recipes.tasks.synthetic import well_formed_score
 
     class ConstantRewardModel(torch.nn.Module):
         def forward(self, input_ids, attention_mask=None):

@@ -15,9 +15,9 @@ from _small_runs import REWARD_SMALL
 import recipes.reward.pairs as preference
 import recipes.reward_trainer_from_buffer as recipe
 from recipes.common.config import ConfigError
-from recipes.common.synthetic import PRODUCTS, make_review
 from recipes.reward.buffer import make_training_stream
 from recipes.reward.evaluation import score_sequences, spearman
+from recipes.tasks.synthetic import PRODUCTS, make_review
 
 # A run small enough for a test: 60 prompts, a few steps of 8 pairs.
 SMALL = [*REWARD_SMALL, "train.max_steps=6", "train.per_device_train_batch_size=8"]
@@ -89,7 +89,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
     # What the GRPO recipe scores: a ChatEnv rollout's ("history", "full"), through the same wrapper options.
     from interop import HFRewardModelWrapper
     from recipes.common import chat as rollout
-    from recipes.common.synthetic import make_prompts
+    from recipes.tasks.synthetic import make_prompts
 
     policy, policy_tokenizer = preference.load_sampling_policy(
         cfg.model, generate_kwargs=cfg.generation.generate_kwargs, device=cfg.device, dtype=cfg.dtype

@@ -181,7 +181,7 @@ def test_two_processes_split_every_step_of_the_single_process_run(compose_config
 
 def _labelled(n: int):
     import recipes.reward.pairs as preference
-    from recipes.common.synthetic import make_prompts
+    from recipes.tasks.synthetic import make_prompts
 
     pairs = [
         {

@@ -24,7 +24,7 @@ from interop.sampling import CausalLMSampler, SamplingSettings
 from interop.trl_grpo import TorchRLGRPOTrainer
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.schema import trainer_config_view
-from recipes.common.synthetic import make_prompts
+from recipes.tasks.synthetic import make_prompts
 from recipes.trl_grpo.rollout_store import load_rollouts, texts
 
 SMALL = TRL_SMALL  # 3 steps of 8 completions (2 prompts x 4) of at most 8 tokens, 16 prompts.
@@ -174,7 +174,7 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         (["train.report_to=wandb"], "train.report_to is set by the recipe"),
         (["train.max_steps=0"], "train.max_steps=0"),
         (["reward_model=none"], "nothing would score the completions"),
-        (["+reward.functions.exact.function=recipes.common.arithmetic.exact_answer_reward"], "solution"),
+        (["+reward.functions.exact.function=recipes.tasks.arithmetic.exact_answer_reward"], "solution"),
         (["resume=true"], "holds no trl checkpoint"),
         (["model.lora.target_modules=[q_proj,lm_head]"], "model.lora.target_modules names lm_head"),
         (["model.lora.target_modules=[q_projection]"], "model.lora.target_modules"),

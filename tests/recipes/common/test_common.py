@@ -15,7 +15,7 @@ from recipes.common.config import ConfigError
 from recipes.common.data import load_preference_pairs, load_prompts
 from recipes.common.metrics import MetricLogger
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, validate_model_node
-from recipes.common.synthetic import (
+from recipes.tasks.synthetic import (
     OracleLabeler,
     make_prompts,
     make_sft_conversations,
@@ -335,7 +335,7 @@ def test_the_build_script_pretrains_on_the_tokens_the_loaded_tokenizer_makes(rep
     spec = importlib.util.spec_from_file_location("build_tiny_models", repo_root / "scripts" / "build_tiny_models.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    from recipes.common.arithmetic import make_sft_conversations
+    from recipes.tasks.arithmetic import make_sft_conversations
 
     corpus = [f"{m['role']}\n{m['content']}" for c in make_sft_conversations(200, seed=0) for m in c]
     trained = build.build_tokenizer(corpus, vocab_size=300)

@@ -144,8 +144,8 @@ def test_data_hf_names_a_plain_folder_and_an_unreachable_hub_name(compose_config
 
 
 def test_data_calculator_draws_train_and_held_out_prompts_with_their_solutions(compose_config):
-    from recipes.common import calculator
     from recipes.common.data import load_prompt_rows
+    from recipes.tasks import calculator
 
     data = compose_config("grpo_torchrl_rm", ["data=calculator", "model=tiny_calculator"]).data
     train, held_out = load_prompt_rows(data, "train"), load_prompt_rows(data, "eval")

@@ -18,10 +18,10 @@ from interop import RewardModelTransform
 from recipes.common.config import ConfigError
 from recipes.common.data import PromptRows
 from recipes.common.prompts import PromptTable
-from recipes.common.reward_functions import RewardFunction, check_reward_functions
+from recipes.common.reward_functions import check_reward_functions
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
 from recipes.grpo.loss import normalized_sum_advantages
-from recipes.grpo.rewards import RewardSource, TrainerStepCounter, score_sources
+from recipes.grpo.rewards import RewardFunction, RewardSource, TrainerStepCounter, score_sources
 
 GROUP = 4
 PROMPTS = ["What is 1 + 2?", "Add 3 and 4."]
@@ -265,7 +265,7 @@ def _cfg(functions: dict, **reward) -> OmegaConf:
 
 
 def test_a_function_needing_a_column_the_data_lacks_is_refused_before_loading():
-    node = {"acc": {"function": "recipes.common.arithmetic.exact_answer_reward"}}
+    node = {"acc": {"function": "recipes.tasks.arithmetic.exact_answer_reward"}}
     check_reward_functions(_cfg(node), columns=["solution"])
     with pytest.raises(ConfigError, match=r"requires \['solution'\].*columns \['product'\]"):
         check_reward_functions(_cfg(node), columns=["product"])
@@ -279,7 +279,7 @@ def test_a_function_needing_a_column_the_data_lacks_is_refused_before_loading():
         ({"f": {"function": "builtins.len", "wieght": 2}}, r"unknown key\(s\) \['wieght'\]"),
         ({"f": "trl.rewards.think_format_reward"}, r"expected \{function: "),
         ({"f": {"function": "trl.rewards.think_format_reward", "weight": "high"}}, "weight='high': expected a finite"),
-        ({"f": {"function": "recipes.common.synthetic.oracle_score"}}, "requires"),
+        ({"f": {"function": "recipes.tasks.synthetic.oracle_score"}}, "requires"),
     ],
 )
 def test_bad_function_nodes_are_refused_naming_the_key(node, match):

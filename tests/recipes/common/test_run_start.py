@@ -69,7 +69,7 @@ def test_a_failed_run_leaves_its_reason_in_the_log(tmp_path):
     assert "[ERROR] - rollout.group_size=1: GRPO normalises" in text and "Traceback" not in text
     assert "Traceback" not in bad_setting.stderr + bad_setting.stdout
 
-    failing = _run_grpo(tmp_path / "fail", "train.steps=2", "data.oracle._target_=recipes.common.synthetic.no_oracle")
+    failing = _run_grpo(tmp_path / "fail", "train.steps=2", "data.oracle._target_=recipes.tasks.synthetic.no_oracle")
     assert failing.returncode == 1
     text = (tmp_path / "fail" / "grpo_torchrl_rm.log").read_text()
     assert "[ERROR] - The run failed; the traceback follows." in text

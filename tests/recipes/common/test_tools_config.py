@@ -31,7 +31,7 @@ def no_hints(a):
 
 
 def test_resolves_a_dotted_path_and_leaves_the_settings_out():
-    tools = _tools(multiply={"function": "recipes.common.calculator.multiply"})
+    tools = _tools(multiply={"function": "recipes.tasks.calculator.multiply"})
     assert list(tool_entries(tools)) == ["multiply"]
     tool_set = resolve_tools(tools)
     assert tool_set.names == ["multiply"]
@@ -46,20 +46,20 @@ def test_no_tools_is_none():
 @pytest.mark.parametrize(
     ("entries", "settings", "message"),
     [
-        ({"multiply": "recipes.common.calculator.multiply"}, {}, r"tools\.multiply: expected \{function"),
+        ({"multiply": "recipes.tasks.calculator.multiply"}, {}, r"tools\.multiply: expected \{function"),
         ({"multiply": {"function": "no_such_module.multiply"}}, {}, r"tools\.multiply\.function=no_such_module"),
         (
-            {"multiply": {"function": "recipes.common.calculator.TOOLS"}},
+            {"multiply": {"function": "recipes.tasks.calculator.TOOLS"}},
             {},
             r"tools\.multiply\.function=.*not a function",
         ),
         ({"no_docstring": {"function": f"{__name__}.no_docstring"}}, {}, r"tools\.no_docstring\.function=.*docstring"),
         ({"no_hints": {"function": f"{__name__}.no_hints"}}, {}, r"tools\.no_hints\.function=.*type hint"),
-        ({"times": {"function": "recipes.common.calculator.multiply"}}, {}, r"rename the key to tools\.multiply"),
-        ({"multiply": {"function": "recipes.common.calculator.multiply", "weight": 1}}, {}, r"unknown key"),
-        ({"multiply": {"function": "recipes.common.calculator.multiply"}}, {"timeout_s": 0}, r"tools\.timeout_s=0"),
+        ({"times": {"function": "recipes.tasks.calculator.multiply"}}, {}, r"rename the key to tools\.multiply"),
+        ({"multiply": {"function": "recipes.tasks.calculator.multiply", "weight": 1}}, {}, r"unknown key"),
+        ({"multiply": {"function": "recipes.tasks.calculator.multiply"}}, {"timeout_s": 0}, r"tools\.timeout_s=0"),
         (
-            {"multiply": {"function": "recipes.common.calculator.multiply"}},
+            {"multiply": {"function": "recipes.tasks.calculator.multiply"}},
             {"max_result_tokens": 0},
             r"max_result_tokens",
         ),
@@ -75,7 +75,7 @@ def test_the_runner_answers_with_the_settings():
 
     from interop.tools import ToolCall
 
-    tools = _tools(multiply={"function": "recipes.common.calculator.multiply"})
+    tools = _tools(multiply={"function": "recipes.tasks.calculator.multiply"})
     tokenizer = AutoTokenizer.from_pretrained("tiny/policy")
     with make_tool_runner(tools, resolve_tools(tools), tokenizer=tokenizer) as runner:
         assert (runner.timeout_s, runner.max_result_tokens) == (5.0, 16)

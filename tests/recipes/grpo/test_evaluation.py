@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 
 import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
-from recipes.common import arithmetic
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import load_prompt_rows
+from recipes.tasks import arithmetic
 
 EVAL = ["eval.every_n_steps=2", "eval.group_size=2", "checkpoint.every_n_steps=2"]
 REVIEW_EVAL = [*EVAL, "data.num_eval_prompts=4"]
@@ -226,7 +226,7 @@ ARITHMETIC_SMALL = [
 FORMAT_FIRST = [
     "~reward.functions.exact_answer",
     "+reward.functions.format.function=_reward_functions.always_well_formed",
-    "+reward.functions.exact_answer.function=recipes.common.arithmetic.exact_answer_reward",
+    "+reward.functions.exact_answer.function=recipes.tasks.arithmetic.exact_answer_reward",
 ]
 
 

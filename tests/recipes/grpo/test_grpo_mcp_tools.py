@@ -42,7 +42,7 @@ SMALL = [*GRPO_SMALL, "train.steps=2", "logger=csv"]
             r"tools\.calc\.mcp\.servers\.calc\.env: .*keys \['DB_URL'\]",
         ),
         (
-            [*MCP_MULTIPLY, "+tools.multiply.function=recipes.common.calculator.multiply"],
+            [*MCP_MULTIPLY, "+tools.multiply.function=recipes.tasks.calculator.multiply"],
             r"tools\.calc\.mcp\.servers\.calc and tools\.multiply\.function both bring a tool named 'multiply'",
         ),
         ([*MCP_MULTIPLY, "+tools.calc.function=x.y"], r"tools\.calc: unknown key\(s\) \['mcp'\]"),

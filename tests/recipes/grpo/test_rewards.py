@@ -15,7 +15,6 @@ from interop.sampling import CausalLMSampler, SamplingSettings
 from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
 from recipes.common.config import ConfigError
 from recipes.common.prompts import PromptTable
-from recipes.common.synthetic import oracle_score, well_formed_score
 from recipes.grpo.batch import BATCH_KEYS
 from recipes.grpo.collector import build_prompt_collector
 from recipes.grpo.prompt_env import PromptEnv
@@ -27,6 +26,7 @@ from recipes.grpo.rewards import (
     make_reward_transform,
     rollout_step_keys,
 )
+from recipes.tasks.synthetic import oracle_score, well_formed_score
 
 PROMPTS = ["Review the mug.", "What do you think of the bike and of its color?"]
 SMALL = ["rollout.group_size=2", "rollout.responses_per_step=4", "rollout.generation.max_new_tokens=8"]

@@ -17,8 +17,8 @@ from _batch_recording import install_batch_recorder
 import recipes.reward.pairs as preference
 import recipes.reward_trainer_from_buffer as recipe
 from recipes.common.config import ConfigError
-from recipes.common.synthetic import PRODUCTS, make_review
 from recipes.reward import pair_store
+from recipes.tasks.synthetic import PRODUCTS, make_review
 
 # A reward run small enough for a test: one or two steps of 8 pairs.
 TINY_RUN = ["train.max_steps=2", "train.per_device_train_batch_size=8", "train.logging_steps=1"]

@@ -1,5 +1,5 @@
 """recipes/trl_grpo_torchrl_rollouts.py with an MCP server as its tool source (``tools.<label>.mcp.servers``): a clash
-with a function tool refused before any model loads, naming both keys; experiment=calculator_trl trained with the
+with a function tool refused before any model loads, naming both keys; experiment=calculator trained with the
 multiply tool served over MCP (tests/interop/mcp_calculator_server.py), its calls answered."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytest.importorskip("mcp")
 def test_a_name_clash_with_a_function_tool_is_refused_naming_both_keys(compose_config, tmp_path, monkeypatch):
     loads = []
     monkeypatch.setattr(recipe, "load_causal_lm", lambda *args, **kwargs: loads.append(1))
-    clash = [*MCP_MULTIPLY, "+tools.multiply.function=recipes.common.calculator.multiply"]
+    clash = [*MCP_MULTIPLY, "+tools.multiply.function=recipes.tasks.calculator.multiply"]
     cfg = compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, f"output_dir={tmp_path / 'run'}", *clash])
     with pytest.raises(ConfigError, match=r"tools\.calc\.mcp\.servers\.calc and tools\.multiply\.function both"):
         recipe.train(cfg)
@@ -25,7 +25,7 @@ def test_a_name_clash_with_a_function_tool_is_refused_naming_both_keys(compose_c
 
 def test_the_calculator_task_calls_multiply_over_mcp(compose_config, tmp_path):
     overrides = [
-        "experiment=calculator_trl",
+        "experiment=calculator",
         "~tools.multiply",
         *MCP_MULTIPLY,
         "train.max_steps=2",

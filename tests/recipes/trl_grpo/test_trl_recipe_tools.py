@@ -20,18 +20,18 @@ from recipes.trl_grpo.rollout_store import load_rollouts
 ARITHMETIC = [
     "reward_model=none",
     "data=arithmetic",
-    "+reward.functions.exact.function=recipes.common.arithmetic.exact_answer_reward",
+    "+reward.functions.exact.function=recipes.tasks.arithmetic.exact_answer_reward",
     "metric=rollout/reward_mean_last",
 ]
-MULTIPLY = "+tools.multiply.function=recipes.common.calculator.multiply"
+MULTIPLY = "+tools.multiply.function=recipes.tasks.calculator.multiply"
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["+tools.multiply.function=recipes.common.calculator.nope"], r"tools.multiply.function=.*cannot be loaded"),
+        (["+tools.multiply.function=recipes.tasks.calculator.nope"], r"tools.multiply.function=.*cannot be loaded"),
         (["+tools.join.function=os.path.join"], r"tools.join.function=os.path.join: .*"),
-        (["+tools.times.function=recipes.common.calculator.multiply"], r"rename the key to tools.multiply"),
+        (["+tools.times.function=recipes.tasks.calculator.multiply"], r"rename the key to tools.multiply"),
         (["+tools.multiply=3"], r"tools.multiply: expected \{function: "),
         ([MULTIPLY, "tools.timeout_s=0"], r"tools.timeout_s=0: expected a number of seconds > 0"),
         (["+train.max_tool_calling_iterations=2"], r"train.max_tool_calling_iterations=2: .*set rollout.max_turns"),
@@ -138,13 +138,13 @@ def test_dialogs_whose_tool_results_do_not_fit_are_counted_truncated_and_warned_
 
 
 def test_a_tool_using_run_killed_after_its_checkpoint_resumes_with_its_dialogs_counted(compose_config, tmp_path):
-    """experiment=calculator_trl (tiny/calculator_policy calls the tool in about a third of its answers), killed by
+    """experiment=calculator (tiny/calculator_policy calls the tool in about a third of its answers), killed by
     SIGKILL after its step-2 checkpoint and step 3's log: the resumed run trains steps 3-4 again, each step's rows are
     stored once with their env_mask and tool counts, metrics.csv has each training step once, and the summary's first
     figures (tool calls, evaluation) are the killed part's."""
     run_dir = tmp_path / "run"
     overrides = [
-        "experiment=calculator_trl",
+        "experiment=calculator",
         "train.max_steps=4",
         "train.per_device_train_batch_size=16",
         "train.num_generations=4",
@@ -187,13 +187,13 @@ def test_a_tool_using_run_killed_after_its_checkpoint_resumes_with_its_dialogs_c
 
 
 @pytest.mark.slow
-def test_experiment_calculator_trl_learns_to_use_its_tool_on_every_seed(compose_config, tmp_path):
+def test_experiment_calculator_learns_to_use_its_tool_on_every_seed_in_the_trl_recipe(compose_config, tmp_path):
     """Held-out accuracy from <= 0.3 to >= 0.8 on seeds 0, 1 and 2 (the figures of each are in
     docs/trl_grpo_rollouts.md)."""
     for seed in (0, 1, 2):
         cfg = compose_config(
             "trl_grpo_torchrl_rollouts",
-            ["experiment=calculator_trl", f"seed={seed}", f"output_dir={tmp_path / str(seed)}"],
+            ["experiment=calculator", f"seed={seed}", f"output_dir={tmp_path / str(seed)}"],
         )
         summary = recipe.train(cfg)
         assert summary["eval/accuracy_first"] <= 0.3, (seed, summary["eval/accuracy_first"])

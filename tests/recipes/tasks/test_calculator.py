@@ -1,4 +1,4 @@
-"""The tool-use task (recipes/common/calculator.py) and its policy (scripts/build_tiny_models.py --task calculator):
+"""The tool-use task (recipes/tasks/calculator.py) and its policy (scripts/build_tiny_models.py --task calculator):
 disjoint train and eval problems, pretraining dialogs in trl's tool-calling form with the shares the policy is built
 on, the exact-answer reward on the final message, and the built policy's template and tokens."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.common import calculator
+from recipes.tasks import calculator
 
 TRL_QWEN2_5_TEMPLATE = Path(__import__("trl").__file__).parent / "chat_templates" / "qwen2_5.jinja"
 
