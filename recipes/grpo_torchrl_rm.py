@@ -46,7 +46,7 @@ from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.metrics import peak_device_memory
 from recipes.common.models import load_causal_lm, load_tokenizer
-from recipes.common.rollout_backend import backend_of, ray_connection
+from recipes.common.rollout_backend import ray_connection, samples_apart
 from recipes.common.run import (
     Run,
     end_processes,
@@ -127,7 +127,7 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
             reference_node = OmegaConf.merge(cfg.model, {"name_or_path": str(resume_from / REFERENCE_FOLDER)})
         reference = load_causal_lm(reference_node, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
     reward_tokenizer = reward_model = None
-    if backend_of(cfg) == "learner":  # elsewhere each collector loads its own
+    if not samples_apart(cfg):  # elsewhere each collector loads its own
         reward_tokenizer, reward_model = load_reward_scorer(cfg)
     return Models(
         tokenizer=load_tokenizer(policy_node, padding_side="left"),

@@ -30,7 +30,7 @@ from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, va
 from recipes.common.prompts import check_prompts_fit_policy
 from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
-from recipes.common.rollout_backend import backend_of, check_rollout_backend
+from recipes.common.rollout_backend import backend_of, check_rollout_backend, samples_apart
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
 from recipes.common.tools import resolve_tools
@@ -157,9 +157,9 @@ def _validate_backend(cfg: DictConfig) -> None:
     """Where the batches are sampled (``rollout.backend``, ``rollout.workers``, ``ray:``): the keys' shared checks,
     then what this recipe's collectors need: whole groups for every worker, and a collector that runs apart."""
     check_rollout_backend(cfg, workers_per_process=True)
-    backend = backend_of(cfg)
-    if backend == "learner":
+    if not samples_apart(cfg):
         return
+    backend = backend_of(cfg)
     if cfg.rollout.env == "chat":
         raise ConfigError(
             f"rollout.env=chat with rollout.backend={backend}: TorchRL's ChatEnv collector samples in the learner's "

@@ -46,7 +46,7 @@ from recipes.common.config import ConfigError, run_config
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
 from recipes.common.prompts import PromptTable
-from recipes.common.rollout_backend import backend_of, worker_resources
+from recipes.common.rollout_backend import backend_of, samples_apart, worker_resources
 from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools
 from recipes.grpo.batch import (
     BATCH_KEYS,
@@ -393,8 +393,8 @@ def make_collector(
         return _chat_collector(
             cfg, prompts.prompts, models, start_step=start_step, num_replicas=num_replicas, rank=rank
         )
-    backend = backend_of(cfg)
-    if backend != "learner":
+    if samples_apart(cfg):
+        backend = backend_of(cfg)
         workers = cfg.rollout.workers
         return CollectorWorkers(
             functools.partial(

@@ -129,7 +129,7 @@ TRL_NAMES = Aliases(
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
 
-# trl's loss_type menu, in trl's order (recipes.grpo.loss.POLICY_LOSSES has one rule per name).
+# trl's loss_type menu, in trl's order: the names of recipes.grpo.loss.LOSS_RULES (a test holds them equal).
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 # trl's vllm_importance_sampling_mode menu: a ratio per token or per response, clipped (truncate) or zeroed (mask).
