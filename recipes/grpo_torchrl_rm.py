@@ -59,6 +59,7 @@ from recipes.common.run import (
 )
 from recipes.common.schema import refuse_unknown_overrides
 from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
+from recipes.common.tools import resolving_tools_once
 from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, REWARD_LOGS, merge_batches
 from recipes.grpo.checkpointing import (
     REFERENCE_FOLDER,
@@ -454,6 +455,7 @@ def record_resume_changes(cfg: DictConfig, output_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------- run
 
 
+@resolving_tools_once()  # each MCP server of tools: listed once per run
 def train(cfg: DictConfig) -> dict:
     """Runs (or resumes) GRPO as configured and returns the summary also written to ``summary.json``.
 

@@ -20,6 +20,7 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from omegaconf import DictConfig
 
@@ -28,6 +29,7 @@ from recipes.common.config import ConfigError
 __all__ = [
     "ROLLOUT_BACKENDS",
     "RolloutBackend",
+    "RolloutBackendName",
     "backend_of",
     "samples_apart",
     "check_rollout_backend",
@@ -81,6 +83,10 @@ ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
         package="ray",
     ),
 }
+
+# The choices of rollout.backend in both recipes' schemas: the table's names (a Literal built from them, so that a row
+# added here is a choice there).
+RolloutBackendName = Literal[tuple(ROLLOUT_BACKENDS)]  # type: ignore[valid-type]
 
 
 def _apart() -> str:

@@ -47,7 +47,7 @@ from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
 from recipes.common.prompts import PromptTable
 from recipes.common.rollout_backend import backend_of, samples_apart, worker_resources
-from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools
+from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools, resolving_tools_once
 from recipes.grpo.batch import (
     BATCH_KEYS,
     DIALOG_KEYS,
@@ -268,6 +268,7 @@ def _prompt_collector(
     return collector, policy
 
 
+@resolving_tools_once()  # this sampling process lists each MCP server of tools: once
 def build_prompt_collector(
     config: Mapping, *, start_step: int, num_replicas: int, rank: int, workers: int = 1, worker: int = 0
 ) -> tuple[Collector, CausalLMSampler | DialogPolicy]:

@@ -214,17 +214,19 @@ class _Tokens:
 
 
 def _clipped(tokens: _Tokens, s: Loss) -> torch.Tensor:
+    """PPO's clipped surrogate: the ratio clipped to [1 - clip_epsilon, 1 + clip_epsilon_high] (and at ``delta``)."""
     coef_2 = torch.clamp(tokens.coef_1, 1 - s.clip_epsilon, 1 + s.clip_epsilon_high)
     coef_1 = tokens.coef_1 if s.delta is None else torch.clamp(tokens.coef_1, max=s.delta)
     return -torch.min(coef_1 * tokens.advantages, coef_2 * tokens.advantages)
 
 
 def _cispo(tokens: _Tokens, s: Loss) -> torch.Tensor:
-    # The ratio itself clipped and detached, weighting the log-prob: every token keeps its gradient.
+    """CISPO: the ratio itself clipped and detached, weighting the log-prob: every token keeps its gradient."""
     return -torch.clamp(tokens.coef_1, max=s.clip_epsilon_high).detach() * tokens.advantages * tokens.log_probs
 
 
 def _sapo(tokens: _Tokens, s: Loss) -> torch.Tensor:
+    """SAPO: a sigmoid gate of the ratio (its temperature by the advantage's sign) in place of the clip."""
     temperatures = torch.where(tokens.advantages > 0, s.sapo.temperature_pos, s.sapo.temperature_neg)
     return -torch.sigmoid(temperatures * (tokens.coef_1 - 1)) * 4 / temperatures * tokens.advantages
 
@@ -244,6 +246,7 @@ def _gamma_weights(tokens: _Tokens, s: Loss) -> torch.Tensor:
 
 
 def _vespo(tokens: _Tokens, s: Loss) -> torch.Tensor:
+    """VESPO: the log-prob weighted by a gamma function of the sequence ratio (:func:`_gamma_weights`)."""
     return -_gamma_weights(tokens, s) * tokens.advantages * tokens.log_probs
 
 

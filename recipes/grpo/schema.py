@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from recipes.common.rollout_backend import RolloutBackendName
 from recipes.common.schema import (
     OPEN,
     Aliases,
@@ -177,7 +178,7 @@ class Rollout:
     mode: RolloutMode
     max_policy_lag: NonNegative
     # Where training batches are sampled (recipes.common.rollout_backend); null: the mode's default.
-    backend: Literal["learner", "processes", "ray"] | None
+    backend: RolloutBackendName | None
     workers: Positive
     worker_resources: WorkerResourcesNode
     collector_threads: Positive
