@@ -1,7 +1,8 @@
-"""The three places things are added (issue 41): loss types (``recipes.grpo.loss.LOSS_RULES``), rollout backends
-(``recipes.common.rollout_backend.ROLLOUT_BACKENDS``) and kinds of tools: entries (``recipes.common.tools.TOOL_KINDS``).
-Every registered entry is a choice of the schema, is documented where a user looks (the docs page and the YAML
-comment of its key) and says what it is; a name in the docs or the schema that no entry backs fails too."""
+"""The places things are added (issue 41): loss types (``recipes.grpo.loss.LOSS_RULES``), rollout backends
+(``recipes.common.rollout_backend.ROLLOUT_BACKENDS``), the GRPO recipe's rollouts
+(``recipes.grpo.rollout_envs.ROLLOUT_ENVS``) and kinds of tools: entries (``recipes.common.tools.TOOL_KINDS``). Every
+registered entry is a choice of the schema, is documented where a user looks (the docs page and the YAML comment of
+its key) and says what it is; a name in the docs or the schema that no entry backs fails too."""
 
 from __future__ import annotations
 
@@ -84,3 +85,16 @@ def test_every_kind_of_tool_entry_is_documented_and_described():
     assert table == set(TOOL_KINDS)  # docs/tools.md's table of keys has a row per kind, and none the code lacks
     for name, kind in TOOL_KINDS.items():
         assert kind.summary and kind.node and kind.build.__doc__, f"tools.<name>.{name} is not described"
+
+
+def test_every_rollout_env_is_the_schemas_documented_and_described():
+    from recipes.grpo import schema
+    from recipes.grpo.rollout_envs import ROLLOUT_ENVS
+
+    assert typing.get_args(typing.get_type_hints(schema.Rollout)["env"]) == tuple(ROLLOUT_ENVS)
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    (listed,) = re.findall(r"`rollout\.env=([\w|]+)`", docs)
+    assert set(listed.split("|")) == set(ROLLOUT_ENVS)
+    assert not _documented(ROLLOUT_ENVS, _comment_above("grpo_torchrl_rm", "rollout.env"), "the rollout.env comment")
+    for name, env in ROLLOUT_ENVS.items():
+        assert env.summary, f"rollout.env={name} is not described"

@@ -65,6 +65,7 @@ from recipes.grpo.collector_workers import CollectorWorkers
 from recipes.grpo.policy import load_policy
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import load_reward_scorer, make_reward_transform
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 
 __all__ = [
     "build_prompt_collector",
@@ -99,7 +100,7 @@ def check_generation_settings(generation: Mapping, *, env: str, key: str = "roll
         ...
         recipes.common.config.ConfigError: rollout.generation: ['max_new_token'] are not generation settings ...
     """
-    if env == "prompt":
+    if ROLLOUT_ENVS[env].takes_sampler_settings:
         sampler_settings(generation, key=key, check_only=True)
     else:
         check_chat_generation_settings(generation, key=key)

@@ -57,6 +57,7 @@ from recipes.grpo.batch import (
     TOKENS,
     response_start,
 )
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 from recipes.grpo.schema import (
     ImportanceSamplingLevel,
     Loss,
@@ -578,5 +579,5 @@ def make_loss(cfg: DictConfig, scorer: nn.Module) -> GRPOObjective:
         scorer,
         settings,
         max_completion_length=cfg.rollout.generation.max_new_tokens,
-        sampler_log_probs_recorded=cfg.rollout.env == "prompt",
+        sampler_log_probs_recorded=ROLLOUT_ENVS[cfg.rollout.env].records_sampler_log_probs,
     )

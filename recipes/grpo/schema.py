@@ -32,6 +32,7 @@ from recipes.common.schema import (
     RayNode,
     WorkerResourcesNode,
 )
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS, RolloutEnvName
 
 __all__ = [
     "RENAMED",
@@ -137,8 +138,9 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 SamplerCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 ScaleRewards = Literal["group", "batch", "none"]
 RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
-# prompt: PromptEnv + CausalLMSampler; chat: TorchRL's ChatEnv + TransformersWrapper (recipes.grpo.collector).
-RolloutEnv = Literal["prompt", "chat"]
+# prompt: PromptEnv + CausalLMSampler; chat: TorchRL's ChatEnv + TransformersWrapper: the names of
+# recipes.grpo.rollout_envs.ROLLOUT_ENVS, the table of what each honours.
+RolloutEnv = RolloutEnvName
 RolloutMode = Literal["sync", "async"]
 # What the reward model reads (recipes.grpo.rewards).
 RewardInput = Literal["history", "text", "tokens"]
@@ -208,7 +210,7 @@ class Rollout:
                 f"responses_per_step={self.responses_per_step} is not a multiple of group_size={self.group_size}: "
                 f"every prompt gets a full group. Use a multiple, e.g. responses_per_step={whole}."
             )
-        if self.mode == "async" and self.env != "prompt":
+        if self.mode == "async" and not ROLLOUT_ENVS[self.env].runs_apart:
             raise ValueError(
                 f"mode=async runs the collector of env=prompt in a background process; env={self.env} collects in "
                 "the learner's process only. Use env=prompt, or mode=sync."
