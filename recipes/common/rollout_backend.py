@@ -148,14 +148,15 @@ def check_rollout_backend(cfg: DictConfig, *, workers_per_process: bool = False)
     gpus = cfg.rollout.worker_resources.num_gpus
     if row.cpu_workers_only and gpus:
         raise ConfigError(
-            f"rollout.worker_resources.num_gpus={gpus} with rollout.backend={backend}: its workers sample on CPU "
-            "copies of the policy. Use rollout.backend=ray for GPU workers, or rollout.worker_resources.num_gpus=0."
+            f"rollout.worker_resources.num_gpus={gpus} with rollout.backend={backend}: local worker processes sample "
+            "on CPU copies of the policy. Use rollout.backend=ray for GPU workers, or "
+            "rollout.worker_resources.num_gpus=0."
         )
     if row.gpus_by_request and str(cfg.device).startswith("cuda") and not gpus:
         raise ConfigError(
-            f"device={cfg.device} with rollout.backend={backend} and rollout.worker_resources.num_gpus=0: a worker "
-            "gets no GPU unless it asks for one, so the workers would sample on CPU (or fail to load on CUDA). Set "
-            "rollout.worker_resources.num_gpus=1 (a GPU each; 0.5 shares one between two), or device=cpu."
+            f"device={cfg.device} with rollout.backend={backend} and rollout.worker_resources.num_gpus=0: Ray "
+            "gives a worker no GPU unless it asks for one, so the workers would sample on CPU (or fail to load on "
+            "CUDA). Set rollout.worker_resources.num_gpus=1 (a GPU each; 0.5 shares one between two), or device=cpu."
         )
     _check_weight_push(cfg, backend)
     if not row.apart_from_learner:
