@@ -7,6 +7,8 @@ Public names:
   generate mode, or any module with the same keys) as the ``rollout_func`` of ``trl.GRPOTrainer``. Built without a
   policy, it samples with a :class:`~interop.sampling.CausalLMSampler` around the trainer's model, with the
   trainer's ``GRPOConfig`` sampling settings. Optionally writes every rollout into a TorchRL ``ReplayBuffer``.
+- :data:`PAST_LAG_BOUND`: the choices of its ``past_lag_bound`` (what async mode does with a batch that would train
+  past ``max_policy_lag``: ``"withhold"`` or ``"resample"``).
 
 trl's contract (trl 1.16, ``GRPOTrainer._generate``): the function gets the process's prompts (trl's sampler has already
 repeated each prompt ``num_generations`` times, consecutively) and the trainer, and returns one completion per prompt:
@@ -36,6 +38,7 @@ Dependencies: ``torch``, ``tensordict``, ``torchrl``; ``transformers`` tokenizer
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -60,7 +63,10 @@ from interop.tools import ToolRunner, ToolSet
 if TYPE_CHECKING:  # for annotations; imported where the workers start
     from interop.rollout_workers import RolloutWorkers
 
-__all__ = ["TorchRLRolloutFunc", "message_text"]
+__all__ = ["PAST_LAG_BOUND", "TorchRLRolloutFunc", "message_text"]
+
+# What happens to an async batch that would train past max_policy_lag: not sampled ahead, or sampled again.
+PAST_LAG_BOUND = ("withhold", "resample")
 
 RESPONSE_LOG_PROBS = ("log_probs", "response")  # TorchRL's TransformersWrapper writes the response's alone
 # Distinct prompts whose token ids are kept (a dataset's worth; past it the cache starts again).
@@ -179,9 +185,20 @@ class TorchRLRolloutFunc:
             weights published at each call) samples batch ``k + 1``, whose prompts ``interop.TorchRLGRPOTrainer``
             reads ahead from the prompt stream; the trainer gives trl the sampling log-probs as its old log-probs, so
             that its importance ratio corrects the lag. A pre-sampled batch is used only for the very prompts trl
-            passes (anything else is sampled again, counted) and at most ``max_policy_lag`` updates old.
+            passes (anything else is sampled again, counted) and at most ``max_policy_lag`` updates old. Every
+            training batch is sampled there, at ``sampler_dtype``: the first one, and any sampled again, with the
+            current weights while trl waits.
         max_policy_lag: async: the most optimizer steps a batch's sampling weights may be behind the weights it is
-            trained at (an older batch is sampled again, counted).
+            trained at (what happens to a batch past it: ``past_lag_bound``).
+        past_lag_bound: async: what happens to the next generation batch when sampling it ahead would train it more
+            than ``max_policy_lag`` steps old (trl updates ``steps_per_generation * num_iterations /
+            gradient_accumulation_steps`` times per generation batch, rounded up). ``"withhold"``: it is not sampled
+            ahead but once the weights are recent enough: at the optimizer step ``max_policy_lag`` steps before trl
+            asks for it (:meth:`on_optimizer_step`, which ``interop.TorchRLGRPOTrainer`` calls), or when trl asks
+            for it (``stats["withheld"]``, and ``"withheld_s"``: how long trl waited for it). ``"resample"``: it is
+            sampled ahead anyway, and sampled again with the current weights when trl asks for it past the bound
+            (``stats["resampled"]``). Either way no batch trains past the bound; ``"resample"`` throws the first
+            sampling away.
         backend: where training batches are sampled. ``"learner"``: in this process (sync mode only);
             ``"processes"``: in ``workers`` local child processes; ``"ray"``: in ``workers`` Ray actors on the
             cluster this process is connected to (:func:`interop.rollout_workers.connect_ray`). Apart from the
@@ -257,6 +274,7 @@ class TorchRLRolloutFunc:
         model: torch.nn.Module | None = None,
         mode: str = "sync",
         max_policy_lag: int = 1,
+        past_lag_bound: str = "withhold",
         backend: str | None = None,
         workers: int = 1,
         worker_resources=None,
@@ -275,6 +293,10 @@ class TorchRLRolloutFunc:
             self._check_tool_options(tools, policy=policy, max_turns=max_turns)
         if max_policy_lag < 0:
             raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
+        if past_lag_bound not in PAST_LAG_BOUND:
+            raise ValueError(
+                f"TorchRLRolloutFunc: past_lag_bound must be one of {PAST_LAG_BOUND}, got {past_lag_bound!r}."
+            )
         backend = self._check_backend(mode, backend, workers)
         self._check_weight_push(mode, backend, max_policy_lag, weight_sync_every, sampler_dtype)
         if backend != "learner" and policy is not None and not isinstance(policy, CausalLMSampler):
@@ -307,7 +329,7 @@ class TorchRLRolloutFunc:
         self._vocab_checked = False
         # Rows are written once trl has scored them when a trainer reports the scores (record_scored).
         self.writes_scored_rows = False
-        self.mode, self.max_policy_lag = mode, max_policy_lag
+        self.mode, self.max_policy_lag, self.past_lag_bound = mode, max_policy_lag, past_lag_bound
         self.backend, self.workers = backend, workers
         if isinstance(worker_resources, dict):
             from interop.rollout_workers import WorkerResources
@@ -321,7 +343,12 @@ class TorchRLRolloutFunc:
         self.lookahead: Any = None  # prompts -> the next batch's prompts (a PromptLookahead)
         self._background: Any = None  # interop.rollout_workers.RolloutWorkers, once started
         self._pending: list | None = None
-        self.stats: dict[str, float] = {}  # the last call's figures: policy_lag, resampled, lookahead_misses
+        # withhold: the next batch's prompts, when it is not sampled ahead, and the step from which it may be.
+        self._withheld: list | None = None
+        self._release_step = 0
+        self._pending_withheld = False  # whether the batch being sampled was withheld first
+        # The last call's figures: policy_lag, resampled, withheld, withheld_s, lookahead_misses.
+        self.stats: dict[str, float] = {}
         # tools: what the dialogs run (a ToolRunner built at the first call when functions were given), the turn
         # limit, and the last batch's dialogs (their messages show what the model saw).
         self.tools, self.max_turns = tools, max_turns
@@ -501,9 +528,10 @@ class TorchRLRolloutFunc:
         metrics[mode]["rollout/turns"].append(turns / dialogs)
 
     def _async_rollout(self, prompts: list, trainer) -> TensorDict:
-        """This generation batch, pre-sampled in the child when it holds these very prompts and is recent enough (else
-        sampled now, here); then the next batch's sampling started in the child with the current weights. ``step``
-        is the version of the weights that sampled each row (the updates they had had)."""
+        """This generation batch: pre-sampled by the workers when they hold these very prompts and it is recent
+        enough, else sampled by them now with the current weights while trl waits; then the next batch's sampling
+        started with the current weights, unless it would train past the lag bound and ``past_lag_bound`` withholds
+        it. ``step`` is the version of the weights that sampled each row (the updates they had had)."""
         if self.lookahead is None:
             raise ValueError(
                 "TorchRLRolloutFunc: mode='async' needs the next generation batch's prompts ahead of time, which "
@@ -511,11 +539,14 @@ class TorchRLRolloutFunc:
                 "trl.GRPOTrainer)."
             )
         step = self._step(trainer)
-        if self._background is None:  # started now: its start-up overlaps this first batch's sampling here
+        if self._background is None:
             self._start_background()
-        rollout, version, stats = None, step, {"resampled": 0.0, "lookahead_misses": 0.0}
+        rollout, stats = None, {"resampled": 0.0, "withheld": 0.0, "withheld_s": 0.0, "lookahead_misses": 0.0}
         if self._pending is not None:
+            started = time.perf_counter()
             sampled, version = self._background.result()
+            if self._pending_withheld:
+                stats["withheld"], stats["withheld_s"] = 1.0, time.perf_counter() - started
             stats.update(self._background.last_stats)
             if self._pending != list(prompts):
                 stats["lookahead_misses"] = 1.0  # the stream moved otherwise than read ahead: never paired
@@ -524,8 +555,13 @@ class TorchRLRolloutFunc:
             else:
                 rollout = sampled
             self._pending = None
-        if rollout is None:
-            rollout, version = self.rollout(prompts, trainer=trainer), step
+        if rollout is None:  # the first batch, one withheld, or one sampled again: by the workers, with these weights
+            started = time.perf_counter()
+            rollout, version = self._sample_now(prompts, trainer, step)
+            if self._withheld == list(prompts):
+                stats["withheld"], stats["withheld_s"] = 1.0, time.perf_counter() - started
+            stats.update(self._background.last_stats)
+        self._withheld, self._pending_withheld = None, False
         rollout.set("step", torch.full((rollout.shape[0],), version, dtype=torch.long))
         stats["policy_lag"] = float(step - version)
         self.stats = stats
@@ -533,13 +569,54 @@ class TorchRLRolloutFunc:
         return rollout
 
     def _start_next(self, prompts: list, trainer, step: int) -> None:
-        """The next generation batch's sampling, by the workers, with the weights of ``step``."""
+        """The next generation batch's sampling, by the workers, with the weights of ``step``; withheld instead when
+        it would train past the lag bound and ``past_lag_bound="withhold"``."""
         upcoming = self.lookahead(prompts)
         if not upcoming:
             return
-        self._publish_due(trainer, step)
-        self._background.submit(self.tokenize(upcoming, trainer), group_size=self._group_size(trainer, upcoming))
+        updates = self._updates_per_generation(trainer)
+        if self.past_lag_bound == "withhold" and updates > self.max_policy_lag:
+            # Sampled from the update max_policy_lag steps before trl asks for it (on_optimizer_step), or then.
+            self._withheld, self._release_step = list(upcoming), step + updates - self.max_policy_lag
+            return
+        self._submit(upcoming, trainer, step)
         self._pending = list(upcoming)
+
+    def _submit(self, prompts: list, trainer, step: int) -> None:
+        """``prompts``' sampling started on the workers, each group on one, with the weights of ``step`` (published
+        first, where due)."""
+        self._publish_due(trainer, step)
+        self._background.submit(self.tokenize(prompts, trainer), group_size=self._group_size(trainer, prompts))
+
+    def on_optimizer_step(self, trainer) -> None:
+        """Async mode, ``past_lag_bound="withhold"``: starts the sampling of a withheld generation batch once trl's
+        weights are recent enough for it (``max_policy_lag`` optimizer steps before trl asks for it), so that it
+        overlaps trl's last updates on the batch before. A trainer calls it after each optimizer step
+        (``interop.TorchRLGRPOTrainer`` does); without it, a withheld batch is sampled when trl asks for it."""
+        step = self._step(trainer)
+        if self._withheld is None or self._pending is not None or step < self._release_step:
+            return
+        self._publish_due(trainer, step)
+        if self._background.version < self._release_step:  # weight_sync_every > 1: not pushed yet, wait for the push
+            return
+        self._submit(self._withheld, trainer, step)
+        self._pending, self._withheld, self._pending_withheld = self._withheld, None, True
+
+    @staticmethod
+    def _updates_per_generation(trainer) -> int:
+        """The most optimizer steps trl takes on one generation batch (the lag of a batch sampled one ahead): trl
+        generates every ``steps_per_generation * num_iterations`` micro-steps and steps every
+        ``gradient_accumulation_steps``."""
+        args = getattr(trainer, "args", None)
+        micro_steps = int(getattr(args, "steps_per_generation", 1) or 1) * int(getattr(trainer, "num_iterations", 1))
+        accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        return -(-micro_steps // accumulation)
+
+    def _sample_now(self, prompts: list, trainer, step: int) -> tuple[TensorDict, int]:
+        """``prompts`` sampled by the workers with the weights of ``step`` (:meth:`_submit`), waited for. Returns the
+        batch and the version that sampled it."""
+        self._submit(prompts, trainer, step)
+        return self._background.result()
 
     def _remote_rollout(self, prompts: list, trainer) -> TensorDict:
         """Sync mode apart from the learner: this generation batch, sampled by the workers with the current weights
@@ -547,9 +624,7 @@ class TorchRLRolloutFunc:
         step = self._step(trainer)
         if self._background is None:
             self._start_background()
-        self._publish_due(trainer, step)
-        self._background.submit(self.tokenize(prompts, trainer), group_size=self._group_size(trainer, prompts))
-        rollout, version = self._background.result()
+        rollout, version = self._sample_now(prompts, trainer, step)
         rollout.set("step", torch.full((rollout.shape[0],), version, dtype=torch.long))
         self.stats = {"policy_lag": float(step - version), **self._background.last_stats}
         return rollout
@@ -611,7 +686,8 @@ class TorchRLRolloutFunc:
         if self._background is not None:
             self._background.close()
             self._background = None
-        self._pending = None
+        self._pending = self._withheld = None
+        self._pending_withheld = False
         if self._owns_runner and self.runner is not None:  # the tool worker built here (a caller's runner is theirs)
             self.runner.close()
 

@@ -16,7 +16,8 @@ With ``TorchRLRolloutFunc(mode="async")`` the trainer also reads its prompt stre
 (the rollout function samples that batch in a child process while trl updates), gives trl's loss the sampling
 log-probs as its old log-probs (trl treats a batch generated in step with the optimizer as on-policy and would
 otherwise use the current weights' log-probs: a batch sampled one update ago is not), and logs ``policy_lag``,
-``rollout/resampled`` and ``rollout/lookahead_misses`` with trl's metrics.
+``rollout/resampled``, ``rollout/withheld``, ``rollout/withheld_s`` and ``rollout/lookahead_misses`` with trl's
+metrics (the rollout function's ``past_lag_bound`` says which of the two a batch past the lag bound gets).
 
 The sampler/trainer mismatch correction: trl 1.16 applies its ``GRPOConfig`` ``vllm_importance_sampling_correction``
 (``vllm_importance_sampling_mode``, ``..._clip_min``, ``..._clip_max``) only to vLLM's completions.
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from interop.group_replay import GroupReplay, pad_rows
@@ -258,6 +260,8 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             check_importance_sampling_settings(self.args)
         # trl's own vllm_importance_sampling_* code corrects the TorchRL sampler's log-probs (with vLLM it runs anyway).
         self.corrects_sampler = bool(self.args.vllm_importance_sampling_correction) and not self.args.use_vllm
+        if self.rollout_func.mode == "async":  # a withheld batch starts once the weights are recent enough
+            self.add_callback(_OptimizerSteps(self))
         self.last_scored: TensorDictBase | None = None
         self.scored_batches = 0
         self._scored: tuple[list, list, torch.Tensor] | None = None  # the last batch's (_calculate_rewards)
@@ -404,8 +408,8 @@ class TorchRLGRPOTrainer(GRPOTrainer):
 
     def _log_rollout_stats(self) -> None:
         """The samplers' figures of the batch into trl's metrics: ``policy_lag``, ``rollout/resampled``,
-        ``rollout/lookahead_misses``, ``rollout/workers``, ``rollout/worker_restarts`` and each worker's
-        ``rollout/worker_<i>/tokens_per_s``."""
+        ``rollout/withheld``, ``rollout/withheld_s``, ``rollout/lookahead_misses``, ``rollout/workers``,
+        ``rollout/worker_restarts`` and each worker's ``rollout/worker_<i>/tokens_per_s``."""
         for name, value in self.rollout_func.stats.items():
             self._metrics["train"][name if name == "policy_lag" else f"rollout/{name}"].append(value)
 
@@ -445,6 +449,16 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             train_step=self.state.global_step,
         )
         self.scored_batches += 1
+
+
+class _OptimizerSteps(TrainerCallback):
+    """Tells the async rollout function of each optimizer step (:meth:`TorchRLRolloutFunc.on_optimizer_step`)."""
+
+    def __init__(self, trainer: TorchRLGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.rollout_func.on_optimizer_step(self.trainer)
 
 
 def _reading_ahead(rollout_func: TorchRLRolloutFunc, args: tuple, kwargs: dict) -> dict:

@@ -303,7 +303,8 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
     if lag > cfg.rollout.max_policy_lag:
         raise RuntimeError(
             f"Step {step} got responses sampled {lag} updates ago, more than rollout.max_policy_lag="
-            f"{cfg.rollout.max_policy_lag}; the collector did not wait for the weights."
+            f"{cfg.rollout.max_policy_lag}; the collector did not keep it within the bound "
+            f"(rollout.past_lag_bound={cfg.rollout.past_lag_bound})."
         )
     metrics, tokens = rollout_metrics(
         sampled,

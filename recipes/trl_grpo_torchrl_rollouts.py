@@ -152,6 +152,7 @@ def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
         tokenizer=tokenizer,
         mode=cfg.rollout.mode,
         max_policy_lag=cfg.rollout.max_policy_lag,
+        past_lag_bound=cfg.rollout.past_lag_bound,
         backend=backend_of(cfg),
         workers=cfg.rollout.workers,
         worker_resources=worker_resources(cfg),

@@ -415,6 +415,7 @@ def make_collector(
             max_policy_lag=(
                 cfg.rollout.max_policy_lag if cfg.rollout.mode == "async" else cfg.rollout.weight_sync_every - 1
             ),
+            past_lag_bound=cfg.rollout.past_lag_bound if cfg.rollout.mode == "async" else "withhold",
             dtype=getattr(torch, cfg.rollout.sampler_dtype),
             num_threads=cfg.rollout.collector_threads,
             # Its own sampling noise per worker (seed + worker index), per rank and per resumed segment of the run.

@@ -11,9 +11,11 @@ how long the last batch took (``last_timings``: ``collect_s``, of which ``genera
 picklable factory) and iterates it: while the learner updates the policy on batch ``t``, the child generates batch
 ``t + 1``. The learner pushes its weights after every update (:meth:`BackgroundCollector.update_policy_weights_`);
 the child loads the newest ones before each batch, between batches only, so every batch is sampled by one version of
-the policy, and it never starts a batch that would be more than ``max_policy_lag`` updates old when trained on: the
-batch is withheld until the weights are recent enough (``last_timings["withheld"]``: whether it was, and
-``"withheld_s"``: how long), not sampled and thrown away.
+the policy. What it does with a batch that would be more than ``max_policy_lag`` updates old when trained on is
+``past_lag_bound``: ``"withhold"`` (never started until the weights are recent enough: ``last_timings["withheld"]``,
+whether it was, and ``"withheld_s"``, how long) or ``"resample"`` (sampled at once with the weights it has, up to
+``max_policy_lag + 1`` batches ahead; the learner throws away one that arrives past the bound and takes the next:
+``recipes.grpo.collector_workers``).
 Each batch carries the version it was sampled with (``"policy_version"``, written by the policy module), from which
 the learner measures the lag.
 
@@ -43,6 +45,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
 from interop.background_sampler import pushed_names
+from interop.rollout_func import PAST_LAG_BOUND
 from recipes.grpo import collector_child
 
 __all__ = ["BackgroundCollector", "CollectorExited", "LocalCollector", "collect", "timed_batches"]
@@ -148,6 +151,7 @@ def collect(
     *,
     start_version: int,
     max_policy_lag: int,
+    past_lag_bound: str,
     num_threads: int,
     seed: int,
 ) -> None:
@@ -162,11 +166,12 @@ def collect(
         torch.manual_seed(seed)
         stream = timed_batches(collector, policy)
         for index in range(1, sys.maxsize):
-            # Batch `index` is trained on when the learner holds version start_version + index - 1: it is withheld
-            # until the weights are recent enough, never sampled past the bound.
+            # Batch `index` is trained on when the learner holds version start_version + index - 1: withhold keeps
+            # it until the weights are recent enough, never sampled past the bound (resample samples it now).
             oldest_allowed = start_version + index - 1 - max_policy_lag
-            started, withheld = time.perf_counter(), version.value < oldest_allowed
-            while version.value < oldest_allowed:
+            started = time.perf_counter()
+            withheld = past_lag_bound == "withhold" and version.value < oldest_allowed
+            while withheld and version.value < oldest_allowed:
                 if stop.is_set() or not _parent_alive():
                     return
                 wake.acquire(timeout=_POLL_S)  # released by the learner at every update
@@ -204,6 +209,9 @@ class BackgroundCollector:
         start_version: the number of updates ``model`` has had (a resumed run's step).
         max_policy_lag: the most updates a batch may be behind the learner when it is trained on; 1 lets the child
             generate batch ``t + 1`` while the learner trains on batch ``t``.
+        past_lag_bound: ``"withhold"``: a batch that would be trained past ``max_policy_lag`` is not started until
+            the weights are recent enough; ``"resample"``: every batch is sampled at once with the newest weights the
+            child has (the learner throws away one past the bound).
         num_threads: torch threads of the child.
         seed: the child's torch seed.
         timeout_s: how long the learner waits for a batch before it gives up.
@@ -220,6 +228,7 @@ class BackgroundCollector:
         *,
         start_version: int,
         max_policy_lag: int = 1,
+        past_lag_bound: str = "withhold",
         num_threads: int = 1,
         seed: int = 0,
         timeout_s: float = 1800.0,
@@ -228,6 +237,10 @@ class BackgroundCollector:
     ) -> None:
         if max_policy_lag < 0:
             raise ValueError(f"BackgroundCollector: max_policy_lag must be >= 0, got {max_policy_lag}.")
+        if past_lag_bound not in PAST_LAG_BOUND:
+            raise ValueError(
+                f"BackgroundCollector: past_lag_bound must be one of {PAST_LAG_BOUND}, got {past_lag_bound!r}."
+            )
         context = multiprocessing.get_context("spawn")
         self._weights = {
             name: p.detach().to("cpu", dtype=dtype or p.dtype, copy=True).share_memory_()
@@ -259,7 +272,12 @@ class BackgroundCollector:
         with _main_module_hidden():
             self.process.start()
         receiving.close()
-        options = {"start_version": start_version, "max_policy_lag": max_policy_lag, "num_threads": num_threads}
+        options = {
+            "start_version": start_version,
+            "max_policy_lag": max_policy_lag,
+            "past_lag_bound": past_lag_bound,
+            "num_threads": num_threads,
+        }
         sending.send((factory, self._weights, {**options, "seed": seed}))
         sending.close()
         self._pid = self.process.pid

@@ -22,7 +22,10 @@ Where the collectors run:
 The policy lag: batch ``k`` (counted from ``start_version``) is trained on when the learner holds version
 ``start_version + k - 1``, so it is sampled only once the learner holds at least ``start_version + k - 1 -
 max_policy_lag``: with ``max_policy_lag=0`` (sync mode) every batch waits for the update before it; with 1 the next
-batch is dispatched with the current weights right after each update and sampled while the learner trains.
+batch is dispatched with the current weights right after each update and sampled while the learner trains. That is
+``past_lag_bound="withhold"``; with ``"resample"`` (async mode only) each share samples up to ``max_policy_lag + 1``
+batches ahead with whatever weights it has, and the learner throws away a part that arrives past the bound (counted)
+and takes the share's next one, sampled with newer weights.
 
 Faults: a worker that dies in the middle of a batch (its process SIGKILLed, its actor killed) is replaced, with a
 warning naming it, and the replacement samples its share again from where its prompt stream stood (the batches it had
@@ -44,9 +47,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
 from interop.background_sampler import pushed_names
+from interop.rollout_func import PAST_LAG_BOUND
 from interop.rollout_workers import PublishedWeights, RemoteWorker, kill_actor, node_alive
 from recipes.common.rollout_backend import ROLLOUT_BACKENDS
-from recipes.grpo.batch import merge_batches, response_mask
+from recipes.grpo.batch import POLICY_VERSION, merge_batches, response_mask
 from recipes.grpo.collector_modes import BackgroundCollector, CollectorExited, timed_batches
 
 __all__ = ["BACKENDS", "CollectorWorkers"]
@@ -122,6 +126,9 @@ class CollectorWorkers:
         workers: how many collectors (each a share of the step's responses).
         start_version: the updates ``model`` has had (a resumed run's step).
         max_policy_lag: the most updates a batch may be behind the learner when trained on (0: sync).
+        past_lag_bound: what happens to a part that would be trained past ``max_policy_lag``: ``"withhold"`` (not
+            sampled until the weights are recent enough) or ``"resample"`` (sampled ahead anyway; thrown away on
+            arrival and the share's next part taken).
         num_threads: torch threads of each worker.
         seed: worker ``i`` samples with torch seed ``seed + i``.
         pad_token_id: what pads the parts to the widest one.
@@ -134,8 +141,9 @@ class CollectorWorkers:
         last_timings: the last batch's ``collect_s`` and ``generate_s``: its slowest part's (the parts are sampled at
             the same time).
         last_stats: the last batch's ``workers`` (alive), ``worker_restarts`` (during it),
-            ``worker_<i>/tokens_per_s`` (response tokens per second of worker ``i``'s collection) and, with
-            ``processes``, ``withheld`` and ``withheld_s`` (:func:`_withheld`).
+            ``worker_<i>/tokens_per_s`` (response tokens per second of worker ``i``'s collection), ``resampled``
+            (parts thrown away past the bound, in batches: parts / workers) and, with ``processes``, ``withheld`` and
+            ``withheld_s`` (:func:`_withheld`).
         restarts: workers replaced since the start.
     """
 
@@ -151,6 +159,7 @@ class CollectorWorkers:
         num_threads: int,
         seed: int,
         pad_token_id: int,
+        past_lag_bound: str = "withhold",
         resources=None,
         dtype: torch.dtype | None = None,
         timeout_s: float = 1800.0,
@@ -162,12 +171,18 @@ class CollectorWorkers:
                 f"CollectorWorkers: need workers >= 1 and max_policy_lag >= 0, got workers={workers}, "
                 f"max_policy_lag={max_policy_lag}."
             )
+        if past_lag_bound not in PAST_LAG_BOUND:
+            raise ValueError(
+                f"CollectorWorkers: past_lag_bound must be one of {PAST_LAG_BOUND}, got {past_lag_bound!r}."
+            )
         self.backend, self.timeout_s, self.dtype = backend, timeout_s, dtype
         self._factory_for, self._model = factory_for, model
         self._num_threads, self._seed, self._pad_token_id = num_threads, seed, pad_token_id
         self.start_version, self.version, self.max_policy_lag = start_version, start_version, max_policy_lag
+        self.past_lag_bound = past_lag_bound
         self.shares = workers
-        self.delivered = [0] * workers  # batches each share has handed over
+        self.delivered = [0] * workers  # parts each share has handed over (those thrown away past the bound too)
+        self.handed = 0  # batches handed to the learner: it trains the next one holding start_version + handed
         self.restarts = 0
         self.dropped_nodes: list[str] = []
         self.last_timings = {"collect_s": 0.0, "generate_s": 0.0}
@@ -221,6 +236,7 @@ class CollectorWorkers:
             self._model,
             start_version=self._start_version(share),
             max_policy_lag=self.max_policy_lag,
+            past_lag_bound=self.past_lag_bound,
             num_threads=self._num_threads,
             seed=self._share_seed(share),
             timeout_s=self.timeout_s,
@@ -292,9 +308,15 @@ class CollectorWorkers:
         """Whether batch ``batch`` (1-based since ``start_version``) may be sampled with the current weights."""
         return self.version >= self.start_version + batch - 1 - self.max_policy_lag
 
+    def _may_submit(self, share: int) -> bool:
+        in_flight = len(self._in_flight[share])
+        if self.past_lag_bound == "resample":  # as far ahead as a local collector's queue lets it run
+            return in_flight <= self.max_policy_lag
+        return self._allowed(self.delivered[share] + in_flight + 1)
+
     def _submit_due(self) -> None:
         for share, in_flight in self._in_flight.items():
-            while self._allowed(self.delivered[share] + len(in_flight) + 1):
+            while self._may_submit(share):
                 worker = self._host[share]
                 in_flight.append(worker.handle.sample.remote(share, [self._weights_ref], self.version))
 
@@ -320,38 +342,53 @@ class CollectorWorkers:
             yield self.next()
 
     def next(self) -> TensorDictBase:
-        """The next step's batch: every share's part, in share order, each sampled under the lag bound."""
+        """The next step's batch: every share's part, in share order, each within the lag bound."""
         parts, timings, seconds, tokens = [], [], {}, {}
-        restarts = 0
+        restarts = resampled = 0
+        trained_at = self.start_version + self.handed  # the version the learner holds when it trains this batch
         for share in range(self.shares):
             while True:
-                try:
-                    part, timing, worker = self._receive(share)
+                part, timing, worker, restarts = self._next_part(share, restarts)
+                seconds[worker.index] = seconds.get(worker.index, 0.0) + timing["collect_s"]
+                tokens[worker.index] = tokens.get(worker.index, 0) + int(response_mask(part).sum())
+                stale = trained_at - int(part[POLICY_VERSION].min()) > self.max_policy_lag
+                if not (stale and self.past_lag_bound == "resample"):  # withhold: the recipe refuses a stale one
                     break
-                except self._died() as error:
-                    restarts += 1
-                    if restarts > _MAX_RESTARTS_PER_STEP:
-                        raise RuntimeError(
-                            f"CollectorWorkers: workers died {restarts} times during one step; the last: {error}"
-                        ) from error
-                    self._recover(share, error)
-            self.delivered[share] += 1
+                resampled += 1  # thrown away; the share's next part is sampled with newer weights
+                if self.backend == "ray":
+                    self._submit_due()
             parts.append(part)
             timings.append(timing)
-            seconds[worker.index] = seconds.get(worker.index, 0.0) + timing["collect_s"]
-            tokens[worker.index] = tokens.get(worker.index, 0) + int(response_mask(part).sum())
+        self.handed += 1
         if self.backend == "ray":
             self._submit_due()
         self.last_timings = max(timings, key=lambda timing: timing["collect_s"])
         self.last_stats = {
             "workers": float(len(self._workers)),
             "worker_restarts": float(restarts),
+            "resampled": resampled / self.shares,
             # How long the parts were held back for the lag bound (the longest part's; local processes only: a Ray
             # part is held back by the learner, which submits it once the bound allows).
             **(_withheld(timings) if self.backend == "processes" else {}),
             **{f"worker_{index}/tokens_per_s": tokens[index] / max(seconds[index], 1e-9) for index in sorted(tokens)},
         }
         return merge_batches(parts, pad_token_id=self._pad_token_id)
+
+    def _next_part(self, share: int, restarts: int) -> tuple[TensorDictBase, dict, _Worker, int]:
+        """Share ``share``'s next part, its timings and worker, and the step's restarts so far (a worker that dies
+        while sampling it is replaced and samples it again)."""
+        while True:
+            try:
+                part, timing, worker = self._receive(share)
+                self.delivered[share] += 1
+                return part, timing, worker, restarts
+            except self._died() as error:
+                restarts += 1
+                if restarts > _MAX_RESTARTS_PER_STEP:
+                    raise RuntimeError(
+                        f"CollectorWorkers: workers died {restarts} times during one step; the last: {error}"
+                    ) from error
+                self._recover(share, error)
 
     def update_policy_weights_(self, model: torch.nn.Module, *, version: int) -> None:
         """Publishes ``model``'s parameters as policy ``version`` (the number of updates it has had)."""

@@ -338,9 +338,10 @@ _ROLLOUT_FIGURES = (
 
 def _is_worker_figure(key: str) -> bool:
     """``rollout/workers``, ``rollout/worker_restarts``, ``rollout/worker_<i>/tokens_per_s``, ``rollout/withheld``,
-    ``rollout/withheld_s``: the sampling workers' (``recipes.grpo.collector_workers``), in metrics.csv but no summary
-    series."""
-    return key in ("rollout/workers", "rollout/withheld", "rollout/withheld_s") or key.startswith("rollout/worker_")
+    ``rollout/withheld_s``, ``rollout/resampled``: the sampling workers' (``recipes.grpo.collector_workers``), in
+    metrics.csv but no summary series."""
+    figures = ("rollout/workers", "rollout/withheld", "rollout/withheld_s", "rollout/resampled")
+    return key in figures or key.startswith("rollout/worker_")
 
 
 def summary_series(history: list[dict]) -> list[str]:

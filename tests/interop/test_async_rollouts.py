@@ -64,16 +64,17 @@ def _args(tmp_path, **overrides):
     return GRPOConfig(**settings)
 
 
-def _trainer(tiny_policy, tmp_path, *, reward=_length_reward, buffer=None, **overrides):
+def _trainer(tiny_policy, tmp_path, *, reward=_length_reward, buffer=None, rollout_options=None, **overrides):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model, tokenizer = copy.deepcopy(tiny_policy[0]), tiny_policy[1]
+    options = rollout_options or {}
     return TorchRLGRPOTrainer(
         model=model,
         reward_funcs=reward,
         args=_args(tmp_path, **overrides),
         train_dataset=_stream(),
         processing_class=tokenizer,
-        rollout_func=TorchRLRolloutFunc(tokenizer=tokenizer, mode="async", replay_buffer=buffer),
+        rollout_func=TorchRLRolloutFunc(tokenizer=tokenizer, mode="async", replay_buffer=buffer, **options),
     )
 
 
@@ -119,6 +120,130 @@ def test_a_wrong_look_ahead_is_never_paired_it_is_sampled_again(tiny_policy, tmp
     rows = buffer[: len(buffer)]
     for prompt, prompt_ids in zip(rows.get("prompt").tolist(), rows.get("prompt_ids", as_list=True), strict=True):
         assert prompt_ids.tolist() == _encoded(tiny_policy[1], prompt)
+
+
+@pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
+def test_past_the_lag_bound_the_next_batch_is_withheld_or_sampled_again_as_chosen(
+    tiny_policy, tmp_path, past_lag_bound
+):
+    """max_policy_lag=0: a batch read ahead would train one update old. withhold: it is not sampled ahead but when trl
+    asks for it, counted with trl's wait (rollout/withheld, rollout/withheld_s); resample: it is sampled ahead, then
+    again (rollout/resampled). Either way every batch trains at lag 0, sampled by the workers."""
+    buffer = ReplayBuffer(storage=LazyStackStorage(100))
+    options = {"max_policy_lag": 0, "past_lag_bound": past_lag_bound}
+    trainer = _trainer(tiny_policy, tmp_path, buffer=buffer, rollout_options=options)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
+    assert [entry["policy_lag"] for entry in logs] == [0.0] * 4
+    counted, other = ("withheld", "resampled") if past_lag_bound == "withhold" else ("resampled", "withheld")
+    assert [entry[f"rollout/{counted}"] for entry in logs] == [0.0, 1.0, 1.0, 1.0], "every batch after the first"
+    assert all(entry[f"rollout/{other}"] == 0.0 for entry in logs)
+    waits = [entry["rollout/withheld_s"] for entry in logs]
+    assert all(wait > 0 for wait in waits[1:]) if past_lag_bound == "withhold" else all(wait == 0 for wait in waits)
+    assert buffer[: len(buffer)]["step"].tolist() == [0] * 8 + [1] * 8 + [2] * 8 + [3] * 8
+
+
+def _train_recording_each_call(trainer) -> list[dict]:
+    """Trains, and returns the rollout function's figures of each generation batch (trl logs per optimizer step)."""
+    rollout_func, calls = trainer.rollout_func, []
+    sample = rollout_func._async_rollout
+
+    def recording(prompts, trainer):
+        rollout = sample(prompts, trainer)
+        calls.append(dict(rollout_func.stats))
+        return rollout
+
+    rollout_func._async_rollout = recording
+    trainer.train()
+    return calls
+
+
+@pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
+def test_a_withheld_batch_starts_as_soon_as_the_bound_allows_a_resampled_one_when_trl_asks(
+    tiny_policy, tmp_path, past_lag_bound
+):
+    """steps_per_generation=2: trl updates twice per generation batch, so one read ahead would train two updates old,
+    past max_policy_lag=1. withhold starts it after the first of the two updates (it overlaps the second) and it
+    trains one update old; resample samples it ahead, throws it away when trl asks for it, and samples it again."""
+    options = {"past_lag_bound": past_lag_bound}
+    trainer = _trainer(tiny_policy, tmp_path, rollout_options=options, steps_per_generation=2, max_steps=6)
+    calls = _train_recording_each_call(trainer)
+    assert len(calls) == 3
+    if past_lag_bound == "withhold":
+        assert [call["policy_lag"] for call in calls] == [0.0, 1.0, 1.0]
+        assert [(call["withheld"], call["resampled"]) for call in calls] == [(0.0, 0.0), (1.0, 0.0), (1.0, 0.0)]
+    else:
+        assert [call["policy_lag"] for call in calls] == [0.0, 0.0, 0.0]
+        assert [(call["withheld"], call["resampled"]) for call in calls] == [(0.0, 0.0), (0.0, 1.0), (0.0, 1.0)]
+
+
+def test_a_withheld_batch_waits_for_a_weight_push_recent_enough_under_weight_sync_every(tiny_policy, tmp_path):
+    """steps_per_generation=3 with max_policy_lag=2 and weights pushed every second update: a withheld batch may start
+    after the first update of the three, but only with weights pushed at or after it (an older push would train it
+    three updates old); every batch stays within the bound and none is sampled again."""
+    options = {"max_policy_lag": 2, "weight_sync_every": 2}
+    trainer = _trainer(tiny_policy, tmp_path, rollout_options=options, steps_per_generation=3, max_steps=9)
+    calls = _train_recording_each_call(trainer)
+    assert len(calls) == 3
+    assert all(call["policy_lag"] <= 2 for call in calls) and all(call["resampled"] == 0 for call in calls)
+    assert [call["withheld"] for call in calls] == [0.0, 1.0, 1.0]
+
+
+def test_within_the_lag_bound_withhold_still_samples_ahead(tiny_policy, tmp_path):
+    """The default max_policy_lag=1 with one update per generation batch: nothing is withheld or sampled again."""
+    trainer = _trainer(tiny_policy, tmp_path, rollout_options={"past_lag_bound": "withhold"}, max_steps=3)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
+    assert [entry["policy_lag"] for entry in logs] == [0.0, 1.0, 1.0]
+    assert all(entry["rollout/withheld"] == 0.0 and entry["rollout/resampled"] == 0.0 for entry in logs)
+
+
+def test_past_lag_bound_is_refused_unless_one_of_its_choices(tiny_policy):
+    with pytest.raises(ValueError, match=r"past_lag_bound must be one of \('withhold', 'resample'\), got 'drop'"):
+        TorchRLRolloutFunc(tokenizer=tiny_policy[1], mode="async", past_lag_bound="drop")
+
+
+@pytest.mark.parametrize("sampler_dtype", [torch.bfloat16, None])
+def test_every_async_batch_is_sampled_at_the_sampler_dtype_the_first_and_the_resampled_ones_too(
+    tiny_policy, tmp_path, sampler_dtype
+):
+    """The log-probs recorded for the first batch and for each one sampled again past the bound (resample,
+    max_policy_lag=0: every batch after the first) against the fp32 trainer's at the weights that sampled them: a bf16
+    sampler's differ by far more than float noise (they used to be the trainer's own: these batches were sampled in
+    its process at fp32); an fp32 sampler's (None: the model's dtype) agree to float noise."""
+    from transformers import TrainerCallback
+
+    buffer = ReplayBuffer(storage=LazyStackStorage(100))
+    options = {"max_policy_lag": 0, "past_lag_bound": "resample", "sampler_dtype": sampler_dtype}
+    trainer = _trainer(tiny_policy, tmp_path, buffer=buffer, rollout_options=options, max_steps=2)
+    weights = {0: copy.deepcopy(trainer.model.state_dict())}
+
+    class KeepWeights(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            weights[state.global_step] = copy.deepcopy(trainer.model.state_dict())
+
+    trainer.add_callback(KeepWeights())
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
+    assert [entry["rollout/resampled"] for entry in logs] == [0.0, 1.0]
+    rows = buffer[: len(buffer)]
+    model = copy.deepcopy(tiny_policy[0])
+    for step in (0, 1):
+        batch = rows[rows["step"] == step]
+        assert batch.shape[0] == 8
+        model.load_state_dict(weights[step])
+        gap = 0.0
+        for prompt, completion, recorded in zip(
+            *(batch.get(key, as_list=True) for key in ("prompt_ids", "completion_ids", "logprobs")), strict=True
+        ):
+            with torch.no_grad():  # trl's temperature is 1 here: the log-probs of the logits as they are
+                logits = model(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]
+            scored = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
+            gap = max(gap, (scored - recorded).abs().max().item())
+        if sampler_dtype is torch.bfloat16:
+            assert gap > 1e-3, f"batch {step}'s log-probs are the fp32 trainer's (largest gap {gap:.2e})"
+        else:
+            assert gap < 1e-4, f"batch {step}: an fp32 sampler's log-probs are the trainer's (gap {gap:.2e})"
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,38 @@ def test_the_policy_lag_stays_within_its_bound(compose_config, tmp_path, collect
     assert pid != os.getpid() and _gone(pid)  # its own process, stopped with the run
 
 
+@pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
+def test_past_the_lag_bound_a_batch_is_withheld_or_thrown_away_as_set(compose_config, tmp_path, past_lag_bound):
+    """rollout.max_policy_lag=0: every batch after the first would train one update old if sampled at once. withhold:
+    the collector waits for the update (rollout/withheld, rollout/withheld_s); resample: it samples at once and the
+    learner throws away what arrives past the bound (rollout/resampled, at least the batch sampled right after the one
+    before). Every batch trains at lag 0 either way."""
+    overrides = ["train.steps=4", "rollout.max_policy_lag=0", f"rollout.past_lag_bound={past_lag_bound}"]
+    recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides, f"output_dir={tmp_path}"]))
+    rows = read_metrics(tmp_path)
+    assert [row["train/policy_lag"] for row in rows] == [0.0] * 4
+    withheld, resampled = ([row[f"rollout/{name}"] for row in rows] for name in ("withheld", "resampled"))
+    if past_lag_bound == "withhold":
+        assert withheld == [0.0, 1.0, 1.0, 1.0] and resampled == [0.0] * 4
+        assert all(row["rollout/withheld_s"] > 0 for row in rows[1:])
+    else:
+        assert resampled[0] == 0.0 and all(count >= 1.0 for count in resampled[1:])
+        assert withheld == [0.0] * 4 and all(row["rollout/withheld_s"] == 0.0 for row in rows)
+
+
+@pytest.mark.slow  # starts a Ray cluster of its own: about 40 s on 2 busy cores
+def test_on_ray_workers_resample_throws_away_what_arrives_past_the_bound(compose_config, tmp_path):
+    """rollout.backend=ray: the learner dispatches each part itself; with resample it keeps max_policy_lag + 1 parts in
+    flight with the weights it published, and throws away one that arrives past the bound."""
+    pytest.importorskip("ray")
+    overrides = ["train.steps=3", "rollout.max_policy_lag=0", "rollout.past_lag_bound=resample"]
+    overrides += ["rollout.backend=ray", "ray.num_cpus=2", f"output_dir={tmp_path}"]
+    recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
+    rows = read_metrics(tmp_path)
+    assert [row["train/policy_lag"] for row in rows] == [0.0] * 3
+    assert [row["rollout/resampled"] for row in rows] == [0.0, 1.0, 1.0]
+
+
 def test_a_crash_in_the_learner_stops_the_collector(compose_config, tmp_path, collectors, monkeypatch):
     optimize = recipe.optimize
     calls = []

@@ -202,6 +202,7 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
         (["rollout.workers=2"], "rollout.workers=2 with rollout.backend=learner: the learner's process is one"),
         (["rollout.workers=0"], "rollout.workers=0"),
         (["rollout.backend=cluster"], "rollout.backend='cluster'"),
+        (["rollout.past_lag_bound=drop"], "rollout.past_lag_bound='drop': expected one of .'withhold', 'resample'."),
         (["ray.address=auto"], "ray.address='auto' with rollout.backend=learner: only rollout.backend=ray reads it"),
         (
             ["rollout.backend=processes", "rollout.worker_resources.num_gpus=1"],

@@ -62,6 +62,7 @@ def test_a_wrong_type_or_a_non_finite_number_is_refused(compose_config, tmp_path
     [
         (["dtype=float8"], "dtype='float8': expected one of ['float32', 'bfloat16', 'float16']."),
         (["reward.input=logits"], "reward.input='logits': expected one of ['history', 'text', 'tokens']."),
+        (["rollout.past_lag_bound=drop"], "rollout.past_lag_bound='drop': expected one of ['withhold', 'resample']."),
         (
             ["rollout.group_size=4", "rollout.responses_per_step=6"],
             "rollout.responses_per_step=6 is not a multiple of rollout.group_size=4: every prompt gets a full group. "

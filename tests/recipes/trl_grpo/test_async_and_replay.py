@@ -32,21 +32,37 @@ def test_an_async_run_trains_each_batch_one_update_behind_and_logs_it(compose_co
     assert stored.shape[0] == 4 * 8 and sorted(set(stored["step"].tolist())) == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
+def test_past_the_lag_bound_a_batch_is_withheld_or_sampled_again_as_set(compose_config, tmp_path, past_lag_bound):
+    """rollout.max_policy_lag=0: a batch read ahead would train one update old. withhold: it is sampled only when trl
+    asks for it (rollout/withheld, and trl's wait in rollout/withheld_s); resample: sampled ahead, then again
+    (rollout/resampled). Every batch trains at lag 0 either way."""
+    overrides = ["rollout.mode=async", "rollout.max_policy_lag=0", f"rollout.past_lag_bound={past_lag_bound}"]
+    _train(compose_config, *overrides, f"output_dir={tmp_path}")
+    rows = read_metrics(tmp_path)
+    assert [row["train/policy_lag"] for row in rows] == [0.0, 0.0, 0.0]
+    counted, other = ("withheld", "resampled") if past_lag_bound == "withhold" else ("resampled", "withheld")
+    assert [row[f"rollout/{counted}"] for row in rows] == [0.0, 1.0, 1.0]
+    assert [row[f"rollout/{other}"] for row in rows] == [0.0, 0.0, 0.0]
+    waited = [row["rollout/withheld_s"] > 0 for row in rows]
+    assert waited == ([False, True, True] if past_lag_bound == "withhold" else [False, False, False])
+
+
 @pytest.mark.slow  # two runs, about 12 s on 2 busy cores
 def test_a_zero_lag_async_run_trains_as_the_sync_run_on_the_same_prompts(compose_config, tmp_path):
-    """rollout.max_policy_lag=0: every batch read ahead is one update old when trl asks for it, so it is sampled
-    again (rollout/resampled) in trl's process, from the same generator as a sync run: the same rewards, lengths,
-    losses and gradient norms step for step (float tolerance: trl's old log-probs are the sampler's in async mode, the
-    trained weights' in sync). The sync run reads its prompts unshuffled as async mode does
-    (train.shuffle_dataset=false: the TorchRL stream shuffles them once; trl's own shuffle on top of it is the one
-    difference left)."""
+    """rollout.max_policy_lag=0: every batch read ahead would be one update old when trl asks for it, so it is
+    withheld (the default rollout.past_lag_bound) and sampled then, by the sampling process with trl's current weights,
+    as a sync run with rollout.backend=processes samples each batch (same seed): the same rewards, lengths, losses and
+    gradient norms step for step (float tolerance: trl's old log-probs are the sampler's in async mode, the trained
+    weights' in sync). The sync run reads its prompts unshuffled as async mode does (train.shuffle_dataset=false: the
+    TorchRL stream shuffles them once; trl's own shuffle on top of it is the one difference left)."""
     runs = {}
-    for mode, extra in (("sync", ["+train.shuffle_dataset=false"]), ("async", [])):
+    for mode, extra in (("sync", ["+train.shuffle_dataset=false", "rollout.backend=processes"]), ("async", [])):
         _train(
             compose_config, f"rollout.mode={mode}", "rollout.max_policy_lag=0", f"output_dir={tmp_path / mode}", *extra
         )
         runs[mode] = read_metrics(tmp_path / mode)
-    assert [row["rollout/resampled"] for row in runs["async"]] == [0.0, 1.0, 1.0]
+    assert [row["rollout/withheld"] for row in runs["async"]] == [0.0, 1.0, 1.0]
     for sync, async_ in zip(runs["sync"], runs["async"], strict=True):
         for key in ("rollout/reward_mean", "rollout/response_length", "train/grad_norm"):
             assert async_[key] == pytest.approx(sync[key], rel=1e-5), key
