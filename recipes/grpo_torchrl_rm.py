@@ -46,7 +46,7 @@ from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.metrics import barely_learned_line, peak_device_memory
 from recipes.common.models import load_causal_lm, load_tokenizer
-from recipes.common.rollout_backend import backend_of, ray_connection
+from recipes.common.rollout_backend import ray_connection, samples_apart
 from recipes.common.run import (
     Run,
     end_processes,
@@ -59,6 +59,7 @@ from recipes.common.run import (
 )
 from recipes.common.schema import refuse_unknown_overrides
 from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
+from recipes.common.tools import resolving_tools_once
 from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, REWARD_LOGS, merge_batches
 from recipes.grpo.checkpointing import (
     REFERENCE_FOLDER,
@@ -127,7 +128,7 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
             reference_node = OmegaConf.merge(cfg.model, {"name_or_path": str(resume_from / REFERENCE_FOLDER)})
         reference = load_causal_lm(reference_node, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
     reward_tokenizer = reward_model = None
-    if backend_of(cfg) == "learner":  # elsewhere each collector loads its own
+    if not samples_apart(cfg):  # elsewhere each collector loads its own
         reward_tokenizer, reward_model = load_reward_scorer(cfg)
     return Models(
         tokenizer=load_tokenizer(policy_node, padding_side="left"),
@@ -455,6 +456,7 @@ def record_resume_changes(cfg: DictConfig, output_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------- run
 
 
+@resolving_tools_once()  # each MCP server of tools: listed once per run
 def train(cfg: DictConfig) -> dict:
     """Runs (or resumes) GRPO as configured and returns the summary also written to ``summary.json``.
 

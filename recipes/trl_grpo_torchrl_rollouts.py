@@ -63,7 +63,7 @@ from recipes.common.run import (
     track_failed_jobs,
 )
 from recipes.common.schema import refuse_unknown_overrides, trainer_aliases
-from recipes.common.tools import resolve_tools
+from recipes.common.tools import resolve_tools, resolving_tools_once
 from recipes.trl_grpo.checks import load_replay_source, validate
 from recipes.trl_grpo.evaluation import EvalCallback
 from recipes.trl_grpo.report import MetricsCallback, closing_message, summarize
@@ -205,6 +205,7 @@ def make_replay(cfg: DictConfig, tokenizer, *, group_size: int) -> GroupReplay |
 # ---------------------------------------------------------------------------------------------------- recipe
 
 
+@resolving_tools_once()  # each MCP server of tools: listed once per run
 def train(cfg: DictConfig) -> dict:
     """Runs (or resumes) trl's GRPO with TorchRL rollouts end to end; returns the summary written to
     ``summary.json``."""

@@ -36,6 +36,9 @@ every tool:
   package missing, an MCP server that does not start or lists no tool, two entries bringing tools of one name.
 - :func:`resolve_call_format`: how the model's turns are read for calls: ``None`` (Qwen2.5's ``<tool_call>``, the
   default) unless a TorchRL piece brings its own format.
+- :data:`TOOL_KINDS`: the one table of entry kinds (``function``, ``torchrl``, ``mcp``: :class:`ToolKind`), which
+  :func:`resolve_tools` dispatches on; a new kind is a builder and a row there.
+- :func:`resolving_tools_once`: the scope of one run, in which each MCP server is started once to list its tools.
 - :func:`make_tool_runner`: the :class:`interop.tools.ToolRunner` that answers the calls (a worker process the
   caller closes).
 
@@ -45,10 +48,13 @@ path or a ``_target_`` node is resolved).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -56,7 +62,16 @@ from interop.tools import ToolCallFormat, ToolRunner, ToolSet
 from recipes.common.config import ConfigError
 from recipes.common.dotted_paths import function_name, import_from_the_working_folder, resolve_function
 
-__all__ = ["SETTINGS", "make_tool_runner", "resolve_call_format", "resolve_tools", "tool_entries"]
+__all__ = [
+    "SETTINGS",
+    "TOOL_KINDS",
+    "ToolKind",
+    "make_tool_runner",
+    "resolving_tools_once",
+    "resolve_call_format",
+    "resolve_tools",
+    "tool_entries",
+]
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +129,6 @@ def resolve_call_format(tools: Mapping | None):
     return formats[0] if len(formats) == 1 else CombinedCallFormat(tuple(formats))
 
 
-_KINDS = ("function", "torchrl", "mcp")
-
-
 def _resolve(tools: Mapping | None) -> tuple[ToolSet, list] | None:
     entries = tool_entries(tools)
     if not entries:
@@ -125,29 +137,22 @@ def _resolve(tools: Mapping | None) -> tuple[ToolSet, list] | None:
     functions, formats, origins = [], [], {}
     for name, node in entries.items():
         setting = f"tools.{name}"
-        kinds = [kind for kind in _KINDS if isinstance(node, (DictConfig, Mapping)) and kind in node]
+        kinds = [kind for kind in TOOL_KINDS if isinstance(node, (DictConfig, Mapping)) and kind in node]
         if not kinds:
             shown = f"a node with keys {sorted(node)}" if isinstance(node, (DictConfig, Mapping)) else repr(node)
+            shapes = [f"{{{kind}: {entry.node}}} ({entry.summary})" for kind, entry in TOOL_KINDS.items()]
             raise ConfigError(
-                f"{setting}: expected {{function: <dotted path or _target_ node>}} (a tool), {{torchrl: <_target_ "
-                f"node>}} (a TorchRL tool piece) or {{mcp: {{servers: ...}}}} (MCP servers), got {shown}; the "
-                f"settings of tools: are {list(SETTINGS)}."
+                f"{setting}: expected {', '.join(shapes[:-1])} or {shapes[-1]}, got {shown}; the settings of tools: "
+                f"are {list(SETTINGS)}."
             )
         unknown = sorted(set(node) - {kinds[0]})
         if unknown:
             raise ConfigError(
-                f"{setting}: unknown key(s) {unknown}; a tool node takes function, torchrl or mcp, one of them alone."
+                f"{setting}: unknown key(s) {unknown}; a tool node takes {', '.join(list(TOOL_KINDS)[:-1])} or "
+                f"{list(TOOL_KINDS)[-1]}, one of them alone."
             )
-        if kinds[0] == "torchrl":
-            adapted = _torchrl_piece(f"{setting}.torchrl", node["torchrl"])
-            brought = [(tool, f"{setting}.torchrl") for tool in adapted.tools]
-            formats.append(adapted.call_format)
-        elif kinds[0] == "mcp":
-            brought = _mcp_tools(f"{setting}.mcp", node["mcp"])
-            formats.append(ToolCallFormat())
-        else:
-            brought = [(_function_tool(setting, name, node["function"]), f"{setting}.function")]
-            formats.append(ToolCallFormat())
+        brought, call_format = TOOL_KINDS[kinds[0]].build(setting, name, node[kinds[0]])
+        formats.append(call_format)
         for tool, origin in brought:
             _check_unique(tool.__name__, origin, origins)
             functions.append(tool)
@@ -178,6 +183,22 @@ def _same_format(a, b) -> bool:
     if parser_a is not None or parser_b is not None:
         return type(a) is type(b) and type(parser_a) is type(parser_b)
     return a == b
+
+
+def _function_entry(setting: str, name: str, node) -> tuple[list[tuple[object, str]], ToolCallFormat]:
+    """``tools.<name>.function``: one function, called in Qwen2.5's ``<tool_call>`` format."""
+    return [(_function_tool(setting, name, node), f"{setting}.function")], ToolCallFormat()
+
+
+def _torchrl_entry(setting: str, name: str, node) -> tuple[list[tuple[object, str]], object]:
+    """``tools.<label>.torchrl``: a TorchRL piece's tools, in the format it reads calls in."""
+    adapted = _torchrl_piece(f"{setting}.torchrl", node)
+    return [(tool, f"{setting}.torchrl") for tool in adapted.tools], adapted.call_format
+
+
+def _mcp_entry(setting: str, name: str, node) -> tuple[list[tuple[object, str]], ToolCallFormat]:
+    """``tools.<label>.mcp``: the tools its servers list, called in Qwen2.5's ``<tool_call>`` format."""
+    return _mcp_tools(f"{setting}.mcp", node), ToolCallFormat()
 
 
 def _function_tool(setting: str, name: str, node):
@@ -238,9 +259,22 @@ def _torchrl_piece(setting: str, node):
         raise ConfigError(f"{setting}._target_={target}: {str(error).removeprefix('torchrl_tools: ')}") from None
 
 
-# The tools each MCP server listed, by its description: resolve_tools runs several times before and during a run
-# (checks, prompts, each policy module), and each listing starts the server (seconds).
-_MCP_LISTINGS: dict[str, list] = {}
+# The tools each MCP server listed, by its description, for the run in progress (resolving_tools_once): the run
+# resolves tools: several times (checks, prompts, each policy module), and each listing starts the server (seconds).
+# Outside a run every resolution lists afresh; each run gets its own listings.
+_RUN_LISTINGS: contextvars.ContextVar[dict[str, list] | None] = contextvars.ContextVar("mcp_listings", default=None)
+
+
+@contextlib.contextmanager
+def resolving_tools_once() -> Iterator[None]:
+    """The scope of one run (or one sampling process): inside it each MCP server of ``tools:`` is started once to
+    list its tools, whatever the number of resolutions; a run in the same process after it lists them again (a server
+    may list other tools by then). Used as a decorator of a recipe's ``train`` and of a collector process's entry."""
+    token = _RUN_LISTINGS.set({})
+    try:
+        yield
+    finally:
+        _RUN_LISTINGS.reset(token)
 
 
 def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
@@ -262,9 +296,11 @@ def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
         key = f"{setting}.servers.{name}"
         spec = _server_spec(key, servers[name])
         listing = json.dumps(spec, sort_keys=True)
-        if listing not in _MCP_LISTINGS:
+        run_listings = _RUN_LISTINGS.get()
+        listings = {} if run_listings is None else run_listings
+        if listing not in listings:
             try:
-                _MCP_LISTINGS[listing] = server_from_spec(str(name), spec).list_tools()
+                listings[listing] = server_from_spec(str(name), spec).list_tools()
             except ImportError:
                 raise ConfigError(
                     f"{key}: MCP servers need the mcp package (>=2.3,<3), which is not installed: pip install "
@@ -272,7 +308,7 @@ def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
                 ) from None
             except ValueError as error:
                 raise ConfigError(f"{key}: {str(error).removeprefix('MCPStdioServer: ')}") from None
-            names = [tool.__name__ for tool in _MCP_LISTINGS[listing]]
+            names = [tool.__name__ for tool in listings[listing]]
             log.info(
                 "%s: MCP server %r started and lists %d tool(s): %s (stopped again: each tool worker starts its own "
                 "at its start).",
@@ -281,7 +317,7 @@ def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
                 len(names),
                 ", ".join(names),
             )
-        brought += [(tool, key) for tool in _MCP_LISTINGS[listing]]
+        brought += [(tool, key) for tool in listings[listing]]
     return brought
 
 
@@ -310,6 +346,32 @@ def _server_spec(key: str, node) -> dict:
 
 def _is_text(value) -> bool:
     return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ToolKind:
+    """One kind of ``tools:`` entry, ``tools.<name>.<kind>``.
+
+    Attributes:
+        node: the node it takes, as an error shows it.
+        summary: what it is, for people (``docs/tools.md`` and the ``tools:`` comment of the recipes' YAML name every
+            kind).
+        build: ``(setting, name, node) -> (brought, call_format)``: the tools the node brings, each with the key that
+            brings it, and the format the model calls them in; every refusal a ConfigError naming the key.
+    """
+
+    node: str
+    summary: str
+    build: Callable[[str, str, object], tuple[list[tuple[object, str]], object]]
+
+
+# Every kind of tools: entry: adding one is a builder above and a row here, and its name in docs/tools.md and the
+# tools: comment of the YAML (tests/test_registries.py holds them together); the runtime it needs lives in interop/.
+TOOL_KINDS: dict[str, ToolKind] = {
+    "function": ToolKind("<dotted path or _target_ node>", "a tool", _function_entry),
+    "torchrl": ToolKind("<_target_ node>", "a TorchRL tool piece", _torchrl_entry),
+    "mcp": ToolKind("{servers: ...}", "MCP servers", _mcp_entry),
+}
 
 
 def make_tool_runner(tools: Mapping, tool_set: ToolSet, *, tokenizer) -> ToolRunner:

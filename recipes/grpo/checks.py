@@ -30,7 +30,7 @@ from recipes.common.models import check_tokenizer_fits_model, load_tokenizer, va
 from recipes.common.prompts import check_prompts_fit_policy
 from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
-from recipes.common.rollout_backend import backend_of, check_rollout_backend
+from recipes.common.rollout_backend import backend_of, check_rollout_backend, samples_apart
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
 from recipes.common.schema import checked_config
 from recipes.common.tools import resolve_tools
@@ -44,6 +44,7 @@ from recipes.grpo.collector import check_generation_settings, check_tool_templat
 from recipes.grpo.evaluation import check_eval_settings
 from recipes.grpo.report import summary_keys
 from recipes.grpo.rewards import check_reward_keys, check_reward_sources, reward_prompt_lengths
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig
 
 __all__ = ["check_prompt_lengths", "validate"]
@@ -102,7 +103,7 @@ def _validate_tools(cfg: DictConfig) -> None:
     a tool-calling rollout cannot combine with."""
     if resolve_tools(cfg.tools) is None:
         return
-    if cfg.rollout.env == "chat":
+    if not ROLLOUT_ENVS[cfg.rollout.env].samples_tool_dialogs:
         # TorchRL 0.14.1's ChatEnv cannot sample GRPO's multi-turn groups (docs/tools.md, "TorchRL's tool
         # transforms"): TorchRL's tool pieces run through rollout.env=prompt instead, as tools.<label>.torchrl.
         raise ConfigError(
@@ -126,7 +127,7 @@ def _validate_rewards(cfg: DictConfig) -> None:
     """The reward sources: at least one, distinct names, the keys every source reads; the trl functions themselves are
     checked once the data's columns are known (:func:`check_prompt_lengths`)."""
     check_reward_sources(cfg)
-    if cfg.reward.functions and cfg.rollout.env == "chat":
+    if cfg.reward.functions and not ROLLOUT_ENVS[cfg.rollout.env].carries_data_rows:
         raise ConfigError(
             "reward.functions run on rollout.env=prompt steps (they read each prompt's data row); with "
             "rollout.env=chat use reward.terms (TensorDict modules reading TorchRL's chat layout), or "
@@ -157,13 +158,14 @@ def _validate_backend(cfg: DictConfig) -> None:
     """Where the batches are sampled (``rollout.backend``, ``rollout.workers``, ``ray:``): the keys' shared checks,
     then what this recipe's collectors need: whole groups for every worker, and a collector that runs apart."""
     check_rollout_backend(cfg, workers_per_process=True)
-    backend = backend_of(cfg)
-    if backend == "learner":
+    if not samples_apart(cfg):
         return
-    if cfg.rollout.env == "chat":
+    backend = backend_of(cfg)
+    if not ROLLOUT_ENVS[cfg.rollout.env].runs_apart:
         raise ConfigError(
-            f"rollout.env=chat with rollout.backend={backend}: TorchRL's ChatEnv collector samples in the learner's "
-            "process only. Use rollout.env=prompt for workers apart from the learner, or rollout.backend=learner."
+            f"rollout.env={cfg.rollout.env} with rollout.backend={backend}: TorchRL's ChatEnv collector samples in "
+            "the learner's process only. Use rollout.env=prompt for workers apart from the learner, or "
+            "rollout.backend=learner."
         )
     per_step, group, workers = cfg.rollout.responses_per_step, cfg.rollout.group_size, cfg.rollout.workers
     if per_step % (group * workers):
@@ -198,7 +200,7 @@ def _validate_algorithm(cfg: DictConfig) -> None:
             "which no update may move (the policy is built on it). Use full fine-tuning (model.lora=null) to sync the "
             "reference, or loss.sync_ref_model=false."
         )
-    if loss.sampler_correction.enabled and cfg.rollout.env == "chat":
+    if loss.sampler_correction.enabled and not ROLLOUT_ENVS[cfg.rollout.env].records_sampler_log_probs:
         raise ConfigError(
             "loss.sampler_correction.enabled=true with rollout.env=chat: the correction weighs the loss by the "
             "trainer's and the sampler's log-probs, and TorchRL's TransformersWrapper records no usable sampler "
@@ -325,7 +327,7 @@ def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
 def _validate_generation(rollout: DictConfig) -> None:
     """``rollout.generation`` is open: its keys and values are those of the sampler ``rollout.env`` picks."""
     check_generation_settings(rollout.generation, env=rollout.env)
-    if rollout.env == "prompt":
+    if ROLLOUT_ENVS[rollout.env].takes_sampler_settings:
         sampler_settings(rollout.generation)
 
 
@@ -367,7 +369,7 @@ def _validate_strategy(cfg: DictConfig) -> None:
             "of micro-batches. Use train.max_tokens_per_micro_batch=null with fsdp (bound memory with "
             "train.mini_batch_size), or distributed.strategy=ddp."
         )
-    if cfg.rollout.env == "chat":
+    if not ROLLOUT_ENVS[cfg.rollout.env].keeps_processes_in_step:
         raise ConfigError(
             "distributed.strategy=fsdp with rollout.env=chat: TorchRL's TransformersWrapper calls generate(), which "
             "stops decoding per process when its rows are done, while a sharded policy needs every process in every "

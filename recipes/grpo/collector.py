@@ -46,8 +46,8 @@ from recipes.common.config import ConfigError, run_config
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
 from recipes.common.prompts import PromptTable
-from recipes.common.rollout_backend import backend_of, worker_resources
-from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools
+from recipes.common.rollout_backend import backend_of, samples_apart, worker_resources
+from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools, resolving_tools_once
 from recipes.grpo.batch import (
     BATCH_KEYS,
     DIALOG_KEYS,
@@ -65,6 +65,7 @@ from recipes.grpo.collector_workers import CollectorWorkers
 from recipes.grpo.policy import load_policy
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import load_reward_scorer, make_reward_transform
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 
 __all__ = [
     "build_prompt_collector",
@@ -99,7 +100,7 @@ def check_generation_settings(generation: Mapping, *, env: str, key: str = "roll
         ...
         recipes.common.config.ConfigError: rollout.generation: ['max_new_token'] are not generation settings ...
     """
-    if env == "prompt":
+    if ROLLOUT_ENVS[env].takes_sampler_settings:
         sampler_settings(generation, key=key, check_only=True)
     else:
         check_chat_generation_settings(generation, key=key)
@@ -268,6 +269,7 @@ def _prompt_collector(
     return collector, policy
 
 
+@resolving_tools_once()  # this sampling process lists each MCP server of tools: once
 def build_prompt_collector(
     config: Mapping, *, start_step: int, num_replicas: int, rank: int, workers: int = 1, worker: int = 0
 ) -> tuple[Collector, CausalLMSampler | DialogPolicy]:
@@ -393,8 +395,8 @@ def make_collector(
         return _chat_collector(
             cfg, prompts.prompts, models, start_step=start_step, num_replicas=num_replicas, rank=rank
         )
-    backend = backend_of(cfg)
-    if backend != "learner":
+    if samples_apart(cfg):
+        backend = backend_of(cfg)
         workers = cfg.rollout.workers
         return CollectorWorkers(
             functools.partial(

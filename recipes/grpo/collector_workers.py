@@ -49,6 +49,7 @@ from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 from interop.background_sampler import pushed_names
 from interop.rollout_func import PAST_LAG_BOUND
 from interop.rollout_workers import PublishedWeights, RemoteWorker, kill_actor, node_alive
+from recipes.common.rollout_backend import ROLLOUT_BACKENDS
 from recipes.grpo.batch import POLICY_VERSION, merge_batches, response_mask
 from recipes.grpo.collector_modes import BackgroundCollector, CollectorExited, timed_batches
 
@@ -56,7 +57,7 @@ __all__ = ["BACKENDS", "CollectorWorkers"]
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("processes", "ray")
+BACKENDS = tuple(name for name, backend in ROLLOUT_BACKENDS.items() if backend.apart_from_learner)
 # How often one step may lose a worker before the run fails: a worker that dies at every try is a bug, not bad luck.
 _MAX_RESTARTS_PER_STEP = 4
 # Segments of a run (a replacement's collector) seed their sampling apart from the workers' seeds (seed + index).

@@ -36,6 +36,7 @@ from recipes.grpo.batch import PROMPT_INDEX, REWARD, SOURCE_REWARDS, response_ma
 from recipes.grpo.collector import make_prompt_table, make_sampling_policy, sampler_settings
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import make_reward_scorer, reward_sources, source_names
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 
 __all__ = ["Evaluator", "accuracy_source", "check_eval_settings", "eval_due", "has_eval_split"]
 
@@ -60,7 +61,7 @@ def check_eval_settings(cfg: DictConfig) -> None:
             f"eval.every_n_steps={every}, but data={cfg.data.source} has no held-out prompts: set {key} (or "
             "eval.every_n_steps=null)."
         )
-    if cfg.rollout.env != "prompt":
+    if not ROLLOUT_ENVS[cfg.rollout.env].evaluates:
         raise ConfigError(
             "eval.every_n_steps samples with the recipe's own sampler (rollout.env=prompt); with rollout.env=chat "
             "set eval.every_n_steps=null."

@@ -67,6 +67,7 @@ from recipes.grpo.loss import (
 )
 from recipes.grpo.policy import enable_activation_checkpointing, trainable_parameters, update_forward
 from recipes.grpo.rewards import reward_sources
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 
 __all__ = [
     "Learner",
@@ -239,7 +240,8 @@ def make_batch_preparation(cfg: DictConfig, models, scorer) -> PrepareBatch:
     (``chat``) or the sampler correction wants the trainer's (trl scores them too), and a step makes several updates.
     On-policy, the loss takes its own (as trl does with one update per batch)."""
     correction = cfg.loss.sampler_correction.enabled
-    scores_old = (cfg.rollout.env == "chat" or correction) and not is_on_policy(cfg)
+    recorded = ROLLOUT_ENVS[cfg.rollout.env].records_sampler_log_probs
+    scores_old = (not recorded or correction) and not is_on_policy(cfg)
     reference = None
     if cfg.loss.kl_to_ref_coeff:
         reference = make_reference_scorer(

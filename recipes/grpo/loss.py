@@ -13,7 +13,9 @@
 - :func:`sampler_correction_ratio`: trl's truncated or masked importance weight exp(trainer - sampler log-prob), per
   token or per response; :func:`sampler_mismatch_counts` and :func:`sampler_mismatch_metrics`: how far the sampler's
   log-probs are from the trainer's (``sampling/*`` in metrics.csv, trl's names).
-- :data:`POLICY_LOSSES` and :data:`NORMALIZERS`: name -> rule tables (verl's registry style), one entry per type.
+- :data:`LOSS_RULES`: ``loss.type`` -> :class:`LossRule` (its policy loss, normaliser and micro-batch share), the
+  one table every type is added to (verl's ``register_policy_loss``, as a table); :data:`POLICY_LOSSES`,
+  :data:`NORMALIZERS` and :data:`MICRO_BATCH_SHARES` are its views by rule.
 
 Why not TorchRL's ``GRPOLoss`` (or its ``DAPO``/``CISPOLoss`` subclasses): 0.14.1 aggregates per mini-batch only
 (``token_mean``/``prompt_mean``), has no sequence-level ratio, no SAPO/LUSPO/VESPO, no two-sided clip, no entropy or
@@ -55,10 +57,10 @@ from recipes.grpo.batch import (
     TOKENS,
     response_start,
 )
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 from recipes.grpo.schema import (
     ImportanceSamplingLevel,
     Loss,
-    LossType,
     RewardAggregation,
     SamplerCorrection,
     ScaleRewards,
@@ -66,12 +68,14 @@ from recipes.grpo.schema import (
 
 __all__ = [
     "IS_LEVELS",
+    "LOSS_RULES",
     "LOSS_TYPES",
     "MICRO_BATCH_SHARES",
     "NORMALIZERS",
     "POLICY_LOSSES",
     "SCALE_REWARDS",
     "GRPOObjective",
+    "LossRule",
     "GroupAdvantage",
     "group_advantages",
     "make_loss",
@@ -83,7 +87,6 @@ __all__ = [
 
 SCALE_REWARDS = typing.get_args(ScaleRewards)
 IS_LEVELS = typing.get_args(ImportanceSamplingLevel)
-LOSS_TYPES = typing.get_args(LossType)
 AGGREGATIONS = typing.get_args(RewardAggregation)
 
 
@@ -212,17 +215,19 @@ class _Tokens:
 
 
 def _clipped(tokens: _Tokens, s: Loss) -> torch.Tensor:
+    """PPO's clipped surrogate: the ratio clipped to [1 - clip_epsilon, 1 + clip_epsilon_high] (and at ``delta``)."""
     coef_2 = torch.clamp(tokens.coef_1, 1 - s.clip_epsilon, 1 + s.clip_epsilon_high)
     coef_1 = tokens.coef_1 if s.delta is None else torch.clamp(tokens.coef_1, max=s.delta)
     return -torch.min(coef_1 * tokens.advantages, coef_2 * tokens.advantages)
 
 
 def _cispo(tokens: _Tokens, s: Loss) -> torch.Tensor:
-    # The ratio itself clipped and detached, weighting the log-prob: every token keeps its gradient.
+    """CISPO: the ratio itself clipped and detached, weighting the log-prob: every token keeps its gradient."""
     return -torch.clamp(tokens.coef_1, max=s.clip_epsilon_high).detach() * tokens.advantages * tokens.log_probs
 
 
 def _sapo(tokens: _Tokens, s: Loss) -> torch.Tensor:
+    """SAPO: a sigmoid gate of the ratio (its temperature by the advantage's sign) in place of the clip."""
     temperatures = torch.where(tokens.advantages > 0, s.sapo.temperature_pos, s.sapo.temperature_neg)
     return -torch.sigmoid(temperatures * (tokens.coef_1 - 1)) * 4 / temperatures * tokens.advantages
 
@@ -242,20 +247,8 @@ def _gamma_weights(tokens: _Tokens, s: Loss) -> torch.Tensor:
 
 
 def _vespo(tokens: _Tokens, s: Loss) -> torch.Tensor:
+    """VESPO: the log-prob weighted by a gamma function of the sequence ratio (:func:`_gamma_weights`)."""
     return -_gamma_weights(tokens, s) * tokens.advantages * tokens.log_probs
-
-
-# The per-token policy loss of each type (before masks, the KL term and the normaliser).
-POLICY_LOSSES: dict[str, Callable[[_Tokens, Loss], torch.Tensor]] = {
-    "grpo": _clipped,
-    "bnpo": _clipped,
-    "dr_grpo": _clipped,
-    "dapo": _clipped,
-    "luspo": _clipped,
-    "cispo": _cispo,
-    "sapo": _sapo,
-    "vespo": _vespo,
-}
 
 
 @dataclass(frozen=True)
@@ -287,20 +280,6 @@ def _sequence_sum(loss: torch.Tensor, mask: torch.Tensor, scale: Scale, max_leng
     return (loss * mask).sum(-1).mean() / scale.accumulation
 
 
-# How each type turns per-token losses into the mini-batch's loss (trl's normalisation; the gradients of an optimizer
-# step's accumulated mini-batches add up, as trl's do).
-NORMALIZERS: dict[str, Callable[[torch.Tensor, torch.Tensor, Scale, int], torch.Tensor]] = {
-    "grpo": _sequence_mean,
-    "sapo": _sequence_mean,
-    "bnpo": _token_mean,
-    "dr_grpo": _constant_length,
-    "dapo": _step_tokens,
-    "cispo": _step_tokens,
-    "vespo": _step_tokens,
-    "luspo": _sequence_sum,
-}
-
-
 def _row_share(micro_mask: torch.Tensor, whole_mask: torch.Tensor) -> float:
     return micro_mask.shape[0] / whole_mask.shape[0]
 
@@ -313,19 +292,41 @@ def _whole(micro_mask: torch.Tensor, whole_mask: torch.Tensor) -> float:
     return 1.0
 
 
-# What share of a mini-batch's loss one of its micro-batches carries under each type's normaliser (from their loss
-# masks): the micro-batches' losses times their shares add up to the mini-batch's (train.max_tokens_per_micro_batch).
-# Per-response means count rows, bnpo's token mean tokens; dapo's step-token normaliser is already the whole step's.
-MICRO_BATCH_SHARES: dict[str, Callable[[torch.Tensor, torch.Tensor], float]] = {
-    "grpo": _row_share,
-    "sapo": _row_share,
-    "bnpo": _token_share,
-    "dr_grpo": _row_share,
-    "dapo": _whole,
-    "cispo": _whole,
-    "vespo": _whole,
-    "luspo": _row_share,
+@dataclass(frozen=True)
+class LossRule:
+    """One ``loss.type``: its per-token policy loss (before masks, the KL term and the normaliser), how it turns
+    per-token losses into the mini-batch's loss (trl's normalisation; the gradients of an optimizer step's accumulated
+    mini-batches add up, as trl's do), and what share of a mini-batch's loss one of its micro-batches carries under
+    that normaliser (``train.max_tokens_per_micro_batch``: the micro-batches' losses times their shares add up to the
+    mini-batch's; per-response means count rows, bnpo's token mean tokens, dapo's step-token normaliser is already the
+    whole step's). ``summary``: what the type is, for people (docs/grpo.md and the YAML comment name every type)."""
+
+    policy_loss: Callable[[_Tokens, Loss], torch.Tensor]
+    normalizer: Callable[[torch.Tensor, torch.Tensor, Scale, int], torch.Tensor]
+    micro_batch_share: Callable[[torch.Tensor, torch.Tensor], float]
+    summary: str
+
+
+# Every loss.type, in trl's loss_type order: adding one is a row here (its rules above), its name in
+# recipes.grpo.schema.LossType, the loss.type comment of conf/grpo_torchrl_rm.yaml and docs/grpo.md
+# (tests/recipes/grpo/test_loss_registry.py holds the four together). verl's register_policy_loss, as a table.
+LOSS_RULES: dict[str, LossRule] = {
+    "grpo": LossRule(_clipped, _sequence_mean, _row_share, "PPO's clipped ratio, each response's token mean"),
+    "bnpo": LossRule(_clipped, _token_mean, _token_share, "PPO's clipped ratio, the mini-batch's token mean"),
+    "dr_grpo": LossRule(
+        _clipped, _constant_length, _row_share, "PPO's clipped ratio over a constant length (max_new_tokens)"
+    ),
+    "dapo": LossRule(_clipped, _step_tokens, _whole, "PPO's clipped ratio over the optimizer step's tokens"),
+    "luspo": LossRule(_clipped, _sequence_sum, _row_share, "PPO's clipped ratio, each response's token sum"),
+    "cispo": LossRule(_cispo, _step_tokens, _whole, "the clipped, detached ratio weighting each token's log-prob"),
+    "sapo": LossRule(_sapo, _sequence_mean, _row_share, "a sigmoid gate of the ratio in place of its clip"),
+    "vespo": LossRule(_vespo, _step_tokens, _whole, "a gamma weight of the sequence ratio on each log-prob"),
 }
+LOSS_TYPES = tuple(LOSS_RULES)
+# Views of the table by rule, for the code that reads one rule of the current type.
+POLICY_LOSSES = {name: rule.policy_loss for name, rule in LOSS_RULES.items()}
+NORMALIZERS = {name: rule.normalizer for name, rule in LOSS_RULES.items()}
+MICRO_BATCH_SHARES = {name: rule.micro_batch_share for name, rule in LOSS_RULES.items()}
 
 
 def _high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -578,5 +579,5 @@ def make_loss(cfg: DictConfig, scorer: nn.Module) -> GRPOObjective:
         scorer,
         settings,
         max_completion_length=cfg.rollout.generation.max_new_tokens,
-        sampler_log_probs_recorded=cfg.rollout.env == "prompt",
+        sampler_log_probs_recorded=ROLLOUT_ENVS[cfg.rollout.env].records_sampler_log_probs,
     )

@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from recipes.common.rollout_backend import RolloutBackendName
 from recipes.common.schema import (
     OPEN,
     Aliases,
@@ -31,6 +32,7 @@ from recipes.common.schema import (
     RayNode,
     WorkerResourcesNode,
 )
+from recipes.grpo.rollout_envs import ROLLOUT_ENVS, RolloutEnvName
 
 __all__ = [
     "RENAMED",
@@ -129,15 +131,16 @@ TRL_NAMES = Aliases(
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
 
-# trl's loss_type menu, in trl's order (recipes.grpo.loss.POLICY_LOSSES has one rule per name).
+# trl's loss_type menu, in trl's order: the names of recipes.grpo.loss.LOSS_RULES (a test holds them equal).
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 # trl's vllm_importance_sampling_mode menu: a ratio per token or per response, clipped (truncate) or zeroed (mask).
 SamplerCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 ScaleRewards = Literal["group", "batch", "none"]
 RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
-# prompt: PromptEnv + CausalLMSampler; chat: TorchRL's ChatEnv + TransformersWrapper (recipes.grpo.collector).
-RolloutEnv = Literal["prompt", "chat"]
+# prompt: PromptEnv + CausalLMSampler; chat: TorchRL's ChatEnv + TransformersWrapper: the names of
+# recipes.grpo.rollout_envs.ROLLOUT_ENVS, the table of what each honours.
+RolloutEnv = RolloutEnvName
 RolloutMode = Literal["sync", "async"]
 # What the reward model reads (recipes.grpo.rewards).
 RewardInput = Literal["history", "text", "tokens"]
@@ -178,7 +181,7 @@ class Rollout:
     max_policy_lag: NonNegative
     past_lag_bound: Literal["withhold", "resample"]  # interop.rollout_func.PAST_LAG_BOUND
     # Where training batches are sampled (recipes.common.rollout_backend); null: the mode's default.
-    backend: Literal["learner", "processes", "ray"] | None
+    backend: RolloutBackendName | None
     workers: Positive
     worker_resources: WorkerResourcesNode
     collector_threads: Positive
@@ -208,7 +211,7 @@ class Rollout:
                 f"responses_per_step={self.responses_per_step} is not a multiple of group_size={self.group_size}: "
                 f"every prompt gets a full group. Use a multiple, e.g. responses_per_step={whole}."
             )
-        if self.mode == "async" and self.env != "prompt":
+        if self.mode == "async" and not ROLLOUT_ENVS[self.env].runs_apart:
             raise ValueError(
                 f"mode=async runs the collector of env=prompt in a background process; env={self.env} collects in "
                 "the learner's process only. Use env=prompt, or mode=sync."

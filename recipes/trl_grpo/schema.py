@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from recipes.common.rollout_backend import RolloutBackendName
 from recipes.common.schema import (
     OPEN,
     DataNode,
@@ -81,7 +82,7 @@ class Rollout:
     max_policy_lag: Annotated[int, Range(ge=0)]
     past_lag_bound: Literal["withhold", "resample"]  # interop.rollout_func.PAST_LAG_BOUND
     # Where training batches are sampled (recipes.common.rollout_backend); null: the mode's default.
-    backend: Literal["learner", "processes", "ray"] | None
+    backend: RolloutBackendName | None
     workers: Positive
     worker_resources: WorkerResourcesNode
     sampler_threads: Positive

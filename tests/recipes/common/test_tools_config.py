@@ -96,3 +96,34 @@ def test_an_mcp_servers_start_is_logged_with_its_tools(caplog):
         "tools.calc.mcp.servers.c: MCP server 'c' started and lists 2 tool(s): multiply, whoami (stopped again: each "
         "tool worker starts its own at its start)."
     ]
+
+
+def test_each_run_lists_its_own_mcp_servers_once(tmp_path):
+    """Inside one run (resolving_tools_once, as each recipe's train is wrapped) tools: resolves many times but each
+    MCP server starts once to list its tools; a second run in the same process lists them again (no listing kept
+    from the run before), and runs with different tools: nodes each get their own tools."""
+    pytest.importorskip("mcp")
+    from _small_runs import MCP_SERVER
+
+    from recipes.common.tools import resolving_tools_once
+
+    starts = tmp_path / "starts"
+
+    def calc(only: str):
+        server = {"command": sys.executable, "args": [str(MCP_SERVER), "--only", only]}
+        server["env"] = {"MCP_TEST_STARTS": str(starts)}
+        return _tools(calc={"mcp": {"servers": {"c": server}}})
+
+    def started() -> int:
+        return len(starts.read_text().split()) if starts.exists() else 0
+
+    with resolving_tools_once():
+        assert resolve_tools(calc("multiply")).names == ["multiply"]
+        assert resolve_tools(calc("multiply")).names == ["multiply"]  # the checks, the prompts, a policy module...
+    assert started() == 1
+    with resolving_tools_once():  # the same node, a second run: its own listing
+        assert resolve_tools(calc("multiply")).names == ["multiply"]
+    assert started() == 2
+    with resolving_tools_once():  # another node: its own tools
+        assert resolve_tools(calc("multiply,whoami")).names == ["multiply", "whoami"]
+    assert started() == 3
