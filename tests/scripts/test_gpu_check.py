@@ -1,7 +1,8 @@
 """scripts/gpu_check.py, part by part: what each part runs (every recipe part's command passes its recipe's checks),
 how the check picks, skips and records parts, how it reads the Ray part's figures, and the Ray part itself on a CPU
 worker. The whole dry run (every part on CPU, about 5 minutes) is `bash scripts/gpu_check.sh --dry-run`, whose exit
-status says whether every part passed (docs/gpu_check.md)."""
+status says whether every part passed (docs/gpu_check.md); out of CI, `pytest -m dry_run` runs it and checks every
+part's figures (the last test here)."""
 
 import csv
 import json
@@ -250,3 +251,44 @@ def test_a_part_over_its_budget_is_stopped_and_reported_with_its_last_lines(gpu_
     report = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
     assert report["slow"]["error"][:2] == ["timed out after 1 s", "started"] and report["slow"]["seconds"] < 10
     assert report["broken"]["error"] == ["exit status 1", "the reason it failed"]
+
+
+@pytest.mark.dry_run
+def test_dry_run_passes_every_part_and_writes_their_figures(tmp_path):
+    """The whole dry run, every part on CPU (about 5 minutes: out of CI, which runs the parts above; run it with
+    `pytest -m dry_run` or `bash scripts/gpu_check.sh --dry-run`, docs/gpu_check.md): each part passes and reports
+    the figures the GPU run will give."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    completed = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(out), "--scratch", str(tmp_path / "scratch")],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    report = json.loads((out / "gpu_check.json").read_text())
+    failed = {name: part.get("error") for name, part in report["parts"].items() if not part["passed"]}
+    assert completed.returncode == 0 and not failed, (failed, completed.stdout[-3000:], completed.stderr[-3000:])
+    assert report["mode"] == "dry-run" and tuple(report["parts"]) == PARTS
+    parts = {name: part["figures"] for name, part in report["parts"].items()}
+
+    assert parts["versions"]["unmet_requirements"] == [] and parts["versions"]["trl"].startswith("1.16")
+    # The small build keeps Qwen2's family and a vocabulary past the tokenizer's, as the 0.5B build does.
+    assert parts["build_models"]["shape"] == "small" and parts["build_models"]["policy_parameters"] > 0
+    for run in ("grpo_sync", "grpo_async", "grpo_lora", "grpo_gradient_checkpointing"):
+        assert parts[run]["train/steps"] == 2 and parts[run]["perf/tokens_per_s"] > 0, run
+    assert parts["reward"]["train/steps"] == 4
+    bench = parts["bench"]
+    assert (
+        set(bench["ratios"]) == {"ours (sync)", "ours (async)"} and bench["ratios"]["ours (sync)"]["tokens_per_s"] > 0
+    )
+    assert set(bench["phases"][bench["trl"]]) >= {"generate", "update", "total"}
+    estimate = parts["estimate_memory"]
+    assert estimate["setting"]["device"] == "cpu" and 0.5 < estimate["measured_over_estimated"] < 2.0
+    log = (out / "gpu_check.log").read_text()
+    assert f"gpu_check (dry run): {len(PARTS)} of {len(PARTS)} parts passed" in log

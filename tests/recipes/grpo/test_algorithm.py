@@ -163,7 +163,7 @@ def test_truncated_responses_are_counted_and_masked_with_a_warning_when_all_are(
 @pytest.mark.parametrize(
     "overrides",
     [
-        *([f"loss.type={loss_type}"] for loss_type in ("grpo", "dr_grpo", "dapo", "sapo", "luspo")),
+        *([f"loss.type={loss_type}"] for loss_type in ("grpo", "dr_grpo", "dapo", "sapo", "luspo", "vespo")),
         ["loss.type=cispo", "loss.clip_epsilon_high=1.28"],  # cispo clamps the ratio itself at this bound
         ["loss.type=grpo", "loss.importance_sampling_level=sequence"],  # GSPO
         ["loss.clip_epsilon_high=0.28"],  # DAPO's clip-higher
@@ -174,14 +174,31 @@ def test_truncated_responses_are_counted_and_masked_with_a_warning_when_all_are(
 def test_every_loss_type_learns_the_default_task(compose_config, tmp_path, overrides):
     """The default task and step count: the (well-formed) oracle of the sampled reviews rises by at least 0.4, a
     margin that holds on any seed: over seeds 0-4 of every variant here the smallest rise was 0.73 (luspo, seed 4; the
-    rises 0.73-1.04), with the cosine schedule, 1 torch thread, 2026-12-06 (`python scripts/check_learning.py`)."""
+    rises 0.73-1.04, vespo's 0.79-0.98), with the cosine schedule, 1 torch thread, 2026-12-06
+    (`python scripts/check_learning.py`)."""
     summary = recipe.train(
         compose_config("grpo_torchrl_rm", [*overrides, "progress_bar=false", f"output_dir={tmp_path}"])
     )
     assert summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"] >= 0.4
 
 
+def _oracle_rise(compose_config, run_dir, loss_type: str, seed: int) -> float:
+    overrides = [f"loss.type={loss_type}", f"seed={seed}", "progress_bar=false", f"output_dir={run_dir}"]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    return summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"]
+
+
 @pytest.mark.slow
+def test_bnpo_learns_the_default_task(compose_config, tmp_path):
+    """CI's one seed of bnpo, the slowest loss type to learn here: the oracle rises by at least 0.3, below the
+    smallest rise over seeds 0-4 (0.37 on seed 0; 0.82-1.02 on seeds 1-4; cosine schedule, 1 torch thread,
+    2026-12-06, `python scripts/check_learning.py --only grpo_loss_bnpo`). The mean over two seeds against the other
+    loss types' 0.4 is the test below (`pytest -m seeds`)."""
+    rise = _oracle_rise(compose_config, tmp_path, "bnpo", seed=0)
+    assert rise >= 0.3, rise
+
+
+@pytest.mark.seeds
 @pytest.mark.parametrize("loss_type", ["bnpo", "vespo"])
 def test_loss_types_slower_on_some_seeds_learn_the_default_task_on_average_over_two_seeds(
     compose_config, tmp_path, loss_type
@@ -190,15 +207,7 @@ def test_loss_types_slower_on_some_seeds_learn_the_default_task_on_average_over_
     them: the mean rise over seeds 0 and 1 is at least 0.4. bnpo rose 0.37 on seed 0 and 0.82-1.02 on seeds 1-4 (mean
     over 0 and 1: 0.70); vespo 0.79-0.98 on seeds 0-4 (cosine schedule, 1 torch thread, 2026-12-06,
     `python scripts/check_learning.py --only grpo_loss_bnpo grpo_loss_vespo`). At the constant schedule of before,
-    vespo rose 0.25 on seed 0 at 1 thread on two machines of this kind (issue 39)."""
-    rises = []
-    for seed in (0, 1):
-        overrides = [
-            f"loss.type={loss_type}",
-            f"seed={seed}",
-            "progress_bar=false",
-            f"output_dir={tmp_path / str(seed)}",
-        ]
-        summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
-        rises.append(summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"])
+    vespo rose 0.25 on seed 0 at 1 thread on two machines of this kind (issue 39). Two runs each: out of CI (which runs
+    one seed of each, above), `pytest -m seeds` (README)."""
+    rises = [_oracle_rise(compose_config, tmp_path / str(seed), loss_type, seed) for seed in (0, 1)]
     assert sum(rises) / len(rises) >= 0.4, rises

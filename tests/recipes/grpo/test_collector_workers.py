@@ -227,20 +227,18 @@ def test_the_workers_deal_out_the_prompt_stream_one_collector_would_draw(compose
         assert not set(first) & set(second) and sorted(first + second) == sorted(one)
 
 
-@pytest.mark.slow
-def test_two_ray_workers_on_two_nodes_learn_the_default_task(compose_config, tmp_path, two_node_cluster):
+@pytest.mark.parametrize("seed", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.seeds)])
+def test_two_ray_workers_on_two_nodes_learn_the_default_task(compose_config, tmp_path, two_node_cluster, seed):
     """The default task with two Ray collector workers, one per node of a two-node cluster: the oracle rises by more
     than 0.3 in 20 steps on seeds 0 and 1, the bound the single-process run's test holds (0.73-0.97 over seeds 0-4).
     Measured over 30 steps, seeds 0-2, 2026-12-06: gains 0.97 / 0.85 / 0.99 against 0.88 / 0.91 / 0.99 in the learner's
-    process (docs/scaling.md)."""
+    process (docs/scaling.md). CI runs seed 0 (`pytest -m slow`); seed 1 runs with `pytest -m seeds` (README)."""
     cluster, _ = two_node_cluster
-    for seed in (0, 1):
-        overrides = ["rollout.backend=ray", "rollout.workers=2", f"ray.address={cluster.address}", f"seed={seed}"]
-        overrides += ["train.steps=20", "summary.window=3", "progress_bar=false"]
-        overrides.append(f"output_dir={tmp_path / str(seed)}")
-        summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
-        assert summary["rollout/oracle_mean_last"] > summary["rollout/oracle_mean_first"] + 0.3, (seed, summary)
-    rows = read_metrics(tmp_path / "1")
+    overrides = ["rollout.backend=ray", "rollout.workers=2", f"ray.address={cluster.address}", f"seed={seed}"]
+    overrides += ["train.steps=20", "summary.window=3", "progress_bar=false", f"output_dir={tmp_path}"]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    assert summary["rollout/oracle_mean_last"] > summary["rollout/oracle_mean_first"] + 0.3, (seed, summary)
+    rows = read_metrics(tmp_path)
     assert {row["rollout/workers"] for row in rows} == {2.0}
     speeds = [(row["rollout/worker_0/tokens_per_s"], row["rollout/worker_1/tokens_per_s"]) for row in rows]
     assert all(first > 0 and second > 0 for first, second in speeds)

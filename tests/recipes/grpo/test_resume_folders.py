@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from _small_runs import GRPO_SMALL, REPO_ROOT
 
 
@@ -21,11 +22,19 @@ def _run(*overrides):
     )
 
 
-def test_a_copied_run_folder_resumes_as_itself_and_leaves_the_original_alone(tmp_path):
-    """As a user does it: ``cp -r D D2`` then ``resume=true hydra.run.dir=D2``."""
-    original, copy = tmp_path / "D", tmp_path / "D2"
-    first = _run(*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"hydra.run.dir={original}")
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 2-step run folder, checkpointed at each step, made once for this module's tests: each copies or moves it
+    only after recording its files, so the tests that share it never change it."""
+    folder = tmp_path_factory.mktemp("finished") / "D"
+    first = _run(*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"hydra.run.dir={folder}")
     assert first.returncode == 0, first.stderr[-2000:]
+    return folder
+
+
+def test_a_copied_run_folder_resumes_as_itself_and_leaves_the_original_alone(finished_run, tmp_path):
+    """As a user does it: ``cp -r D D2`` then ``resume=true hydra.run.dir=D2``."""
+    original, copy = finished_run, tmp_path / "D2"
     shutil.copytree(original, copy)
     before = _files(original)
 
@@ -37,13 +46,15 @@ def test_a_copied_run_folder_resumes_as_itself_and_leaves_the_original_alone(tmp
     assert f"output_dir: {copy}\n" in (copy / "resolved_config.yaml").read_text()
 
 
-def test_a_moved_run_folder_resumes_where_it_is(tmp_path):
-    first = _run(*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"hydra.run.dir={tmp_path / 'D'}")
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_a_moved_run_folder_resumes_where_it_is(finished_run, tmp_path):
+    """The shared run is copied to D first (a folder that ran there, for this test's purpose), then moved."""
+    before = _files(finished_run)
+    shutil.copytree(finished_run, tmp_path / "D")
     (tmp_path / "D").rename(tmp_path / "moved")
     resumed = _run(f"hydra.run.dir={tmp_path / 'moved'}", "resume=true", "train.steps=3")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert (tmp_path / "moved" / "checkpoints" / "step_0000003").is_dir() and not (tmp_path / "D").exists()
+    assert _files(finished_run) == before, "nor the folder it was made in"
 
 
 def test_a_resumed_experiment_reports_the_metric_its_own_config_names(tmp_path):

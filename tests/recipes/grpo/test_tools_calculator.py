@@ -16,9 +16,8 @@ from _small_runs import REPO_ROOT, SMALL_CALCULATOR, read_metrics
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_resume_after_sigkill_of_a_tool_using_run(compose_config, tmp_path):
     """Killed between checkpoints, a run that calls tools resumes from the latest one and logs what an uninterrupted
     run logs: the same dialogs (tool calls, turns, errors), rewards and losses."""
@@ -48,6 +47,7 @@ def test_resume_after_sigkill_of_a_tool_using_run(compose_config, tmp_path):
             assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-4, abs=1e-5), (resumed["step"], key)
 
 
+@pytest.mark.slow
 def test_two_processes_each_run_their_own_tool_worker(tmp_path):
     """Under torchrun every process samples its own dialogs, its calls answered by a tool worker of its own; the
     figures are pooled over both and rank 0 writes them."""
@@ -72,24 +72,32 @@ def test_two_processes_each_run_their_own_tool_worker(tmp_path):
     assert all(row["rollout/turns"] >= 1 and "rollout/tool_errors" in row for row in rows)
 
 
+def _calculator_accuracy(compose_config, run_dir, seed: int) -> tuple[float, float]:
+    """experiment=calculator on ``seed``: held-out accuracy before and after training."""
+    start = time.perf_counter()
+    overrides = ["experiment=calculator", "progress_bar=false", f"seed={seed}", f"output_dir={run_dir}"]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    first, last = summary["eval/accuracy_first"], summary["eval/accuracy_last"]
+    print(
+        f"seed {seed}: eval/accuracy {first:.3f} -> {last:.3f}, training "
+        f"{summary['perf/wall_time_s']:.1f} s, run {time.perf_counter() - start:.1f} s"
+    )
+    return first, last
+
+
+@pytest.mark.slow
+def test_the_calculator_task_is_learned_on_seed_0(compose_config, tmp_path):
+    """CI's seed of the test below (`pytest -m seeds` runs that one): held-out accuracy from at most 0.3 to at least
+    0.7, the bound each of seeds 0-2 holds there (0.23 / 0.19 / 0.27 -> 0.88 / 0.88 / 0.90)."""
+    first, last = _calculator_accuracy(compose_config, tmp_path, seed=0)
+    assert first <= 0.3 and last >= 0.7, (first, last)
+
+
+@pytest.mark.seeds
 def test_the_calculator_task_is_learned_on_every_seed(compose_config, tmp_path):
     """Held-out accuracy from at most 0.3 to at least 0.8 on average over seeds 0-2, each at least 0.7 (measured with
     the preset's settings: 0.23 / 0.19 / 0.27 -> 0.88 / 0.88 / 0.90; accuracy is bounded by how well the tiny policy
-    copies numbers, about 0.9 of the dialogs that call the tool)."""
-    firsts, lasts = [], []
-    for seed in (0, 1, 2):
-        start = time.perf_counter()
-        summary = recipe.train(
-            compose_config(
-                "grpo_torchrl_rm",
-                ["experiment=calculator", "progress_bar=false", f"seed={seed}", f"output_dir={tmp_path / str(seed)}"],
-            )
-        )
-        firsts.append(summary["eval/accuracy_first"])
-        lasts.append(summary["eval/accuracy_last"])
-        print(
-            f"seed {seed}: eval/accuracy {firsts[-1]:.3f} -> {lasts[-1]:.3f}, training "
-            f"{summary['perf/wall_time_s']:.1f} s, run {time.perf_counter() - start:.1f} s"
-        )
+    copies numbers, about 0.9 of the dialogs that call the tool). Three runs: out of CI, `pytest -m seeds` (README)."""
+    firsts, lasts = zip(*(_calculator_accuracy(compose_config, tmp_path / str(seed), seed) for seed in (0, 1, 2)))
     assert max(firsts) <= 0.3, firsts
     assert sum(lasts) / 3 >= 0.8 and min(lasts) >= 0.7, lasts

@@ -16,21 +16,19 @@ from recipes.trl_grpo.rollout_store import load_rollouts, texts
 pytest.importorskip("ray")
 
 
-@pytest.mark.slow
-def test_two_ray_workers_on_two_nodes_learn_the_default_task(compose_config, tmp_path, two_node_cluster):
+@pytest.mark.parametrize("seed", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.seeds)])
+def test_two_ray_workers_on_two_nodes_learn_the_default_task(compose_config, tmp_path, two_node_cluster, seed):
     """The default run (30 steps) with two Ray workers, one per node: the oracle rises by at least 0.6 on seeds 0 and 1,
     the bound the single-process run's test holds (0.87-1.01 over seeds 0-4); measured with two workers on
-    2026-12-06: see docs/scaling.md."""
+    2026-12-06: see docs/scaling.md. CI runs seed 0 (`pytest -m slow`); seed 1 runs with `pytest -m seeds` (README)."""
     import ray
 
     cluster, _ = two_node_cluster
-    for seed in (0, 1):
-        overrides = ["rollout.backend=ray", "rollout.workers=2", f"ray.address={cluster.address}", f"seed={seed}"]
-        cfg = compose_config("trl_grpo_torchrl_rollouts", [*overrides, f"output_dir={tmp_path / str(seed)}"])
-        summary = recipe.train(cfg)
-        assert summary["rollout/workers_last"] == 2.0 and summary["rollout/worker_restarts_last"] == 0.0
-        assert summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"] >= 0.6, (seed, summary)
-        assert not ray.is_initialized(), "the run leaves the cluster it joined, which keeps running"
+    overrides = ["rollout.backend=ray", "rollout.workers=2", f"ray.address={cluster.address}", f"seed={seed}"]
+    summary = recipe.train(compose_config("trl_grpo_torchrl_rollouts", [*overrides, f"output_dir={tmp_path}"]))
+    assert summary["rollout/workers_last"] == 2.0 and summary["rollout/worker_restarts_last"] == 0.0
+    assert summary["rollout/oracle_mean_last"] - summary["rollout/oracle_mean_first"] >= 0.6, (seed, summary)
+    assert not ray.is_initialized(), "the run leaves the cluster it joined, which keeps running"
     assert cluster.head_node.remaining_processes_alive()
 
 
