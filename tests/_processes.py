@@ -58,7 +58,7 @@ def kill_recipe_run_when(
     overrides: list[str],
     *,
     ready: Callable[[], bool],
-    timeout: float = 240,
+    timeout: float = 480,
     before_kill: Callable[[int], None] | None = None,
 ) -> None:
     """Runs ``python recipes/<recipe> <overrides>`` and kills it with SIGKILL as soon as ``ready()`` holds (a checkpoint
@@ -72,6 +72,9 @@ def kill_recipe_run_when(
         while time.monotonic() < deadline and process.poll() is None and not ready():
             time.sleep(0.02)
         assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        # Killed at the deadline, the run would leave less than the test expects (no checkpoint yet) and fail later
+        # with a misleading message (as a Ray resume test did on a loaded machine): say what did not happen in time.
+        assert ready(), f"the run did not reach the point to kill it at within {timeout:.0f} s (a loaded machine?)"
         if before_kill is not None:
             before_kill(process.pid)
         process.send_signal(signal.SIGKILL)
