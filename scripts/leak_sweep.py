@@ -73,7 +73,7 @@ if __name__ == "__main__":
     server.run()
 '''
 
-GRPO = ("grpo_torchrl_rm", ["experiment=calculator"])
+GRPO = ("grpo_torchrl_rm", ["experiment=calculator", "progress_bar=false"])
 TRL = ("trl_grpo_torchrl_rollouts", ["experiment=calculator_trl"])
 
 
@@ -86,7 +86,9 @@ class Case:
     sigkill: bool  # killed once `calls` sleeps run; else the run ends on its own (train steps cut short)
 
 
-SHORT_GRPO, SHORT_TRL = ("train.steps=2", "eval.every_n_steps=null"), ("train.max_steps=2",)
+# A run that ends on its own: two steps, no held-out evaluation (its accuracy is the preset's metric: another one).
+NO_EVAL = ("eval.every_n_steps=null", "metric=rollout/reward_mean_last")
+SHORT_GRPO, SHORT_TRL = ("train.steps=2", *NO_EVAL), ("train.max_steps=2", *NO_EVAL)
 CASES = {
     "grpo_sync_child_sigkill": Case(GRPO, (), "function", False, True),
     "grpo_sync_session_sigkill": Case(GRPO, (), "function", True, True),
@@ -149,7 +151,6 @@ def run_case(name: str, case: Case, folder: Path, index: int, *, calls: int, tim
         *preset,
         *tool_overrides(case, folder, module),
         *case.overrides,
-        "progress_bar=false",
         f"hydra.run.dir={folder / 'runs' / name}",
     ]
     python_path = os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")])
