@@ -165,7 +165,7 @@ def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path)
 def test_async_grpo_raises_the_oracle_score(compose_config, tmp_path, seed):
     """Asynchronous collection learns as the synchronous recipe does, one update behind: the (well-formed) oracle from
     about 0 to at least 0.6 in the default run (its last value over seeds 0-4: 0.74-0.85 async, cosine schedule,
-    2026-12-06, `python scripts/check_learning.py --only grpo_async`)."""
+    2026-12-06, `python scripts/check_learning.py --only grpo_async`; at 2 torch threads 0.74-0.85 too)."""
     cfg = compose_config(
         "grpo_torchrl_rm", [f"output_dir={tmp_path}", "rollout.mode=async", "progress_bar=false", f"seed={seed}"]
     )
