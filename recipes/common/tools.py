@@ -53,7 +53,7 @@ import contextvars
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -265,16 +265,28 @@ def _torchrl_piece(setting: str, node):
 _RUN_LISTINGS: contextvars.ContextVar[dict[str, list] | None] = contextvars.ContextVar("mcp_listings", default=None)
 
 
-@contextlib.contextmanager
-def resolving_tools_once() -> Iterator[None]:
+class _RunScope(contextlib.ContextDecorator):
+    """:func:`resolving_tools_once`'s scope: a class rather than a generator-based context manager, so that a recipe's
+    ``train`` it decorates still pickles (a Hydra joblib sweep sends the task function to its workers, and a
+    generator does not pickle)."""
+
+    def __init__(self) -> None:
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> _RunScope:
+        self._tokens.append(_RUN_LISTINGS.set({}))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _RUN_LISTINGS.reset(self._tokens.pop())
+
+
+def resolving_tools_once() -> _RunScope:
     """The scope of one run (or one sampling process): inside it each MCP server of ``tools:`` is started once to
     list its tools, whatever the number of resolutions; a run in the same process after it lists them again (a server
-    may list other tools by then). Used as a decorator of a recipe's ``train`` and of a collector process's entry."""
-    token = _RUN_LISTINGS.set({})
-    try:
-        yield
-    finally:
-        _RUN_LISTINGS.reset(token)
+    may list other tools by then). Used as a decorator of a recipe's ``train`` and of a collector process's entry, or
+    as a ``with`` block."""
+    return _RunScope()
 
 
 def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
