@@ -400,6 +400,9 @@ def test_wandb_offline_needs_no_account(compose_config, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_default_run_reaches_the_target_accuracy(compose_config, tmp_path):
+    """Held-out accuracy >= 0.9 and Spearman vs the oracle >= 0.8: over seeds 0-4 the accuracy was 0.908-0.968 (seed 0
+    the lowest, 178 of 196 pairs: a thin margin) and the Spearman 0.931-0.955, identical at 1 and 2 torch threads
+    (`python recipes/reward_trainer_from_buffer.py seed=<s> num_threads=<t>`, 2026-12-06)."""
     summary = recipe.train(compose_config("reward_trainer_from_buffer", [f"output_dir={tmp_path}"]))
     assert summary["eval/accuracy"] >= 0.9
     assert summary["eval/spearman"] >= 0.8
