@@ -490,6 +490,7 @@ def _reward_model_module(cfg: DictConfig, reward_model, reward_tokenizer, policy
         "micro_batch_size": cfg.reward.micro_batch_size,
         "max_length": cfg.reward.max_length,
         "check_finite": True,  # a NaN reward stops the run, naming the reward model
+        "share_prefixes": cfg.reward.share_prompt,
     }
     if cfg.reward.input == "tokens":
         if reward_tokenizer.get_vocab() != policy_tokenizer.get_vocab():

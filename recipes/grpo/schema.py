@@ -253,6 +253,7 @@ class Reward:
     read_keys: ReadKeys
     micro_batch_size: Positive | None
     max_length: Positive | None
+    share_prompt: bool
     model_weight: float
     # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
     functions: Annotated[dict[str, Any], OPEN]
