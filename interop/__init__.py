@@ -20,7 +20,7 @@ Public classes and functions:
   TorchRL sampler's log-probs, with its mismatch metrics.
 - :class:`GroupReplay`: scored GRPO groups in a TorchRL replay buffer, drawn in proportion to their reward spread.
 - :class:`BackgroundSampler`: a copy of a causal LM sampling in a child process on weights the caller publishes.
-- :class:`RolloutWorkers`: several such copies, in local processes or Ray actors (``interop.rollout_workers``), each
+- :class:`RolloutWorkers`: several such copies, in local processes or Ray actors (``interop.sampling.workers``), each
   prompt group sampled by one of them, a worker that dies replaced and its groups sampled again.
 - :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores each step with a reward module, or with
   several named and weighted ones (their NaN-skipping weighted sum, as trl sums ``reward_funcs``), and writes the
@@ -30,38 +30,36 @@ Dependencies: ``torch``, ``tensordict`` and ``torchrl``; ``datasets``, ``transfo
 lazily, only by the features that need them. This package knows nothing of Hydra or of the recipes.
 """
 
-import importlib
+import sys as _sys
+
+from interop._exports import MOVED_MODULES as _MOVED_MODULES
+from interop._exports import MovedModuleFinder as _MovedModuleFinder
+from interop._exports import lazy_exports as _lazy_exports
 
 # Each public name is imported from its module when first used (PEP 562): `import interop.tools` or
-# `import interop.mcp_tools` in a tool worker process then costs no torch, torchrl or transformers import (seconds),
-# which a worker restarted after a timeout would pay again; trl's trainer in particular prints a notice on import.
+# `import interop.tools.mcp_tools` in a tool worker process then costs no torch, torchrl or transformers import
+# (seconds), which a worker restarted after a timeout would pay again; trl's trainer in particular prints a notice on
+# import. The wings' packages (interop.sampling, interop.tools, interop.trl) export theirs the same way.
 _MODULES = {
-    "BackgroundSampler": "interop.background_sampler",
-    "CausalLMSampler": "interop.sampling",
-    "GroupReplay": "interop.group_replay",
+    "BackgroundSampler": "interop.sampling.background",
+    "CausalLMSampler": "interop.sampling.sampler",
+    "GroupReplay": "interop.trl.group_replay",
     "HFRewardModelWrapper": "interop.reward",
     "RewardModelTransform": "interop.reward",
-    "RolloutWorkers": "interop.rollout_workers",
-    "SamplingSettings": "interop.sampling",
+    "RolloutWorkers": "interop.sampling.workers",
+    "SamplingSettings": "interop.sampling.sampler",
     "TorchRLBufferDataset": "interop.dataset",
-    "TorchRLGRPOTrainer": "interop.trl_grpo",
-    "TorchRLRolloutFunc": "interop.rollout_func",
-    "sample_responses": "interop.sampling",
+    "TorchRLGRPOTrainer": "interop.trl.trainer",
+    "TorchRLRolloutFunc": "interop.trl.rollout_func",
+    "sample_responses": "interop.sampling.sampler",
     "tensordict_collate": "interop.dataset",
 }
+__getattr__, __dir__ = _lazy_exports(__name__, _MODULES)
 
-
-def __getattr__(name: str):
-    if name not in _MODULES:
-        raise AttributeError(f"module 'interop' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_MODULES])
-
+# The module paths of the flat layout (interop.rollout_func, interop.dialogs...) still import, as the module that
+# holds their code now, with a DeprecationWarning naming it (interop/_exports.py).
+if not any(isinstance(finder, _MovedModuleFinder) for finder in _sys.meta_path):
+    _sys.meta_path.insert(0, _MovedModuleFinder(_MOVED_MODULES))
 
 __all__ = [
     "BackgroundSampler",

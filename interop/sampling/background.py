@@ -10,7 +10,7 @@ Public names:
   time: weights are only written while the child is idle, so every rollout is sampled by one version of the weights.
 
 Process hygiene: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, set before it imports anything heavy:
-``interop._sampler_child``), a failure in the child is raised in the caller with the child's traceback, and
+``interop.sampling._child``), a failure in the child is raised in the caller with the child's traceback, and
 :meth:`BackgroundSampler.close` stops and joins it (also at interpreter exit).
 
 Dependencies: torch, tensordict, and the ``transformers`` model the caller passes in.
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from interop import _sampler_child
-from interop.sampling import SamplingSettings
+from interop.sampling import _child
+from interop.sampling.sampler import SamplingSettings
 
 __all__ = [
     "BackgroundSampler",
@@ -64,7 +64,7 @@ def pushed_names(model: torch.nn.Module) -> frozenset[str] | None:
 
 class SamplerExited(RuntimeError):
     """The sampling process is gone (killed, or crashed outside Python) without answering: what a caller that runs
-    several samplers (``interop.rollout_workers.RolloutWorkers``) restarts, unlike an error the sampler raised."""
+    several samplers (``interop.sampling.workers.RolloutWorkers``) restarts, unlike an error the sampler raised."""
 
 
 class _TokenIds:
@@ -128,8 +128,8 @@ class BackgroundSampler:
 
     Keyword Args:
         settings: the :class:`~interop.sampling.SamplingSettings`.
-        dialogs: with tools, the child samples dialogs (:class:`~interop.dialogs.DialogSampler`) and runs the calls
-            in a tool worker of its own: ``tools`` (the functions), ``timeout_s``, ``max_result_tokens``,
+        dialogs: with tools, the child samples dialogs (:class:`~interop.tools.dialogs.DialogSampler`) and runs the
+            calls in a tool worker of its own: ``tools`` (the functions), ``timeout_s``, ``max_result_tokens``,
             ``max_turns``, ``max_completion_tokens``, ``chat_template_kwargs``. ``None``: single-turn completions.
         log_probs_at_temperature: as :class:`~interop.sampling.CausalLMSampler`'s.
         eos_token_ids: the ids that end a response.
@@ -172,7 +172,7 @@ class BackgroundSampler:
         self._waiting = False
         self._closed = False
         self._connection, child_connection = context.Pipe()
-        self.process = context.Process(target=_sampler_child.start, args=(child_connection,), daemon=True)
+        self.process = context.Process(target=_child.start, args=(child_connection,), daemon=True)
         with _main_module_hidden():
             self.process.start()
         child_connection.close()
@@ -302,11 +302,11 @@ class BackgroundSampler:
 
 
 def _dialog_rollout_func(model, tokenizer, options: dict):
-    """The child's rollout function for tools: an :class:`~interop.dialogs.DialogSampler` on the shared model, its
+    """The child's rollout function for tools: an :class:`~interop.tools.dialogs.DialogSampler` on the shared model, its
     calls answered by a tool worker of the child's own (a ``ToolRunner`` cannot be pickled; its functions can)."""
-    from interop.dialogs import DialogSampler
-    from interop.rollout_func import TorchRLRolloutFunc
-    from interop.tools import ToolRunner
+    from interop.tools.dialogs import DialogSampler
+    from interop.tools.runner import ToolRunner
+    from interop.trl.rollout_func import TorchRLRolloutFunc
 
     dialogs = options["dialogs"]
     runner = ToolRunner(
@@ -336,11 +336,11 @@ def build_rollout_func(model: torch.nn.Module, token_ids, options: dict):
     """What a sampler apart from the trainer samples with: a ``TorchRLRolloutFunc`` around ``model`` (a
     :class:`~interop.sampling.CausalLMSampler`, or a dialog sampler with a tool worker of its own when
     ``options["dialogs"]`` names tools), with the torch threads and seed ``options`` gives. The child process of
-    :class:`BackgroundSampler` and each Ray worker of ``interop.rollout_workers`` build theirs here."""
+    :class:`BackgroundSampler` and each Ray worker of ``interop.sampling.workers`` build theirs here."""
     from tensordict import set_list_to_stack
 
-    from interop.rollout_func import TorchRLRolloutFunc
-    from interop.sampling import CausalLMSampler
+    from interop.sampling.sampler import CausalLMSampler
+    from interop.trl.rollout_func import TorchRLRolloutFunc
 
     set_list_to_stack(True).set()
     torch.set_num_threads(options["num_threads"])

@@ -25,11 +25,11 @@ naming both values.
 
 Tools: built with ``tools=[functions]`` (trl's tools: typed functions with docstrings; or an
 :class:`interop.tools.ToolSet` / :class:`interop.tools.ToolRunner`), it samples each prompt's whole dialog with
-:class:`interop.dialogs.DialogSampler`: the model writes, its tool calls run in a worker process, their results join the
-completion as the chat template's ``tool`` messages, and it writes on, up to ``max_turns`` assistant turns, within
-``max_completion_length`` tokens in all. It returns trl's contract for a tool-calling rollout: ``completion_ids`` with
-the tool messages' tokens inside, ``logprobs`` (0 on tool tokens) and ``env_mask`` (0 on tool tokens: trl's loss skips
-them), laid out as trl's own ``tools=`` path lays out the same dialog.
+:class:`interop.tools.dialogs.DialogSampler`: the model writes, its tool calls run in a worker process, their results
+join the completion as the chat template's ``tool`` messages, and it writes on, up to ``max_turns`` assistant turns,
+within ``max_completion_length`` tokens in all. It returns trl's contract for a tool-calling rollout:
+``completion_ids`` with the tool messages' tokens inside, ``logprobs`` (0 on tool tokens) and ``env_mask`` (0 on tool
+tokens: trl's loss skips them), laid out as trl's own ``tools=`` path lays out the same dialog.
 
 Dependencies: ``torch``, ``tensordict``, ``torchrl``; ``transformers`` tokenizers are duck-typed (``pad_token_id``,
 ``__call__``, ``apply_chat_template``, ``batch_decode``).
@@ -48,7 +48,7 @@ from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictB
 from tensordict.utils import unravel_key
 from torch.nn.utils.rnn import pad_sequence
 
-from interop.sampling import (
+from interop.sampling.sampler import (
     ATTENTION_MASK,
     PROMPT_MASK,
     PROMPT_TOKENS,
@@ -57,11 +57,11 @@ from interop.sampling import (
     SamplingSettings,
     check_pad_token,
 )
-from interop.sampling import LOG_PROBS as FULL_LOG_PROBS
-from interop.tools import ToolRunner, ToolSet
+from interop.sampling.sampler import LOG_PROBS as FULL_LOG_PROBS
+from interop.tools.runner import ToolRunner, ToolSet
 
 if TYPE_CHECKING:  # for annotations; imported where the workers start
-    from interop.rollout_workers import RolloutWorkers
+    from interop.sampling.workers import RolloutWorkers
 
 __all__ = ["PAST_LAG_BOUND", "TorchRLRolloutFunc", "message_text"]
 
@@ -181,7 +181,7 @@ class TorchRLRolloutFunc:
             policy's ``model`` attribute (TorchRL's wrappers and :class:`CausalLMSampler` have one).
         mode: ``"sync"``: each generation batch is sampled when trl asks for it, with the weights trl trains (the same
             module, no copy). ``"async"``: while trl updates on generation batch ``k``, a child process
-            (:class:`~interop.background_sampler.BackgroundSampler`, a :class:`CausalLMSampler` on a copy of the
+            (:class:`~interop.sampling.background.BackgroundSampler`, a :class:`CausalLMSampler` on a copy of the
             weights published at each call) samples batch ``k + 1``, whose prompts ``interop.TorchRLGRPOTrainer``
             reads ahead from the prompt stream; the trainer gives trl the sampling log-probs as its old log-probs, so
             that its importance ratio corrects the lag. A pre-sampled batch is used only for the very prompts trl
@@ -201,15 +201,15 @@ class TorchRLRolloutFunc:
             sampling away.
         backend: where training batches are sampled. ``"learner"``: in this process (sync mode only);
             ``"processes"``: in ``workers`` local child processes; ``"ray"``: in ``workers`` Ray actors on the
-            cluster this process is connected to (:func:`interop.rollout_workers.connect_ray`). Apart from the
+            cluster this process is connected to (:func:`interop.sampling.workers.connect_ray`). Apart from the
             learner, each worker samples with a :class:`CausalLMSampler` on a copy of the weights, published after
-            every update (:class:`interop.rollout_workers.RolloutWorkers`), and each prompt group goes to exactly one
+            every update (:class:`interop.sampling.workers.RolloutWorkers`), and each prompt group goes to exactly one
             worker; in sync mode the batch trl asks for is sampled there with the current weights, in async mode one
             generation batch ahead. ``None``: ``"learner"`` in sync mode, ``"processes"`` in async mode.
             Evaluation batches (trl's model in eval mode) are sampled here in every case.
         workers: apart from the learner: how many samplers.
         worker_resources: ``"ray"``: what each worker takes of the cluster
-            (:class:`interop.rollout_workers.WorkerResources`, or a dict of its fields).
+            (:class:`interop.sampling.workers.WorkerResources`, or a dict of its fields).
         sampler_threads: apart from the learner: torch threads of each sampler.
         weight_sync_every: apart from the learner: the weights are published every this many optimizer steps (1:
             each); every row keeps the version that sampled it (``step``). A batch is then up to
@@ -220,8 +220,8 @@ class TorchRLRolloutFunc:
         seed: apart from the learner: the samplers' torch seed (worker ``i``: ``seed + i``).
         tools: the tools the model may call (trl's form: typed functions with a docstring), an
             :class:`interop.tools.ToolSet`, or a :class:`interop.tools.ToolRunner` (the caller's, which the caller
-            closes); each prompt is then sampled as a dialog (:class:`interop.dialogs.DialogSampler`, turns ending at
-            EOS as trl's do) and the output has ``env_mask``. Needs ``policy=None`` (the dialog sampler runs around
+            closes); each prompt is then sampled as a dialog (:class:`interop.tools.dialogs.DialogSampler`, turns ending
+            at EOS as trl's do) and the output has ``env_mask``. Needs ``policy=None`` (the dialog sampler runs around
             the trainer's model); in async mode the sampling process runs the dialogs with a tool worker of its own.
             Refused beside trl's own ``tools=`` (two tool loops).
             ``None``: single-turn completions.
@@ -332,7 +332,7 @@ class TorchRLRolloutFunc:
         self.mode, self.max_policy_lag, self.past_lag_bound = mode, max_policy_lag, past_lag_bound
         self.backend, self.workers = backend, workers
         if isinstance(worker_resources, dict):
-            from interop.rollout_workers import WorkerResources
+            from interop.sampling.workers import WorkerResources
 
             worker_resources = WorkerResources(**worker_resources)
         self.worker_resources = worker_resources
@@ -341,7 +341,7 @@ class TorchRLRolloutFunc:
         # async: the prompts of the generation batch after a given one (interop.TorchRLGRPOTrainer sets it), the
         # child process, and the batch it samples.
         self.lookahead: Any = None  # prompts -> the next batch's prompts (a PromptLookahead)
-        self._background: Any = None  # interop.rollout_workers.RolloutWorkers, once started
+        self._background: Any = None  # interop.sampling.workers.RolloutWorkers, once started
         self._pending: list | None = None
         # withhold: the next batch's prompts, when it is not sampled ahead, and the step from which it may be.
         self._withheld: list | None = None
@@ -651,7 +651,7 @@ class TorchRLRolloutFunc:
             self._start_background().wait_until_ready()
 
     def _start_background(self) -> RolloutWorkers:
-        from interop.rollout_workers import RolloutWorkers
+        from interop.sampling.workers import RolloutWorkers
 
         dialogs = None
         if self.tools is not None:  # the child runs the same dialogs with a tool worker of its own
@@ -751,7 +751,7 @@ class TorchRLRolloutFunc:
         """The tools' sampler: each turn at trl's settings, ``max_completion_length`` the whole dialog's budget (as
         trl's tool loop counts it), turns ending at EOS (so the end-of-turn token after a call is the model's, in the
         loss, as in trl's layout), log-probs at trl's temperature."""
-        from interop.dialogs import DialogSampler
+        from interop.tools.dialogs import DialogSampler
 
         if self.runner is None:
             self.runner = ToolRunner(
@@ -1036,7 +1036,7 @@ class TorchRLRolloutFunc:
         ).cpu()
 
     def _dialog_rollout(self, prompt_ids: list[list[int]]) -> TensorDict:
-        """:meth:`rollout` for tools: one dialog per prompt (:class:`interop.dialogs.DialogSampler`), laid out as
+        """:meth:`rollout` for tools: one dialog per prompt (:class:`interop.tools.dialogs.DialogSampler`), laid out as
         :meth:`rollout` lays out completions, plus ``env_mask`` ``[B, R]`` (1 on the model's tokens, 0 on the tool
         messages' and on padding) and the :data:`TOOL_COUNTS` ``[B]``."""
         dialogs = self.policy.sample_ids(prompt_ids)
