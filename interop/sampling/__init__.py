@@ -4,6 +4,9 @@
   prompt batch sampled with a KV cache, each sampled token's log-prob recorded), :class:`SamplingSettings` (its
   ``GenerationConfig`` fields), :func:`sample_responses` (the decoding loop), and the TensorDict keys it reads and
   writes (TorchRL's LLM layout: :data:`PROMPT_TOKENS`, :data:`LOG_PROBS`...).
+- :mod:`interop.sampling.rollouts`: :class:`RolloutSampler`, the sync rollout core: prompt token ids in, one
+  completion (or tool dialog) per prompt out, in the columns of trl's ``rollout_func``; what
+  :class:`interop.TorchRLRolloutFunc` samples with in the trainer's process, and every sampler apart from it too.
 - :mod:`interop.sampling.background`: :class:`BackgroundSampler`, a copy of the model sampling in a child process on
   weights the caller publishes (its child's entry: ``interop.sampling._child``).
 - :mod:`interop.sampling.workers`: :class:`RolloutWorkers`, several such copies in local processes or Ray actors
@@ -21,6 +24,7 @@ from interop._exports import lazy_exports as _lazy_exports
 
 if TYPE_CHECKING:
     from interop.sampling.background import BackgroundSampler
+    from interop.sampling.rollouts import RolloutSampler
     from interop.sampling.sampler import (
         ATTENTION_MASK,
         LOG_PROBS,
@@ -50,6 +54,7 @@ __all__ = [
     "PROMPT_MASK",
     "PROMPT_TOKENS",
     "RESPONSE_TOKENS",
+    "RolloutSampler",
     "RolloutWorkers",
     "SampledResponses",
     "SamplingSettings",
@@ -59,10 +64,11 @@ __all__ = [
     "end_of_response_ids",
     "sample_responses",
 ]
-# Every name `interop.sampling` held when it was one module (the sampler's), and the wing's two samplers apart.
+# Every name `interop.sampling` held when it was one module (the sampler's), the rollout core and the samplers apart.
 _EXPORTS = {
     **dict.fromkeys(__all__, "interop.sampling.sampler"),
     "BackgroundSampler": "interop.sampling.background",
+    "RolloutSampler": "interop.sampling.rollouts",
     "RolloutWorkers": "interop.sampling.workers",
 }
 __getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

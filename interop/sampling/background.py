@@ -32,12 +32,13 @@ import torch
 from tensordict import TensorDict
 
 from interop.sampling import _child
+from interop.sampling.rollouts import RolloutSampler
 from interop.sampling.sampler import SamplingSettings
 
 __all__ = [
     "BackgroundSampler",
     "SamplerExited",
-    "build_rollout_func",
+    "build_rollout_sampler",
     "pushed_names",
     "sampler_options",
     "sampler_tokenizer",
@@ -92,8 +93,8 @@ def sampler_options(
     seed: int,
     dialogs: dict | None,
 ) -> dict:
-    """The picklable description of a sampler that :func:`build_rollout_func` builds (see :class:`BackgroundSampler`'s
-    arguments of the same names)."""
+    """The picklable description of a sampler that :func:`build_rollout_sampler` builds (see
+    :class:`BackgroundSampler`'s arguments of the same names)."""
     return {
         "settings": settings,
         "log_probs_at_temperature": log_probs_at_temperature,
@@ -301,12 +302,11 @@ class BackgroundSampler:
         return self._shared
 
 
-def _dialog_rollout_func(model, tokenizer, options: dict):
-    """The child's rollout function for tools: an :class:`~interop.tools.dialogs.DialogSampler` on the shared model, its
-    calls answered by a tool worker of the child's own (a ``ToolRunner`` cannot be pickled; its functions can)."""
+def _dialog_rollout_sampler(model, tokenizer, options: dict) -> RolloutSampler:
+    """The child's sampler for tools: an :class:`~interop.tools.dialogs.DialogSampler` on the shared model, its calls
+    answered by a tool worker of the child's own (a ``ToolRunner`` cannot be pickled; its functions can)."""
     from interop.tools.dialogs import DialogSampler
     from interop.tools.runner import ToolRunner
-    from interop.trl.rollout_func import TorchRLRolloutFunc
 
     dialogs = options["dialogs"]
     runner = ToolRunner(
@@ -315,8 +315,7 @@ def _dialog_rollout_func(model, tokenizer, options: dict):
         max_result_tokens=dialogs["max_result_tokens"],
         tokenizer=tokenizer,
     )
-    rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer, tools=runner, max_turns=dialogs["max_turns"])
-    rollout_func.policy = DialogSampler(
+    policy = DialogSampler(
         model,
         tokenizer,
         runner,
@@ -328,25 +327,24 @@ def _dialog_rollout_func(model, tokenizer, options: dict):
         log_probs_at_temperature=options["log_probs_at_temperature"],
         chat_template_kwargs=dialogs["chat_template_kwargs"],
     )
-    rollout_func.model = model
-    return rollout_func
+    return RolloutSampler(policy, tokenizer, model=model, dialogs=True)
 
 
-def build_rollout_func(model: torch.nn.Module, token_ids, options: dict):
-    """What a sampler apart from the trainer samples with: a ``TorchRLRolloutFunc`` around ``model`` (a
-    :class:`~interop.sampling.CausalLMSampler`, or a dialog sampler with a tool worker of its own when
-    ``options["dialogs"]`` names tools), with the torch threads and seed ``options`` gives. The child process of
+def build_rollout_sampler(model: torch.nn.Module, token_ids, options: dict) -> RolloutSampler:
+    """What a sampler apart from the trainer samples with: the sync rollout core
+    (:class:`~interop.sampling.rollouts.RolloutSampler`, as ``TorchRLRolloutFunc`` samples in the trainer's process)
+    around ``model`` (a :class:`~interop.sampling.CausalLMSampler`, or a dialog sampler with a tool worker of its own
+    when ``options["dialogs"]`` names tools), with the torch threads and seed ``options`` gives. The child process of
     :class:`BackgroundSampler` and each Ray worker of ``interop.sampling.workers`` build theirs here."""
     from tensordict import set_list_to_stack
 
     from interop.sampling.sampler import CausalLMSampler
-    from interop.trl.rollout_func import TorchRLRolloutFunc
 
     set_list_to_stack(True).set()
     torch.set_num_threads(options["num_threads"])
     torch.manual_seed(options["seed"])
     if options["dialogs"] is not None:
-        return _dialog_rollout_func(model, token_ids, options)
+        return _dialog_rollout_sampler(model, token_ids, options)
     sampler = CausalLMSampler(
         model,
         token_ids,
@@ -354,7 +352,7 @@ def build_rollout_func(model: torch.nn.Module, token_ids, options: dict):
         eos_token_ids=options["eos_token_ids"],
         log_probs_at_temperature=options["log_probs_at_temperature"],
     )
-    return TorchRLRolloutFunc(sampler, token_ids, model=model)
+    return RolloutSampler(sampler, token_ids, model=model)
 
 
 def serve(connection) -> None:
@@ -362,7 +360,7 @@ def serve(connection) -> None:
     pipe closes: the parent is gone)."""
     try:
         model, token_ids, options = connection.recv()
-        rollout_func = build_rollout_func(model, token_ids, options)
+        sampler = build_rollout_sampler(model, token_ids, options)
     except Exception:  # noqa: BLE001 - the parent reports it
         connection.send(("error", traceback.format_exc()))
         return
@@ -376,7 +374,7 @@ def serve(connection) -> None:
             return
         try:
             started = time.perf_counter()
-            rollout = rollout_func.rollout_ids(request[1])
+            rollout = sampler.sample(request[1])
             data = {key: value for key, value in rollout.items()}
             connection.send(("done", (data, rollout.batch_size, time.perf_counter() - started)))
         except Exception:  # noqa: BLE001 - the parent reports it

@@ -50,7 +50,7 @@ from tensordict import TensorDict
 from interop.sampling.background import (
     BackgroundSampler,
     SamplerExited,
-    build_rollout_func,
+    build_rollout_sampler,
     pushed_names,
     sampler_options,
     sampler_tokenizer,
@@ -322,7 +322,7 @@ def _ray_worker_class(ray):
                     tensor.data = tensor.data.clone()
             if ray.get_gpu_ids():  # a worker given a GPU (WorkerResources.num_gpus) samples on it
                 self.model.to("cuda")
-            self.rollout_func = build_rollout_func(self.model, tokenizer, options)
+            self.sampler = build_rollout_sampler(self.model, tokenizer, options)
             self.version: int | None = None
 
         def where(self) -> tuple[str, int]:
@@ -336,7 +336,7 @@ def _ray_worker_class(ray):
                 ray.get(weights[0]).load_into(self.model, share=True)
                 self.version = version
             started = time.perf_counter()
-            rollout = self.rollout_func.rollout_ids(prompt_ids)
+            rollout = self.sampler.sample(prompt_ids)
             return dict(rollout.items()), tuple(rollout.batch_size), time.perf_counter() - started
 
     return ray.remote(RaySamplerWorker)

@@ -2,6 +2,7 @@
 flat layout still imports, as the very same object; the moved module paths warn, naming the new one; the light
 entry points of child processes stay light."""
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -128,3 +129,98 @@ def test_the_entry_points_of_child_processes_import_no_torch():
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+INTEROP = Path(__file__).resolve().parents[2] / "interop"
+# The one cycle the library keeps on purpose: a spawned sampler child's entry module (interop.sampling._child) sets
+# PR_SET_PDEATHSIG before it imports the sampler it serves (interop.sampling.background), which names the entry as
+# its process target.
+SPAWN_ENTRY_EDGES = {("interop.sampling._child", "interop.sampling.background")}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(INTEROP.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports_at_run_time(tree: ast.Module) -> list[str]:
+    """Every module an import statement names, at module level or inside a function (imported when it runs), except
+    under ``if TYPE_CHECKING:`` (never run); ``from a import b`` names ``a.b`` where that is a module, else ``a``."""
+    checked_types = {
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for statement in node.body
+        for child in ast.walk(statement)
+    }
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in checked_types:
+            continue
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+    return names
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """interop's modules and the interop modules each one imports when it runs (a module's parent packages too:
+    Python runs their ``__init__`` first)."""
+    modules = {_module_name(path): path for path in INTEROP.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imports_at_run_time(ast.parse(path.read_text())):
+            parts = imported.split(".")
+            targets |= {".".join(parts[:n]) for n in range(1, len(parts) + 1)} & modules.keys()
+        graph[name] = targets - {name} - set(_parents(name))
+    return graph
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts))]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_among_interop_modules_but_the_spawn_entry():
+    graph = _import_graph()
+    assert "interop.sampling.background" in graph["interop.sampling._child"]  # the entry is seen, and allowed
+    for source, target in SPAWN_ENTRY_EDGES:
+        graph[source].discard(target)
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
