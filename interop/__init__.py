@@ -1,30 +1,41 @@
-"""Adapters between TorchRL and Hugging Face ``trl``.
+"""Adapters between TorchRL and Hugging Face ``trl``, in three wings and two adapters at the top.
 
-Public classes and functions:
+The wings:
 
-- :class:`TorchRLBufferDataset`: a TorchRL ``ReplayBuffer`` as a ``torch.utils.data.IterableDataset`` (and, through
-  ``as_hf_dataset()``, a ``datasets.IterableDataset``) that trl trainers consume.
-- :func:`tensordict_collate`: turns a list of samples yielded by the dataset back into a batched ``TensorDict``.
-- :class:`HFRewardModelWrapper`: an HF sequence-classification reward model as a TensorDict module.
-- :class:`CausalLMSampler`: an HF causal LM as a TorchRL policy that samples a left-padded prompt batch with a KV
-  cache and records each sampled token's log-prob; :class:`SamplingSettings` its settings (``max_new_tokens``,
-  ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``...); :func:`sample_responses` the loop.
-- :class:`TorchRLRolloutFunc`: a TorchRL LLM policy (by default a :class:`CausalLMSampler` with the trainer's
-  ``GRPOConfig`` sampling settings) as ``trl.GRPOTrainer``'s ``rollout_func`` (trl samples through TorchRL),
-  optionally writing every rollout into a TorchRL ``ReplayBuffer``.
-- :class:`TorchRLGRPOTrainer`: ``trl.GRPOTrainer`` sampling through a :class:`TorchRLRolloutFunc`, each generation
-  batch written to a TorchRL buffer once trl has scored it (text, rewards per function, reward, advantage); with
-  ``TorchRLRolloutFunc(mode="async")`` the next batch is sampled (:class:`BackgroundSampler`, a child process) while
-  trl updates, and with ``replay=GroupReplay(...)`` groups whose rewards tie train on stored informative groups; the
-  ``GRPOConfig``'s ``vllm_importance_sampling_*`` correction (trl applies it to vLLM's completions only) applies to the
-  TorchRL sampler's log-probs, with its mismatch metrics.
-- :class:`GroupReplay`: scored GRPO groups in a TorchRL replay buffer, drawn in proportion to their reward spread.
-- :class:`BackgroundSampler`: a copy of a causal LM sampling in a child process on weights the caller publishes.
-- :class:`RolloutWorkers`: several such copies, in local processes or Ray actors (``interop.sampling.workers``), each
-  prompt group sampled by one of them, a worker that dies replaced and its groups sampled again.
-- :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores each step with a reward module, or with
-  several named and weighted ones (their NaN-skipping weighted sum, as trl sums ``reward_funcs``), and writes the
-  reward with the env's reward-spec shape (what ``MCAdvantage`` and ``GRPOLoss`` expect).
+- :mod:`interop.sampling`: a causal LM as a TorchRL policy and the processes that sample with copies of it.
+  ``sampler`` (:class:`CausalLMSampler`, :class:`SamplingSettings`, :func:`sample_responses`: the decoding loop with a
+  KV cache that records each sampled token's log-prob), ``rollouts`` (``RolloutSampler``: the sync rollout core,
+  prompt ids to one completion or tool dialog per prompt in trl's ``rollout_func`` columns, used in the trainer's
+  process and in every sampler apart from it), ``background`` (:class:`BackgroundSampler`: a copy of the model
+  sampling in a child process on weights the caller publishes) and ``workers`` (:class:`RolloutWorkers`: several such
+  copies, in local processes or Ray actors, a worker that dies replaced and its groups sampled again).
+- :mod:`interop.tools`: tool calls and the dialogs that make them. ``runner`` (``ToolSet``, ``ToolRunner``: calls run
+  in a worker process with a timeout), ``dialogs`` (``DialogSampler``: whole dialogs, the tool messages masked out),
+  ``dialog_policy`` (``DialogPolicy``: those dialogs as a TorchRL policy), ``torchrl_tools`` (TorchRL's tool
+  transforms taken apart into tools) and ``mcp_tools`` (MCP stdio servers' tools).
+- :mod:`interop.trl`: ``trl.GRPOTrainer`` sampling through TorchRL. ``rollout_func`` (:class:`TorchRLRolloutFunc`: a
+  TorchRL LLM policy, by default a :class:`CausalLMSampler` at the trainer's ``GRPOConfig`` settings, as trl's
+  ``rollout_func``, sync, async or apart from the learner, optionally writing every rollout to a TorchRL
+  ``ReplayBuffer``), ``trainer`` (:class:`TorchRLGRPOTrainer`: each generation batch written to a TorchRL buffer once
+  trl has scored it; with ``TorchRLRolloutFunc(mode="async")`` the next batch sampled while trl updates; trl's
+  ``vllm_importance_sampling_*`` correction applied to the TorchRL sampler's log-probs), ``group_replay``
+  (:class:`GroupReplay`: scored GRPO groups replayed in proportion to their reward spread) and
+  ``importance_sampling`` (that correction's modes and mismatch figures).
+
+At the top:
+
+- :class:`TorchRLBufferDataset` (``interop.dataset``): a TorchRL ``ReplayBuffer`` as a
+  ``torch.utils.data.IterableDataset`` (and, through ``as_hf_dataset()``, a ``datasets.IterableDataset``) that trl
+  trainers consume; :func:`tensordict_collate` turns its samples back into a batched ``TensorDict``.
+- :class:`HFRewardModelWrapper` (``interop.reward``): an HF sequence-classification reward model as a TensorDict
+  module; :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores each step with a reward module, or
+  with several named and weighted ones (their NaN-skipping weighted sum, as trl sums ``reward_funcs``), in the
+  reward-spec shape ``MCAdvantage`` and ``GRPOLoss`` expect.
+
+Every name above imports from ``interop`` itself. The module paths of the flat layout before the wings
+(``interop.rollout_func``, ``interop.dialogs``, ``interop.trl_grpo``...) still import, as the module that holds their
+code now, with a ``DeprecationWarning`` naming it (``interop/_exports.py`` lists them); ``interop.sampling`` and
+``interop.tools`` became the packages of their wings and export every name the modules had.
 
 Dependencies: ``torch``, ``tensordict`` and ``torchrl``; ``datasets``, ``transformers`` and ``trl`` are imported
 lazily, only by the features that need them. This package knows nothing of Hydra or of the recipes.

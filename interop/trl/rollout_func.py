@@ -141,6 +141,15 @@ def message_text(value: Any) -> str:
     return content if isinstance(content, str) else " ".join(part.get("text", "") for part in content)
 
 
+def _worker_resources(value):
+    """``worker_resources`` as given, or built from a dict of its fields."""
+    if isinstance(value, dict):
+        from interop.sampling.workers import WorkerResources
+
+        return WorkerResources(**value)
+    return value
+
+
 def _model_of(module: torch.nn.Module) -> torch.nn.Module:
     """The innermost model a (DDP / accelerate / PEFT) wrapper holds."""
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
@@ -283,24 +292,18 @@ class TorchRLRolloutFunc:
         tool_timeout_s: float = 10.0,
         max_result_tokens: int | None = None,
     ):
-        if mode not in ("sync", "async"):
-            raise ValueError(f"TorchRLRolloutFunc: mode must be 'sync' or 'async', got {mode!r}.")
-        if tools is not None:
-            self._check_tool_options(tools, policy=policy, max_turns=max_turns)
-        if max_policy_lag < 0:
-            raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
-        if past_lag_bound not in PAST_LAG_BOUND:
-            raise ValueError(
-                f"TorchRLRolloutFunc: past_lag_bound must be one of {PAST_LAG_BOUND}, got {past_lag_bound!r}."
-            )
-        backend = self._check_backend(mode, backend, workers)
-        self._check_weight_push(mode, backend, max_policy_lag, weight_sync_every, sampler_dtype)
-        if backend != "learner" and policy is not None and not isinstance(policy, CausalLMSampler):
-            raise ValueError(
-                f"TorchRLRolloutFunc: mode={mode!r}, backend={backend!r} samples with a CausalLMSampler on a copy of "
-                f"the weights apart from the learner; a {type(policy).__name__} cannot be copied there. Pass no policy "
-                "(the default CausalLMSampler at the trainer's GRPOConfig settings) or a CausalLMSampler."
-            )
+        backend = self._checked_backend(
+            policy,
+            mode=mode,
+            max_policy_lag=max_policy_lag,
+            past_lag_bound=past_lag_bound,
+            backend=backend,
+            workers=workers,
+            weight_sync_every=weight_sync_every,
+            sampler_dtype=sampler_dtype,
+            tools=tools,
+            max_turns=max_turns,
+        )
         if policy is not None:
             self._check_policy(policy)
         if tokenizer is not None:
@@ -324,22 +327,15 @@ class TorchRLRolloutFunc:
         self.writes_scored_rows = False
         self.mode, self.max_policy_lag, self.past_lag_bound = mode, max_policy_lag, past_lag_bound
         self.backend, self.workers = backend, workers
-        if isinstance(worker_resources, dict):
-            from interop.sampling.workers import WorkerResources
-
-            worker_resources = WorkerResources(**worker_resources)
-        self.worker_resources = worker_resources
+        self.worker_resources = _worker_resources(worker_resources)
         self.sampler_threads, self.seed = sampler_threads, seed
         self.weight_sync_every, self.sampler_dtype = weight_sync_every, sampler_dtype
         # async: the prompts of the generation batch after a given one (interop.TorchRLGRPOTrainer sets it), the
         # child process, and the batch it samples.
         self.lookahead: Any = None  # prompts -> the next batch's prompts (a PromptLookahead)
         self._background: Any = None  # interop.sampling.workers.RolloutWorkers, once started
-        self._pending: list | None = None
-        # withhold: the next batch's prompts, when it is not sampled ahead, and the step from which it may be.
-        self._withheld: list | None = None
+        self._forget_next_batch()
         self._release_step = 0
-        self._pending_withheld = False  # whether the batch being sampled was withheld first
         # The last call's figures: policy_lag, resampled, withheld, withheld_s, lookahead_misses.
         self.stats: dict[str, float] = {}
         # tools: what the dialogs run (a ToolRunner built at the first call when functions were given), the turn
@@ -350,6 +346,50 @@ class TorchRLRolloutFunc:
         self._owns_runner = False
         self.last_dialogs = None
         self._correction_warned = False
+
+    def _forget_next_batch(self) -> None:
+        """Async: no next batch being sampled, none withheld."""
+        self._pending: list | None = None  # the prompts of the batch the workers sample ahead
+        # withhold: the next batch's prompts, when it is not sampled ahead (from self._release_step on it may be).
+        self._withheld: list | None = None
+        self._pending_withheld = False  # whether the batch being sampled was withheld first
+
+    @classmethod
+    def _checked_backend(
+        cls,
+        policy,
+        *,
+        mode: str,
+        max_policy_lag: int,
+        past_lag_bound: str,
+        backend: str | None,
+        workers: int,
+        weight_sync_every: int,
+        sampler_dtype,
+        tools,
+        max_turns: int | None,
+    ) -> str:
+        """Refuses, before anything is built, a way of sampling that cannot work (the mode, the lag bound, where it
+        samples and how the weights get there, tools with a policy); returns the backend (``None``: the mode's)."""
+        if mode not in ("sync", "async"):
+            raise ValueError(f"TorchRLRolloutFunc: mode must be 'sync' or 'async', got {mode!r}.")
+        if tools is not None:
+            cls._check_tool_options(tools, policy=policy, max_turns=max_turns)
+        if max_policy_lag < 0:
+            raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
+        if past_lag_bound not in PAST_LAG_BOUND:
+            raise ValueError(
+                f"TorchRLRolloutFunc: past_lag_bound must be one of {PAST_LAG_BOUND}, got {past_lag_bound!r}."
+            )
+        backend = cls._check_backend(mode, backend, workers)
+        cls._check_weight_push(mode, backend, max_policy_lag, weight_sync_every, sampler_dtype)
+        if backend != "learner" and policy is not None and not isinstance(policy, CausalLMSampler):
+            raise ValueError(
+                f"TorchRLRolloutFunc: mode={mode!r}, backend={backend!r} samples with a CausalLMSampler on a copy of "
+                f"the weights apart from the learner; a {type(policy).__name__} cannot be copied there. Pass no policy "
+                "(the default CausalLMSampler at the trainer's GRPOConfig settings) or a CausalLMSampler."
+            )
+        return backend
 
     @staticmethod
     def _check_weight_push(mode: str, backend: str, max_policy_lag: int, every: int, dtype) -> None:
@@ -679,8 +719,7 @@ class TorchRLRolloutFunc:
         if self._background is not None:
             self._background.close()
             self._background = None
-        self._pending = self._withheld = None
-        self._pending_withheld = False
+        self._forget_next_batch()
         if self._owns_runner and self.runner is not None:  # the tool worker built here (a caller's runner is theirs)
             self.runner.close()
 

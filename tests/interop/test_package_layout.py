@@ -224,3 +224,19 @@ def test_no_import_cycle_among_interop_modules_but_the_spawn_entry():
 
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_in_interop_is_longer_than_80_lines():
+    """Every function and method of interop/, counted from its ``def`` line (decorators not counted) to its last line,
+    signature and docstring included: ``end_lineno - lineno + 1 <= 80``."""
+    long = []
+    for path in sorted(INTEROP.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(INTEROP.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
