@@ -138,8 +138,8 @@ def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
     """trl's ``rollout_func``: the library's default sampler (a ``CausalLMSampler`` around the model trl trains, at
     ``train:``'s sampling settings), sampling when trl asks or one generation batch ahead (``rollout.mode``), in trl's
     process or in ``rollout.workers`` workers apart from it (``rollout.backend``: local processes or Ray actors). With
-    ``tools:``, whole dialogs (``interop.dialogs.DialogSampler``: up to ``rollout.max_turns`` turns, the calls run in a
-    worker process at ``tools.timeout_s``), returned with trl's ``env_mask``."""
+    ``tools:``, whole dialogs (``interop.tools.dialogs.DialogSampler``: up to ``rollout.max_turns`` turns, the calls
+    run in a worker process at ``tools.timeout_s``), returned with trl's ``env_mask``."""
     tools = resolve_tools(cfg.tools)
     tool_options = {}
     if tools is not None:

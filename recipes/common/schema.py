@@ -926,7 +926,7 @@ def checked_trainer_config(
 @dataclass
 class WorkerResourcesNode:
     """What one Ray sampling worker takes (``rollout.worker_resources``, as
-    ``interop.rollout_workers.WorkerResources``)."""
+    ``interop.sampling.workers.WorkerResources``)."""
 
     num_cpus: Annotated[float, Range(ge=0)]
     num_gpus: Annotated[float, Range(ge=0)]

@@ -179,7 +179,7 @@ class Rollout:
     env: RolloutEnv
     mode: RolloutMode
     max_policy_lag: NonNegative
-    past_lag_bound: Literal["withhold", "resample"]  # interop.rollout_func.PAST_LAG_BOUND
+    past_lag_bound: Literal["withhold", "resample"]  # interop.trl.rollout_func.PAST_LAG_BOUND
     # Where training batches are sampled (recipes.common.rollout_backend); null: the mode's default.
     backend: RolloutBackendName | None
     workers: Positive

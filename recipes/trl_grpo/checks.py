@@ -353,7 +353,7 @@ def _check_lora_for_trl(lora) -> None:
 def _check_trainer_settings(args) -> None:
     """What ``train:``'s settings, as trl will read them (``args``: trl's defaults under the config's values), cannot
     combine: the sampler's settings, the mismatch correction's, and the group size against the generation batch."""
-    from interop.trl_grpo import check_importance_sampling_settings  # imports trl: only where this recipe runs
+    from interop.trl.trainer import check_importance_sampling_settings  # imports trl: only where this recipe runs
 
     try:
         settings = SamplingSettings.from_grpo_config(args)

@@ -18,7 +18,7 @@ import torch
 from tensordict.nn import TensorDictModuleBase
 
 from interop import TorchRLRolloutFunc
-from interop.trl_grpo import (
+from interop.trl.trainer import (
     TorchRLGRPOTrainer,
     check_importance_sampling_settings,
     sampler_mismatch_counts,
