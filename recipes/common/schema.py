@@ -25,6 +25,8 @@ of choices take it from the schema's ``Literal`` (``typing.get_args``).
 - :func:`checked_config` / :func:`checked_tree`: what a recipe's ``validate`` starts with: the resolved config, and
   (``checked_tree``) its typed tree.
 - :func:`typed_config`: one config (or sub-node) checked and built into its schema's dataclasses.
+- :func:`config_view`: a typed node as a ``DictConfig`` again, for the shared helpers that merge nodes or read them
+  by name.
 - :class:`TrainerNode`, :func:`checked_trainer_config`: trl's ``train:`` node, over trl's own defaults.
 
 Dependencies: omegaconf.
