@@ -312,9 +312,9 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
 
 @pytest.mark.slow
 def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(tmp_path):
-    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again. (Not from the
-    LoRA test's run: with checkpoint.save_merged=true, which that test needs, a resumed run's step 3 differs from the
-    uninterrupted run's, 2026-12-06.)"""
+    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again. (Runs of its
+    own: a copy of the LoRA test's run, made with checkpoint.save_merged=true, resumed to 4 steps, differed from the
+    uninterrupted run at step 3, 2026-12-06.)"""
     run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
     overrides = [*SMALL, *CHECKPOINTS, LORA, FSDP, "train.steps=2"]
     _torchrun(2, overrides, run_dir)
