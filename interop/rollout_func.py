@@ -58,7 +58,7 @@ from interop.sampling import (
     check_pad_token,
 )
 from interop.sampling import LOG_PROBS as FULL_LOG_PROBS
-from interop.tools import ToolRunner, ToolSet
+from interop.tools import DEFAULT_TIMEOUT_S, ToolRunner, ToolSet
 
 if TYPE_CHECKING:  # for annotations; imported where the workers start
     from interop.rollout_workers import RolloutWorkers
@@ -284,7 +284,7 @@ class TorchRLRolloutFunc:
         seed: int = 0,
         tools=None,
         max_turns: int | None = None,
-        tool_timeout_s: float = 10.0,
+        tool_timeout_s: float = DEFAULT_TIMEOUT_S,
         max_result_tokens: int | None = None,
     ):
         if mode not in ("sync", "async"):

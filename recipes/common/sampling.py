@@ -11,11 +11,11 @@ Dependencies: the project's ``interop`` package.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
+from interop.errors import SettingError
 from interop.sampling import SamplingSettings
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, setting_message
 
 __all__ = ["sampler_settings"]
 
@@ -39,29 +39,26 @@ def sampler_settings(
     """
     try:
         if check_only:
-            SamplingSettings.check_keys(generation, key=key)
+            SamplingSettings.check_keys(generation)
             return None
-        return SamplingSettings.from_mapping(generation, key=key)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(_settings_message(str(error), key, elsewhere)) from None
+        return SamplingSettings.from_mapping(generation)
+    except SettingError as error:
+        raise ConfigError(_settings_message(error, key, elsewhere)) from None
 
 
-def _settings_message(message: str, key: str, elsewhere: str | None = None) -> str:
-    """``SamplingSettings``' refusal with its settings named in full (``temperature=0`` under ``eval.generation``
-    reads ``eval.generation.temperature=0``) and the way out.
+def _settings_message(error: SettingError, key: str, elsewhere: str | None = None) -> str:
+    """``SamplingSettings``' refusal under ``key`` (``temperature=0`` under ``eval.generation`` reads
+    ``eval.generation.temperature=0``), with the way out.
 
     Examples:
-        >>> _settings_message("SamplingSettings: temperature=0 must be > 0 when sampling.", "eval.generation")
+        >>> error = SettingError("SamplingSettings", "temperature=0 must be > 0 when sampling.", field="temperature")
+        >>> _settings_message(error, "eval.generation")
         'eval.generation.temperature=0 must be > 0 when sampling. Set eval.generation.temperature > 0, or \
 eval.generation.do_sample=false for greedy decoding.'
     """
-    message = message.removeprefix("SamplingSettings: ")
-    names = "|".join(SamplingSettings.names())
-    message = re.sub(rf"(?<![\w.])({names})(?=[=\])])", rf"{key}.\1", message)
-    if not message.startswith(key):
-        message = f"{key}: {message}"
-    if "not a generation setting" in message and elsewhere:
+    message = setting_message(error, key)
+    if error.field not in SamplingSettings.names() and elsewhere:  # a key the sampler does not take
         message = message.rstrip(".") + f", or {elsewhere}."
-    if "must be > 0 when sampling" in message:
+    if error.field == "temperature" and "when sampling" in error.detail:
         message += f" Set {key}.temperature > 0, or {key}.do_sample=false for greedy decoding."
     return message

@@ -33,6 +33,7 @@ from torchrl.collectors import Collector
 from torchrl.collectors.llm import LLMCollector
 
 from interop.dialog_policy import DialogPolicy
+from interop.errors import SettingError
 from interop.sampling import CausalLMSampler, end_of_response_ids
 from recipes.common.chat import (
     check_chat_generation_settings,
@@ -145,10 +146,11 @@ def check_tool_template(cfg: DictConfig, tokenizer) -> None:
             max_turns=cfg.rollout.max_turns,
             call_format=resolve_call_format(cfg.tools),
         )
-    except ValueError as error:
+    except ValueError as error:  # a SettingError of DialogSampler's, or check_pad_token's (which names its owner)
+        detail = error.detail if isinstance(error, SettingError) else str(error)
         raise ConfigError(
             f"tools: model.name_or_path={str(cfg.model.name_or_path)!r}'s tokenizer cannot sample tool dialogs: "
-            f"{str(error).removeprefix('DialogSampler: ')}"
+            + detail
         ) from None
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from interop.errors import SettingError
 from recipes.common.checkpoint import latest_trl_checkpoint
-from recipes.common.config import ConfigError, check_run_settings
+from recipes.common.config import ConfigError, check_run_settings, setting_message
 from recipes.common.data import load_prompt_rows
 from recipes.common.lora import validate_policy_lora
 from recipes.common.models import load_tokenizer, validate_model_node
@@ -396,8 +397,8 @@ def _check_trainer_settings(args) -> None:
 
     try:
         check_importance_sampling_settings(args)
-    except ValueError as error:  # each message starts with the field's name
-        raise ConfigError(f"train.{error}") from None
+    except SettingError as error:  # GRPOConfig's field: a train.<field> key here
+        raise ConfigError(setting_message(error, "train")) from None
     per_device, group = args.per_device_train_batch_size, args.num_generations
     steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
     processes = int(os.environ.get("WORLD_SIZE", "1"))

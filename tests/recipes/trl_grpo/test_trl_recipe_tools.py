@@ -33,7 +33,7 @@ MULTIPLY = "+tools.multiply.function=recipes.tasks.calculator.multiply"
         (["+tools.join.function=os.path.join"], r"tools.join.function=os.path.join: .*"),
         (["+tools.times.function=recipes.tasks.calculator.multiply"], r"rename the key to tools.multiply"),
         (["+tools.multiply=3"], r"tools.multiply: expected \{function: "),
-        ([MULTIPLY, "tools.timeout_s=0"], r"tools.timeout_s=0: expected a number of seconds > 0"),
+        ([MULTIPLY, "tools.timeout_s=0"], r"tools.timeout_s=0 must be a finite number of seconds > 0"),
         (["+train.max_tool_calling_iterations=2"], r"train.max_tool_calling_iterations=2: .*set rollout.max_turns"),
         (["+train.tools=[a]"], r"train.tools: .*tools.<name>.function=<dotted path>"),
         ([MULTIPLY, "rollout.replay.enabled=true"], r"rollout.replay.enabled=true with tools: "),
