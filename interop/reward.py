@@ -12,8 +12,9 @@ Public classes:
   source's own values optionally kept), and writes the reward at ``("next", "reward")`` with the env's reward-spec
   shape (``batch + (1, 1)`` for LLM chat envs), which is what ``MCAdvantage`` and ``GRPOLoss`` read.
 
-Dependencies: ``torch``, ``tensordict`` and ``torchrl``. ``transformers`` is never imported here: the wrapper only
-calls the model and tokenizer objects it is given.
+Dependencies: ``torch``, ``tensordict`` and ``torchrl``. ``transformers`` is imported only to share prefixes
+(``share_prefixes=True``, :mod:`interop.prefix_scoring`); otherwise the wrapper only calls the model and tokenizer
+objects it is given.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
+
+from interop.prefix_scoring import (
+    SharedPrefixInputs,
+    can_share_prefixes,
+    plan_shared_prefixes,
+    run_shared_prefixes,
+    shared_prefix_inputs,
+)
 
 __all__ = ["HFRewardModelWrapper", "RewardModelTransform"]
 
@@ -200,6 +209,12 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         padding_side (str): ``"right"`` or ``"left"``, where ragged sequences are padded. Defaults to ``"right"``.
         check_finite (bool): raise, naming the model and the rows, when a reward is NaN or infinite (a broken
             reward model would otherwise train a policy on garbage). Defaults to ``False``.
+        share_prefixes (bool): run a prefix that consecutive rows share (a GRPO group's prompt) through the model
+            once, its keys and values read from a cache by the pass over each row's remaining tokens
+            (:mod:`interop.prefix_scoring`): the same rewards up to float rounding, fewer positions computed. Applies
+            to ragged or tokenized inputs with ``padding_side="right"`` and to ``transformers`` decoders whose layers
+            all attend to the whole sequence and whose config has a pad id; other models and batches where it saves
+            under 15% of the positions take the padded pass. Defaults to ``False``.
 
     Examples:
         >>> import torch
@@ -247,6 +262,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         max_length: int | None = None,
         padding_side: Literal["right", "left"] = "right",
         check_finite: bool = False,
+        share_prefixes: bool = False,
     ) -> None:
         _check_wrapper_arguments(model, tokenizer, history_key, micro_batch_size, max_length, padding_side)
         config = getattr(model, "config", None)
@@ -280,6 +296,12 @@ class HFRewardModelWrapper(TensorDictModuleBase):
         self.check_finite = check_finite
         self._mode = mode
         self._pad_token_id = model_pad if model_pad is not None else tokenizer_pad
+        # Positions follow the mask in the shared passes; a left-padded pass puts its pads at the first positions.
+        self.share_prefixes = share_prefixes and padding_side == "right" and can_share_prefixes(model)
+        # The id a sequence classifier's pooling skips (its text config's): the shared passes keep its last other token.
+        self._classifier_pad_token_id = (
+            config.get_text_config().pad_token_id if self.share_prefixes and config is not None else None
+        )
 
     # ------------------------------------------------------------------ reading the inputs
 
@@ -384,8 +406,16 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             mask = pad_sequence(masks, batch_first=True, padding_value=0, padding_side=self.padding_side)
         return ids.to(device, non_blocking=True), mask.to(device=device, dtype=torch.long, non_blocking=True)
 
-    def _call_model(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        out = self.model(input_ids=ids) if mask is None else self.model(input_ids=ids, attention_mask=mask)
+    def _call_model(
+        self, ids: torch.Tensor | None, mask: torch.Tensor | None, shared: SharedPrefixInputs | None = None
+    ) -> torch.Tensor:
+        if shared is not None:
+            out = run_shared_prefixes(self.model, shared, self._model_device())
+            n = shared.suffix_ids.shape[0]
+        else:
+            assert ids is not None
+            out = self.model(input_ids=ids) if mask is None else self.model(input_ids=ids, attention_mask=mask)
+            n = ids.shape[0]
         if isinstance(out, torch.Tensor):
             rewards = out
         elif hasattr(out, "logits"):
@@ -400,7 +430,6 @@ class HFRewardModelWrapper(TensorDictModuleBase):
                 f"{type(out).__name__}; the model must return a tensor or an output with 'logits' or 'rewards' "
                 "(e.g. AutoModelForSequenceClassification with num_labels=1)."
             )
-        n = ids.shape[0]
         if rewards.shape == (n, 1):
             rewards = rewards.squeeze(-1)
         elif rewards.shape != (n,):
@@ -436,6 +465,9 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             ids, mask = self._read_tokens(tensordict)
             if out_device is None:
                 out_device = ids.device if isinstance(ids, torch.Tensor) else ids[0].device
+            if self.share_prefixes and isinstance(ids, torch.Tensor) and mask is not None:
+                keep = mask.bool()  # each row's real tokens, as the ragged layout holds them
+                ids, mask = list(ids[keep].split(keep.sum(-1).tolist())), None
             if isinstance(ids, torch.Tensor) and self.max_length is not None and ids.shape[-1] > self.max_length:
                 if mask is None or bool(mask.all()):
                     # Every row is all real tokens: truncating each one is truncating the columns.
@@ -457,7 +489,7 @@ class HFRewardModelWrapper(TensorDictModuleBase):
 
         grad_context = torch.no_grad() if self.inference_mode else contextlib.nullcontext()
         with grad_context:
-            rewards = [self._call_model(chunk_ids, chunk_mask) for chunk_ids, chunk_mask in chunks]
+            rewards = [self._call_model(*chunk) for chunk in chunks]
         reward = rewards[0] if len(rewards) == 1 else torch.cat(rewards)
         if reward.shape[0] != numel:
             raise RuntimeError(
@@ -501,8 +533,22 @@ class HFRewardModelWrapper(TensorDictModuleBase):
             chunk_masks = [seq_mask for _, seq_mask in pairs] if masks is not None else None
             if device is None:
                 device = chunk[0].device if isinstance(chunk[0], torch.Tensor) else torch.device("cpu")
+            shared = self._shared_inputs(chunk, chunk_masks) if pass_mask else None
+            if shared is not None:
+                yield None, None, shared
+                continue
             chunk_ids, chunk_mask = self._pad(chunk, chunk_masks, device)
             yield chunk_ids, (chunk_mask if pass_mask else None)
+
+    def _shared_inputs(self, seqs: list, masks: list | None) -> SharedPrefixInputs | None:
+        """The shared-prefix passes' inputs for one chunk, or ``None`` where the padded pass is the one to run."""
+        if not self.share_prefixes or (masks is not None and not bool(torch.cat(masks).all())):
+            return None
+        pad_token_id = self._classifier_pad_token_id
+        assert pad_token_id is not None  # can_share_prefixes checked it
+        rows = [seq.tolist() if isinstance(seq, torch.Tensor) else seq for seq in seqs]
+        plan = plan_shared_prefixes(rows, pad_token_id=pad_token_id)
+        return shared_prefix_inputs(rows, plan, pad_token_id=pad_token_id) if plan is not None else None
 
     def __repr__(self) -> str:
         if self._mode == "tokens":

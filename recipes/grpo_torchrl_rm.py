@@ -37,13 +37,13 @@ from typing import Any
 import hydra
 from accelerate import PartialState
 from accelerate.utils import gather_object
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows, load_prompt_rows
+from recipes.common.dotted_paths import instantiate_function
 from recipes.common.metrics import barely_learned_line, peak_device_memory
 from recipes.common.models import load_causal_lm, load_tokenizer
 from recipes.common.rollout_backend import ray_connection, samples_apart
@@ -209,7 +209,7 @@ def make_evaluator(cfg: DictConfig, models: Models, eval_prompts: PromptRows) ->
         tokenizer=models.tokenizer,
         reward_model=reward_model,
         reward_tokenizer=reward_tokenizer,
-        oracle=instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None,
+        oracle=instantiate_function(cfg.data.oracle) if cfg.data.oracle is not None else None,
     )
 
 
@@ -248,7 +248,7 @@ def train_loop(
 ) -> None:
     """Steps ``start_step + 1 ... train.steps``: collect, update, (evaluate,) report, checkpoint."""
     cfg = run.cfg
-    oracle = instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
+    oracle = instantiate_function(cfg.data.oracle) if cfg.data.oracle is not None else None
     if evaluator is not None and start_step == 0:
         run.logger.log(evaluate(run, evaluator, progress, 0), step=0)
     bar = tqdm(

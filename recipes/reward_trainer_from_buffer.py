@@ -56,6 +56,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from recipes.common.callbacks import make_finite_guard, make_record_masker
 from recipes.common.checkpoint import save_model_folder, write_folder_atomically
 from recipes.common.config import ConfigError, RunStopped, hand_token_to_environment, masked_fields
+from recipes.common.dotted_paths import instantiate_function
 from recipes.common.lora import make_lora_config
 from recipes.common.metrics import MetricLogger, peak_device_memory
 from recipes.common.models import load_reward_model, load_tokenizer
@@ -105,7 +106,7 @@ def make_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
             tokenizer,
             cfg.data,
             labeler=hydra.utils.instantiate(cfg.labeler),
-            oracle=hydra.utils.instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None,
+            oracle=instantiate_function(cfg.data.oracle) if cfg.data.oracle is not None else None,
             responses_per_prompt=cfg.generation.responses_per_prompt,
             prompts_per_batch=cfg.generation.prompts_per_batch,
             seed=cfg.seed,

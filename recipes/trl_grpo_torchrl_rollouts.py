@@ -50,7 +50,7 @@ from recipes.common.callbacks import make_finite_guard, make_record_masker
 from recipes.common.checkpoint import latest_trl_checkpoint, save_model_folder, write_folder_atomically
 from recipes.common.config import RunStopped, hand_token_to_environment, masked_fields
 from recipes.common.data import PromptRows, load_prompt_rows
-from recipes.common.dotted_paths import resolve_function
+from recipes.common.dotted_paths import instantiate_function, resolve_function
 from recipes.common.lora import make_lora_config
 from recipes.common.metrics import barely_learned_line
 from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer, tokenizer_fingerprint
@@ -155,7 +155,7 @@ def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
     ``rollout.generation``'s settings, which it reads from trl's ``GRPOConfig``), sampling when trl asks or one
     generation batch ahead (``rollout.mode``), in trl's process or in ``rollout.workers`` workers apart from it
     (``rollout.backend``: local processes or Ray actors). With ``tools:``, whole dialogs
-    (``interop.dialogs.DialogSampler``: up to ``rollout.max_turns`` turns, the calls run in a worker process at
+    (``interop.tools.dialogs.DialogSampler``: up to ``rollout.max_turns`` turns, the calls run in a worker process at
     ``tools.timeout_s``), returned with trl's ``env_mask``."""
     tools = resolve_tools(cfg.tools)
     tool_options = {}
@@ -248,7 +248,7 @@ def train(cfg: DictConfig) -> dict:
         table = make_prompt_table(cfg, load_prompt_rows(cfg.data, "train"), tokenizer)
         reward_funcs, reward_classes = make_reward_funcs(cfg, device=args.device)
         rollout_func = make_rollout_func(cfg, tokenizer)
-        oracle = hydra.utils.instantiate(cfg.data.oracle) if cfg.data.oracle is not None else None
+        oracle = instantiate_function(cfg.data.oracle) if cfg.data.oracle is not None else None
         trainer = make_trainer(
             model,
             tokenizer,

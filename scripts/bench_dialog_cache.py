@@ -3,7 +3,7 @@
     python scripts/bench_dialog_cache.py                 # tiny/calculator_policy, 64 dialogs a batch, 15 rounds
     python scripts/bench_dialog_cache.py --quick         # smoke: 3 rounds of 8 dialogs
 
-Both ways sample the same batches with ``interop.dialogs.DialogSampler`` and the calculator task's real tool: the
+Both ways sample the same batches with ``interop.tools.dialogs.DialogSampler`` and the calculator task's real tool: the
 same policy (loaded once), prompts (``recipes.tasks.calculator.make_task``, each repeated ``--group`` times in a row
 as GRPO samples them), settings and seed per round. The only difference is ``keep_cache_across_turns``. Rounds
 alternate which way runs first, so neither always meets a warm or a cold machine first.
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interop.dialogs import DialogSampler
     from interop.sampling import SamplingSettings
     from interop.tools import ToolRunner
+    from interop.tools.dialogs import DialogSampler
     from recipes.tasks import calculator
 
     torch.set_num_threads(args.threads)

@@ -292,7 +292,7 @@ def run_trl(
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
-    from interop.trl_grpo import TorchRLGRPOTrainer
+    from interop.trl.trainer import TorchRLGRPOTrainer
     from recipes.common.data import load_prompts
     from recipes.common.models import load_causal_lm, load_reward_model, load_tokenizer
 

@@ -1,4 +1,4 @@
-"""Sampling workers apart from the learner (``interop.rollout_workers.RolloutWorkers``): a Ray worker against a local
+"""Sampling workers apart from the learner (``interop.sampling.workers.RolloutWorkers``): a Ray worker against a local
 worker process, side by side in one run, and the figures a scale-out estimate needs.
 
     python scripts/bench_rollout_workers.py                       # tiny policy, 64 completions x 32 tokens, 5 rounds
@@ -75,8 +75,8 @@ def _batch(workers, model, prompts, version: int) -> tuple[float, float, int, fl
 def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from interop.rollout_workers import RolloutWorkers, connect_ray, disconnect_ray
     from interop.sampling import SamplingSettings
+    from interop.sampling.workers import RolloutWorkers, connect_ray, disconnect_ray
 
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
 
 def _estimate(workers, model, prompts, publish_s: float, args) -> dict:
     """tokens/s of a batch split over W workers on separate machines, from one worker's time on rows / W rows."""
-    from interop.rollout_workers import published_state
+    from interop.sampling.workers import published_state
 
     size_mb = published_state(model).nbytes / 2**20
     print(f"  estimate (not measured on several machines): weights {size_mb:.1f} MiB cross the network per update")

@@ -9,10 +9,10 @@ prompts (``recipes.tasks.calculator.make_task``, one order for both: trl reads t
 (``exact_answer_reward``), ``GRPOConfig`` (group size, completions per step, ``max_completion_length`` for the whole
 dialog, temperature, learning rate, ``max_tool_calling_iterations`` = turns - 1), seed and torch threads. The only
 difference is who samples the dialogs and runs the tools: trl (``model.generate`` per turn, the tools called in its
-process) or TorchRL (``interop.dialogs.DialogSampler``: the library's decoding loop, the tools in a worker process).
-trl's tool loop parses the assistant turns with the tokenizer's ``response_template``; the calculator policy's compact
-template is not one trl recognises, so the script sets trl's Qwen template object on it (the turns are Qwen2.5's
-format).
+process) or TorchRL (``interop.tools.dialogs.DialogSampler``: the library's decoding loop, the tools in a worker
+process). trl's tool loop parses the assistant turns with the tokenizer's ``response_template``; the calculator
+policy's compact template is not one trl recognises, so the script sets trl's Qwen template object on it (the turns are
+Qwen2.5's format).
 
 Each run reports generated tokens (the model's own, tool messages left out, as trl's ``completions/mean_length``
 counts them) per second of training, seconds per step, and the held-out accuracy before and after, measured the same

@@ -3,8 +3,9 @@
     python scripts/build_api_docs.py              # writes site/api/index.html and one page per public module
     python scripts/build_api_docs.py --out /tmp/api
 
-Documented: the package ``interop`` (every name of its ``__all__``) and each public submodule (those whose name does
-not start with ``_``; the underscored ones are process entry points, not API). The docstrings are reStructuredText
+Documented: the package ``interop`` (every name of its ``__all__``), its wings (``interop.sampling``,
+``interop.tools``, ``interop.trl``) and each public module in them (those whose name does not start with ``_``; the
+underscored ones are process entry points, not API). The docstrings are reStructuredText
 (``:class:`...```). ``tests/test_api_docs.py`` builds it and checks that every public name has its entry, so CI builds
 it on every run. pdoc is in the ``dev`` extra.
 """
@@ -20,11 +21,13 @@ DEFAULT_OUT = Path(__file__).resolve().parents[1] / "site" / "api"
 
 
 def public_modules() -> list[str]:
-    """``interop`` and its public submodules, in the order the reference lists them."""
+    """``interop``, its wings (``interop.sampling``, ``interop.tools``, ``interop.trl``) and their public modules, in
+    the order the reference lists them."""
     import interop
 
-    submodules = sorted(info.name for info in pkgutil.iter_modules(interop.__path__) if not info.name.startswith("_"))
-    return ["interop", *(f"interop.{name}" for name in submodules)]
+    found = pkgutil.walk_packages(interop.__path__, prefix="interop.")
+    submodules = sorted(info.name for info in found if not any(part.startswith("_") for part in info.name.split(".")))
+    return ["interop", *submodules]
 
 
 def build(out: Path) -> list[str]:

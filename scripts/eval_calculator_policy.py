@@ -3,9 +3,9 @@
     python scripts/eval_calculator_policy.py                       # tiny/calculator_policy, 100 held-out prompts
     python scripts/eval_calculator_policy.py --model <folder> --prompts 200 --seeds 0 1 2
 
-Each prompt is sampled as one dialog through ``interop.dialogs.DialogSampler`` with the task's real ``multiply`` tool
-(``recipes/tasks/calculator.py``) run by ``interop.tools.ToolRunner``, at the sampling settings GRPO uses (temperature
-1, the whole vocabulary), and scored with the task's reward (``exact_answer_reward``). The prompts are
+Each prompt is sampled as one dialog through ``interop.tools.dialogs.DialogSampler`` with the task's real ``multiply``
+tool (``recipes/tasks/calculator.py``) run by ``interop.tools.ToolRunner``, at the sampling settings GRPO uses
+(temperature 1, the whole vocabulary), and scored with the task's reward (``exact_answer_reward``). The prompts are
 ``data=calculator``'s eval prompts (``make_eval_task(n, seed=data.seed + 1)``, as ``recipes/common/data.py`` draws
 them). Prints, per sampling seed: the share of dialogs that called the tool, the exact accuracy (overall, with and
 without a call), the tool errors and how the dialogs ended.
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interop.dialogs import DialogSampler
 from interop.sampling import SamplingSettings
 from interop.tools import ToolRunner, ToolStats
+from interop.tools.dialogs import DialogSampler
 from recipes.tasks import calculator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

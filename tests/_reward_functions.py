@@ -3,7 +3,7 @@ the recipe exactly as a user's module would be."""
 
 from __future__ import annotations
 
-from interop.rollout_func import message_text
+from interop.trl.rollout_func import message_text
 from recipes.tasks.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS
 
 # What record_rows saw: (prompt, product) per completion, in the order of the calls.

@@ -1,5 +1,5 @@
-"""A tool-calling tiny policy built in-test, and turns injected into interop.dialogs' sampling: for tests that need
-dialogs with tool calls before (or without) a pretrained tool-using policy."""
+"""A tool-calling tiny policy built in-test, and turns injected into interop.tools.dialogs' sampling: for tests that
+need dialogs with tool calls before (or without) a pretrained tool-using policy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from _tiny_models import build_tokenizer, qwen2_config
 
-import interop.dialogs
+import interop.tools.dialogs
 from interop.sampling import SampledResponses
 from recipes.tasks import calculator
 
@@ -54,8 +54,8 @@ def build_tool_policy(folder, extra_corpus=()):
 
 
 def inject_turns(monkeypatch, tokenizer, turn: Callable[[list[int]], str]) -> None:
-    """interop.dialogs' sampler writes ``turn(context ids)`` (its text; EOS appended) for each row instead of sampling,
-    cut at the turn's token limit as sampling would be; each token's log-prob is -0.5."""
+    """interop.tools.dialogs' sampler writes ``turn(context ids)`` (its text; EOS appended) for each row instead of
+    sampling, cut at the turn's token limit as sampling would be; each token's log-prob is -0.5."""
 
     def scripted(model, prompt_tokens, prompt_mask, *, settings, pad_token_id, **_):
         rows = [
@@ -70,7 +70,7 @@ def inject_turns(monkeypatch, tokenizer, turn: Callable[[list[int]], str]) -> No
             tokens[index, : len(row)], mask[index, : len(row)] = torch.tensor(row), True
         return SampledResponses(tokens, mask, torch.where(mask, -0.5, 0.0), torch.zeros(len(rows), dtype=torch.bool))
 
-    monkeypatch.setattr(interop.dialogs, "sample_responses", scripted)
+    monkeypatch.setattr(interop.tools.dialogs, "sample_responses", scripted)
 
 
 def tool_call(name: str, arguments: str) -> str:

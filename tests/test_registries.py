@@ -57,7 +57,7 @@ def test_every_loss_type_is_the_schemas_documented_and_described():
 
 @pytest.mark.parametrize("recipe", ["grpo_torchrl_rm", "trl_grpo_torchrl_rollouts"])
 def test_every_rollout_backend_is_the_schemas_documented_and_described(recipe):
-    from interop import rollout_workers
+    from interop.sampling import workers as rollout_workers
     from recipes.common.rollout_backend import ROLLOUT_BACKENDS
     from recipes.grpo import collector_workers
     from recipes.grpo import schema as grpo_schema

@@ -6,7 +6,7 @@ while it trains.
 honours and refuses); the checks read its rows, never a backend's name:
 
 - ``learner``: in the trainer's process (sync mode only).
-- ``processes``: ``rollout.workers`` local processes, each a copy of the policy (``interop.rollout_workers``).
+- ``processes``: ``rollout.workers`` local processes, each a copy of the policy (``interop.sampling.workers``).
 - ``ray``: ``rollout.workers`` Ray actors, each taking ``rollout.worker_resources``, on the cluster at ``ray.address``
   (null: a local cluster this run starts, and stops).
 
@@ -66,7 +66,7 @@ class RolloutBackend:
 
 # Every rollout.backend: adding one is a row here, its name in the rollout.backend Literal of recipes/grpo/schema.py
 # and recipes/trl_grpo/schema.py, its comment in the YAML and docs/configuration.md (tests/test_registries.py holds them
-# together), and the sampler that runs it (interop.rollout_workers.BACKENDS for one apart from the learner).
+# together), and the sampler that runs it (interop.sampling.workers.BACKENDS for one apart from the learner).
 ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {
     "learner": RolloutBackend("in the trainer's process (sync mode only)", apart_from_learner=False),
     "processes": RolloutBackend(
@@ -109,8 +109,8 @@ def samples_apart(cfg: DictConfig) -> bool:
 
 
 def worker_resources(cfg: DictConfig):
-    """``rollout.worker_resources`` as ``interop.rollout_workers.WorkerResources``."""
-    from interop.rollout_workers import WorkerResources
+    """``rollout.worker_resources`` as ``interop.sampling.workers.WorkerResources``."""
+    from interop.sampling.workers import WorkerResources
 
     node = cfg.rollout.worker_resources
     return WorkerResources(
@@ -214,7 +214,7 @@ def ray_connection(cfg: DictConfig) -> Iterator[None]:
     if not ROLLOUT_BACKENDS[backend_of(cfg)].reads_ray_address:
         yield
         return
-    from interop.rollout_workers import check_placement, connect_ray, disconnect_ray
+    from interop.sampling.workers import check_placement, connect_ray, disconnect_ray
 
     try:
         connect_ray(

@@ -219,7 +219,7 @@ def refuse_unknown_overrides(
 
 def trainer_aliases(config_class: type) -> Aliases:
     """A trl / transformers trainer config's fields as the ``train.<field>`` keys of a recipe whose ``train:`` node
-    takes them (``num_generations=4`` is ``train.num_generations=4`` there)."""
+    takes them (``learning_rate=1e-3`` is ``train.learning_rate=1e-3`` there)."""
     names = {field.name: f"train.{field.name}" for field in dataclasses.fields(config_class)}
     return Aliases(f"trl.{config_class.__name__}", names)
 
@@ -954,7 +954,7 @@ def checked_trainer_config(
 @dataclass
 class WorkerResourcesNode:
     """What one Ray sampling worker takes (``rollout.worker_resources``, as
-    ``interop.rollout_workers.WorkerResources``)."""
+    ``interop.sampling.workers.WorkerResources``)."""
 
     num_cpus: Annotated[float, Range(ge=0)]
     num_gpus: Annotated[float, Range(ge=0)]

@@ -5,10 +5,10 @@ the name the model calls). The config names each under ``tools.<name>.function``
 (a factory that returns the function), as ``reward.functions.<name>.function`` names reward functions. A TorchRL tool
 piece (``ToolRegistry``, ``ExecuteToolsInOrder``, ``SimpleToolTransform``, ``PythonInterpreter``) is named under
 ``tools.<label>.torchrl``, a ``_target_`` node that builds it; it brings its tools and the format the model calls them
-in (``interop.torchrl_tools``). MCP servers are named under ``tools.<label>.mcp.servers``, each described as TorchRL's
-``MCPToolTransform`` describes its servers (``command``, ``args``, ``env``): their tools are listed before any model
-loads and called in Qwen2.5's ``<tool_call>`` format (``interop.mcp_tools``). The node's other keys are the settings of
-every tool:
+in (``interop.tools.torchrl_tools``). MCP servers are named under ``tools.<label>.mcp.servers``, each described as
+TorchRL's ``MCPToolTransform`` describes its servers (``command``, ``args``, ``env``): their tools are listed before
+any model loads and called in Qwen2.5's ``<tool_call>`` format (``interop.tools.mcp_tools``). The node's other keys are
+the settings of every tool:
 
 .. code-block:: yaml
 
@@ -113,7 +113,7 @@ def resolve_call_format(tools: Mapping | None):
     formats = resolved[1]
     if all(isinstance(fmt, ToolCallFormat) for fmt in formats):
         return None
-    from interop.torchrl_tools import CombinedCallFormat
+    from interop.tools.torchrl_tools import CombinedCallFormat
 
     return formats[0] if len(formats) == 1 else CombinedCallFormat(tuple(formats))
 
@@ -218,10 +218,10 @@ _REFUSED_UNBUILT = {
 
 
 def _torchrl_piece(setting: str, node):
-    """The TorchRL piece a ``_target_`` node builds, as ``interop.torchrl_tools.TorchRLTools``."""
+    """The TorchRL piece a ``_target_`` node builds, as ``interop.tools.torchrl_tools.TorchRLTools``."""
     from hydra.utils import instantiate
 
-    from interop.torchrl_tools import torchrl_tools
+    from interop.tools.torchrl_tools import torchrl_tools
 
     if not isinstance(node, (DictConfig, Mapping)) or "_target_" not in node:
         raise ConfigError(
@@ -281,7 +281,7 @@ def resolving_tools_once() -> _RunScope:
 
 
 def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
-    """The tools of ``tools.<label>.mcp``'s servers (``interop.mcp_tools``), each with the key of the server that
+    """The tools of ``tools.<label>.mcp``'s servers (``interop.tools.mcp_tools``), each with the key of the server that
     lists it. Env values are never shown in a message: they may be secrets."""
     if not isinstance(node, (DictConfig, Mapping)) or set(node) != {"servers"}:
         got = f"keys {sorted(node)}" if isinstance(node, (DictConfig, Mapping)) else repr(node)
@@ -292,7 +292,8 @@ def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
     servers = node["servers"]
     if not isinstance(servers, (DictConfig, Mapping)) or not servers:
         raise ConfigError(f"{setting}.servers: expected one entry per server, {{<server>: {{command: ...}}}}.")
-    from interop.mcp_tools import server_from_spec  # the standard library only: mcp is imported when a server starts
+    # The standard library only: mcp is imported when a server starts.
+    from interop.tools.mcp_tools import server_from_spec
 
     brought = []
     for name in servers:

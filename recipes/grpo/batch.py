@@ -18,7 +18,7 @@ starting at the same column (``generate``'s layout, what TorchRL's padded ``GRPO
   returned ``None``), in ``recipes.grpo.rewards.reward_sources`` order;
 - :data:`REWARD_LOGS` ``[B]`` (with ``reward.functions`` only): what the trl reward functions logged while the batch
   was scored (``log_metric``, ``log_extra``), one JSON text per response (``recipes.grpo.rewards.RewardLogsToBatch``);
-- :data:`DIALOG_KEYS` (with ``tools:`` only, ``interop.dialog_policy.DialogPolicy``'s): :data:`ASSISTANT_MASK`
+- :data:`DIALOG_KEYS` (with ``tools:`` only, ``interop.tools.dialog_policy.DialogPolicy``'s): :data:`ASSISTANT_MASK`
   ``[B, P + R]``, True on the tokens the policy sampled (the response is the whole dialog: the tool messages' tokens
   sit between the turns, with a log-prob of 0), and each dialog's turns, tool calls and tool errors ``[B]``.
 
@@ -41,8 +41,6 @@ import torch
 from tensordict import TensorDictBase
 from torch.nn import functional
 
-# What the sampler writes (interop.CausalLMSampler, TorchRL's layout) is the batch's own.
-from interop.dialog_policy import ASSISTANT_MASK, DIALOG_TOOL_CALLS, DIALOG_TOOL_ERRORS, DIALOG_TURNS
 from interop.sampling import (
     ATTENTION_MASK,
     LOG_PROBS,
@@ -53,6 +51,9 @@ from interop.sampling import (
     TOKENS,
     TRUNCATED,
 )
+
+# What the sampler writes (interop.CausalLMSampler, TorchRL's layout) is the batch's own.
+from interop.tools.dialog_policy import ASSISTANT_MASK, DIALOG_TOOL_CALLS, DIALOG_TOOL_ERRORS, DIALOG_TURNS
 
 __all__ = [
     "ADVANTAGE",
@@ -110,7 +111,7 @@ BATCH_KEYS = (
     SOURCE_REWARDS,
     DONE,
 )
-# What a step of a tool-using rollout hands over besides (``interop.dialog_policy.DialogPolicy``'s own keys).
+# What a step of a tool-using rollout hands over besides (``interop.tools.dialog_policy.DialogPolicy``'s own keys).
 DIALOG_KEYS = (ASSISTANT_MASK, DIALOG_TURNS, DIALOG_TOOL_CALLS, DIALOG_TOOL_ERRORS)
 
 

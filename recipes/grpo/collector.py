@@ -5,9 +5,9 @@ Two rollouts, chosen by ``rollout.env``:
 - ``prompt`` (the default): :class:`~recipes.grpo.prompt_env.PromptEnv` (dense prompt batches) + the reward
   transforms (``recipes.grpo.rewards``), stepped by :class:`~interop.sampling.CausalLMSampler` (one decoding loop
   per step, recording the behaviour log-probs), driven by a TorchRL ``Collector``. When ``tools:`` names tools the
-  policy is :class:`~interop.dialog_policy.DialogPolicy` instead: multi-turn dialogs whose tool calls run in a worker
-  process, up to ``rollout.max_turns`` turns, in the same layout (the response is the whole dialog; the batch adds
-  ``recipes.grpo.batch.DIALOG_KEYS``). With ``rollout.mode=async`` that collector runs in a child process
+  policy is :class:`~interop.tools.dialog_policy.DialogPolicy` instead: multi-turn dialogs whose tool calls run in a
+  worker process, up to ``rollout.max_turns`` turns, in the same layout (the response is the whole dialog; the batch
+  adds ``recipes.grpo.batch.DIALOG_KEYS``). With ``rollout.mode=async`` that collector runs in a child process
   (:class:`~recipes.grpo.collector_modes.BackgroundCollector`, which builds its own tool runner there) one batch ahead
   of the learner; with ``rollout.backend=processes|ray``, ``rollout.workers`` of them feed the learner, in local
   processes or Ray actors (:class:`~recipes.grpo.collector_workers.CollectorWorkers`), each built by
@@ -32,9 +32,9 @@ from tensordict import TensorDictBase
 from torchrl.collectors import Collector
 from torchrl.collectors.llm import LLMCollector
 
-from interop.dialog_policy import DialogPolicy
 from interop.errors import SettingError
 from interop.sampling import CausalLMSampler, end_of_response_ids
+from interop.tools.dialog_policy import DialogPolicy
 from recipes.common.chat import (
     check_chat_generation_settings,
     make_chat_env,
@@ -133,7 +133,8 @@ def make_prompt_table(cfg: DictConfig, prompts: PromptRows, tokenizer) -> Prompt
 
 def check_tool_template(cfg: DictConfig, tokenizer) -> None:
     """Refuses, before the policy loads, a tokenizer whose chat template cannot carry tool dialogs token by token
-    (``interop.dialog_policy.DialogPolicy``'s checks, run on the tokenizer alone: no model, no tool worker started)."""
+    (``interop.tools.dialog_policy.DialogPolicy``'s checks, run on the tokenizer alone: no model, no tool worker
+    started)."""
     tools = resolve_tools(cfg.tools)
     if tools is None:
         return
@@ -156,7 +157,7 @@ def check_tool_template(cfg: DictConfig, tokenizer) -> None:
 
 def make_sampling_policy(cfg: DictConfig, model, tokenizer, *, generation: Mapping, key: str):
     """The policy module that answers a ``PromptEnv``'s prompts: ``interop.CausalLMSampler`` (one response each), or,
-    when ``tools:`` names tools, ``interop.dialog_policy.DialogPolicy`` (multi-turn dialogs, up to
+    when ``tools:`` names tools, ``interop.tools.dialog_policy.DialogPolicy`` (multi-turn dialogs, up to
     ``rollout.max_turns`` turns, calls answered by a ToolRunner of its own, in a worker process). ``generation``'s
     ``max_new_tokens`` bounds each turn and the whole completion, tool messages included (trl's
     ``max_completion_length``)."""

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
-from interop.background_sampler import pushed_names
-from interop.rollout_func import PAST_LAG_BOUND
+from interop.sampling.background import pushed_names
+from interop.trl.rollout_func import PAST_LAG_BOUND
 from recipes.grpo import collector_child
 
 __all__ = ["BackgroundCollector", "CollectorExited", "LocalCollector", "collect", "timed_batches"]

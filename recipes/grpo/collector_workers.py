@@ -15,7 +15,7 @@ Where the collectors run:
   place this recipe's child-process plumbing lives: shared-memory weights, parent-death signal, lag bound).
 - ``ray``: on Ray actors (each taking ``rollout.worker_resources``) that build the collector from the factory and
   return one batch per call, loading the published weights of that batch's version first. The learner puts its
-  weights into Ray's object store once per version (``ray.put``), as ``interop.rollout_workers.RolloutWorkers`` does
+  weights into Ray's object store once per version (``ray.put``), as ``interop.sampling.workers.RolloutWorkers`` does
   (its docstring says why not TorchRL's ``RayWeightSyncScheme``: a gloo group of fixed size, which a replaced worker
   cannot rejoin).
 
@@ -46,9 +46,9 @@ from collections.abc import Callable, Iterator
 import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
-from interop.background_sampler import pushed_names
-from interop.rollout_func import PAST_LAG_BOUND
-from interop.rollout_workers import PublishedWeights, RemoteWorker, kill_actor, node_alive
+from interop.sampling.background import pushed_names
+from interop.sampling.workers import PublishedWeights, RemoteWorker, kill_actor, node_alive
+from interop.trl.rollout_func import PAST_LAG_BOUND
 from recipes.common.rollout_backend import ROLLOUT_BACKENDS
 from recipes.grpo.batch import POLICY_VERSION, merge_batches, response_mask
 from recipes.grpo.collector_modes import BackgroundCollector, CollectorExited, timed_batches
@@ -132,7 +132,7 @@ class CollectorWorkers:
         num_threads: torch threads of each worker.
         seed: worker ``i`` samples with torch seed ``seed + i``.
         pad_token_id: what pads the parts to the widest one.
-        resources: what each Ray worker takes (``interop.rollout_workers.WorkerResources``).
+        resources: what each Ray worker takes (``interop.sampling.workers.WorkerResources``).
         dtype: what the factories' models sample in (``None``: the learner's): the weights are cast to it as they are
             pushed.
         timeout_s: how long the learner waits for a part before it gives up.

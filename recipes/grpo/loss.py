@@ -42,8 +42,8 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torch import nn
 
-from interop.importance_sampling import sampler_mismatch_counts as _ratio_counts
-from interop.importance_sampling import sampler_mismatch_metrics as _ratio_metrics
+from interop.trl.importance_sampling import sampler_mismatch_counts as _ratio_counts
+from interop.trl.importance_sampling import sampler_mismatch_metrics as _ratio_metrics
 from recipes.common.schema import typed_config
 from recipes.grpo.batch import (
     ADVANTAGE,
@@ -385,7 +385,7 @@ def sampler_mismatch_counts(
 ) -> torch.Tensor:
     """``[8]``: the sums behind :func:`sampler_mismatch_metrics` for one mini-batch (they add up over mini-batches
     and processes, but the second, a maximum): the summed and the largest |trainer - sampler log-prob| over the
-    ``mask``ed tokens whose sampler log-prob is known, then ``interop.trl_grpo.sampler_mismatch_counts``' six (k3 KL,
+    ``mask``ed tokens whose sampler log-prob is known, then ``interop.trl.trainer.sampler_mismatch_counts``' six (k3 KL,
     tokens known, tokens, tokens and responses outside the clip range, responses)."""
     difference = (trainer_log_probs.float() - sampler_log_probs.float()).abs()
     known = mask.bool() & ~torch.isnan(difference)

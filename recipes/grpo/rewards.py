@@ -38,8 +38,8 @@ from torchrl.envs import Compose, Transform
 from transformers import TrainerState
 
 from interop import HFRewardModelWrapper, RewardModelTransform
-from interop.dialog_policy import DialogPolicy
 from interop.sampling import CausalLMSampler
+from interop.tools.dialog_policy import DialogPolicy
 from recipes.common.chat import CHAT_STEP_KEYS
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.dotted_paths import resolve_function
@@ -178,7 +178,7 @@ def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
     """The entries a step of ``cfg.rollout.env``'s rollout holds when the reward transforms read it.
 
     ``prompt``: what :class:`PromptEnv` resets, what :class:`CausalLMSampler` (with tools,
-    ``interop.dialog_policy.DialogPolicy``) writes, and the text and conversations
+    ``interop.tools.dialog_policy.DialogPolicy``) writes, and the text and conversations
     :class:`ResponseText` decodes for the rewards that read them. ``chat``: TorchRL's layout
     (``recipes.common.chat.CHAT_STEP_KEYS``), with ``("log_probs", "response")`` when
     ``rollout.generation.return_log_probs`` asks for it.
@@ -490,6 +490,7 @@ def _reward_model_module(cfg: DictConfig, reward_model, reward_tokenizer, policy
         "micro_batch_size": cfg.reward.micro_batch_size,
         "max_length": cfg.reward.max_length,
         "check_finite": True,  # a NaN reward stops the run, naming the reward model
+        "share_prefixes": cfg.reward.share_prompt,
     }
     if cfg.reward.input == "tokens":
         if reward_tokenizer.get_vocab() != policy_tokenizer.get_vocab():

@@ -2,7 +2,7 @@
 choices, the checks, the loss and the learner read instead of comparing names.
 
 - ``prompt``: the recipe's dense prompt env and its own sampler (``interop.CausalLMSampler``, or
-  ``interop.dialog_policy.DialogPolicy`` with tools), built by ``recipes.grpo.collector``.
+  ``interop.tools.dialog_policy.DialogPolicy`` with tools), built by ``recipes.grpo.collector``.
 - ``chat``: TorchRL's ``ChatEnv`` with its ``TransformersWrapper``, for TorchRL's multi-turn and tool transforms
   (``recipes.common.chat``).
 

@@ -172,7 +172,7 @@ class Rollout:
     env: RolloutEnv
     mode: RolloutMode
     max_policy_lag: NonNegative
-    past_lag_bound: Literal["withhold", "resample"]  # interop.rollout_func.PAST_LAG_BOUND
+    past_lag_bound: Literal["withhold", "resample"]  # interop.trl.rollout_func.PAST_LAG_BOUND
     # Where training batches are sampled (recipes.common.rollout_backend); null: the mode's default.
     backend: RolloutBackendName | None
     workers: Positive
@@ -246,6 +246,7 @@ class Reward:
     read_keys: ReadKeys
     micro_batch_size: Positive | None
     max_length: Positive | None
+    share_prompt: bool
     model_weight: float
     # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
     functions: Annotated[dict[str, Any], OPEN]

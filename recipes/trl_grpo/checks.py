@@ -393,7 +393,7 @@ def _check_trainer_settings(args) -> None:
     """What ``train:``'s settings, as trl will read them (``args``: trl's defaults under the config's values and
     :func:`grpo_config_fields`), cannot combine: the mismatch correction's, and the group size against the generation
     batch."""
-    from interop.trl_grpo import check_importance_sampling_settings  # imports trl: only where this recipe runs
+    from interop.trl.trainer import check_importance_sampling_settings  # imports trl: only where this recipe runs
 
     try:
         check_importance_sampling_settings(args)

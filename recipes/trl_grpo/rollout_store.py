@@ -42,7 +42,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
-from interop.rollout_func import TOOL_COUNTS, message_text
+from interop.trl.rollout_func import TOOL_COUNTS, message_text
 from recipes.common.config import RunStopped
 
 __all__ = [
@@ -294,7 +294,7 @@ def row_bytes(*, prompt_width: int, completion_width: int, max_text_bytes: int) 
 
 def _tool_columns(rollout: TensorDictBase, right: int) -> dict[str, torch.Tensor]:
     """``env_mask`` (1 on the model's tokens, 0 on tool messages' and padding: trl's env_mask) padded to the store's
-    width, and the dialogs' :data:`~interop.rollout_func.TOOL_COUNTS`; a run without tools stores its completions as
+    width, and the dialogs' :data:`~interop.trl.rollout_func.TOOL_COUNTS`; a run without tools stores its completions as
     all the model's, one turn, no calls, so every part has the same columns."""
     lengths = rollout.get("completion_length")
     if "env_mask" in rollout.keys():

@@ -113,7 +113,7 @@ class Rollout:
     prompts_per_draw: Positive
     mode: Literal["sync", "async"]
     max_policy_lag: Annotated[int, Range(ge=0)]
-    past_lag_bound: Literal["withhold", "resample"]  # interop.rollout_func.PAST_LAG_BOUND
+    past_lag_bound: Literal["withhold", "resample"]  # interop.trl.rollout_func.PAST_LAG_BOUND
     # Where training batches are sampled (recipes.common.rollout_backend); null: the mode's default.
     backend: RolloutBackendName | None
     workers: Positive

@@ -21,7 +21,7 @@ from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
 
 from interop import TorchRLBufferDataset, TorchRLRolloutFunc
-from interop.trl_grpo import TorchRLGRPOTrainer
+from interop.trl.trainer import TorchRLGRPOTrainer
 
 PRODUCTS = ("mug", "lamp", "bike", "desk", "chair", "phone", "bag", "watch")
 PROMPTS = [[{"role": "user", "content": f"Review the {product}."}] for product in PRODUCTS]

@@ -1,4 +1,4 @@
-"""interop.dialog_policy.DialogPolicy: multi-turn dialogs with tools in CausalLMSampler's dense TensorDict layout.
+"""interop.tools.dialog_policy.DialogPolicy: multi-turn dialogs with tools in CausalLMSampler's dense TensorDict layout.
 
 One turn without a call is exactly CausalLMSampler's output on the same seed; over several turns every sampled
 token's recorded log-prob is a forward pass's over the whole dialog, the tool messages' tokens sit in the response
@@ -15,13 +15,6 @@ import torch
 from _tool_functions import multiply
 from tensordict import TensorDict
 
-from interop.dialog_policy import (
-    ASSISTANT_MASK,
-    DIALOG_TOOL_CALLS,
-    DIALOG_TOOL_ERRORS,
-    DIALOG_TURNS,
-    DialogPolicy,
-)
 from interop.sampling import (
     ATTENTION_MASK,
     LOG_PROBS,
@@ -34,6 +27,13 @@ from interop.sampling import (
     SamplingSettings,
 )
 from interop.tools import ToolCallFormat, ToolRunner
+from interop.tools.dialog_policy import (
+    ASSISTANT_MASK,
+    DIALOG_TOOL_CALLS,
+    DIALOG_TOOL_ERRORS,
+    DIALOG_TURNS,
+    DialogPolicy,
+)
 
 PROMPTS = ["Review the mug.", "What do you think of the lamp?", "Write a review of the bag."]
 

@@ -1,4 +1,4 @@
-"""interop.dialogs: multi-turn sampling with tools. The token layout is the chat template's render of the dialog,
+"""interop.tools.dialogs: multi-turn sampling with tools. The token layout is the chat template's render of the dialog,
 every model token's log-prob is a forward pass's over the whole dialog, tool tokens are masked out, every bad tool
 call is answered and counted, and max_turns and the token budget bound every dialog.
 
@@ -15,9 +15,9 @@ import torch
 from _tool_functions import boom, long_text, multiply, sleepy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interop.dialogs import Dialogs, DialogSampler, _Turn
 from interop.sampling import SamplingSettings
 from interop.tools import ToolRunner
+from interop.tools.dialogs import Dialogs, DialogSampler, _Turn
 from recipes.tasks import calculator
 
 
@@ -252,15 +252,15 @@ def _sample_dialogs(calculator_policy, prompts, *, keep: bool, seed: int, **opti
 
 def _spy_on_turns(monkeypatch) -> list[tuple[int, int | None]]:
     """Each turn's ``(rows, rows of its past cache or None)``, as ``DialogSampler`` calls ``sample_responses``."""
-    import interop.dialogs
+    import interop.tools.dialogs
 
-    calls, real = [], interop.dialogs.sample_responses
+    calls, real = [], interop.tools.dialogs.sample_responses
 
     def spy(model, tokens, mask, **options):
         calls.append((tokens.shape[0], None if options.get("past") is None else len(options["past"])))
         return real(model, tokens, mask, **options)
 
-    monkeypatch.setattr(interop.dialogs, "sample_responses", spy)
+    monkeypatch.setattr(interop.tools.dialogs, "sample_responses", spy)
     return calls
 
 
@@ -319,12 +319,12 @@ def _tool_segments(dialogs: Dialogs, row: int) -> list[list[int]]:
 
 
 def test_a_model_whose_cache_cannot_be_kept_runs_every_turn_over_the_whole_dialog(calculator_policy, monkeypatch):
-    import interop.sampling
+    import interop.sampling.sampler
 
     prompts, _ = calculator.make_eval_task(8, seed=8)
     options = {"settings": SamplingSettings(max_new_tokens=40), "max_turns": 3}
     expected = _sample_dialogs(calculator_policy, prompts, keep=True, seed=4, **options)
-    monkeypatch.setattr(interop.sampling, "_rows_can_be_kept", lambda cache: False)
+    monkeypatch.setattr(interop.sampling.sampler, "_rows_can_be_kept", lambda cache: False)
     calls = _spy_on_turns(monkeypatch)
     fallback = _sample_dialogs(calculator_policy, prompts, keep=True, seed=4, **options)
     assert len(calls) >= 2 and all(past is None for _, past in calls)

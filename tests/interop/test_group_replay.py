@@ -12,8 +12,8 @@ import torch
 from tensordict import TensorDict
 
 from interop import TorchRLRolloutFunc
-from interop.group_replay import GroupReplay
-from interop.trl_grpo import TorchRLGRPOTrainer
+from interop.trl.group_replay import GroupReplay
+from interop.trl.trainer import TorchRLGRPOTrainer
 
 TIED = [{"role": "user", "content": "Review the mug."}]
 INFORMATIVE = [{"role": "user", "content": "Review the lamp."}]

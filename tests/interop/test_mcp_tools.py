@@ -1,5 +1,5 @@
-"""interop.mcp_tools: an MCP server (tests/interop/mcp_calculator_server.py, started over stdio with this Python) as
-tools of a ToolSet. Its tools are listed with the server's names, descriptions and schemas; calls go through the
+"""interop.tools.mcp_tools: an MCP server (tests/interop/mcp_calculator_server.py, started over stdio with this Python)
+as tools of a ToolSet. Its tools are listed with the server's names, descriptions and schemas; calls go through the
 ToolRunner's worker to ONE server process per worker; an error result is answered as an error and counted; a call past
 the timeout ends the worker and its server (no orphan, a server behind a launcher shell included), and the next call
 starts both afresh; a process a server's tool started ends with the run, normal or killed; the server's start is
@@ -19,8 +19,8 @@ from _processes import REPO_ROOT, kill_leftovers, left_after_sigkill, running, s
 
 pytest.importorskip("mcp")
 
-from interop.mcp_tools import MCPStdioServer, MCPTool, mcp_tools  # noqa: E402
 from interop.tools import ToolCall, ToolRunner, ToolSet, ToolStats  # noqa: E402
+from interop.tools.mcp_tools import MCPStdioServer, MCPTool, mcp_tools  # noqa: E402
 
 SERVER = str(Path(__file__).with_name("mcp_calculator_server.py"))
 
@@ -170,7 +170,7 @@ def test_without_the_mcp_package_the_fix_is_named(monkeypatch):
 def test_torchrl_s_mcp_transform_is_refused_pointing_at_its_servers():
     from torchrl.envs.llm.transforms import MCPToolTransform
 
-    from interop.torchrl_tools import torchrl_tools
+    from interop.tools.torchrl_tools import torchrl_tools
 
     with pytest.raises(ValueError, match=r"mcp_tools\(transform\.server_configs\)"):
         torchrl_tools(MCPToolTransform(servers={}))
@@ -208,7 +208,7 @@ def test_a_server_behind_a_launcher_ends_at_each_timeout():
 
 TRAINER = """
 import sys, time
-from interop.mcp_tools import mcp_tools
+from interop.tools.mcp_tools import mcp_tools
 from interop.tools import ToolCall, ToolRunner
 
 runner = ToolRunner(mcp_tools({{"calc": {{"command": sys.executable, "args": [{server!r}]}}}}), max_result_tokens=None)

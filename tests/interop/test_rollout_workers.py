@@ -1,4 +1,4 @@
-"""interop.rollout_workers: samplers apart from the learner, in local processes or Ray actors. Each prompt group is
+"""interop.sampling.workers: samplers apart from the learner, in local processes or Ray actors. Each prompt group is
 sampled by one worker and the batch comes back in the submitted order; a worker killed in the middle of a batch is
 replaced and its groups sampled again (none lost, none twice); a worker whose Ray node left is dropped with a warning
 naming the node; a learner killed with SIGKILL leaves none of the Ray processes it started. The Ray tests start a
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from interop import TorchRLRolloutFunc
-from interop.rollout_workers import PublishedWeights, RolloutWorkers, WorkerResources, split_groups
 from interop.sampling import SamplingSettings
+from interop.sampling.workers import PublishedWeights, RolloutWorkers, WorkerResources, split_groups
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRODUCTS = ("mug", "lamp", "bike", "desk", "chair", "phone")
@@ -139,7 +139,7 @@ def test_local_workers_sample_every_group_once_when_one_is_killed_mid_batch(tiny
         assert set(workers.last_stats) >= {"worker_0/tokens_per_s", "worker_1/tokens_per_s", "workers"}
         killed = workers.pids[0]
         workers.publish(model, version=1)
-        with caplog.at_level(logging.WARNING, logger="interop.rollout_workers"):
+        with caplog.at_level(logging.WARNING, logger="interop.sampling.workers"):
             workers.submit(prompts, group_size=2)
             os.kill(killed, signal.SIGKILL)  # at once: it has the request, and no answer can be sent in microseconds
             second, version = workers.result()
@@ -190,7 +190,7 @@ def test_ray_workers_on_two_nodes_lose_no_group_when_killed_twice_or_when_a_node
             lambda: os.kill(workers.pids[1], signal.SIGKILL),
             lambda: cluster.remove_node(second),
         ]
-        with caplog.at_level(logging.WARNING, logger="interop.rollout_workers"):
+        with caplog.at_level(logging.WARNING, logger="interop.sampling.workers"):
             for version, fault in enumerate(faults):
                 workers.publish(model, version=version)
                 workers.submit(prompts, group_size=2)
@@ -212,7 +212,7 @@ def test_ray_workers_on_two_nodes_lose_no_group_when_killed_twice_or_when_a_node
 
 @pytest.mark.slow
 def test_a_cluster_too_small_for_the_workers_is_refused_naming_what_is_missing(connected_two_node_cluster):
-    from interop.rollout_workers import check_placement
+    from interop.sampling.workers import check_placement
 
     check_placement(2, WorkerResources(num_cpus=1))
     with pytest.raises(ValueError, match=r"rollout.workers=3: .* missing CPU 1 \(the cluster has CPU 2"):
@@ -224,7 +224,7 @@ def test_a_cluster_too_small_for_the_workers_is_refused_naming_what_is_missing(c
 @pytest.mark.slow
 def test_an_unreachable_cluster_address_is_refused_naming_it():
     pytest.importorskip("ray")
-    from interop.rollout_workers import connect_ray
+    from interop.sampling.workers import connect_ray
 
     with pytest.raises(ConnectionError, match=r"ray.address='127.0.0.1:9'.*ray start --head"):
         connect_ray("127.0.0.1:9")
@@ -232,9 +232,9 @@ def test_an_unreachable_cluster_address_is_refused_naming_it():
 
 _LEARNER = """
 import sys, time
-from interop.rollout_workers import connect_ray
+from interop.sampling.workers import connect_ray
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from interop.rollout_workers import RolloutWorkers
+from interop.sampling.workers import RolloutWorkers
 from interop.sampling import SamplingSettings
 connect_ray(num_cpus=1)
 tokenizer = AutoTokenizer.from_pretrained("tiny/policy")
@@ -250,7 +250,7 @@ time.sleep(600)
 def test_a_learner_killed_with_sigkill_leaves_none_of_the_ray_processes_it_started():
     """The learner started a local cluster (ray.address null) and a worker actor; SIGKILLed, every process it had
     started (Ray's GCS, raylet, agents, the worker) is gone within seconds. Ray alone leaves its dashboard and
-    runtime-env agents running: interop._ray_janitor stops them."""
+    runtime-env agents running: interop.sampling._ray_janitor stops them."""
     pytest.importorskip("ray")
     learner = subprocess.Popen(
         [sys.executable, "-c", _LEARNER], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True

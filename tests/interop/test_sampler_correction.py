@@ -19,7 +19,7 @@ from tensordict.nn import TensorDictModuleBase
 
 from interop import TorchRLRolloutFunc
 from interop.errors import SettingError
-from interop.trl_grpo import (
+from interop.trl.trainer import (
     TorchRLGRPOTrainer,
     check_importance_sampling_settings,
     sampler_mismatch_counts,

@@ -1,4 +1,4 @@
-"""interop/sampling.py on the shipped tiny policy: the decoding loop, its recorded log-probs, the policy."""
+"""interop/sampling/sampler.py on the shipped tiny policy: the decoding loop, its recorded log-probs, the policy."""
 
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ class TestDrawnDistribution:
         ids=["plain", "temperature", "top_k", "top_k+temperature", "top_p", "min_p", "all"],
     )
     def test_frequencies_match_generates_warpers(self, settings):
-        from interop.sampling import _choose
+        from interop.sampling.sampler import _choose
 
         generator = torch.Generator().manual_seed(0)
         logits = torch.randn(1, 24, generator=generator) * 2
@@ -219,7 +219,7 @@ class TestDrawnDistribution:
     def test_a_step_over_the_whole_vocabulary_draws_as_generate_with_eos_held_back(self, settings, scaled):
         """Sampling with no top-k, top-p, min-p or penalty reuses the log-prob normaliser's exponentials as the draw's
         weights; a held-back EOS (token 3 here) gets weight 0."""
-        from interop.sampling import _next_tokens
+        from interop.sampling.sampler import _next_tokens
 
         generator = torch.Generator().manual_seed(0)
         logits = torch.randn(1, 24, generator=generator) * 2
@@ -252,7 +252,7 @@ class TestDraw:
 
     @pytest.mark.parametrize("ordered", [True, False], ids=["ordered_cumsum", "parallel_scan_guard"])
     def test_frequencies_are_the_weights_and_a_zero_weight_is_never_drawn(self, ordered):
-        from interop.sampling import _draw
+        from interop.sampling.sampler import _draw
 
         weights = torch.tensor([0.0, 3.0, 0.0, 0.0, 1.0, 0.5, 0.0, 4.0, 0.0])  # not normalised; zeros at both ends
         draws = 40_000
@@ -266,7 +266,7 @@ class TestDraw:
 
     @pytest.mark.parametrize("ordered", [True, False], ids=["ordered_cumsum", "parallel_scan_guard"])
     def test_the_ends_of_the_unit_interval_draw_the_first_and_last_columns_of_nonzero_weight(self, ordered):
-        from interop.sampling import _draw
+        from interop.sampling.sampler import _draw
 
         weights = torch.tensor([[0.0, 0.0, 2.0, 0.0, 1.0, 0.0, 0.0]]).repeat(3, 1)
         # 1.0 is what rand() * total can round up to (rand() itself stays below it): it must not pass the last
@@ -277,7 +277,7 @@ class TestDraw:
     def test_a_zero_weight_column_rounded_above_its_neighbour_gets_an_empty_interval(self):
         """A parallel scan may give a zero-weight column a sum one ulp above the column before it: the guard evens it
         out, so that a point in that ulp goes to the next column of nonzero weight."""
-        from interop.sampling import _flat_across_zeros
+        from interop.sampling.sampler import _flat_across_zeros
 
         one_ulp_up = torch.tensor(1.0).nextafter(torch.tensor(2.0)).item()
         cdf = torch.tensor([[0.0, 1.0, one_ulp_up, 2.0]])  # weights 0, 1, 0, 1, as such a scan may sum them
@@ -330,7 +330,7 @@ class TestSharedPrefill:
         ids=["top_k", "top_p+temperature+penalty", "whole_vocabulary+min_new_tokens", "greedy"],
     )
     def test_rows_sample_what_they_sample_without_sharing(self, tiny_policy, monkeypatch, prompts, settings):
-        import interop.sampling as sampling
+        import interop.sampling.sampler as sampling
 
         model, _ = tiny_policy
         tokens, mask, shared = _sample(tiny_policy, settings, prompts=prompts)
@@ -382,7 +382,7 @@ class TestFinishedRowsLeave:
     """A row that has sampled EOS leaves the decoding batch; what every row samples, and the layout, are unchanged."""
 
     def test_forward_passes_after_a_row_ends_compute_the_rows_still_decoding(self, tiny_policy, monkeypatch):
-        import interop.sampling as sampling
+        import interop.sampling.sampler as sampling
 
         model, tokenizer = tiny_policy
         settings = SamplingSettings(max_new_tokens=8, top_k=50)
@@ -417,7 +417,7 @@ class TestFinishedRowsLeave:
         ids=["greedy", "top_1", "top_k", "min_new_tokens+temperature+penalty", "whole_vocabulary+temperature"],
     )
     def test_responses_equal_those_of_a_batch_that_keeps_every_row(self, tiny_policy, monkeypatch, settings):
-        import interop.sampling as sampling
+        import interop.sampling.sampler as sampling
 
         _, tokenizer = tiny_policy
         prompts = [*GROUPED, *UNORDERED, "Hello"]
@@ -470,7 +470,7 @@ class TestKeptCache:
     def test_new_tokens_on_a_kept_cache_sample_as_the_whole_contexts(
         self, tiny_policy, monkeypatch, settings, drop_finished_at
     ):
-        import interop.sampling as sampling
+        import interop.sampling.sampler as sampling
 
         monkeypatch.setattr(sampling, "_DROP_FINISHED_AT", drop_finished_at)
         model, tokenizer = tiny_policy
@@ -587,7 +587,7 @@ class TestOutputHeadWeightFirst:
     def test_the_same_seed_draws_the_same_tokens_either_way(self, monkeypatch):
         model = _wide_head_policy(32_768)
         _, weight_first, _ = self._sample_watching_the_head(model, top_k=50)
-        monkeypatch.setattr("interop.sampling._ROWS_FIRST_MIN_WEIGHTS", 1 << 40)
+        monkeypatch.setattr("interop.sampling.sampler._ROWS_FIRST_MIN_WEIGHTS", 1 << 40)
         _, linear, calls = self._sample_watching_the_head(model, top_k=50)
         assert calls and all(call is None for call in calls)
         assert torch.equal(weight_first.tokens, linear.tokens)

@@ -46,8 +46,8 @@ def test_what_an_overrunning_tool_started_ends_with_its_worker(tmp_path):
         kill_leftovers(pids)
 
 
-# The script loads interop/tools.py by its path: importing the interop package (torch, torchrl) would take most of the
-# test's time.
+# The script loads interop/tools/runner.py by its path: importing the interop package (torch, torchrl) would take most
+# of the test's time.
 TRAINER = """
 import importlib.util, sys, time
 spec = importlib.util.spec_from_file_location("interop_tools", {tools!r})
@@ -64,7 +64,7 @@ time.sleep(600)
 
 def test_what_a_tool_started_dies_with_the_trainer_killed_by_sigkill(tmp_path):
     script = tmp_path / "trainer.py"
-    script.write_text(TRAINER.format(tools=os.path.join(REPO_ROOT, "interop", "tools.py"), kinds=KINDS))
+    script.write_text(TRAINER.format(tools=os.path.join(REPO_ROOT, "interop", "tools", "runner.py"), kinds=KINDS))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")])}
     left = left_after_sigkill(script, len(KINDS) + 1, env=env)  # the sleepers, then the worker
     assert left == [], "left after SIGKILL (the ids in the order child, session, daemon, worker)"
@@ -73,7 +73,7 @@ def test_what_a_tool_started_dies_with_the_trainer_killed_by_sigkill(tmp_path):
 def test_what_python_interpreter_code_started_ends_with_the_runner():
     """TorchRL's PythonInterpreter runs each call's code in a process of its own, which ends; a process that code
     started in a session of its own outlived it."""
-    from interop.torchrl_tools import PythonCodeTool
+    from interop.tools.torchrl_tools import PythonCodeTool
 
     code = (  # its output not inherited: the interpreter reads the code's output to its end
         "import subprocess as s\n"

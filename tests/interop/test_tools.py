@@ -308,9 +308,9 @@ def test_tool_results_message_is_trls():
     assert ToolResult("multiply", "6").message == {"role": "tool", "name": "multiply", "content": "6"}
 
 
-# The script loads interop/tools.py by its path: importing the interop package (torch, torchrl) would take most of the
-# test's time.
-TOOLS_FILE = os.path.join(REPO_ROOT, "interop", "tools.py")
+# The script loads interop/tools/runner.py by its path: importing the interop package (torch, torchrl) would take most
+# of the test's time.
+TOOLS_FILE = os.path.join(REPO_ROOT, "interop", "tools", "runner.py")
 LOAD_TOOLS_MODULE = (
     f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('interop_tools', {TOOLS_FILE!r}); "
     "tools = importlib.util.module_from_spec(spec); sys.modules['interop_tools'] = tools; "

@@ -1,4 +1,4 @@
-"""interop.torchrl_tools: TorchRL 0.14.1's tool pieces (ToolRegistry, ExecuteToolsInOrder with its parsers,
+"""interop.tools.torchrl_tools: TorchRL 0.14.1's tool pieces (ToolRegistry, ExecuteToolsInOrder with its parsers,
 SimpleToolTransform, PythonInterpreter) as tools and call formats of the dialog sampler. A piece's call is answered in
 a dialog (the tool message holds its result), Python code runs only where a PythonInterpreter is named, in a fresh
 process per call, stopped at its timeout and counted, its exceptions answered as errors and counted."""
@@ -23,7 +23,13 @@ from transformers import AutoTokenizer
 
 from interop.sampling import SamplingSettings
 from interop.tools import ToolCall, ToolCallFormat, ToolRunner, ToolSet
-from interop.torchrl_tools import CombinedCallFormat, PythonBlockFormat, PythonCodeTool, ServiceTool, torchrl_tools
+from interop.tools.torchrl_tools import (
+    CombinedCallFormat,
+    PythonBlockFormat,
+    PythonCodeTool,
+    ServiceTool,
+    torchrl_tools,
+)
 
 END = "<|im_end|>"
 

@@ -13,7 +13,7 @@ import torch
 from torchrl.data import LazyStackStorage, ReplayBuffer
 
 from interop import CausalLMSampler, SamplingSettings, TorchRLRolloutFunc
-from interop.trl_grpo import TorchRLGRPOTrainer
+from interop.trl.trainer import TorchRLGRPOTrainer
 
 PROMPTS = ["Review the mug.", "Write a review of the new kettle."]
 

@@ -214,7 +214,7 @@ def test_the_tool_messages_tokens_get_no_gradient_in_trls_loss(tool_policy, tmp_
 
 
 def test_a_trainer_trains_with_tools_and_its_rows_keep_the_env_mask_and_counts(tool_policy, tmp_path, monkeypatch):
-    from interop.trl_grpo import TorchRLGRPOTrainer
+    from interop.trl.trainer import TorchRLGRPOTrainer
 
     questions = ["What is 12 * 34?", "What is 5 * 1?", *FAILING]
     _inject_into_dialogs(monkeypatch, tool_policy[1])
@@ -285,7 +285,7 @@ def test_async_mode_samples_the_dialogs_in_its_process_with_a_tool_worker_of_its
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from interop import TorchRLBufferDataset
-    from interop.trl_grpo import TorchRLGRPOTrainer
+    from interop.trl.trainer import TorchRLGRPOTrainer
 
     prompts, columns = calculator.make_task(16, seed=0)
     rows = TensorDict(

@@ -68,7 +68,7 @@ else:  # async mode samples from a TorchRL prompt stream
     from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
 
     from interop import TorchRLBufferDataset
-    from interop.trl_grpo import TorchRLGRPOTrainer
+    from interop.trl.trainer import TorchRLGRPOTrainer
 
     source = ReplayBuffer(storage=LazyTensorStorage(16), sampler=SamplerWithoutReplacement())
     source.extend(TensorDict({key: NonTensorStack(*map(NonTensorData, value)) for key, value in rows.items()}, [16]))

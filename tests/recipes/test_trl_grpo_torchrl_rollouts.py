@@ -21,7 +21,7 @@ from trl import GRPOConfig
 import recipes.trl_grpo_torchrl_rollouts as recipe
 from interop import TorchRLRolloutFunc
 from interop.sampling import CausalLMSampler, SamplingSettings
-from interop.trl_grpo import TorchRLGRPOTrainer
+from interop.trl.trainer import TorchRLGRPOTrainer
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.schema import trainer_config_view
 from recipes.tasks.synthetic import make_prompts

@@ -15,10 +15,10 @@ import pytest
 import torch
 from _small_runs import GRPO_SMALL, read_metrics
 
-import interop.dialog_policy as dialog_policy_module
+import interop.tools.dialog_policy as dialog_policy_module
 import recipes.grpo_torchrl_rm as recipe
-from interop.dialogs import DialogSampler, _Turn
 from interop.tools import ToolCallFormat
+from interop.tools.dialogs import DialogSampler, _Turn
 from recipes.common.config import ConfigError
 from recipes.common.data import load_prompt_rows
 from recipes.grpo.batch import ASSISTANT_MASK, ATTENTION_MASK, LOSS_MASK, PROMPT_TOKENS, REWARD, response_start

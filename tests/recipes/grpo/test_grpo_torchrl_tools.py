@@ -12,7 +12,7 @@ import torch
 from _small_runs import GRPO_SMALL, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
-from interop.dialogs import DialogSampler, _Turn
+from interop.tools.dialogs import DialogSampler, _Turn
 from recipes.common.config import ConfigError
 from recipes.common.data import load_prompt_rows
 from recipes.grpo.batch import ASSISTANT_MASK, ATTENTION_MASK, LOSS_MASK, response_start

@@ -1,8 +1,8 @@
 """The processes that run tool calls for ``interop.tools.ToolRunner``: the standard library only, on purpose.
 
-``ToolRunner`` starts this file as a script (``python interop/_tool_worker.py <fd> <parent pid>``), not as a module of
-the ``interop`` package, whose ``__init__`` imports torch and torchrl: it starts in a few tens of milliseconds, which a
-restart after a timeout pays again. Two processes come of it:
+``ToolRunner`` starts this file as a script (``python interop/tools/_tool_worker.py <fd> <parent pid>``), not as a
+module of the ``interop`` package, whose ``__init__`` imports torch and torchrl: it starts in a few tens of
+milliseconds, which a restart after a timeout pays again. Two processes come of it:
 
 - the *keeper* (the process ``ToolRunner`` started; it runs no tool code, so it always answers signals): it becomes a
   child subreaper (``PR_SET_CHILD_SUBREAPER``: every process started below it that loses its parent, a double-forked

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from interop.errors import SettingError
-from interop.sampling import KeptCache, SamplingSettings, check_pad_token, end_of_response_ids, sample_responses
-from interop.tools import ParsedTurn, ToolCallFormat, ToolRunner, ToolStats
+from interop.sampling.sampler import KeptCache, SamplingSettings, check_pad_token, end_of_response_ids, sample_responses
+from interop.tools.runner import ParsedTurn, ToolCallFormat, ToolRunner, ToolStats
 
 __all__ = ["DialogSampler", "DialogStats", "Dialogs", "ENDINGS"]
 
@@ -152,7 +152,7 @@ class DialogSampler:
             ``max_completion_length``); ``None``: none beyond the model's ``max_position_embeddings``.
         call_format: how calls are read from a turn: :class:`interop.tools.ToolCallFormat` (Qwen2.5's markers, the
             default) or any object with ``parse(text) -> ParsedTurn`` and ``close`` (the closing marker, or None:
-            TorchRL's formats, :mod:`interop.torchrl_tools`).
+            TorchRL's formats, :mod:`interop.tools.torchrl_tools`).
         stop_at_call_end: end a turn at the closing marker, which must then be one token; ``False``: turns end at
             EOS only, as in trl (several calls in one turn then run in order).
         eos_token_ids: ids that end a turn; ``None``: the tokenizer's EOS and the model's generation config's.

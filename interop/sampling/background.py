@@ -10,7 +10,7 @@ Public names:
   time: weights are only written while the child is idle, so every rollout is sampled by one version of the weights.
 
 Process hygiene: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, set before it imports anything heavy:
-``interop._sampler_child``), a failure in the child is raised in the caller with the child's traceback, and
+``interop.sampling._child``), a failure in the child is raised in the caller with the child's traceback, and
 :meth:`BackgroundSampler.close` stops and joins it (also at interpreter exit).
 
 Dependencies: torch, tensordict, and the ``transformers`` model the caller passes in.
@@ -31,13 +31,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from interop import _sampler_child
-from interop.sampling import SamplingSettings
+from interop.sampling import _child
+from interop.sampling.rollouts import RolloutSampler
+from interop.sampling.sampler import SamplingSettings
 
 __all__ = [
     "BackgroundSampler",
     "SamplerExited",
-    "build_rollout_func",
+    "build_rollout_sampler",
     "pushed_names",
     "sampler_options",
     "sampler_tokenizer",
@@ -64,7 +65,7 @@ def pushed_names(model: torch.nn.Module) -> frozenset[str] | None:
 
 class SamplerExited(RuntimeError):
     """The sampling process is gone (killed, or crashed outside Python) without answering: what a caller that runs
-    several samplers (``interop.rollout_workers.RolloutWorkers``) restarts, unlike an error the sampler raised."""
+    several samplers (``interop.sampling.workers.RolloutWorkers``) restarts, unlike an error the sampler raised."""
 
 
 class _TokenIds:
@@ -92,8 +93,8 @@ def sampler_options(
     seed: int,
     dialogs: dict | None,
 ) -> dict:
-    """The picklable description of a sampler that :func:`build_rollout_func` builds (see :class:`BackgroundSampler`'s
-    arguments of the same names)."""
+    """The picklable description of a sampler that :func:`build_rollout_sampler` builds (see
+    :class:`BackgroundSampler`'s arguments of the same names)."""
     return {
         "settings": settings,
         "log_probs_at_temperature": log_probs_at_temperature,
@@ -128,8 +129,8 @@ class BackgroundSampler:
 
     Keyword Args:
         settings: the :class:`~interop.sampling.SamplingSettings`.
-        dialogs: with tools, the child samples dialogs (:class:`~interop.dialogs.DialogSampler`) and runs the calls
-            in a tool worker of its own: ``tools`` (the functions), ``timeout_s``, ``max_result_tokens``,
+        dialogs: with tools, the child samples dialogs (:class:`~interop.tools.dialogs.DialogSampler`) and runs the
+            calls in a tool worker of its own: ``tools`` (the functions), ``timeout_s``, ``max_result_tokens``,
             ``max_turns``, ``max_completion_tokens``, ``chat_template_kwargs``. ``None``: single-turn completions.
         log_probs_at_temperature: as :class:`~interop.sampling.CausalLMSampler`'s.
         eos_token_ids: the ids that end a response.
@@ -172,7 +173,7 @@ class BackgroundSampler:
         self._waiting = False
         self._closed = False
         self._connection, child_connection = context.Pipe()
-        self.process = context.Process(target=_sampler_child.start, args=(child_connection,), daemon=True)
+        self.process = context.Process(target=_child.start, args=(child_connection,), daemon=True)
         with _main_module_hidden():
             self.process.start()
         child_connection.close()
@@ -301,12 +302,11 @@ class BackgroundSampler:
         return self._shared
 
 
-def _dialog_rollout_func(model, tokenizer, options: dict):
-    """The child's rollout function for tools: an :class:`~interop.dialogs.DialogSampler` on the shared model, its
-    calls answered by a tool worker of the child's own (a ``ToolRunner`` cannot be pickled; its functions can)."""
-    from interop.dialogs import DialogSampler
-    from interop.rollout_func import TorchRLRolloutFunc
-    from interop.tools import ToolRunner
+def _dialog_rollout_sampler(model, tokenizer, options: dict) -> RolloutSampler:
+    """The child's sampler for tools: an :class:`~interop.tools.dialogs.DialogSampler` on the shared model, its calls
+    answered by a tool worker of the child's own (a ``ToolRunner`` cannot be pickled; its functions can)."""
+    from interop.tools.dialogs import DialogSampler
+    from interop.tools.runner import ToolRunner
 
     dialogs = options["dialogs"]
     runner = ToolRunner(
@@ -315,8 +315,7 @@ def _dialog_rollout_func(model, tokenizer, options: dict):
         max_result_tokens=dialogs["max_result_tokens"],
         tokenizer=tokenizer,
     )
-    rollout_func = TorchRLRolloutFunc(tokenizer=tokenizer, tools=runner, max_turns=dialogs["max_turns"])
-    rollout_func.policy = DialogSampler(
+    policy = DialogSampler(
         model,
         tokenizer,
         runner,
@@ -328,25 +327,24 @@ def _dialog_rollout_func(model, tokenizer, options: dict):
         log_probs_at_temperature=options["log_probs_at_temperature"],
         chat_template_kwargs=dialogs["chat_template_kwargs"],
     )
-    rollout_func.model = model
-    return rollout_func
+    return RolloutSampler(policy, tokenizer, model=model, dialogs=True)
 
 
-def build_rollout_func(model: torch.nn.Module, token_ids, options: dict):
-    """What a sampler apart from the trainer samples with: a ``TorchRLRolloutFunc`` around ``model`` (a
-    :class:`~interop.sampling.CausalLMSampler`, or a dialog sampler with a tool worker of its own when
-    ``options["dialogs"]`` names tools), with the torch threads and seed ``options`` gives. The child process of
-    :class:`BackgroundSampler` and each Ray worker of ``interop.rollout_workers`` build theirs here."""
+def build_rollout_sampler(model: torch.nn.Module, token_ids, options: dict) -> RolloutSampler:
+    """What a sampler apart from the trainer samples with: the sync rollout core
+    (:class:`~interop.sampling.rollouts.RolloutSampler`, as ``TorchRLRolloutFunc`` samples in the trainer's process)
+    around ``model`` (a :class:`~interop.sampling.CausalLMSampler`, or a dialog sampler with a tool worker of its own
+    when ``options["dialogs"]`` names tools), with the torch threads and seed ``options`` gives. The child process of
+    :class:`BackgroundSampler` and each Ray worker of ``interop.sampling.workers`` build theirs here."""
     from tensordict import set_list_to_stack
 
-    from interop.rollout_func import TorchRLRolloutFunc
-    from interop.sampling import CausalLMSampler
+    from interop.sampling.sampler import CausalLMSampler
 
     set_list_to_stack(True).set()
     torch.set_num_threads(options["num_threads"])
     torch.manual_seed(options["seed"])
     if options["dialogs"] is not None:
-        return _dialog_rollout_func(model, token_ids, options)
+        return _dialog_rollout_sampler(model, token_ids, options)
     sampler = CausalLMSampler(
         model,
         token_ids,
@@ -354,7 +352,7 @@ def build_rollout_func(model: torch.nn.Module, token_ids, options: dict):
         eos_token_ids=options["eos_token_ids"],
         log_probs_at_temperature=options["log_probs_at_temperature"],
     )
-    return TorchRLRolloutFunc(sampler, token_ids, model=model)
+    return RolloutSampler(sampler, token_ids, model=model)
 
 
 def serve(connection) -> None:
@@ -362,7 +360,7 @@ def serve(connection) -> None:
     pipe closes: the parent is gone)."""
     try:
         model, token_ids, options = connection.recv()
-        rollout_func = build_rollout_func(model, token_ids, options)
+        sampler = build_rollout_sampler(model, token_ids, options)
     except Exception:  # noqa: BLE001 - the parent reports it
         connection.send(("error", traceback.format_exc()))
         return
@@ -376,7 +374,7 @@ def serve(connection) -> None:
             return
         try:
             started = time.perf_counter()
-            rollout = rollout_func.rollout_ids(request[1])
+            rollout = sampler.sample(request[1])
             data = {key: value for key, value in rollout.items()}
             connection.send(("done", (data, rollout.batch_size, time.perf_counter() - started)))
         except Exception:  # noqa: BLE001 - the parent reports it

@@ -2,7 +2,7 @@
 
 Public names:
 
-- :class:`TorchRLGRPOTrainer`: ``trl.GRPOTrainer`` with an :class:`~interop.rollout_func.TorchRLRolloutFunc` as its
+- :class:`TorchRLGRPOTrainer`: ``trl.GRPOTrainer`` with an :class:`~interop.trl.rollout_func.TorchRLRolloutFunc` as its
   ``rollout_func`` (by default one that samples with an :class:`~interop.sampling.CausalLMSampler` around the model
   trl trains, at the ``GRPOConfig``'s sampling settings). Everything trl computes is unchanged; it also reads the
   rewards trl's ``_calculate_rewards`` returns and the advantages ``_generate_and_score_completions`` returns, so that
@@ -49,9 +49,9 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from interop.errors import SettingError
-from interop.group_replay import GroupReplay, pad_rows
-from interop.importance_sampling import IMPORTANCE_SAMPLING_MODES, sampler_mismatch_counts, sampler_mismatch_metrics
-from interop.rollout_func import TorchRLRolloutFunc
+from interop.trl.group_replay import GroupReplay, pad_rows
+from interop.trl.importance_sampling import IMPORTANCE_SAMPLING_MODES, sampler_mismatch_counts, sampler_mismatch_metrics
+from interop.trl.rollout_func import TorchRLRolloutFunc
 
 __all__ = [
     "IMPORTANCE_SAMPLING_MODES",
@@ -187,7 +187,7 @@ class TorchRLGRPOTrainer(GRPOTrainer):
             ``processing_class``, ``peft_config``...).
 
     Keyword Args:
-        rollout_func: a :class:`~interop.rollout_func.TorchRLRolloutFunc`; ``None``: ``TorchRLRolloutFunc()``, a
+        rollout_func: a :class:`~interop.trl.rollout_func.TorchRLRolloutFunc`; ``None``: ``TorchRLRolloutFunc()``, a
             :class:`~interop.sampling.CausalLMSampler` around the trained model at the ``GRPOConfig``'s settings.
         replay_buffer: where each scored batch goes, one row per completion (the rollout function's
             ``replay_buffer``; give one or the other, not both). ``None``: the rollout function's, or none.

@@ -1,4 +1,4 @@
-"""TorchRL's tool pieces (``torchrl.envs.llm.transforms``) as tools of :class:`interop.dialogs.DialogSampler`.
+"""TorchRL's tool pieces (``torchrl.envs.llm.transforms``) as tools of :class:`interop.tools.dialogs.DialogSampler`.
 
 TorchRL 0.14.1 runs tools as env transforms of a ``ChatEnv``, which cannot sample GRPO's multi-turn groups: it refuses
 ``[prompts, group]`` batches, keeps every row talking until its step limit (a row that answered writes more turns),
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from interop.errors import SettingError
-from interop.tools import ParsedTurn, ToolCall, ToolCallFormat
+from interop.tools.runner import ParsedTurn, ToolCall, ToolCallFormat
 
 __all__ = [
     "CombinedCallFormat",
@@ -331,7 +331,7 @@ def torchrl_tools(piece) -> TorchRLTools:
     Raises:
         ValueError: ``PythonInterpreter(persistent=True)`` or on Ray services, ``PythonExecutorService`` (a pool of
             persistent interpreters: one dialog's variables would reach another), ``MCPToolTransform`` (use
-            :func:`interop.mcp_tools.mcp_tools` on its ``server_configs``), anything else (named, with what is
+            :func:`interop.tools.mcp_tools.mcp_tools` on its ``server_configs``), anything else (named, with what is
             accepted).
 
     Examples:
@@ -376,8 +376,8 @@ def _refuse(piece, llm):
             "torchrl_tools",
             "MCPToolTransform is not taken apart: it holds live connections to its servers (in a "
             "thread of the process that built it), which the tool worker cannot take over. Build the tools from its "
-            "servers instead: interop.mcp_tools.mcp_tools(transform.server_configs) lists them, and each tool worker "
-            "starts the servers it calls (their tools are called in Qwen2.5's <tool_call> format).",
+            "servers instead: interop.tools.mcp_tools.mcp_tools(transform.server_configs) lists them, and each tool "
+            "worker starts the servers it calls (their tools are called in Qwen2.5's <tool_call> format).",
         )
     accepted = "ToolRegistry, ExecuteToolsInOrder, SimpleToolTransform, PythonInterpreter"
     raise SettingError(

@@ -3,7 +3,7 @@
 A spawned process unpickles its arguments before it runs any of its code; the sampler's (a model on shared memory)
 import torch and transformers, seconds during which a trainer killed by SIGKILL would leave the child running on its
 own. So the child starts here: it asks Linux to kill it with its parent (``PR_SET_PDEATHSIG``), then receives the
-model through its pipe and hands over to ``interop.background_sampler.serve``.
+model through its pipe and hands over to ``interop.sampling.background.serve``.
 
 Dependencies: the standard library.
 """
@@ -28,6 +28,6 @@ def _die_with_parent() -> None:
 def start(connection) -> None:
     """The sampler process's target: dies with its parent from here on, then serves sampling requests."""
     _die_with_parent()
-    from interop.background_sampler import serve  # the heavy imports happen here, once the child can die with us
+    from interop.sampling.background import serve  # the heavy imports happen here, once the child can die with us
 
     serve(connection)

@@ -1,8 +1,8 @@
-"""Starts an MCP server for ``interop.mcp_tools`` so that it dies with the process that started it.
+"""Starts an MCP server for ``interop.tools.mcp_tools`` so that it dies with the process that started it.
 
-``python interop/_mcp_launcher.py <parent pid> <command> [args...]``: asks Linux to kill this process with its parent
-(``PR_SET_PDEATHSIG``, which ``execvp`` keeps), then becomes the server (``execvp``): the server ends as soon as the
-tool worker's caller process does. What the server starts, and the real server behind a launcher command (``npx``,
+``python interop/tools/_mcp_launcher.py <parent pid> <command> [args...]``: asks Linux to kill this process with its
+parent (``PR_SET_PDEATHSIG``, which ``execvp`` keeps), then becomes the server (``execvp``): the server ends as soon as
+the tool worker's caller process does. What the server starts, and the real server behind a launcher command (``npx``,
 ``uvx``, a shell), do not get the signal: the worker's keeper, a child subreaper, kills those (``_tool_worker.py``).
 
 Dependencies: the standard library (``_tool_worker``'s ``_die_with_parent``, found beside this file).
@@ -22,6 +22,6 @@ if __name__ == "__main__":
     try:
         os.execvp(command[0], command)
     except OSError as error:
-        sys.stderr.write(f"interop.mcp_tools: cannot start the MCP server {command[0]!r}: {error.strerror}\n")
+        sys.stderr.write(f"interop.tools.mcp_tools: cannot start the MCP server {command[0]!r}: {error.strerror}\n")
         sys.stderr.flush()
         os._exit(127)

@@ -2,12 +2,12 @@
 
 ``ray.init()`` with no cluster to join starts one (GCS, raylet, agents, workers) as the driver's children. Ray ties
 the GCS and the raylet to the driver, but on a SIGKILL of the driver Ray 2.60's dashboard and runtime-env agents
-outlive it (measured: still running a minute later, re-parented to init). ``interop.rollout_workers.connect_ray``
+outlive it (measured: still running a minute later, re-parented to init). ``interop.sampling.workers.connect_ray``
 starts this watcher beside a cluster it started: it notes the driver's descendants every half second and, when the
 driver is gone without saying so (its end of the pipe closes with no ``done``), kills the ones it saw that still run
 (matched by pid and start time, so a reused pid is never hit).
 
-Run as ``python -m interop._ray_janitor <driver pid>``, the pipe on its standard input.
+Run as ``python -m interop.sampling._ray_janitor <driver pid>``, the pipe on its standard input.
 """
 
 from __future__ import annotations

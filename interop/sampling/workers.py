@@ -4,7 +4,7 @@
 Public names:
 
 - :class:`RolloutWorkers`: ``N`` copies of the policy that sample, each in a local process
-  (:class:`~interop.background_sampler.BackgroundSampler`) or a Ray actor. The caller publishes its weights with a
+  (:class:`~interop.sampling.background.BackgroundSampler`) or a Ray actor. The caller publishes its weights with a
   version (:meth:`RolloutWorkers.publish`), submits a batch of prompts in groups (:meth:`RolloutWorkers.submit`: each
   group goes to exactly one worker) and collects the batch (:meth:`RolloutWorkers.result`), every row sampled by the
   published version. A worker that dies in the middle of a batch (its process killed, its actor killed, its node
@@ -22,9 +22,10 @@ first batch of that version. TorchRL 0.14.1's
 sync, which a worker that is killed and replaced cannot rejoin (every worker's group would have to be formed again),
 while an object in Ray's store is read by whichever actor holds the batch, restarted or not.
 
-Process hygiene: local workers die with the caller (``PR_SET_PDEATHSIG``, see ``interop._sampler_child``); Ray actors
-are killed by :meth:`RolloutWorkers.close`; a local cluster that :func:`connect_ray` started is shut down by
-:func:`disconnect_ray`, and if the caller is killed its watcher (``interop._ray_janitor``) kills what Ray leaves.
+Process hygiene: local workers die with the caller (``PR_SET_PDEATHSIG``, see ``interop.sampling._child``); Ray
+actors are killed by :meth:`RolloutWorkers.close`; a local cluster that :func:`connect_ray` started is shut down by
+:func:`disconnect_ray`, and if the caller is killed its watcher (``interop.sampling._ray_janitor``) kills what Ray
+leaves.
 
 Dependencies: torch, tensordict; ``ray`` for the Ray backend (``pip install -e ".[ray]"``).
 """
@@ -46,15 +47,15 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from interop.background_sampler import (
+from interop.sampling.background import (
     BackgroundSampler,
     SamplerExited,
-    build_rollout_func,
+    build_rollout_sampler,
     pushed_names,
     sampler_options,
     sampler_tokenizer,
 )
-from interop.sampling import SamplingSettings
+from interop.sampling.sampler import SamplingSettings
 
 __all__ = [
     "BACKENDS",
@@ -111,7 +112,7 @@ def _import_ray():
     return ray
 
 
-# The watcher of the local cluster connect_ray started (interop._ray_janitor); None: none started.
+# The watcher of the local cluster connect_ray started (interop.sampling._ray_janitor); None: none started.
 _janitor: subprocess.Popen | None = None
 
 
@@ -131,7 +132,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, log_
         ray.init(address="local", num_cpus=num_cpus, **options)  # "local": a new one, even where RAY_ADDRESS is set
         log.info("Ray: no cluster address given (ray.address=null): started a local Ray cluster on this machine.")
         _janitor = subprocess.Popen(
-            [sys.executable, "-m", "interop._ray_janitor", str(os.getpid())], stdin=subprocess.PIPE
+            [sys.executable, "-m", "interop.sampling._ray_janitor", str(os.getpid())], stdin=subprocess.PIPE
         )
         return True
     try:
@@ -241,7 +242,7 @@ class PublishedWeights:
             not at every sampling step. numpy has no bfloat16: such a tensor travels as its bits (int16) and is read
             back as bfloat16.
         names: publish only these weights (LoRA's adapters, where the sampler holds the base:
-            :func:`~interop.background_sampler.pushed_names`); ``None``: all.
+            :func:`~interop.sampling.background.pushed_names`); ``None``: all.
 
     Examples:
         >>> model = torch.nn.Linear(2, 2)
@@ -321,7 +322,7 @@ def _ray_worker_class(ray):
                     tensor.data = tensor.data.clone()
             if ray.get_gpu_ids():  # a worker given a GPU (WorkerResources.num_gpus) samples on it
                 self.model.to("cuda")
-            self.rollout_func = build_rollout_func(self.model, tokenizer, options)
+            self.sampler = build_rollout_sampler(self.model, tokenizer, options)
             self.version: int | None = None
 
         def where(self) -> tuple[str, int]:
@@ -335,7 +336,7 @@ def _ray_worker_class(ray):
                 ray.get(weights[0]).load_into(self.model, share=True)
                 self.version = version
             started = time.perf_counter()
-            rollout = self.rollout_func.rollout_ids(prompt_ids)
+            rollout = self.sampler.sample(prompt_ids)
             return dict(rollout.items()), tuple(rollout.batch_size), time.perf_counter() - started
 
     return ray.remote(RaySamplerWorker)
@@ -370,7 +371,7 @@ class RolloutWorkers:
 
     Keyword Args:
         settings, log_probs_at_temperature, eos_token_ids, dialogs, timeout_s: as
-            :class:`~interop.background_sampler.BackgroundSampler`'s.
+            :class:`~interop.sampling.background.BackgroundSampler`'s.
         backend: ``"processes"`` (local child processes) or ``"ray"`` (Ray actors on the connected cluster: call
             :func:`connect_ray` first).
         workers: how many.

@@ -25,11 +25,11 @@ naming both values.
 
 Tools: built with ``tools=[functions]`` (trl's tools: typed functions with docstrings; or an
 :class:`interop.tools.ToolSet` / :class:`interop.tools.ToolRunner`), it samples each prompt's whole dialog with
-:class:`interop.dialogs.DialogSampler`: the model writes, its tool calls run in a worker process, their results join the
-completion as the chat template's ``tool`` messages, and it writes on, up to ``max_turns`` assistant turns, within
-``max_completion_length`` tokens in all. It returns trl's contract for a tool-calling rollout: ``completion_ids`` with
-the tool messages' tokens inside, ``logprobs`` (0 on tool tokens) and ``env_mask`` (0 on tool tokens: trl's loss skips
-them), laid out as trl's own ``tools=`` path lays out the same dialog.
+:class:`interop.tools.dialogs.DialogSampler`: the model writes, its tool calls run in a worker process, their results
+join the completion as the chat template's ``tool`` messages, and it writes on, up to ``max_turns`` assistant turns,
+within ``max_completion_length`` tokens in all. It returns trl's contract for a tool-calling rollout:
+``completion_ids`` with the tool messages' tokens inside, ``logprobs`` (0 on tool tokens) and ``env_mask`` (0 on tool
+tokens: trl's loss skips them), laid out as trl's own ``tools=`` path lays out the same dialog.
 
 Dependencies: ``torch``, ``tensordict``, ``torchrl``; ``transformers`` tokenizers are duck-typed (``pad_token_id``,
 ``__call__``, ``apply_chat_template``, ``batch_decode``).
@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase
 from tensordict.utils import unravel_key
-from torch.nn.utils.rnn import pad_sequence
 
-from interop.sampling import (
-    ATTENTION_MASK,
+from interop.sampling.rollouts import RESPONSE_LOG_PROBS, TOOL_COUNTS, RolloutSampler
+from interop.sampling.sampler import LOG_PROBS as FULL_LOG_PROBS
+from interop.sampling.sampler import (
     PROMPT_MASK,
     PROMPT_TOKENS,
     RESPONSE_TOKENS,
@@ -57,24 +57,20 @@ from interop.sampling import (
     SamplingSettings,
     check_pad_token,
 )
-from interop.sampling import LOG_PROBS as FULL_LOG_PROBS
-from interop.tools import DEFAULT_TIMEOUT_S, ToolRunner, ToolSet
+from interop.tools.runner import DEFAULT_TIMEOUT_S, ToolRunner, ToolSet
 
 if TYPE_CHECKING:  # for annotations; imported where the workers start
-    from interop.rollout_workers import RolloutWorkers
+    from interop.sampling.workers import RolloutWorkers
 
 __all__ = ["PAST_LAG_BOUND", "TorchRLRolloutFunc", "message_text"]
 
 # What happens to an async batch that would train past max_policy_lag: not sampled ahead, or sampled again.
 PAST_LAG_BOUND = ("withhold", "resample")
 
-RESPONSE_LOG_PROBS = ("log_probs", "response")  # TorchRL's TransformersWrapper writes the response's alone
 # Distinct prompts whose token ids are kept (a dataset's worth; past it the cache starts again).
 _MAX_CACHED_PROMPTS = 1 << 16
 # The keys the adapter can fill for a policy: the prompts, left-padded, and their mask.
 _INPUTS = (PROMPT_TOKENS, PROMPT_MASK)
-# A dialog's per-row counts kept with its tokens (tools=...): tool calls, failed calls, assistant turns.
-TOOL_COUNTS = ("tool_calls", "tool_errors", "turns")
 # TorchRL TransformersWrapper generate_kwargs -> the trl GRPOConfig field that sets the same thing.
 _WRAPPER_SETTINGS = {
     "max_new_tokens": "max_completion_length",
@@ -145,6 +141,15 @@ def message_text(value: Any) -> str:
     return content if isinstance(content, str) else " ".join(part.get("text", "") for part in content)
 
 
+def _worker_resources(value):
+    """``worker_resources`` as given, or built from a dict of its fields."""
+    if isinstance(value, dict):
+        from interop.sampling.workers import WorkerResources
+
+        return WorkerResources(**value)
+    return value
+
+
 def _model_of(module: torch.nn.Module) -> torch.nn.Module:
     """The innermost model a (DDP / accelerate / PEFT) wrapper holds."""
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
@@ -181,7 +186,7 @@ class TorchRLRolloutFunc:
             policy's ``model`` attribute (TorchRL's wrappers and :class:`CausalLMSampler` have one).
         mode: ``"sync"``: each generation batch is sampled when trl asks for it, with the weights trl trains (the same
             module, no copy). ``"async"``: while trl updates on generation batch ``k``, a child process
-            (:class:`~interop.background_sampler.BackgroundSampler`, a :class:`CausalLMSampler` on a copy of the
+            (:class:`~interop.sampling.background.BackgroundSampler`, a :class:`CausalLMSampler` on a copy of the
             weights published at each call) samples batch ``k + 1``, whose prompts ``interop.TorchRLGRPOTrainer``
             reads ahead from the prompt stream; the trainer gives trl the sampling log-probs as its old log-probs, so
             that its importance ratio corrects the lag. A pre-sampled batch is used only for the very prompts trl
@@ -201,15 +206,15 @@ class TorchRLRolloutFunc:
             sampling away.
         backend: where training batches are sampled. ``"learner"``: in this process (sync mode only);
             ``"processes"``: in ``workers`` local child processes; ``"ray"``: in ``workers`` Ray actors on the
-            cluster this process is connected to (:func:`interop.rollout_workers.connect_ray`). Apart from the
+            cluster this process is connected to (:func:`interop.sampling.workers.connect_ray`). Apart from the
             learner, each worker samples with a :class:`CausalLMSampler` on a copy of the weights, published after
-            every update (:class:`interop.rollout_workers.RolloutWorkers`), and each prompt group goes to exactly one
+            every update (:class:`interop.sampling.workers.RolloutWorkers`), and each prompt group goes to exactly one
             worker; in sync mode the batch trl asks for is sampled there with the current weights, in async mode one
             generation batch ahead. ``None``: ``"learner"`` in sync mode, ``"processes"`` in async mode.
             Evaluation batches (trl's model in eval mode) are sampled here in every case.
         workers: apart from the learner: how many samplers.
         worker_resources: ``"ray"``: what each worker takes of the cluster
-            (:class:`interop.rollout_workers.WorkerResources`, or a dict of its fields).
+            (:class:`interop.sampling.workers.WorkerResources`, or a dict of its fields).
         sampler_threads: apart from the learner: torch threads of each sampler.
         weight_sync_every: apart from the learner: the weights are published every this many optimizer steps (1:
             each); every row keeps the version that sampled it (``step``). A batch is then up to
@@ -220,8 +225,8 @@ class TorchRLRolloutFunc:
         seed: apart from the learner: the samplers' torch seed (worker ``i``: ``seed + i``).
         tools: the tools the model may call (trl's form: typed functions with a docstring), an
             :class:`interop.tools.ToolSet`, or a :class:`interop.tools.ToolRunner` (the caller's, which the caller
-            closes); each prompt is then sampled as a dialog (:class:`interop.dialogs.DialogSampler`, turns ending at
-            EOS as trl's do) and the output has ``env_mask``. Needs ``policy=None`` (the dialog sampler runs around
+            closes); each prompt is then sampled as a dialog (:class:`interop.tools.dialogs.DialogSampler`, turns ending
+            at EOS as trl's do) and the output has ``env_mask``. Needs ``policy=None`` (the dialog sampler runs around
             the trainer's model); in async mode the sampling process runs the dialogs with a tool worker of its own.
             Refused beside trl's own ``tools=`` (two tool loops).
             ``None``: single-turn completions.
@@ -287,24 +292,18 @@ class TorchRLRolloutFunc:
         tool_timeout_s: float = DEFAULT_TIMEOUT_S,
         max_result_tokens: int | None = None,
     ):
-        if mode not in ("sync", "async"):
-            raise ValueError(f"TorchRLRolloutFunc: mode must be 'sync' or 'async', got {mode!r}.")
-        if tools is not None:
-            self._check_tool_options(tools, policy=policy, max_turns=max_turns)
-        if max_policy_lag < 0:
-            raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
-        if past_lag_bound not in PAST_LAG_BOUND:
-            raise ValueError(
-                f"TorchRLRolloutFunc: past_lag_bound must be one of {PAST_LAG_BOUND}, got {past_lag_bound!r}."
-            )
-        backend = self._check_backend(mode, backend, workers)
-        self._check_weight_push(mode, backend, max_policy_lag, weight_sync_every, sampler_dtype)
-        if backend != "learner" and policy is not None and not isinstance(policy, CausalLMSampler):
-            raise ValueError(
-                f"TorchRLRolloutFunc: mode={mode!r}, backend={backend!r} samples with a CausalLMSampler on a copy of "
-                f"the weights apart from the learner; a {type(policy).__name__} cannot be copied there. Pass no policy "
-                "(the default CausalLMSampler at the trainer's GRPOConfig settings) or a CausalLMSampler."
-            )
+        backend = self._checked_backend(
+            policy,
+            mode=mode,
+            max_policy_lag=max_policy_lag,
+            past_lag_bound=past_lag_bound,
+            backend=backend,
+            workers=workers,
+            weight_sync_every=weight_sync_every,
+            sampler_dtype=sampler_dtype,
+            tools=tools,
+            max_turns=max_turns,
+        )
         if policy is not None:
             self._check_policy(policy)
         if tokenizer is not None:
@@ -320,10 +319,7 @@ class TorchRLRolloutFunc:
             )
         if policy is not None and tokenizer is not None:
             self._check_policy_tokenizer(policy, tokenizer, self.model)
-        # TorchRL 0.14.1's TransformersWrapper writes 0 for the first response token's log-prob when generating.
-        self._first_log_prob_missing = type(policy).__name__ == "TransformersWrapper" and bool(
-            getattr(policy, "generate", False)
-        )
+        self._sampler: RolloutSampler | None = None  # the sync core around the policy (_rollout_sampler)
         self.last_rollout: TensorDictBase | None = None
         self._ids: dict[tuple[str, str], list[int]] = {}  # prompt -> token ids (:meth:`tokenize`)
         self._vocab_checked = False
@@ -331,22 +327,15 @@ class TorchRLRolloutFunc:
         self.writes_scored_rows = False
         self.mode, self.max_policy_lag, self.past_lag_bound = mode, max_policy_lag, past_lag_bound
         self.backend, self.workers = backend, workers
-        if isinstance(worker_resources, dict):
-            from interop.rollout_workers import WorkerResources
-
-            worker_resources = WorkerResources(**worker_resources)
-        self.worker_resources = worker_resources
+        self.worker_resources = _worker_resources(worker_resources)
         self.sampler_threads, self.seed = sampler_threads, seed
         self.weight_sync_every, self.sampler_dtype = weight_sync_every, sampler_dtype
         # async: the prompts of the generation batch after a given one (interop.TorchRLGRPOTrainer sets it), the
         # child process, and the batch it samples.
         self.lookahead: Any = None  # prompts -> the next batch's prompts (a PromptLookahead)
-        self._background: Any = None  # interop.rollout_workers.RolloutWorkers, once started
-        self._pending: list | None = None
-        # withhold: the next batch's prompts, when it is not sampled ahead, and the step from which it may be.
-        self._withheld: list | None = None
+        self._background: Any = None  # interop.sampling.workers.RolloutWorkers, once started
+        self._forget_next_batch()
         self._release_step = 0
-        self._pending_withheld = False  # whether the batch being sampled was withheld first
         # The last call's figures: policy_lag, resampled, withheld, withheld_s, lookahead_misses.
         self.stats: dict[str, float] = {}
         # tools: what the dialogs run (a ToolRunner built at the first call when functions were given), the turn
@@ -357,6 +346,50 @@ class TorchRLRolloutFunc:
         self._owns_runner = False
         self.last_dialogs = None
         self._correction_warned = False
+
+    def _forget_next_batch(self) -> None:
+        """Async: no next batch being sampled, none withheld."""
+        self._pending: list | None = None  # the prompts of the batch the workers sample ahead
+        # withhold: the next batch's prompts, when it is not sampled ahead (from self._release_step on it may be).
+        self._withheld: list | None = None
+        self._pending_withheld = False  # whether the batch being sampled was withheld first
+
+    @classmethod
+    def _checked_backend(
+        cls,
+        policy,
+        *,
+        mode: str,
+        max_policy_lag: int,
+        past_lag_bound: str,
+        backend: str | None,
+        workers: int,
+        weight_sync_every: int,
+        sampler_dtype,
+        tools,
+        max_turns: int | None,
+    ) -> str:
+        """Refuses, before anything is built, a way of sampling that cannot work (the mode, the lag bound, where it
+        samples and how the weights get there, tools with a policy); returns the backend (``None``: the mode's)."""
+        if mode not in ("sync", "async"):
+            raise ValueError(f"TorchRLRolloutFunc: mode must be 'sync' or 'async', got {mode!r}.")
+        if tools is not None:
+            cls._check_tool_options(tools, policy=policy, max_turns=max_turns)
+        if max_policy_lag < 0:
+            raise ValueError(f"TorchRLRolloutFunc: max_policy_lag must be >= 0, got {max_policy_lag}.")
+        if past_lag_bound not in PAST_LAG_BOUND:
+            raise ValueError(
+                f"TorchRLRolloutFunc: past_lag_bound must be one of {PAST_LAG_BOUND}, got {past_lag_bound!r}."
+            )
+        backend = cls._check_backend(mode, backend, workers)
+        cls._check_weight_push(mode, backend, max_policy_lag, weight_sync_every, sampler_dtype)
+        if backend != "learner" and policy is not None and not isinstance(policy, CausalLMSampler):
+            raise ValueError(
+                f"TorchRLRolloutFunc: mode={mode!r}, backend={backend!r} samples with a CausalLMSampler on a copy of "
+                f"the weights apart from the learner; a {type(policy).__name__} cannot be copied there. Pass no policy "
+                "(the default CausalLMSampler at the trainer's GRPOConfig settings) or a CausalLMSampler."
+            )
+        return backend
 
     @staticmethod
     def _check_weight_push(mode: str, backend: str, max_policy_lag: int, every: int, dtype) -> None:
@@ -651,7 +684,7 @@ class TorchRLRolloutFunc:
             self._start_background().wait_until_ready()
 
     def _start_background(self) -> RolloutWorkers:
-        from interop.rollout_workers import RolloutWorkers
+        from interop.sampling.workers import RolloutWorkers
 
         dialogs = None
         if self.tools is not None:  # the child runs the same dialogs with a tool worker of its own
@@ -686,8 +719,7 @@ class TorchRLRolloutFunc:
         if self._background is not None:
             self._background.close()
             self._background = None
-        self._pending = self._withheld = None
-        self._pending_withheld = False
+        self._forget_next_batch()
         if self._owns_runner and self.runner is not None:  # the tool worker built here (a caller's runner is theirs)
             self.runner.close()
 
@@ -751,7 +783,7 @@ class TorchRLRolloutFunc:
         """The tools' sampler: each turn at trl's settings, ``max_completion_length`` the whole dialog's budget (as
         trl's tool loop counts it), turns ending at EOS (so the end-of-turn token after a call is the model's, in the
         loss, as in trl's layout), log-probs at trl's temperature."""
-        from interop.dialogs import DialogSampler
+        from interop.tools.dialogs import DialogSampler
 
         if self.runner is None:
             self.runner = ToolRunner(
@@ -950,39 +982,6 @@ class TorchRLRolloutFunc:
         """
         return self.rollout_ids(self.tokenize(prompts, trainer))
 
-    def _max_new_tokens(self) -> int | None:
-        """The most tokens the policy writes after a prompt (``None``: it does not say)."""
-        if hasattr(self.policy, "max_completion_tokens"):  # a DialogSampler: the whole dialog's budget
-            return self.policy.max_completion_tokens
-        settings = getattr(self.policy, "settings", None)
-        if isinstance(settings, SamplingSettings):
-            return settings.max_new_tokens
-        return (getattr(self.policy, "generate_kwargs", None) or {}).get("max_new_tokens")
-
-    def _check_context(self, prompt_ids: list[list[int]]) -> None:
-        """Refuses prompts the model cannot read whole with the completion after them (past its
-        ``max_position_embeddings``, a model reads positions it has no embedding for), as the recipes refuse them."""
-        positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        if not isinstance(positions, int):
-            return
-        new_tokens = self._max_new_tokens()
-        if new_tokens is not None and new_tokens >= positions:
-            raise ValueError(
-                f"TorchRLRolloutFunc: completions of up to {new_tokens} tokens (GRPOConfig.max_completion_length, or "
-                f"the policy's max_new_tokens) leave no room for a prompt in the model's {positions} positions "
-                f"(max_position_embeddings). Lower max_completion_length below {positions} minus the longest prompt."
-            )
-        lengths = torch.tensor([len(row) for row in prompt_ids])
-        rows = (lengths + (new_tokens or 0) > positions).nonzero().flatten().tolist()
-        if rows:
-            raise ValueError(
-                f"TorchRLRolloutFunc: {len(rows)} of {len(prompt_ids)} prompts (rows {rows[:10]}) take up to "
-                f"{int(lengths.max())} tokens; with completions of up to {new_tokens or 0} tokens "
-                "(GRPOConfig.max_completion_length) they pass the model's "
-                f"{positions} positions (max_position_embeddings). Shorten or drop those prompts, or lower "
-                "max_completion_length."
-            )
-
     def _tool_set(self) -> ToolSet:
         if isinstance(self.tools, ToolRunner):
             return self.tools.tools
@@ -990,151 +989,20 @@ class TorchRLRolloutFunc:
             self.tools = ToolSet(self.tools)
         return self.tools
 
-    @torch.inference_mode()
     def rollout_ids(self, prompt_ids: list[list[int]]) -> TensorDict:
-        """:meth:`rollout` from the prompts' token ids (unpadded)."""
-        self._check_context(prompt_ids)
-        if self.tools is not None:
-            return self._dialog_rollout(prompt_ids)
-        device = self._device()
-        rows = [torch.tensor(row, dtype=torch.long) for row in prompt_ids]
-        pad = self.tokenizer.pad_token_id
-        tokens = pad_sequence(rows, batch_first=True, padding_value=pad, padding_side="left").to(device)
-        mask = pad_sequence(
-            [torch.ones_like(row, dtype=torch.bool) for row in rows],
-            batch_first=True,
-            padding_value=False,
-            padding_side="left",
-        ).to(device)
-        inputs = TensorDict({PROMPT_TOKENS: tokens, PROMPT_MASK: mask}, batch_size=[len(rows)], device=device)
-        output = self.policy(inputs)
-        response, response_mask, log_probs = self._read_response(output, tokens, mask)
-        lengths = response_mask.sum(-1)
-        log_probs = torch.where(response_mask, log_probs.float(), 0.0)
-        response = torch.where(response_mask, response, pad)
-        bad = ~torch.isfinite(log_probs).all(-1)
-        if bool(bad.any()):
-            rows = bad.nonzero().flatten().tolist()
-            raise ValueError(
-                f"TorchRLRolloutFunc: the policy returned non-finite log-probs for {len(rows)} completion(s) (rows "
-                f"{rows[:10]}); trl would train on NaN ratios. Check the model's weights and dtype (float16 overflows "
-                "on CPU), and the policy's sampling settings."
-            )
-        eos = set(self._eos_ids())
-        last = response.gather(-1, (lengths - 1).clamp_min(0)[:, None]).squeeze(-1)
-        truncated = torch.tensor([int(token) not in eos for token in last.tolist()], device=device) | (lengths == 0)
-        return TensorDict(
-            {
-                "prompt_ids": tokens,
-                "prompt_length": mask.sum(-1),
-                "completion_ids": response,
-                "completion_length": lengths,
-                "logprobs": log_probs,
-                "truncated": truncated,
-            },
-            batch_size=[len(rows)],
-        ).cpu()
+        """:meth:`rollout` from the prompts' token ids (unpadded): :meth:`RolloutSampler.sample
+        <interop.sampling.rollouts.RolloutSampler.sample>` with this function's policy (the dialogs sampled, with
+        tools, kept in :attr:`last_dialogs`)."""
+        sampler = self._rollout_sampler()
+        rollout = sampler.sample(prompt_ids)
+        if sampler.dialogs:
+            self.last_dialogs = sampler.last_dialogs
+        return rollout
 
-    def _dialog_rollout(self, prompt_ids: list[list[int]]) -> TensorDict:
-        """:meth:`rollout` for tools: one dialog per prompt (:class:`interop.dialogs.DialogSampler`), laid out as
-        :meth:`rollout` lays out completions, plus ``env_mask`` ``[B, R]`` (1 on the model's tokens, 0 on the tool
-        messages' and on padding) and the :data:`TOOL_COUNTS` ``[B]``."""
-        dialogs = self.policy.sample_ids(prompt_ids)
-        self.last_dialogs = dialogs
-        pad = self.tokenizer.pad_token_id
-
-        def padded(rows, value, side, dtype):
-            tensors = [torch.tensor(row, dtype=dtype) for row in rows]
-            return pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
-
-        stats = dialogs.stats
-        return TensorDict(
-            {
-                "prompt_ids": padded(dialogs.prompt_ids, pad, "left", torch.long),
-                "prompt_length": torch.tensor([len(row) for row in dialogs.prompt_ids]),
-                "completion_ids": padded(dialogs.completion_ids, pad, "right", torch.long),
-                "completion_length": torch.tensor([len(row) for row in dialogs.completion_ids]),
-                "logprobs": padded(dialogs.log_probs, 0.0, "right", torch.float32),
-                "env_mask": padded(dialogs.model_mask, 0, "right", torch.long),
-                "truncated": torch.tensor(dialogs.truncated),
-                "tool_calls": torch.tensor([row.tools.calls for row in stats]),
-                "tool_errors": torch.tensor([row.tools.failures for row in stats]),
-                "turns": torch.tensor([row.turns for row in stats]),
-            },
-            batch_size=[len(dialogs)],
-        )
-
-    def _device(self) -> torch.device:
-        parameter = next(self.model.parameters(), None)
-        return parameter.device if parameter is not None else torch.device("cpu")
-
-    def _eos_ids(self) -> list[int]:
-        ids = [getattr(self.tokenizer, "eos_token_id", None)]
-        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids += configured if isinstance(configured, (list, tuple)) else [configured]
-        return [int(i) for i in ids if i is not None]
-
-    def _get_padded(self, output: TensorDictBase, key: tuple, value) -> torch.Tensor:
-        # Ragged outputs (TransformersWrapper(pad_output=False), a lazy stack at the top or under a key) are padded
-        # on read; a dense tensor is returned as it is.
-        return output.get(key, as_padded_tensor=True, padding_side="right", padding_value=value)
-
-    def _read_response(self, output: TensorDictBase, prompt: torch.Tensor, prompt_mask: torch.Tensor):
-        keys = set(output.keys(include_nested=True, leaves_only=True))
-        if RESPONSE_TOKENS not in keys:
-            raise ValueError(
-                f"TorchRLRolloutFunc: the policy's output has no {RESPONSE_TOKENS} (it wrote {sorted(map(str, keys))})."
-            )
-        pad = self.tokenizer.pad_token_id
-        response = self._get_padded(output, RESPONSE_TOKENS, pad)
-        width, response_width = prompt.shape[-1], response.shape[-1]
-        response_log_probs = self._get_padded(output, RESPONSE_LOG_PROBS, 0.0) if RESPONSE_LOG_PROBS in keys else None
-        full_log_probs = self._get_padded(output, FULL_LOG_PROBS, 0.0) if FULL_LOG_PROBS in keys else None
-        if response_log_probs is not None:
-            log_probs = response_log_probs
-        elif full_log_probs is not None:
-            log_probs = full_log_probs[:, width : width + response_width]
-        else:
-            raise ValueError(
-                f"TorchRLRolloutFunc: the policy's output has neither {RESPONSE_LOG_PROBS} nor {FULL_LOG_PROBS} (it "
-                f"wrote {sorted(map(str, keys))}); trl needs the sampling log-probs (TransformersWrapper: "
-                "return_log_probs=True)."
-            )
-        if ATTENTION_MASK in keys and not _is_ragged(output, ATTENTION_MASK):
-            attention = output.get(ATTENTION_MASK)
-            response_mask = attention[:, width : width + response_width].bool()
-        else:
-            response_mask = self._response_mask(response, pad)
-        if self._first_log_prob_missing and response_width:
-            log_probs = log_probs.clone()
-            log_probs[:, 0] = self._first_token_log_probs(prompt, prompt_mask, response[:, 0])
-        return response, response_mask, log_probs
-
-    def _response_mask(self, response: torch.Tensor, pad: int) -> torch.Tensor:
-        """True up to and including each row's first EOS (without one: its last token that is not the pad id). A
-        pad id the policy sampled inside a response is one of its tokens: ``response != pad`` would cut the response
-        there and lose its EOS."""
-        columns = torch.arange(response.shape[-1], device=response.device)
-        eos = torch.isin(response, torch.tensor(self._eos_ids(), device=response.device, dtype=response.dtype))
-        first_eos = torch.where(eos, columns, response.shape[-1]).min(-1).values
-        last_real = torch.where(response != pad, columns, -1).max(-1).values
-        ends = torch.where(eos.any(-1), first_eos, last_real)
-        return columns <= ends[:, None]
-
-    def _first_token_log_probs(self, prompt, prompt_mask, first) -> torch.Tensor:
-        """The first response token's log-prob under the model: one forward pass over the prompts."""
-        positions = (prompt_mask.long().cumsum(-1) - 1).clamp_min(0)
-        logits = self.model(input_ids=prompt, attention_mask=prompt_mask.long(), position_ids=positions).logits
-        last = logits[:, -1].float().log_softmax(-1)
-        return last.gather(-1, first[:, None]).squeeze(-1)
-
-
-def _is_ragged(output: TensorDictBase, key: tuple) -> bool:
-    """Whether ``output``'s ``key`` holds rows of different lengths (a lazy stack: no dense ``[B, T]`` tensor of it)."""
-    if isinstance(output, LazyStackedTensorDict):
-        return True
-    try:
-        output.get(key)
-    except RuntimeError:  # tensordict cannot stack rows of different lengths
-        return True
-    return False
+    def _rollout_sampler(self) -> RolloutSampler:
+        """The sync core around the current policy and model (built again if either was replaced)."""
+        sampler = self._sampler
+        if sampler is None or sampler.policy is not self.policy or sampler.model is not self.model:
+            sampler = RolloutSampler(self.policy, self.tokenizer, model=self.model, dialogs=self.tools is not None)
+            self._sampler = sampler
+        return sampler

@@ -1,4 +1,4 @@
-"""Multi-turn sampling with tools as a TorchRL policy: :class:`interop.dialogs.DialogSampler` in
+"""Multi-turn sampling with tools as a TorchRL policy: :class:`interop.tools.dialogs.DialogSampler` in
 :class:`interop.sampling.CausalLMSampler`'s TensorDict layout.
 
 Public names:
@@ -13,7 +13,7 @@ Public names:
 A learner that trains on its batches multiplies its loss mask by :data:`ASSISTANT_MASK`: the tool messages' tokens
 were written by the tools, not sampled, and their log-probs (recorded as 0) are no policy's.
 
-Dependencies: torch, tensordict; :mod:`interop.dialogs` and :mod:`interop.tools` (the ``transformers`` model and
+Dependencies: torch, tensordict; :mod:`interop.tools.dialogs` and :mod:`interop.tools` (the ``transformers`` model and
 tokenizer the caller passes, whose chat template renders the tools and tool messages).
 """
 
@@ -26,8 +26,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from interop.dialogs import Dialogs, DialogSampler
-from interop.sampling import (
+from interop.sampling.sampler import (
     ATTENTION_MASK,
     LOG_PROBS,
     POLICY_VERSION,
@@ -38,7 +37,8 @@ from interop.sampling import (
     TRUNCATED,
     SamplingSettings,
 )
-from interop.tools import ToolCallFormat, ToolRunner
+from interop.tools.dialogs import Dialogs, DialogSampler
+from interop.tools.runner import ToolCallFormat, ToolRunner
 
 __all__ = ["ASSISTANT_MASK", "DIALOG_TOOL_CALLS", "DIALOG_TOOL_ERRORS", "DIALOG_TURNS", "DialogPolicy"]
 
@@ -52,7 +52,7 @@ class DialogPolicy(TensorDictModuleBase):
     """A causal LM that may call tools, as a TorchRL policy: one multi-turn dialog per row of a batch of prompts.
 
     It reads the left-padded ``("tokens", "prompt")`` and ``("masks", "prompt")`` (rendered with the tools' schemas,
-    as trl renders a tool-calling run's prompts: :meth:`interop.dialogs.DialogSampler.render_prompts`) and writes
+    as trl renders a tool-calling run's prompts: :meth:`interop.tools.dialogs.DialogSampler.render_prompts`) and writes
     :class:`interop.sampling.CausalLMSampler`'s keys in its dense layout, every row ``[pads | prompt | completion |
     pads]`` with every completion starting at column ``P``:
 
@@ -64,7 +64,7 @@ class DialogPolicy(TensorDictModuleBase):
     - ``"policy_version"``, ``"truncated"`` ``[B]`` (a turn hit its token limit, or a tool result did not fit the
       completion budget), and the counts :data:`DIALOG_TURNS`, :data:`DIALOG_TOOL_CALLS`, :data:`DIALOG_TOOL_ERRORS`.
 
-    Tensors only; the last batch's :class:`interop.dialogs.Dialogs` (messages, stats by error kind) stays in
+    Tensors only; the last batch's :class:`interop.tools.dialogs.Dialogs` (messages, stats by error kind) stays in
     :attr:`last_dialogs`.
 
     Args:
@@ -81,7 +81,8 @@ class DialogPolicy(TensorDictModuleBase):
         call_format: the tool-call markers (Qwen2.5's ``<tool_call>`` by default).
         stop_at_call_end: end a turn at the closing marker; ``None``: when that marker is one token of the tokenizer
             and the chat template writes it in a tool-calling turn (else turns end at EOS only, as trl's do).
-        eos_token_ids, log_probs_at_temperature, chat_template_kwargs: as :class:`interop.dialogs.DialogSampler`'s.
+        eos_token_ids, log_probs_at_temperature, chat_template_kwargs: as
+            :class:`interop.tools.dialogs.DialogSampler`'s.
 
     Examples:
         With the calculator task's policy and tool (``scripts/build_tiny_models.py --task calculator``)::

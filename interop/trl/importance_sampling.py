@@ -4,7 +4,7 @@
 - :func:`sampler_mismatch_counts`: the sums behind the mismatch figures of one batch (they add up over batches and
   processes); :func:`sampler_mismatch_metrics`: the figures, from those sums.
 
-Kept apart from ``interop.trl_grpo`` (which imports trl) so that a trainer of its own, e.g. the GRPO recipe's, can
+Kept apart from ``interop.trl.trainer`` (which imports trl) so that a trainer of its own, e.g. the GRPO recipe's, can
 report the same figures without importing trl.
 
 Dependencies: ``torch``.

@@ -61,14 +61,14 @@ def _require_mcp() -> None:
         import mcp  # noqa: F401
     except ImportError:
         raise ImportError(
-            'interop.mcp_tools: the mcp package is not installed; MCP servers need it: pip install ".[mcp]" (or '
+            'interop.tools.mcp_tools: the mcp package is not installed; MCP servers need it: pip install ".[mcp]" (or '
             "pip install 'mcp>=2.3,<3')."
         ) from None
     found = version("mcp")
     if int(found.split(".")[0]) < 2:
         raise ImportError(
-            f"interop.mcp_tools: mcp {found} is installed; this module needs mcp>=2.3,<3 (its 2.x API): pip install "
-            "'mcp>=2.3,<3'."
+            f"interop.tools.mcp_tools: mcp {found} is installed; this module needs mcp>=2.3,<3 (its 2.x API): "
+            "pip install 'mcp>=2.3,<3'."
         )
 
 

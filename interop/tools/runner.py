@@ -98,7 +98,7 @@ class ToolSet:
     Google-style docstring describing it and each argument (``Args:``), from which
     ``transformers.utils.get_json_schema`` writes the schema the chat template shows the model. A callable with a
     ``json_schema`` attribute (a function schema, ``{"type": "function", "function": {"name": ...}}``) brings its own
-    instead (the adapters of TorchRL's tool pieces, :mod:`interop.torchrl_tools`).
+    instead (the adapters of TorchRL's tool pieces, :mod:`interop.tools.torchrl_tools`).
 
     Args:
         tools: the functions (their ``__name__`` is the tool's name).
@@ -209,7 +209,7 @@ def _schema(tool: Callable, name: str) -> dict:
     import inspect
 
     explicit = getattr(tool, "json_schema", None)
-    if isinstance(explicit, Mapping):  # a tool that brings its schema (interop.torchrl_tools' adapters)
+    if isinstance(explicit, Mapping):  # a tool that brings its schema (interop.tools.torchrl_tools' adapters)
         if explicit.get("function", {}).get("name") != name:
             raise SettingError("ToolSet", f"tool {name!r} brings a json_schema for another name: {_shown(explicit)}.")
         return dict(explicit)
@@ -457,16 +457,16 @@ class ToolRunner:
     is answered with a timeout error and its worker stopped, the next call starting a fresh one. The worker ends on
     :meth:`close` (a ``with`` block closes it) and with this process, however it ends. On Linux every process a tool
     starts ends with the worker, in a session of its own or double-forked too: the worker's keeper process is a child
-    subreaper that kills everything below it (``interop/_tool_worker.py`` says what can still escape). Calls run one
-    at a time, in order.
+    subreaper that kills everything below it (``interop/tools/_tool_worker.py`` says what can still escape). Calls run
+    one at a time, in order.
 
     The tools are sent to the worker with ``cloudpickle``: by reference when importable by their module and name (a
     function at a module's top level, or a bound method of an object that pickles; such an object's state lives in the
     worker from then on), by value when defined in the script that was run (``__main__``), which the worker does not
     run (a training script with no ``if __name__ == "__main__":`` guard would train there). A tool with a
     ``start_in_worker()`` method has it called once in each worker, after loading, before the first call, within
-    ``start_timeout_s`` (an :class:`interop.mcp_tools.MCPTool` starts its server there); what it returns as text is
-    logged (``logging``, INFO).
+    ``start_timeout_s`` (an :class:`interop.tools.mcp_tools.MCPTool` starts its server there); what it returns as text
+    is logged (``logging``, INFO).
 
     Args:
         tools: a :class:`ToolSet`, or the functions to build one from.
@@ -666,7 +666,8 @@ class ToolRunner:
             except subprocess.TimeoutExpired:
                 pass
         if process.poll() is None:
-            process.terminate()  # the keeper kills every process below it (see interop/_tool_worker.py), then ends
+            # The keeper kills every process below it (see interop/tools/_tool_worker.py), then ends.
+            process.terminate()
             try:
                 return process.wait(timeout=_KEEPER_STOP_S)
             except subprocess.TimeoutExpired:

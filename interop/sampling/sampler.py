@@ -717,78 +717,129 @@ def sample_responses(
     """
     synced = _forwards_are_collective(model)
     with _output_head_for_few_rows(model, skip=synced):  # FSDP2 shards the head: left alone there
-        mask = prompt_mask.long()
-        batch, device = prompt_tokens.shape[0], prompt_tokens.device
-        eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+        eos = torch.tensor(sorted(set(eos_token_ids)), device=prompt_tokens.device)
         responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
-        prefill, cache_argument = _forward_options(model)
-        decoding = True  # a row of this rank has not sampled EOS yet
-        if past is not None:
-            if synced:
-                raise ValueError("sample_responses: past cannot be used under FSDP2 (no cache is kept there).")
-            logits, cache, mask, positions = _prefill_after(
-                model, past, prompt_tokens, mask, prefill, cache_argument, pad_token_id
-            )
-        else:
-            positions = (mask.cumsum(-1) - 1).clamp_min(0)
-            logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
-        drop_finished = not synced and _rows_can_be_copied(cache)
-        keeper = _Keeper() if keep_cache and drop_finished and _rows_can_be_kept(cache) else None
-        prefilled = mask.shape[1]  # the cache's columns before the response's
-        seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
-        if settings.repetition_penalty != 1.0:
-            seen = (
-                torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, prompt_mask.float()) > 0
-            )
-        workspace = torch.empty_like(logits, dtype=torch.float32)  # [B, V], reused at every step
-        rows = torch.arange(batch, device=device)  # the decoding batch's rows, as rows of the whole batch
-        next_position = positions[:, -1:] + 1
-        for step in range(settings.max_new_tokens):
-            # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
-            # it leaves its RNG where a rank decoding alone would have left it.
-            if decoding:
-                # One uniform per row of the whole batch, so that a row draws the same whichever rows have left.
-                uniform = torch.rand(batch, 1, device=device)[rows] if settings.do_sample else None
-                token, token_log_prob = _next_tokens(
-                    logits.float(),
-                    step=step,
-                    settings=settings,
-                    eos=eos,
-                    seen=seen,
-                    scaled=log_probs_at_temperature,
-                    uniform=uniform,
-                    workspace=workspace[: rows.shape[0]],
-                )
-                running = responses.record(step, rows, token, token_log_prob)
-                if seen is not None:
-                    seen.scatter_(-1, token[:, None], True)
-                still_running = int(running.sum())  # the step's one host sync (two when rows leave: nonzero)
-                decoding = still_running > 0
-            if step + 1 == settings.max_new_tokens or not _any_rank_running(decoding, synced, device):
-                break
-            if drop_finished and still_running < (1.0 - _DROP_FINISHED_AT) * rows.shape[0]:
-                keep = running.nonzero().squeeze(-1)
-                if keeper is not None:
-                    keeper.take(cache, rows, (~running).nonzero().squeeze(-1), mask)
-                cache.batch_select_indices(keep)
-                rows, mask, next_position = rows[keep], mask[keep], next_position[keep]
-                seen = seen[keep] if seen is not None else None
-            # Finished rows still in the batch decode pads (their outputs are discarded).
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-            out = model(
-                input_ids=responses.tokens[rows, step : step + 1],
-                attention_mask=mask,
-                position_ids=next_position,
-                use_cache=True,
-                **{cache_argument: cache},
-            )
-            logits, cache = out.logits[:, -1], _cache_of(out)
-            next_position = next_position + 1
+        logits, batch = _prefilled_batch(model, prompt_tokens, prompt_mask, settings, past, pad_token_id, synced=synced)
+        drop_finished = not synced and _rows_can_be_copied(batch.cache)
+        keeper = _Keeper() if keep_cache and drop_finished and _rows_can_be_kept(batch.cache) else None
+        prefilled = batch.mask.shape[1]  # the cache's columns before the response's
+        options = {"scaled": log_probs_at_temperature, "synced": synced, "drop_finished": drop_finished}
+        _decode(model, logits, batch, responses, settings, eos=eos, keeper=keeper, **options)
         sampled = responses.sampled()
         if keeper is not None:
-            keeper.take(cache, rows, None, mask)
+            keeper.take(batch.cache, batch.rows, None, batch.mask)
             sampled.kept = keeper.kept(prompt_tokens, prompt_mask, responses, prefilled)
         return sampled
+
+
+def _prefilled_batch(
+    model,
+    prompt_tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    settings: SamplingSettings,
+    past: KeptCache | None,
+    pad_token_id: int,
+    *,
+    synced: bool,
+) -> tuple[torch.Tensor, _DecodingBatch]:
+    """:func:`sample_responses`' prefill: the prompts' forward pass (only what ``past`` does not hold, when given;
+    each distinct prompt once, unless ``synced``), as the first logits and the decoding batch of every row."""
+    mask = prompt_mask.long()
+    prefill, cache_argument = _forward_options(model)
+    if past is not None:
+        if synced:
+            raise ValueError("sample_responses: past cannot be used under FSDP2 (no cache is kept there).")
+        logits, cache, mask, positions = _prefill_after(
+            model, past, prompt_tokens, mask, prefill, cache_argument, pad_token_id
+        )
+    else:
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
+    seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
+    if settings.repetition_penalty != 1.0:
+        seen = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, prompt_mask.float()) > 0
+    return logits, _DecodingBatch(cache, mask, positions[:, -1:] + 1, seen, cache_argument=cache_argument)
+
+
+class _DecodingBatch:
+    """The rows still in the decoding loop: which rows of the whole batch they are, their attention mask, the position
+    of the token each feeds next, their KV cache and the tokens each has seen (``None`` without repetition penalty)."""
+
+    def __init__(self, cache, mask: torch.Tensor, next_position: torch.Tensor, seen, *, cache_argument: str):
+        self.cache, self.mask, self.next_position, self.seen = cache, mask, next_position, seen
+        self.rows = torch.arange(mask.shape[0], device=mask.device)
+        self.cache_argument = cache_argument
+
+    def drop(self, running: torch.Tensor, keeper: _Keeper | None) -> None:
+        """Only the ``running`` rows stay (the others' caches to ``keeper`` first, when it keeps them)."""
+        keep = running.nonzero().squeeze(-1)
+        if keeper is not None:
+            keeper.take(self.cache, self.rows, (~running).nonzero().squeeze(-1), self.mask)
+        self.cache.batch_select_indices(keep)
+        self.rows, self.mask, self.next_position = self.rows[keep], self.mask[keep], self.next_position[keep]
+        self.seen = self.seen[keep] if self.seen is not None else None
+
+    def forward(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """Feeds each row's last token (``[rows, 1]``); returns the next logits (``[rows, V]``)."""
+        # Finished rows still in the batch decode pads (their outputs are discarded).
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=-1)
+        out = model(
+            input_ids=tokens,
+            attention_mask=self.mask,
+            position_ids=self.next_position,
+            use_cache=True,
+            **{self.cache_argument: self.cache},
+        )
+        self.cache = _cache_of(out)
+        self.next_position = self.next_position + 1
+        return out.logits[:, -1]
+
+
+def _decode(
+    model,
+    logits: torch.Tensor,
+    batch: _DecodingBatch,
+    responses: _ResponsesSoFar,
+    settings: SamplingSettings,
+    *,
+    eos: torch.Tensor,
+    scaled: bool,
+    synced: bool,
+    drop_finished: bool,
+    keeper: _Keeper | None,
+) -> None:
+    """:func:`sample_responses`' decoding loop, from the prefill's ``logits``: a token drawn for every row still
+    decoding (into ``responses``), then a forward pass over the new tokens, until every row has ended (on every rank,
+    ``synced``) or ``settings.max_new_tokens``; finished rows leave ``batch`` when ``drop_finished``."""
+    size, device = batch.rows.shape[0], batch.rows.device
+    workspace = torch.empty_like(logits, dtype=torch.float32)  # [B, V], reused at every step
+    decoding = True  # a row of this rank has not sampled EOS yet
+    for step in range(settings.max_new_tokens):
+        # A rank done before the others only runs the forward passes (their collectives need it): drawing no tokens,
+        # it leaves its RNG where a rank decoding alone would have left it.
+        if decoding:
+            # One uniform per row of the whole batch, so that a row draws the same whichever rows have left.
+            uniform = torch.rand(size, 1, device=device)[batch.rows] if settings.do_sample else None
+            token, token_log_prob = _next_tokens(
+                logits.float(),
+                step=step,
+                settings=settings,
+                eos=eos,
+                seen=batch.seen,
+                scaled=scaled,
+                uniform=uniform,
+                workspace=workspace[: batch.rows.shape[0]],
+            )
+            running = responses.record(step, batch.rows, token, token_log_prob)
+            if batch.seen is not None:
+                batch.seen.scatter_(-1, token[:, None], True)
+            still_running = int(running.sum())  # the step's one host sync (two when rows leave: nonzero)
+            decoding = still_running > 0
+        if step + 1 == settings.max_new_tokens or not _any_rank_running(decoding, synced, device):
+            break
+        if drop_finished and still_running < (1.0 - _DROP_FINISHED_AT) * batch.rows.shape[0]:
+            batch.drop(running, keeper)
+        logits = batch.forward(model, responses.tokens[batch.rows, step : step + 1])
 
 
 class _ResponsesSoFar:
