@@ -30,7 +30,8 @@ At the top:
 - :class:`HFRewardModelWrapper` (``interop.reward``): an HF sequence-classification reward model as a TensorDict
   module; :class:`RewardModelTransform`: a TorchRL env ``Transform`` that scores each step with a reward module, or
   with several named and weighted ones (their NaN-skipping weighted sum, as trl sums ``reward_funcs``), in the
-  reward-spec shape ``MCAdvantage`` and ``GRPOLoss`` expect.
+  reward-spec shape ``MCAdvantage`` and ``GRPOLoss`` expect. ``interop.prefix_scoring`` holds how the wrapper runs a
+  prefix its rows share (a GRPO group's prompt) once (``share_prefixes=True``).
 
 Every name above imports from ``interop`` itself. The module paths of the flat layout before the wings
 (``interop.rollout_func``, ``interop.dialogs``, ``interop.trl_grpo``...) still import, as the module that holds their

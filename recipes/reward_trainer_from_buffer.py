@@ -40,6 +40,7 @@ keep a whole copy per process); every process sends its shards for the save, and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -50,7 +51,7 @@ from pathlib import Path
 
 import hydra
 from accelerate import PartialState
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer, TrainerCallback
 
 from recipes.common.callbacks import make_finite_guard, make_record_masker
@@ -70,10 +71,10 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
-from recipes.common.schema import refuse_unknown_overrides, trainer_aliases
+from recipes.common.schema import config_view, refuse_unknown_overrides, trainer_aliases
 from recipes.common.sharding import gather_full_model_state, is_sharded
 from recipes.reward.buffer import make_eval_dataset, make_training_stream
-from recipes.reward.checks import kept_records, validate
+from recipes.reward.checks import kept_records, validate, validated
 from recipes.reward.evaluation import evaluate
 from recipes.reward.pair_store import EVAL_PAIRS_FILE, load_labelled_pairs, write_jsonl
 from recipes.reward.pairs import (
@@ -85,17 +86,24 @@ from recipes.reward.pairs import (
 )
 from recipes.reward.schema import RewardRecipeConfig, reward_trainer_view
 
+__all__ = ["train", "validate"]
+
 # trl is imported where the trainer is made: it prints a notice on import and takes a second, which `--help` and a
 # config refused by validate() need not wait for (the same rule as recipes.common.data's datasets and
 # recipes.common.lora's peft).
 
 log = logging.getLogger(__name__)
 
+# The run reads its typed settings (``cfg``: a ``RewardRecipeConfig``, built by ``validate``), never the composed
+# DictConfig. The resolved DictConfig stays beside them as ``run_record``, where a DictConfig is the point: the run's
+# record (``start_run`` writes resolved_config.yaml and the logger's config, secrets masked; ``masked_fields``).
+# ``recipes.common.models`` takes model nodes as DictConfigs (it merges them with OmegaConf): ``config_view``.
+
 
 # ---------------------------------------------------------------------------------------------------- pairs
 
 
-def make_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
+def make_labelled_pairs(cfg: RewardRecipeConfig) -> LabelledPairs:
     """Generated and labelled pairs (``data=synthetic``) or pairs read from a file / HF dataset."""
     if cfg.data.source == "synthetic":
         policy, tokenizer = load_sampling_policy(
@@ -114,7 +122,7 @@ def make_labelled_pairs(cfg: DictConfig) -> LabelledPairs:
     return pairs_from_dataset(cfg.data, holdout_fraction=cfg.eval.holdout_fraction, seed=cfg.seed)
 
 
-def make_or_load_labelled_pairs(cfg: DictConfig, tokenizer) -> LabelledPairs:
+def make_or_load_labelled_pairs(cfg: RewardRecipeConfig, tokenizer) -> LabelledPairs:
     """The run's labelled pairs: loaded from ``buffer.load_from`` (its stored token ids reused when ``tokenizer``
     wrote them), or made from ``data=``."""
     if cfg.buffer.load_from is not None:
@@ -122,7 +130,7 @@ def make_or_load_labelled_pairs(cfg: DictConfig, tokenizer) -> LabelledPairs:
     return make_labelled_pairs(cfg)
 
 
-def make_data(cfg: DictConfig, tokenizer, run: Run) -> tuple[LabelledPairs, object, dict]:
+def make_data(cfg: RewardRecipeConfig, tokenizer, run: Run) -> tuple[LabelledPairs, object, dict]:
     """The run's labelled pairs, the training stream over its buffer, and the facts the summary reports about them.
 
     The returned pairs hold the held-out pairs this run evaluates: those trl would train on (the buffer folder keeps
@@ -148,7 +156,7 @@ def make_data(cfg: DictConfig, tokenizer, run: Run) -> tuple[LabelledPairs, obje
 # ---------------------------------------------------------------------------------------------------- training
 
 
-def make_reward_config(cfg: DictConfig):
+def make_reward_config(cfg: RewardRecipeConfig):
     """``trl.RewardConfig`` from ``train:``, with the device this run decides.
 
     trl reports to nothing itself: its logs go through the recipe's own logger (``logger=``), csv or wandb, as the
@@ -187,7 +195,7 @@ def make_metrics_callback(logger: MetricLogger, *, total_steps: int):
     return MetricLoggerCallback()
 
 
-def log_run_plan(cfg: DictConfig, args, facts: dict, *, num_eval_pairs: int) -> None:
+def log_run_plan(cfg: RewardRecipeConfig, args, facts: dict, *, num_eval_pairs: int, output_dir: Path) -> None:
     """Says in the run's log what is about to train, on what, and where the run writes."""
     log.info(
         "Reward model training: %s trained from a TorchRL buffer (%s storage) of %d preference pairs (data=%s), "
@@ -203,7 +211,7 @@ def log_run_plan(cfg: DictConfig, args, facts: dict, *, num_eval_pairs: int) -> 
         cfg.device,
         cfg.dtype,
         num_eval_pairs,
-        Path(cfg.output_dir),
+        output_dir,
     )
 
 
@@ -251,7 +259,7 @@ def gather_trained_weights(model) -> dict | None:
 
 
 def save_and_evaluate(
-    trainer, tokenizer, labelled: LabelledPairs, cfg: DictConfig, output_dir: Path, *, device, full_state=None
+    trainer, tokenizer, labelled: LabelledPairs, cfg: RewardRecipeConfig, output_dir: Path, *, device, full_state=None
 ) -> dict[str, float]:
     """Writes trl's log history and the model folder (a LoRA adapter folder with ``reward_model.lora``), then
     evaluates the saved model on the held-out pairs. ``full_state``: the whole weights of a model sharded by
@@ -262,27 +270,30 @@ def save_and_evaluate(
     )
     # Measure what ships: the saved folder, loaded as a user (or the GRPO recipe) loads it.
     saved_tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    node = OmegaConf.merge(cfg.reward_model, {"name_or_path": str(model_dir), "tokenizer_name_or_path": None})
-    saved = load_reward_model(node, device=device, dtype="float32", pad_token_id=saved_tokenizer.pad_token_id)
+    node = dataclasses.replace(cfg.reward_model, name_or_path=str(model_dir), tokenizer_name_or_path=None)
+    saved = load_reward_model(
+        config_view(node), device=device, dtype="float32", pad_token_id=saved_tokenizer.pad_token_id
+    )
     return evaluate(saved, saved_tokenizer, labelled, cfg.eval)
 
 
 # ---------------------------------------------------------------------------------------------------- recipe
 
 
-def train(cfg: DictConfig) -> dict:
-    """Runs the preference stage end to end and returns the summary written to ``<output_dir>/summary.json``.
+def train(composed: DictConfig) -> dict:
+    """Runs the preference stage end to end on the ``composed`` config (Hydra's) and returns the summary written to
+    ``<output_dir>/summary.json``.
 
     Under ``accelerate launch`` / ``torchrun`` every process calls it and gets the same summary back.
     """
     start = time.perf_counter()
-    cfg = validate(cfg)  # resolved, LoRA switched on or off
+    cfg, run_record = validated(composed)  # typed settings (resolved, LoRA switched on or off), and the run's record
     seed_everything(cfg.seed)
     # trl's config sets up the processes first (under a launcher: torch.distributed with its ddp_timeout, gloo on CPU,
     # nccl on GPU); start_run joins them.
     args = make_reward_config(cfg)
     run = start_run(
-        cfg,
+        run_record,  # written as the run's resolved_config.yaml (secrets masked), and the logger's config
         tidy=[Path(cfg.buffer.path).parent] if cfg.buffer.path else [],
         keep=kept_records(cfg),  # a buffer this run reuses, if in the folder
     )
@@ -293,18 +304,22 @@ def train(cfg: DictConfig) -> dict:
         labelled, train_dataset, facts = make_data(cfg, tokenizer, run)
         if run.is_main:
             write_jsonl(run.output_dir / EVAL_PAIRS_FILE, labelled.eval)  # the held-out pairs this run evaluates
-            log_run_plan(cfg, args, facts, num_eval_pairs=len(labelled.eval))
+            log_run_plan(cfg, args, facts, num_eval_pairs=len(labelled.eval), output_dir=run.output_dir)
         pairs_s = time.perf_counter() - start
 
         # args.device: this process's own device (cuda:<local rank> under a launcher).
         # The model trained into a reward model: a classifier's base or a causal LM, whose score head may be new.
         model = load_reward_model(
-            cfg.reward_model, device=args.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id, trained=False
+            config_view(cfg.reward_model),
+            device=args.device,
+            dtype=cfg.dtype,
+            pad_token_id=tokenizer.pad_token_id,
+            trained=False,
         )
         guard = make_finite_guard()
         callbacks = [
             guard,
-            make_record_masker(masked_fields(cfg, "train")),
+            make_record_masker(masked_fields(run_record, "train")),  # masked as the record masks them
             *([make_metrics_callback(run.logger, total_steps=args.max_steps)] if run.is_main else []),
         ]
         trainer = make_trainer(
@@ -405,6 +420,7 @@ def main(cfg: DictConfig) -> float:
     summary = run_recipe(train, cfg)
     if PartialState().is_main_process and "train/steps" in summary:  # a failed sweep job says so in its log instead
         print(json.dumps(summary, indent=2))
+    # Hydra's composed config: train() checked it, and metric names the summary's figure a sweeper optimises.
     return summary[cfg.metric]
 
 

@@ -26,7 +26,8 @@ What it prints, per device (one process):
 - activations of the update: kept for the backward of one mini-batch of ``train.mini_batch_size`` sequences of
   (prompt + ``max_new_tokens``) tokens (with ``train.max_tokens_per_micro_batch``, of the whole sequences that fit
   that budget), with and without ``train.gradient_checkpointing``; with ``train.share_prompt`` each distinct prompt
-  (at most one per group of the step) is computed once, the responses read its keys and values; the LM head projects
+  (at most one per group of the step) is computed once, the responses read its keys and values (every response
+  counted ``max_new_tokens`` long: the passes by response length only save on shorter ones); the LM head projects
   the response positions only (``recipes/grpo/log_probs.py``), so no ``[B, T, V]`` logits, and at most ``2**23``
   logits per chunk beyond a size (the forward's chunks kept for the backward, up to ``2**27`` logits in all).
 - generation: the KV cache of all ``rollout.responses_per_step`` sequences sampled in one decoding loop; reference

@@ -73,6 +73,14 @@ def other_rm_dir(tmp_path_factory) -> Path:
     return build_reward_model_with_own_tokenizer(tmp_path_factory.mktemp("other_rm"))
 
 
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> Path:
+    """The session's folder of runs several tests read (``_shared_runs.shared_run``), one for every xdist worker."""
+    from _shared_runs import shared_runs_root
+
+    return shared_runs_root(tmp_path_factory)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _list_to_stack():
     """TorchRL's LLM stack needs tensordict's list-to-stack mode: every test runs in it, as the recipes do."""
@@ -113,20 +121,73 @@ def compose_config():
     return _compose
 
 
-@pytest.fixture
-def two_node_cluster():
-    """A Ray cluster of two simulated nodes of 1 CPU each (the head and one more, which also offers a custom resource
-    ``second``), this test's own, shut down however the test ends (Ray disconnected first): ``(cluster, second node)``.
-    A recipe joins it with ``ray.address=<cluster.address>``."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
+class _SessionCluster:
+    """The Ray cluster the session's ``two_node_cluster`` tests share on one test worker: starting one takes 10-20 s
+    on 2 cores, a check that it is idle (and a new second node where a test removed it) about 2 s."""
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    def __init__(self):
+        self.cluster = self.second = None
+
+    def ready(self):
+        """``(cluster, second node)``: two nodes of 1 CPU each, nothing running on them."""
+        if self.cluster is not None and not self._idle():
+            self.close()
+        if self.cluster is None:
+            from ray.cluster_utils import Cluster
+
+            self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+            self.second = None
+        if self.second is None or self.second not in self.cluster.worker_nodes:
+            self.second = self.cluster.add_node(num_cpus=1, resources={"second": 1})
+            self.cluster.wait_for_nodes()
+        return self.cluster, self.second
+
+    def _idle(self, within_s: float = 10.0) -> bool:
+        """The head alive, and every CPU of the cluster free within ``within_s`` (a test's actors end as it ends;
+        anything still holding a CPU then gets the next test a new cluster)."""
+        import time
+
+        import ray
+
+        if not self.cluster.head_node.remaining_processes_alive():
+            return False
+        ray.init(address=self.cluster.address, include_dashboard=False, log_to_driver=False)
+        try:
+            deadline = time.monotonic() + within_s
+            while True:
+                total, free = ray.cluster_resources(), ray.available_resources()
+                if free.get("CPU", 0.0) == total.get("CPU", -1.0):
+                    return True
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.2)
+        finally:
+            ray.shutdown()
+
+    def close(self):
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        self.cluster = self.second = None
+
+
+@pytest.fixture(scope="session")
+def _session_cluster():
+    holder = _SessionCluster()
     try:
-        second = cluster.add_node(num_cpus=1, resources={"second": 1})
-        cluster.wait_for_nodes()
-        yield cluster, second
+        yield holder
+    finally:
+        holder.close()
+
+
+@pytest.fixture
+def two_node_cluster(_session_cluster):
+    """A Ray cluster of two simulated nodes of 1 CPU each (the head and one more, which also offers a custom resource
+    ``second``), idle when the test starts (the tests of one test worker share it: see ``_SessionCluster``), Ray
+    disconnected however the test ends: ``(cluster, second node)``. A test may kill its actors or remove the second
+    node. A recipe joins it with ``ray.address=<cluster.address>``."""
+    ray = pytest.importorskip("ray")
+    try:
+        yield _session_cluster.ready()
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        cluster.shutdown()

@@ -25,6 +25,8 @@ of choices take it from the schema's ``Literal`` (``typing.get_args``).
 - :func:`checked_config` / :func:`checked_tree`: what a recipe's ``validate`` starts with: the resolved config, and
   (``checked_tree``) its typed tree.
 - :func:`typed_config`: one config (or sub-node) checked and built into its schema's dataclasses.
+- :func:`config_view`: a typed node as a ``DictConfig`` again, for the shared helpers that merge nodes or read them
+  by name.
 - :class:`TrainerNode`, :func:`checked_trainer_config`: trl's ``train:`` node, over trl's own defaults.
 
 Dependencies: omegaconf.
@@ -81,6 +83,7 @@ __all__ = [
     "trainer_aliases",
     "checked_trainer_config",
     "checked_tree",
+    "config_view",
     "trainer_config_view",
     "typed_config",
 ]
@@ -408,6 +411,27 @@ def checked_config(
 ) -> DictConfig:
     """The resolved, checked config of :func:`checked_tree`, which the recipes read."""
     return checked_tree(cfg, schema, recipe=recipe, renamed=renamed, aliases=aliases)[0]
+
+
+def config_view(node: Any) -> DictConfig:
+    """A typed node (a schema dataclass :func:`typed_config` built) as a read-only ``DictConfig`` of the same values,
+    for the shared helpers that need one rather than attribute reads: ``recipes.common.models`` merges a model node
+    with OmegaConf (an adapter's base node), which a dataclass with a union field (``LoraNode.target_modules``) cannot
+    go through; ``recipes.common.data`` reads a data node's columns by name (``data[key]``, ``data.get``).
+
+    Examples:
+        >>> @dataclass
+        ... class Data:
+        ...     source: str
+        ...     prompt_column: str
+        >>> view = config_view(Data("file", "prompt"))
+        >>> view["prompt_column"], view.source
+        ('prompt', 'file')
+    """
+    view = OmegaConf.create(dataclasses.asdict(node))
+    OmegaConf.set_struct(view, True)  # as the checked config: a key it lacks raises
+    OmegaConf.set_readonly(view, True)  # a view: what a helper changed would not reach the typed tree
+    return view
 
 
 def _refuse_renamed(values: Any, renamed: Mapping[str, str], recipe: str) -> None:

@@ -67,6 +67,11 @@ CHUNK_ELEMENTS = 2**23
 # vocabulary.
 KEEP_ELEMENTS = 2**27
 
+# The responses' passes under prompt sharing: at most this many buckets of response lengths, a bucket added while it
+# saves at least this share of one pass's positions (each pass costs a model call: tiny models pay that, too).
+MAX_BUCKETS = 4
+BUCKET_SAVING = 0.1
+
 # Configuration entries by which some models rescale or cap their logits after the LM head: such models are scored
 # through their own forward (logits_to_keep) instead of the chunked head, which would miss the rescaling.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
@@ -216,6 +221,44 @@ def distinct_prompts(tokens: torch.Tensor, attention_mask: torch.Tensor, respons
     return rows, inverse
 
 
+def response_buckets(
+    lengths: torch.Tensor, *, max_buckets: int = MAX_BUCKETS, min_saving: float = BUCKET_SAVING
+) -> list[torch.Tensor]:
+    """The rows of a batch in buckets of similar response length (``lengths``, ``[B]``), for passes each padded to its
+    own longest response instead of the batch's: a bucket is split in two where that saves the most padded positions,
+    while a split saves at least ``min_saving`` of the one-pass positions, into at most ``max_buckets``. One bucket
+    (every row, in order) when no split pays.
+
+    Examples:
+        >>> response_buckets(torch.tensor([3, 20, 2, 19, 4, 20]))
+        [tensor([2, 0, 4]), tensor([3, 1, 5])]
+        >>> response_buckets(torch.tensor([18, 20, 19]))
+        [tensor([0, 1, 2])]
+    """
+    order = torch.argsort(lengths, stable=True)
+    ordered = lengths[order].tolist()
+
+    def positions(start: int, stop: int) -> int:
+        return (stop - start) * ordered[stop - 1]
+
+    bounds, one_pass = [(0, len(ordered))], positions(0, len(ordered))
+    while len(bounds) < max_buckets:
+        best = (0, 0, 0)  # (positions saved, bucket, split)
+        for index, (start, stop) in enumerate(bounds):
+            for split in range(start + 1, stop):
+                if ordered[split - 1] != ordered[split]:
+                    saved = positions(start, stop) - positions(start, split) - positions(split, stop)
+                    best = max(best, (saved, index, split))
+        saved, index, split = best
+        if saved < max(1, min_saving * one_pass):
+            break
+        start, stop = bounds[index]
+        bounds[index : index + 1] = [(start, split), (split, stop)]
+    if len(bounds) == 1:
+        return [torch.arange(len(ordered), device=lengths.device)]
+    return [order[start:stop] for start, stop in bounds]
+
+
 def _only_full_attention(config) -> bool:
     """Whether every layer of the model attends to the whole sequence: the one case the prompt-sharing cache serves
     (a sliding-window or linear-attention layer keeps other state)."""
@@ -349,12 +392,17 @@ class ResponseLogProbs(nn.Module):
 
     def _shared_prompt_states(self, tokens, attention_mask, response_start, prompts, inverse) -> torch.Tensor:
         """:meth:`_states` of columns ``response_start - 1 .. T - 2``, each distinct prompt run once: its keys and
-        values, recorded per layer, are gathered for every row that shares it and read (not recomputed) by the pass over
-        the responses. Under autograd the gathers sum each row's gradient into its prompt's single pass."""
+        values, recorded per layer, are gathered for every row that shares it and read (not recomputed) by the passes
+        over the responses, one per bucket of response lengths (:func:`response_buckets`), each as wide as its longest
+        response. Under autograd the gathers sum each row's gradient into its prompt's single pass."""
         mask = attention_mask.long()
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         layers = self.model.config.num_hidden_layers
         recorded = Cache(layers=[_RecordedLayer() for _ in range(layers)])
+        width = tokens.shape[-1] - response_start
+        # Under FSDP2 every process makes the same calls: one pass, whatever its batch's lengths.
+        lengths = mask[:, response_start:].sum(-1)
+        buckets = [None] if self._same_path_on_every_process else response_buckets(lengths)
         with _cache_kept_under_checkpointing(self.model):
             prompt_states = self._states(
                 tokens[prompts, :response_start],
@@ -363,16 +411,26 @@ class ResponseLogProbs(nn.Module):
                 recorded,
                 1,
             )
-            shared = Cache(
-                layers=[_SharedPromptLayer(layer.keys[inverse], layer.values[inverse]) for layer in recorded.layers]
-            )
-            response_states = self._states(
-                tokens[:, response_start:],
-                mask,
-                positions[:, response_start:],
-                shared,
-                tokens.shape[-1] - response_start,
-            )
+            pieces = []
+            for rows in buckets:
+                # A bucket's columns end at its longest response (rows are padded on the right).
+                end = response_start + (max(1, int(lengths[rows].max())) if rows is not None else width)
+                rows = rows if rows is not None else slice(None)
+                shared = Cache(
+                    layers=[
+                        _SharedPromptLayer(layer.keys[inverse[rows]], layer.values[inverse[rows]])
+                        for layer in recorded.layers
+                    ]
+                )
+                states = self._states(
+                    tokens[rows, response_start:end],
+                    mask[rows, :end],
+                    positions[rows, response_start:end],
+                    shared,
+                    end - response_start,
+                )
+                pieces.append(nn.functional.pad(states, (0, 0, 0, tokens.shape[-1] - end)))
+        response_states = pieces[0] if len(pieces) == 1 else torch.cat(pieces)[torch.cat(buckets).argsort()]
         return torch.cat([prompt_states[inverse], response_states[:, :-1]], dim=1)
 
 

@@ -10,9 +10,10 @@ Dependencies: torch, tensordict, torchrl, datasets, hydra, and the project's ``i
 
 from __future__ import annotations
 
+import dataclasses
+
 import hydra
 import torch
-from omegaconf import DictConfig
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorStorage
 
@@ -20,7 +21,7 @@ from interop import TorchRLBufferDataset
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.reward.pair_store import STORAGE_FOLDER, save_labelled_pairs
 from recipes.reward.pairs import LabelledPairs, count_over_max_length, pairs_to_tensordict, tokenize_pairs
-from recipes.reward.schema import reward_trainer_view
+from recipes.reward.schema import Buffer, PairKeys, RewardRecipeConfig, reward_trainer_view
 
 __all__ = ["make_eval_dataset", "make_preference_buffer", "make_train_dataset", "make_training_stream"]
 
@@ -33,7 +34,7 @@ def _key_name(key) -> str:
     return ".".join(key) if isinstance(key, tuple) else key
 
 
-def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int, seed: int):
+def make_preference_buffer(buffer_cfg: Buffer, pairs_td, *, batch_size: int, seed: int):
     """A ReplayBuffer over the pairs: copied into a LazyTensorStorage, or (memmap) sampled in place from the tensordict.
 
     The sampler draws from the buffer's own generator, seeded with ``seed``: its draws depend on nothing else the
@@ -53,7 +54,7 @@ def make_preference_buffer(buffer_cfg: DictConfig, pairs_td, *, batch_size: int,
     return buffer
 
 
-def make_train_dataset(buffer, keys: DictConfig, *, samples_per_epoch: int, with_margin: bool):
+def make_train_dataset(buffer, keys: PairKeys, *, samples_per_epoch: int, with_margin: bool):
     """The buffer as the ``datasets.IterableDataset`` RewardTrainer reads: trl's ``chosen_ids``/``rejected_ids``.
 
     Each pass draws ``samples_per_epoch`` pairs in one ``buffer.sample`` (without replacement: no pair twice in an
@@ -65,7 +66,8 @@ def make_train_dataset(buffer, keys: DictConfig, *, samples_per_epoch: int, with
     read += [keys.margin] if with_margin else []
     stream = TorchRLBufferDataset(buffer, samples_per_epoch, keys=[tensordict_key(k) for k in read], num_batches=1)
     stream = stream.as_hf_dataset()
-    names = {field: _key_name(tensordict_key(node)) for field, node in keys.items()}  # columns as the stream names them
+    # the columns as the stream names them
+    names = {field: _key_name(tensordict_key(node)) for field, node in dataclasses.asdict(keys).items()}
 
     def to_trl_columns(batch: dict) -> dict:
         out = {
@@ -99,7 +101,7 @@ def make_eval_dataset(tokenizer, labelled: LabelledPairs, *, with_margin: bool):
 
 
 def make_training_stream(
-    cfg: DictConfig, labelled: LabelledPairs, tokenizer, *, num_processes: int = 1, persist: bool = True
+    cfg: RewardRecipeConfig, labelled: LabelledPairs, tokenizer, *, num_processes: int = 1, persist: bool = True
 ) -> tuple[object, dict]:
     """Tokenizes the training pairs into the buffer (persisted when ``buffer.path`` is set) and opens it for trl.
 

@@ -2,12 +2,16 @@
 found and what to change. The range, the choices and the rules within one node of every key are the schema's
 (``recipes.reward.schema``); here are the rules across nodes, and what needs the files or the machine.
 
+The run reads the typed settings these checks build (``RewardRecipeConfig``: :func:`validate`); the resolved
+``DictConfig`` stays beside them as the run's record only (:func:`validated`).
+
 Dependencies: omegaconf, and the recipe's own modules.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from omegaconf import DictConfig
 
@@ -17,42 +21,60 @@ from recipes.common.lora import check_lora_targets
 from recipes.common.models import check_tokenizer_fits_model, meta_model, validate_model_node
 from recipes.common.run import check_sharded_launch
 from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
-from recipes.common.schema import checked_config
+from recipes.common.schema import checked_tree, config_view
 from recipes.reward.pair_store import read_meta
 from recipes.reward.schema import RewardRecipeConfig, checked_reward_trainer_config
 
-__all__ = ["kept_records", "validate"]
+__all__ = ["ValidatedRun", "kept_records", "validate", "validated"]
 
 
-def validate(cfg: DictConfig) -> DictConfig:
-    """Every check that runs before any model, tokenizer or dataset loads; returns the config the run trains with
-    (resolved once, LoRA on or off as the command line says: ``recipes.common.lora.settle_lora_node``)."""
-    cfg = checked_config(cfg, RewardRecipeConfig, recipe="reward_trainer_from_buffer")
-    args = checked_reward_trainer_config(cfg.train)
-    check_trainer_output_dir(cfg.output_dir, args.output_dir)
-    _validate_settings(cfg)
-    return cfg
+class ValidatedRun(NamedTuple):
+    """A config that passed every check: the typed settings the run reads, and the resolved config they were built
+    from, which stays the run's record only (``resolved_config.yaml`` and the logger's config, secrets masked:
+    ``recipes.common.run.start_run``; the masked ``train:`` fields: ``recipes.common.config.masked_fields``)."""
+
+    settings: RewardRecipeConfig
+    run_record: DictConfig
 
 
-def _validate_settings(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig) -> RewardRecipeConfig:
+    """Every check that runs before any model, tokenizer or dataset loads; returns the typed settings the run trains
+    with (resolved once, LoRA on or off as the command line says: ``recipes.common.lora.settle_lora_node``)."""
+    return validated(cfg).settings
+
+
+def validated(cfg: DictConfig) -> ValidatedRun:
+    """:func:`validate`'s checks; returns the typed settings and the resolved config beside them (the run's record)."""
+    run_record, settings = checked_tree(cfg, RewardRecipeConfig, recipe="reward_trainer_from_buffer")
+    args = checked_reward_trainer_config(settings.train)
+    check_trainer_output_dir(settings.output_dir, args.output_dir)
+    # input_paths reads every recipe's optional path keys with OmegaConf.select: the record holds them all.
+    _validate_settings(settings, inputs=input_paths(run_record))
+    return ValidatedRun(settings, run_record)
+
+
+def _validate_settings(cfg: RewardRecipeConfig, *, inputs: dict[str, str | None]) -> None:
+    # recipes.common.models merges a model node with OmegaConf (an adapter's base): it reads a DictConfig view.
+    model, reward_model = config_view(cfg.model), config_view(cfg.reward_model)
     if cfg.buffer.load_from is not None:
         read_meta(Path(cfg.buffer.load_from).expanduser())  # the rest of the folder is checked as it loads
     elif cfg.data.source == "synthetic":
-        validate_model_node(cfg.model, key="model", kind="policy")
+        validate_model_node(model, key="model", kind="policy")
         check_chat_generation_settings(cfg.generation.generate_kwargs, key="generation.generate_kwargs")
         _check_labeler(cfg.labeler)
     elif cfg.margin_in_loss:
         raise ConfigError(
             f"margin_in_loss=true, but data={cfg.data.source} pairs carry no margin; set margin_in_loss=false."
         )
-    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, inputs=input_paths(cfg), keep=kept_records(cfg))
+    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, inputs=inputs, keep=kept_records(cfg))
     check_sharded_launch(cfg.device)
     check_run_settings(cfg)
-    validate_model_node(cfg.reward_model, key="reward_model")
-    check_tokenizer_fits_model(cfg.reward_model, key="reward_model")
+    validate_model_node(reward_model, key="reward_model")
+    check_tokenizer_fits_model(reward_model, key="reward_model")
     if cfg.reward_model.lora is not None:
-        model = meta_model(cfg.reward_model, kind="reward_model")
-        check_lora_targets(cfg.reward_model.lora, model, key="reward_model.lora")
+        check_lora_targets(
+            cfg.reward_model.lora, meta_model(reward_model, kind="reward_model"), key="reward_model.lora"
+        )
     if cfg.model.lora is not None:
         raise ConfigError(
             "model.lora is set, but this recipe trains the reward model, not the policy that samples the candidate "
@@ -60,12 +82,12 @@ def _validate_settings(cfg: DictConfig) -> None:
         )
 
 
-def kept_records(cfg: DictConfig) -> list[str]:
+def kept_records(cfg: RewardRecipeConfig) -> list[str]:
     """What ``overwrite=true`` keeps of the run folder: the buffer folder this run reloads, if it is there."""
     return [cfg.buffer.load_from] if cfg.buffer.load_from else []
 
 
-def _check_labeler(node: DictConfig) -> None:
+def _check_labeler(node: dict) -> None:
     """Builds the labeler (no model needed) so that a bad setting of it is refused now, not after generation."""
     import hydra
 

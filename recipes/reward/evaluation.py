@@ -8,13 +8,13 @@ Dependencies: torch, tensordict, torchrl, and the project's ``interop`` package.
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
 from tensordict import NonTensorStack, TensorDict
 from torchrl.data.llm import History
 
 from interop import HFRewardModelWrapper
 from recipes.common.config import tensordict_key
 from recipes.reward.pairs import LabelledPairs
+from recipes.reward.schema import Eval
 
 __all__ = ["evaluate", "score_sequences", "spearman"]
 
@@ -37,7 +37,7 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((rx * ry).sum() / denominator) if denominator > 0 else float("nan")
 
 
-def score_sequences(model, tokenizer, sequences: list, eval_cfg: DictConfig, *, conversational: bool) -> torch.Tensor:
+def score_sequences(model, tokenizer, sequences: list, eval_cfg: Eval, *, conversational: bool) -> torch.Tensor:
     """Reward of each sequence (a message list or a text) through ``interop.HFRewardModelWrapper(tokenizer=...)``."""
     history_key, text_key = tensordict_key(eval_cfg.history_key), tensordict_key(eval_cfg.text_key)
     scorer = HFRewardModelWrapper(
@@ -58,7 +58,7 @@ def score_sequences(model, tokenizer, sequences: list, eval_cfg: DictConfig, *, 
     return scorer(td).get(tensordict_key(eval_cfg.reward_key))
 
 
-def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: DictConfig) -> dict[str, float]:
+def evaluate(model, tokenizer, labelled: LabelledPairs, eval_cfg: Eval) -> dict[str, float]:
     """Pairwise accuracy and mean reward margin on the held-out pairs; Spearman vs the oracle when it is known.
 
     ``labelled`` holds the pairs to score as they are (:func:`limit_eval_to_max_length` left out the long ones).

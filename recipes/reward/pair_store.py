@@ -13,12 +13,12 @@ Dependencies: torch, tensordict, omegaconf.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 from recipes.common.checkpoint import write_folder_atomically
@@ -26,6 +26,7 @@ from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.data import BadJsonLine, parse_json_lines
 from recipes.common.models import tokenizer_fingerprint
 from recipes.reward.pairs import LabelledPairs, drop_identical_pairs, tokenize_pairs
+from recipes.reward.schema import PairKeys
 
 __all__ = [
     "EVAL_PAIRS_FILE",
@@ -67,12 +68,12 @@ def _read_jsonl(path: Path) -> list[dict]:
         raise ConfigError(f"{path}, line {bad.line_number}: {bad.reason}. {REBUILD_BUFFER}") from None
 
 
-def _pair_keys_layout(keys: DictConfig) -> dict:
-    return OmegaConf.to_container(keys, resolve=True)
+def _pair_keys_layout(keys: PairKeys) -> dict:
+    return dataclasses.asdict(keys)
 
 
 def save_labelled_pairs(
-    folder: str | os.PathLike, labelled: LabelledPairs, pairs_td, *, tokenizer, pair_keys: DictConfig
+    folder: str | os.PathLike, labelled: LabelledPairs, pairs_td, *, tokenizer, pair_keys: PairKeys
 ) -> Path:
     """Writes a run's labelled data atomically, for a later run's ``buffer.load_from``.
 
@@ -189,8 +190,8 @@ def _check_text_matches_storage(folder: Path, labelled: LabelledPairs, stored, t
     rows = sorted({round(i * (count - 1) / max(1, checked - 1)) for i in range(checked)})
     expected = tokenize_pairs(tokenizer, [labelled.train[row] for row in rows], conversational=labelled.conversational)
     for side, ids in zip(("chosen", "rejected"), expected, strict=True):
-        tokens = stored.get(tensordict_key(pair_keys[f"{side}_tokens"]))
-        lengths = stored.get(tensordict_key(pair_keys[f"{side}_length"]))
+        tokens = stored.get(tensordict_key(getattr(pair_keys, f"{side}_tokens")))
+        lengths = stored.get(tensordict_key(getattr(pair_keys, f"{side}_length")))
         for row, row_ids in zip(rows, ids, strict=True):
             if tokens[row, : int(lengths[row])].tolist() != row_ids:
                 raise ConfigError(
@@ -201,7 +202,7 @@ def _check_text_matches_storage(folder: Path, labelled: LabelledPairs, stored, t
                 )
 
 
-def _why_tokenize_again(meta: dict, tokenizer, pair_keys: DictConfig) -> str | None:
+def _why_tokenize_again(meta: dict, tokenizer, pair_keys: PairKeys) -> str | None:
     """Why this run cannot train from the stored token ids, or None when it can."""
     if "tokenizer" not in meta:
         return "its meta.json records no tokenizer (written by an older version of the recipe)"
@@ -212,7 +213,7 @@ def _why_tokenize_again(meta: dict, tokenizer, pair_keys: DictConfig) -> str | N
     return None
 
 
-def load_labelled_pairs(folder: str | os.PathLike, *, tokenizer, pair_keys: DictConfig) -> LabelledPairs:
+def load_labelled_pairs(folder: str | os.PathLike, *, tokenizer, pair_keys: PairKeys) -> LabelledPairs:
     """The labelled pairs of a folder written by :func:`save_labelled_pairs`: no generation, no labelling.
 
     Cheap checks refuse a cut or damaged folder (row counts, JSON lines, the storage's size). With the tokenizer the
@@ -233,7 +234,8 @@ def load_labelled_pairs(folder: str | os.PathLike, *, tokenizer, pair_keys: Dict
     if reason is not None:
         log.warning("buffer.load_from=%s: %s; re-tokenizing the text of its %s.", folder, reason, TRAIN_PAIRS_FILE)
     else:
-        needed = [tensordict_key(pair_keys[name]) for name in pair_keys if name != "margin" or labelled.has_margin]
+        layout = _pair_keys_layout(pair_keys)
+        needed = [tensordict_key(key) for name, key in layout.items() if name != "margin" or labelled.has_margin]
         missing = [key for key in needed if key not in stored.keys(include_nested=True)]
         if missing:
             raise ConfigError(f"{folder / STORAGE_FOLDER} lacks the keys {missing}. {REBUILD_BUFFER}")

@@ -12,6 +12,9 @@
 
 Kept in a folder for a later run: ``recipes.reward.pair_store``.
 
+The settings come typed (``recipes.reward.schema``); ``recipes.common.data`` and ``recipes.common.models`` read
+their nodes as DictConfig views of them (``recipes.common.schema.config_view``).
+
 Dependencies: torch, tensordict, torchrl (TorchRL's chat stack, ``recipes.common.chat``), omegaconf.
 """
 
@@ -23,13 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from recipes.common import chat
 from recipes.common.config import ConfigError, tensordict_key
 from recipes.common.data import load_preference_pairs, load_prompts, prompt_text
 from recipes.common.models import load_causal_lm, load_tokenizer
+from recipes.common.schema import FileData, HFData, ModelNode, SyntheticData, config_view
+from recipes.reward.schema import PairKeys
 
 __all__ = [
     "LabelledPairs",
@@ -78,11 +82,12 @@ class LabelledPairs:
         return bool(self.train) and all("margin" in pair for pair in self.train)
 
 
-def load_sampling_policy(model_cfg: DictConfig, *, generate_kwargs, device: str, dtype: str):
+def load_sampling_policy(model_cfg: ModelNode, *, generate_kwargs, device: str, dtype: str):
     """The policy that samples candidate responses (TorchRL's ``TransformersWrapper`` in generate mode over the
     ``model=`` node's causal LM) and its tokenizer, with the left padding the wrapper generates with."""
     tokenizer = load_tokenizer(model_cfg, padding_side="left")
-    model = load_causal_lm(model_cfg, device=device, dtype=dtype).eval()
+    # load_causal_lm merges the node with OmegaConf for an adapter folder's base: it takes a DictConfig view.
+    model = load_causal_lm(config_view(model_cfg), device=device, dtype=dtype).eval()
     return chat.make_policy(model, tokenizer, generation=generate_kwargs), tokenizer
 
 
@@ -210,7 +215,7 @@ def hold_out_pairs(labelled: LabelledPairs, *, fraction: float, seed: int, sourc
 def pairs_from_policy(
     policy,
     tokenizer,
-    data_cfg: DictConfig,
+    data_cfg: SyntheticData,
     *,
     labeler: Callable,
     oracle: Callable | None,
@@ -225,7 +230,7 @@ def pairs_from_policy(
         generated = generate_responses(
             policy,
             tokenizer,
-            load_prompts(data_cfg, split),
+            load_prompts(config_view(data_cfg), split),
             responses_per_prompt=responses_per_prompt,
             prompts_per_batch=prompts_per_batch,
             seed=seed,
@@ -240,12 +245,13 @@ def pairs_from_policy(
     return drop_identical_pairs(pairs, source="the labeller")
 
 
-def pairs_from_dataset(data_cfg: DictConfig, *, holdout_fraction: float, seed: int) -> LabelledPairs:
+def pairs_from_dataset(data_cfg: FileData | HFData, *, holdout_fraction: float, seed: int) -> LabelledPairs:
     """The pairs of a file or HF dataset (``data=file|hf``), without identical pairs, the held-out ones from its eval
     set or, without one, ``holdout_fraction`` of them (:func:`hold_out_pairs`)."""
     source = f"data={data_cfg.source} ({data_cfg.path if data_cfg.source == 'file' else data_cfg.name_or_path})"
-    train, conversational = normalize_pairs(load_preference_pairs(data_cfg, "train"), what="train")
-    raw_eval = load_preference_pairs(data_cfg, "eval")
+    data = config_view(data_cfg)  # recipes.common.data reads the columns by name (data[key])
+    train, conversational = normalize_pairs(load_preference_pairs(data, "train"), what="train")
+    raw_eval = load_preference_pairs(data, "eval")
     eval_pairs = []
     if raw_eval:
         eval_pairs, eval_conversational = normalize_pairs(raw_eval, what="eval")
@@ -335,7 +341,7 @@ def tokenize_sequences(tokenizer, sequences: list, *, conversational: bool) -> l
     return [list(seq) for seq in ids]
 
 
-def pairs_to_tensordict(pairs: list[dict], tokenizer, keys: DictConfig, *, conversational: bool):
+def pairs_to_tensordict(pairs: list[dict], tokenizer, keys: PairKeys, *, conversational: bool):
     """What the trainer reads of each pair, as one TensorDict: right-padded token ids, their lengths, the margin.
 
     The text stays out of the buffer: indexing strings (non-tensor stacks) costs ~0.2 s per thousand pairs drawn,
@@ -346,8 +352,9 @@ def pairs_to_tensordict(pairs: list[dict], tokenizer, keys: DictConfig, *, conve
     pad = tokenizer.pad_token_id
     td = TensorDict(batch_size=[len(pairs)])
     for side, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
-        td.set(tensordict_key(keys[f"{side}_tokens"]), torch.tensor([seq + [pad] * (width - len(seq)) for seq in ids]))
-        td.set(tensordict_key(keys[f"{side}_length"]), torch.tensor([len(seq) for seq in ids]))
+        tokens, lengths = getattr(keys, f"{side}_tokens"), getattr(keys, f"{side}_length")
+        td.set(tensordict_key(tokens), torch.tensor([seq + [pad] * (width - len(seq)) for seq in ids]))
+        td.set(tensordict_key(lengths), torch.tensor([len(seq) for seq in ids]))
     if all("margin" in pair for pair in pairs):
         td.set(tensordict_key(keys.margin), torch.tensor([pair["margin"] for pair in pairs], dtype=torch.float32))
     return td

@@ -10,11 +10,10 @@ Dependencies: the project's ``recipes.common.schema``; ``trl`` for the ``train:`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal
-
-from omegaconf import DictConfig
 
 from recipes.common.schema import (
     DATA_SOURCES,
@@ -32,7 +31,15 @@ from recipes.common.schema import (
     trainer_config_view,
 )
 
-__all__ = ["Buffer", "RewardRecipeConfig", "Storage", "checked_reward_trainer_config", "reward_trainer_view"]
+__all__ = [
+    "Buffer",
+    "Eval",
+    "PairKeys",
+    "RewardRecipeConfig",
+    "Storage",
+    "checked_reward_trainer_config",
+    "reward_trainer_view",
+]
 
 Positive = Annotated[int, Range(ge=1)]
 Key = str | list[str]
@@ -139,7 +146,7 @@ class RewardRecipeConfig:
     eval: Eval
 
 
-def checked_reward_trainer_config(train: DictConfig) -> SimpleNamespace:
+def checked_reward_trainer_config(train: Mapping) -> SimpleNamespace:
     """``train:`` as ``trl.RewardConfig`` will read it, once checked: no key ``RewardConfig`` lacks (the nearest ones
     named), none the recipe decides itself (``report_to``: the run's ``logger=``; ``use_cpu``: its ``device``), and the
     fields of ``recipes.common.schema.TrainerNode`` in range over trl's defaults."""
@@ -148,7 +155,7 @@ def checked_reward_trainer_config(train: DictConfig) -> SimpleNamespace:
     return checked_trainer_config(train, RewardConfig)
 
 
-def reward_trainer_view(train: DictConfig) -> SimpleNamespace:
+def reward_trainer_view(train: Mapping) -> SimpleNamespace:
     """``train:`` as ``trl.RewardConfig`` will read it (trl's defaults under the config's values), before it is built:
     what the recipe reads of trl's settings, so that a key the YAML leaves to trl reads as trl's default."""
     from trl import RewardConfig

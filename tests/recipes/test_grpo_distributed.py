@@ -1,5 +1,10 @@
 """recipes/grpo_torchrl_rm.py under torchrun: two CPU processes (gloo) train one policy, rank 0 alone writes the run,
-and a resumed data-parallel run replays the uninterrupted one. The CUDA variant (nccl) is marked ``gpu``."""
+and a resumed data-parallel run replays the uninterrupted one. The CUDA variant (nccl) is marked ``gpu``.
+
+Each torchrun takes 10-30 s: a run that several tests read (DDP and FSDP2 for 2 steps, DDP for 4) is made once per
+session (``_shared_runs``), and a resume continues a copy of the shared 2-step run (a copied run folder resumes as
+itself, ``recipes.common.resume``); every test here is in the slow suite.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +17,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from _shared_runs import copy_run, shared_run
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
 from recipes.common.checkpoint import MERGED_MODEL_FOLDER, MODEL_FOLDER, list_checkpoints
 
 SMALL = [*GRPO_SMALL, "logger=csv"]
+# A checkpoint every 2 steps, all kept: a 2-step run is also the first half of a resumed 4-step one.
+CHECKPOINTS = ["checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
+FSDP = "distributed.strategy=fsdp"
+LORA = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj,lm_head]}"
+# The runs several tests read, by name: DDP and FSDP2 for 2 steps, DDP for 4 (the uninterrupted run the resumed DDP
+# and FSDP2 runs replay, FSDP2 training as DDP does).
+SHARED_RUNS = {
+    "ddp_2": [*SMALL, *CHECKPOINTS, "train.steps=2"],
+    "fsdp_2": [*SMALL, *CHECKPOINTS, FSDP, "train.steps=2"],
+    "ddp_4": [*SMALL, *CHECKPOINTS, "train.steps=4"],
+}
 
 
 # The recipe, with each rank writing its weights to <run dir>/rank_weights/rank_<rank>.safetensors at every checkpoint.
@@ -64,14 +81,20 @@ def _assert_same_weights(run_dir: Path, other_dir: Path, rank: int = 0) -> None:
         torch.testing.assert_close(weights[name], other[name], rtol=1e-4, atol=1e-5)
 
 
-def _stop_resume_and_run_through(overrides: list[str], tmp_path: Path) -> tuple[Path, Path]:
-    """2 steps then a resume to 4 in one folder, and an uninterrupted 4-step run in another: their folders."""
-    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
-    overrides = [*overrides, "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
-    _torchrun(2, [*overrides, "train.steps=2"], run_dir)
-    _torchrun(2, [*overrides, "train.steps=4", "resume=true"], run_dir)
-    _torchrun(2, [*overrides, "train.steps=4"], reference_dir)
-    return run_dir, reference_dir
+def _shared(shared_runs: Path, name: str) -> Path:
+    """The folder of the shared run ``name`` (:data:`SHARED_RUNS`), made by the first test of the session to ask."""
+    return shared_run(shared_runs, name, lambda folder: _torchrun(2, SHARED_RUNS[name], folder))
+
+
+def _to_4_steps(overrides: list[str]) -> list[str]:
+    return [("train.steps=4" if item == "train.steps=2" else item) for item in overrides]
+
+
+def _resume_to_4_steps(shared_runs: Path, first_2_steps: str, tmp_path: Path) -> Path:
+    """The shared 2-step run ``first_2_steps`` resumed to 4 steps, in a copy of its folder: the copy."""
+    run_dir = copy_run(_shared(shared_runs, first_2_steps), tmp_path / "run")
+    _torchrun(2, [*_to_4_steps(SHARED_RUNS[first_2_steps]), "resume=true"], run_dir)
+    return run_dir
 
 
 @pytest.mark.slow  # a multi-process run: the slow suite's (the default suite's budget is 8 minutes)
@@ -111,9 +134,9 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
 
 
 @pytest.mark.slow
-def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(tmp_path):
+def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(shared_runs, tmp_path):
     """Each rank's RNG state is in the checkpoint and the prompt stream is shared: stop, resume, same run."""
-    run_dir, reference_dir = _stop_resume_and_run_through(SMALL, tmp_path)
+    run_dir, reference_dir = _resume_to_4_steps(shared_runs, "ddp_2", tmp_path), _shared(shared_runs, "ddp_4")
     keys = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
     for rank in (0, 1):
@@ -153,95 +176,90 @@ def test_torchrun_on_cuda_with_nccl_and_bfloat16(tmp_path, tiny_dir, num_process
         assert all(torch.equal(weights[0][name], other[name]) for name in weights[0])
 
 
-FSDP = "distributed.strategy=fsdp"
-
-
 def _rank_sizes(run_dir: Path, rank: int, model: str = "") -> dict[str, int]:
     return json.loads((run_dir / "rank_weights" / f"rank_{rank}{model}.json").read_text())
 
 
 @pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
-def test_fsdp_shards_the_policy_trains_it_and_saves_one_loadable_folder(tmp_path, tiny_dir):
+def test_fsdp_shards_the_policy_trains_it_and_saves_one_loadable_folder(shared_runs, tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    _torchrun(2, [*SMALL, FSDP, "train.steps=2"], tmp_path)
+    run_dir = _shared(shared_runs, "fsdp_2")
 
     # Each process holds about half of the parameters (each tensor split along its first dimension).
-    sizes = [_rank_sizes(tmp_path, rank) for rank in (0, 1)]
+    sizes = [_rank_sizes(run_dir, rank) for rank in (0, 1)]
     full = sizes[0]["full_numel"]
     assert sum(size["local_numel"] for size in sizes) == full
     for size in sizes:
         assert size["local_numel"] / full == pytest.approx(0.5, abs=0.01)
     # So do the frozen reference and reward models, sharded alike.
     for model in ("_reference", "_reward"):
-        frozen = [_rank_sizes(tmp_path, rank, model) for rank in (0, 1)]
+        frozen = [_rank_sizes(run_dir, rank, model) for rank in (0, 1)]
         assert frozen[0]["full_numel"] == frozen[1]["full_numel"] == sum(size["local_numel"] for size in frozen)
         for size in frozen:
             assert size["local_numel"] / size["full_numel"] == pytest.approx(0.5, abs=0.01), model
-    assert _rank_sizes(tmp_path, 0, "_reference")["full_numel"] == full
+    assert _rank_sizes(run_dir, 0, "_reference")["full_numel"] == full
     # The gathered weights moved away from the initial policy, and the checkpoint holds them as one
     # from_pretrained folder.
-    gathered = _load_rank_weights(tmp_path, 0)
+    gathered = _load_rank_weights(run_dir, 0)
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").named_parameters())
     assert gathered.keys() == initial.keys()
     assert all(not torch.equal(gathered[name], initial[name].detach()) for name in gathered)
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step_0000002" / MODEL_FOLDER)
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_0000002" / MODEL_FOLDER)
     assert type(saved).__name__ == "Qwen2ForCausalLM"
     for name, parameter in saved.named_parameters():
         assert torch.equal(parameter, gathered[name]), name
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["train/num_processes"] == 2 and summary["train/steps"] == 2
 
 
+@pytest.mark.slow  # the plain case reads the two shared 2-step runs, which the slow suite's other tests read too
 @pytest.mark.parametrize(
     "memory_switches",
     [
         pytest.param([], id="plain"),
-        pytest.param(
-            ["train.gradient_checkpointing=true", "train.mixed_precision=bf16"],
-            id="checkpointing-bf16",
-            marks=pytest.mark.slow,
-        ),
+        pytest.param(["train.gradient_checkpointing=true", "train.mixed_precision=bf16"], id="checkpointing-bf16"),
     ],
 )
-def test_fsdp_trains_as_ddp_does(tmp_path, memory_switches):
+def test_fsdp_trains_as_ddp_does(shared_runs, tmp_path, memory_switches):
     """Same seeds, same samples, gradients averaged the same way: the per-step figures and the weights agree, with
     the update's memory switches too (checkpointed layers recompute inside FSDP2's gathered units)."""
-    overrides = [*SMALL, "train.steps=2", *memory_switches]
-    _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
-    _torchrun(2, overrides, tmp_path / "ddp")
+    if memory_switches:
+        overrides = [*SMALL, *CHECKPOINTS, "train.steps=2", *memory_switches]
+        fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+        _torchrun(2, [*overrides, FSDP], fsdp)
+        _torchrun(2, overrides, ddp)
+    else:
+        fsdp, ddp = _shared(shared_runs, "fsdp_2"), _shared(shared_runs, "ddp_2")
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/kl_to_ref")
-    _assert_same_steps(tmp_path / "fsdp", tmp_path / "ddp", keys, steps=2)
-    _assert_same_weights(tmp_path / "fsdp", tmp_path / "ddp")
+    _assert_same_steps(fsdp, ddp, keys, steps=2)
+    _assert_same_weights(fsdp, ddp)
 
 
-@pytest.mark.slow  # three two-process runs
-def test_shared_prompts_train_as_the_padded_path_under_ddp_and_fsdp(tmp_path):
+@pytest.mark.slow  # a two-process run, and the two shared 2-step runs
+def test_shared_prompts_train_as_the_padded_path_under_ddp_and_fsdp(shared_runs, tmp_path):
     """train.share_prompt (each group's prompt run once, gradients through its one pass) under DDP and under FSDP2
     (its scoring a registered forward of the sharded policy, two decoder passes inside): the same figures and weights
     as DDP with every row run whole."""
-    overrides = [*SMALL, "train.steps=2"]
-    _torchrun(2, [*overrides, "train.share_prompt=false"], tmp_path / "padded")
-    _torchrun(2, overrides, tmp_path / "ddp")
-    _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
+    padded = tmp_path / "padded"
+    _torchrun(2, [*SHARED_RUNS["ddp_2"], "train.share_prompt=false"], padded)
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/kl_to_ref")
-    for shared in ("ddp", "fsdp"):
-        _assert_same_steps(tmp_path / shared, tmp_path / "padded", keys, steps=2)
-        _assert_same_weights(tmp_path / shared, tmp_path / "padded")
+    for shared in ("ddp_2", "fsdp_2"):
+        _assert_same_steps(_shared(shared_runs, shared), padded, keys, steps=2)
+        _assert_same_weights(_shared(shared_runs, shared), padded)
 
 
 @pytest.mark.slow
-def test_a_resumed_fsdp_run_replays_the_uninterrupted_one(tmp_path):
-    """The gathered optimizer state is sharded again on resume; the RNG states and the prompt stream as under DDP."""
-    run_dir, reference_dir = _stop_resume_and_run_through([*SMALL, FSDP], tmp_path)
+def test_a_resumed_fsdp_run_replays_the_uninterrupted_one(shared_runs, tmp_path):
+    """The gathered optimizer state is sharded again on resume; the RNG states and the prompt stream as under DDP:
+    stopped after 2 steps and resumed to 4, the run logs and ends with what the uninterrupted 4-step run does (the
+    DDP one, which FSDP2 trains as: test_fsdp_trains_as_ddp_does)."""
+    run_dir, reference_dir = _resume_to_4_steps(shared_runs, "fsdp_2", tmp_path), _shared(shared_runs, "ddp_4")
     keys = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
     final, reference = _load_rank_weights(run_dir, 0), _load_rank_weights(reference_dir, 0)
     for name in final:
         torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-5)
-
-
-LORA = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj,lm_head]}"
 
 
 @pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
@@ -294,8 +312,14 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
 
 @pytest.mark.slow
 def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(tmp_path):
-    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again."""
-    run_dir, reference_dir = _stop_resume_and_run_through([*SMALL, LORA, FSDP], tmp_path)
+    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again. (Runs of its
+    own: a copy of the LoRA test's run, made with checkpoint.save_merged=true, resumed to 4 steps, differed from the
+    uninterrupted run at step 3, 2026-12-06.)"""
+    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
+    overrides = [*SMALL, *CHECKPOINTS, LORA, FSDP, "train.steps=2"]
+    _torchrun(2, overrides, run_dir)
+    _torchrun(2, [*_to_4_steps(overrides), "resume=true"], run_dir)
+    _torchrun(2, _to_4_steps(overrides), reference_dir)
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/kl_to_ref")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
     _assert_same_weights(run_dir, reference_dir)

@@ -451,9 +451,14 @@ def test_tokens_input_refuses_a_reward_model_with_another_tokenizer(compose_conf
 
 
 def test_a_run_as_a_user_starts_it(tmp_path):
-    """``python recipes/grpo_torchrl_rm.py ...``: Hydra composes, trains, writes the run folder, exits 0."""
+    """``python recipes/grpo_torchrl_rm.py ...``: Hydra composes, trains, writes the run folder, exits 0. Its log file
+    holds what the run is, a progress line every log_every_n_steps steps and the last, sample rollouts every
+    samples.every_n_steps steps (and the first), and the closing summary (what
+    tests/recipes/common/test_run_start.py::test_the_run_log_tells_the_run_from_start_to_end asserted in a run of
+    its own)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    overrides = [o for o in SMALL if not o.startswith("progress_bar")]
+    overrides = [o for o in SMALL if not o.startswith(("progress_bar", "train.steps="))]
+    overrides += ["train.steps=4", "log_every_n_steps=3", "samples.every_n_steps=2"]
     result = subprocess.run(
         [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides, f"hydra.run.dir={tmp_path}"],
         cwd=REPO_ROOT,
@@ -465,13 +470,26 @@ def test_a_run_as_a_user_starts_it(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reward=" in result.stderr and "oracle=" in result.stderr  # the progress bar shows the live reward
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["train/steps"] == 2
+    assert summary["train/steps"] == 4
     assert (tmp_path / "metrics.csv").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
-    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_0000002"
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_0000004"
     # The run ends by saying where it is, what it reached and what to run next, on the console and in its log file.
     closing = f"Run folder: {tmp_path}. Curves: python scripts/plot_run.py {tmp_path}"
-    assert "GRPO done: 2 steps" in result.stdout and closing in result.stdout
-    assert closing in (tmp_path / "grpo_torchrl_rm.log").read_text()
+    assert "GRPO done: 4 steps" in result.stdout and closing in result.stdout
+    text = (tmp_path / "grpo_torchrl_rm.log").read_text()
+    assert closing in text
+    assert "GRPO (prompt env, sync): policy" in text and "4 steps of 4 responses" in text
+    progress = [line.split(" - ")[1].split(":")[0] for line in text.splitlines() if " - Step " in line and "/4" in line]
+    assert progress == ["Step 3/4", "Step 4/4"]
+    samples = [json.loads(line.split(" sample: ")[1]) for line in text.splitlines() if " sample: " in line]
+    assert [line.split(" - ")[1].split(" sample")[0] for line in text.splitlines() if " sample: " in line] == [
+        f"Step {step}" for step in (1, 1, 2, 2, 4, 4)
+    ]
+    # Each source's value and the advantage beside the reward (one source here: the reward model).
+    keys = {"prompt", "response", "reward", "rewards/reward_model", "advantage", "oracle"}
+    assert all(set(sample) == keys for sample in samples)
+    assert all(sample["prompt"] and isinstance(sample["reward"], float) for sample in samples)
+    assert "GRPO done: 4 steps" in text
 
 
 @pytest.mark.gpu

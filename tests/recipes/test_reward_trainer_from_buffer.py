@@ -55,6 +55,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     cfg = compose_config("reward_trainer_from_buffer", [*SMALL, "logger=csv", f"output_dir={tmp_path}"])
+    settings = recipe.validate(cfg)  # the typed settings the run reads
     summary = recipe.train(cfg)
 
     assert summary["train/steps"] == 6
@@ -76,7 +77,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
     assert len(eval_pairs) == summary["eval/num_pairs"] > 0
     wrapped = {
         side: score_sequences(
-            model, tokenizer, [p["prompt"] + p[side] for p in eval_pairs], cfg.eval, conversational=True
+            model, tokenizer, [p["prompt"] + p[side] for p in eval_pairs], settings.eval, conversational=True
         )
         for side in ("chosen", "rejected")
     }
@@ -92,7 +93,10 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
     from recipes.tasks.synthetic import make_prompts
 
     policy, policy_tokenizer = preference.load_sampling_policy(
-        cfg.model, generate_kwargs=cfg.generation.generate_kwargs, device=cfg.device, dtype=cfg.dtype
+        settings.model,
+        generate_kwargs=settings.generation.generate_kwargs,
+        device=settings.device,
+        dtype=settings.dtype,
     )
     loader = rollout.make_prompt_dataloader(make_prompts(3, seed=7), seed=0, shuffle=False)
     env = rollout.make_chat_env(loader, tokenizer=policy_tokenizer, group_size=2, num_prompts=3)
@@ -107,7 +111,7 @@ def test_few_steps_write_summary_config_metrics_and_a_loadable_model(compose_con
         p + [{"role": "assistant", "content": r}]
         for p, r in zip(prompts, rollout.response_texts(rolled, policy_tokenizer))
     ]
-    recipe_scores = score_sequences(model, tokenizer, conversations, cfg.eval, conversational=True)
+    recipe_scores = score_sequences(model, tokenizer, conversations, settings.eval, conversational=True)
     torch.testing.assert_close(grpo_scores, recipe_scores)
 
 
@@ -206,7 +210,7 @@ def test_an_epoch_of_the_buffer_draws_every_pair_once(compose_config, tiny_dir, 
     cfg = compose_config(
         "reward_trainer_from_buffer", ["train.per_device_train_batch_size=8", f"output_dir={tmp_path}"]
     )
-    stream, facts = make_training_stream(cfg, labelled, tokenizer)
+    stream, facts = make_training_stream(recipe.validate(cfg), labelled, tokenizer)
     assert facts["train/num_pairs"] == 45
 
     all_pairs = set(

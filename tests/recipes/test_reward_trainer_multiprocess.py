@@ -272,11 +272,15 @@ def test_buffer_dataset_deals_its_draws_between_torchrun_ranks(repo_root, tmp_pa
     assert sorted(drawn) == list(range(64))  # without replacement: one epoch, split, nothing drawn twice
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # 30 s, a 60-step run in each setting: out of CI
 def test_two_processes_match_the_single_process_run(compose_config, repo_root, tmp_path):
     """Same pairs, same steps: two processes (twice the pairs per step) rank the held-out pairs as well as one. Pairs of
     sampled responses only: the labeler's broken copies (one token apart) take more than these 60 steps to learn, and
-    an unfinished model's accuracy moves with the step size, which is what differs here."""
+    an unfinished model's accuracy moves with the step size, which is what differs here.
+
+    Out of CI (``pytest -m extended``): CI checks that two processes train exactly what one does
+    (test_two_processes_split_every_step_of_the_single_process_run) and that one reaches the target accuracy
+    (tests/recipes/test_reward_trainer_from_buffer.py::test_default_run_reaches_the_target_accuracy)."""
     import recipes.reward_trainer_from_buffer as recipe
 
     steps = ["train.max_steps=60", "labeler.corrupted_pairs_per_prompt=0"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -37,28 +36,8 @@ def _run_grpo(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_run_log_tells_the_run_from_start_to_end(tmp_path):
-    """The log file holds what the run is, a progress line every log_every_n_steps steps and the last, sample
-    rollouts every samples.every_n_steps steps (and the first), and the closing summary."""
-    result = _run_grpo(tmp_path, "train.steps=4", "log_every_n_steps=3", "samples.every_n_steps=2", "logger=csv")
-    assert result.returncode == 0, result.stderr[-3000:]
-    text = (tmp_path / "grpo_torchrl_rm.log").read_text()
-    assert "GRPO (prompt env, sync): policy" in text and "4 steps of 4 responses" in text
-    assert [
-        line.split(" - ")[1].split(":")[0] for line in text.splitlines() if " - Step " in line and "/4" in line
-    ] == [
-        "Step 3/4",
-        "Step 4/4",
-    ]
-    samples = [json.loads(line.split(" sample: ")[1]) for line in text.splitlines() if " sample: " in line]
-    assert [line.split(" - ")[1].split(" sample")[0] for line in text.splitlines() if " sample: " in line] == [
-        f"Step {step}" for step in (1, 1, 2, 2, 4, 4)
-    ]
-    # Each source's value and the advantage beside the reward (one source here: the reward model).
-    keys = {"prompt", "response", "reward", "rewards/reward_model", "advantage", "oracle"}
-    assert all(set(sample) == keys for sample in samples)
-    assert all(sample["prompt"] and isinstance(sample["reward"], float) for sample in samples)
-    assert "GRPO done: 4 steps" in text
+# What the GRPO run's log file tells from start to end (formerly test_the_run_log_tells_the_run_from_start_to_end here):
+# tests/recipes/test_grpo_torchrl_rm.py::test_a_run_as_a_user_starts_it, in the recipe's one run as a user starts it.
 
 
 def test_a_failed_run_leaves_its_reason_in_the_log(tmp_path):

@@ -16,7 +16,13 @@ from _grpo_helpers import MAX_COMPLETION_LENGTH, loss_settings
 from tensordict import TensorDict
 
 from recipes.grpo.batch import ADVANTAGE, ASSISTANT_MASK, LOG_PROBS, LOSS_MASK, REF_LOG_PROBS, policy_token_mask
-from recipes.grpo.log_probs import AdapterDisabledLogProbs, ResponseLogProbs, ScoreLogProbs, distinct_prompts
+from recipes.grpo.log_probs import (
+    AdapterDisabledLogProbs,
+    ResponseLogProbs,
+    ScoreLogProbs,
+    distinct_prompts,
+    response_buckets,
+)
 from recipes.grpo.loss import LOSS_TYPES, GRPOObjective, Scale
 
 GROUP = 3
@@ -25,8 +31,9 @@ ONE_STEP = Scale(accumulation=1, step_tokens=40.0)
 
 @pytest.fixture(scope="module")
 def batch(tiny_policy):
-    """Two prompts of different lengths x 3 sampled responses, some ending early, the rows then shuffled (groups
-    apart, as a replay buffer's mini-batch holds them), with old and reference log-probs of another policy."""
+    """Two prompts of different lengths x 3 sampled responses, some ending early (two after 3 tokens), the rows then
+    shuffled (groups apart, as a replay buffer's mini-batch holds them), with old and reference log-probs of another
+    policy."""
     from interop.sampling import CausalLMSampler, SamplingSettings
     from recipes.grpo.prompt_env import PromptEnv
 
@@ -39,6 +46,13 @@ def batch(tiny_policy):
         ("tokens", "prompt"), ("tokens", "response"), ("tokens", "full"), ("masks", "all_attention_mask")
     )
     assert batch["masks", "all_attention_mask"][:, -1].sum() < 2 * GROUP  # some responses end early: really padded
+    # Two responses cut to their first 3 tokens, as responses that end at once: the responses then run in passes by
+    # length (response_buckets), which every test of this file compares with the padded path.
+    start, pad = batch["tokens", "prompt"].shape[-1], tokenizer.pad_token_id
+    for row in (1, 3):
+        batch["masks", "all_attention_mask"][row, start + 3 :] = False
+        batch["tokens", "full"][row, start + 3 :] = pad
+        batch["tokens", "response"][row, 3:] = pad
     batch = batch[torch.tensor([4, 0, 2, 5, 1, 3])]
     other = copy.deepcopy(model)
     with torch.no_grad():
@@ -119,8 +133,10 @@ def test_each_prompt_runs_once_with_the_padded_paths_values_and_gradients(tiny_p
         got = _log_probs_and_gradients(
             model, ResponseLogProbs(model, chunk_elements=chunk_elements, share_prompt=True), batch
         )
-    # Two distinct prompts once, then the six responses alone; the padded path runs six whole rows.
-    assert shapes == [(2, start), (6, tokens.shape[-1] - start)]
+    # Two distinct prompts once, then the six responses alone, in passes by length (two of them are 3 tokens long);
+    # the padded path runs six whole rows.
+    assert shapes[0] == (2, start) and len(shapes) == 3
+    assert sorted(shapes[1:]) == [(2, 3), (4, tokens.shape[-1] - start)]
     expected = _log_probs_and_gradients(
         model, ResponseLogProbs(model, chunk_elements=chunk_elements, share_prompt=False), batch
     )
@@ -154,10 +170,11 @@ def test_with_gradient_checkpointing_the_layers_recompute_and_the_gradients_matc
         # A pre-hook: the recomputation stops once it has every saved tensor back, before an MLP's forward ends.
         layer.mlp.register_forward_pre_hook(lambda *args: calls.append(1))
     scorer = ResponseLogProbs(model, share_prompt=True)
-    with update_forward(model, mixed_precision="no", device="cpu"):
+    with update_forward(model, mixed_precision="no", device="cpu"), _EmbeddedShapes(model) as shapes:
         got = _log_probs_and_gradients(model, scorer, batch)
-    # Two passes (prompts, responses) over every layer, each recomputed once in the backward.
-    assert len(calls) == 2 * 2 * len(model.model.layers)
+    # Three passes (prompts, then the responses in two buckets of length) over every layer, each recomputed once in
+    # the backward.
+    assert len(shapes) == 3 and len(calls) == 2 * 3 * len(model.model.layers)
     _assert_equal(got, expected)
 
 
@@ -261,9 +278,38 @@ def test_tool_dialogs_share_their_first_user_turn_only(tiny_policy):
     assert (~batch.get(LOSS_MASK) & mask[:, len(prompt) :]).any()  # tool tokens are in the responses, out of the loss
     with _EmbeddedShapes(model) as shapes:
         ResponseLogProbs(model, share_prompt=True)(full, mask, response_start=len(prompt))
-    assert shapes == [(1, len(prompt)), (3, width)]
+    # The prompt once, then the three dialogs' responses, in passes by length (the no-call dialog's is short).
+    assert shapes[0] == (1, len(prompt))
+    assert sum(rows for rows, _ in shapes[1:]) == 3 and max(columns for _, columns in shapes[1:]) == width
     for loss_type in ("dapo", "grpo"):
         _assert_same_loss(model, batch, loss_settings(type=loss_type, kl_to_ref_coeff=0.1))
+
+
+def test_responses_run_in_passes_by_length_over_fewer_positions(tiny_policy, batch):
+    """Right-padded responses of different lengths: the responses run in buckets of similar length, each pass as wide
+    as its longest response (the values, losses and gradients are the padded path's: every test of this file runs on
+    this batch)."""
+    model, _ = tiny_policy
+    tokens, mask, start = _tokens_and_mask(batch)
+    lengths = mask[:, start:].sum(-1)
+    with _EmbeddedShapes(model) as shapes:
+        ResponseLogProbs(model, share_prompt=True)(tokens, mask, response_start=start)
+    responses = shapes[1:]  # after the distinct prompts' pass
+    assert len(responses) >= 2 and sum(rows for rows, _ in responses) == len(lengths)
+    assert sum(rows * columns for rows, columns in responses) < len(lengths) * int(lengths.max())
+    assert max(columns for _, columns in responses) == int(lengths.max())
+
+
+def test_response_buckets_split_where_padding_is_saved():
+    lengths = torch.tensor([5, 30, 6, 31, 5, 30, 12, 29])
+    buckets = response_buckets(lengths)
+    assert sorted(torch.cat(buckets).tolist()) == list(range(8))  # every row once
+    widths = [int(lengths[rows].max()) for rows in buckets]
+    assert widths == sorted(widths) and len(buckets) >= 2
+    assert sum(len(rows) * w for rows, w in zip(buckets, widths)) < 8 * 31
+    assert [len(b) for b in response_buckets(torch.tensor([30, 31, 30, 29]))] == [4]  # nothing to save: one pass
+    assert len(response_buckets(torch.arange(1, 65))) == 2  # a third pass would save 6% of one pass: not done
+    assert len(response_buckets(torch.arange(1, 65), max_buckets=3, min_saving=0.0)) == 3
 
 
 def test_rows_of_distinct_prompts_take_the_padded_path(tiny_policy, batch):

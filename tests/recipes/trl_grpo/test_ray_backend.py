@@ -1,6 +1,9 @@
 """The trl recipe with its samplers on Ray (rollout.backend=ray): on a two-node local cluster it learns as the
 single-process run does; killed with SIGKILL after a checkpoint, the run it started leaves no Ray process behind and
-resumes on its prompt stream. Slow: each starts Ray."""
+resumes on its prompt stream. Slow: each starts Ray. The kill-and-resume test is out of CI (``pytest -m extended``):
+CI covers its parts with the GRPO recipe's Ray kill-and-resume test (tests/recipes/grpo/test_collector_workers.py),
+interop's SIGKILLed learner with Ray (tests/interop/test_rollout_workers.py) and this recipe's async kill-and-resume
+test (tests/recipes/trl_grpo/test_async_and_replay.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def test_two_ray_workers_on_two_nodes_learn_the_default_task(compose_config, tmp
     assert cluster.head_node.remaining_processes_alive()
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # 45-50 s, three runs each starting Ray: out of CI (module docstring)
 def test_a_ray_run_killed_after_a_checkpoint_leaves_no_ray_process_and_resumes_on_its_prompts(compose_config, tmp_path):
     """rollout.backend=ray with no address: the run starts its own cluster. SIGKILLed after its step-2 checkpoint,
     every process it had started is gone; resumed (Ray again), it trains steps 3-5 on the prompts an unkilled run
