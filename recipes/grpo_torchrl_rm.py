@@ -93,7 +93,7 @@ from recipes.grpo.report import (
     summarize,
 )
 from recipes.grpo.rewards import load_reward_scorer, source_names
-from recipes.grpo.schema import TRL_NAMES, GRPORecipeConfig
+from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig
 
 log = logging.getLogger(__name__)
 
@@ -550,7 +550,9 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    refuse_unknown_overrides(sys.argv[1:], GRPORecipeConfig, recipe="grpo_torchrl_rm", aliases=TRL_NAMES)
+    refuse_unknown_overrides(
+        sys.argv[1:], GRPORecipeConfig, recipe="grpo_torchrl_rm", aliases=TRL_NAMES, renamed=RENAMED
+    )
     track_failed_jobs()
     mask_sweep_logs()
     main()

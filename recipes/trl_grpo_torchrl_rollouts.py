@@ -5,7 +5,9 @@
 2. Rollouts. trl hands each process's prompts to ``interop.TorchRLRolloutFunc`` (its ``rollout_func``), which samples
    with the library's TorchRL sampler (``interop.CausalLMSampler``: one decoding loop that records each token's
    log-prob) around the very model trl trains: every optimizer step is in the next batch's weights, with no copy and
-   no sync. Its settings are trl's (``train.max_completion_length``, ``temperature``, ``top_k``...).
+   no sync. Its settings are the GRPO recipe's keys (``rollout.group_size``, ``rollout.generation.*``), handed to
+   trl's ``GRPOConfig`` as its fields (``num_generations``, ``max_completion_length``, ``temperature``...), which the
+   rollout function reads back.
 3. Rewards and the update: trl's, unchanged (``reward_funcs``: the reward model and ``reward.functions``, weighted by
    ``reward_weights``; its advantages, loss, optimizer, scheduler, checkpoints and accelerate). ``model.lora``
    becomes trl's ``peft_config``: trl trains the adapters, the sampler samples with them, and the reference is the
@@ -30,6 +32,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -40,7 +43,7 @@ import hydra
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
-from transformers import PrinterCallback
+from transformers import PrinterCallback, ProgressCallback
 
 from interop import GroupReplay, TorchRLRolloutFunc
 from recipes.common.callbacks import make_finite_guard, make_record_masker
@@ -64,13 +67,13 @@ from recipes.common.run import (
 )
 from recipes.common.schema import refuse_unknown_overrides, trainer_aliases
 from recipes.common.tools import resolve_tools, resolving_tools_once
-from recipes.trl_grpo.checks import load_replay_source, validate
+from recipes.trl_grpo.checks import grpo_config_fields, load_replay_source, validate
 from recipes.trl_grpo.evaluation import EvalCallback
-from recipes.trl_grpo.report import MetricsCallback, closing_message, summarize
+from recipes.trl_grpo.report import MetricsCallback, StepBar, closing_message, summarize
 from recipes.trl_grpo.resume import checkpoint_step, finished_run_summary, record_resume_start, resumed_config
 from recipes.trl_grpo.rewards import DeclinedByEverySource, checked_reward_function, refuse_non_finite_scores
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, RolloutStore, stored_totals
-from recipes.trl_grpo.schema import TrlGRPORecipeConfig
+from recipes.trl_grpo.schema import GRPO_CONFIG_FIELDS, RENAMED, TrlGRPORecipeConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +82,20 @@ log = logging.getLogger(__name__)
 
 
 def make_grpo_config(cfg: DictConfig):
-    """``trl.GRPOConfig`` from ``train:``, with the device and reward weights this run decides. trl reports to nothing
-    itself: its logs go through the recipe's logger (:class:`MetricsCallback`)."""
+    """``trl.GRPOConfig`` from ``train:``, with the device and reward weights this run decides and the fields its own
+    keys set (``recipes.trl_grpo.checks.grpo_config_fields``: the group size, the sampler's settings, the reward
+    aggregation, the progress bar). trl reports to nothing itself: its logs go through the recipe's logger
+    (:class:`MetricsCallback`)."""
     weights = ([cfg.reward.model_weight] if cfg.reward_model is not None else []) + [
         float(node.get("weight", 1.0)) for node in cfg.reward.functions.values()
     ]
     args = hydra.utils.instantiate(
-        cfg.train, _convert_="all", use_cpu=cfg.device == "cpu", report_to="none", reward_weights=weights
+        cfg.train,
+        _convert_="all",
+        use_cpu=cfg.device == "cpu",
+        report_to="none",
+        reward_weights=weights,
+        **grpo_config_fields(cfg),
     )
     hand_token_to_environment(args)  # never pickled into trl's checkpoints
     if cfg.rollout.mode == "async":
@@ -118,6 +128,12 @@ def make_reward_funcs(cfg: DictConfig, *, device: str):
     return funcs, classes
 
 
+def make_prompt_table(cfg: DictConfig, rows: PromptRows, tokenizer) -> PromptTable:
+    """The prompts as message lists, ``rollout.system_prompt`` first where set (the rollout function renders them
+    with the chat template and the tools' schemas)."""
+    return PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
+
+
 def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, trainer) -> RolloutStore:
     prompt_width = max(len(ids) for ids in rollout_func.tokenize(table.conversations, trainer))
     return RolloutStore(
@@ -136,10 +152,11 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
 
 def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
     """trl's ``rollout_func``: the library's default sampler (a ``CausalLMSampler`` around the model trl trains, at
-    ``train:``'s sampling settings), sampling when trl asks or one generation batch ahead (``rollout.mode``), in trl's
-    process or in ``rollout.workers`` workers apart from it (``rollout.backend``: local processes or Ray actors). With
-    ``tools:``, whole dialogs (``interop.tools.dialogs.DialogSampler``: up to ``rollout.max_turns`` turns, the calls
-    run in a worker process at ``tools.timeout_s``), returned with trl's ``env_mask``."""
+    ``rollout.generation``'s settings, which it reads from trl's ``GRPOConfig``), sampling when trl asks or one
+    generation batch ahead (``rollout.mode``), in trl's process or in ``rollout.workers`` workers apart from it
+    (``rollout.backend``: local processes or Ray actors). With ``tools:``, whole dialogs
+    (``interop.tools.dialogs.DialogSampler``: up to ``rollout.max_turns`` turns, the calls run in a worker process at
+    ``tools.timeout_s``), returned with trl's ``env_mask``."""
     tools = resolve_tools(cfg.tools)
     tool_options = {}
     if tools is not None:
@@ -157,7 +174,7 @@ def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
         backend=backend_of(cfg),
         workers=cfg.rollout.workers,
         worker_resources=worker_resources(cfg),
-        sampler_threads=cfg.rollout.sampler_threads,
+        sampler_threads=cfg.rollout.collector_threads,
         weight_sync_every=cfg.rollout.weight_sync_every,
         # The trainer's own dtype: no copy in another (the learner backend samples with the weights it trains).
         sampler_dtype=None if cfg.rollout.sampler_dtype == cfg.dtype else getattr(torch, cfg.rollout.sampler_dtype),
@@ -173,7 +190,7 @@ def make_eval_callback(cfg: DictConfig, trainer, run, tokenizer) -> EvalCallback
     rows = load_prompt_rows(cfg.data, "eval")
     count = cfg.eval.num_prompts or len(rows)
     rows = PromptRows(rows.prompts[:count], {name: values[:count] for name, values in rows.columns.items()})
-    table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.system_prompt)
+    table = make_prompt_table(cfg, rows, tokenizer)
     name = cfg.eval.accuracy_source or next(iter(cfg.reward.functions))
     function = resolve_function(f"reward.functions.{name}.function", cfg.reward.functions[name].function)
     return EvalCallback(
@@ -228,7 +245,7 @@ def train(cfg: DictConfig) -> dict:
         args.output_dir = run.broadcast(args.output_dir)
         tokenizer = load_tokenizer(cfg.model, padding_side="left")
         model = load_causal_lm(cfg.model, device=args.device, dtype=cfg.dtype)
-        table = PromptTable(load_prompt_rows(cfg.data, "train"), tokenizer=tokenizer, system_prompt=cfg.system_prompt)
+        table = make_prompt_table(cfg, load_prompt_rows(cfg.data, "train"), tokenizer)
         reward_funcs, reward_classes = make_reward_funcs(cfg, device=args.device)
         rollout_func = make_rollout_func(cfg, tokenizer)
         oracle = instantiate_function(cfg.data.oracle) if cfg.data.oracle is not None else None
@@ -245,9 +262,13 @@ def train(cfg: DictConfig) -> dict:
         )
         store = make_rollout_store(cfg, run, table, rollout_func, trainer)
         rollout_func.replay_buffer = store  # every scored batch is written there (interop.TorchRLGRPOTrainer)
-        # transformers prints trl's whole dict of figures (~1 KB) at every logging step (PrinterCallback, with
-        # disable_tqdm): the recipe's progress line says what a step did, and metrics.csv keeps every figure.
+        # transformers prints trl's whole dict of figures (~1 KB) at every logging step (PrinterCallback, or
+        # ProgressCallback under its bar): the recipe's progress line says what a step did, and metrics.csv keeps
+        # every figure. progress_bar=true keeps the bar alone.
         trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        if cfg.progress_bar:
+            trainer.add_callback(StepBar)
         guard = make_finite_guard()
         trainer.add_callback(guard)
         trainer.add_callback(make_record_masker(masked_fields(cfg, "train")))
@@ -343,13 +364,17 @@ def main(cfg: DictConfig) -> float:
 
 
 def _trl_names():
+    """trl's GRPOConfig fields as this recipe's keys: ``train.<field>``, or the key that sets it here."""
     from trl import GRPOConfig  # trl prints a notice on import: only for a key the recipe does not have
 
-    return trainer_aliases(GRPOConfig)
+    aliases = trainer_aliases(GRPOConfig)
+    return dataclasses.replace(aliases, names={**aliases.names, **GRPO_CONFIG_FIELDS})
 
 
 if __name__ == "__main__":
-    refuse_unknown_overrides(sys.argv[1:], TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", aliases=_trl_names)
+    refuse_unknown_overrides(
+        sys.argv[1:], TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", aliases=_trl_names, renamed=RENAMED
+    )
     track_failed_jobs()
     mask_sweep_logs()
     main()

@@ -144,7 +144,7 @@ def run_one(name: str, check: Check, seed: int, threads: int, out: Path) -> tupl
         *check.overrides,
         f"seed={seed}",
         f"num_threads={threads}",
-        *(["progress_bar=false"] if check.recipe == "grpo_torchrl_rm" else []),  # the trl recipe has no such key
+        "progress_bar=false",
         f"hydra.run.dir={run_dir}",
         "overwrite=true",
     ]

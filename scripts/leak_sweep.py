@@ -74,7 +74,7 @@ if __name__ == "__main__":
 '''
 
 GRPO = ("grpo_torchrl_rm", ["experiment=calculator", "progress_bar=false"])
-TRL = ("trl_grpo_torchrl_rollouts", ["experiment=calculator"])
+TRL = ("trl_grpo_torchrl_rollouts", ["experiment=calculator", "progress_bar=false"])
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,11 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
 TRL_SMALL = [
     "train.max_steps=3",
     "train.per_device_train_batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=8",
+    "rollout.group_size=4",
+    "rollout.generation.max_new_tokens=8",
     "data.num_train_prompts=16",
     "rollout.prompts_per_draw=8",
+    "progress_bar=false",
 ]
 
 # experiment=calculator in small steps, no evaluation: what a resume test or a tool-source test needs.

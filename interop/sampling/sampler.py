@@ -39,6 +39,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
+from interop.errors import SettingError
+
 __all__ = [
     "CausalLMSampler",
     "KeptCache",
@@ -88,27 +90,40 @@ class SamplingSettings:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = []  # (field, what is wrong): the first is refused, naming its field (interop.errors.SettingError)
         if self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+            problems.append(("max_new_tokens", f"max_new_tokens={self.max_new_tokens} must be >= 1"))
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            problems.append(f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens]")
+            problems.append(
+                (
+                    "min_new_tokens",
+                    f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens] = [0, {self.max_new_tokens}]",
+                )
+            )
         if self.do_sample and self.temperature <= 0:
-            problems.append(f"temperature={self.temperature} must be > 0 when sampling")
+            problems.append(("temperature", f"temperature={self.temperature} must be > 0 when sampling"))
         elif self.do_sample and not math.isfinite(self.temperature):
-            problems.append(f"temperature={self.temperature} must be a finite number (every logit divided by it)")
+            problems.append(
+                ("temperature", f"temperature={self.temperature} must be a finite number (every logit divided by it)")
+            )
         if self.top_k is not None and self.top_k < 0:
-            problems.append(f"top_k={self.top_k} must be >= 0 (0 or null: off)")
+            problems.append(("top_k", f"top_k={self.top_k} must be >= 0 (0 or null: off)"))
         if not 0 < self.top_p <= 1:
-            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+            problems.append(("top_p", f"top_p={self.top_p} must be in (0, 1]"))
         if self.min_p is not None and not 0 <= self.min_p <= 1:
-            problems.append(f"min_p={self.min_p} must be in [0, 1]")
+            problems.append(("min_p", f"min_p={self.min_p} must be in [0, 1]"))
         if self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty={self.repetition_penalty} must be > 0")
+            problems.append(("repetition_penalty", f"repetition_penalty={self.repetition_penalty} must be > 0"))
         elif not math.isfinite(self.repetition_penalty):
-            problems.append(f"repetition_penalty={self.repetition_penalty} must be a finite number (1.0: off)")
+            problems.append(
+                (
+                    "repetition_penalty",
+                    f"repetition_penalty={self.repetition_penalty} must be a finite number (1.0: off)",
+                )
+            )
         if problems:
-            raise ValueError("SamplingSettings: " + "; ".join(problems) + ".")
+            field, problem = problems[0]
+            raise SettingError("SamplingSettings", problem + ".", field=field)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -116,30 +131,29 @@ class SamplingSettings:
         return [field.name for field in fields(cls)]
 
     @classmethod
-    def check_keys(cls, generation: Mapping, *, key: str = "settings") -> None:
+    def check_keys(cls, generation: Mapping) -> None:
         """Refuses a key of ``generation`` that is not a setting, naming it and the settings there are.
 
-        Keyword Args:
-            key: where ``generation`` sits (a config key, an argument), named in the error.
-
         Raises:
-            ValueError: an unknown key.
+            SettingError: an unknown key (its ``field``).
 
         Examples:
-            >>> SamplingSettings.check_keys({"max_new_tokens": 8, "typical_p": 0.9}, key="generation")
+            >>> SamplingSettings.check_keys({"max_new_tokens": 8, "typical_p": 0.9})
             Traceback (most recent call last):
             ...
-            ValueError: generation.typical_p: not a generation setting of CausalLMSampler (['typical_p'] not ...
+            interop.errors.SettingError: SamplingSettings: typical_p: not a generation setting of CausalLMSampler ...
         """
         unknown = sorted(set(map(str, generation)) - set(cls.names()))
         if unknown:
-            raise ValueError(
-                f"{key}.{unknown[0]}: not a generation setting of CausalLMSampler ({unknown} not supported; the "
-                f"settings are {cls.names()}); check the spelling."
+            raise SettingError(
+                "SamplingSettings",
+                f"{unknown[0]}: not a generation setting of CausalLMSampler ({unknown} not supported; the settings "
+                f"are {cls.names()}); check the spelling.",
+                field=unknown[0],
             )
 
     @classmethod
-    def from_mapping(cls, generation: Mapping, *, key: str = "settings") -> SamplingSettings:
+    def from_mapping(cls, generation: Mapping) -> SamplingSettings:
         """The settings of a mapping (e.g. a config's generation node); a key that is not a field is refused
         (:meth:`check_keys`).
 
@@ -148,7 +162,7 @@ class SamplingSettings:
             >>> settings.top_k, settings.temperature, settings.min_new_tokens
             (50, 1.0, 0)
         """
-        cls.check_keys(generation, key=key)
+        cls.check_keys(generation)
         return cls(**{str(name): value for name, value in dict(generation).items()})
 
     @classmethod

@@ -26,6 +26,7 @@ from interop._exports import lazy_exports as _lazy_exports
 
 if TYPE_CHECKING:
     from interop.tools.runner import (
+        DEFAULT_TIMEOUT_S,
         ERROR_KINDS,
         MAX_RESULT_CHARS,
         ParsedTurn,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "ERROR_KINDS",
     "MAX_RESULT_CHARS",
     "ParsedTurn",

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from interop.errors import SettingError
 from interop.sampling.sampler import KeptCache, SamplingSettings, check_pad_token, end_of_response_ids, sample_responses
 from interop.tools.runner import ParsedTurn, ToolCallFormat, ToolRunner, ToolStats
 
@@ -196,9 +197,17 @@ class DialogSampler:
         if not isinstance(settings, SamplingSettings):
             raise TypeError(f"DialogSampler: settings must be a SamplingSettings, got {type(settings).__name__}.")
         if max_turns < 1:
-            raise ValueError(f"DialogSampler: max_turns={max_turns} must be >= 1 (1: no tool result is ever read).")
+            raise SettingError(
+                "DialogSampler",
+                f"max_turns={max_turns} must be >= 1 (1: no tool result is ever read).",
+                field="max_turns",
+            )
         if max_completion_tokens is not None and max_completion_tokens < 1:
-            raise ValueError(f"DialogSampler: max_completion_tokens={max_completion_tokens} must be >= 1, or None.")
+            raise SettingError(
+                "DialogSampler",
+                f"max_completion_tokens={max_completion_tokens} must be >= 1, or None.",
+                field="max_completion_tokens",
+            )
         self.model, self.tokenizer, self.runner = model, tokenizer, runner
         self.settings, self.max_turns, self.max_completion_tokens = settings, max_turns, max_completion_tokens
         self.call_format = call_format or ToolCallFormat()
@@ -220,17 +229,21 @@ class DialogSampler:
 
     def _call_end_id(self) -> int:
         if self.call_format.close is None:
-            raise ValueError(
-                f"DialogSampler: stop_at_call_end needs a closing marker; {self.call_format!r} has none. Pass "
-                "stop_at_call_end=False to end turns at EOS only."
+            raise SettingError(
+                "DialogSampler",
+                f"stop_at_call_end needs a closing marker; {self.call_format!r} has none. Pass "
+                "stop_at_call_end=False to end turns at EOS only.",
+                field="stop_at_call_end",
             )
         ids = self.tokenizer.encode(self.call_format.close, add_special_tokens=False)
         if len(ids) != 1:
-            raise ValueError(
-                f"DialogSampler: stop_at_call_end needs the closing marker {self.call_format.close!r} to be one token "
+            raise SettingError(
+                "DialogSampler",
+                f"stop_at_call_end needs the closing marker {self.call_format.close!r} to be one token "
                 f"of the tokenizer; it is {len(ids)} ({ids}). Add it as a token "
                 f"(tokenizer.add_tokens([{self.call_format.close!r}]) and resize the model's embeddings), or pass "
-                "stop_at_call_end=False to end turns at EOS only."
+                "stop_at_call_end=False to end turns at EOS only.",
+                field="stop_at_call_end",
             )
         return ids[0]
 
@@ -279,20 +292,22 @@ class DialogSampler:
         ends = [i for i, token in enumerate(prefix) if token == self.tokenizer.eos_token_id]
         cut = ends[-1] + 1 if ends else len(prefix)
         if full[:cut] != prefix[:cut]:
-            raise ValueError(
-                "DialogSampler: the chat template renders an assistant turn differently once tool messages follow "
+            raise SettingError(
+                "DialogSampler",
+                "the chat template renders an assistant turn differently once tool messages follow "
                 "it (it is not prefix-preserving), so tool results cannot be appended token by token. Use a "
                 "prefix-preserving template (trl.chat_template_utils.get_training_chat_template gives one for "
-                "common models)."
+                "common models).",
             )
         suffix = full[cut:]
         if after_call_end and self.call_end_id is not None:
             marks = [i for i, token in enumerate(prefix[:cut]) if token == self.call_end_id]
             if not marks:
-                raise ValueError(
-                    f"DialogSampler: the chat template renders a tool-calling turn without the token of "
+                raise SettingError(
+                    "DialogSampler",
+                    f"the chat template renders a tool-calling turn without the token of "
                     f"{self.call_format.close!r}; check call_format against the template, or pass "
-                    "stop_at_call_end=False."
+                    "stop_at_call_end=False.",
                 )
             suffix = prefix[marks[-1] + 1 : cut] + suffix
         return suffix

@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from interop.errors import SettingError
+
 if TYPE_CHECKING:  # mcp is an optional dependency, imported when a server starts
     from mcp import ClientSession
 
@@ -97,17 +99,19 @@ class MCPStdioServer:
         start_timeout_s: float = 60.0,
     ) -> None:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"MCPStdioServer: name={name!r} must be a non-empty string.")
+            raise SettingError("MCPStdioServer", f"name={name!r} must be a non-empty string.", field="name")
         if not isinstance(command, str) or not command:
-            raise ValueError(f"MCPStdioServer: server {name!r}: command={command!r} must be a non-empty string.")
+            raise SettingError("MCPStdioServer", f"server {name!r}: command={command!r} must be a non-empty string.")
         if isinstance(args, str) or not all(isinstance(arg, str) for arg in args):
-            raise ValueError(f"MCPStdioServer: server {name!r}: args={args!r} must be a list of strings.")
+            raise SettingError("MCPStdioServer", f"server {name!r}: args={args!r} must be a list of strings.")
         env = dict(env or {})
         bad = sorted(str(key) for key, value in env.items() if not isinstance(key, str) or not isinstance(value, str))
         if bad:
-            raise ValueError(f"MCPStdioServer: server {name!r}: env values must be strings; not so for {bad}.")
+            raise SettingError("MCPStdioServer", f"server {name!r}: env values must be strings; not so for {bad}.")
         if not start_timeout_s > 0:
-            raise ValueError(f"MCPStdioServer: start_timeout_s={start_timeout_s} must be > 0 (seconds).")
+            raise SettingError(
+                "MCPStdioServer", f"start_timeout_s={start_timeout_s} must be > 0 (seconds).", field="start_timeout_s"
+            )
         self.name, self.command, self.args, self.env = name, command, list(args), env
         self.start_timeout_s = float(start_timeout_s)
         self._connection: _Connection | None = None

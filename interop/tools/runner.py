@@ -45,7 +45,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from interop.errors import SettingError
+
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "ERROR_KINDS",
     "MAX_RESULT_CHARS",
     "ParsedTurn",
@@ -57,6 +60,9 @@ __all__ = [
     "ToolStats",
     "error_content",
 ]
+
+# The longest a tool call runs by default, in seconds: ToolRunner's, and TorchRLRolloutFunc's for the tools it runs.
+DEFAULT_TIMEOUT_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +127,7 @@ class ToolSet:
         >>> ToolSet([lambda a: a])
         Traceback (most recent call last):
         ...
-        ValueError: ToolSet: tool '<lambda>' has no docstring; ...
+        interop.errors.SettingError: ToolSet: tool '<lambda>' has no docstring; ...
     """
 
     def __init__(self, tools: Iterable[Callable]) -> None:
@@ -131,7 +137,7 @@ class ToolSet:
         for index, tool in enumerate(tools):
             name = _tool_name(tool, index)
             if name in self.functions:
-                raise ValueError(f"ToolSet: two tools are named {name!r}; tool names must be unique (rename one).")
+                raise SettingError("ToolSet", f"two tools are named {name!r}; tool names must be unique (rename one).")
             schema = _schema(tool, name)
             self.schemas.append(schema)
             self.functions[name] = tool
@@ -184,15 +190,17 @@ class ToolSet:
 
 def _tool_name(tool, index: int) -> str:
     if not callable(tool):
-        raise ValueError(
-            f"ToolSet: tool {index} is a {type(tool).__name__} ({_shown(tool)}), not callable; a tool is a function "
-            "with type hints and a docstring."
+        raise SettingError(
+            "ToolSet",
+            f"tool {index} is a {type(tool).__name__} ({_shown(tool)}), not callable; a tool is a function "
+            "with type hints and a docstring.",
         )
     name = getattr(tool, "__name__", None)
     if not isinstance(name, str):
-        raise ValueError(
-            f"ToolSet: tool {index} ({_shown(tool)}) has no __name__, which is the tool's name; wrap it in a named "
-            "function (a functools.partial has none)."
+        raise SettingError(
+            "ToolSet",
+            f"tool {index} ({_shown(tool)}) has no __name__, which is the tool's name; wrap it in a named "
+            "function (a functools.partial has none).",
         )
     return name
 
@@ -203,16 +211,17 @@ def _schema(tool: Callable, name: str) -> dict:
     explicit = getattr(tool, "json_schema", None)
     if isinstance(explicit, Mapping):  # a tool that brings its schema (interop.tools.torchrl_tools' adapters)
         if explicit.get("function", {}).get("name") != name:
-            raise ValueError(f"ToolSet: tool {name!r} brings a json_schema for another name: {_shown(explicit)}.")
+            raise SettingError("ToolSet", f"tool {name!r} brings a json_schema for another name: {_shown(explicit)}.")
         return dict(explicit)
 
     from transformers.utils import get_json_schema
     from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
     if not inspect.getdoc(tool):
-        raise ValueError(
-            f"ToolSet: tool {name!r} has no docstring; the model learns what a tool does from it. Write a "
-            "Google-style docstring: a description, then 'Args:' with one line per argument."
+        raise SettingError(
+            "ToolSet",
+            f"tool {name!r} has no docstring; the model learns what a tool does from it. Write a "
+            "Google-style docstring: a description, then 'Args:' with one line per argument.",
         )
     try:
         signature = inspect.signature(tool)
@@ -224,14 +233,15 @@ def _schema(tool: Callable, name: str) -> dict:
         if parameter.annotation is inspect.Parameter.empty and parameter.name not in ("self", "cls")
     ]
     if unhinted:
-        raise ValueError(
-            f"ToolSet: tool {name!r} has no type hint on argument(s) {unhinted}; the JSON schema the model sees is "
-            "made from them. Annotate every argument (e.g. `a: int`)."
+        raise SettingError(
+            "ToolSet",
+            f"tool {name!r} has no type hint on argument(s) {unhinted}; the JSON schema the model sees is "
+            "made from them. Annotate every argument (e.g. `a: int`).",
         )
     try:
         return get_json_schema(tool)
     except (DocstringParsingException, TypeHintParsingException) as error:
-        raise ValueError(f"ToolSet: tool {name!r}: {error}") from None
+        raise SettingError("ToolSet", f"tool {name!r}: {error}") from None
 
 
 _JSON_TYPES = {
@@ -483,24 +493,13 @@ class ToolRunner:
         self,
         tools: ToolSet | Iterable[Callable],
         *,
-        timeout_s: float = 10.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         max_result_tokens: int | None = 512,
         tokenizer=None,
         start_timeout_s: float = 120.0,
     ) -> None:
         self.tools = tools if isinstance(tools, ToolSet) else ToolSet(tools)
-        for name, seconds in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
-            if not 0 < seconds < math.inf:  # Pipe.poll raises on an infinite wait, and a stuck call would stall the run
-                raise ValueError(f"ToolRunner: {name}={seconds} must be a finite number of seconds > 0.")
-        if max_result_tokens is not None and (
-            isinstance(max_result_tokens, bool) or not isinstance(max_result_tokens, numbers.Integral)
-        ):
-            raise ValueError(
-                f"ToolRunner: max_result_tokens={max_result_tokens!r} must be a whole number of tokens (>= 1), or None "
-                "(no cut)."
-            )
-        if max_result_tokens is not None and max_result_tokens < 1:
-            raise ValueError(f"ToolRunner: max_result_tokens={max_result_tokens} must be >= 1, or None (no cut).")
+        self.check_settings(timeout_s=timeout_s, max_result_tokens=max_result_tokens, start_timeout_s=start_timeout_s)
         if max_result_tokens is not None and tokenizer is None:
             raise ValueError(
                 f"ToolRunner: max_result_tokens={max_result_tokens} needs the tokenizer to count tokens with; pass "
@@ -512,6 +511,40 @@ class ToolRunner:
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
         self._workers_started = 0
+
+    @staticmethod
+    def check_settings(*, timeout_s, max_result_tokens, start_timeout_s: float = 120.0) -> None:
+        """Refuses settings a runner cannot work with, before one is built (a recipe checks its config with it).
+
+        Raises:
+            SettingError: naming the setting (``timeout_s``, ``max_result_tokens``, ``start_timeout_s``).
+
+        Examples:
+            >>> ToolRunner.check_settings(timeout_s=0, max_result_tokens=None)
+            Traceback (most recent call last):
+            ...
+            interop.errors.SettingError: ToolRunner: timeout_s=0 must be a finite number of seconds > 0 (a call ...
+        """
+        for name, seconds in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
+            # Pipe.poll raises on an infinite wait, and a stuck call would stall the run.
+            if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds < math.inf:
+                raise SettingError(
+                    "ToolRunner",
+                    f"{name}={seconds!r} must be a finite number of seconds > 0 (a call running longer is stopped "
+                    "and answered with a timeout error).",
+                    field=name,
+                )
+        if max_result_tokens is not None and (
+            isinstance(max_result_tokens, bool)
+            or not isinstance(max_result_tokens, numbers.Integral)
+            or max_result_tokens < 1
+        ):
+            raise SettingError(
+                "ToolRunner",
+                f"max_result_tokens={max_result_tokens!r} must be a whole number of tokens >= 1 (a longer result is "
+                "cut to that many), or None (no cut).",
+                field="max_result_tokens",
+            )
 
     @property
     def restarts(self) -> int:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from interop.errors import SettingError
 from interop.tools.runner import ParsedTurn, ToolCall, ToolCallFormat
 
 __all__ = [
@@ -352,10 +353,11 @@ def torchrl_tools(piece) -> TorchRLTools:
         return TorchRLTools(functions, fmt)
     if isinstance(piece, llm.PythonInterpreter):
         if piece.persistent or piece.services is not None:
-            raise ValueError(
-                f"torchrl_tools: PythonInterpreter(persistent={piece.persistent}, services={piece.services!r}) keeps "
+            raise SettingError(
+                "torchrl_tools",
+                f"PythonInterpreter(persistent={piece.persistent}, services={piece.services!r}) keeps "
                 "interpreters alive across calls, so one dialog's variables would reach another's; use "
-                "PythonInterpreter(persistent=False) (a fresh process per call)."
+                "PythonInterpreter(persistent=False) (a fresh process per call).",
             )
         return TorchRLTools([PythonCodeTool(timeout_s=piece.timeout)], PythonBlockFormat())
     return _refuse(piece, llm)
@@ -363,22 +365,25 @@ def torchrl_tools(piece) -> TorchRLTools:
 
 def _refuse(piece, llm):
     if isinstance(piece, llm.PythonExecutorService):
-        raise ValueError(
-            "torchrl_tools: PythonExecutorService is a pool of persistent interpreters (a Ray actor's): one dialog's "
+        raise SettingError(
+            "torchrl_tools",
+            "PythonExecutorService is a pool of persistent interpreters (a Ray actor's): one dialog's "
             "variables would reach another's. Use PythonInterpreter(persistent=False), which runs each call in a "
-            "fresh process."
+            "fresh process.",
         )
     if isinstance(piece, llm.MCPToolTransform):
-        raise ValueError(
-            "torchrl_tools: MCPToolTransform is not taken apart: it holds live connections to its servers (in a "
+        raise SettingError(
+            "torchrl_tools",
+            "MCPToolTransform is not taken apart: it holds live connections to its servers (in a "
             "thread of the process that built it), which the tool worker cannot take over. Build the tools from its "
             "servers instead: interop.tools.mcp_tools.mcp_tools(transform.server_configs) lists them, and each tool "
-            "worker starts the servers it calls (their tools are called in Qwen2.5's <tool_call> format)."
+            "worker starts the servers it calls (their tools are called in Qwen2.5's <tool_call> format).",
         )
     accepted = "ToolRegistry, ExecuteToolsInOrder, SimpleToolTransform, PythonInterpreter"
-    raise ValueError(
-        f"torchrl_tools: got a {type(piece).__module__}.{type(piece).__qualname__}, not a TorchRL tool piece; "
-        f"accepted: {accepted} (torchrl.envs.llm.transforms)."
+    raise SettingError(
+        "torchrl_tools",
+        f"got a {type(piece).__module__}.{type(piece).__qualname__}, not a TorchRL tool piece; "
+        f"accepted: {accepted} (torchrl.envs.llm.transforms).",
     )
 
 
@@ -386,7 +391,7 @@ def _services(registry) -> Sequence:
     # ToolRegistry has get() and `in`, no listing: its services live in _svc (torchrl 0.14.1).
     services = list(getattr(registry, "_svc", {}).values())
     if not services:
-        raise ValueError("torchrl_tools: the ToolRegistry holds no service; register at least one.")
+        raise SettingError("torchrl_tools", "the ToolRegistry holds no service; register at least one.")
     return services
 
 

@@ -57,7 +57,7 @@ from interop.sampling.sampler import (
     SamplingSettings,
     check_pad_token,
 )
-from interop.tools.runner import ToolRunner, ToolSet
+from interop.tools.runner import DEFAULT_TIMEOUT_S, ToolRunner, ToolSet
 
 if TYPE_CHECKING:  # for annotations; imported where the workers start
     from interop.sampling.workers import RolloutWorkers
@@ -289,7 +289,7 @@ class TorchRLRolloutFunc:
         seed: int = 0,
         tools=None,
         max_turns: int | None = None,
-        tool_timeout_s: float = 10.0,
+        tool_timeout_s: float = DEFAULT_TIMEOUT_S,
         max_result_tokens: int | None = None,
     ):
         backend = self._checked_backend(

@@ -48,6 +48,7 @@ from tensordict import TensorDict, TensorDictBase
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from interop.errors import SettingError
 from interop.trl.group_replay import GroupReplay, pad_rows
 from interop.trl.importance_sampling import IMPORTANCE_SAMPLING_MODES, sampler_mismatch_counts, sampler_mismatch_metrics
 from interop.trl.rollout_func import TorchRLRolloutFunc
@@ -508,9 +509,9 @@ def _reading_ahead(rollout_func: TorchRLRolloutFunc, args: tuple, kwargs: dict) 
 def check_importance_sampling_settings(args) -> None:
     """Refuses ``vllm_importance_sampling_*`` settings trl would fail on only once a batch is scored, or not at all.
 
-    Each ``ValueError`` starts with the field's name: a mode trl 1.16 does not have, ``clip_min >= clip_max``, a
-    ``*_truncate`` mode with no bound, and a ``vespo`` loss with a ``sequence_*`` mode (trl refuses that pair only with
-    vLLM). A wrong mode is refused even with the correction off.
+    Each refusal is an ``interop.errors.SettingError`` of ``GRPOConfig`` naming its field: a mode trl 1.16 does not
+    have, ``clip_min >= clip_max``, a ``*_truncate`` mode with no bound, and a ``vespo`` loss with a ``sequence_*`` mode
+    (trl refuses that pair only with vLLM). A wrong mode is refused even with the correction off.
 
     Args:
         args: a ``trl.GRPOConfig`` (or any object with its fields).
@@ -524,32 +525,40 @@ def check_importance_sampling_settings(args) -> None:
         >>> check_importance_sampling_settings(settings)
         Traceback (most recent call last):
         ...
-        ValueError: vllm_importance_sampling_mode='token_clip' is not one of trl's modes: ...
+        interop.errors.SettingError: GRPOConfig: vllm_importance_sampling_mode='token_clip' is not one of trl's ...
     """
     mode = args.vllm_importance_sampling_mode
     low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
     if mode not in IMPORTANCE_SAMPLING_MODES:
-        raise ValueError(
+        raise SettingError(
+            "GRPOConfig",
             f"vllm_importance_sampling_mode={mode!r} is not one of trl's modes: {', '.join(IMPORTANCE_SAMPLING_MODES)} "
             "(token_*: a ratio per token; sequence_*: one per completion, from its summed log-ratio; *_truncate clips "
-            "the ratio into [clip_min, clip_max], *_mask zeroes it outside)."
+            "the ratio into [clip_min, clip_max], *_mask zeroes it outside).",
+            field="vllm_importance_sampling_mode",
         )
     if not args.vllm_importance_sampling_correction:
         return
     if low is not None and high is not None and low >= high:
-        raise ValueError(
+        raise SettingError(
+            "GRPOConfig",
             f"vllm_importance_sampling_clip_min={low} is not below vllm_importance_sampling_clip_max={high}: the "
-            f"ratios kept would be an empty range. Set clip_min below clip_max (e.g. clip_min=0.5, clip_max=2.0)."
+            f"ratios kept would be an empty range. Set clip_min below clip_max (e.g. clip_min=0.5, clip_max=2.0).",
+            field="vllm_importance_sampling_clip_min",
         )
     if mode.endswith("_truncate") and low is None and high is None:
-        raise ValueError(
+        raise SettingError(
+            "GRPOConfig",
             f"vllm_importance_sampling_clip_max=None with vllm_importance_sampling_clip_min=None: {mode} clips the "
-            "ratio into [clip_min, clip_max] and needs one bound at least (trl's default clip_max is 3.0)."
+            "ratio into [clip_min, clip_max] and needs one bound at least (trl's default clip_max is 3.0).",
+            field="vllm_importance_sampling_clip_max",
         )
     if args.loss_type == "vespo" and mode.startswith("sequence_"):
-        raise ValueError(
+        raise SettingError(
+            "GRPOConfig",
             f"vllm_importance_sampling_mode={mode!r} with loss_type='vespo': VESPO weighs sequences itself and takes "
-            "a per-token correction only; use token_truncate or token_mask."
+            "a per-token correction only; use token_truncate or token_mask.",
+            field="vllm_importance_sampling_mode",
         )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "register_resolvers",
     "resolved",
     "run_config",
+    "setting_message",
     "tensordict_key",
     "trl_default",
     "write_run_config",
@@ -57,6 +58,21 @@ class ConfigError(ValueError):
 class RunStopped(RuntimeError):
     """A run stopped for a reason its message says in full, with what to do (a full disk, a non-finite loss): the
     run's log shows the message alone, as for a :class:`ConfigError`."""
+
+
+def setting_message(error, key: str) -> str:
+    """A library refusal (``interop.errors.SettingError``) under the config key its value came from: ``<key>.<detail>``
+    where it names its field (its detail starts with the field), else ``<key>: <detail>``; the text is the library's.
+
+    Examples:
+        >>> from interop.errors import SettingError
+        >>> error = SettingError("SamplingSettings", "top_p=2 must be in (0, 1].", field="top_p")
+        >>> setting_message(error, "rollout.generation")
+        'rollout.generation.top_p=2 must be in (0, 1].'
+        >>> setting_message(SettingError("ToolSet", "two tools are named 'add'."), "tools")
+        "tools: two tools are named 'add'."
+    """
+    return f"{key}.{error.detail}" if error.field is not None else f"{key}: {error.detail}"
 
 
 def first_items(items: list, count: int = 10) -> str:

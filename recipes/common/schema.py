@@ -182,21 +182,32 @@ class Aliases:
 
 
 def refuse_unknown_overrides(
-    argv: Sequence[str], schema: type, *, recipe: str, aliases: Aliases | Callable[[], Aliases] | None = None
+    argv: Sequence[str],
+    schema: type,
+    *,
+    recipe: str,
+    aliases: Aliases | Callable[[], Aliases] | None = None,
+    renamed: Mapping[str, str] = {},
 ) -> None:
     """Before Hydra composes the config (a recipe's ``__main__``): a command-line override without ``+`` of a key that
     ``schema`` does not have is refused as :func:`check_config` refuses it, naming the nearest keys or, for another
-    tool's name (``aliases``: ``num_generations=4``, ``train.learning_rate=1e-3``), the recipe's key for it. Hydra
-    would answer only "Could not override ... Key ... is not in struct". Keys under an open mapping, a choice of
-    schemas or Hydra's own are left to Hydra. Prints the refusal and exits with status 1.
+    tool's name (``aliases``: ``num_generations=4``, ``train.learning_rate=1e-3``), the recipe's key for it, or, for a
+    key of an earlier version (``renamed``, with or without ``+``), the key that replaced it. Hydra would answer only
+    "Could not override ... Key ... is not in struct". Keys under an open mapping, a choice of schemas or Hydra's own
+    are left to Hydra. Prints the refusal and exits with status 1.
 
     Keyword Args:
         aliases: another tool's names, or a function that builds them (called only for an unknown key).
+        renamed: keys of earlier versions of the recipe and what replaced them (as :func:`check_config`'s).
     """
     for argument in argv:
         key, equals, value = argument.partition("=")
         if key == "experiment" and equals:
             _refuse_unfit_presets(value, recipe)
+        if key.lstrip("+") in renamed:
+            old = key.lstrip("+")
+            print(_renamed_message(old, renamed[old], value if equals else None, recipe), file=sys.stderr)
+            raise SystemExit(1)
         if not equals or key.startswith(("-", "+", "~", "hydra")) or "/" in key or "@" in key:
             continue
         if (_CONF_DIR / key.replace(".", "/")).is_dir():  # a config group (experiment=, sweep=): no setting itself
@@ -211,7 +222,7 @@ def refuse_unknown_overrides(
 
 def trainer_aliases(config_class: type) -> Aliases:
     """A trl / transformers trainer config's fields as the ``train.<field>`` keys of a recipe whose ``train:`` node
-    takes them (``num_generations=4`` is ``train.num_generations=4`` there)."""
+    takes them (``learning_rate=1e-3`` is ``train.learning_rate=1e-3`` there)."""
     names = {field.name: f"train.{field.name}" for field in dataclasses.fields(config_class)}
     return Aliases(f"trl.{config_class.__name__}", names)
 
@@ -430,7 +441,24 @@ def _refuse_renamed(values: Any, renamed: Mapping[str, str], recipe: str) -> Non
         for part in parent.split(".") if parent else []:
             node = node.get(part, {}) if isinstance(node, Mapping) else {}
         if isinstance(node, Mapping) and name in node:
-            raise ConfigError(f"{old} is gone from {recipe}: use {new}.")
+            raise ConfigError(_renamed_message(old, new, node[name], recipe))
+
+
+def _renamed_message(old: str, new: str, value: Any, recipe: str) -> str:
+    """The refusal of a key of an earlier version: the key that replaced it, with the value where that is one key.
+
+    Examples:
+        >>> _renamed_message("train.temperature", "rollout.generation.temperature", 0.7, "demo")
+        'train.temperature is gone from demo: use rollout.generation.temperature=0.7.'
+        >>> _renamed_message("loss.aggregation", "loss.type (token_mean is bnpo)", "token_mean", "demo")
+        'loss.aggregation is gone from demo: use loss.type (token_mean is bnpo).'
+    """
+    plain = re.fullmatch(r"[\w.]+", new) and value is not None and not isinstance(value, (Mapping, list))
+    return (
+        f"{old} is gone from {recipe}: use {new}={_shown_value(value)}."
+        if plain
+        else f"{old} is gone from {recipe}: use {new}."
+    )
 
 
 # ------------------------------------------------------------------------------------------------ checking

@@ -52,14 +52,14 @@ import contextlib
 import contextvars
 import json
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from interop.errors import SettingError
 from interop.tools import ToolCallFormat, ToolRunner, ToolSet
-from recipes.common.config import ConfigError
+from recipes.common.config import ConfigError, setting_message
 from recipes.common.dotted_paths import function_name, import_from_the_working_folder, resolve_function
 
 __all__ = [
@@ -87,22 +87,11 @@ def tool_entries(tools: Mapping | None) -> dict[str, object]:
 
 
 def _check_settings(tools: Mapping) -> None:
-    timeout = tools.get("timeout_s")
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not (math.isfinite(timeout) and timeout > 0)
-    ):
-        raise ConfigError(
-            f"tools.timeout_s={timeout!r}: expected a number of seconds > 0 (a tool call running longer is stopped "
-            "and answered with a timeout error)."
-        )
-    cut = tools.get("max_result_tokens")
-    if cut is not None and (isinstance(cut, bool) or not isinstance(cut, int) or cut < 1):
-        raise ConfigError(
-            f"tools.max_result_tokens={cut!r}: expected an integer >= 1 (a longer result is cut to that many "
-            "tokens), or null to never cut."
-        )
+    """``tools.timeout_s`` and ``tools.max_result_tokens``, checked by the runner that takes them."""
+    try:
+        ToolRunner.check_settings(timeout_s=tools.get("timeout_s"), max_result_tokens=tools.get("max_result_tokens"))
+    except SettingError as error:
+        raise ConfigError(setting_message(error, "tools")) from None
 
 
 def resolve_tools(tools: Mapping | None) -> ToolSet | None:
@@ -158,8 +147,8 @@ def _resolve(tools: Mapping | None) -> tuple[ToolSet, list] | None:
             functions.append(tool)
     try:
         tool_set = ToolSet(functions)
-    except ValueError as error:  # a piece's tool whose schema names another tool
-        raise ConfigError(f"tools: {str(error).removeprefix('ToolSet: ')}") from None
+    except SettingError as error:  # a piece's tool whose schema names another tool
+        raise ConfigError(setting_message(error, "tools")) from None
     unique = []
     for fmt in formats:
         if not any(_same_format(fmt, seen) for seen in unique):
@@ -205,8 +194,8 @@ def _function_tool(setting: str, name: str, node):
     function = resolve_function(f"{setting}.function", node)
     try:
         ToolSet([function])
-    except ValueError as error:  # no docstring, no type hints, an argument not described: trl would refuse too
-        raise ConfigError(f"{setting}.function={function_name(node)}: {str(error).removeprefix('ToolSet: ')}") from None
+    except SettingError as error:  # no docstring, no type hints, an argument not described: trl would refuse too
+        raise ConfigError(setting_message(error, f"{setting}.function={function_name(node)}")) from None
     if function.__name__ != name:
         raise ConfigError(
             f"{setting}.function={function_name(node)} is named {function.__name__!r}, which is the name the model "
@@ -255,8 +244,10 @@ def _torchrl_piece(setting: str, node):
         ) from None
     try:
         return torchrl_tools(piece)
-    except ValueError as error:
-        raise ConfigError(f"{setting}._target_={target}: {str(error).removeprefix('torchrl_tools: ')}") from None
+    except SettingError as error:
+        raise ConfigError(setting_message(error, f"{setting}._target_={target}")) from None
+    except ValueError as error:  # a tool the piece brings (ServiceTool, FunctionTool...) refusing its own values
+        raise ConfigError(f"{setting}._target_={target}: {error}") from None
 
 
 # The tools each MCP server listed, by its description, for the run in progress (resolving_tools_once): the run
@@ -319,8 +310,10 @@ def _mcp_tools(setting: str, node) -> list[tuple[object, str]]:
                     f"{key}: MCP servers need the mcp package (>=2.3,<3), which is not installed: pip install "
                     "\".[mcp]\" (or pip install 'mcp>=2.3,<3')."
                 ) from None
-            except ValueError as error:
-                raise ConfigError(f"{key}: {str(error).removeprefix('MCPStdioServer: ')}") from None
+            except SettingError as error:  # its fields are MCPStdioServer's arguments, not keys under this one
+                raise ConfigError(f"{key}: {error.detail}") from None
+            except ValueError as error:  # the server's listing, or its spec (interop.mcp_tools names which)
+                raise ConfigError(f"{key}: {error}") from None
             names = [tool.__name__ for tool in listings[listing]]
             log.info(
                 "%s: MCP server %r started and lists %d tool(s): %s (stopped again: each tool worker starts its own "

@@ -24,7 +24,6 @@ Dependencies: torch, tensordict, torchrl, transformers, and the project's ``inte
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Mapping
 
 import torch
@@ -33,7 +32,8 @@ from tensordict import TensorDictBase
 from torchrl.collectors import Collector
 from torchrl.collectors.llm import LLMCollector
 
-from interop.sampling import CausalLMSampler, SamplingSettings, end_of_response_ids
+from interop.errors import SettingError
+from interop.sampling import CausalLMSampler, end_of_response_ids
 from interop.tools.dialog_policy import DialogPolicy
 from recipes.common.chat import (
     check_chat_generation_settings,
@@ -47,6 +47,7 @@ from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
 from recipes.common.prompts import PromptTable
 from recipes.common.rollout_backend import backend_of, samples_apart, worker_resources
+from recipes.common.sampling import sampler_settings as common_sampler_settings
 from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools, resolving_tools_once
 from recipes.grpo.batch import (
     BATCH_KEYS,
@@ -106,48 +107,16 @@ def check_generation_settings(generation: Mapping, *, env: str, key: str = "roll
         check_chat_generation_settings(generation, key=key)
 
 
+# rollout.env=prompt's sampler takes SamplingSettings' fields; for any other generation setting:
+_CHAT_TAKES_ANY = (
+    "use rollout.env=chat (TorchRL's TransformersWrapper passes any transformers GenerationConfig field to generate())"
+)
+
+
 def sampler_settings(generation: Mapping, *, key: str = "rollout.generation", check_only: bool = False):
-    """The :class:`~interop.sampling.SamplingSettings` of a config's generation node (``rollout.generation``, or the
-    evaluation's), or a :class:`ConfigError` naming the key and the way out (``rollout.env=chat`` takes any
-    ``transformers.GenerationConfig`` field). ``check_only``: the keys alone are checked (values come later).
-
-    Examples:
-        >>> sampler_settings({"max_new_tokens": 8, "typical_p": 0.9})
-        Traceback (most recent call last):
-        ...
-        recipes.common.config.ConfigError: rollout.generation.typical_p: not a generation setting of CausalLMSampler ...
-    """
-    try:
-        if check_only:
-            SamplingSettings.check_keys(generation, key=key)
-            return None
-        return SamplingSettings.from_mapping(generation, key=key)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(_settings_message(str(error), key)) from None
-
-
-def _settings_message(message: str, key: str) -> str:
-    """``SamplingSettings``' refusal with its settings named in full (``temperature=0`` under ``eval.generation``
-    reads ``eval.generation.temperature=0``) and the way out.
-
-    Examples:
-        >>> _settings_message("SamplingSettings: temperature=0 must be > 0 when sampling.", "eval.generation")
-        'eval.generation.temperature=0 must be > 0 when sampling. Set eval.generation.temperature > 0, or \
-eval.generation.do_sample=false for greedy decoding.'
-    """
-    message = message.removeprefix("SamplingSettings: ")
-    names = "|".join(SamplingSettings.names())
-    message = re.sub(rf"(?<![\w.])({names})(?=[=\])])", rf"{key}.\1", message)
-    if not message.startswith(key):
-        message = f"{key}: {message}"
-    if "not a generation setting" in message:
-        message = message.rstrip(".") + (
-            ", or use rollout.env=chat (TorchRL's TransformersWrapper passes any transformers GenerationConfig "
-            "field to generate())."
-        )
-    if "must be > 0 when sampling" in message:
-        message += f" Set {key}.temperature > 0, or {key}.do_sample=false for greedy decoding."
-    return message
+    """``recipes.common.sampling.sampler_settings``, naming ``rollout.env=chat`` for a key the sampler does not take
+    (TorchRL's ``TransformersWrapper`` takes any ``transformers.GenerationConfig`` field)."""
+    return common_sampler_settings(generation, key=key, check_only=check_only, elsewhere=_CHAT_TAKES_ANY)
 
 
 def make_prompt_table(cfg: DictConfig, prompts: PromptRows, tokenizer) -> PromptTable:
@@ -178,10 +147,11 @@ def check_tool_template(cfg: DictConfig, tokenizer) -> None:
             max_turns=cfg.rollout.max_turns,
             call_format=resolve_call_format(cfg.tools),
         )
-    except ValueError as error:
+    except ValueError as error:  # a SettingError of DialogSampler's, or check_pad_token's (which names its owner)
+        detail = error.detail if isinstance(error, SettingError) else str(error)
         raise ConfigError(
             f"tools: model.name_or_path={str(cfg.model.name_or_path)!r}'s tokenizer cannot sample tool dialogs: "
-            f"{str(error).removeprefix('DialogSampler: ')}"
+            + detail
         ) from None
 
 

@@ -32,6 +32,7 @@ from recipes.common.schema import (
     RayNode,
     WorkerResourcesNode,
 )
+from recipes.common.vocabulary import SHARED_KEYS_OF_TRL_FIELDS
 from recipes.grpo.rollout_envs import ROLLOUT_ENVS, RolloutEnvName
 
 __all__ = [
@@ -65,6 +66,7 @@ RENAMED = {"loss.aggregation": "loss.type (aggregation=token_mean is loss.type=b
 TRL_NAMES = Aliases(
     "trl.GRPOConfig",
     {
+        **SHARED_KEYS_OF_TRL_FIELDS,  # the keys the trl recipe reads too
         "beta": "loss.kl_to_ref_coeff",
         "loss_type": "loss.type",
         "epsilon": "loss.clip_epsilon",
@@ -90,17 +92,8 @@ TRL_NAMES = Aliases(
         "vespo_k_neg": "loss.vespo.k_neg",
         "vespo_lambda_neg": "loss.vespo.lambda_neg",
         "scale_rewards": "advantage.scale_rewards",
-        "num_generations": "rollout.group_size",
         "generation_batch_size": "rollout.responses_per_step",
-        "max_completion_length": "rollout.generation.max_new_tokens",
-        "temperature": "rollout.generation.temperature",
-        "top_k": "rollout.generation.top_k",
-        "top_p": "rollout.generation.top_p",
-        "min_p": "rollout.generation.min_p",
-        "repetition_penalty": "rollout.generation.repetition_penalty",
-        "generation_kwargs": "rollout.generation (its keys: min_new_tokens, do_sample)",
         "reward_weights": "reward.functions.<name>.weight (and reward.model_weight for the reward model)",
-        "multi_objective_aggregation": "reward.aggregation",
         "num_generations_eval": "eval.group_size",
         "eval_steps": "eval.every_n_steps",
         "learning_rate": "optimizer.lr",

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from interop.sampling import SamplingSettings
+from interop.errors import SettingError
 from recipes.common.checkpoint import latest_trl_checkpoint
-from recipes.common.config import ConfigError, check_run_settings
+from recipes.common.config import ConfigError, check_run_settings, setting_message
 from recipes.common.data import load_prompt_rows
 from recipes.common.lora import validate_policy_lora
 from recipes.common.models import load_tokenizer, validate_model_node
@@ -27,14 +27,15 @@ from recipes.common.reward_functions import check_reward_functions
 from recipes.common.rollout_backend import check_rollout_backend
 from recipes.common.run import SUMMARY_FILE, check_sharded_launch
 from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
+from recipes.common.sampling import sampler_settings
 from recipes.common.schema import checked_config, checked_trainer_config
 from recipes.common.tools import resolve_call_format, resolve_tools
 from recipes.trl_grpo.report import reward_source_names, summary_keys
 from recipes.trl_grpo.resume import checkpoint_step, resume_changes, resumed_config
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, row_bytes, stored_sources
-from recipes.trl_grpo.schema import RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
+from recipes.trl_grpo.schema import GRPO_CONFIG_FIELDS, RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
 
-__all__ = ["validate"]
+__all__ = ["grpo_config_fields", "validate"]
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -46,7 +47,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         cfg = resumed_config(cfg)
     cfg = checked_config(cfg, TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", renamed=RENAMED)
     _check_trl_tool_keys(cfg)
-    args = checked_trainer_config(cfg.train, GRPOConfig, node=GRPOTrainerNode)
+    args = checked_trainer_config({**cfg.train, **grpo_config_fields(cfg)}, GRPOConfig, node=GRPOTrainerNode)
+    _check_sampling(cfg)
     _check_trainer_settings(args)
     if cfg.reward_model is None and not cfg.reward.functions:
         raise ConfigError(
@@ -76,6 +78,43 @@ def validate(cfg: DictConfig) -> DictConfig:
     if cfg.rollout.replay.load_from is not None:
         load_replay_source(cfg, group_size=args.num_generations)
     return cfg
+
+
+def grpo_config_fields(cfg: DictConfig) -> dict:
+    """The ``trl.GRPOConfig`` fields this recipe sets from its own keys, the GRPO recipe's
+    (:data:`~recipes.trl_grpo.schema.GRPO_CONFIG_FIELDS`): the group size, the sampler's settings (which trl's
+    rollout function reads back: ``interop.SamplingSettings.from_grpo_config``), the reward aggregation and the
+    progress bar.
+
+    Examples:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.load("conf/trl_grpo_torchrl_rollouts.yaml")
+        >>> fields = grpo_config_fields(cfg)
+        >>> fields["num_generations"], fields["max_completion_length"], fields["generation_kwargs"]
+        (8, 32, {'min_new_tokens': 0, 'do_sample': True})
+    """
+    generation = cfg.rollout.generation
+    fields = {
+        field: OmegaConf.select(cfg, key)
+        for field, key in GRPO_CONFIG_FIELDS.items()
+        if field not in ("generation_kwargs", "disable_tqdm")
+    }
+    fields["generation_kwargs"] = {"min_new_tokens": generation.min_new_tokens, "do_sample": generation.do_sample}
+    fields["disable_tqdm"] = not cfg.progress_bar
+    return fields
+
+
+def _check_sampling(cfg: DictConfig) -> None:
+    """The sampler's settings, as the GRPO recipe checks its own: values the sampler takes, and sampling on (greedy
+    decoding would give every completion of a group the same tokens)."""
+    settings = sampler_settings(cfg.rollout.generation)
+    if not settings.do_sample:
+        raise ConfigError(
+            f"rollout.generation.do_sample=false with rollout.group_size={cfg.rollout.group_size}: greedy decoding "
+            "gives every completion of a prompt the same tokens, so each group's rewards tie, its advantages are 0 "
+            "and nothing trains. Drop do_sample=false (lower rollout.generation.temperature for less varied "
+            "completions)."
+        )
 
 
 def _check_trl_tool_keys(cfg: DictConfig) -> None:
@@ -182,18 +221,18 @@ def load_replay_source(cfg: DictConfig, *, group_size: int):
     if any(size != group_size for size in recorded):
         raise ConfigError(
             f"{key}={str(folder)!r} holds groups of {' and '.join(map(str, recorded))} completions per prompt (the "
-            f"train.num_generations of the run that stored them), and this run samples train.num_generations="
+            f"rollout.group_size of the run that stored them), and this run samples rollout.group_size="
             f"{group_size}: its groups would be loaded cut or merged, their advantages computed over other groups than "
-            f"trl's. Set train.num_generations={recorded[0]}, or load rollouts stored with {group_size}."
+            f"trl's. Set rollout.group_size={recorded[0]}, or load rollouts stored with {group_size}."
         )
     runs = _runs_of_one_prompt(rows)
     if rows.shape[0] < group_size or any(length % group_size for length in runs):
         raise ConfigError(
-            f"{key}={str(folder)!r}: its rows do not come in whole groups of train.num_generations={group_size}: "
+            f"{key}={str(folder)!r}: its rows do not come in whole groups of rollout.group_size={group_size}: "
             f"they hold runs of {sorted(set(runs))} completions of one prompt and step (the run that stored them "
             "sampled another group size, or its ring of rollout.store.max_rows dropped part of a group), and no "
-            f"group would be loaded. Load rollouts stored with train.num_generations={group_size} and no rows "
-            "dropped, or set train.num_generations to the stored runs' group size."
+            f"group would be loaded. Load rollouts stored with rollout.group_size={group_size} and no rows "
+            "dropped, or set rollout.group_size to the stored runs' group size."
         )
     return rows
 
@@ -291,10 +330,10 @@ def _check_rollouts_are_the_runs(output_dir: Path) -> None:
 
 
 def _check_prompt_lengths(cfg: DictConfig, rows, args) -> int:
-    """Prompts the policy cannot read whole with ``train.max_completion_length`` tokens after them (tokenizer and model
-    config only: before any weights load). Returns the longest prompt's tokens."""
+    """Prompts the policy cannot read whole with ``rollout.generation.max_new_tokens`` tokens after them (tokenizer
+    and model config only: before any weights load). Returns the longest prompt's tokens."""
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
-    table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.system_prompt)
+    table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
     tools = resolve_tools(cfg.tools)
     if tools is None:
         lengths = table.rendered_lengths()
@@ -307,7 +346,7 @@ def _check_prompt_lengths(cfg: DictConfig, rows, args) -> int:
         lengths,
         cfg.model,
         max_new_tokens=args.max_completion_length,
-        max_new_tokens_key="train.max_completion_length",
+        max_new_tokens_key="rollout.generation.max_new_tokens",
     )
     return max(lengths)
 
@@ -351,39 +390,22 @@ def _check_lora_for_trl(lora) -> None:
 
 
 def _check_trainer_settings(args) -> None:
-    """What ``train:``'s settings, as trl will read them (``args``: trl's defaults under the config's values), cannot
-    combine: the sampler's settings, the mismatch correction's, and the group size against the generation batch."""
+    """What ``train:``'s settings, as trl will read them (``args``: trl's defaults under the config's values and
+    :func:`grpo_config_fields`), cannot combine: the mismatch correction's, and the group size against the generation
+    batch."""
     from interop.trl.trainer import check_importance_sampling_settings  # imports trl: only where this recipe runs
 
     try:
-        settings = SamplingSettings.from_grpo_config(args)
-    except ValueError as error:
-        raise ConfigError(
-            f"train.{error}" if str(error).startswith("generation_kwargs") else f"train: {error}"
-        ) from None
-    try:
         check_importance_sampling_settings(args)
-    except ValueError as error:  # each message starts with the field's name
-        raise ConfigError(f"train.{error}") from None
+    except SettingError as error:  # GRPOConfig's field: a train.<field> key here
+        raise ConfigError(setting_message(error, "train")) from None
     per_device, group = args.per_device_train_batch_size, args.num_generations
-    if isinstance(group, int) and group < 2:
-        raise ConfigError(
-            f"train.num_generations={group}: GRPO scores each completion against the other completions of its prompt "
-            "(its advantage is the reward minus the group's mean), so it needs at least 2 per prompt. Use "
-            "train.num_generations=2 or more."
-        )
-    if not settings.do_sample:
-        raise ConfigError(
-            f"train.generation_kwargs.do_sample=false with train.num_generations={group}: greedy decoding gives every "
-            "completion of a prompt the same tokens, so each group's rewards tie, its advantages are 0 and nothing "
-            "trains. Drop do_sample=false (lower train.temperature for less varied completions)."
-        )
     steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     generation_batch = per_device * steps_per_generation * processes
-    if not isinstance(group, int) or generation_batch % group:
+    if generation_batch % group:
         raise ConfigError(
-            f"train.num_generations={group} does not divide the generation batch of {generation_batch} completions "
+            f"rollout.group_size={group} does not divide the generation batch of {generation_batch} completions "
             f"(train.per_device_train_batch_size={per_device} x steps_per_generation={steps_per_generation} x "
             f"{processes} process(es)): every prompt's group must be whole. Use a group size of 2 or more that "
             f"divides {generation_batch}, or change the batch size."

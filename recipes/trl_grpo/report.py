@@ -4,6 +4,7 @@
 - :class:`MetricsCallback`: trl's logs, renamed, with the recipe's figures of the batches they cover (the oracle's
   mean, distinct-2), to the run's logger; those figures are also kept in trl's log history, which every checkpoint
   saves, so that a resumed run's summary covers the whole run.
+- :class:`StepBar`: transformers' bar of the optimizer steps (``progress_bar=true``), without its print of every log.
 - :func:`summary_keys`: every entry ``summary.json`` will hold for a config, known before anything loads (``metric``
   is checked against it); :func:`summarize` writes them; :func:`closing_message` is the run's last line.
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from transformers import TrainerCallback
+from transformers import ProgressCallback, TrainerCallback
 
 from recipes.common.metrics import (
     MetricLogger,
@@ -35,6 +36,7 @@ from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR
 
 __all__ = [
     "MetricsCallback",
+    "StepBar",
     "closing_message",
     "logged_series",
     "metric_name",
@@ -181,8 +183,9 @@ class MetricsCallback(TrainerCallback):
             self._warned_dropped = True
             log.warning(
                 "%d of %d dialogs called a tool and none got its result back: the tool message did not fit in "
-                "train.max_completion_length=%d, the whole dialog's budget (the call, the result and the answer), so "
-                "no dialog can use a tool. Raise train.max_completion_length (experiment=calculator uses 64).",
+                "rollout.generation.max_new_tokens=%d, the whole dialog's budget (the call, the result and the "
+                "answer), so no dialog can use a tool. Raise rollout.generation.max_new_tokens (experiment=calculator "
+                "uses 64).",
                 int(called.sum()),
                 dialogs,
                 self.trainer.args.max_completion_length,
@@ -234,6 +237,15 @@ class MetricsCallback(TrainerCallback):
         ids = rollout.get("completion_ids")[0, :length].tolist()
         env_mask = rollout.get("env_mask")[0, :length].tolist()
         log.info("A dialog: %r", format_dialog(self.trainer.rollout_func.tokenizer, ids, env_mask))
+
+
+class StepBar(ProgressCallback):
+    """transformers' tqdm bar of the optimizer steps (trl's ``disable_tqdm=False``: ``progress_bar=true``), as the GRPO
+    recipe's bar, without the dict of every figure (about 1 KB of trl's) that it writes under the bar at each logging
+    step: the recipe's progress lines and metrics.csv report them."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return None
 
 
 def reward_source_names(cfg: DictConfig) -> list[str]:

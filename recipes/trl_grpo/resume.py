@@ -55,6 +55,7 @@ RESUME_FREE_KEYS = (
     "metric",
     "rollout.store",
     "rollout.worker_resources",  # where the workers run, not what they sample
+    "rollout.collector_threads",
     "ray",
     "train.output_dir",  # re-rooted in the run folder, and refused outside it
     "train.max_steps",
@@ -66,7 +67,7 @@ RESUME_FREE_KEYS = (
     "train.logging_first_step",
     "train.log_completions",
     "train.num_completions_to_print",
-    "train.disable_tqdm",
+    "progress_bar",
     "train.ddp_timeout",
     "train.activation_checkpointing",  # recomputes the same activations: the same update
     "train.gradient_checkpointing",

@@ -27,15 +27,23 @@ from recipes.common.schema import (
     TrainerNode,
     WorkerResourcesNode,
 )
+from recipes.common.vocabulary import SHARED_KEYS_OF_TRL_FIELDS
 
-__all__ = ["RENAMED", "GRPOTrainerNode", "TrlGRPORecipeConfig"]
+__all__ = ["GRPO_CONFIG_FIELDS", "RENAMED", "Generation", "GRPOTrainerNode", "TrlGRPORecipeConfig"]
 
 Positive = Annotated[int, Range(ge=1)]
+
+# trl.GRPOConfig's fields that this recipe sets from its own keys, the GRPO recipe's (one key per setting in both
+# recipes): field -> the key read (recipes.trl_grpo.checks.grpo_config_fields hands them to trl).
+GRPO_CONFIG_FIELDS = SHARED_KEYS_OF_TRL_FIELDS
 
 # Keys of earlier versions: what replaced each (a config that still sets one is refused, saying so).
 RENAMED = {
     "rollouts.max_rows": "rollout.store.max_rows",
     "rollouts.max_text_bytes": "rollout.store.max_text_bytes",
+    **{f"train.{field}": key for field, key in GRPO_CONFIG_FIELDS.items()},
+    "system_prompt": "rollout.system_prompt",
+    "rollout.sampler_threads": "rollout.collector_threads",
 }
 
 
@@ -72,11 +80,36 @@ class Eval:
 
 
 @dataclass
-class Rollout:
-    """How rollouts are made and kept: the prompt stream TorchRL samples for, when it samples (sync, or one
-    generation batch ahead of trl's update), what trains again, and the store of what trl trained on (the sampling
-    settings are trl's own, under ``train:``)."""
+class Generation:
+    """``rollout.generation``: the sampler's settings (``interop.SamplingSettings``, which checks their values), under
+    the GRPO recipe's keys; trl gets them as ``GRPOConfig`` fields (:data:`GRPO_CONFIG_FIELDS`)."""
 
+    max_new_tokens: Positive
+    min_new_tokens: Annotated[int, Range(ge=0)]
+    do_sample: bool
+    temperature: float
+    top_k: Annotated[int, Range(ge=0)] | None
+    top_p: float
+    min_p: float | None
+    repetition_penalty: float
+
+
+@dataclass
+class Rollout:
+    """How rollouts are made and kept: the group size and the sampler's settings, the prompt stream TorchRL samples
+    for, when it samples (sync, or one generation batch ahead of trl's update), what trains again, and the store of
+    what trl trained on."""
+
+    group_size: Annotated[
+        int,
+        Range(ge=2),
+        Hint(
+            "{key}={value}: GRPO scores each completion against the other completions of its prompt (its advantage "
+            "is the reward minus the group's mean), so a group needs at least 2; set {key} >= 2."
+        ),
+    ]
+    system_prompt: str | None
+    generation: Generation
     prompts_per_draw: Positive
     mode: Literal["sync", "async"]
     max_policy_lag: Annotated[int, Range(ge=0)]
@@ -85,7 +118,7 @@ class Rollout:
     backend: RolloutBackendName | None
     workers: Positive
     worker_resources: WorkerResourcesNode
-    sampler_threads: Positive
+    collector_threads: Positive
     # Apart from the learner: push the weights every this many updates; the samplers' dtype.
     weight_sync_every: Positive
     sampler_dtype: DType  # the same choices as dtype (float16: CUDA only, as dtype)
@@ -100,6 +133,7 @@ class Reward:
     model_weight: float
     # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
     functions: Annotated[dict[str, Any], OPEN]
+    aggregation: Literal["sum_then_normalize", "normalize_then_sum"]  # trl's multi_objective_aggregation
 
 
 @dataclass
@@ -120,7 +154,7 @@ class TrlGRPORecipeConfig:
     overwrite: bool
     # Settings a resumed run may change beyond the free ones (recipes.trl_grpo.resume.RESUME_FREE_KEYS).
     resume_allow_changes: list[str]
-    system_prompt: str | None
+    progress_bar: bool
     rollout: Rollout
     ray: RayNode
     reward: Reward

@@ -18,6 +18,7 @@ import torch
 from tensordict.nn import TensorDictModuleBase
 
 from interop import TorchRLRolloutFunc
+from interop.errors import SettingError
 from interop.trl.trainer import (
     TorchRLGRPOTrainer,
     check_importance_sampling_settings,
@@ -243,22 +244,29 @@ _GOOD = {
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"vllm_importance_sampling_mode": "token_clip"}, r"^vllm_importance_sampling_mode='token_clip' is not one"),
+        (
+            {"vllm_importance_sampling_mode": "token_clip"},
+            r"^GRPOConfig: vllm_importance_sampling_mode='token_clip' is not one",
+        ),
         (
             {"vllm_importance_sampling_mode": "token_clip", "vllm_importance_sampling_correction": False},
-            r"^vllm_importance_sampling_mode='token_clip'",
+            r"^GRPOConfig: vllm_importance_sampling_mode='token_clip'",
         ),
-        ({"vllm_importance_sampling_clip_min": 4.0}, r"^vllm_importance_sampling_clip_min=4.0 is not below .*=3.0"),
+        (
+            {"vllm_importance_sampling_clip_min": 4.0},
+            r"^GRPOConfig: vllm_importance_sampling_clip_min=4.0 is not below .*=3.0",
+        ),
         (
             {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
-            r"^vllm_importance_sampling_clip_max=None with vllm_importance_sampling_clip_min=None",
+            r"^GRPOConfig: vllm_importance_sampling_clip_max=None with vllm_importance_sampling_clip_min=None",
         ),
-        ({"loss_type": "vespo"}, r"^vllm_importance_sampling_mode='sequence_mask' with loss_type='vespo'"),
+        ({"loss_type": "vespo"}, r"^GRPOConfig: vllm_importance_sampling_mode='sequence_mask' with loss_type='vespo'"),
     ],
 )
 def test_settings_trl_would_fail_on_late_are_refused_naming_the_field(changes, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SettingError, match=message) as refused:
         check_importance_sampling_settings(SimpleNamespace(**{**_GOOD, **changes}))
+    assert refused.value.detail.startswith(refused.value.field)  # a caller puts its key for the field in front
     check_importance_sampling_settings(SimpleNamespace(**_GOOD))
     check_importance_sampling_settings(SimpleNamespace(**{**_GOOD, "vllm_importance_sampling_correction": False}))
 

@@ -165,11 +165,12 @@ def test_a_step_with_the_adapter_is_trls_step_on_the_same_completions(tiny_polic
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.num_generations=3"], "train.num_generations=3 does not divide the generation batch of 8"),
-        (["train.num_generations=1"], "train.num_generations=1: GRPO scores each completion against the other"),
-        (["+train.generation_kwargs.do_sample=false"], "do_sample=false with train.num_generations=4: greedy decoding"),
+        (["rollout.group_size=3"], "rollout.group_size=3 does not divide the generation batch of 8"),
+        (["rollout.group_size=1"], "rollout.group_size=1: GRPO scores each completion against the other"),
+        (["rollout.generation.do_sample=false"], "do_sample=false with rollout.group_size=4: greedy decoding"),
         (["+train.use_vllm=true"], "completions come from TorchRL"),
-        (["+train.generation_kwargs.typical_p=0.9"], "train.generation_kwargs.typical_p"),
+        (["+rollout.generation.typical_p=0.9"], "rollout.generation.typical_p: trl_grpo_torchrl_rollouts has no such"),
+        (["rollout.generation.temperature=0"], "rollout.generation.temperature=0 must be > 0 when sampling"),
         (["+train.num_generation=4"], "trl.GRPOConfig has no such field"),
         (["train.report_to=wandb"], "train.report_to is set by the recipe"),
         (["train.max_steps=0"], "train.max_steps=0"),
@@ -272,7 +273,7 @@ def test_prompts_too_long_for_the_policy_are_refused_before_any_model_loads(comp
     with pytest.raises(
         ConfigError,
         match=r"1 of 8 prompts \(rows \[7\]\) are too long for the policy: .* with "
-        r"train.max_completion_length=8 the sequence passes the 256 positions",
+        r"rollout.generation.max_new_tokens=8 the sequence passes the 256 positions",
     ):
         recipe.train(cfg)
     assert loads == []
@@ -303,12 +304,17 @@ def test_a_non_finite_reward_model_score_stops_the_run_naming_the_reward_model(c
     assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
 
 
-def test_the_run_prints_its_progress_line_not_trls_raw_dict_of_figures(compose_config, tmp_path, capsys, caplog):
-    cfg = compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", "train.logging_steps=1"])
+@pytest.mark.parametrize("progress_bar", [True, False])
+def test_the_run_prints_its_progress_line_not_trls_raw_dict_of_figures(
+    compose_config, tmp_path, capsys, caplog, progress_bar
+):
+    """``progress_bar`` as the GRPO recipe's: trl's bar of the steps, or none; trl's dict of figures never."""
+    overrides = [*SMALL, f"output_dir={tmp_path}", "train.logging_steps=1", f"progress_bar={progress_bar}"]
     with caplog.at_level("INFO"):
-        recipe.train(cfg)
+        recipe.train(compose_config("trl_grpo_torchrl_rollouts", overrides))
     printed = capsys.readouterr()
     assert "'loss':" not in printed.out + printed.err and "Step 3/3:" in caplog.text
+    assert ("3/3 [" in printed.err) is progress_bar  # tqdm's "3/3 [00:01<00:00, ...]"
 
 
 def test_the_rollout_count_is_what_the_store_holds(compose_config, tmp_path, caplog):

@@ -47,7 +47,7 @@ def test_known_keys_added_keys_groups_and_hydras_own_are_left_to_hydra(argument)
     refuse_unknown_overrides([argument], GRPORecipeConfig, recipe="grpo_torchrl_rm", aliases=TRL_NAMES)
 
 
-def test_the_trl_recipe_names_train_for_a_grpo_config_field_typed_at_the_top_level():
+def test_the_trl_recipe_names_its_key_for_a_grpo_config_field_typed_at_the_top_level():
     completed = subprocess.run(
         [sys.executable, "recipes/trl_grpo_torchrl_rollouts.py", "num_generations=4"],
         cwd=REPO_ROOT,
@@ -56,6 +56,4 @@ def test_the_trl_recipe_names_train_for_a_grpo_config_field_typed_at_the_top_lev
         timeout=300,
     )
     assert completed.returncode == 1 and "not in struct" not in completed.stderr
-    assert "trl.GRPOConfig's num_generations is train.num_generations here: set train.num_generations=4" in (
-        completed.stderr
-    )
+    assert "trl.GRPOConfig's num_generations is rollout.group_size here: set rollout.group_size=4" in completed.stderr

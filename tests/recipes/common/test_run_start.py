@@ -170,8 +170,8 @@ def test_an_interrupted_trl_run_names_trls_last_checkpoint(tmp_path):
     overrides = [
         "train.max_steps=200",
         "train.per_device_train_batch_size=8",
-        "train.num_generations=4",
-        "train.max_completion_length=8",
+        "rollout.group_size=4",
+        "rollout.generation.max_new_tokens=8",
         "data.num_train_prompts=16",
         "rollout.prompts_per_draw=8",
         "train.save_strategy=steps",

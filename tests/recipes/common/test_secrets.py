@@ -93,8 +93,8 @@ TRL_ROLLOUTS_RUN = [
     "recipes/trl_grpo_torchrl_rollouts.py",
     "train.max_steps=2",
     "train.per_device_train_batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=8",
+    "rollout.group_size=4",
+    "rollout.generation.max_new_tokens=8",
     "data.num_train_prompts=16",
     "rollout.prompts_per_draw=8",
 ]

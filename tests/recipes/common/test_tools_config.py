@@ -127,3 +127,46 @@ def test_each_run_lists_its_own_mcp_servers_once(tmp_path):
     with resolving_tools_once():  # another node: its own tools
         assert resolve_tools(calc("multiply,whoami")).names == ["multiply", "whoami"]
     assert started() == 3
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"timeout_s": 0},
+        {"timeout_s": -1.5},
+        {"timeout_s": float("inf")},
+        {"timeout_s": True},
+        {"timeout_s": "10"},
+        {"max_result_tokens": 0},
+        {"max_result_tokens": 1.5},
+    ],
+)
+def test_the_tool_settings_are_checked_once_by_the_runner_that_takes_them(settings):
+    """``tools.timeout_s`` and ``tools.max_result_tokens`` are refused in the runner's own words, the key in front:
+    one check (``interop.tools.ToolRunner.check_settings``) for the config and for the library's users."""
+    from interop.errors import SettingError
+    from interop.tools import ToolRunner
+
+    values = {**SETTINGS, **settings}
+    with pytest.raises(SettingError) as library:
+        ToolRunner.check_settings(**values)
+    with pytest.raises(ConfigError) as recipe:
+        resolve_tools(OmegaConf.create({**values, "multiply": {"function": "recipes.tasks.calculator.multiply"}}))
+    assert library.value.field in settings
+    assert str(recipe.value) == f"tools.{library.value.detail}"
+
+
+def test_the_tool_timeout_has_one_default():
+    """The recipes' YAML default (each root config documents it) is the library's: ``ToolRunner`` and
+    ``TorchRLRolloutFunc`` default to ``interop.tools.DEFAULT_TIMEOUT_S``, written once."""
+    import inspect
+    from pathlib import Path
+
+    from interop import TorchRLRolloutFunc
+    from interop.tools import DEFAULT_TIMEOUT_S, ToolRunner
+
+    conf = Path(__file__).resolve().parents[3] / "conf"
+    for root in ("grpo_torchrl_rm", "trl_grpo_torchrl_rollouts"):
+        assert OmegaConf.load(conf / f"{root}.yaml").tools.timeout_s == DEFAULT_TIMEOUT_S, root
+    assert inspect.signature(ToolRunner).parameters["timeout_s"].default is DEFAULT_TIMEOUT_S
+    assert inspect.signature(TorchRLRolloutFunc).parameters["tool_timeout_s"].default is DEFAULT_TIMEOUT_S

@@ -336,7 +336,7 @@ def test_every_sampler_setting_has_its_yaml_default_and_the_default_run_samples_
         (["rollout.generation.min_p=2"], "rollout.generation.min_p=2 must be in [0, 1]."),
         (
             ["rollout.generation.min_new_tokens=9"],
-            "rollout.generation.min_new_tokens=9 must be in [0, rollout.generation.max_new_tokens].",
+            "rollout.generation.min_new_tokens=9 must be in [0, max_new_tokens] = [0, 8].",
         ),
     ],
 )

@@ -171,12 +171,12 @@ def test_a_replay_source_that_cannot_be_trusted_is_refused_before_any_model_load
 def test_a_replay_source_not_in_whole_groups_is_refused_naming_the_runs_found(
     compose_config, tmp_path, stored, num_generations, runs
 ):
-    """Read in blocks of train.num_generations, such a source's groups all straddle two prompts: none would load."""
+    """Read in blocks of rollout.group_size, such a source's groups all straddle two prompts: none would load."""
     source = tmp_path / "source" / "rollouts"
     _stored_folder(source, fingerprint=_policy_fingerprint(compose_config), **stored)
     replay = ["rollout.replay.enabled=true", f"rollout.replay.load_from={source}", f"output_dir={tmp_path / 'run'}"]
-    refusal = rf"load_from=.* groups of train.num_generations={num_generations}: they hold runs of {runs}"
-    other_group_size = [*TRL_SMALL, *replay, f"train.num_generations={num_generations}"]
+    refusal = rf"load_from=.* groups of rollout.group_size={num_generations}: they hold runs of {runs}"
+    other_group_size = [*TRL_SMALL, *replay, f"rollout.group_size={num_generations}"]
     with pytest.raises(ConfigError, match=refusal):
         validate(compose_config("trl_grpo_torchrl_rollouts", other_group_size))
     if "max_rows" not in stored:
@@ -190,10 +190,10 @@ def test_a_replay_source_of_larger_groups_is_refused_naming_both_group_sizes(com
     fingerprint = _policy_fingerprint(compose_config)
     _stored_folder(source, fingerprint=fingerprint, group_size=8, recorded_group_size=8)
     replay = ["rollout.replay.enabled=true", f"rollout.replay.load_from={source}", f"output_dir={tmp_path / 'run'}"]
-    refusal = r"holds groups of 8 completions per prompt .* train.num_generations=4.* Set train.num_generations=8"
+    refusal = r"holds groups of 8 completions per prompt .* rollout.group_size=4.* Set rollout.group_size=8"
     with pytest.raises(ConfigError, match=refusal):
         validate(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *replay]))
-    validate(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *replay, "train.num_generations=8"]))
+    validate(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *replay, "rollout.group_size=8"]))
 
 
 def test_overwrite_refuses_to_delete_the_rollouts_its_replay_loads(compose_config, tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def test_the_calculator_task_calls_multiply_over_mcp(compose_config, tmp_path):
         *MCP_MULTIPLY,
         "train.max_steps=2",
         "train.per_device_train_batch_size=16",
-        "train.num_generations=4",
+        "rollout.group_size=4",
         "rollout.prompts_per_draw=8",
         "eval.every_n_steps=null",
         "metric=rollout/reward_mean_last",

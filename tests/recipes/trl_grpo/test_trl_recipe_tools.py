@@ -33,7 +33,7 @@ MULTIPLY = "+tools.multiply.function=recipes.tasks.calculator.multiply"
         (["+tools.join.function=os.path.join"], r"tools.join.function=os.path.join: .*"),
         (["+tools.times.function=recipes.tasks.calculator.multiply"], r"rename the key to tools.multiply"),
         (["+tools.multiply=3"], r"tools.multiply: expected \{function: "),
-        ([MULTIPLY, "tools.timeout_s=0"], r"tools.timeout_s=0: expected a number of seconds > 0"),
+        ([MULTIPLY, "tools.timeout_s=0"], r"tools.timeout_s=0 must be a finite number of seconds > 0"),
         (["+train.max_tool_calling_iterations=2"], r"train.max_tool_calling_iterations=2: .*set rollout.max_turns"),
         (["+train.tools=[a]"], r"train.tools: .*tools.<name>.function=<dotted path>"),
         ([MULTIPLY, "rollout.replay.enabled=true"], r"rollout.replay.enabled=true with tools: "),
@@ -78,7 +78,7 @@ def test_a_run_whose_tools_raise_and_overrun_completes_with_them_counted(compose
         *ARITHMETIC,
         f"output_dir={tmp_path / 'run'}",
         f"model.name_or_path={model_dir}",
-        "train.max_completion_length=256",
+        "rollout.generation.max_new_tokens=256",
         MULTIPLY,
         "+tools.boom.function=_tool_functions.boom",
         "+tools.sleepy.function=_tool_functions.sleepy",
@@ -125,7 +125,7 @@ def test_dialogs_whose_tool_results_do_not_fit_are_counted_truncated_and_warned_
         *ARITHMETIC,
         f"output_dir={tmp_path / 'run'}",
         f"model.name_or_path={model_dir}",
-        f"train.max_completion_length={budget}",
+        f"rollout.generation.max_new_tokens={budget}",
         MULTIPLY,
         "rollout.max_turns=2",
         "logger=csv",
@@ -134,7 +134,7 @@ def test_dialogs_whose_tool_results_do_not_fit_are_counted_truncated_and_warned_
         summary = recipe.train(compose_config("trl_grpo_torchrl_rollouts", overrides))
     assert summary["rollout/frac_truncated_first"] == 1.0 and summary["rollout/frac_results_dropped_first"] == 1.0
     warnings = [r.message for r in caplog.records if "called a tool and none got its result back" in r.message]
-    assert len(warnings) == 1 and f"train.max_completion_length={budget}" in warnings[0]
+    assert len(warnings) == 1 and f"rollout.generation.max_new_tokens={budget}" in warnings[0]
 
 
 def test_a_tool_using_run_killed_after_its_checkpoint_resumes_with_its_dialogs_counted(compose_config, tmp_path):
@@ -147,7 +147,7 @@ def test_a_tool_using_run_killed_after_its_checkpoint_resumes_with_its_dialogs_c
         "experiment=calculator",
         "train.max_steps=4",
         "train.per_device_train_batch_size=16",
-        "train.num_generations=4",
+        "rollout.group_size=4",
         "rollout.prompts_per_draw=8",
         "train.save_strategy=steps",
         "train.save_steps=2",
