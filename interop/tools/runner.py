@@ -527,7 +527,7 @@ class ToolRunner:
         """
         for name, seconds in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
             # Pipe.poll raises on an infinite wait, and a stuck call would stall the run.
-            if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds < math.inf:
+            if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < float(seconds) < math.inf:
                 raise SettingError(
                     "ToolRunner",
                     f"{name}={seconds!r} must be a finite number of seconds > 0 (a call running longer is stopped "
