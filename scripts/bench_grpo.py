@@ -222,7 +222,7 @@ def make_trl_config(cfg, *, output_dir: str):
         learning_rate=cfg.optimizer.lr,
         lr_scheduler_type=cfg.train.lr_scheduler,
         warmup_steps=cfg.train.warmup_steps,
-        optim="adamw_torch",
+        optim="adamw_torch_fused" if cfg.optimizer.fused else "adamw_torch",  # the recipe's AdamW, fused or not
         adam_beta1=betas[0],
         adam_beta2=betas[1],
         weight_decay=cfg.optimizer.weight_decay,

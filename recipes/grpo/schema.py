@@ -100,6 +100,7 @@ TRL_NAMES = Aliases(
         "weight_decay": "optimizer.weight_decay",
         "adam_beta1": "optimizer.betas (a pair [beta1, beta2])",
         "adam_beta2": "optimizer.betas (a pair [beta1, beta2])",
+        "optim": "optimizer._target_ and optimizer.fused (adamw_torch_fused: torch.optim.AdamW, fused=true)",
         "max_steps": "train.steps",
         "num_iterations": "train.epochs_per_step",
         "per_device_train_batch_size": "train.mini_batch_size",
@@ -391,6 +392,7 @@ class Optimizer:
     ]
     betas: list[Annotated[float, Range(ge=0, lt=1)]]
     weight_decay: Annotated[float, Range(ge=0)]
+    fused: bool
 
 
 @dataclass
