@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import recipes.reward_trainer_from_buffer as recipe
     from recipes.common.models import load_reward_model, load_tokenizer
+    from recipes.common.schema import config_view
     from recipes.reward.buffer import make_training_stream
     from recipes.reward.pairs import LabelledPairs
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("reward_trainer_from_buffer", overrides=overrides, return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
+    cfg = recipe.validate(cfg)  # the typed settings the recipe reads
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
 
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         prepare_start = time.perf_counter()
         dataset = make_dataset()
         torch.manual_seed(cfg.seed)
-        model = load_reward_model(cfg.reward_model, device=cfg.device, dtype=cfg.dtype, trained=False)
+        model = load_reward_model(config_view(cfg.reward_model), device=cfg.device, dtype=cfg.dtype, trained=False)
         trainer = RewardTrainer(
             model, args=recipe.make_reward_config(cfg), train_dataset=dataset, processing_class=tokenizer
         )

@@ -61,15 +61,29 @@ FLAT_TOOLS = [
 
 
 def _fresh_import(name: str):
-    """Imports ``name`` as a first import would (its warnings recorded), whatever this process imported before."""
-    sys.modules.pop(name, None)
+    """Imports ``name`` as a first import would (its warnings recorded), whatever this process imported before, and
+    puts the module this process had back: a fresh package object lacks the attributes that its submodules, loaded
+    before and still in ``sys.modules``, set on the old one (``interop.sampling.sampler``), and the tests that run
+    next in this process resolve such dotted paths (monkeypatch.setattr("interop.sampling.sampler._X", ...))."""
     parent, _, child = name.rpartition(".")
-    if child in vars(sys.modules[parent]):
+    saved_module = sys.modules.pop(name, None)
+    saved_attribute = vars(sys.modules[parent]).get(child, _MISSING)
+    if saved_attribute is not _MISSING:
         delattr(sys.modules[parent], child)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        exec(compile(f"import {name}", __file__, "exec"), {})  # an import statement, in this file
-    return sys.modules[name], [warning for warning in caught if issubclass(warning.category, DeprecationWarning)]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compile(f"import {name}", __file__, "exec"), {})  # an import statement, in this file
+        fresh = sys.modules[name]
+    finally:
+        if saved_module is not None:
+            sys.modules[name] = saved_module
+        if saved_attribute is not _MISSING:
+            setattr(sys.modules[parent], child, saved_attribute)
+    return fresh, [warning for warning in caught if issubclass(warning.category, DeprecationWarning)]
+
+
+_MISSING = object()
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

@@ -199,10 +199,11 @@ def test_every_process_opens_the_same_stream_whatever_its_global_rng(compose_con
     from transformers import AutoTokenizer
 
     import recipes.reward.buffer as recipe
+    from recipes.reward.checks import validate
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
-    cfg = compose_config(
-        "reward_trainer_from_buffer", ["train.per_device_train_batch_size=4", f"output_dir={tmp_path}"]
+    cfg = validate(  # the typed settings the run reads
+        compose_config("reward_trainer_from_buffer", ["train.per_device_train_batch_size=4", f"output_dir={tmp_path}"])
     )
     labelled = _labelled(37)
     epochs = []
@@ -221,10 +222,11 @@ def test_too_few_pairs_for_one_step_of_all_processes_names_the_fix(compose_confi
 
     import recipes.reward.buffer as recipe
     from recipes.common.config import ConfigError
+    from recipes.reward.checks import validate
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "reward_base")
-    cfg = compose_config(
-        "reward_trainer_from_buffer", ["train.per_device_train_batch_size=8", f"output_dir={tmp_path}"]
+    cfg = validate(  # the typed settings the run reads
+        compose_config("reward_trainer_from_buffer", ["train.per_device_train_batch_size=8", f"output_dir={tmp_path}"])
     )
     labelled = _labelled(20)
     recipe.make_training_stream(cfg, labelled, tokenizer, num_processes=2)  # 16 pairs a step: fits
