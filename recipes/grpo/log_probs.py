@@ -403,7 +403,9 @@ class ResponseLogProbs(nn.Module):
         recorded = Cache(layers=[_RecordedLayer() for _ in range(layers)])
         width = tokens.shape[-1] - response_start
         # Under FSDP2 every process makes the same calls: one pass, whatever its batch's lengths.
-        lengths = mask[:, response_start:].sum(-1)
+        # Each response's extent: up to its last real column (a mask with holes inside a response keeps them).
+        columns = torch.arange(1, width + 1, device=mask.device)
+        lengths = (mask[:, response_start:] * columns).amax(-1)
         buckets = [None] if self._same_path_on_every_process else response_buckets(lengths)
         with _cache_kept_under_checkpointing(self.model):
             prompt_states = self._states(

@@ -300,6 +300,21 @@ def test_responses_run_in_passes_by_length_over_fewer_positions(tiny_policy, bat
     assert max(columns for _, columns in responses) == int(lengths.max())
 
 
+def test_a_response_whose_mask_has_a_hole_keeps_its_tokens_after_it(tiny_policy, batch):
+    """A bucket is as wide as its rows' last real column, not their count of real tokens: a column masked inside a
+    response (a hole) does not cut off the tokens after it."""
+    model, _ = tiny_policy
+    tokens, mask, start = _tokens_and_mask(batch)
+    mask = mask.clone()
+    last = mask[:, start:].long().cumsum(-1).argmax(-1)  # each response's last real column
+    mask[:, start + 1 : start + 3] = False  # a hole of two columns early in every response
+    expected = ResponseLogProbs(model, share_prompt=False)(tokens, mask, response_start=start)[0]
+    got = ResponseLogProbs(model, share_prompt=True)(tokens, mask, response_start=start)[0]
+    _assert_close(got.detach(), expected.detach(), "log-probs")
+    long_enough = last > 2  # the 3-token responses' last tokens fall in the hole
+    assert bool((got[torch.arange(len(last)), start + last] != 0)[long_enough].all())  # their last tokens scored
+
+
 def test_response_buckets_split_where_padding_is_saved():
     lengths = torch.tensor([5, 30, 6, 31, 5, 30, 12, 29])
     buckets = response_buckets(lengths)
