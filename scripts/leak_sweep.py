@@ -45,7 +45,7 @@ START_SLEEP = """    subprocess.Popen(
 FUNCTION_TOOL = '''"""multiply, starting a tagged sleep per call (written by scripts/leak_sweep.py)."""
 import subprocess
 
-from recipes.common import calculator
+from recipes.tasks import calculator
 
 
 def multiply(a: int, b: int) -> int:
