@@ -1,9 +1,10 @@
 """recipes/grpo_torchrl_rm.py under torchrun: two CPU processes (gloo) train one policy, rank 0 alone writes the run,
-and a resumed data-parallel run replays the uninterrupted one. The CUDA variant (nccl) is marked ``gpu``.
+and a resumed data-parallel run replays the uninterrupted one (out of CI: ``pytest -m extended``; the resumed FSDP2
+run covers it). The CUDA variant (nccl) is marked ``gpu``.
 
 Each torchrun takes 10-30 s: a run that several tests read (DDP and FSDP2 for 2 steps, DDP for 4) is made once per
 session (``_shared_runs``), and a resume continues a copy of the shared 2-step run (a copied run folder resumes as
-itself, ``recipes.common.resume``); every test here is in the slow suite.
+itself, ``recipes.common.resume``); every test here is in the slow suite, or out of CI as marked.
 """
 
 from __future__ import annotations
@@ -133,9 +134,15 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     assert summary["rollout/generated_tokens"] == pytest.approx(sum(row["rollout/response_length"] * 8 for row in rows))
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a third 4-step torchrun (15-20 s): out of CI, which covers its parts (docstring)
 def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(shared_runs, tmp_path):
-    """Each rank's RNG state is in the checkpoint and the prompt stream is shared: stop, resume, same run."""
+    """Each rank's RNG state is in the checkpoint and the prompt stream is shared: stop, resume, same run.
+
+    Out of CI (`pytest -m extended`). CI covers its parts: test_a_resumed_fsdp_run_replays_the_uninterrupted_one
+    resumes two ranks from their checkpoint against this same uninterrupted DDP run (each rank's RNG state and the
+    shared prompt stream: its rollout figures pool both ranks' responses), and
+    tests/recipes/test_grpo_torchrl_rm.py::test_resume_after_sigkill_continues_the_same_run restores the whole
+    optimizer state, as each DDP rank does, and replays the uninterrupted run."""
     run_dir, reference_dir = _resume_to_4_steps(shared_runs, "ddp_2", tmp_path), _shared(shared_runs, "ddp_4")
     keys = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
