@@ -99,13 +99,15 @@ def _resume_to_4_steps(shared_runs: Path, first_2_steps: str, tmp_path: Path) ->
 
 
 @pytest.mark.slow  # a multi-process run: the slow suite's (the default suite's budget is 8 minutes)
-def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
+def test_two_cpu_processes_train_one_policy(shared_runs, tiny_dir):
+    """Read from the shared uninterrupted 4-step DDP run (checkpoints at steps 2 and 4) that the resumed FSDP2 run
+    replays. (A last step off the checkpoint interval is saved too: the single-process resume test's [3, 6, 7].)"""
     from transformers import AutoModelForCausalLM
 
-    _torchrun(2, [*SMALL, "train.steps=3", "checkpoint.every_n_steps=2"], tmp_path)
+    run_dir = _shared(shared_runs, "ddp_4")
 
     # The gradients are averaged over both ranks at every update: the two copies of the policy end bit-identical.
-    rank0, rank1 = _load_rank_weights(tmp_path, 0), _load_rank_weights(tmp_path, 1)
+    rank0, rank1 = _load_rank_weights(run_dir, 0), _load_rank_weights(run_dir, 1)
     assert rank0.keys() == rank1.keys() and len(rank0) > 0
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
@@ -115,14 +117,14 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     assert all(not torch.equal(rank0[name], initial[name].detach()) for name in rank0)
 
     # Rank 0 alone wrote the run: one summary, one metrics row per step, one checkpoint set holding those weights.
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["train/num_processes"] == 2 and summary["train/steps"] == 3
-    rows = read_metrics(tmp_path)
-    assert [row["step"] for row in rows] == [1.0, 2.0, 3.0]
-    assert [step for step, _ in list_checkpoints(tmp_path / "checkpoints")] == [2, 3]
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step_0000003" / MODEL_FOLDER)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["train/num_processes"] == 2 and summary["train/steps"] == 4
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert [step for step, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 4]
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_0000004" / MODEL_FOLDER)
     assert all(torch.equal(p, rank0[name]) for name, p in saved.named_parameters())
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) == [
         "checkpoints",
         "grpo_torchrl_rm.log",
         "metrics.csv",
