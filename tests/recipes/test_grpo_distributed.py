@@ -1,6 +1,6 @@
 """recipes/grpo_torchrl_rm.py under torchrun: two CPU processes (gloo) train one policy, rank 0 alone writes the run,
-and resumed runs replay the uninterrupted ones (the DDP and FSDP2-with-LoRA resumes out of CI: ``pytest -m
-extended``; the resumed FSDP2 run covers them). The CUDA variant (nccl) is marked ``gpu``.
+and a resumed data-parallel run replays the uninterrupted one (out of CI: ``pytest -m extended``; the resumed FSDP2
+run covers it). The CUDA variant (nccl) is marked ``gpu``.
 
 Each torchrun takes 10-30 s: a run that several tests read (DDP and FSDP2 for 2 steps, DDP for 4) is made once per
 session (``_shared_runs``), and a resume continues a copy of the shared 2-step run (a copied run folder resumes as
@@ -319,17 +319,11 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
     AutoModelForCausalLM.from_pretrained(checkpoint / MERGED_MODEL_FOLDER)
 
 
-@pytest.mark.extended  # three torchruns of its own, 37-40 s in CI: out of CI, which covers its parts (docstring)
+@pytest.mark.slow
 def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(tmp_path):
     """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again. (Runs of its
     own: a copy of the LoRA test's run, made with checkpoint.save_merged=true, resumed to 4 steps, differed from the
-    uninterrupted run at step 3, 2026-12-06.)
-
-    Out of CI (`pytest -m extended`; run it after a change to checkpointing, sharding or LoRA loading). CI covers its
-    parts: test_a_resumed_fsdp_run_replays_the_uninterrupted_one (a gathered optimizer state sharded again on resume,
-    replaying the uninterrupted run), test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter (the adapters
-    sharded with their base layers, the adapter checkpoint) and tests/recipes/test_lora.py::
-    test_lora_grpo_trains_only_the_adapters_against_the_base_and_resumes (the adapter and its optimizer restored)."""
+    uninterrupted run at step 3, 2026-12-06.)"""
     run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
     overrides = [*SMALL, *CHECKPOINTS, LORA, FSDP, "train.steps=2"]
     _torchrun(2, overrides, run_dir)
