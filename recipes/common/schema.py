@@ -992,3 +992,9 @@ class RayNode:
 
     address: str | None  # null: start a local cluster on this machine; auto: the one `ray start` runs here
     num_cpus: Annotated[int, Range(ge=1)] | None  # a local cluster's CPUs (null: all of this machine's)
+
+
+def setting_type(expected: Any) -> str:
+    """How a setting's schema type reads, in refusals and in ``docs/config_reference.md``: ``an integer >= 1``, ``one
+    of ['sync', 'async']``, ``a number or null``."""
+    return "any value" if expected is Any else _describe(expected)
