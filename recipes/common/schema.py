@@ -501,7 +501,9 @@ def _check_node(value: Any, schema: type, key: str, recipe: str) -> None:
         if name not in value:
             raise ConfigError(
                 f"{_join(key, name)} is missing: {recipe} reads it. Restore it in the YAML (or pass "
-                f"{_join(key, name)}=<value>)."
+                f"{_join(key, name)}=<value>). A run folder saved before this setting existed lacks it too: resume it "
+                f"with {_join(key, name)}=<value> resume_allow_changes=[{_join(key, name)}] (its default: "
+                "docs/config_reference.md)."
             )
         _check(value[name], hints[name], _join(key, name), recipe)
 
