@@ -1,9 +1,10 @@
 """recipes/grpo_torchrl_rm.py under torchrun: two CPU processes (gloo) train one policy, rank 0 alone writes the run,
-and a resumed data-parallel run replays the uninterrupted one. The CUDA variant (nccl) is marked ``gpu``.
+and a resumed data-parallel run replays the uninterrupted one (out of CI: ``pytest -m extended``; the resumed FSDP2
+run covers it). The CUDA variant (nccl) is marked ``gpu``.
 
 Each torchrun takes 10-30 s: a run that several tests read (DDP and FSDP2 for 2 steps, DDP for 4) is made once per
 session (``_shared_runs``), and a resume continues a copy of the shared 2-step run (a copied run folder resumes as
-itself, ``recipes.common.resume``); every test here is in the slow suite.
+itself, ``recipes.common.resume``); every test here is in the slow suite, or out of CI as marked.
 """
 
 from __future__ import annotations
@@ -98,13 +99,15 @@ def _resume_to_4_steps(shared_runs: Path, first_2_steps: str, tmp_path: Path) ->
 
 
 @pytest.mark.slow  # a multi-process run: the slow suite's (the default suite's budget is 8 minutes)
-def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
+def test_two_cpu_processes_train_one_policy(shared_runs, tiny_dir):
+    """Read from the shared uninterrupted 4-step DDP run (checkpoints at steps 2 and 4) that the resumed FSDP2 run
+    replays. (A last step off the checkpoint interval is saved too: the single-process resume test's [3, 6, 7].)"""
     from transformers import AutoModelForCausalLM
 
-    _torchrun(2, [*SMALL, "train.steps=3", "checkpoint.every_n_steps=2"], tmp_path)
+    run_dir = _shared(shared_runs, "ddp_4")
 
     # The gradients are averaged over both ranks at every update: the two copies of the policy end bit-identical.
-    rank0, rank1 = _load_rank_weights(tmp_path, 0), _load_rank_weights(tmp_path, 1)
+    rank0, rank1 = _load_rank_weights(run_dir, 0), _load_rank_weights(run_dir, 1)
     assert rank0.keys() == rank1.keys() and len(rank0) > 0
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
@@ -114,14 +117,14 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     assert all(not torch.equal(rank0[name], initial[name].detach()) for name in rank0)
 
     # Rank 0 alone wrote the run: one summary, one metrics row per step, one checkpoint set holding those weights.
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["train/num_processes"] == 2 and summary["train/steps"] == 3
-    rows = read_metrics(tmp_path)
-    assert [row["step"] for row in rows] == [1.0, 2.0, 3.0]
-    assert [step for step, _ in list_checkpoints(tmp_path / "checkpoints")] == [2, 3]
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step_0000003" / MODEL_FOLDER)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["train/num_processes"] == 2 and summary["train/steps"] == 4
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert [step for step, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 4]
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_0000004" / MODEL_FOLDER)
     assert all(torch.equal(p, rank0[name]) for name, p in saved.named_parameters())
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) == [
         "checkpoints",
         "grpo_torchrl_rm.log",
         "metrics.csv",
@@ -133,9 +136,15 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     assert summary["rollout/generated_tokens"] == pytest.approx(sum(row["rollout/response_length"] * 8 for row in rows))
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a third 4-step torchrun (15-20 s): out of CI, which covers its parts (docstring)
 def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(shared_runs, tmp_path):
-    """Each rank's RNG state is in the checkpoint and the prompt stream is shared: stop, resume, same run."""
+    """Each rank's RNG state is in the checkpoint and the prompt stream is shared: stop, resume, same run.
+
+    Out of CI (`pytest -m extended`). CI covers its parts: test_a_resumed_fsdp_run_replays_the_uninterrupted_one
+    resumes two ranks from their checkpoint against this same uninterrupted DDP run (each rank's RNG state and the
+    shared prompt stream: its rollout figures pool both ranks' responses), and
+    tests/recipes/test_grpo_torchrl_rm.py::test_resume_after_sigkill_continues_the_same_run restores the whole
+    optimizer state, as each DDP rank does, and replays the uninterrupted run."""
     run_dir, reference_dir = _resume_to_4_steps(shared_runs, "ddp_2", tmp_path), _shared(shared_runs, "ddp_4")
     keys = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
