@@ -321,11 +321,12 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
 
 @pytest.mark.slow
 def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(tmp_path):
-    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again. (Runs of its
-    own: a copy of the LoRA test's run, made with checkpoint.save_merged=true, resumed to 4 steps, differed from the
-    uninterrupted run at step 3, 2026-12-06.)"""
+    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again; the merged
+    save (checkpoint.save_merged) leaves the run's random stream alone. (With the merged save, both runs of their own:
+    the rebuild it merges drew from the main process's generator, and the uninterrupted run sampled differently from
+    step 3 on, 2026-12-06.)"""
     run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
-    overrides = [*SMALL, *CHECKPOINTS, LORA, FSDP, "train.steps=2"]
+    overrides = [*SMALL, *CHECKPOINTS, LORA, FSDP, "checkpoint.save_merged=true", "train.steps=2"]
     _torchrun(2, overrides, run_dir)
     _torchrun(2, [*_to_4_steps(overrides), "resume=true"], run_dir)
     _torchrun(2, _to_4_steps(overrides), reference_dir)

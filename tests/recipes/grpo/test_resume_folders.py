@@ -71,3 +71,29 @@ def test_a_resumed_experiment_reports_the_metric_its_own_config_names(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "KeyError" not in resumed.stderr
+
+
+def test_a_run_folder_saved_before_a_setting_existed_resumes_once_the_command_line_gives_it(
+    compose_config, finished_run, tmp_path
+):
+    """A folder written by an earlier version lacks the settings added since (optimizer.fused): a resume with the
+    version's default in their place could train another run, so it is refused naming the setting and how to give
+    it; given on the command line as the message says (a change the resume allows, recorded in resumes.jsonl), the
+    resume goes on with it."""
+    import recipes.grpo_torchrl_rm as recipe
+    from recipes.common.config import ConfigError
+
+    folder = tmp_path / "D"
+    shutil.copytree(finished_run, folder)
+    record = folder / "resolved_config.yaml"
+    record.write_text(record.read_text().replace("  fused: true\n", ""))
+    run = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"output_dir={folder}", "resume=true"]
+    with pytest.raises(
+        ConfigError, match=r"optimizer\.fused is missing: .* saved before this setting existed"
+    ) as error:
+        recipe.validate(compose_config("grpo_torchrl_rm", run))
+    fix = str(error.value).split("resume it with ")[1].split(" (its default")[0]
+    assert fix == "optimizer.fused=<value> resume_allow_changes=[optimizer.fused]"
+    given = [*run, "optimizer.fused=false", "resume_allow_changes=[optimizer.fused]"]
+    resumed = recipe.validate(compose_config("grpo_torchrl_rm", given))
+    assert resumed.optimizer.fused is False
