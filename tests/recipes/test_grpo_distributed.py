@@ -29,11 +29,13 @@ CHECKPOINTS = ["checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
 FSDP = "distributed.strategy=fsdp"
 LORA = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj,lm_head]}"
 # The runs several tests read, by name: DDP and FSDP2 for 2 steps, DDP for 4 (the uninterrupted run the resumed DDP
-# and FSDP2 runs replay, FSDP2 training as DDP does).
+# and FSDP2 runs replay, FSDP2 training as DDP does), FSDP2 with LoRA for 2.
 SHARED_RUNS = {
     "ddp_2": [*SMALL, *CHECKPOINTS, "train.steps=2"],
     "fsdp_2": [*SMALL, *CHECKPOINTS, FSDP, "train.steps=2"],
     "ddp_4": [*SMALL, *CHECKPOINTS, "train.steps=4"],
+    # FSDP2 with LoRA and the merged save for 2 steps: the LoRA test's run, and the first half of its resume test's.
+    "fsdp_lora_2": [*SMALL, *CHECKPOINTS, LORA, FSDP, "checkpoint.save_merged=true", "train.steps=2"],
 }
 
 
@@ -272,20 +274,19 @@ def test_a_resumed_fsdp_run_replays_the_uninterrupted_one(shared_runs, tmp_path)
 
 
 @pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
-def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_dir):
+def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(shared_runs, tmp_path, tiny_dir):
     """The adapters are sharded with the frozen base layers they sit in; the reference (adapters off) is scored
     through the sharded forward; the checkpoint holds the adapter, gathered, and the merged model, as under DDP."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    overrides = [*SMALL, LORA, "train.steps=2", "checkpoint.save_merged=true"]
-    _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
-    _torchrun(2, overrides, tmp_path / "ddp")
+    fsdp, ddp = _shared(shared_runs, "fsdp_lora_2"), tmp_path / "ddp"
+    _torchrun(2, [item for item in SHARED_RUNS["fsdp_lora_2"] if item != FSDP], ddp)
     keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/kl_to_ref")
-    _assert_same_steps(tmp_path / "fsdp", tmp_path / "ddp", keys, steps=2)
-    _assert_same_weights(tmp_path / "fsdp", tmp_path / "ddp")
-    fsdp_weights = _load_rank_weights(tmp_path / "fsdp", 0)
+    _assert_same_steps(fsdp, ddp, keys, steps=2)
+    _assert_same_weights(fsdp, ddp)
+    fsdp_weights = _load_rank_weights(fsdp, 0)
 
     # Only the adapters trained: the base weights are the shipped policy's, the adapters' B moved away from 0.
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").named_parameters())
@@ -297,7 +298,7 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
 
     # The checkpoint's model/ is the adapter, which peft puts back onto the base: the gathered weights again; the
     # optimizer state covers the adapters alone.
-    checkpoint = tmp_path / "fsdp" / "checkpoints" / "step_0000002"
+    checkpoint = fsdp / "checkpoints" / "step_0000002"
     saved_files = {path.name for path in (checkpoint / MODEL_FOLDER).iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= saved_files
     base = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy")
@@ -309,8 +310,8 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
     assert sorted(optimizer_state) == sorted(adapters)
     # The merged model (rebuilt whole on rank 0 from the gathered weights) is DDP's, and loads without peft.
     merged = [
-        load_file(tmp_path / run / "checkpoints" / "step_0000002" / MERGED_MODEL_FOLDER / "model.safetensors")
-        for run in ("fsdp", "ddp")
+        load_file(run / "checkpoints" / "step_0000002" / MERGED_MODEL_FOLDER / "model.safetensors")
+        for run in (fsdp, ddp)
     ]
     assert merged[0].keys() == merged[1].keys() == initial.keys() | {"lm_head.weight"}  # the adapted head, untied
     for name in merged[0]:
@@ -320,16 +321,13 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(tmp_path):
+def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(shared_runs, tmp_path):
     """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again; the merged
-    save (checkpoint.save_merged) leaves the run's random stream alone. (With the merged save, both runs of their own:
-    the rebuild it merges drew from the main process's generator, and the uninterrupted run sampled differently from
-    step 3 on, 2026-12-06.)"""
-    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
-    overrides = [*SMALL, *CHECKPOINTS, LORA, FSDP, "checkpoint.save_merged=true", "train.steps=2"]
-    _torchrun(2, overrides, run_dir)
-    _torchrun(2, [*_to_4_steps(overrides), "resume=true"], run_dir)
-    _torchrun(2, _to_4_steps(overrides), reference_dir)
+    save (checkpoint.save_merged) leaves the run's random stream alone. (The rebuild the merged save merges drew from
+    the main process's generator, and the uninterrupted run sampled differently from step 3 on, 2026-12-06.) The
+    first 2 steps are the LoRA test's shared run, resumed in a copy of its folder."""
+    run_dir, reference_dir = _resume_to_4_steps(shared_runs, "fsdp_lora_2", tmp_path), tmp_path / "uninterrupted"
+    _torchrun(2, _to_4_steps(SHARED_RUNS["fsdp_lora_2"]), reference_dir)
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/kl_to_ref")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
     _assert_same_weights(run_dir, reference_dir)
