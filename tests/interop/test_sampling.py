@@ -506,6 +506,31 @@ class TestPreparedDecodingMasks:
         assert not sampling._takes_prepared_decoding_masks(variant(model_type="gemma2"))
 
 
+class TestInferenceMode:
+    """Sampling runs under torch.inference_mode (no autograd bookkeeping per op); what it returns are ordinary tensors,
+    which a loss reads as the old log-probs and a caller may change in place."""
+
+    def test_forward_passes_run_in_inference_mode(self, tiny_policy):
+        model, _ = tiny_policy
+        modes = []
+        handle = model.register_forward_pre_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
+        try:
+            _sample(tiny_policy, SamplingSettings(max_new_tokens=3, top_k=50))
+        finally:
+            handle.remove()
+        assert modes and all(modes)
+
+    def test_the_results_are_ordinary_tensors_a_loss_can_use(self, tiny_policy):
+        _, _, sampled = _sample(tiny_policy, SamplingSettings(max_new_tokens=4, top_k=50))
+        results = (sampled.tokens, sampled.mask, sampled.log_probs, sampled.truncated)
+        assert not any(value.is_inference() for value in results)
+        current = sampled.log_probs.clone().requires_grad_()
+        ratio = (current - sampled.log_probs).exp() * sampled.log_probs  # saves the old log-probs for backward
+        ratio.sum().backward()
+        sampled.log_probs.masked_fill_(~sampled.mask, 0.0)  # in place, outside inference mode
+        assert current.grad is not None
+
+
 def _left_padded(rows: list[torch.Tensor], pad: int):
     width = max(len(row) for row in rows)
     tokens = torch.full((len(rows), width), pad, dtype=torch.long)
