@@ -719,54 +719,25 @@ def sample_responses(
     # -> 117 ms a batch on a loaded machine); not under FSDP2, whose forward writes the gathered weights into the
     # model's parameters. What comes back is copied out as ordinary tensors, that a loss may read and a caller change
     # in place; a kept cache's tensors stay inference tensors, for a later call's ``past``.
-    with torch.no_grad() if synced else torch.inference_mode():
-        sampled = _sample(
-            model,
-            prompt_tokens,
-            prompt_mask,
-            settings,
-            eos_token_ids,
-            pad_token_id,
-            synced=synced,
-            scaled=log_probs_at_temperature,
-            keep_cache=keep_cache,
-            past=past,
-        )
-    if not synced:
-        sampled.tokens, sampled.mask, sampled.log_probs, sampled.truncated = (
-            value.clone() for value in (sampled.tokens, sampled.mask, sampled.log_probs, sampled.truncated)
-        )
-    return sampled
-
-
-def _sample(
-    model,
-    prompt_tokens: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    settings: SamplingSettings,
-    eos_token_ids: Sequence[int],
-    pad_token_id: int,
-    *,
-    synced: bool,
-    scaled: bool,
-    keep_cache: bool,
-    past: KeptCache | None,
-) -> SampledResponses:
-    """:func:`sample_responses`' work, under its grad mode."""
-    with _output_head_for_few_rows(model, skip=synced):  # FSDP2 shards the head: left alone there
+    with torch.no_grad() if synced else torch.inference_mode(), _output_head_for_few_rows(model, skip=synced):
+        # FSDP2 shards the head: left alone there.
         eos = torch.tensor(sorted(set(eos_token_ids)), device=prompt_tokens.device)
         responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
         logits, batch = _prefilled_batch(model, prompt_tokens, prompt_mask, settings, past, pad_token_id, synced=synced)
         drop_finished = not synced and _rows_can_be_copied(batch.cache)
         keeper = _Keeper() if keep_cache and drop_finished and _rows_can_be_kept(batch.cache) else None
         prefilled = batch.mask.shape[1]  # the cache's columns before the response's
-        options = {"scaled": scaled, "synced": synced, "drop_finished": drop_finished}
+        options = {"scaled": log_probs_at_temperature, "synced": synced, "drop_finished": drop_finished}
         _decode(model, logits, batch, responses, settings, eos=eos, keeper=keeper, **options)
         sampled = responses.sampled()
         if keeper is not None:
             keeper.take(batch.cache, batch.rows, None, batch.mask)
             sampled.kept = keeper.kept(prompt_tokens, prompt_mask, responses, prefilled)
-        return sampled
+    if not synced:
+        sampled.tokens, sampled.mask, sampled.log_probs, sampled.truncated = (
+            value.clone() for value in (sampled.tokens, sampled.mask, sampled.log_probs, sampled.truncated)
+        )
+    return sampled
 
 
 def _prefilled_batch(
