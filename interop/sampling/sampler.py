@@ -816,6 +816,9 @@ class _DecodingBatch:
     ):
         self.cache, self.mask, self.next_position, self.seen = cache, mask, next_position, seen
         self.rows = torch.arange(mask.shape[0], device=mask.device)
+        # How the rows' entries of the whole batch's tensors are read: every row a plain slice (a view), until rows
+        # leave (then an index, a copy).
+        self.index: slice | torch.Tensor = slice(None)
         self.cache_argument = cache_argument
         self.prepared_masks = prepared_masks
         # Decoding appends real columns only: only rows leaving the batch can end the padding.
@@ -828,6 +831,7 @@ class _DecodingBatch:
             keeper.take(self.cache, self.rows, (~running).nonzero().squeeze(-1), self.mask)
         self.cache.batch_select_indices(keep)
         self.rows, self.mask, self.next_position = self.rows[keep], self.mask[keep], self.next_position[keep]
+        self.index = self.rows
         self.seen = self.seen[keep] if self.seen is not None else None
         self.padded = self.prepared_masks and not bool(self.mask.all())
 
@@ -871,7 +875,7 @@ def _decode(
         # it leaves its RNG where a rank decoding alone would have left it.
         if decoding:
             # One uniform per row of the whole batch, so that a row draws the same whichever rows have left.
-            uniform = torch.rand(size, 1, device=device)[batch.rows] if settings.do_sample else None
+            uniform = torch.rand(size, 1, device=device)[batch.index] if settings.do_sample else None
             token, token_log_prob = _next_tokens(
                 logits.float(),
                 step=step,
@@ -882,7 +886,7 @@ def _decode(
                 uniform=uniform,
                 workspace=workspace[: batch.rows.shape[0]],
             )
-            running = responses.record(step, batch.rows, token, token_log_prob)
+            running = responses.record(step, batch.index, token, token_log_prob)
             if batch.seen is not None:
                 batch.seen.scatter_(-1, token[:, None], True)
             still_running = int(running.sum())  # the step's one host sync (two when rows leave: nonzero)
@@ -891,7 +895,7 @@ def _decode(
             break
         if drop_finished and still_running < (1.0 - _DROP_FINISHED_AT) * batch.rows.shape[0]:
             batch.drop(running, keeper)
-        logits = batch.forward(model, responses.tokens[batch.rows, step : step + 1])
+        logits = batch.forward(model, responses.tokens[batch.index, step : step + 1])
 
 
 class _ResponsesSoFar:
@@ -905,9 +909,12 @@ class _ResponsesSoFar:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.pad_token_id, self.eos = pad_token_id, eos
 
-    def record(self, step: int, rows: torch.Tensor, token: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
-        """Writes step ``step``'s tokens of the running rows among ``rows`` (pads for the others; a row not in
-        ``rows`` has finished and keeps its pad); returns which of ``rows`` still run."""
+    def record(
+        self, step: int, rows: torch.Tensor | slice, token: torch.Tensor, log_prob: torch.Tensor
+    ) -> torch.Tensor:
+        """Writes step ``step``'s tokens of the running rows among ``rows`` (indices, or ``slice(None)``: every row;
+        pads for the others; a row not in ``rows`` has finished and keeps its pad); returns which of ``rows`` still
+        run."""
         running = self.running[rows]
         self.tokens[rows, step] = torch.where(running, token, self.pad_token_id)
         self.log_probs[rows, step] = torch.where(running, log_prob, 0.0)
