@@ -81,7 +81,14 @@ from recipes.grpo.checks import check_prompt_lengths, validate
 from recipes.grpo.collector import make_collector
 from recipes.grpo.distributed import check_ranks_in_sync, mean_over_processes, pool_over_processes
 from recipes.grpo.evaluation import Evaluator, eval_due
-from recipes.grpo.learner import Learner, check_weights_finite, informative_batch, make_learner, optimize
+from recipes.grpo.learner import (
+    Learner,
+    check_weights_finite,
+    informative_batch,
+    make_learner,
+    make_replay_buffer,
+    optimize,
+)
 from recipes.grpo.policy import load_policy
 from recipes.grpo.report import (
     closing_message,
@@ -316,10 +323,10 @@ def train_step(cfg, step, batch, learner: Learner, models: Models, collector, or
         source_names=source_names(cfg),
     )
     warn_about_the_batch(cfg, step, batch, metrics)
-    learner.buffer.extend(batch.exclude(REWARD_LOGS))  # the loss reads tensors only
+    learner.buffer = make_replay_buffer(cfg, batch.exclude(REWARD_LOGS))  # the loss reads tensors only
     update_start = time.perf_counter()
     updates = optimize(cfg, learner, batch)
-    learner.buffer.empty()
+    learner.buffer = None
     push_start = time.perf_counter()
     if step % cfg.rollout.weight_sync_every == 0:  # the samplers apart from the learner get every k-th version
         collector.update_policy_weights_(models.policy, version=step)

@@ -79,6 +79,7 @@ __all__ = [
     "SOURCE_REWARDS",
     "TOKENS",
     "TRUNCATED",
+    "kept_token_ids",
     "merge_batches",
     "policy_token_mask",
     "response_mask",
@@ -160,6 +161,20 @@ def policy_token_mask(batch: TensorDictBase) -> torch.Tensor:
     return mask
 
 
+def kept_token_ids(tokens: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's ids where ``mask`` (``[B, T]``, as ``tokens``) holds, as lists: the two tensors read into Python once,
+    where a row at a time costs an index and a copy per row (64 x 32: 0.16 against 0.53 ms).
+
+    Examples:
+        >>> kept_token_ids(torch.tensor([[5, 6, 0], [7, 0, 8]]), torch.tensor([[1, 1, 0], [1, 0, 1]]).bool())
+        [[5, 6], [7, 8]]
+    """
+    return [
+        [token for token, kept in zip(row, keep) if kept]
+        for row, keep in zip(tokens.tolist(), mask.tolist(), strict=True)
+    ]
+
+
 def response_texts(batch: TensorDictBase, tokenizer, *, rows=None, mark_tools: bool = False) -> list[str]:
     """Each row's response (of ``rows``, or all) decoded without special tokens; with ``mark_tools``, a dialog's tool
     messages (the tokens :data:`ASSISTANT_MASK` leaves out) wrapped in ``[tool]...[/tool]`` so that a reader tells them
@@ -181,9 +196,11 @@ def response_texts(batch: TensorDictBase, tokenizer, *, rows=None, mark_tools: b
     """
     tokens, mask = batch.get(RESPONSE_TOKENS), response_mask(batch)
     mine = policy_token_mask(batch) if mark_tools else mask
+    if rows is not None:
+        tokens, mask, mine = tokens[rows], mask[rows], mine[rows]
     texts = []
-    for row in range(tokens.shape[0]) if rows is None else rows:
-        ids, keep, own = tokens[row].tolist(), mask[row].tolist(), mine[row].tolist()
+    # Each tensor read into Python once (64 rows: a third of the time of three reads per row).
+    for ids, keep, own in zip(tokens.tolist(), mask.tolist(), mine.tolist(), strict=True):
         pieces, run, run_own = [], [], True
         for token, kept, is_own in zip(ids, keep, own, strict=True):
             if not kept:

@@ -30,7 +30,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
-from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+from torchrl.data import ReplayBuffer, SamplerWithoutReplacement, TensorStorage
 
 from recipes.common.config import RunStopped
 from recipes.common.sharding import is_sharded, shard_frozen_model
@@ -145,11 +145,11 @@ class PrepareBatch:
 
 @dataclass
 class Learner:
-    """What updates the policy: the batch preparation (advantages, loss mask, reference log-probs), the replay buffer,
-    the loss (over the policy's log-prob scorer, DDP-wrapped under a launcher), the optimizer, its learning-rate
-    schedule and the parameters it clips, the context of each loss forward (``train.mixed_precision``,
-    ``train.gradient_checkpointing``), and the reference model kept in sync with the policy (``loss.sync_ref_model``:
-    TR-DPO), if any."""
+    """What updates the policy: the batch preparation (advantages, loss mask, reference log-probs), the replay buffer
+    of the step being trained (:func:`make_replay_buffer`; ``None`` between steps), the loss (over the policy's log-prob
+    scorer, DDP-wrapped under a launcher), the optimizer, its learning-rate schedule and the parameters it clips, the
+    context of each loss forward (``train.mixed_precision``, ``train.gradient_checkpointing``), and the reference model
+    kept in sync with the policy (``loss.sync_ref_model``: TR-DPO), if any."""
 
     prepare: PrepareBatch
     buffer: Any
@@ -183,7 +183,7 @@ def make_learner(cfg: DictConfig, models) -> Learner:
     optimizer = instantiate(cfg.optimizer)(parameters)
     return Learner(
         prepare=make_batch_preparation(cfg, models, scorer),
-        buffer=make_replay_buffer(cfg),
+        buffer=None,  # each step's: make_replay_buffer
         loss=make_loss(cfg, scorer),
         optimizer=optimizer,
         scheduler=make_scheduler(cfg, optimizer),
@@ -212,11 +212,15 @@ def make_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
     return get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
 
-def make_replay_buffer(cfg: DictConfig) -> ReplayBuffer:
-    """One step's responses (with their advantages), handed out in mini-batches without replacement, in an order
-    drawn from the buffer's own generator (:func:`optimize` seeds it every step)."""
+def make_replay_buffer(cfg: DictConfig, batch: TensorDictBase) -> ReplayBuffer:
+    """One step's responses (``batch``, dense, with their advantages), handed out in mini-batches without replacement,
+    in an order drawn from the buffer's own generator (:func:`optimize` seeds it every step).
+
+    A ``TensorStorage`` over the batch as it is: a mini-batch indexes its rows. A ``LazyStackStorage`` filled with
+    it would split it into a TensorDict per row, that each mini-batch stacks again, for the same rows in the same
+    order (64 rows of the tiny policy's step, one thread, loaded machine: 4.6-14.7 against 0.9-1.8 ms a step)."""
     return ReplayBuffer(
-        storage=LazyStackStorage(cfg.rollout.responses_per_step),
+        storage=TensorStorage(batch),
         sampler=SamplerWithoutReplacement(),
         batch_size=cfg.train.mini_batch_size,
         generator=torch.Generator(),

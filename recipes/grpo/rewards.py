@@ -52,7 +52,15 @@ from recipes.common.reward_functions import (
     reward_function_failure,
 )
 from recipes.common.tools import tool_entries
-from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, REWARD_LOGS, SOURCE_REWARDS
+from recipes.grpo.batch import (
+    ATTENTION_MASK,
+    PROMPT_INDEX,
+    RESPONSE_TOKENS,
+    REWARD,
+    REWARD_LOGS,
+    SOURCE_REWARDS,
+    kept_token_ids,
+)
 from recipes.grpo.prompt_env import PromptEnv
 
 if TYPE_CHECKING:
@@ -131,7 +139,7 @@ class RewardFunction(TensorDictModuleBase):
         tokens = tensordict.get(RESPONSE_TOKENS)
         mask = tensordict.get(ATTENTION_MASK)[..., -tokens.shape[-1] :]
         flat_tokens, flat_mask = tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu()
-        completion_ids = [row[keep].tolist() for row, keep in zip(flat_tokens, flat_mask, strict=True)]
+        completion_ids = kept_token_ids(flat_tokens, flat_mask)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         indices = tensordict.get(PROMPT_INDEX).reshape(-1).tolist()
         # The policy answers every prompt rendered with its chat template: a conversation, as trl's GRPOTrainer (and
@@ -545,10 +553,7 @@ class ResponseText(TensorDictModuleBase):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         tokens = tensordict.get(RESPONSE_TOKENS)
         mask = tensordict.get(ATTENTION_MASK)[..., -tokens.shape[-1] :]
-        rows = [
-            row[keep].tolist()
-            for row, keep in zip(tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu())
-        ]
+        rows = kept_token_ids(tokens.reshape(-1, tokens.shape[-1]).cpu(), mask.reshape(-1, mask.shape[-1]).cpu())
         indices = tensordict.get(PROMPT_INDEX).reshape(-1).tolist()
         keys = set(self.out_keys)
         if keys & {("text", "response"), ("text", "full")}:

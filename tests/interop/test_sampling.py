@@ -435,6 +435,102 @@ class TestFinishedRowsLeave:
         torch.testing.assert_close(dropped.log_probs, kept.log_probs, atol=1e-5, rtol=0)
 
 
+class TestPreparedDecodingMasks:
+    """Decoding steps hand the model the 4D mask its SDPA attention reads (no per-step rebuild from the 2D mask):
+    the same tokens and log-probs, bit for bit, as the model's own masks."""
+
+    def _masks_seen(self, model):
+        ranks = []
+        handle = model.register_forward_pre_hook(
+            lambda _, args, kwargs: ranks.append(kwargs["attention_mask"].dim()), with_kwargs=True
+        )
+        return ranks, handle
+
+    @pytest.mark.parametrize(
+        ("prompts", "drop_finished_at"),
+        [(GROUPED, 0.0), ([*UNORDERED, "Hello"], 0.0), ([*UNORDERED, "Hello"], 1.0)],
+        ids=["grouped", "rows_leave", "rows_stay"],
+    )
+    def test_padded_prompts_sample_as_with_the_models_own_masks(
+        self, tiny_policy, monkeypatch, prompts, drop_finished_at
+    ):
+        import interop.sampling.sampler as sampling
+
+        model, tokenizer = tiny_policy
+        monkeypatch.setattr(sampling, "_DROP_FINISHED_AT", drop_finished_at)
+        settings = SamplingSettings(max_new_tokens=16, top_k=50, temperature=0.7)
+        # End ids that end some rows early, so that rows leave (and the padded rows may all be gone).
+        options = {"eos_token_ids": [tokenizer.eos_token_id, 325, 363], "log_probs_at_temperature": True}
+        ranks, handle = self._masks_seen(model)
+        try:
+            _, mask, prepared = _sample(tiny_policy, settings, prompts=prompts, seed=3, **options)
+        finally:
+            handle.remove()
+        assert not bool(mask.all())  # the prompts are padded
+        assert ranks[0] == 2 and 4 in ranks[1:]  # the prefill builds its own mask; decoding steps get theirs
+        monkeypatch.setattr(sampling, "_takes_prepared_decoding_masks", lambda model: False)
+        _, _, built = _sample(tiny_policy, settings, prompts=prompts, seed=3, **options)
+        assert torch.equal(prepared.tokens, built.tokens) and torch.equal(prepared.mask, built.mask)
+        assert torch.equal(prepared.log_probs, built.log_probs)
+
+    def test_prompts_without_padding_leave_the_mask_to_the_model(self, tiny_policy):
+        model, _ = tiny_policy
+        ranks, handle = self._masks_seen(model)
+        try:
+            _sample(tiny_policy, SamplingSettings(max_new_tokens=4, top_k=50), prompts=[PROMPTS[0]] * 3)
+        finally:
+            handle.remove()
+        assert ranks == [2, 2, 2, 2]
+
+    def test_only_full_attention_sdpa_models_of_the_listed_types_take_them(self, tiny_policy):
+        from types import SimpleNamespace
+
+        import interop.sampling.sampler as sampling
+
+        model, _ = tiny_policy
+        assert sampling._takes_prepared_decoding_masks(model)
+        config = model.config
+
+        def variant(**changes):
+            fields = {
+                "model_type": config.model_type,
+                "_attn_implementation": "sdpa",
+                "layer_types": ["full_attention"] * 2,
+                **changes,
+            }
+            return SimpleNamespace(config=SimpleNamespace(**fields))
+
+        assert sampling._takes_prepared_decoding_masks(variant())
+        assert not sampling._takes_prepared_decoding_masks(variant(layer_types=["full_attention", "sliding_attention"]))
+        assert not sampling._takes_prepared_decoding_masks(variant(_attn_implementation="eager"))
+        assert not sampling._takes_prepared_decoding_masks(variant(model_type="gemma2"))
+
+
+class TestInferenceMode:
+    """Sampling runs under torch.inference_mode (no autograd bookkeeping per op); what it returns are ordinary tensors,
+    which a loss reads as the old log-probs and a caller may change in place."""
+
+    def test_forward_passes_run_in_inference_mode(self, tiny_policy):
+        model, _ = tiny_policy
+        modes = []
+        handle = model.register_forward_pre_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
+        try:
+            _sample(tiny_policy, SamplingSettings(max_new_tokens=3, top_k=50))
+        finally:
+            handle.remove()
+        assert modes and all(modes)
+
+    def test_the_results_are_ordinary_tensors_a_loss_can_use(self, tiny_policy):
+        _, _, sampled = _sample(tiny_policy, SamplingSettings(max_new_tokens=4, top_k=50))
+        results = (sampled.tokens, sampled.mask, sampled.log_probs, sampled.truncated)
+        assert not any(value.is_inference() for value in results)
+        current = sampled.log_probs.clone().requires_grad_()
+        ratio = (current - sampled.log_probs).exp() * sampled.log_probs  # saves the old log-probs for backward
+        ratio.sum().backward()
+        sampled.log_probs.masked_fill_(~sampled.mask, 0.0)  # in place, outside inference mode
+        assert current.grad is not None
+
+
 def _left_padded(rows: list[torch.Tensor], pad: int):
     width = max(len(row) for row in rows)
     tokens = torch.full((len(rows), width), pad, dtype=torch.long)

@@ -215,3 +215,37 @@ def test_loss_types_slower_on_some_seeds_learn_the_default_task_on_average_over_
     one seed of each, above), `pytest -m seeds` (README)."""
     rises = [_oracle_rise(compose_config, tmp_path / str(seed), loss_type, seed) for seed in (0, 1)]
     assert sum(rises) / len(rises) >= 0.4, rises
+
+
+def test_a_steps_buffer_hands_out_the_mini_batches_a_lazy_stack_storage_did():
+    """The step's buffer indexes the dense batch where it lies; the mini-batches are the rows, in the order, that
+    TorchRL's LazyStackStorage (one TensorDict per row) gave for the same seed: the runs train on what they did."""
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+
+    rows = 8
+    batch = TensorDict(
+        {
+            "tokens": {"full": torch.arange(rows * 5).reshape(rows, 5)},
+            "masks": {"all_attention_mask": torch.rand(rows, 5) > 0.3},
+            "advantage": torch.randn(rows, 1, 1),
+        },
+        batch_size=[rows],
+    )
+    cfg = OmegaConf.create({"train": {"mini_batch_size": 2}})
+    buffer = learner_module.make_replay_buffer(cfg, batch)
+    lazy = ReplayBuffer(
+        storage=LazyStackStorage(rows), sampler=SamplerWithoutReplacement(), batch_size=2, generator=torch.Generator()
+    )
+    lazy.extend(batch)
+    for seed in (0, 1):
+        buffer.set_rng(torch.Generator().manual_seed(seed))
+        lazy.set_rng(torch.Generator().manual_seed(seed))
+        drawn = [buffer.sample().contiguous() for _ in range(rows // 2)]
+        expected = [lazy.sample().contiguous() for _ in range(rows // 2)]
+        for got, want in zip(drawn, expected, strict=True):
+            assert set(got.keys(True, True)) == set(want.keys(True, True))
+            assert all(torch.equal(got[key], want[key]) for key in want.keys(True, True))
+        firsts = sorted(int(row) // 5 for part in drawn for row in part["tokens", "full"][:, 0])
+        assert firsts == list(range(rows))  # each row once per pass

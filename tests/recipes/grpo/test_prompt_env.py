@@ -119,3 +119,31 @@ def test_response_text_writes_what_torchrl_wrappers_write(tiny_policy):
     ]
     only_history = ResponseText(table, tokenizer, keys=[("history", "full")])(td.clone())
     assert ("history", "full") in only_history.keys(True) and ("text", "response") not in only_history.keys(True)
+
+
+def test_response_texts_decode_each_asked_row_once_in_order_around_mask_holes():
+    """The rows asked, in their order, each its masked tokens only (a hole inside a response skipped), decoded once
+    per run of the policy's own tokens."""
+    from tensordict import TensorDict
+
+    from recipes.grpo.batch import response_texts
+
+    class Characters:  # one character per token id; counts its calls
+        calls = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Characters.calls += 1
+            return "".join(chr(i) for i in ids)
+
+    response = torch.tensor([[97, 98, 99], [100, 101, 0], [102, 103, 104]])
+    hole = torch.tensor([[True, False, True], [True, True, False], [True, True, True]])
+    batch = TensorDict(
+        {
+            "tokens": {"prompt": torch.zeros(3, 1, dtype=torch.long), "response": response},
+            "masks": {"all_attention_mask": torch.cat([torch.ones(3, 1, dtype=torch.bool), hole], -1)},
+        },
+        batch_size=[3],
+    )
+    assert response_texts(batch, Characters()) == ["ac", "de", "fgh"]
+    assert response_texts(batch, Characters(), rows=[2, 0]) == ["fgh", "ac"]
+    assert Characters.calls == 5
