@@ -425,8 +425,8 @@ def _accumulate(
     values: dict[str, float] = {}
     share_of = MICRO_BATCH_SHARES[cfg.loss.type]
     for _ in range(scale.accumulation):
-        # LazyStackStorage hands out a lazy stack of samples: stacked once here, the loss's logits are not split
-        # into per-sample tensors and re-stacked (whose backward copies the whole gradient once per sample).
+        # One TensorDict of the step's rows (make_replay_buffer's TensorStorage): contiguous() costs nothing then, and
+        # a storage that hands out a lazy stack of samples would be stacked once here, not per sample in the loss.
         mini_batch = learner.buffer.sample().contiguous()
         parts = token_micro_batches(mini_batch, cfg.train.max_tokens_per_micro_batch)
         whole_mask = mini_batch.get(LOSS_MASK)
