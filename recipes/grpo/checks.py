@@ -238,7 +238,7 @@ def _validate_reporting(cfg: DictConfig) -> None:
 
 
 def _validate_lora(cfg: DictConfig) -> None:
-    validate_policy_lora(cfg)
+    validate_policy_lora(cfg.model, cfg.reward_model)
     if cfg.checkpoint.save_merged and cfg.model.lora is None:
         raise ConfigError(
             "checkpoint.save_merged=true merges LoRA adapters into a full model, but model.lora is null: the "

@@ -30,6 +30,7 @@ from recipes.common.schema import (
     NumThreads,
     Range,
     RayNode,
+    ToolsNode,
     WorkerResourcesNode,
 )
 from recipes.common.vocabulary import SHARED_KEYS_OF_TRL_FIELDS
@@ -473,10 +474,9 @@ class GRPORecipeConfig:
     samples: Samples
     rollout: Rollout
     ray: RayNode
-    # name -> {function}, label -> {torchrl: _target_ node} or label -> {mcp: {servers}}, plus timeout_s and
-    # max_result_tokens: the names are the user's (recipes.common.tools checks each node, recipes.grpo.checks the
-    # combinations).
-    tools: Annotated[dict[str, Any], OPEN]
+    # timeout_s and max_result_tokens, then <name>: {function} and <label>: {torchrl | mcp} entries, whose names are the
+    # user's (recipes.common.tools checks each entry, recipes.grpo.checks the combinations).
+    tools: ToolsNode
     reward: Reward
     eval: Eval
     advantage: Advantage
