@@ -433,7 +433,8 @@ def config_view(node: Any) -> DictConfig:
     """A typed node (a schema dataclass :func:`typed_config` built) as a read-only ``DictConfig`` of the same values,
     for the shared helpers that need one rather than attribute reads: ``recipes.common.models`` merges a model node
     with OmegaConf (an adapter's base node), which a dataclass with a union field (``LoraNode.target_modules``) cannot
-    go through; ``recipes.common.data`` reads a data node's columns by name (``data[key]``, ``data.get``).
+    go through; ``recipes.common.data`` reads a data node's columns by name (``data[key]``, ``data.get``). A node
+    that is a ``DictConfig`` already (a composed config's, as scripts and tests hand the helpers) is returned as it is.
 
     Examples:
         >>> @dataclass
@@ -444,6 +445,8 @@ def config_view(node: Any) -> DictConfig:
         >>> view["prompt_column"], view.source
         ('prompt', 'file')
     """
+    if isinstance(node, DictConfig):
+        return node
     view = OmegaConf.create(dataclasses.asdict(node))
     OmegaConf.set_struct(view, True)  # as the checked config: a key it lacks raises
     OmegaConf.set_readonly(view, True)  # a view: what a helper changed would not reach the typed tree
@@ -1032,8 +1035,9 @@ class WorkerResourcesNode:
     """What one Ray sampling worker takes (``rollout.worker_resources``, as
     ``interop.sampling.workers.WorkerResources``)."""
 
-    num_cpus: Annotated[float, Range(ge=0)]
-    num_gpus: Annotated[float, Range(ge=0)]
+    # Numbers kept as written (num_gpus=1 stays 1): a refusal quotes the user's value; WorkerResources takes floats.
+    num_cpus: Annotated[int | float, Range(ge=0)]
+    num_gpus: Annotated[int | float, Range(ge=0)]
     # A custom resource name -> amount, e.g. {sampler: 1} for nodes started with --resources='{"sampler": 4}'.
     resources: Annotated[dict[str, Any], OPEN]
 

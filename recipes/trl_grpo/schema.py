@@ -134,7 +134,7 @@ class Rollout:
 
 @dataclass
 class Reward:
-    model_weight: float
+    model_weight: Number  # as written: reward.model_weight=0 is refused quoting 0 (recipes.common.reward_functions)
     # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
     functions: Annotated[dict[str, Any], OPEN]
     aggregation: Literal["sum_then_normalize", "normalize_then_sum"]  # trl's multi_objective_aggregation
