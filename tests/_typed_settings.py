@@ -21,15 +21,28 @@ EVERY_RECIPES_RECORD_USES = {
 }
 
 
-def every_recipes_raw_parameters(recipe: str) -> dict[tuple[str, str, str], tuple[str, set[str]]]:
+def every_recipes_raw_parameters(recipe: str, *, resumes: bool) -> dict[tuple[str, str, str], tuple[str, set[str]]]:
     """The places every recipe takes the composed DictConfig (in :func:`check_raw_config_reads`'s form): its
-    ``train(composed)``, which turns it into the typed settings first thing, and its checks' ``validate``."""
+    ``train(composed)``, which turns it into the typed settings first thing; its ``main``, Hydra's entry point; its
+    checks' ``validate`` and ``validated``. A recipe that ``resumes`` restores a resumed run's own settings there
+    (``resumed_config`` merges the run's ``resolved_config.yaml`` with the command line's config), and its ``main``
+    returns the metric that run's own config names."""
+    resumed = {".resume", "resumed_config"} if resumes else set()
     return {
         (f"{recipe}.py", "train", "composed"): (
             "Hydra's composed config: validated() turns it into the typed settings first thing",
             {"validated"},
         ),
+        (f"{recipe}.py", "main", "cfg"): (
+            "Hydra's entry point hands it to train(), which checks it; metric names the summary's figure a sweeper "
+            "optimises (a resumed run's own, from its resolved_config.yaml)",
+            {"run_recipe", ".metric", *resumed},
+        ),
         ("checks.py", "validate", "cfg"): ("the config being checked", {"validated"}),
+        ("checks.py", "validated", "cfg"): (
+            "the config being checked (a resumed run's own settings restored first), then built",
+            {"checked_tree", *resumed},
+        ),
     }
 
 

@@ -23,15 +23,7 @@ FILES = recipe_files("reward_trainer_from_buffer", "reward")
 
 # (file, function, parameter) -> why that parameter is the composed DictConfig, and what it may do with it: pass it to
 # the calls named, read the attributes named (".metric").
-RAW_CONFIG_PARAMETERS = {
-    **every_recipes_raw_parameters("reward_trainer_from_buffer"),
-    ("reward_trainer_from_buffer.py", "main", "cfg"): (
-        "Hydra's entry point hands it to train(), which checks it; metric names the summary's figure a sweeper "
-        "optimises",
-        {"run_recipe", ".metric"},
-    ),
-    ("checks.py", "validated", "cfg"): ("the config being checked", {"checked_tree"}),
-}
+RAW_CONFIG_PARAMETERS = every_recipes_raw_parameters("reward_trainer_from_buffer", resumes=False)
 # The resolved DictConfig kept beside the typed settings (``run_record``) goes only where a DictConfig is the point.
 RUN_RECORD_USES = EVERY_RECIPES_RECORD_USES
 

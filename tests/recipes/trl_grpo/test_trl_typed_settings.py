@@ -24,21 +24,11 @@ FILES = recipe_files("trl_grpo_torchrl_rollouts", "trl_grpo")
 # (file, function, parameter) -> why that parameter is the composed DictConfig, and what it may do with it: pass it to
 # the calls named, read the attributes named (".metric").
 RAW_CONFIG_PARAMETERS = {
-    **every_recipes_raw_parameters("trl_grpo_torchrl_rollouts"),
-    ("trl_grpo_torchrl_rollouts.py", "main", "cfg"): (
-        "Hydra's entry point hands it to train(), which checks it; metric names the summary's figure a sweeper "
-        "optimises, a resumed run's own (its resolved_config.yaml) when resume is set",
-        {"run_recipe", ".resume", ".metric", "resumed_config"},
-    ),
+    **every_recipes_raw_parameters("trl_grpo_torchrl_rollouts", resumes=True),
     ("trl_grpo_torchrl_rollouts.py", "_last_checkpoint", "cfg"): (
         "run_recipe names the last checkpoint of an interrupted run from Hydra's config (the run may have been "
         "interrupted before its settings were checked)",
         {".train"},
-    ),
-    ("checks.py", "validated", "cfg"): (
-        "the config being checked: a resumed run's own settings restored (resumed_config merges the run's "
-        "resolved_config.yaml with this command line), then checked and built",
-        {".resume", "resumed_config", "checked_tree"},
     ),
     ("resume.py", "resumed_config", "cfg"): (
         "merges the saved resolved_config.yaml with the command line's config, key by key, with OmegaConf",
