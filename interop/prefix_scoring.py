@@ -19,9 +19,10 @@ Dependencies: torch; ``transformers``' ``DynamicCache`` (imported when a batch i
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +52,27 @@ def can_share_prefixes(model: Any) -> bool:
         return False
     if getattr(text_config, "pad_token_id", None) is None:
         return False
+    return _cache_argument(_forward_function(model)) is not None
+
+
+def _forward_function(model: Any) -> Callable:
+    # The function behind the bound method (a hook accelerate sets on the instance included): a key that stays the
+    # same from call to call and holds no reference to the model.
+    forward = model.forward
+    return getattr(forward, "__func__", forward)
+
+
+@functools.cache
+def _cache_argument(forward: Callable) -> str | None:
+    """The argument a model class's ``forward`` takes its key/value cache by (``cache`` or ``past_key_values``), or
+    ``None`` where it takes no cache or no ``position_ids``: read once per class, not on every scored batch."""
     try:
-        parameters = inspect.signature(model.forward).parameters
+        parameters = inspect.signature(forward).parameters
     except (TypeError, ValueError):
-        return False
-    return "position_ids" in parameters and ("cache" in parameters or "past_key_values" in parameters)
+        return None
+    if "position_ids" not in parameters:
+        return None
+    return "cache" if "cache" in parameters else "past_key_values" if "past_key_values" in parameters else None
 
 
 @dataclass(frozen=True)
@@ -188,7 +205,7 @@ def run_shared_prefixes(model: Any, inputs: SharedPrefixInputs, device: torch.de
     def on_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device, non_blocking=True) if device is not None else tensor
 
-    cache_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_key = _cache_argument(_forward_function(model)) or "past_key_values"
     cache = DynamicCache(config=model.config)
     model(
         input_ids=on_device(inputs.prefix_ids),

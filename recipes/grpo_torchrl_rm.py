@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from omegaconf import DictConfig
@@ -456,8 +457,11 @@ def save_if_due(
 
 def whole_policy_on_cpu(cfg: GRPORecipeConfig, full_state: dict):
     """A sharded policy rebuilt whole on CPU from its gathered weights (``gather_full_state``): the base read again
-    with its adapters, then every weight replaced by the gathered one."""
-    policy = load_policy(cfg.model, device="cpu", dtype=cfg.dtype)
+    with its adapters, then every weight replaced by the gathered one. Building it draws the adapters' initial
+    weights from torch's generator: on a fork of it, or this process would sample from another point of its random
+    stream than the run a resume replays (whose saved state is from before the save)."""
+    with torch.random.fork_rng(devices=[]):
+        policy = load_policy(cfg.model, device="cpu", dtype=cfg.dtype)
     policy.load_state_dict(full_state)
     return policy
 

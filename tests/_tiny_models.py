@@ -95,3 +95,26 @@ class ToyRewardModel(torch.nn.Linear):
         out = _Out()
         out.logits = super().forward(x)
         return out
+
+
+def load_build_script(repo_root):
+    """``scripts/build_tiny_models.py`` as a module (scripts/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_tiny_models", repo_root / "scripts" / "build_tiny_models.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build
+
+
+def run_build_script(repo_root, *arguments: str) -> None:
+    """``python scripts/build_tiny_models.py <arguments>`` through its ``main(argv)``, in this process: a process of
+    its own would spend 4-5 s importing torch and transformers again (tests/recipes/common/test_common.py keeps one
+    run as a user types it). The script seeds torch's generator and may set one torch thread: both are put back."""
+    build = load_build_script(repo_root)
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            build.main(list(arguments))
+    finally:
+        torch.set_num_threads(threads)

@@ -6,6 +6,7 @@ against the keys the YAML passes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -25,7 +26,8 @@ GROUP_OPTIONS = sorted(
 )
 
 
-def _groups_in_defaults(root: str) -> set[str]:
+@functools.cache  # read once per root: the collection asks for every option of every group (99 YAML loads, 1.5 s)
+def _groups_in_defaults(root: str) -> frozenset[str]:
     """The groups a root config selects (``- model: tiny``, ``- optional sweep: null``...), Hydra's own included."""
     defaults = OmegaConf.load(CONF_DIR / f"{root}.yaml").get("defaults", [])
     names = {
@@ -33,7 +35,7 @@ def _groups_in_defaults(root: str) -> set[str]:
         for entry in defaults
         if hasattr(entry, "keys")
     }
-    return names | {"hydra/launcher"}
+    return frozenset(names | {"hydra/launcher"})
 
 
 def _presets_of(root: str, group: str, option: str) -> bool:

@@ -59,7 +59,8 @@ def import_from_the_working_folder() -> None:
 
 def resolve_function(setting: str, node) -> Callable:
     """The callable ``node`` names: a dotted path (imported; a module in the folder the run started from is found
-    too) or a ``_target_`` node (instantiated, e.g. a factory that returns the function).
+    too) or a ``_target_`` node (instantiated, e.g. a factory that returns the function; a ``_partial_`` node that
+    binds nothing is its target itself, as :func:`instantiate_function` says why).
 
     Raises:
         ConfigError: naming ``setting``, when it cannot be imported or built, or is not callable.
@@ -72,7 +73,7 @@ def resolve_function(setting: str, node) -> Callable:
         )
     import_from_the_working_folder()
     try:
-        function = get_object(node) if isinstance(node, str) else instantiate(node)
+        function = get_object(node) if isinstance(node, str) else instantiate_function(node)
     except Exception as error:  # whatever the import or the factory raised, the user needs the setting named
         module = path.rsplit(".", 1)[0] if "." in path else path
         found = importlib.util.find_spec(module.split(".")[0]) is not None

@@ -29,11 +29,10 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, set_seed
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from tensordict import set_list_to_stack
-from transformers import set_seed
 
 from recipes.common.checkpoint import latest_checkpoint, recover_interrupted_writes
 from recipes.common.config import (
@@ -180,7 +179,9 @@ def start_run(
 
 
 def seed_everything(seed: int) -> None:
-    """Seeds Python's, NumPy's and torch's generators (every device's): the one way the recipes seed."""
+    """Seeds Python's, NumPy's and torch's generators (every device's): the one way the recipes seed. accelerate's
+    ``set_seed`` seeds what transformers' does; transformers' would import its Trainer utilities, and peft with them
+    (0.7 s of every process's start, a refused run's too)."""
     set_seed(seed)
 
 

@@ -523,7 +523,9 @@ def _check_node(value: Any, schema: type, key: str, recipe: str) -> None:
         if name not in value:
             raise ConfigError(
                 f"{_join(key, name)} is missing: {recipe} reads it. Restore it in the YAML (or pass "
-                f"{_join(key, name)}=<value>)."
+                f"{_join(key, name)}=<value>). A run folder saved before this setting existed lacks it too: resume it "
+                f"with {_join(key, name)}=<value> resume_allow_changes=[{_join(key, name)}] (its default: "
+                "docs/config_reference.md)."
             )
         _check(value[name], hints[name], _join(key, name), recipe)
 
@@ -1048,3 +1050,9 @@ class RayNode:
 
     address: str | None  # null: start a local cluster on this machine; auto: the one `ray start` runs here
     num_cpus: Annotated[int, Range(ge=1)] | None  # a local cluster's CPUs (null: all of this machine's)
+
+
+def setting_type(expected: Any) -> str:
+    """How a setting's schema type reads, in refusals and in ``docs/config_reference.md``: ``an integer >= 1``, ``one
+    of ['sync', 'async']``, ``a number or null``."""
+    return "any value" if expected is Any else _describe(expected)

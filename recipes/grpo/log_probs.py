@@ -416,10 +416,11 @@ class ResponseLogProbs(nn.Module):
                 1,
             )
             pieces = []
-            for rows in buckets:
+            for bucket in buckets:
                 # A bucket's columns end at its longest response (rows are padded on the right).
-                end = response_start + (max(1, int(lengths[rows].max())) if rows is not None else width)
-                rows = rows if rows is not None else slice(None)
+                end = response_start + (max(1, int(lengths[bucket].max())) if bucket is not None else width)
+                # One bucket holds every row in order: a slice, not a gathered copy of the batch and the caches.
+                rows = slice(None) if bucket is None or len(buckets) == 1 else bucket
                 shared = Cache(
                     layers=[
                         _SharedPromptLayer(layer.keys[inverse[rows]], layer.values[inverse[rows]])

@@ -29,6 +29,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from hydra.utils import get_object, instantiate
@@ -36,7 +37,6 @@ from omegaconf import ListConfig
 from tensordict import NestedKey, TensorDictBase
 from tensordict.nn import TensorDictModuleBase, TensorDictSequential
 from torchrl.envs import Compose, Transform
-from transformers import TrainerState
 
 from interop import HFRewardModelWrapper, RewardModelTransform
 from interop.sampling import CausalLMSampler
@@ -57,6 +57,9 @@ from recipes.common.tools import tool_entries
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS, REWARD, REWARD_LOGS, SOURCE_REWARDS
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.schema import GRPORecipeConfig
+
+if TYPE_CHECKING:
+    from transformers import TrainerState
 
 __all__ = [
     "RewardFunction",
@@ -345,6 +348,8 @@ def make_reward_transform(
     ``start_step``: the GRPO steps done before the first batch this transform scores (a resumed run's), from which
     the ``trainer_state`` handed to reward functions counts.
     """
+    from transformers import TrainerState  # with transformers' Trainer utilities and peft: 0.7 s, so not at import
+
     trainer_state, logs = TrainerState(global_step=start_step, max_steps=cfg.train.steps), RewardLogs()
     scorer = make_reward_scorer(
         cfg, reward_model, reward_tokenizer, policy_tokenizer, prompts=prompts, trainer_state=trainer_state, logs=logs

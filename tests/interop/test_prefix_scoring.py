@@ -152,3 +152,24 @@ def test_models_that_cannot_share_take_the_padded_pass(reward_model, tiny_dir):
     # Positions follow the mask in the shared passes; a left-padded pass puts its pads at the first positions.
     left = HFRewardModelWrapper(model, tokenizer=tokenizer, history_key="h", padding_side="left", share_prefixes=True)
     assert not left.share_prefixes
+
+
+def test_the_forward_signature_is_read_once_per_model_class_not_per_batch(reward_model, monkeypatch):
+    """Which argument takes the cache is a property of the model's class: reading ``forward``'s signature on every
+    scored batch cost tens of microseconds per call for nothing."""
+    import inspect
+
+    import interop.prefix_scoring as prefix_scoring
+
+    model, tokenizer = reward_model
+    calls = []
+    real_signature = inspect.signature
+    monkeypatch.setattr(prefix_scoring.inspect, "signature", lambda f: calls.append(f) or real_signature(f))
+    prefix_scoring._cache_argument.cache_clear()
+    conversations = _grpo_conversations(group_size=4)
+    td = TensorDict({"history": NonTensorStack(*conversations)}, batch_size=[len(conversations)])
+    padded, shared = _wrappers(model, tokenizer=tokenizer, history_key="history")
+    first = shared(td.clone())["reward"]
+    torch.testing.assert_close(shared(td.clone())["reward"], first)
+    torch.testing.assert_close(first, padded(td.clone())["reward"], rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1

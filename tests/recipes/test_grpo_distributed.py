@@ -1,9 +1,10 @@
 """recipes/grpo_torchrl_rm.py under torchrun: two CPU processes (gloo) train one policy, rank 0 alone writes the run,
-and a resumed data-parallel run replays the uninterrupted one. The CUDA variant (nccl) is marked ``gpu``.
+and a resumed data-parallel run replays the uninterrupted one (out of CI: ``pytest -m extended``; the resumed FSDP2
+run covers it). The CUDA variant (nccl) is marked ``gpu``.
 
 Each torchrun takes 10-30 s: a run that several tests read (DDP and FSDP2 for 2 steps, DDP for 4) is made once per
 session (``_shared_runs``), and a resume continues a copy of the shared 2-step run (a copied run folder resumes as
-itself, ``recipes.common.resume``); every test here is in the slow suite.
+itself, ``recipes.common.resume``); every test here is in the slow suite, or out of CI as marked.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ CHECKPOINTS = ["checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
 FSDP = "distributed.strategy=fsdp"
 LORA = "model.lora={r:4,alpha:8,dropout:0.0,target_modules:[q_proj,v_proj,lm_head]}"
 # The runs several tests read, by name: DDP and FSDP2 for 2 steps, DDP for 4 (the uninterrupted run the resumed DDP
-# and FSDP2 runs replay, FSDP2 training as DDP does).
+# and FSDP2 runs replay, FSDP2 training as DDP does), FSDP2 with LoRA for 2.
 SHARED_RUNS = {
     "ddp_2": [*SMALL, *CHECKPOINTS, "train.steps=2"],
     "fsdp_2": [*SMALL, *CHECKPOINTS, FSDP, "train.steps=2"],
     "ddp_4": [*SMALL, *CHECKPOINTS, "train.steps=4"],
+    # FSDP2 with LoRA and the merged save for 2 steps: the LoRA test's run, and the first half of its resume test's.
+    "fsdp_lora_2": [*SMALL, *CHECKPOINTS, LORA, FSDP, "checkpoint.save_merged=true", "train.steps=2"],
 }
 
 
@@ -98,13 +101,15 @@ def _resume_to_4_steps(shared_runs: Path, first_2_steps: str, tmp_path: Path) ->
 
 
 @pytest.mark.slow  # a multi-process run: the slow suite's (the default suite's budget is 8 minutes)
-def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
+def test_two_cpu_processes_train_one_policy(shared_runs, tiny_dir):
+    """Read from the shared uninterrupted 4-step DDP run (checkpoints at steps 2 and 4) that the resumed FSDP2 run
+    replays. (A last step off the checkpoint interval is saved too: the single-process resume test's [3, 6, 7].)"""
     from transformers import AutoModelForCausalLM
 
-    _torchrun(2, [*SMALL, "train.steps=3", "checkpoint.every_n_steps=2"], tmp_path)
+    run_dir = _shared(shared_runs, "ddp_4")
 
     # The gradients are averaged over both ranks at every update: the two copies of the policy end bit-identical.
-    rank0, rank1 = _load_rank_weights(tmp_path, 0), _load_rank_weights(tmp_path, 1)
+    rank0, rank1 = _load_rank_weights(run_dir, 0), _load_rank_weights(run_dir, 1)
     assert rank0.keys() == rank1.keys() and len(rank0) > 0
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
@@ -114,14 +119,14 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     assert all(not torch.equal(rank0[name], initial[name].detach()) for name in rank0)
 
     # Rank 0 alone wrote the run: one summary, one metrics row per step, one checkpoint set holding those weights.
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["train/num_processes"] == 2 and summary["train/steps"] == 3
-    rows = read_metrics(tmp_path)
-    assert [row["step"] for row in rows] == [1.0, 2.0, 3.0]
-    assert [step for step, _ in list_checkpoints(tmp_path / "checkpoints")] == [2, 3]
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step_0000003" / MODEL_FOLDER)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["train/num_processes"] == 2 and summary["train/steps"] == 4
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert [step for step, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 4]
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_0000004" / MODEL_FOLDER)
     assert all(torch.equal(p, rank0[name]) for name, p in saved.named_parameters())
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) == [
         "checkpoints",
         "grpo_torchrl_rm.log",
         "metrics.csv",
@@ -133,9 +138,15 @@ def test_two_cpu_processes_train_one_policy(tmp_path, tiny_dir):
     assert summary["rollout/generated_tokens"] == pytest.approx(sum(row["rollout/response_length"] * 8 for row in rows))
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a third 4-step torchrun (15-20 s): out of CI, which covers its parts (docstring)
 def test_a_resumed_data_parallel_run_replays_the_uninterrupted_one(shared_runs, tmp_path):
-    """Each rank's RNG state is in the checkpoint and the prompt stream is shared: stop, resume, same run."""
+    """Each rank's RNG state is in the checkpoint and the prompt stream is shared: stop, resume, same run.
+
+    Out of CI (`pytest -m extended`). CI covers its parts: test_a_resumed_fsdp_run_replays_the_uninterrupted_one
+    resumes two ranks from their checkpoint against this same uninterrupted DDP run (each rank's RNG state and the
+    shared prompt stream: its rollout figures pool both ranks' responses), and
+    tests/recipes/test_grpo_torchrl_rm.py::test_resume_after_sigkill_continues_the_same_run restores the whole
+    optimizer state, as each DDP rank does, and replays the uninterrupted run."""
     run_dir, reference_dir = _resume_to_4_steps(shared_runs, "ddp_2", tmp_path), _shared(shared_runs, "ddp_4")
     keys = ("rollout/reward_mean", "rollout/oracle_mean", "rollout/response_length", "train/loss")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
@@ -263,20 +274,19 @@ def test_a_resumed_fsdp_run_replays_the_uninterrupted_one(shared_runs, tmp_path)
 
 
 @pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
-def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_dir):
+def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(shared_runs, tmp_path, tiny_dir):
     """The adapters are sharded with the frozen base layers they sit in; the reference (adapters off) is scored
     through the sharded forward; the checkpoint holds the adapter, gathered, and the merged model, as under DDP."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    overrides = [*SMALL, LORA, "train.steps=2", "checkpoint.save_merged=true"]
-    _torchrun(2, [*overrides, FSDP], tmp_path / "fsdp")
-    _torchrun(2, overrides, tmp_path / "ddp")
+    fsdp, ddp = _shared(shared_runs, "fsdp_lora_2"), tmp_path / "ddp"
+    _torchrun(2, [item for item in SHARED_RUNS["fsdp_lora_2"] if item != FSDP], ddp)
     keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/kl_to_ref")
-    _assert_same_steps(tmp_path / "fsdp", tmp_path / "ddp", keys, steps=2)
-    _assert_same_weights(tmp_path / "fsdp", tmp_path / "ddp")
-    fsdp_weights = _load_rank_weights(tmp_path / "fsdp", 0)
+    _assert_same_steps(fsdp, ddp, keys, steps=2)
+    _assert_same_weights(fsdp, ddp)
+    fsdp_weights = _load_rank_weights(fsdp, 0)
 
     # Only the adapters trained: the base weights are the shipped policy's, the adapters' B moved away from 0.
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_dir / "policy").named_parameters())
@@ -288,7 +298,7 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
 
     # The checkpoint's model/ is the adapter, which peft puts back onto the base: the gathered weights again; the
     # optimizer state covers the adapters alone.
-    checkpoint = tmp_path / "fsdp" / "checkpoints" / "step_0000002"
+    checkpoint = fsdp / "checkpoints" / "step_0000002"
     saved_files = {path.name for path in (checkpoint / MODEL_FOLDER).iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= saved_files
     base = AutoModelForCausalLM.from_pretrained(tiny_dir / "policy")
@@ -300,8 +310,8 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
     assert sorted(optimizer_state) == sorted(adapters)
     # The merged model (rebuilt whole on rank 0 from the gathered weights) is DDP's, and loads without peft.
     merged = [
-        load_file(tmp_path / run / "checkpoints" / "step_0000002" / MERGED_MODEL_FOLDER / "model.safetensors")
-        for run in ("fsdp", "ddp")
+        load_file(run / "checkpoints" / "step_0000002" / MERGED_MODEL_FOLDER / "model.safetensors")
+        for run in (fsdp, ddp)
     ]
     assert merged[0].keys() == merged[1].keys() == initial.keys() | {"lm_head.weight"}  # the adapted head, untied
     for name in merged[0]:
@@ -311,15 +321,13 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(tmp_path):
-    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again. (Runs of its
-    own: a copy of the LoRA test's run, made with checkpoint.save_merged=true, resumed to 4 steps, differed from the
-    uninterrupted run at step 3, 2026-12-06.)"""
-    run_dir, reference_dir = tmp_path / "run", tmp_path / "uninterrupted"
-    overrides = [*SMALL, *CHECKPOINTS, LORA, FSDP, "train.steps=2"]
-    _torchrun(2, overrides, run_dir)
-    _torchrun(2, [*_to_4_steps(overrides), "resume=true"], run_dir)
-    _torchrun(2, _to_4_steps(overrides), reference_dir)
+def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(shared_runs, tmp_path):
+    """The adapter loads onto the base before sharding, its gathered optimizer state is sharded again; the merged
+    save (checkpoint.save_merged) leaves the run's random stream alone. (The rebuild the merged save merges drew from
+    the main process's generator, and the uninterrupted run sampled differently from step 3 on, 2026-12-06.) The
+    first 2 steps are the LoRA test's shared run, resumed in a copy of its folder."""
+    run_dir, reference_dir = _resume_to_4_steps(shared_runs, "fsdp_lora_2", tmp_path), tmp_path / "uninterrupted"
+    _torchrun(2, _to_4_steps(SHARED_RUNS["fsdp_lora_2"]), reference_dir)
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/kl_to_ref")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
     _assert_same_weights(run_dir, reference_dir)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from _tiny_models import load_build_script, run_build_script
 from omegaconf import OmegaConf
 
 from recipes.common.checkpoint import write_folder_atomically
@@ -290,14 +291,7 @@ def test_csv_logger_appends_rows(tmp_path):
 
 
 def test_build_script_writes_loadable_checkpoints(tmp_path, repo_root):
-    command = [
-        sys.executable,
-        str(repo_root / "scripts" / "build_tiny_models.py"),
-        f"--out={tmp_path}",
-        "--num-conversations=200",
-        "--pretrain-steps=5",
-    ]
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    run_build_script(repo_root, f"--out={tmp_path}", "--num-conversations=200", "--pretrain-steps=5")
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "policy")
@@ -308,16 +302,8 @@ def test_build_script_writes_loadable_checkpoints(tmp_path, repo_root):
 
 
 def test_build_script_writes_the_arithmetic_policy(tmp_path, repo_root):
-    command = [
-        sys.executable,
-        str(repo_root / "scripts" / "build_tiny_models.py"),
-        f"--out={tmp_path}",
-        "--task=arithmetic",
-        "--num-conversations=200",
-        "--pretrain-steps=5",
-        "--vocab-size=300",
-    ]
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    arguments = [f"--out={tmp_path}", "--task=arithmetic", "--num-conversations=200", "--vocab-size=300"]
+    run_build_script(repo_root, *arguments, "--pretrain-steps=5")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["arithmetic_policy"]
@@ -330,11 +316,7 @@ def test_the_build_script_pretrains_on_the_tokens_the_loaded_tokenizer_makes(rep
     """The BPE the script trains merges " 1" into one token; the tokenizer from_pretrained loads beside a Qwen2 policy
     splits every digit. The corpus is tokenized by the latter (as_loaded), or "17" in a prompt would be tokens the
     policy never saw."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("build_tiny_models", repo_root / "scripts" / "build_tiny_models.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    build = load_build_script(repo_root)
     from recipes.tasks.arithmetic import make_sft_conversations
 
     corpus = [f"{m['role']}\n{m['content']}" for c in make_sft_conversations(200, seed=0) for m in c]
@@ -354,7 +336,8 @@ def test_command_line_keys_read_an_override_whose_value_is_an_interpolation(comp
 
 
 def test_the_build_script_never_replaces_a_checkpoint_without_overwrite(tmp_path, repo_root):
-    """Run as the README's first build command would be on a clone, it must not silently replace the committed kit."""
+    """Run as the README's first build command would be on a clone (a process of its own, as a user types it; the
+    tests above call its main()), it must not silently replace the committed kit."""
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "model.safetensors").write_bytes(b"committed")
     command = [sys.executable, str(repo_root / "scripts" / "build_tiny_models.py"), f"--out={tmp_path}"]

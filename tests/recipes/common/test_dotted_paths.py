@@ -1,5 +1,6 @@
 """``recipes.common.dotted_paths.instantiate_function``: the callable a ``{_target_, _partial_: true}`` node builds (the
-data's oracle), as ``hydra.utils.instantiate`` builds it."""
+data's oracle), as ``hydra.utils.instantiate`` builds it; ``resolve_function`` (reward functions, tools) builds its
+``_target_`` nodes the same way."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from recipes.common.dotted_paths import instantiate_function
+from recipes.common.dotted_paths import instantiate_function, resolve_function
 from recipes.tasks.synthetic import oracle_score, well_formed_score
 
 
@@ -41,3 +42,12 @@ def test_a_target_hydra_refuses_is_refused_as_hydra_refuses_it():
         instantiate(node)
     with pytest.raises(InstantiationException):
         instantiate_function(node)
+
+
+def test_a_reward_function_given_as_a_partial_node_is_its_target_itself():
+    """``reward.functions.<name>.function: {_target_: ..., _partial_: true}`` is called once per response like the
+    oracle: the function itself, not Hydra's partial object re-checking its policy on every call."""
+    node = OmegaConf.create({"_target_": "recipes.tasks.synthetic.well_formed_score", "_partial_": True})
+    assert resolve_function("reward.functions.form.function", node) is well_formed_score
+    bound = OmegaConf.create({"_target_": "builtins.round", "_partial_": True, "ndigits": 1})
+    assert resolve_function("reward.functions.rounded.function", bound)(0.26) == 0.3

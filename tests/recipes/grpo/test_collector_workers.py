@@ -279,12 +279,14 @@ def test_a_ray_run_killed_after_a_checkpoint_leaves_no_ray_process_and_resumes_o
 ):
     """rollout.backend=ray with no address, two workers: the run starts its own cluster. SIGKILLed after its step-2
     checkpoint, every process it had started is gone; resumed (Ray again), it trains steps 3-5, each once, on the
-    prompts an unkilled run trains them on."""
+    prompts an unkilled run trains them on. The unkilled run samples in the learner (no third Ray cluster to start:
+    10-20 s on 2 cores): two workers' parts of a step are the prompts one collector draws, from a resumed step too
+    (test_the_workers_deal_out_the_prompt_stream_one_collector_would_draw), so Ray's steps 3-5 must be its steps."""
     pytest.importorskip("ray")
-    overrides = [*TWO_WORKERS, "train.steps=5", "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
-    overrides += ["rollout.backend=ray", "ray.num_cpus=2"]
+    run = [*GRPO_SMALL, "logger=csv", "train.steps=5", "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
+    overrides = [*run, "rollout.workers=2", "rollout.backend=ray", "ray.num_cpus=2"]
     prompts = _record_prompts(monkeypatch)
-    recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={tmp_path / 'straight'}"]))
+    recipe.train(compose_config("grpo_torchrl_rm", [*run, f"output_dir={tmp_path / 'straight'}"]))
     straight = dict(prompts)
     assert sorted(straight) == [1, 2, 3, 4, 5]
 

@@ -300,6 +300,19 @@ def test_responses_run_in_passes_by_length_over_fewer_positions(tiny_policy, bat
     assert max(columns for _, columns in responses) == int(lengths.max())
 
 
+def test_responses_of_one_length_run_in_one_pass_with_the_padded_paths_values_and_gradients(tiny_policy, batch):
+    """Every response as long as the batch's columns (the bench's batch): no split pays, the rows run in one pass,
+    in their own order, and give the padded path's values and gradients."""
+    model, _ = tiny_policy
+    tokens, mask, start = _tokens_and_mask(batch)
+    full = batch.clone()
+    full["masks", "all_attention_mask"][:, start:] = True  # every response column real: one length
+    with _EmbeddedShapes(model) as shapes:
+        got = _log_probs_and_gradients(model, ResponseLogProbs(model, share_prompt=True), full)
+    assert shapes == [(2, start), (len(tokens), tokens.shape[-1] - start)]
+    _assert_equal(got, _log_probs_and_gradients(model, ResponseLogProbs(model, share_prompt=False), full))
+
+
 def test_a_response_whose_mask_has_a_hole_keeps_its_tokens_after_it(tiny_policy, batch):
     """A bucket is as wide as its rows' last real column, not their count of real tokens: a column masked inside a
     response (a hole) does not cut off the tokens after it."""

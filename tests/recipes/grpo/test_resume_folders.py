@@ -1,6 +1,6 @@
-"""A resumed GRPO run writes where it was told to and reports as the run it continues: a copy of a run folder resumes
-as itself (the original untouched), a moved folder resumes where it is, and main() returns the metric the run's own
-config names (an experiment=arithmetic run resumed without repeating experiment=arithmetic)."""
+"""A resumed GRPO run writes where it was told to and reports as the run it continues: a copied and moved run folder
+resumes as itself where it is (the original untouched), and main() returns the metric the run's own config names (an
+experiment=arithmetic run resumed without repeating experiment=arithmetic)."""
 
 from __future__ import annotations
 
@@ -32,37 +32,32 @@ def finished_run(tmp_path_factory):
     return folder
 
 
-def test_a_copied_run_folder_resumes_as_itself_and_leaves_the_original_alone(finished_run, tmp_path):
-    """As a user does it: ``cp -r D D2`` then ``resume=true hydra.run.dir=D2``."""
-    original, copy = finished_run, tmp_path / "D2"
-    shutil.copytree(original, copy)
+def test_a_copied_then_moved_run_folder_resumes_where_it_is_and_leaves_the_original_alone(finished_run, tmp_path):
+    """As a user does it: ``cp -r D D2``, ``mv D2 D3``, then ``resume=true hydra.run.dir=D3``. The run resumes as
+    itself where its folder is now (neither in D, where it ran, nor in D2, where it was copied), and D is untouched.
+    (Formerly two tests, a copied folder and a moved one, each resuming a copy of the shared run: one resume now.)"""
+    original, copy, moved = finished_run, tmp_path / "D2", tmp_path / "D3"
     before = _files(original)
+    shutil.copytree(original, copy)
+    copy.rename(moved)
 
-    resumed = _run(f"hydra.run.dir={copy}", "resume=true", "train.steps=4")
+    resumed = _run(f"hydra.run.dir={moved}", "resume=true", "train.steps=4")
 
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _files(original) == before, "the folder the copy came from is untouched"
-    assert sorted(path.name for path in (copy / "checkpoints").iterdir()) == ["step_0000003", "step_0000004"]
-    assert f"output_dir: {copy}\n" in (copy / "resolved_config.yaml").read_text()
+    assert not copy.exists()
+    assert sorted(path.name for path in (moved / "checkpoints").iterdir()) == ["step_0000003", "step_0000004"]
+    assert f"output_dir: {moved}\n" in (moved / "resolved_config.yaml").read_text()
 
 
-def test_a_moved_run_folder_resumes_where_it_is(finished_run, tmp_path):
-    """The shared run is copied to D first (a folder that ran there, for this test's purpose), then moved."""
-    before = _files(finished_run)
-    shutil.copytree(finished_run, tmp_path / "D")
-    (tmp_path / "D").rename(tmp_path / "moved")
-    resumed = _run(f"hydra.run.dir={tmp_path / 'moved'}", "resume=true", "train.steps=3")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert (tmp_path / "moved" / "checkpoints" / "step_0000003").is_dir() and not (tmp_path / "D").exists()
-    assert _files(finished_run) == before, "nor the folder it was made in"
-
-
-def test_a_resumed_experiment_reports_the_metric_its_own_config_names(tmp_path):
+def test_a_resumed_experiment_reports_the_metric_its_own_config_names(compose_config, tmp_path):
     """The arithmetic experiment's metric is eval/accuracy_last; a resume that does not repeat experiment=arithmetic
-    must not look for the YAML default's rollout/oracle_mean_last."""
-    common = [*GRPO_SMALL[1:], "eval.every_n_steps=2", "eval.num_prompts=4", f"hydra.run.dir={tmp_path}"]
-    first = [sys.executable, "recipes/grpo_torchrl_rm.py", "experiment=arithmetic", "train.steps=2", *common]
-    assert subprocess.run(first, cwd=REPO_ROOT, capture_output=True).returncode == 0
+    must not look for the YAML default's rollout/oracle_mean_last. The first run in this process (what the resume
+    reads of it is its resolved_config.yaml and checkpoint), the resume as a user types it, through main()."""
+    import recipes.grpo_torchrl_rm as recipe
+
+    common = [*GRPO_SMALL[1:], "eval.every_n_steps=2", "eval.num_prompts=4", f"output_dir={tmp_path}"]
+    recipe.train(compose_config("grpo_torchrl_rm", ["experiment=arithmetic", "train.steps=2", *common]))
     resumed = subprocess.run(
         [sys.executable, "recipes/grpo_torchrl_rm.py", "resume=true", "train.steps=3", f"hydra.run.dir={tmp_path}"],
         cwd=REPO_ROOT,
@@ -71,3 +66,29 @@ def test_a_resumed_experiment_reports_the_metric_its_own_config_names(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "KeyError" not in resumed.stderr
+
+
+def test_a_run_folder_saved_before_a_setting_existed_resumes_once_the_command_line_gives_it(
+    compose_config, finished_run, tmp_path
+):
+    """A folder written by an earlier version lacks the settings added since (optimizer.fused): a resume with the
+    version's default in their place could train another run, so it is refused naming the setting and how to give
+    it; given on the command line as the message says (a change the resume allows, recorded in resumes.jsonl), the
+    resume goes on with it."""
+    import recipes.grpo_torchrl_rm as recipe
+    from recipes.common.config import ConfigError
+
+    folder = tmp_path / "D"
+    shutil.copytree(finished_run, folder)
+    record = folder / "resolved_config.yaml"
+    record.write_text(record.read_text().replace("  fused: true\n", ""))
+    run = [*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"output_dir={folder}", "resume=true"]
+    with pytest.raises(
+        ConfigError, match=r"optimizer\.fused is missing: .* saved before this setting existed"
+    ) as error:
+        recipe.validate(compose_config("grpo_torchrl_rm", run))
+    fix = str(error.value).split("resume it with ")[1].split(" (its default")[0]
+    assert fix == "optimizer.fused=<value> resume_allow_changes=[optimizer.fused]"
+    given = [*run, "optimizer.fused=false", "resume_allow_changes=[optimizer.fused]"]
+    resumed = recipe.validate(compose_config("grpo_torchrl_rm", given))
+    assert resumed.optimizer.fused is False

@@ -4,12 +4,11 @@ on, the exact-answer reward on the final message, and the built policy's templat
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from _tiny_models import load_build_script, run_build_script
 
 from recipes.tasks import calculator
 
@@ -99,15 +98,6 @@ def test_the_task_tool_is_a_tool_trl_takes():
     assert calculator.multiply(23, 417) == 9591
 
 
-def _load_build_script(repo_root):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("build_tiny_models", repo_root / "scripts" / "build_tiny_models.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    return build
-
-
 @pytest.fixture(scope="module")
 def shipped_tokenizer(tiny_dir):
     from transformers import AutoTokenizer
@@ -135,7 +125,7 @@ def _dialogs_to_render() -> list[list[dict]]:
 
 
 def test_the_calculator_template_renders_dialogs_as_qwen2_5_after_a_one_line_tool_list(repo_root, shipped_tokenizer):
-    build = _load_build_script(repo_root)
+    build = load_build_script(repo_root)
     assert shipped_tokenizer.chat_template == build.CALCULATOR_CHAT_TEMPLATE
     qwen = TRL_QWEN2_5_TEMPLATE.read_text(encoding="utf-8")
     tools = list(calculator.TOOLS)
@@ -178,16 +168,8 @@ def test_the_shipped_calculator_policy_copies_numbers_token_by_token(tiny_dir, s
 
 
 def test_build_script_writes_the_calculator_policy(tmp_path, repo_root):
-    command = [
-        sys.executable,
-        str(repo_root / "scripts" / "build_tiny_models.py"),
-        f"--out={tmp_path}",
-        "--task=calculator",
-        "--num-conversations=200",
-        "--copy-conversations=200",
-        "--pretrain-steps=5",
-    ]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    arguments = [f"--out={tmp_path}", "--task=calculator", "--num-conversations=200", "--copy-conversations=200"]
+    run_build_script(repo_root, *arguments, "--pretrain-steps=5")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["calculator_policy"]
