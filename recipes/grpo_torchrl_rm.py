@@ -30,7 +30,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ import hydra
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
@@ -58,7 +58,7 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
-from recipes.common.schema import refuse_unknown_overrides
+from recipes.common.schema import config_view, refuse_unknown_overrides
 from recipes.common.sharding import gather_full_model_state, gather_full_state, is_sharded, load_full_optimizer_state
 from recipes.common.tools import resolving_tools_once
 from recipes.grpo.batch import LOSS_MASK, POLICY_VERSION, REWARD_LOGS, merge_batches
@@ -77,7 +77,7 @@ from recipes.grpo.checkpointing import (
     save_checkpoint,
     truncate_metrics_csv,
 )
-from recipes.grpo.checks import check_prompt_lengths, validate
+from recipes.grpo.checks import check_prompt_lengths, validate, validated
 from recipes.grpo.collector import make_collector
 from recipes.grpo.distributed import check_ranks_in_sync, mean_over_processes, pool_over_processes
 from recipes.grpo.evaluation import Evaluator, eval_due
@@ -103,8 +103,16 @@ from recipes.grpo.report import (
 from recipes.grpo.rewards import load_reward_scorer, source_names
 from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig
 
+__all__ = ["train", "validate"]
+
 log = logging.getLogger(__name__)
 
+
+# The run reads its typed settings (``cfg``: a ``GRPORecipeConfig``, built by ``validate``), never the composed
+# DictConfig. The resolved DictConfig stays beside them as ``run_record``, where a DictConfig is the point: the run's
+# resolved_config.yaml and logger config (secrets masked), what a resume changes. ``recipes.common.models`` and
+# ``recipes.common.data`` take model and data nodes as DictConfigs (they merge nodes with OmegaConf, read columns by
+# name): ``config_view``.
 
 # ---------------------------------------------------------------------------------------------------------- load
 
@@ -121,7 +129,7 @@ class Models:
     reward_model: Any | None
 
 
-def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
+def load_models(cfg: GRPORecipeConfig, *, resume_from: Path | None) -> Models:
     """The policy comes from the checkpoint when resuming; the reference is always the initial policy (with LoRA, the
     policy with its adapters off: nothing more is loaded)."""
     policy_node = cfg.model if resume_from is None else checkpoint_policy_node(cfg, resume_from)
@@ -133,13 +141,14 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
         # The initial policy; with loss.sync_ref_model, the reference as the checkpoint saved it (it moves).
         reference_node = cfg.model
         if resume_from is not None and (resume_from / REFERENCE_FOLDER).is_dir():
-            reference_node = OmegaConf.merge(cfg.model, {"name_or_path": str(resume_from / REFERENCE_FOLDER)})
-        reference = load_causal_lm(reference_node, device=cfg.device, dtype=cfg.dtype).eval().requires_grad_(False)
+            reference_node = replace(cfg.model, name_or_path=str(resume_from / REFERENCE_FOLDER))
+        reference = load_causal_lm(config_view(reference_node), device=cfg.device, dtype=cfg.dtype)
+        reference = reference.eval().requires_grad_(False)
     reward_tokenizer = reward_model = None
     if not samples_apart(cfg):  # elsewhere each collector loads its own
         reward_tokenizer, reward_model = load_reward_scorer(cfg)
     return Models(
-        tokenizer=load_tokenizer(policy_node, padding_side="left"),
+        tokenizer=load_tokenizer(config_view(policy_node), padding_side="left"),
         # eval(): GRPO's importance ratios compare forward passes that must not differ by dropout.
         policy=load_policy(
             cfg.model, device=cfg.device, dtype=cfg.dtype, saved=None if resume_from is None else policy_node
@@ -150,7 +159,9 @@ def load_models(cfg: DictConfig, *, resume_from: Path | None) -> Models:
     )
 
 
-def restore_progress(cfg: DictConfig, run: Run, state: dict | None, learner: Learner, *, policy) -> TrainingProgress:
+def restore_progress(
+    cfg: GRPORecipeConfig, run: Run, state: dict | None, learner: Learner, *, policy
+) -> TrainingProgress:
     """The run's running totals (history, times, tokens): empty, or the checkpoint's, with its optimizer state and
     learning-rate schedule put back into ``learner``."""
     progress = TrainingProgress()
@@ -165,7 +176,7 @@ def restore_progress(cfg: DictConfig, run: Run, state: dict | None, learner: Lea
     learner.optimizer_steps_done = state["optimizer_steps_done"]
     # The config's optimizer settings win over the checkpoint's (an allowed resume change, e.g. the lr, applies: the
     # schedule then scales the new rate from where it stopped).
-    settings = {k: v for k, v in OmegaConf.to_container(cfg.optimizer).items() if not k.startswith("_")}
+    settings = {k: v for k, v in asdict(cfg.optimizer).items() if not k.startswith("_")}
     for group in optimizer.param_groups:
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in group})
         group["initial_lr"] = settings["lr"]
@@ -178,7 +189,7 @@ def restore_progress(cfg: DictConfig, run: Run, state: dict | None, learner: Lea
     return progress
 
 
-def seed_sampling(cfg: DictConfig, state: dict | None, start_step: int) -> None:
+def seed_sampling(cfg: GRPORecipeConfig, state: dict | None, start_step: int) -> None:
     """Seeded once everything is built, so that the run depends on the seed and not on what loading drew; each rank
     samples its own responses. A resume restores each rank's generators as the checkpoint saved them."""
     processes = PartialState()
@@ -204,7 +215,7 @@ def seed_sampling(cfg: DictConfig, state: dict | None, start_step: int) -> None:
 # ---------------------------------------------------------------------------------------------------------- loop
 
 
-def make_evaluator(cfg: DictConfig, models: Models, eval_prompts: PromptRows) -> Evaluator:
+def make_evaluator(cfg: GRPORecipeConfig, models: Models, eval_prompts: PromptRows) -> Evaluator:
     """The held-out evaluation, with the learner's policy; in async mode the reward model is loaded here too (the
     collector's process holds its own)."""
     reward_tokenizer, reward_model = models.reward_tokenizer, models.reward_model
@@ -221,7 +232,9 @@ def make_evaluator(cfg: DictConfig, models: Models, eval_prompts: PromptRows) ->
     )
 
 
-def evaluate(run: Run, evaluator: Evaluator, progress: TrainingProgress, step: int) -> dict[str, float]:
+def evaluate(
+    cfg: GRPORecipeConfig, run: Run, evaluator: Evaluator, progress: TrainingProgress, step: int
+) -> dict[str, float]:
     """The held-out figures after ``step`` (0: before training), recorded in the run's evaluations; a few of the
     answers go to the log."""
     figures = evaluator(step)
@@ -229,7 +242,7 @@ def evaluate(run: Run, evaluator: Evaluator, progress: TrainingProgress, step: i
     if run.is_main:
         shown = ", ".join(f"{key.removeprefix('eval/')} {value:.3f}" for key, value in figures.items())
         log.info("Eval after step %d: %s", step, shown)
-        for sample in evaluator.samples[: run.cfg.samples.print_count]:
+        for sample in evaluator.samples[: cfg.samples.print_count]:
             log.info("Eval sample: %s", json.dumps(_sample_line(sample), ensure_ascii=False))
     return figures
 
@@ -244,6 +257,7 @@ def _sample_line(sample: dict) -> dict:
 
 
 def train_loop(
+    cfg: GRPORecipeConfig,
     run: Run,
     collector,
     models: Models,
@@ -255,10 +269,9 @@ def train_loop(
     evaluator: Evaluator | None = None,
 ) -> None:
     """Steps ``start_step + 1 ... train.steps``: collect, update, (evaluate,) report, checkpoint."""
-    cfg = run.cfg
     oracle = instantiate_function(cfg.data.oracle) if cfg.data.oracle is not None else None
     if evaluator is not None and start_step == 0:
-        run.logger.log(evaluate(run, evaluator, progress, 0), step=0)
+        run.logger.log(evaluate(cfg, run, evaluator, progress, 0), step=0)
     bar = tqdm(
         total=cfg.train.steps,
         initial=start_step,
@@ -288,20 +301,22 @@ def train_loop(
             )
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
             if evaluator is not None and eval_due(cfg, step):
-                metrics.update(evaluate(run, evaluator, progress, step))
+                metrics.update(evaluate(cfg, run, evaluator, progress, step))
             progress.add_step(metrics, tokens=tokens)
             samples = functools.partial(
                 sample_rollouts, batch, prompts.prompts, models.tokenizer, oracle, source_names=source_names(cfg)
             )
             # async: the lag of every batch trained so far, a histogram in wandb (train/policy_lag: this step's).
             lags = [row["train/policy_lag"] for row in progress.history] if cfg.rollout.mode == "async" else []
-            report_step(run, step, metrics, bar, samples=samples, lags=lags)
-            save_if_due(run, step, models, learner, progress)
+            report_step(cfg, run, step, metrics, bar, samples=samples, lags=lags)
+            save_if_due(cfg, run, step, models, learner, progress)
     finally:
         bar.close()
 
 
-def train_step(cfg, step, batch, learner: Learner, models: Models, collector, oracle, *, sampled, extra) -> tuple:
+def train_step(
+    cfg: GRPORecipeConfig, step, batch, learner: Learner, models: Models, collector, oracle, *, sampled, extra
+) -> tuple:
     """One GRPO update on ``batch``: advantages, loss mask and reference log-probs, the loss over mini-batches, the new
     weights handed to the collector. ``sampled``: every response the step drew (``batch``, or more with dynamic
     sampling), which its rollout figures describe; ``extra``: more of this rank's figures. Returns the step's metrics
@@ -363,7 +378,7 @@ def reward_function_metrics(data, *, known: dict, prefix: str) -> dict[str, floa
     return logged
 
 
-def warn_about_the_batch(cfg, step: int, batch, metrics: dict) -> None:
+def warn_about_the_batch(cfg: GRPORecipeConfig, step: int, batch, metrics: dict) -> None:
     """Says when a step teaches nothing: every group's rewards tie, or every response is masked as truncated."""
     if metrics["rollout/frac_reward_zero_std"] == 1.0 and not cfg.advantage.filter_zero_std_groups:
         log.warning(
@@ -379,7 +394,7 @@ def warn_about_the_batch(cfg, step: int, batch, metrics: dict) -> None:
             "max_new_tokens, or set "
             "loss.mask_truncated_completions=false.",
             step,
-            cfg.rollout.generation.max_new_tokens,
+            cfg.rollout.generation["max_new_tokens"],
         )
 
 
@@ -400,12 +415,14 @@ def step_timings(collected: dict, prepared: dict, *, lag: int, update_start: flo
 # ---------------------------------------------------------------------------------------------------------- checkpoint
 
 
-def save_if_due(run: Run, step: int, models: Models, learner: Learner, progress: TrainingProgress) -> None:
+def save_if_due(
+    cfg: GRPORecipeConfig, run: Run, step: int, models: Models, learner: Learner, progress: TrainingProgress
+) -> None:
     """A checkpoint every ``checkpoint.every_n_steps`` steps and at the last: the policy, the optimizer and its
     schedule, the running totals, every rank's RNG state (so that a resumed run samples as this one would have) and,
     with ``loss.sync_ref_model``, the reference as it moved. A sharded model's weights and optimizer state are
     gathered whole onto rank 0 first: one ``from_pretrained`` folder, as under DDP."""
-    cfg, optimizer = run.cfg, learner.optimizer
+    optimizer = learner.optimizer
     every = cfg.checkpoint.every_n_steps
     if not (step == cfg.train.steps or (every is not None and step % every == 0)):
         return
@@ -445,7 +462,7 @@ def save_if_due(run: Run, step: int, models: Models, learner: Learner, progress:
         )
 
 
-def whole_policy_on_cpu(cfg: DictConfig, full_state: dict):
+def whole_policy_on_cpu(cfg: GRPORecipeConfig, full_state: dict):
     """A sharded policy rebuilt whole on CPU from its gathered weights (``gather_full_state``): the base read again
     with its adapters, then every weight replaced by the gathered one. Building it draws the adapters' initial
     weights from torch's generator: on a fork of it, or this process would sample from another point of its random
@@ -457,7 +474,9 @@ def whole_policy_on_cpu(cfg: DictConfig, full_state: dict):
 
 
 def record_resume_changes(cfg: DictConfig, output_dir: Path) -> None:
-    """The settings this resume changes (allowed in validate()), recorded before the new config replaces the old."""
+    """The settings this resume changes (allowed in validate()), recorded before the new config replaces the old:
+    ``cfg`` is the run's record (the resolved config, as ``resolved_config.yaml`` holds it), compared with the saved
+    one."""
     step = list_checkpoints(checkpoint_root(cfg))[-1][0]
     changes = resume_changes(cfg)
     record_resume(output_dir, step=step, changes=changes)
@@ -468,13 +487,15 @@ def record_resume_changes(cfg: DictConfig, output_dir: Path) -> None:
 
 
 @resolving_tools_once()  # each MCP server of tools: listed once per run
-def train(cfg: DictConfig) -> dict:
-    """Runs (or resumes) GRPO as configured and returns the summary also written to ``summary.json``.
+def train(composed: DictConfig) -> dict:
+    """Runs (or resumes) GRPO as configured by the ``composed`` config (Hydra's) and returns the summary also written
+    to ``summary.json``.
 
     Under torchrun every process calls it; each returns the same summary (metrics are averaged over the processes),
     and rank 0 alone writes the run folder."""
     setup_start = time.perf_counter()
-    cfg = validate(cfg)  # resolved, a resumed run's own settings restored, LoRA switched on or off
+    # Typed settings (resolved; a resumed run's own settings restored; LoRA switched on or off), and the run's record.
+    cfg, run_record = validated(composed)
     finished = finished_run_summary(cfg)
     if finished is not None:
         log.info(
@@ -484,24 +505,27 @@ def train(cfg: DictConfig) -> dict:
         )
         return finished
     # The prompts are read (and refused: missing column, empty prompts, too long...) before any model loads.
-    prompts = load_prompt_rows(cfg.data, "train")
+    prompts = load_prompt_rows(config_view(cfg.data), "train")
     if not prompts:
         raise ConfigError(f"data={cfg.data.source} holds no training prompts; check data.path / data.split.")
     check_prompt_lengths(cfg, prompts)
     eval_prompts = None
     if cfg.eval.every_n_steps is not None:
-        eval_prompts = load_prompt_rows(cfg.data, "eval")
+        eval_prompts = load_prompt_rows(config_view(cfg.data), "eval")
         if not eval_prompts:
             raise ConfigError(f"eval.every_n_steps is set, but data={cfg.data.source}'s eval split holds no prompts.")
         check_prompt_lengths(cfg, eval_prompts)
 
     run = start_run(
-        cfg,
+        run_record,  # written as the run's resolved_config.yaml (secrets masked), and the logger's config
         tidy=[checkpoint_root(cfg)],
         resume=cfg.resume,
-        before_config=functools.partial(record_resume_changes, cfg) if cfg.resume else None,
+        # A resume records what it changes against the run's records: both sides as resolved_config.yaml holds them.
+        before_config=functools.partial(record_resume_changes, run_record) if cfg.resume else None,
         backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend,
     )
+    # Every process's folder is the main process's (start_run broadcast it into the record): its checkpoints too.
+    cfg.output_dir = str(run.output_dir)
     # The logger closes however the run ends (Hydra multirun jobs share this process); rollout.backend=ray: the
     # cluster joined (or started, and stopped at the end) before any model loads.
     with run, ray_connection(cfg):
@@ -509,7 +533,7 @@ def train(cfg: DictConfig) -> dict:
 
 
 def _train(
-    cfg: DictConfig, run: Run, *, prompts: PromptRows, eval_prompts: PromptRows | None, setup_start: float
+    cfg: GRPORecipeConfig, run: Run, *, prompts: PromptRows, eval_prompts: PromptRows | None, setup_start: float
 ) -> dict:
     """Loads the models (the policy from the newest checkpoint when resuming), builds the learner and the collector,
     trains and summarises."""
@@ -537,7 +561,7 @@ def _train(
             log.info(run_description(cfg, num_prompts=len(prompts), world_size=processes.num_processes))
         progress.setup_time_s = time.perf_counter() - setup_start
         train_loop(
-            run, collector, models, learner, progress, prompts=prompts, start_step=start_step, evaluator=evaluator
+            cfg, run, collector, models, learner, progress, prompts=prompts, start_step=start_step, evaluator=evaluator
         )
     finally:
         if collector is not None:
@@ -554,7 +578,7 @@ def main(cfg: DictConfig) -> float:
     # TorchRL 0.14.1's own internals trigger these; there is nothing a user of the recipe can do about them.
     warnings.filterwarnings("ignore", message="size_average and reduce args will be deprecated")
     warnings.filterwarnings("ignore", message="The env passed to LLMCollector is missing transforms")
-    summary = run_recipe(train, cfg)
+    summary = run_recipe(train, cfg)  # Hydra's composed config: train() checks it
     # A resumed run reports the metric its own config names (its resolved_config.yaml), not the YAML default's.
     metric = resumed_config(cfg).metric if cfg.resume else cfg.metric
     return summary.get(metric, float("nan"))

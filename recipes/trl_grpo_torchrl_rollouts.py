@@ -65,9 +65,9 @@ from recipes.common.run import (
     start_run,
     track_failed_jobs,
 )
-from recipes.common.schema import refuse_unknown_overrides, trainer_aliases
+from recipes.common.schema import config_view, refuse_unknown_overrides, trainer_aliases
 from recipes.common.tools import resolve_tools, resolving_tools_once
-from recipes.trl_grpo.checks import grpo_config_fields, load_replay_source, validate
+from recipes.trl_grpo.checks import grpo_config_fields, load_replay_source, validated
 from recipes.trl_grpo.evaluation import EvalCallback
 from recipes.trl_grpo.report import MetricsCallback, StepBar, closing_message, summarize
 from recipes.trl_grpo.resume import checkpoint_step, finished_run_summary, record_resume_start, resumed_config
@@ -80,8 +80,14 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------------- builders
 
+# The run reads its typed settings (``cfg``: a ``TrlGRPORecipeConfig``, built by ``validate``), never the composed
+# DictConfig. The resolved DictConfig stays beside them as ``run_record``, where a DictConfig is the point: the run's
+# resolved_config.yaml and logger config (secrets masked), the train: fields trl's logs mask, what a resume changes.
+# ``recipes.common.models`` and ``recipes.common.data`` take model and data nodes as DictConfigs (they merge nodes with
+# OmegaConf, read columns by name): ``config_view``.
 
-def make_grpo_config(cfg: DictConfig):
+
+def make_grpo_config(cfg: TrlGRPORecipeConfig):
     """``trl.GRPOConfig`` from ``train:``, with the device and reward weights this run decides and the fields its own
     keys set (``recipes.trl_grpo.checks.grpo_config_fields``: the group size, the sampler's settings, the reward
     aggregation, the progress bar). trl reports to nothing itself: its logs go through the recipe's logger
@@ -103,7 +109,7 @@ def make_grpo_config(cfg: DictConfig):
     return args
 
 
-def make_reward_funcs(cfg: DictConfig, *, device: str):
+def make_reward_funcs(cfg: TrlGRPORecipeConfig, *, device: str):
     """trl's ``reward_funcs`` and ``reward_processing_classes``: the reward model (when ``reward_model`` is set), then
     each ``reward.functions`` entry under its config name (trl logs ``rewards/<name>/mean``).
 
@@ -111,8 +117,9 @@ def make_reward_funcs(cfg: DictConfig, *, device: str):
     naming its source before anything is trained on it."""
     funcs, classes = [], []
     if cfg.reward_model is not None:
-        tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
-        model = load_reward_model(cfg.reward_model, device=device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id)
+        reward_model = config_view(cfg.reward_model)
+        tokenizer = load_tokenizer(reward_model, padding_side="right")
+        model = load_reward_model(reward_model, device=device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id)
         # trl names a model source after its config's path: the node's own (an adapter folder's model carries its
         # base's), as recipes.trl_grpo.report.reward_source_names names it.
         model.config.name_or_path = str(cfg.reward_model.name_or_path).rstrip("/")
@@ -122,19 +129,19 @@ def make_reward_funcs(cfg: DictConfig, *, device: str):
     # Without a reward model, a completion every function declines (None) gets no reward: said once, naming them.
     declined = DeclinedByEverySource(list(map(str, cfg.reward.functions))) if cfg.reward_model is None else None
     for name, node in cfg.reward.functions.items():
-        function = resolve_function(f"reward.functions.{name}.function", node.function)
+        function = resolve_function(f"reward.functions.{name}.function", node["function"])
         funcs.append(checked_reward_function(function, name=str(name), declined=declined))
         classes.append(None)
     return funcs, classes
 
 
-def make_prompt_table(cfg: DictConfig, rows: PromptRows, tokenizer) -> PromptTable:
+def make_prompt_table(cfg: TrlGRPORecipeConfig, rows: PromptRows, tokenizer) -> PromptTable:
     """The prompts as message lists, ``rollout.system_prompt`` first where set (the rollout function renders them
     with the chat template and the tools' schemas)."""
     return PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
 
 
-def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, trainer) -> RolloutStore:
+def make_rollout_store(cfg: TrlGRPORecipeConfig, run, table: PromptTable, rollout_func, trainer) -> RolloutStore:
     prompt_width = max(len(ids) for ids in rollout_func.tokenize(table.conversations, trainer))
     return RolloutStore(
         run.output_dir / ROLLOUTS_DIR,
@@ -150,7 +157,7 @@ def make_rollout_store(cfg: DictConfig, run, table: PromptTable, rollout_func, t
     )
 
 
-def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
+def make_rollout_func(cfg: TrlGRPORecipeConfig, tokenizer) -> TorchRLRolloutFunc:
     """trl's ``rollout_func``: the library's default sampler (a ``CausalLMSampler`` around the model trl trains, at
     ``rollout.generation``'s settings, which it reads from trl's ``GRPOConfig``), sampling when trl asks or one
     generation batch ahead (``rollout.mode``), in trl's process or in ``rollout.workers`` workers apart from it
@@ -183,16 +190,16 @@ def make_rollout_func(cfg: DictConfig, tokenizer) -> TorchRLRolloutFunc:
     )
 
 
-def make_eval_callback(cfg: DictConfig, trainer, run, tokenizer) -> EvalCallback | None:
+def make_eval_callback(cfg: TrlGRPORecipeConfig, trainer, run, tokenizer) -> EvalCallback | None:
     """``eval:``: the data's eval prompts (``eval.num_prompts`` of them), scored by ``eval.accuracy_source``."""
     if cfg.eval.every_n_steps is None:
         return None
-    rows = load_prompt_rows(cfg.data, "eval")
+    rows = load_prompt_rows(config_view(cfg.data), "eval")
     count = cfg.eval.num_prompts or len(rows)
     rows = PromptRows(rows.prompts[:count], {name: values[:count] for name, values in rows.columns.items()})
     table = make_prompt_table(cfg, rows, tokenizer)
     name = cfg.eval.accuracy_source or next(iter(cfg.reward.functions))
-    function = resolve_function(f"reward.functions.{name}.function", cfg.reward.functions[name].function)
+    function = resolve_function(f"reward.functions.{name}.function", cfg.reward.functions[name]["function"])
     return EvalCallback(
         trainer,
         run.logger,
@@ -205,7 +212,7 @@ def make_eval_callback(cfg: DictConfig, trainer, run, tokenizer) -> EvalCallback
     )
 
 
-def make_replay(cfg: DictConfig, tokenizer, *, group_size: int) -> GroupReplay | None:
+def make_replay(cfg: TrlGRPORecipeConfig, tokenizer, *, group_size: int) -> GroupReplay | None:
     """``rollout.replay``: the stored groups that train in tied groups' places, filled first from
     ``rollout.replay.load_from`` (another run's rollouts, checked in ``validate``)."""
     node = cfg.rollout.replay
@@ -223,11 +230,12 @@ def make_replay(cfg: DictConfig, tokenizer, *, group_size: int) -> GroupReplay |
 
 
 @resolving_tools_once()  # each MCP server of tools: listed once per run
-def train(cfg: DictConfig) -> dict:
-    """Runs (or resumes) trl's GRPO with TorchRL rollouts end to end; returns the summary written to
-    ``summary.json``."""
+def train(composed: DictConfig) -> dict:
+    """Runs (or resumes) trl's GRPO with TorchRL rollouts end to end on the ``composed`` config (Hydra's); returns the
+    summary written to ``summary.json``."""
     start = time.perf_counter()
-    cfg = validate(cfg)  # resolved; a resumed run's own settings restored
+    # Typed settings (resolved; a resumed run's own settings restored; LoRA switched on or off), and the run's record.
+    cfg, run_record = validated(composed)
     finished = finished_run_summary(cfg)
     if finished is not None:
         log.info(
@@ -239,13 +247,16 @@ def train(cfg: DictConfig) -> dict:
     seed_everything(cfg.seed)
     args = make_grpo_config(cfg)  # trl sets up the processes (under a launcher) first; start_run joins them
     resume_from = latest_trl_checkpoint(args.output_dir) if cfg.resume else None
-    before_config = functools.partial(record_resume_start, cfg) if cfg.resume else None
-    run = start_run(cfg, resume=cfg.resume, before_config=before_config)
+    # A resume records what it changes against the run's records: both sides as resolved_config.yaml holds them.
+    before_config = functools.partial(record_resume_start, run_record) if cfg.resume else None
+    # run_record: written as the run's resolved_config.yaml (secrets masked), and the logger's config.
+    run = start_run(run_record, resume=cfg.resume, before_config=before_config)
     with run, ray_connection(cfg):  # rollout.backend=ray: the cluster joined (or started) before any model loads
         args.output_dir = run.broadcast(args.output_dir)
-        tokenizer = load_tokenizer(cfg.model, padding_side="left")
-        model = load_causal_lm(cfg.model, device=args.device, dtype=cfg.dtype)
-        table = make_prompt_table(cfg, load_prompt_rows(cfg.data, "train"), tokenizer)
+        policy = config_view(cfg.model)
+        tokenizer = load_tokenizer(policy, padding_side="left")
+        model = load_causal_lm(policy, device=args.device, dtype=cfg.dtype)
+        table = make_prompt_table(cfg, load_prompt_rows(config_view(cfg.data), "train"), tokenizer)
         reward_funcs, reward_classes = make_reward_funcs(cfg, device=args.device)
         rollout_func = make_rollout_func(cfg, tokenizer)
         oracle = instantiate_function(cfg.data.oracle) if cfg.data.oracle is not None else None
@@ -271,7 +282,7 @@ def train(cfg: DictConfig) -> dict:
             trainer.add_callback(StepBar)
         guard = make_finite_guard()
         trainer.add_callback(guard)
-        trainer.add_callback(make_record_masker(masked_fields(cfg, "train")))
+        trainer.add_callback(make_record_masker(masked_fields(run_record, "train")))  # masked as the record masks them
         metrics = MetricsCallback(
             run.logger, trainer, oracle, total_steps=args.max_steps, every=max(1, args.max_steps // 6)
         )
@@ -334,7 +345,7 @@ def make_trainer(
     )
 
 
-def log_run_plan(cfg: DictConfig, args, trainer, run) -> None:
+def log_run_plan(cfg: TrlGRPORecipeConfig, args, trainer, run) -> None:
     if run.is_main:
         log.info(
             "trl GRPOTrainer with TorchRL rollouts: %s, %d steps of %d completions (groups of %d) per process, "
@@ -355,12 +366,17 @@ def log_run_plan(cfg: DictConfig, args, trainer, run) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="trl_grpo_torchrl_rollouts")
 def main(cfg: DictConfig) -> float:
-    summary = run_recipe(train, cfg, last_checkpoint=lambda cfg: latest_trl_checkpoint(str(cfg.train.output_dir)))
+    # Hydra's composed config: train() checks it; on an interruption, its trainer folder is where the checkpoints are.
+    summary = run_recipe(train, cfg, last_checkpoint=_last_checkpoint)
     if PartialState().is_main_process and "train/steps" in summary:  # a failed sweep job says so in its log instead
         print(json.dumps(summary, indent=2))
     # A resumed run reports the metric its own config names (its resolved_config.yaml), not the YAML default's.
     metric = resumed_config(cfg).metric if cfg.resume else cfg.metric
     return summary.get(metric, float("nan"))
+
+
+def _last_checkpoint(cfg: DictConfig):
+    return latest_trl_checkpoint(str(cfg.train.output_dir))
 
 
 def _trl_names():

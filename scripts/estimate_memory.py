@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import functools
 import json
 import os
@@ -111,7 +112,8 @@ def human(size: float) -> str:
 
 def compose_config(overrides: list[str]):
     """The GRPO config of ``overrides`` as the recipe would train it: composed, then through the recipe's own
-    validation (a config the recipe refuses is not estimated; LoRA is on as the command line says)."""
+    validation (a config the recipe refuses is not estimated; LoRA is on as the command line says): its typed
+    settings (``recipes.grpo.schema.GRPORecipeConfig``)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
@@ -140,7 +142,9 @@ def meta_model(node, *, kind: str, dtype: torch.dtype):
     ``largest_fitting`` estimates the same models at many batch sizes."""
     from omegaconf import OmegaConf
 
-    return _meta_model(OmegaConf.to_yaml(node), kind, dtype)
+    from recipes.common.schema import config_view
+
+    return _meta_model(OmegaConf.to_yaml(config_view(node)), kind, dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -194,8 +198,9 @@ def prompt_tokens_of(cfg) -> int:
     from recipes.common.data import load_prompts
     from recipes.common.models import load_tokenizer
     from recipes.common.prompts import PromptTable
+    from recipes.common.schema import config_view
 
-    prompts = load_prompts(cfg.data, "train")
+    prompts = load_prompts(config_view(cfg.data), "train")
     table = PromptTable(prompts, tokenizer=load_tokenizer(cfg.model, padding_side="left"))
     return max(table.rendered_lengths())
 
@@ -207,10 +212,11 @@ def eval_prompts_of(cfg, *, processes: int, prompt_tokens: int | None = None) ->
     from recipes.common.data import load_prompts
     from recipes.common.models import load_tokenizer
     from recipes.common.prompts import PromptTable
+    from recipes.common.schema import config_view
 
     if cfg.eval.every_n_steps is None:
         return None
-    prompts = load_prompts(cfg.data, "eval")
+    prompts = load_prompts(config_view(cfg.data), "eval")
     count = len(prompts) if cfg.eval.num_prompts is None else min(int(cfg.eval.num_prompts), len(prompts))
     if prompt_tokens is None:
         table = PromptTable(prompts, tokenizer=load_tokenizer(cfg.model, padding_side="left"))
@@ -308,7 +314,7 @@ def estimate(
     lora = cfg.model.lora  # null, or on: settled as the command line says
     with_lora = lora is not None
     responses_per_step = responses_per_step or cfg.rollout.responses_per_step
-    new_tokens = new_tokens or cfg.rollout.generation.max_new_tokens
+    new_tokens = new_tokens or cfg.rollout.generation["max_new_tokens"]
     mixed = cfg.train.mixed_precision == "bf16"
     compute_element = 2 if mixed else torch.finfo(dtype).bits // 8
 
@@ -428,7 +434,7 @@ def largest_fitting(
     group = cfg.rollout.group_size
     rows = []
     for factor in (1, 2, 4, 8):
-        new_tokens = cfg.rollout.generation.max_new_tokens * factor
+        new_tokens = cfg.rollout.generation["max_new_tokens"] * factor
 
         def fits(groups: int, new_tokens=new_tokens) -> bool:
             figures = estimate(
@@ -503,8 +509,8 @@ def measure_update(cfg, *, prompt_tokens: int) -> int:
     scorer = make_policy_scorer(
         policy, strategy=cfg.distributed.strategy, device=device, share_prompt=cfg.train.share_prompt
     )
-    optimizer = instantiate(cfg.optimizer)(trainable_parameters(policy))
-    new_tokens = cfg.rollout.generation.max_new_tokens
+    optimizer = instantiate(dataclasses.asdict(cfg.optimizer))(trainable_parameters(policy))
+    new_tokens = cfg.rollout.generation["max_new_tokens"]
     vocab = policy.get_output_embeddings().weight.shape[0]
     sequences = min(cfg.train.mini_batch_size, cfg.rollout.responses_per_step)
     if cfg.train.max_tokens_per_micro_batch is not None:

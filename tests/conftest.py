@@ -121,6 +121,32 @@ def compose_config():
     return _compose
 
 
+@pytest.fixture
+def compose_settings(compose_config, tmp_path):
+    """``compose_settings("grpo_torchrl_rm", ["key=value", ...])`` -> the recipe's typed settings (its schema's
+    dataclasses, resolved, LoRA settled as the command line says), as its checks build them
+    (``recipes.common.schema.checked_tree``) but without the checks that read files: what a recipe's room reads."""
+    from recipes.common.schema import checked_tree
+    from recipes.grpo.schema import GRPORecipeConfig
+    from recipes.reward.schema import RewardRecipeConfig
+    from recipes.trl_grpo.schema import TrlGRPORecipeConfig
+
+    schemas = {
+        "grpo_torchrl_rm": GRPORecipeConfig,
+        "trl_grpo_torchrl_rollouts": TrlGRPORecipeConfig,
+        "reward_trainer_from_buffer": RewardRecipeConfig,
+    }
+
+    def _settings(config_name: str, overrides: list[str] | None = None):
+        overrides = list(overrides or [])
+        if not any(override.startswith("output_dir=") for override in overrides):
+            overrides.append(f"output_dir={tmp_path}")  # a run's folder, as Hydra gives one: the schema reads it
+        cfg = compose_config(config_name, overrides)
+        return checked_tree(cfg, schemas[config_name], recipe=config_name)[1]
+
+    return _settings
+
+
 class _SessionCluster:
     """The Ray cluster the session's ``two_node_cluster`` tests share on one test worker: starting one takes 10-20 s
     on 2 cores, a check that it is idle (and a new second node where a test removed it) about 2 s."""

@@ -89,15 +89,16 @@ def validate_lora_node(lora, *, key: str) -> None:
     typed_config({"enabled": True, **values}, LoraNode, key=key)
 
 
-def validate_policy_lora(cfg: DictConfig) -> None:
-    """The LoRA checks of a recipe that trains a policy against a frozen reward model (``cfg.model``,
-    ``cfg.reward_model``), beyond its schema's: ``model.lora``'s target modules exist in the policy (read on the meta
-    device: nothing loads), and no ``reward_model.lora``, which would train nothing."""
+def validate_policy_lora(model: DictConfig, reward_model: DictConfig | None) -> None:
+    """The LoRA checks of a recipe that trains a policy (``model``) against a frozen reward model (``reward_model``),
+    beyond its schema's: ``model.lora``'s target modules exist in the policy (read on the meta device: nothing loads),
+    and no ``reward_model.lora``, which would train nothing. The nodes as DictConfigs
+    (``recipes.common.models`` merges an adapter's node with its base's)."""
     from recipes.common.models import meta_model  # models imports the checkpoint helpers; only when checking
 
-    if cfg.model.lora is not None:
-        check_lora_targets(cfg.model.lora, meta_model(cfg.model, kind="policy"), key="model.lora")
-    if cfg.reward_model is not None and cfg.reward_model.lora is not None:
+    if model.lora is not None:
+        check_lora_targets(model.lora, meta_model(model, kind="policy"), key="model.lora")
+    if reward_model is not None and reward_model.lora is not None:
         raise ConfigError(
             "reward_model.lora is set, but the reward model is frozen here: it trains no adapters. Drop it (to score "
             "with a LoRA reward model, point reward_model.name_or_path at the adapter folder the reward recipe saved)."

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.dotted_paths import function_name, resolve_function
@@ -46,14 +45,14 @@ def _call_arguments(columns: Sequence[str]) -> list[str]:
     return ["prompts", "completions", "completion_ids", *columns, "trainer_state", "log_extra", "log_metric"]
 
 
-def check_reward_functions(cfg: DictConfig, columns: Sequence[str]) -> None:
+def check_reward_functions(cfg, columns: Sequence[str]) -> None:
     """Refuses, before anything loads, a ``reward.functions`` entry that is not a ``{function, weight}`` node, whose
     function cannot be loaded, or cannot be called with what trl passes (``prompts``, ``completions``,
     ``completion_ids``, the data's ``columns``, ``trainer_state``, ``log_extra``, ``log_metric``): a parameter it
     requires that none of these provides (a column the data lacks, say) is named with the columns there are."""
     for name, node in cfg.reward.functions.items():
         setting = f"reward.functions.{name}"
-        if not isinstance(node, DictConfig) or "function" not in node:
+        if not isinstance(node, Mapping) or "function" not in node:
             raise ConfigError(
                 f"{setting}: expected {{function: <dotted path or _target_ node>, weight: <float>}}, got {node!r}."
             )
@@ -63,7 +62,7 @@ def check_reward_functions(cfg: DictConfig, columns: Sequence[str]) -> None:
         weight = node.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
             raise ConfigError(f"{setting}.weight={weight!r}: expected a finite number.")
-        function = resolve_function(f"{setting}.function", node.function)
+        function = resolve_function(f"{setting}.function", node["function"])
         try:
             signature = inspect.signature(function)
         except (TypeError, ValueError):  # a builtin or C callable: nothing to check here
@@ -79,26 +78,26 @@ def check_reward_functions(cfg: DictConfig, columns: Sequence[str]) -> None:
         missing = [parameter for parameter in required if parameter not in arguments]
         if missing:
             raise ConfigError(
-                f"{setting}.function={function_name(node.function)} requires {missing}, which trl's call does not "
+                f"{setting}.function={function_name(node['function'])} requires {missing}, which trl's call does not "
                 f"provide here: it passes prompts, completions, completion_ids, trainer_state, log_extra, "
                 f"log_metric and the data's columns {list(columns)}. Add the column to the data, or give the "
                 "parameter a default."
             )
         if not takes_any:
             raise ConfigError(
-                f"{setting}.function={function_name(node.function)} takes no **kwargs: trl passes every column and "
+                f"{setting}.function={function_name(node['function'])} takes no **kwargs: trl passes every column and "
                 "more to each reward function, so it must accept them (def f(completions, **kwargs))."
             )
     check_reward_weights(cfg)
 
 
-def check_reward_weights(cfg: DictConfig) -> None:
+def check_reward_weights(cfg) -> None:
     """Every reward source weighted 0 makes every reward 0: every group ties, every advantage is 0, nothing trains."""
-    scored_by_model = OmegaConf.select(cfg, "reward_model") is not None
+    scored_by_model = getattr(cfg, "reward_model", None) is not None
     weights = {"reward.model_weight": cfg.reward.model_weight} if scored_by_model else {}
     for group in ("functions", "terms"):
-        for name, node in (cfg.reward.get(group) or {}).items():
-            weights[f"reward.{group}.{name}.weight"] = node.get("weight", 1.0) if isinstance(node, DictConfig) else 1.0
+        for name, node in (getattr(cfg.reward, group, None) or {}).items():
+            weights[f"reward.{group}.{name}.weight"] = node.get("weight", 1.0) if isinstance(node, Mapping) else 1.0
     if weights and all(weight == 0 for weight in weights.values()):
         shown = ", ".join(f"{key}={weight}" for key, weight in weights.items())
         raise ConfigError(

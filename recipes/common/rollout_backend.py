@@ -10,7 +10,10 @@ honours and refuses); the checks read its rows, never a backend's name:
 - ``ray``: ``rollout.workers`` Ray actors, each taking ``rollout.worker_resources``, on the cluster at ``ray.address``
   (null: a local cluster this run starts, and stops).
 
-Dependencies: omegaconf; ``ray`` for the Ray backend (the ``ray`` extra).
+Each function takes a recipe's settings as its typed tree (its schema's dataclasses) or as a composed ``DictConfig``:
+it reads them by attribute alone.
+
+Dependencies: ``ray`` for the Ray backend (the ``ray`` extra).
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
-
-from omegaconf import DictConfig
 
 from recipes.common.config import ConfigError
 
@@ -94,7 +95,7 @@ def _apart() -> str:
     return " or ".join(name for name, backend in ROLLOUT_BACKENDS.items() if backend.apart_from_learner)
 
 
-def backend_of(cfg: DictConfig) -> str:
+def backend_of(cfg) -> str:
     """``rollout.backend``, its ``null`` read as the mode's default: the learner in sync mode, one local process in
     async mode (what ``rollout.mode=async`` has always meant)."""
     backend = cfg.rollout.backend
@@ -103,12 +104,12 @@ def backend_of(cfg: DictConfig) -> str:
     return str(backend)
 
 
-def samples_apart(cfg: DictConfig) -> bool:
+def samples_apart(cfg) -> bool:
     """Whether ``cfg``'s backend samples apart from the learner's process (its row's ``apart_from_learner``)."""
     return ROLLOUT_BACKENDS[backend_of(cfg)].apart_from_learner
 
 
-def worker_resources(cfg: DictConfig):
+def worker_resources(cfg):
     """``rollout.worker_resources`` as ``interop.sampling.workers.WorkerResources``."""
     from interop.sampling.workers import WorkerResources
 
@@ -120,7 +121,7 @@ def worker_resources(cfg: DictConfig):
     )
 
 
-def check_rollout_backend(cfg: DictConfig, *, workers_per_process: bool = False) -> None:
+def check_rollout_backend(cfg, *, workers_per_process: bool = False) -> None:
     """What the backend cannot do with the rest of the config, refused naming the keys (no Ray is started here).
 
     ``workers_per_process``: the recipe gives every process of a launcher its own local workers (the GRPO recipe, whose
@@ -173,7 +174,7 @@ def check_rollout_backend(cfg: DictConfig, *, workers_per_process: bool = False)
         )
 
 
-def _check_weight_push(cfg: DictConfig, backend: str) -> None:
+def _check_weight_push(cfg, backend: str) -> None:
     """``rollout.weight_sync_every`` and ``rollout.sampler_dtype``: what a copy of the policy apart from the learner
     takes, refused with the learner (it samples with the weights it trains) and beyond the lag bound."""
     every, sampler_dtype = cfg.rollout.weight_sync_every, cfg.rollout.sampler_dtype
@@ -207,7 +208,7 @@ def _check_weight_push(cfg: DictConfig, backend: str) -> None:
 
 
 @contextlib.contextmanager
-def ray_connection(cfg: DictConfig) -> Iterator[None]:
+def ray_connection(cfg) -> Iterator[None]:
     """With ``rollout.backend=ray``: joined to (or started) the cluster of ``ray:``, with room checked for
     ``rollout.workers`` workers, for the run's duration; a cluster this run started is stopped at the end, a joined
     one left running. Other backends: nothing."""

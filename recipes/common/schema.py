@@ -17,7 +17,8 @@ naming the key and the fix:
 A schema is a dataclass whose fields carry types (``int``, ``float``, ``bool``, ``str``, ``None``, ``Literal[...]``,
 ``list[...]``, unions, nested dataclasses) and, through ``typing.Annotated``, a :class:`Range`, a :class:`Hint` (the
 message a refusal gives instead of the generic one), an :data:`OPEN` mapping (its keys are the user's:
-``reward.terms``, trl's ``train:`` node) or a :class:`Variant` (a node whose fields depend on one of them, as
+``reward.terms``, trl's ``train:`` node), an :data:`ENTRIES` field (a node's keys beside its settings, the user's:
+``tools:``, :class:`ToolsNode`) or a :class:`Variant` (a node whose fields depend on one of them, as
 ``data.source``). The dataclasses hold no defaults (those are the YAML's): a node is built from a config, and the
 code that reads it reads typed values (``recipes.grpo.loss`` reads the ``Loss`` node). Modules that still need a list
 of choices take it from the schema's ``Literal`` (``typing.get_args``).
@@ -61,6 +62,7 @@ __all__ = [
     "CalculatorData",
     "DType",
     "DataNode",
+    "ENTRIES",
     "FileData",
     "HFData",
     "Hint",
@@ -71,6 +73,7 @@ __all__ = [
     "NumThreads",
     "Range",
     "SyntheticData",
+    "ToolsNode",
     "TrainerNode",
     "Variant",
     "RayNode",
@@ -139,6 +142,19 @@ class _Open:
 
 
 OPEN = _Open()
+
+
+class _Entries:
+    """Marks the one field of a node that holds the node's other keys: the user's own entries beside its settings
+    (``tools:``: ``timeout_s`` and ``max_result_tokens``, then one entry per tool). Its keys are not the node's fields:
+    every key the node's other fields do not name is an entry, checked against the value type; the built field is a
+    plain dict of them."""
+
+    def __repr__(self) -> str:
+        return "ENTRIES"
+
+
+ENTRIES = _Entries()
 
 
 @dataclass(frozen=True)
@@ -417,7 +433,8 @@ def config_view(node: Any) -> DictConfig:
     """A typed node (a schema dataclass :func:`typed_config` built) as a read-only ``DictConfig`` of the same values,
     for the shared helpers that need one rather than attribute reads: ``recipes.common.models`` merges a model node
     with OmegaConf (an adapter's base node), which a dataclass with a union field (``LoraNode.target_modules``) cannot
-    go through; ``recipes.common.data`` reads a data node's columns by name (``data[key]``, ``data.get``).
+    go through; ``recipes.common.data`` reads a data node's columns by name (``data[key]``, ``data.get``). A node
+    that is a ``DictConfig`` already (a composed config's, as scripts and tests hand the helpers) is returned as it is.
 
     Examples:
         >>> @dataclass
@@ -428,6 +445,8 @@ def config_view(node: Any) -> DictConfig:
         >>> view["prompt_column"], view.source
         ('prompt', 'file')
     """
+    if isinstance(node, DictConfig):
+        return node
     view = OmegaConf.create(dataclasses.asdict(node))
     OmegaConf.set_struct(view, True)  # as the checked config: a key it lacks raises
     OmegaConf.set_readonly(view, True)  # a view: what a helper changed would not reach the typed tree
@@ -489,8 +508,11 @@ def _check_node(value: Any, schema: type, key: str, recipe: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected a mapping of settings ({', '.join(_field_names(schema))}).")
     hints = typing.get_type_hints(schema, include_extras=True)
     known = _field_names(schema)
+    entries = _entries_field(schema)
     for name in value:
-        if name not in known:
+        if name not in known and entries is not None:
+            _check(value[name], _entry_type(hints[entries]), _join(key, str(name)), recipe)
+        elif name not in known:
             full = _join(key, str(name))
             nearest = [_join(key, n) for n in difflib.get_close_matches(str(name), known, n=3, cutoff=0.5)]
             message, settings = _unknown_key_message(full, nearest, known, key, recipe)
@@ -664,7 +686,22 @@ def _describe(expected: Any) -> str:
 
 
 def _field_names(schema: type) -> list[str]:
-    return [field.name for field in dataclasses.fields(schema)]
+    """The keys a node of ``schema`` has: its fields, less the one holding its :data:`ENTRIES`."""
+    entries = _entries_field(schema)
+    return [field.name for field in dataclasses.fields(schema) if field.name != entries]
+
+
+def _entries_field(schema: type) -> str | None:
+    """The field of ``schema`` marked :data:`ENTRIES`, if it has one."""
+    hints = typing.get_type_hints(schema, include_extras=True)
+    marked = [field.name for field in dataclasses.fields(schema) if ENTRIES in _unwrap(hints[field.name])[1]]
+    return marked[0] if marked else None
+
+
+def _entry_type(expected: Any) -> Any:
+    """The value type of an :data:`ENTRIES` field's mapping (``dict[str, Any]``: ``Any``)."""
+    args = typing.get_args(_unwrap(expected)[0])
+    return args[1] if len(args) == 2 else Any
 
 
 def _join(prefix: str, name: str) -> str:
@@ -710,6 +747,12 @@ def _build_node(values: Mapping, schema: type, key: str) -> Any:
     hints = typing.get_type_hints(schema, include_extras=True)
     names = _field_names(schema)
     fields = {name: _build(values[name], hints[name], _join(key, name)) for name in names}
+    entries = _entries_field(schema)
+    if entries is not None:
+        item_type = _entry_type(hints[entries])
+        fields[entries] = {
+            name: _build(value, item_type, _join(key, str(name))) for name, value in values.items() if name not in names
+        }
     try:
         return schema(**fields)
     except ConfigError:
@@ -865,6 +908,18 @@ class WandbLogger:
 LoggerNode = Annotated[dict, Variant("kind", {"none": _NoLogger, "csv": _NoLogger, "wandb": WandbLogger})]
 
 
+@dataclass
+class ToolsNode:
+    """``tools:`` of both GRPO recipes: the settings of every tool, then the user's entries, one per tool or tool
+    source (``<name>: {function}``, ``<label>: {torchrl}``, ``<label>: {mcp}``), which ``recipes.common.tools``
+    resolves and checks. The settings' ranges are the runner's (``interop.tools.ToolRunner.check_settings``, which
+    ``recipes.common.tools`` calls naming the key); here, their types, kept as written (``timeout_s=10`` stays 10)."""
+
+    timeout_s: int | float  # a call running longer is stopped, its worker killed
+    max_result_tokens: int | None  # a longer result is cut to this many tokens; null: no cut
+    entries: Annotated[dict[str, Any], ENTRIES]
+
+
 # ------------------------------------------------------------------------------------------------ trl's configs
 
 
@@ -982,8 +1037,9 @@ class WorkerResourcesNode:
     """What one Ray sampling worker takes (``rollout.worker_resources``, as
     ``interop.sampling.workers.WorkerResources``)."""
 
-    num_cpus: Annotated[float, Range(ge=0)]
-    num_gpus: Annotated[float, Range(ge=0)]
+    # Numbers kept as written (num_gpus=1 stays 1): a refusal quotes the user's value; WorkerResources takes floats.
+    num_cpus: Annotated[int | float, Range(ge=0)]
+    num_gpus: Annotated[int | float, Range(ge=0)]
     # A custom resource name -> amount, e.g. {sampler: 1} for nodes started with --resources='{"sampler": 4}'.
     resources: Annotated[dict[str, Any], OPEN]
 

@@ -26,6 +26,9 @@ the settings of every tool:
           servers:
             calc: {command: python, args: [calculator_server.py], env: {API_KEY: "${oc.env:CALC_KEY}"}}
 
+Each function takes the node as a recipe's typed settings hold it (``recipes.common.schema.ToolsNode``) or as a
+mapping.
+
 - :func:`tool_entries`: the ``<name>: {function: ...}``, ``<label>: {torchrl: ...}`` and ``<label>: {mcp: ...}``
   entries of the node (its settings left out).
 - :func:`resolve_tools`: the :class:`interop.tools.ToolSet` the node names (``None`` without tools); every refusal is
@@ -61,6 +64,7 @@ from interop.errors import SettingError
 from interop.tools import ToolCallFormat, ToolRunner, ToolSet
 from recipes.common.config import ConfigError, setting_message
 from recipes.common.dotted_paths import function_name, import_from_the_working_folder, resolve_function
+from recipes.common.schema import ToolsNode
 
 __all__ = [
     "SETTINGS",
@@ -79,22 +83,36 @@ log = logging.getLogger(__name__)
 SETTINGS = ("timeout_s", "max_result_tokens")
 
 
-def tool_entries(tools: Mapping | None) -> dict[str, object]:
+# The tools: node as a recipe's typed settings hold it (recipes.common.schema.ToolsNode: its settings, and its entries
+# apart), or as written (a mapping: the settings beside the entries).
+Tools = ToolsNode | Mapping
+
+
+def tool_entries(tools: Tools | None) -> dict[str, object]:
     """``name -> node`` for each tool or TorchRL piece of the ``tools:`` node (its :data:`SETTINGS` left out)."""
+    if isinstance(tools, ToolsNode):
+        return dict(tools.entries)
     if not tools:
         return {}
     return {str(name): node for name, node in tools.items() if name not in SETTINGS}
 
 
-def _check_settings(tools: Mapping) -> None:
+def _setting(tools: Tools, name: str):
+    """One of the node's :data:`SETTINGS` (``None`` where a mapping lacks it: the runner's check names it)."""
+    return getattr(tools, name) if isinstance(tools, ToolsNode) else tools.get(name)
+
+
+def _check_settings(tools: Tools) -> None:
     """``tools.timeout_s`` and ``tools.max_result_tokens``, checked by the runner that takes them."""
     try:
-        ToolRunner.check_settings(timeout_s=tools.get("timeout_s"), max_result_tokens=tools.get("max_result_tokens"))
+        ToolRunner.check_settings(
+            timeout_s=_setting(tools, "timeout_s"), max_result_tokens=_setting(tools, "max_result_tokens")
+        )
     except SettingError as error:
         raise ConfigError(setting_message(error, "tools")) from None
 
 
-def resolve_tools(tools: Mapping | None) -> ToolSet | None:
+def resolve_tools(tools: Tools | None) -> ToolSet | None:
     """The tools ``tools:`` names, checked as trl checks them, or ``None`` when it names none.
 
     Raises:
@@ -104,7 +122,7 @@ def resolve_tools(tools: Mapping | None) -> ToolSet | None:
     return None if resolved is None else resolved[0]
 
 
-def resolve_call_format(tools: Mapping | None):
+def resolve_call_format(tools: Tools | None):
     """The call format the model's turns are read with: ``None`` for Qwen2.5's ``<tool_call>`` JSON (the default,
     what chat templates render), else the TorchRL pieces' formats (with Qwen2.5's too when functions are named)."""
     resolved = _resolve(tools)
@@ -118,7 +136,7 @@ def resolve_call_format(tools: Mapping | None):
     return formats[0] if len(formats) == 1 else CombinedCallFormat(tuple(formats))
 
 
-def _resolve(tools: Mapping | None) -> tuple[ToolSet, list] | None:
+def _resolve(tools: Tools | None) -> tuple[ToolSet, list] | None:
     entries = tool_entries(tools)
     if not entries:
         return None
@@ -380,11 +398,11 @@ TOOL_KINDS: dict[str, ToolKind] = {
 }
 
 
-def make_tool_runner(tools: Mapping, tool_set: ToolSet, *, tokenizer) -> ToolRunner:
+def make_tool_runner(tools: Tools, tool_set: ToolSet, *, tokenizer) -> ToolRunner:
     """The runner of ``tool_set`` at the node's settings, cutting results with the policy's ``tokenizer``."""
     return ToolRunner(
         tool_set,
-        timeout_s=float(tools["timeout_s"]),
-        max_result_tokens=tools.get("max_result_tokens"),
+        timeout_s=float(_setting(tools, "timeout_s")),
+        max_result_tokens=_setting(tools, "max_result_tokens"),
         tokenizer=tokenizer,
     )

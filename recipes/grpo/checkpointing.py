@@ -18,6 +18,7 @@ resume in ``resumes.jsonl``, :func:`truncate_metrics_csv` drops the rows logged 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import json
 import random
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recipes.common.checkpoint import (
     MERGED_MODEL_FOLDER,
@@ -54,6 +55,8 @@ from recipes.common.resume import (
 )
 from recipes.common.resume import resume_changes as common_resume_changes
 from recipes.common.resume import resumed_config as common_resumed_config
+from recipes.common.schema import ModelNode
+from recipes.grpo.schema import GRPORecipeConfig
 
 __all__ = [
     "REFERENCE_FOLDER",
@@ -140,14 +143,15 @@ class TrainingProgress:
             setattr(self, name, state.get(name, []) if name == "evaluations" else state[name])
 
 
-def checkpoint_root(cfg: DictConfig) -> Path:
-    """Where a GRPO run keeps its checkpoints: ``<output_dir>/checkpoints``."""
+def checkpoint_root(cfg: GRPORecipeConfig | DictConfig) -> Path:
+    """Where a GRPO run keeps its checkpoints: ``<output_dir>/checkpoints`` (of the typed settings, or of a composed
+    config: a resume finds its checkpoints before the settings are checked)."""
     return Path(cfg.output_dir) / "checkpoints"
 
 
-def checkpoint_policy_node(cfg: DictConfig, checkpoint: Path) -> DictConfig:
+def checkpoint_policy_node(cfg: GRPORecipeConfig, checkpoint: Path) -> ModelNode:
     """The model node of the policy a checkpoint saved (weights and tokenizer in its model folder)."""
-    return OmegaConf.merge(cfg.model, {"name_or_path": str(checkpoint / MODEL_FOLDER), "tokenizer_name_or_path": None})
+    return dataclasses.replace(cfg.model, name_or_path=str(checkpoint / MODEL_FOLDER), tokenizer_name_or_path=None)
 
 
 def save_merged_model_folder(model, tokenizer, folder) -> None:
@@ -288,7 +292,7 @@ def resume_changes(cfg: DictConfig) -> dict:
     return common_resume_changes(cfg, free_keys=RESUME_FREE_KEYS)
 
 
-def finished_run_summary(cfg: DictConfig) -> dict | None:
+def finished_run_summary(cfg: GRPORecipeConfig) -> dict | None:
     """With ``resume=true`` in a run that already reached ``train.steps``: its ``summary.json``; else None."""
     checkpoints = list_checkpoints(checkpoint_root(cfg)) if cfg.resume else []
     summary = Path(cfg.output_dir) / "summary.json"

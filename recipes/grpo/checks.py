@@ -5,17 +5,24 @@ and what to change.
 The range, the choices and the rules within one node of every key are the schema's (``recipes.grpo.schema``); here are
 the rules across nodes, and what needs the files (models, checkpoints, the run folder) or the machine.
 
+The run reads the typed settings these checks build (``GRPORecipeConfig``: :func:`validate`); the resolved
+``DictConfig`` stays beside them as the run's record only (:func:`validated`): what ``resolved_config.yaml`` and the
+logger get (secrets masked), what a resume compares with the run it continues, the paths a run reads.
+
 Dependencies: torch, omegaconf, transformers (``AutoConfig``), and the recipe's own modules.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recipes.common.checkpoint import (
     MODEL_FOLDER,
@@ -32,7 +39,7 @@ from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
 from recipes.common.rollout_backend import backend_of, check_rollout_backend, samples_apart
 from recipes.common.run_folder import check_output_folder, check_writable, input_paths
-from recipes.common.schema import checked_config
+from recipes.common.schema import checked_tree, config_view
 from recipes.common.tools import resolve_tools
 from recipes.grpo.checkpointing import (
     checkpoint_policy_node,
@@ -45,26 +52,51 @@ from recipes.grpo.evaluation import check_eval_settings
 from recipes.grpo.report import summary_keys
 from recipes.grpo.rewards import check_reward_keys, check_reward_sources, reward_prompt_lengths
 from recipes.grpo.rollout_envs import ROLLOUT_ENVS
-from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig
+from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig, Rollout
 
-__all__ = ["check_prompt_lengths", "validate"]
+__all__ = ["ValidatedRun", "check_prompt_lengths", "validate", "validated"]
 
 log = logging.getLogger(__name__)
 
 
-def validate(cfg: DictConfig) -> DictConfig:
-    """Every check that needs nothing loaded; each message says what to change. Returns the config the run trains
-    with: resolved once (every later reader, the background collector included, sees the same values), the run's own
-    config under a resumed run's command line (``recipes.grpo.checkpointing.resumed_config``), LoRA on or off as the
-    command line says (``recipes.common.lora.settle_lora_node``)."""
+class ValidatedRun(NamedTuple):
+    """A config that passed every check: the typed settings the run reads, and the resolved config they were built
+    from, which stays the run's record only (``resolved_config.yaml`` and the logger's config, secrets masked:
+    ``recipes.common.run.start_run``; what a resume changes: ``record_resume_changes`` in the recipe)."""
+
+    settings: GRPORecipeConfig
+    run_record: DictConfig
+
+
+def validate(cfg: DictConfig) -> GRPORecipeConfig:
+    """Every check that needs nothing loaded; each message says what to change. Returns the typed settings the run
+    trains with: resolved once (every later reader, the background collector included, sees the same values), the
+    run's own config under a resumed run's command line (``recipes.grpo.checkpointing.resumed_config``), LoRA on or off
+    as the command line says (``recipes.common.lora.settle_lora_node``)."""
+    return validated(cfg).settings
+
+
+def validated(cfg: DictConfig) -> ValidatedRun:
+    """:func:`validate`'s checks; returns the typed settings and the resolved config beside them (the run's record)."""
     if cfg.resume:
         cfg = resumed_config(cfg)
-    cfg = checked_config(cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED, aliases=TRL_NAMES)
-    _validate_settings(cfg)
-    return cfg
+    run_record, settings = checked_tree(
+        cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED, aliases=TRL_NAMES
+    )
+    _validate_settings(
+        settings,
+        # input_paths reads every recipe's optional path keys with OmegaConf.select: the record holds them all.
+        inputs=input_paths(run_record),
+        # A resume compares the run's records: both sides as resolved_config.yaml holds them (secrets masked).
+        changes=functools.partial(resume_changes, run_record),
+    )
+    return ValidatedRun(settings, run_record)
 
 
-def _validate_settings(cfg: DictConfig) -> None:
+def _validate_settings(cfg: GRPORecipeConfig, *, inputs: dict[str, str | None], changes: Callable[[], dict]) -> None:
+    # recipes.common.models merges a model node with OmegaConf (an adapter's base): it reads a DictConfig view.
+    model = config_view(cfg.model)
+    reward_model = config_view(cfg.reward_model) if cfg.reward_model is not None else None
     _validate_batches(cfg)
     _validate_backend(cfg)
     _validate_memory(cfg)
@@ -76,29 +108,29 @@ def _validate_settings(cfg: DictConfig) -> None:
     _validate_algorithm(cfg)
     check_run_settings(cfg)
     _validate_distributed(cfg)
-    validate_model_node(cfg.model, key="model", kind="policy")
-    if cfg.reward_model is not None:
-        validate_model_node(cfg.reward_model, key="reward_model", kind="reward_model")
+    validate_model_node(model, key="model", kind="policy")
+    if reward_model is not None:
+        validate_model_node(reward_model, key="reward_model", kind="reward_model")
     _validate_lora(cfg)
-    check_tokenizer_fits_model(cfg.model, key="model")
-    if cfg.reward_model is not None:
-        check_tokenizer_fits_model(cfg.reward_model, key="reward_model")
+    check_tokenizer_fits_model(model, key="model")
+    if reward_model is not None:
+        check_tokenizer_fits_model(reward_model, key="reward_model")
     if cfg.data.source == "file" and not Path(str(cfg.data.path)).expanduser().exists():
         raise ConfigError(
             f"data.path={str(cfg.data.path)!r}: no such file. Point it at a .jsonl/.json/.parquet/.csv file with a "
             f"{cfg.data.prompt_column!r} column of prompts."
         )
-    check_output_folder(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, inputs=input_paths(cfg))
+    check_output_folder(cfg.output_dir, resume=cfg.resume, overwrite=cfg.overwrite, inputs=inputs)
     if checkpoint_root(cfg).exists():  # a new one is made in the output folder, just checked
         check_writable(
             checkpoint_root(cfg),
             what="the run's checkpoints folder",
             fix="fix its permissions, or run in another folder",
         )
-    _validate_resume(cfg)
+    _validate_resume(cfg, changes)
 
 
-def _validate_tools(cfg: DictConfig) -> None:
+def _validate_tools(cfg: GRPORecipeConfig) -> None:
     """The ``tools:`` node (each tool importable, callable, typed and documented: ``recipes.common.tools``) and what
     a tool-calling rollout cannot combine with."""
     if resolve_tools(cfg.tools) is None:
@@ -123,7 +155,7 @@ def _validate_tools(cfg: DictConfig) -> None:
         )
 
 
-def _validate_rewards(cfg: DictConfig) -> None:
+def _validate_rewards(cfg: GRPORecipeConfig) -> None:
     """The reward sources: at least one, distinct names, the keys every source reads; the trl functions themselves are
     checked once the data's columns are known (:func:`check_prompt_lengths`)."""
     check_reward_sources(cfg)
@@ -136,7 +168,7 @@ def _validate_rewards(cfg: DictConfig) -> None:
     check_reward_keys(cfg)
 
 
-def _validate_batches(cfg: DictConfig) -> None:
+def _validate_batches(cfg: GRPORecipeConfig) -> None:
     """How a step's responses split into mini-batches and optimizer steps (the group layout is ``rollout:``'s own)."""
     per_step, mini = cfg.rollout.responses_per_step, cfg.train.mini_batch_size
     if per_step % mini:
@@ -154,7 +186,7 @@ def _validate_batches(cfg: DictConfig) -> None:
         )
 
 
-def _validate_backend(cfg: DictConfig) -> None:
+def _validate_backend(cfg: GRPORecipeConfig) -> None:
     """Where the batches are sampled (``rollout.backend``, ``rollout.workers``, ``ray:``): the keys' shared checks,
     then what this recipe's collectors need: whole groups for every worker, and a collector that runs apart."""
     check_rollout_backend(cfg, workers_per_process=True)
@@ -184,16 +216,9 @@ def _validate_backend(cfg: DictConfig) -> None:
         )
 
 
-def _validate_algorithm(cfg: DictConfig) -> None:
+def _validate_algorithm(cfg: GRPORecipeConfig) -> None:
     """What the loss, the advantage and the rollout cannot combine, with the reason."""
-    loss = cfg.loss
-    if loss.type == "cispo" and loss.clip_epsilon_high is None and not OmegaConf.is_list(loss.clip_epsilon):
-        log.warning(
-            "loss.type=cispo clamps the importance ratio itself at loss.clip_epsilon_high, which is null: it takes "
-            "loss.clip_epsilon=%s, as trl does, and clamps every ratio below 1. Set loss.clip_epsilon_high (1.28 "
-            "learns the tiny task; ScaleRL's 4 collapsed it at step 29).",
-            loss.clip_epsilon,
-        )
+    loss = cfg.loss  # its warning on cispo without clip_epsilon_high is the node's own (recipes.grpo.schema.Loss)
     if loss.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError(
             "loss.sync_ref_model=true with model.lora: the reference is the base model with the adapters switched off, "
@@ -224,7 +249,7 @@ def _validate_algorithm(cfg: DictConfig) -> None:
         )
 
 
-def _validate_reporting(cfg: DictConfig) -> None:
+def _validate_reporting(cfg: GRPORecipeConfig) -> None:
     """The metric main() returns must be one the run writes."""
     metric = str(cfg.metric)
     known = summary_keys(cfg)
@@ -237,8 +262,10 @@ def _validate_reporting(cfg: DictConfig) -> None:
         )
 
 
-def _validate_lora(cfg: DictConfig) -> None:
-    validate_policy_lora(cfg)
+def _validate_lora(cfg: GRPORecipeConfig) -> None:
+    validate_policy_lora(
+        config_view(cfg.model), config_view(cfg.reward_model) if cfg.reward_model is not None else None
+    )
     if cfg.checkpoint.save_merged and cfg.model.lora is None:
         raise ConfigError(
             "checkpoint.save_merged=true merges LoRA adapters into a full model, but model.lora is null: the "
@@ -246,7 +273,7 @@ def _validate_lora(cfg: DictConfig) -> None:
         )
 
 
-def _validate_memory(cfg: DictConfig) -> None:
+def _validate_memory(cfg: GRPORecipeConfig) -> None:
     if cfg.train.mixed_precision == "bf16" and cfg.dtype != "float32":
         raise ConfigError(
             f"train.mixed_precision=bf16 with dtype={cfg.dtype}: bf16 autocast is for float32 weights (the optimizer "
@@ -256,7 +283,9 @@ def _validate_memory(cfg: DictConfig) -> None:
         )
 
 
-def _validate_resume(cfg: DictConfig) -> None:
+def _validate_resume(cfg: GRPORecipeConfig, changes: Callable[[], dict]) -> None:
+    """A resumed run continues a whole checkpoint, before train.steps, with the run's own settings (``changes()``:
+    what this resume changes, read from the run's records; those not named in resume_allow_changes are refused)."""
     if cfg.resume and latest_checkpoint(checkpoint_root(cfg)) is None:
         raise ConfigError(
             f"resume=true but {checkpoint_root(cfg)} holds no checkpoint. Point the run at the folder of the run to "
@@ -283,11 +312,11 @@ def _validate_resume(cfg: DictConfig) -> None:
                 f"train.steps={cfg.train.steps} is below the step of the checkpoint to resume ({step}, {checkpoint}): "
                 f"the run is past it. Pass train.steps >= {step} to continue it, or start a new run in another folder."
             )
-        validate_model_node(checkpoint_policy_node(cfg, checkpoint), key="model", kind="policy")
-        check_resume_changes(resume_changes(cfg), allowed=cfg.resume_allow_changes)
+        validate_model_node(config_view(checkpoint_policy_node(cfg, checkpoint)), key="model", kind="policy")
+        check_resume_changes(changes(), allowed=cfg.resume_allow_changes)
 
 
-def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
+def check_prompt_lengths(cfg: GRPORecipeConfig, prompts) -> None:
     """Prompts the models cannot read whole: refused when the policy's positions cannot hold the rendered prompt plus
     ``max_new_tokens``; warned (refused if every prompt) when ``reward.max_length`` cuts the reward model's input
     before the response starts, where every response to the prompt gets the same reward. The trl reward functions
@@ -295,14 +324,15 @@ def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
     only, no model.
     """
 
-    tokenizer = load_tokenizer(cfg.model, padding_side="left")
+    model = config_view(cfg.model)
+    tokenizer = load_tokenizer(model, padding_side="left")
     check_tool_template(cfg, tokenizer)
     table = make_prompt_table(cfg, prompts, tokenizer)  # with the tools' schemas, as the policy reads them
     lengths = torch.tensor(table.rendered_lengths())
     check_prompts_fit_policy(
         lengths,
-        cfg.model,
-        max_new_tokens=cfg.rollout.generation.max_new_tokens,
+        model,
+        max_new_tokens=cfg.rollout.generation["max_new_tokens"],
         max_new_tokens_key="rollout.generation.max_new_tokens",
     )
     check_reward_functions(cfg, columns=list(table.columns))
@@ -324,14 +354,14 @@ def check_prompt_lengths(cfg: DictConfig, prompts) -> None:
     log.warning(message)
 
 
-def _validate_generation(rollout: DictConfig) -> None:
+def _validate_generation(rollout: Rollout) -> None:
     """``rollout.generation`` is open: its keys and values are those of the sampler ``rollout.env`` picks."""
     check_generation_settings(rollout.generation, env=rollout.env)
     if ROLLOUT_ENVS[rollout.env].takes_sampler_settings:
         sampler_settings(rollout.generation)
 
 
-def _validate_distributed(cfg: DictConfig) -> None:
+def _validate_distributed(cfg: GRPORecipeConfig) -> None:
     backend = cfg.distributed.backend
     on_cuda = str(cfg.device).startswith("cuda")
     if backend == "nccl" and not on_cuda:
@@ -352,7 +382,7 @@ def _validate_distributed(cfg: DictConfig) -> None:
         )
 
 
-def _validate_strategy(cfg: DictConfig) -> None:
+def _validate_strategy(cfg: GRPORecipeConfig) -> None:
     if cfg.distributed.strategy != "fsdp":
         return
     # Outside torchrun (or with one process) there is nothing to shard over: the run trains as with ddp.

@@ -27,7 +27,6 @@ import functools
 from collections.abc import Mapping
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from torchrl.collectors import Collector
 from torchrl.collectors.llm import LLMCollector
@@ -42,12 +41,13 @@ from recipes.common.chat import (
     make_prompt_dataloader,
     pad_rollout,
 )
-from recipes.common.config import ConfigError, run_config
+from recipes.common.config import ConfigError
 from recipes.common.data import PromptRows, load_prompt_rows
 from recipes.common.models import load_tokenizer
 from recipes.common.prompts import PromptTable
 from recipes.common.rollout_backend import backend_of, samples_apart, worker_resources
 from recipes.common.sampling import sampler_settings as common_sampler_settings
+from recipes.common.schema import config_view
 from recipes.common.tools import make_tool_runner, resolve_call_format, resolve_tools, resolving_tools_once
 from recipes.grpo.batch import (
     BATCH_KEYS,
@@ -67,6 +67,7 @@ from recipes.grpo.policy import load_policy
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import load_reward_scorer, make_reward_transform
 from recipes.grpo.rollout_envs import ROLLOUT_ENVS
+from recipes.grpo.schema import GRPORecipeConfig
 
 __all__ = [
     "build_prompt_collector",
@@ -119,7 +120,7 @@ def sampler_settings(generation: Mapping, *, key: str = "rollout.generation", ch
     return common_sampler_settings(generation, key=key, check_only=check_only, elsewhere=_CHAT_TAKES_ANY)
 
 
-def make_prompt_table(cfg: DictConfig, prompts: PromptRows, tokenizer) -> PromptTable:
+def make_prompt_table(cfg: GRPORecipeConfig, prompts: PromptRows, tokenizer) -> PromptTable:
     """The prompts as the policy reads them: its chat template, the system prompt, and the tools' schemas when
     ``tools:`` names tools (as trl renders a tool-calling run's prompts)."""
     tools = resolve_tools(cfg.tools)
@@ -131,7 +132,7 @@ def make_prompt_table(cfg: DictConfig, prompts: PromptRows, tokenizer) -> Prompt
     )
 
 
-def check_tool_template(cfg: DictConfig, tokenizer) -> None:
+def check_tool_template(cfg: GRPORecipeConfig, tokenizer) -> None:
     """Refuses, before the policy loads, a tokenizer whose chat template cannot carry tool dialogs token by token
     (``interop.tools.dialog_policy.DialogPolicy``'s checks, run on the tokenizer alone: no model, no tool worker
     started)."""
@@ -155,7 +156,7 @@ def check_tool_template(cfg: DictConfig, tokenizer) -> None:
         ) from None
 
 
-def make_sampling_policy(cfg: DictConfig, model, tokenizer, *, generation: Mapping, key: str):
+def make_sampling_policy(cfg: GRPORecipeConfig, model, tokenizer, *, generation: Mapping, key: str):
     """The policy module that answers a ``PromptEnv``'s prompts: ``interop.CausalLMSampler`` (one response each), or,
     when ``tools:`` names tools, ``interop.tools.dialog_policy.DialogPolicy`` (multi-turn dialogs, up to
     ``rollout.max_turns`` turns, calls answered by a ToolRunner of its own, in a worker process). ``generation``'s
@@ -193,7 +194,7 @@ def _stream_start(start_step: int, *, prompts_per_batch: int, num_replicas: int)
 
 
 def _prompt_collector(
-    cfg: DictConfig,
+    cfg: GRPORecipeConfig,
     prompts: PromptRows,
     *,
     policy_model,
@@ -242,12 +243,12 @@ def _prompt_collector(
 
 @resolving_tools_once()  # this sampling process lists each MCP server of tools: once
 def build_prompt_collector(
-    config: Mapping, *, start_step: int, num_replicas: int, rank: int, workers: int = 1, worker: int = 0
+    cfg: GRPORecipeConfig, *, start_step: int, num_replicas: int, rank: int, workers: int = 1, worker: int = 0
 ) -> tuple[Collector, CausalLMSampler | DialogPolicy]:
     """Loads the models a ``rollout.env=prompt`` collector needs and builds it: what a background collector runs.
 
     Args:
-        config: the recipe config as a plain, resolved mapping (picklable, no Hydra state needed).
+        cfg: the run's typed settings (dataclasses: picklable, resolved, no Hydra state needed).
 
     Keyword Args:
         start_step: the steps done before its first batch (where its prompt stream starts).
@@ -257,12 +258,11 @@ def build_prompt_collector(
             ``num_replicas * workers`` that deal out the prompt stream, so that no two collectors draw the same
             position and together they draw what one collector per process would.
     """
-    cfg = OmegaConf.create(dict(config))
-    tokenizer = load_tokenizer(cfg.model, padding_side="left")
+    tokenizer = load_tokenizer(config_view(cfg.model), padding_side="left")
     reward_tokenizer, reward_model = load_reward_scorer(cfg)
     return _prompt_collector(
         cfg,
-        load_prompt_rows(cfg.data, "train"),
+        load_prompt_rows(config_view(cfg.data), "train"),
         # The weights are the learner's, loaded over these by the background collector before every batch.
         # With LoRA, built as the learner builds its policy: the parameter names match, so all of them (the
         # unchanging base included) are copied; a resumed run's adapter weights arrive the same way.
@@ -278,13 +278,15 @@ def build_prompt_collector(
     )
 
 
-def collector_factory(config: Mapping, *, num_replicas: int, rank: int, workers: int, worker: int, start_step: int):
+def collector_factory(
+    cfg: GRPORecipeConfig, *, num_replicas: int, rank: int, workers: int, worker: int, start_step: int
+):
     """The picklable factory of collector ``worker`` (of ``workers``) starting at ``start_step``: what
     ``recipes.grpo.collector_workers.CollectorWorkers`` builds each worker's collector from, and rebuilds it from
     when the worker is replaced."""
     return functools.partial(
         build_prompt_collector,
-        config,
+        cfg,
         start_step=start_step,
         num_replicas=num_replicas,
         rank=rank,
@@ -294,7 +296,7 @@ def collector_factory(config: Mapping, *, num_replicas: int, rank: int, workers:
 
 
 def _chat_collector(
-    cfg: DictConfig, prompts: list, models, *, start_step: int, num_replicas: int, rank: int
+    cfg: GRPORecipeConfig, prompts: list, models, *, start_step: int, num_replicas: int, rank: int
 ) -> LocalCollector:
     """TorchRL's ``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector``, its rollouts padded into dense batches."""
     group, per_step = cfg.rollout.group_size, cfg.rollout.responses_per_step
@@ -354,7 +356,7 @@ def _chat_collector(
 
 
 def make_collector(
-    cfg: DictConfig, models, *, prompts: PromptRows, start_step: int, num_replicas: int = 1, rank: int = 0
+    cfg: GRPORecipeConfig, models, *, prompts: PromptRows, start_step: int, num_replicas: int = 1, rank: int = 0
 ):
     """The collector of ``cfg.rollout``: yields one step's dense batch (:data:`BATCH_KEYS`) per iteration and takes
     the learner's weights with ``update_policy_weights_(model, version=...)``; ``shutdown()`` when done.
@@ -372,7 +374,7 @@ def make_collector(
         return CollectorWorkers(
             functools.partial(
                 collector_factory,
-                OmegaConf.to_container(run_config(cfg), resolve=True),
+                cfg,  # dataclasses: pickled into each worker's process (or Ray actor) as they are
                 num_replicas=num_replicas,
                 rank=rank,
                 workers=workers,

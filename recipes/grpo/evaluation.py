@@ -26,7 +26,6 @@ import math
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
-from omegaconf import DictConfig, OmegaConf
 
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.data import PromptRows
@@ -36,12 +35,13 @@ from recipes.grpo.collector import make_prompt_table, make_sampling_policy, samp
 from recipes.grpo.prompt_env import PromptEnv
 from recipes.grpo.rewards import make_reward_scorer, reward_sources, source_names
 from recipes.grpo.rollout_envs import ROLLOUT_ENVS
+from recipes.grpo.schema import GRPORecipeConfig
 
 __all__ = ["Evaluator", "accuracy_source", "check_eval_settings", "eval_due", "has_eval_split"]
 
 
-def has_eval_split(data: DictConfig) -> bool:
-    """Whether the ``data=`` node names held-out prompts."""
+def has_eval_split(data) -> bool:
+    """Whether the ``data=`` node (typed: its source's dataclass) names held-out prompts."""
     if data.source in ("file",):
         return data.eval_path is not None
     if data.source == "hf":
@@ -49,7 +49,7 @@ def has_eval_split(data: DictConfig) -> bool:
     return int(data.num_eval_prompts) > 0
 
 
-def check_eval_settings(cfg: DictConfig) -> None:
+def check_eval_settings(cfg: GRPORecipeConfig) -> None:
     """Refuses, before anything loads, an evaluation the data cannot feed, or settings the sampler does not take."""
     every = cfg.eval.every_n_steps
     if every is None:
@@ -69,7 +69,7 @@ def check_eval_settings(cfg: DictConfig) -> None:
     _check_accuracy_source(cfg)
 
 
-def accuracy_source(cfg: DictConfig) -> str | None:
+def accuracy_source(cfg: GRPORecipeConfig) -> str | None:
     """The reward source whose mean over the eval answers is ``eval/accuracy``: ``eval.accuracy_source``, or, when
     that is null, the one source there is besides the reward model (``None`` with none, or with several, which
     :func:`check_eval_settings` refuses). Reads the config only."""
@@ -79,7 +79,7 @@ def accuracy_source(cfg: DictConfig) -> str | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _check_accuracy_source(cfg: DictConfig) -> None:
+def _check_accuracy_source(cfg: GRPORecipeConfig) -> None:
     sources = reward_sources(cfg)
     candidates = [source.name for source in sources if source.kind != "model"]
     named = cfg.eval.accuracy_source
@@ -106,12 +106,12 @@ def _check_accuracy_source(cfg: DictConfig) -> None:
         )
 
 
-def eval_generation(cfg: DictConfig) -> dict:
+def eval_generation(cfg: GRPORecipeConfig) -> dict:
     """``eval.generation`` over ``rollout.generation`` (whose values its YAML defaults are)."""
-    return {**OmegaConf.to_container(cfg.rollout.generation), **OmegaConf.to_container(cfg.eval.generation)}
+    return {**cfg.rollout.generation, **cfg.eval.generation}
 
 
-def eval_due(cfg: DictConfig, step: int) -> bool:
+def eval_due(cfg: GRPORecipeConfig, step: int) -> bool:
     """Whether the policy is evaluated after ``step`` (0: before the first step)."""
     every = cfg.eval.every_n_steps
     return every is not None and (step % every == 0 or step == cfg.train.steps)
@@ -131,7 +131,7 @@ class Evaluator:
     """
 
     def __init__(
-        self, cfg: DictConfig, prompts: PromptRows, *, policy, tokenizer, reward_model, reward_tokenizer, oracle
+        self, cfg: GRPORecipeConfig, prompts: PromptRows, *, policy, tokenizer, reward_model, reward_tokenizer, oracle
     ):
         processes = PartialState()
         count = len(prompts) if cfg.eval.num_prompts is None else min(int(cfg.eval.num_prompts), len(prompts))

@@ -18,6 +18,7 @@ Dependencies: torch, tensordict, torchrl, hydra, transformers, accelerate.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 from accelerate import PartialState
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 from torchrl.data import ReplayBuffer, SamplerWithoutReplacement, TensorStorage
@@ -67,6 +67,7 @@ from recipes.grpo.loss import (
 from recipes.grpo.policy import enable_activation_checkpointing, trainable_parameters, update_forward
 from recipes.grpo.rewards import reward_sources
 from recipes.grpo.rollout_envs import ROLLOUT_ENVS
+from recipes.grpo.schema import GRPORecipeConfig
 
 __all__ = [
     "Learner",
@@ -163,7 +164,7 @@ class Learner:
     optimizer_steps_done: int = 0
 
 
-def make_learner(cfg: DictConfig, models) -> Learner:
+def make_learner(cfg: GRPORecipeConfig, models) -> Learner:
     """The :class:`Learner` of ``models`` (the policy, and the frozen reference and reward model, if loaded here).
 
     The policy's log-probs over the response positions go through DDP or FSDP2 (which shards the policy here, before
@@ -180,7 +181,7 @@ def make_learner(cfg: DictConfig, models) -> Learner:
             if frozen is not None:
                 shard_frozen_model(frozen)
     parameters = trainable_parameters(models.policy)  # all, or LoRA's adapters; a list: clipped at every update
-    optimizer = instantiate(cfg.optimizer)(parameters)
+    optimizer = instantiate(dataclasses.asdict(cfg.optimizer))(parameters)
     return Learner(
         prepare=make_batch_preparation(cfg, models, scorer),
         buffer=None,  # each step's: make_replay_buffer
@@ -196,12 +197,12 @@ def make_learner(cfg: DictConfig, models) -> Learner:
     )
 
 
-def optimizer_steps(cfg: DictConfig) -> int:
+def optimizer_steps(cfg: GRPORecipeConfig) -> int:
     """Optimizer steps per pass over a step's responses: ``train.gradient_accumulation_steps`` mini-batches each."""
     return cfg.rollout.responses_per_step // (cfg.train.mini_batch_size * cfg.train.gradient_accumulation_steps)
 
 
-def make_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
+def make_scheduler(cfg: GRPORecipeConfig, optimizer: torch.optim.Optimizer):
     """``train.lr_scheduler`` through ``transformers.get_scheduler``, over every optimizer step of the run, with
     ``train.warmup_steps`` steps of warmup (a float in [0, 1): that fraction of them, as transformers reads it)."""
     total = cfg.train.steps * cfg.train.epochs_per_step * optimizer_steps(cfg)
@@ -212,7 +213,7 @@ def make_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
     return get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
 
-def make_replay_buffer(cfg: DictConfig, batch: TensorDictBase) -> ReplayBuffer:
+def make_replay_buffer(cfg: GRPORecipeConfig, batch: TensorDictBase) -> ReplayBuffer:
     """One step's responses (``batch``, dense, with their advantages), handed out in mini-batches without replacement,
     in an order drawn from the buffer's own generator (:func:`optimize` seeds it every step).
 
@@ -227,7 +228,7 @@ def make_replay_buffer(cfg: DictConfig, batch: TensorDictBase) -> ReplayBuffer:
     )
 
 
-def mini_batch_order_seed(cfg: DictConfig, learner: Learner) -> int:
+def mini_batch_order_seed(cfg: GRPORecipeConfig, learner: Learner) -> int:
     """The seed of a step's mini-batch order: the run's seed, the process and the optimizer steps done. Drawn apart
     from torch's global generator, the order neither consumes nor depends on the sampling noise: a sync run's
     sampler, which shares the learner's process, draws what an async collector draws in its own (a zero-lag async run
@@ -235,12 +236,12 @@ def mini_batch_order_seed(cfg: DictConfig, learner: Learner) -> int:
     return cfg.seed * 1_000_003 + PartialState().process_index * 7919 + learner.optimizer_steps_done
 
 
-def is_on_policy(cfg: DictConfig) -> bool:
+def is_on_policy(cfg: GRPORecipeConfig) -> bool:
     """One update per step: the responses train the very policy that sampled them, old log-probs = current ones."""
     return cfg.train.epochs_per_step == 1 and optimizer_steps(cfg) == 1
 
 
-def make_batch_preparation(cfg: DictConfig, models, scorer) -> PrepareBatch:
+def make_batch_preparation(cfg: GRPORecipeConfig, models, scorer) -> PrepareBatch:
     """Advantages, the loss mask and reference log-probs; the old log-probs too where the collector records none
     (``chat``) or the sampler correction wants the trainer's (trl scores them too), and a step makes several updates.
     On-policy, the loss takes its own (as trl does with one update per batch)."""
@@ -337,7 +338,7 @@ def check_weights_finite(parameters: list) -> None:
     _stop_unless_finite(torch.stack(norms).float().sum(), "weights")
 
 
-def step_scale(cfg: DictConfig, batch: TensorDictBase) -> Scale:
+def step_scale(cfg: GRPORecipeConfig, batch: TensorDictBase) -> Scale:
     """The normalisation of this step's mini-batches: the accumulation, and ``dapo``'s response tokens of one
     optimizer step per process (every process's loss-mask tokens of the step, averaged per process and step)."""
     tokens = pool_over_processes(batch.get(LOSS_MASK).sum().reshape(1).float()).sum()
@@ -345,7 +346,7 @@ def step_scale(cfg: DictConfig, batch: TensorDictBase) -> Scale:
     return Scale(cfg.train.gradient_accumulation_steps, float(tokens) / processes / optimizer_steps(cfg))
 
 
-def optimize(cfg: DictConfig, learner: Learner, batch: TensorDictBase) -> dict[str, float]:
+def optimize(cfg: GRPORecipeConfig, learner: Learner, batch: TensorDictBase) -> dict[str, float]:
     """``train.epochs_per_step`` passes over the step's responses (in ``learner.buffer``), each optimizer step
     accumulating ``train.gradient_accumulation_steps`` mini-batches; returns the optimizer steps' mean diagnostics.
 
@@ -413,7 +414,7 @@ def token_micro_batches(batch: TensorDictBase, max_tokens: int | None) -> list[T
 
 
 def _accumulate(
-    cfg: DictConfig, learner: Learner, scale: Scale, *, fresh: bool, mismatch: list | None
+    cfg: GRPORecipeConfig, learner: Learner, scale: Scale, *, fresh: bool, mismatch: list | None
 ) -> dict[str, float]:
     """The forward and backward passes of one optimizer step's mini-batches; their summed loss and mean diagnostics.
     ``fresh``: no update yet this step; ``mismatch``: where the mini-batches' sampler mismatch counts go (``None``:
@@ -460,7 +461,7 @@ def _gradient_sync(scorer, *, last: bool):
     return scorer.no_sync()
 
 
-def _sync_reference(cfg: DictConfig, learner: Learner) -> None:
+def _sync_reference(cfg: GRPORecipeConfig, learner: Learner) -> None:
     """TR-DPO: every ``loss.ref_model_sync_steps`` optimizer steps the reference moves towards the policy,
     ``ref = alpha * policy + (1 - alpha) * ref`` (``loss.ref_model_mixup_alpha``), as trl's ``sync_ref_model``."""
     if learner.synced_reference is None or learner.optimizer_steps_done % cfg.loss.ref_model_sync_steps:

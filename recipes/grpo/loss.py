@@ -38,13 +38,11 @@ from dataclasses import dataclass
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather, pad_across_processes
-from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torch import nn
 
 from interop.trl.importance_sampling import sampler_mismatch_counts as _ratio_counts
 from interop.trl.importance_sampling import sampler_mismatch_metrics as _ratio_metrics
-from recipes.common.schema import typed_config
 from recipes.grpo.batch import (
     ADVANTAGE,
     ATTENTION_MASK,
@@ -59,6 +57,7 @@ from recipes.grpo.batch import (
 )
 from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 from recipes.grpo.schema import (
+    GRPORecipeConfig,
     ImportanceSamplingLevel,
     Loss,
     RewardAggregation,
@@ -572,12 +571,11 @@ def _masked_mean(values: torch.Tensor, mask) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def make_loss(cfg: DictConfig, scorer: nn.Module) -> GRPOObjective:
+def make_loss(cfg: GRPORecipeConfig, scorer: nn.Module) -> GRPOObjective:
     """The :class:`GRPOObjective` of the recipe's ``loss:`` node, over the policy's ``scorer``."""
-    settings = typed_config(cfg.loss, Loss, key="loss")
     return GRPOObjective(
         scorer,
-        settings,
-        max_completion_length=cfg.rollout.generation.max_new_tokens,
+        cfg.loss,
+        max_completion_length=cfg.rollout.generation["max_new_tokens"],
         sampler_log_probs_recorded=ROLLOUT_ENVS[cfg.rollout.env].records_sampler_log_probs,
     )

@@ -25,11 +25,11 @@ import typing
 from collections.abc import Iterator
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from recipes.common.lora import make_lora_config
 from recipes.common.models import load_causal_lm
+from recipes.common.schema import ModelNode, config_view
 from recipes.grpo.schema import MixedPrecision
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
 MIXED_PRECISIONS = typing.get_args(MixedPrecision)
 
 
-def load_policy(node: DictConfig, *, device: str, dtype: str, saved: DictConfig | None = None):
+def load_policy(node: ModelNode, *, device: str, dtype: str, saved: ModelNode | None = None):
     """The GRPO policy: ``node``'s causal LM, with LoRA adapters when ``node.lora`` is set.
 
     Args:
@@ -56,11 +56,12 @@ def load_policy(node: DictConfig, *, device: str, dtype: str, saved: DictConfig 
             holds the whole model; with LoRA only the adapter, applied (trainable) to ``node``'s base, which no
             update changes.
     """
+    # recipes.common.models merges a model node with OmegaConf (an adapter's base): it reads a DictConfig view.
     if node.lora is None:
-        return load_causal_lm(saved if saved is not None else node, device=device, dtype=dtype)
+        return load_causal_lm(config_view(saved if saved is not None else node), device=device, dtype=dtype)
     from peft import PeftModel, get_peft_model
 
-    base = load_causal_lm(node, device=device, dtype=dtype)
+    base = load_causal_lm(config_view(node), device=device, dtype=dtype)
     if saved is None:
         return get_peft_model(base, make_lora_config(node.lora, task_type="CAUSAL_LM"))
     return PeftModel.from_pretrained(base, str(saved.name_or_path), is_trainable=True).to(device)

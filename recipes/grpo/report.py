@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
-from omegaconf import DictConfig
 
 from recipes.common.metrics import (
     barely_learned_line,
@@ -47,6 +46,7 @@ from recipes.grpo.batch import (
 from recipes.grpo.checkpointing import TrainingProgress
 from recipes.grpo.evaluation import accuracy_source
 from recipes.grpo.rewards import logged_in_batch, reward_sources
+from recipes.grpo.schema import GRPORecipeConfig
 
 __all__ = [
     "RUN_FIGURES",
@@ -171,11 +171,12 @@ def is_source_figure(key: str) -> bool:
     return key.startswith("rollout/rewards/")
 
 
-def report_step(run: Run, step: int, metrics: dict, bar, *, samples, lags: list[float] = ()) -> None:
+def report_step(
+    cfg: GRPORecipeConfig, run: Run, step: int, metrics: dict, bar, *, samples, lags: list[float] = ()
+) -> None:
     """The step's metrics to the logger, a progress line every ``log_every_n_steps`` steps and sample rollouts every
     ``samples.every_n_steps`` to the log (``samples(count=n)`` draws them), the live reward on the progress bar;
     ``lags``: the policy lag of every batch trained so far, a wandb histogram (``train/policy_lag_histogram``)."""
-    cfg = run.cfg
     run.logger.log_histogram("train/policy_lag_histogram", list(lags), step=step)
     every = cfg.samples.every_n_steps
     drawn = []
@@ -195,7 +196,7 @@ def report_step(run: Run, step: int, metrics: dict, bar, *, samples, lags: list[
     bar.update(1)
 
 
-def _reward_description(cfg: DictConfig) -> str:
+def _reward_description(cfg: GRPORecipeConfig) -> str:
     """``reward model <path> (reward.input=history) x 1.0 + accuracy (reward function) x 0.5 ...``"""
     parts = []
     for source in reward_sources(cfg):
@@ -207,7 +208,7 @@ def _reward_description(cfg: DictConfig) -> str:
     return " + ".join(parts)
 
 
-def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> str:
+def run_description(cfg: GRPORecipeConfig, *, num_prompts: int, world_size: int) -> str:
     """What the run trains, on what, where: the first line of its log."""
     processes = f" x {world_size} processes" if world_size > 1 else ""
     tools = list(tool_entries(cfg.tools))
@@ -217,7 +218,7 @@ def run_description(cfg: DictConfig, *, num_prompts: int, world_size: int) -> st
         f"{_reward_description(cfg)}, data={cfg.data.source} "
         f"({num_prompts} prompts){tools}; {cfg.train.steps} steps of {cfg.rollout.responses_per_step} responses"
         f"{processes} "
-        f"(groups of {cfg.rollout.group_size}, up to {cfg.rollout.generation.max_new_tokens} new tokens), lr "
+        f"(groups of {cfg.rollout.group_size}, up to {cfg.rollout.generation['max_new_tokens']} new tokens), lr "
         f"{cfg.optimizer.lr}, seed {cfg.seed}, {cfg.device} {cfg.dtype}; run folder {cfg.output_dir}"
     )
 
@@ -312,7 +313,7 @@ def closing_message(summary: dict, output_dir: Path) -> str:
     )
 
 
-def summary_keys(cfg: DictConfig) -> list[str]:
+def summary_keys(cfg: GRPORecipeConfig) -> list[str]:
     """Every entry summary.json of a run of ``cfg`` holds (what ``metric=`` may name): :data:`SUMMARY_KEYS` and each
     reward source's mean, first and last; with evaluation on, its figures (``eval/accuracy`` where
     ``recipes.grpo.evaluation.accuracy_source`` names a source). What reward functions log (``rollout/<name>``) is

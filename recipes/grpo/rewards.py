@@ -23,16 +23,17 @@ Dependencies: torch, tensordict, torchrl, hydra, transformers, and the project's
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from hydra.utils import get_object, instantiate
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import ListConfig
 from tensordict import NestedKey, TensorDictBase
 from tensordict.nn import TensorDictModuleBase, TensorDictSequential
 from torchrl.envs import Compose, Transform
@@ -51,6 +52,7 @@ from recipes.common.reward_functions import (
     checked_rewards,
     reward_function_failure,
 )
+from recipes.common.schema import config_view
 from recipes.common.tools import tool_entries
 from recipes.grpo.batch import (
     ATTENTION_MASK,
@@ -62,6 +64,7 @@ from recipes.grpo.batch import (
     kept_token_ids,
 )
 from recipes.grpo.prompt_env import PromptEnv
+from recipes.grpo.schema import GRPORecipeConfig
 
 if TYPE_CHECKING:
     from transformers import TrainerState
@@ -185,7 +188,7 @@ def _as_tuple(key: NestedKey) -> tuple:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
-def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
+def rollout_step_keys(cfg: GRPORecipeConfig) -> list[tuple]:
     """The entries a step of ``cfg.rollout.env``'s rollout holds when the reward transforms read it.
 
     ``prompt``: what :class:`PromptEnv` resets, what :class:`CausalLMSampler` (with tools,
@@ -197,7 +200,7 @@ def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
     if cfg.rollout.env == "chat":
         keys = list(CHAT_STEP_KEYS)
         generation = cfg.rollout.generation
-        if "return_log_probs" in generation and generation.return_log_probs:
+        if "return_log_probs" in generation and generation["return_log_probs"]:
             keys.append(("log_probs", "response"))
     else:
         # With tools the policy is a DialogPolicy, whose per-dialog counts a reward term may read (a cost per call).
@@ -206,13 +209,13 @@ def rollout_step_keys(cfg: DictConfig) -> list[tuple]:
     return [_as_tuple(key) for key in keys]
 
 
-def _term_read_keys(node: DictConfig) -> dict:
+def _term_read_keys(node: Mapping) -> dict:
     """The settings of a reward term's node that name an entry the term reads: its ``_target_``'s parameters
     annotated ``NestedKey`` (as ``LengthPenalty``'s and ``TextScoreReward``'s are), but ``reward_key``, the entry it
     writes. Only the target is imported; nothing is built."""
     if "_target_" not in node:
         return {}
-    parameters = inspect.signature(get_object(node._target_)).parameters
+    parameters = inspect.signature(get_object(node["_target_"])).parameters
     return {
         name: node[name]
         for name in node
@@ -223,7 +226,7 @@ def _term_read_keys(node: DictConfig) -> dict:
     }
 
 
-def check_reward_keys(cfg: DictConfig) -> None:
+def check_reward_keys(cfg: GRPORecipeConfig) -> None:
     """Refuses a key the rewards would read that the rollout does not hold, before anything loads.
 
     Checks the ``reward.read_keys`` entries that ``reward.input`` reads (call it once ``reward.input`` is known to be
@@ -235,13 +238,9 @@ def check_reward_keys(cfg: DictConfig) -> None:
     held = rollout_step_keys(cfg)
     listed = ", ".join(f"[{', '.join(entry)}]" for entry in held)
     read = {}
+    read_keys = dataclasses.asdict(cfg.reward.read_keys)
     for name in READ_KEYS_OF_INPUT[cfg.reward.input] if cfg.reward_model is not None else ():
-        if name not in cfg.reward.read_keys:
-            raise ConfigError(
-                f"reward.input={cfg.reward.input} reads reward.read_keys.{name}, which is not set. Set it to the entry "
-                f"to score; a step of rollout.env={cfg.rollout.env} holds {listed}."
-            )
-        read[f"reward.read_keys.{name}"] = cfg.reward.read_keys[name]
+        read[f"reward.read_keys.{name}"] = read_keys[name]  # every one is set: the schema requires them
     for term, node in cfg.reward.terms.items():
         for setting, value in _term_read_keys(node).items():
             read[f"reward.terms.{term}.{setting}"] = value
@@ -286,25 +285,25 @@ class RewardSource:
     kind: str
 
 
-def reward_sources(cfg: DictConfig) -> list[RewardSource]:
+def reward_sources(cfg: GRPORecipeConfig) -> list[RewardSource]:
     """The step's reward sources in their fixed order (the columns of ``("next", "source_rewards")``): the reward
     model (unless ``reward_model=null``), then ``reward.functions``, then ``reward.terms``. Reads the config only."""
     sources = []
     if cfg.reward_model is not None:
         sources.append(RewardSource("reward_model", "reward_model", float(cfg.reward.model_weight), "model"))
     for kind, group in (("function", "functions"), ("term", "terms")):
-        for name, node in cfg.reward[group].items():
-            weight = float(node.get("weight", 1.0)) if isinstance(node, DictConfig) else 1.0
+        for name, node in getattr(cfg.reward, group).items():
+            weight = float(node.get("weight", 1.0)) if isinstance(node, Mapping) else 1.0
             sources.append(RewardSource(str(name), f"reward.{group}.{name}", weight, kind))
     return sources
 
 
-def source_names(cfg: DictConfig) -> list[str]:
+def source_names(cfg: GRPORecipeConfig) -> list[str]:
     """The names of :func:`reward_sources`, in order: the columns of ``("next", "source_rewards")``."""
     return [source.name for source in reward_sources(cfg)]
 
 
-def check_reward_sources(cfg: DictConfig) -> None:
+def check_reward_sources(cfg: GRPORecipeConfig) -> None:
     """Refuses a run with no reward source, or two sources of one name, before anything loads."""
     sources = reward_sources(cfg)
     if not sources:
@@ -324,22 +323,23 @@ def check_reward_sources(cfg: DictConfig) -> None:
     check_reward_weights(cfg)
 
 
-def _term_module(node: DictConfig):
+def _term_module(node: Mapping):
     """A reward term's module: its node without ``weight`` (the source's weight, applied in the sum)."""
-    return instantiate(OmegaConf.create({key: node[key] for key in node if key != "weight"}))
+    return instantiate({key: node[key] for key in node if key != "weight"})
 
 
-def load_reward_scorer(cfg: DictConfig) -> tuple:
+def load_reward_scorer(cfg: GRPORecipeConfig) -> tuple:
     """The reward model (eval mode) and its tokenizer, or ``(None, None)`` with ``reward_model=null``."""
     if cfg.reward_model is None:
         return None, None
-    tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
-    model = load_reward_model(cfg.reward_model, device=cfg.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id)
+    node = config_view(cfg.reward_model)
+    tokenizer = load_tokenizer(node, padding_side="right")
+    model = load_reward_model(node, device=cfg.device, dtype=cfg.dtype, pad_token_id=tokenizer.pad_token_id)
     return tokenizer, model.eval()
 
 
 def make_reward_transform(
-    cfg: DictConfig,
+    cfg: GRPORecipeConfig,
     reward_model,
     reward_tokenizer,
     policy_tokenizer,
@@ -368,7 +368,7 @@ def make_reward_transform(
 
 
 def make_reward_scorer(
-    cfg: DictConfig,
+    cfg: GRPORecipeConfig,
     reward_model,
     reward_tokenizer,
     policy_tokenizer,
@@ -385,7 +385,7 @@ def make_reward_scorer(
         if source.kind == "model":
             module = _reward_model_module(cfg, reward_model, reward_tokenizer, policy_tokenizer)
         elif source.kind == "function":
-            function = resolve_function(f"{source.setting}.function", cfg.reward.functions[source.name].function)
+            function = resolve_function(f"{source.setting}.function", cfg.reward.functions[source.name]["function"])
             module = RewardFunction(
                 function,
                 name=source.name,
@@ -496,8 +496,10 @@ class TrainerStepCounter(Transform):
         return tensordict
 
 
-def _reward_model_module(cfg: DictConfig, reward_model, reward_tokenizer, policy_tokenizer) -> HFRewardModelWrapper:
-    keys = {name: tensordict_key(key) for name, key in cfg.reward.read_keys.items()}
+def _reward_model_module(
+    cfg: GRPORecipeConfig, reward_model, reward_tokenizer, policy_tokenizer
+) -> HFRewardModelWrapper:
+    keys = {name: tensordict_key(key) for name, key in dataclasses.asdict(cfg.reward.read_keys).items()}
     common = {
         "inference_mode": True,
         "micro_batch_size": cfg.reward.micro_batch_size,
@@ -684,11 +686,11 @@ class TextScoreReward(TensorDictModuleBase):
         return tensordict
 
 
-def reward_prompt_lengths(cfg: DictConfig, table: PromptTable, policy_lengths: torch.Tensor) -> list[int]:
+def reward_prompt_lengths(cfg: GRPORecipeConfig, table: PromptTable, policy_lengths: torch.Tensor) -> list[int]:
     """Each prompt's length as the reward model reads it (``reward.input``): the prefix before any response token."""
     if cfg.reward.input == "tokens":  # the policy's own token ids
         return policy_lengths.tolist()
-    reward_tokenizer = load_tokenizer(cfg.reward_model, padding_side="right")
+    reward_tokenizer = load_tokenizer(config_view(cfg.reward_model), padding_side="right")
     if cfg.reward.input == "text":  # the policy's rendered prompt, re-tokenized
         texts = [table.rendered(index)[0] for index in range(len(table))]
         return [len(ids) for ids in reward_tokenizer(texts)["input_ids"]]

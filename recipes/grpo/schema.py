@@ -13,6 +13,7 @@ Dependencies: the project's ``recipes.common.schema``.
 
 from __future__ import annotations
 
+import logging
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -30,10 +31,13 @@ from recipes.common.schema import (
     NumThreads,
     Range,
     RayNode,
+    ToolsNode,
     WorkerResourcesNode,
 )
 from recipes.common.vocabulary import SHARED_KEYS_OF_TRL_FIELDS
 from recipes.grpo.rollout_envs import ROLLOUT_ENVS, RolloutEnvName
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "RENAMED",
@@ -248,7 +252,7 @@ class Reward:
     micro_batch_size: Positive | None
     max_length: Positive | None
     share_prompt: bool
-    model_weight: float
+    model_weight: int | float  # as written: reward.model_weight=0 is refused quoting 0 (reward_functions)
     # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
     functions: Annotated[dict[str, Any], OPEN]
     # name -> a _target_ node building a TensorDict reward term (and its weight): the names are the user's.
@@ -345,6 +349,14 @@ class Loss:
     sampler_correction: SamplerCorrection
 
     def __post_init__(self) -> None:
+        if self.type == "cispo" and self.clip_epsilon_high is None and not isinstance(self.clip_epsilon, list):
+            # Said as the node is built from the YAML (built, clip_epsilon_high holds the bound the loss takes).
+            log.warning(
+                "loss.type=cispo clamps the importance ratio itself at loss.clip_epsilon_high, which is null: it "
+                "takes loss.clip_epsilon=%s, as trl does, and clamps every ratio below 1. Set loss.clip_epsilon_high "
+                "(1.28 learns the tiny task; ScaleRL's 4 collapsed it at step 29).",
+                self.clip_epsilon,
+            )
         self.clip_epsilon, self.clip_epsilon_high = self._clip_range()
         correction = self.sampler_correction
         if correction.enabled and self.type == "vespo" and correction.mode.startswith("sequence_"):
@@ -473,10 +485,9 @@ class GRPORecipeConfig:
     samples: Samples
     rollout: Rollout
     ray: RayNode
-    # name -> {function}, label -> {torchrl: _target_ node} or label -> {mcp: {servers}}, plus timeout_s and
-    # max_result_tokens: the names are the user's (recipes.common.tools checks each node, recipes.grpo.checks the
-    # combinations).
-    tools: Annotated[dict[str, Any], OPEN]
+    # timeout_s and max_result_tokens, then <name>: {function} and <label>: {torchrl | mcp} entries, whose names are the
+    # user's (recipes.common.tools checks each entry, recipes.grpo.checks the combinations).
+    tools: ToolsNode
     reward: Reward
     eval: Eval
     advantage: Advantage

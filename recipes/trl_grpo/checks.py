@@ -3,17 +3,26 @@
 a resumed run's settings against the run it continues (``recipes.trl_grpo.resume``), the prompts against the policy's
 positions (tokenizer and model config only); each message names the setting, what was found and what to change.
 
+The run reads the typed settings these checks build (``TrlGRPORecipeConfig``: :func:`validate`); the resolved
+``DictConfig`` stays beside them as the run's record only (:func:`validated`): what ``resolved_config.yaml`` and the
+logger get (secrets masked), what a resume compares with the run it continues, the paths a run reads.
+
 Dependencies: omegaconf, transformers, trl (for ``train:``'s keys), and the recipes' own modules.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import operator
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from interop.errors import SettingError
 from recipes.common.checkpoint import latest_trl_checkpoint
@@ -28,24 +37,54 @@ from recipes.common.rollout_backend import check_rollout_backend
 from recipes.common.run import SUMMARY_FILE, check_sharded_launch
 from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
 from recipes.common.sampling import sampler_settings
-from recipes.common.schema import checked_config, checked_trainer_config
+from recipes.common.schema import checked_trainer_config, checked_tree, config_view
 from recipes.common.tools import resolve_call_format, resolve_tools
 from recipes.trl_grpo.report import reward_source_names, summary_keys
 from recipes.trl_grpo.resume import checkpoint_step, resume_changes, resumed_config
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, row_bytes, stored_sources
 from recipes.trl_grpo.schema import GRPO_CONFIG_FIELDS, RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
 
-__all__ = ["grpo_config_fields", "validate"]
+__all__ = ["ValidatedRun", "grpo_config_fields", "load_replay_source", "validate", "validated"]
 
 
-def validate(cfg: DictConfig) -> DictConfig:
-    """Every check that runs before any model loads; returns the config the run trains with: resolved once, a resumed
-    run's own settings under its command line (``recipes.trl_grpo.resume.resumed_config``)."""
-    from trl import GRPOConfig  # trl prints a notice on import: only where this recipe runs
+class ValidatedRun(NamedTuple):
+    """A config that passed every check: the typed settings the run reads, and the resolved config they were built
+    from, which stays the run's record only (``resolved_config.yaml`` and the logger's config, secrets masked:
+    ``recipes.common.run.start_run``; the masked ``train:`` fields: ``recipes.common.config.masked_fields``; what a
+    resume changes: ``recipes.trl_grpo.resume.record_resume_start``)."""
 
+    settings: TrlGRPORecipeConfig
+    run_record: DictConfig
+
+
+def validate(cfg: DictConfig) -> TrlGRPORecipeConfig:
+    """Every check that runs before any model loads; returns the typed settings the run trains with: resolved once, a
+    resumed run's own settings under its command line (``recipes.trl_grpo.resume.resumed_config``), LoRA on or off as
+    the command line says (``recipes.common.lora.settle_lora_node``)."""
+    return validated(cfg).settings
+
+
+def validated(cfg: DictConfig) -> ValidatedRun:
+    """:func:`validate`'s checks; returns the typed settings and the resolved config beside them (the run's record)."""
     if cfg.resume:
         cfg = resumed_config(cfg)
-    cfg = checked_config(cfg, TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", renamed=RENAMED)
+    run_record, settings = checked_tree(cfg, TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", renamed=RENAMED)
+    _validate_settings(
+        settings,
+        # input_paths reads every recipe's optional path keys with OmegaConf.select: the record holds them all.
+        inputs=input_paths(run_record),
+        # A resume compares the run's records: both sides as resolved_config.yaml holds them (secrets masked).
+        changes=functools.partial(resume_changes, run_record),
+    )
+    return ValidatedRun(settings, run_record)
+
+
+def _validate_settings(cfg: TrlGRPORecipeConfig, *, inputs: dict[str, str | None], changes: Callable[[], dict]) -> None:
+    from trl import GRPOConfig  # trl prints a notice on import: only where this recipe runs
+
+    # recipes.common.models merges a model node with OmegaConf (an adapter's base): it reads a DictConfig view.
+    model = config_view(cfg.model)
+    reward_model = config_view(cfg.reward_model) if cfg.reward_model is not None else None
     _check_trl_tool_keys(cfg)
     args = checked_trainer_config({**cfg.train, **grpo_config_fields(cfg)}, GRPOConfig, node=GRPOTrainerNode)
     _check_sampling(cfg)
@@ -57,30 +96,29 @@ def validate(cfg: DictConfig) -> DictConfig:
         )
     _check_data(cfg)
     _check_metric(cfg, args)
-    validate_model_node(cfg.model, key="model", kind="policy")
-    if cfg.reward_model is not None:
-        validate_model_node(cfg.reward_model, key="reward_model")
-    validate_policy_lora(cfg)
+    validate_model_node(model, key="model", kind="policy")
+    if reward_model is not None:
+        validate_model_node(reward_model, key="reward_model")
+    validate_policy_lora(model, reward_model)
     _check_lora_for_trl(cfg.model.lora)
     check_run_settings(cfg)
     check_trainer_output_dir(cfg.output_dir, args.output_dir)
     _check_rollout_mode(cfg)
     check_rollout_backend(cfg)
     _check_tools(cfg)
-    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=input_paths(cfg))
+    check_output_folder(cfg.output_dir, overwrite=cfg.overwrite, resume=cfg.resume, inputs=inputs)
     check_sharded_launch(cfg.device)
-    _check_resume(cfg, args)
-    rows = load_prompt_rows(cfg.data, "train")
+    _check_resume(cfg, args, changes)
+    rows = load_prompt_rows(config_view(cfg.data), "train")
     check_reward_functions(cfg, columns=list(rows.columns))
     longest_prompt = _check_prompt_lengths(cfg, rows, args)
     _check_store_fits_the_disk(cfg, args, prompt_width=longest_prompt)
     _check_eval(cfg)
     if cfg.rollout.replay.load_from is not None:
         load_replay_source(cfg, group_size=args.num_generations)
-    return cfg
 
 
-def grpo_config_fields(cfg: DictConfig) -> dict:
+def grpo_config_fields(cfg: TrlGRPORecipeConfig) -> dict:
     """The ``trl.GRPOConfig`` fields this recipe sets from its own keys, the GRPO recipe's
     (:data:`~recipes.trl_grpo.schema.GRPO_CONFIG_FIELDS`): the group size, the sampler's settings (which trl's
     rollout function reads back: ``interop.SamplingSettings.from_grpo_config``), the reward aggregation and the
@@ -88,14 +126,14 @@ def grpo_config_fields(cfg: DictConfig) -> dict:
 
     Examples:
         >>> from omegaconf import OmegaConf
-        >>> cfg = OmegaConf.load("conf/trl_grpo_torchrl_rollouts.yaml")
+        >>> cfg = OmegaConf.load("conf/trl_grpo_torchrl_rollouts.yaml")  # read by attribute, as the typed settings
         >>> fields = grpo_config_fields(cfg)
         >>> fields["num_generations"], fields["max_completion_length"], fields["generation_kwargs"]
         (8, 32, {'min_new_tokens': 0, 'do_sample': True})
     """
     generation = cfg.rollout.generation
     fields = {
-        field: OmegaConf.select(cfg, key)
+        field: operator.attrgetter(key)(cfg)
         for field, key in GRPO_CONFIG_FIELDS.items()
         if field not in ("generation_kwargs", "disable_tqdm")
     }
@@ -104,10 +142,10 @@ def grpo_config_fields(cfg: DictConfig) -> dict:
     return fields
 
 
-def _check_sampling(cfg: DictConfig) -> None:
+def _check_sampling(cfg: TrlGRPORecipeConfig) -> None:
     """The sampler's settings, as the GRPO recipe checks its own: values the sampler takes, and sampling on (greedy
     decoding would give every completion of a group the same tokens)."""
-    settings = sampler_settings(cfg.rollout.generation)
+    settings = sampler_settings(dataclasses.asdict(cfg.rollout.generation))
     if not settings.do_sample:
         raise ConfigError(
             f"rollout.generation.do_sample=false with rollout.group_size={cfg.rollout.group_size}: greedy decoding "
@@ -117,7 +155,7 @@ def _check_sampling(cfg: DictConfig) -> None:
         )
 
 
-def _check_trl_tool_keys(cfg: DictConfig) -> None:
+def _check_trl_tool_keys(cfg: TrlGRPORecipeConfig) -> None:
     """trl's tool arguments are GRPOTrainer's, not GRPOConfig's: a user who writes them under ``train:`` is told this
     recipe's keys (``max_tool_calling_iterations`` is answered by the trainer node's hint)."""
     for name in ("tools", "environment_factory"):
@@ -129,7 +167,7 @@ def _check_trl_tool_keys(cfg: DictConfig) -> None:
             )
 
 
-def _check_tools(cfg: DictConfig) -> None:
+def _check_tools(cfg: TrlGRPORecipeConfig) -> None:
     """The tools resolve as trl would take them (``recipes.common.tools.resolve_tools``: importable, callable, typed,
     documented, named by their key), and a replay that would train without their mask is refused."""
     if resolve_tools(cfg.tools) is None:
@@ -148,12 +186,12 @@ def _check_tools(cfg: DictConfig) -> None:
         )
 
 
-def _check_eval(cfg: DictConfig) -> None:
+def _check_eval(cfg: TrlGRPORecipeConfig) -> None:
     """``eval.every_n_steps`` needs eval prompts and one 0/1 reward function to score them."""
     node = cfg.eval
     if node.every_n_steps is None:
         return
-    if not load_prompt_rows(cfg.data, "eval").prompts:
+    if not load_prompt_rows(config_view(cfg.data), "eval").prompts:
         raise ConfigError(
             f"eval.every_n_steps={node.every_n_steps}, but data.source={cfg.data.source!r} has no eval prompts: set "
             "data.eval_path / data.eval_split (or use a task with held-out prompts: data=arithmetic, calculator), "
@@ -173,7 +211,7 @@ def _check_eval(cfg: DictConfig) -> None:
         )
 
 
-def _check_rollout_mode(cfg: DictConfig) -> None:
+def _check_rollout_mode(cfg: TrlGRPORecipeConfig) -> None:
     """rollout.mode=async samples the next generation batch before trl asks for it: the prompts trl will pass next
     must be knowable, so trl reads the stream unshuffled (the TorchRL buffer shuffles), in this process only."""
     if cfg.rollout.mode != "async":
@@ -196,7 +234,7 @@ def _check_rollout_mode(cfg: DictConfig) -> None:
         )
 
 
-def load_replay_source(cfg: DictConfig, *, group_size: int):
+def load_replay_source(cfg: TrlGRPORecipeConfig, *, group_size: int):
     """The stored rollouts ``rollout.replay.load_from`` names, refused before any model loads when the folder holds
     none, is damaged, or was written with another tokenizer (its token ids would be other tokens) or another group
     size. Returns the rows (``recipes.trl_grpo.rollout_store.load_rollouts``)."""
@@ -210,7 +248,7 @@ def load_replay_source(cfg: DictConfig, *, group_size: int):
         written_with = stored_tokenizer(folder)
     except (FileNotFoundError, DamagedRollouts) as error:
         raise ConfigError(f"{key}={str(folder)!r}: {error}") from None
-    ours = tokenizer_fingerprint(load_tokenizer(cfg.model, padding_side="left"))
+    ours = tokenizer_fingerprint(load_tokenizer(config_view(cfg.model), padding_side="left"))
     if written_with != ours:
         raise ConfigError(
             f"{key}={str(folder)!r} was written with another tokenizer than model={cfg.model.name_or_path!r}'s "
@@ -246,12 +284,12 @@ def _runs_of_one_prompt(rows) -> list[int]:
     return [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
 
 
-def _check_data(cfg: DictConfig) -> None:
+def _check_data(cfg: TrlGRPORecipeConfig) -> None:
     """Held-out data this recipe would never read (trl gets no eval_dataset here; ``eval:`` reads it itself)."""
     if cfg.eval.every_n_steps is not None:
         return
     for key in ("data.eval_path", "data.eval_split"):
-        value = OmegaConf.select(cfg, key, default=None)
+        value = getattr(cfg.data, key.removeprefix("data."), None)  # only the data sources that read one have it
         if value is not None:
             raise ConfigError(
                 f"{key}={value!r}: held-out data is read only by this recipe's own evaluation (trl gets no "
@@ -260,7 +298,7 @@ def _check_data(cfg: DictConfig) -> None:
             )
 
 
-def _check_metric(cfg: DictConfig, args) -> None:
+def _check_metric(cfg: TrlGRPORecipeConfig, args) -> None:
     """The metric main() returns must be one the run's summary.json will hold (known before anything trains)."""
     metric = str(cfg.metric)
     if "oracle" in metric and cfg.data.oracle is None:
@@ -273,9 +311,10 @@ def _check_metric(cfg: DictConfig, args) -> None:
         raise ConfigError(f"metric={metric!r} is not a summary.json entry of this run; use one of {sorted(known)}.")
 
 
-def _check_resume(cfg: DictConfig, args) -> None:
+def _check_resume(cfg: TrlGRPORecipeConfig, args, changes: Callable[[], dict]) -> None:
     """A resumed run continues a whole trl checkpoint, before train.max_steps, with the run's own reward sources and
-    settings (changes named in resume_allow_changes)."""
+    settings (``changes()``: what this resume changes, read from the run's records; those not named in
+    resume_allow_changes are refused)."""
     if not cfg.resume:
         return
     checkpoint = latest_trl_checkpoint(args.output_dir)
@@ -313,7 +352,7 @@ def _check_resume(cfg: DictConfig, args) -> None:
             "could not be read with them as one table. Resume with the run's reward_model and reward.functions, or "
             "start a new run in another folder."
         )
-    check_resume_changes(resume_changes(cfg), allowed=cfg.resume_allow_changes)
+    check_resume_changes(changes(), allowed=cfg.resume_allow_changes)
 
 
 def _check_rollouts_are_the_runs(output_dir: Path) -> None:
@@ -329,10 +368,11 @@ def _check_rollouts_are_the_runs(output_dir: Path) -> None:
         )
 
 
-def _check_prompt_lengths(cfg: DictConfig, rows, args) -> int:
+def _check_prompt_lengths(cfg: TrlGRPORecipeConfig, rows, args) -> int:
     """Prompts the policy cannot read whole with ``rollout.generation.max_new_tokens`` tokens after them (tokenizer
     and model config only: before any weights load). Returns the longest prompt's tokens."""
-    tokenizer = load_tokenizer(cfg.model, padding_side="left")
+    model = config_view(cfg.model)
+    tokenizer = load_tokenizer(model, padding_side="left")
     table = PromptTable(rows, tokenizer=tokenizer, system_prompt=cfg.rollout.system_prompt)
     tools = resolve_tools(cfg.tools)
     if tools is None:
@@ -344,14 +384,14 @@ def _check_prompt_lengths(cfg: DictConfig, rows, args) -> int:
         lengths = [len(ids) for ids in rendered["input_ids"]]
     check_prompts_fit_policy(
         lengths,
-        cfg.model,
+        model,
         max_new_tokens=args.max_completion_length,
         max_new_tokens_key="rollout.generation.max_new_tokens",
     )
     return max(lengths)
 
 
-def _check_store_fits_the_disk(cfg: DictConfig, args, *, prompt_width: int) -> None:
+def _check_store_fits_the_disk(cfg: TrlGRPORecipeConfig, args, *, prompt_width: int) -> None:
     """The rollout store of every process, full (``rollout.store.max_rows`` rows of ``max_text_bytes`` of text each),
     must fit the free space of the disk that holds the run: a store that cannot would stop the run once it filled the
     disk, and one sized past what any disk holds fails at its first write ("File too large", or an allocation of

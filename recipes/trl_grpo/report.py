@@ -18,7 +18,6 @@ import math
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from transformers import ProgressCallback, TrainerCallback
 
 from recipes.common.metrics import (
@@ -33,6 +32,7 @@ from recipes.common.text_metrics import distinct_bigrams
 from recipes.common.tools import tool_entries
 from recipes.trl_grpo.evaluation import EVAL_KEYS, eval_series, format_dialog
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR
+from recipes.trl_grpo.schema import TrlGRPORecipeConfig
 
 __all__ = [
     "MetricsCallback",
@@ -248,7 +248,7 @@ class StepBar(ProgressCallback):
         return None
 
 
-def reward_source_names(cfg: DictConfig) -> list[str]:
+def reward_source_names(cfg: TrlGRPORecipeConfig) -> list[str]:
     """The reward sources as trl names them (``rewards/<name>/mean``) and the store's ``rewards`` column orders them:
     the reward model (the last part of its ``name_or_path``; the recipe names the loaded model so) first, then each
     ``reward.functions`` entry under its config name."""
@@ -256,7 +256,7 @@ def reward_source_names(cfg: DictConfig) -> list[str]:
     return model + [str(name) for name in cfg.reward.functions]
 
 
-def summary_keys(cfg: DictConfig, args) -> set[str]:
+def summary_keys(cfg: TrlGRPORecipeConfig, args) -> set[str]:
     """Every entry of the ``summary.json`` a run of ``cfg`` writes (``args``: ``train:`` as trl reads it): the first
     and last value of each rollout figure (trl's, under the recipes' names, per reward source too; distinct-2; the
     oracle's mean where the data has an oracle) and of the loss, entropy and (with ``beta`` > 0) KL, and the run's

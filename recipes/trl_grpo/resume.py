@@ -30,6 +30,7 @@ from recipes.common.resume import record_resume, truncate_metrics_csv
 from recipes.common.resume import resume_changes as common_resume_changes
 from recipes.common.resume import resumed_config as common_resumed_config
 from recipes.common.run import SUMMARY_FILE
+from recipes.trl_grpo.schema import TrlGRPORecipeConfig
 
 __all__ = [
     "RESUME_FREE_KEYS",
@@ -101,19 +102,20 @@ def resume_changes(cfg: DictConfig) -> dict:
     return common_resume_changes(cfg, free_keys=RESUME_FREE_KEYS)
 
 
-def finished_run_summary(cfg: DictConfig) -> dict | None:
+def finished_run_summary(cfg: TrlGRPORecipeConfig) -> dict | None:
     """With ``resume=true`` in a run whose newest trl checkpoint reached ``train.max_steps`` and that wrote its
     ``summary.json``: that summary (nothing is left to train); else None."""
-    checkpoint = latest_trl_checkpoint(str(cfg.train.output_dir)) if cfg.resume else None
+    checkpoint = latest_trl_checkpoint(str(cfg.train["output_dir"])) if cfg.resume else None
     summary = Path(cfg.output_dir) / SUMMARY_FILE
-    if checkpoint is not None and checkpoint_step(checkpoint) >= cfg.train.max_steps and summary.is_file():
+    if checkpoint is not None and checkpoint_step(checkpoint) >= cfg.train["max_steps"] and summary.is_file():
         return json.loads(summary.read_text())
     return None
 
 
 def record_resume_start(cfg: DictConfig, output_dir: Path) -> None:
     """Before the resumed run writes its records (``start_run``'s ``before_config``, main process): ``metrics.csv``
-    cut at the checkpoint's step, and the resume (its step, what it changes) in ``resumes.jsonl``."""
+    cut at the checkpoint's step, and the resume (its step, what it changes against the run's records: ``cfg`` is the
+    resolved config, as ``resolved_config.yaml`` holds it) in ``resumes.jsonl``."""
     step = checkpoint_step(latest_trl_checkpoint(str(cfg.train.output_dir)))
     changes = resume_changes(cfg)
     truncate_metrics_csv(output_dir / "metrics.csv", step)

@@ -24,6 +24,7 @@ from recipes.common.schema import (
     NumThreads,
     Range,
     RayNode,
+    ToolsNode,
     TrainerNode,
     WorkerResourcesNode,
 )
@@ -32,6 +33,9 @@ from recipes.common.vocabulary import SHARED_KEYS_OF_TRL_FIELDS
 __all__ = ["GRPO_CONFIG_FIELDS", "RENAMED", "Generation", "GRPOTrainerNode", "TrlGRPORecipeConfig"]
 
 Positive = Annotated[int, Range(ge=1)]
+# A number kept as written (temperature=0 stays 0): trl gets it as the GRPO recipe's sampler does, and a refusal
+# (interop.SamplingSettings') quotes the value the user gave.
+Number = int | float
 
 # trl.GRPOConfig's fields that this recipe sets from its own keys, the GRPO recipe's (one key per setting in both
 # recipes): field -> the key read (recipes.trl_grpo.checks.grpo_config_fields hands them to trl).
@@ -87,11 +91,11 @@ class Generation:
     max_new_tokens: Positive
     min_new_tokens: Annotated[int, Range(ge=0)]
     do_sample: bool
-    temperature: float
+    temperature: Number
     top_k: Annotated[int, Range(ge=0)] | None
-    top_p: float
-    min_p: float | None
-    repetition_penalty: float
+    top_p: Number
+    min_p: Number | None
+    repetition_penalty: Number
 
 
 @dataclass
@@ -130,7 +134,7 @@ class Rollout:
 
 @dataclass
 class Reward:
-    model_weight: float
+    model_weight: Number  # as written: reward.model_weight=0 is refused quoting 0 (recipes.common.reward_functions)
     # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
     functions: Annotated[dict[str, Any], OPEN]
     aggregation: Literal["sum_then_normalize", "normalize_then_sum"]  # trl's multi_objective_aggregation
@@ -158,9 +162,9 @@ class TrlGRPORecipeConfig:
     rollout: Rollout
     ray: RayNode
     reward: Reward
-    # timeout_s, max_result_tokens, <name>: {function} and <label>: {torchrl | mcp} entries (recipes.common.tools checks
-    # them).
-    tools: Annotated[dict[str, Any], OPEN]
+    # timeout_s and max_result_tokens, then <name>: {function} and <label>: {torchrl | mcp} entries, whose names are the
+    # user's (recipes.common.tools checks each entry).
+    tools: ToolsNode
     eval: Eval
     # trl.GRPOConfig's own fields (checked against trl's; GRPOTrainerNode's over trl's defaults), plus its _target_.
     train: Annotated[dict[str, Any], OPEN]

@@ -366,14 +366,14 @@ def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
 
 @pytest.mark.parametrize("reward_input", ["history", "text"])
 def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
-    compose_config, tmp_path, tiny_policy, other_rm_dir, reward_input
+    compose_settings, tmp_path, tiny_policy, other_rm_dir, reward_input
 ):
     """The reward is the score of the conversation re-tokenized with the reward model's tokenizer and template."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
 
-    cfg = compose_config(
+    cfg = compose_settings(
         "grpo_torchrl_rm",
         [
             *SMALL,
@@ -415,7 +415,7 @@ def test_reward_model_with_its_own_tokenizer_scores_what_it_was_trained_on(
         torch.testing.assert_close(reward, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tmp_path, tiny_policy):
+def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_settings, tmp_path, tiny_policy):
     """``+reward.terms.<name>={_target_: ...}`` (as the config's comment shows) adds a term to every reward."""
 
     from recipes.common.chat import make_chat_env, make_policy, make_prompt_dataloader
@@ -429,7 +429,7 @@ def test_reward_terms_from_yaml_add_to_the_reward_model_score(compose_config, tm
         "+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.25,free_tokens:2}",
         "+reward.terms.oracle={_target_:recipes.grpo.rewards.TextScoreReward,score:${data.oracle},weight:3.0}",
     ]
-    cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.input=tokens", *terms])
+    cfg = compose_settings("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward.input=tokens", *terms])
     model, tokenizer = tiny_policy
     transforms = [make_reward_transform(cfg, ConstantRewardModel(), tokenizer, tokenizer)]
     loader = make_prompt_dataloader(["Review the mug."], seed=0)

@@ -236,7 +236,7 @@ def test_warm_up_with_a_schedule_that_warms_up_and_a_known_metric_are_accepted(c
 
     overrides = ["train.warmup_steps=2", "train.lr_scheduler_type=constant_with_warmup", "metric=train/loss_last"]
     cfg = validate(compose_config("trl_grpo_torchrl_rollouts", [*SMALL, f"output_dir={tmp_path}", *overrides]))
-    assert cfg.train.warmup_steps == 2 and cfg.metric == "train/loss_last"
+    assert cfg.train["warmup_steps"] == 2 and cfg.metric == "train/loss_last"
 
 
 def test_a_trainer_folder_outside_the_run_folder_is_refused(compose_config, tmp_path, monkeypatch):

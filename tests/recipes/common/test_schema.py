@@ -13,16 +13,19 @@ from _small_runs import GRPO_SMALL
 
 from recipes.common.config import ConfigError
 from recipes.common.schema import (
+    ENTRIES,
     Hint,
     LoraNode,
     ModelNode,
     Range,
     SyntheticData,
+    ToolsNode,
     WandbLogger,
     checked_tree,
     typed_config,
 )
 from recipes.grpo.schema import GRPORecipeConfig, Loss, Rollout
+from recipes.trl_grpo.schema import TrlGRPORecipeConfig
 
 
 @dataclass
@@ -54,6 +57,42 @@ def test_a_hint_replaces_the_generic_message_and_a_field_without_one_keeps_it():
         typed_config({"low": -1, "high": 0, "mode": "fixed"}, _Window, key="w")
     with pytest.raises(ConfigError, match=r"^w.mode='growing': expected one of \['fixed', 'sliding'\]\.$"):
         typed_config({"low": 0, "high": 0, "mode": "growing"}, _Window, key="w")
+
+
+@dataclass
+class _Shelf:
+    capacity: Annotated[int, Range(ge=1)]
+    books: Annotated[dict[str, int], ENTRIES]
+
+
+def test_a_node_with_entries_types_its_settings_and_keeps_every_other_key_as_an_entry():
+    """A node that mixes settings with names of the user's own (``tools:``): its settings are checked and built as
+    fields, required as any; every other key is an entry, checked against the entries' value type."""
+    assert typed_config({"capacity": 2, "atlas": 1, "capacity_x": 3}, _Shelf, key="shelf") == _Shelf(
+        capacity=2, books={"atlas": 1, "capacity_x": 3}
+    )
+    assert typed_config({"capacity": 2}, _Shelf).books == {}
+    with pytest.raises(ConfigError, match=r"shelf.capacity is missing: this recipe reads it"):
+        typed_config({"atlas": 1}, _Shelf, key="shelf")
+    with pytest.raises(ConfigError, match=r"shelf.atlas='one': expected an integer"):
+        typed_config({"capacity": 2, "atlas": "one"}, _Shelf, key="shelf")
+    with pytest.raises(ConfigError, match=r"shelf.capacity=0 must be >= 1"):
+        typed_config({"capacity": 0}, _Shelf, key="shelf")
+    # The entries field is no key of the node: a user's entry may take its name.
+    assert typed_config({"capacity": 1, "books": 4}, _Shelf).books == {"books": 4}
+
+
+@pytest.mark.parametrize("recipe", ["grpo_torchrl_rm", "trl_grpo_torchrl_rollouts"])
+def test_the_tools_node_keeps_its_settings_as_written_and_its_entries_apart(compose_config, tmp_path, recipe):
+    overrides = [f"output_dir={tmp_path}", "+tools.multiply.function=recipes.tasks.calculator.multiply"]
+    schema = GRPORecipeConfig if recipe == "grpo_torchrl_rm" else TrlGRPORecipeConfig
+    _, settings = checked_tree(compose_config(recipe, overrides), schema, recipe=recipe)
+    assert settings.tools == ToolsNode(
+        timeout_s=10, max_result_tokens=256, entries={"multiply": {"function": "recipes.tasks.calculator.multiply"}}
+    )
+    assert type(settings.tools.timeout_s) is int  # as the YAML writes it: a refusal quotes what the user wrote
+    with pytest.raises(ConfigError, match=r"tools.timeout_s='soon': expected an integer or a number"):
+        checked_tree(compose_config(recipe, [*overrides, "tools.timeout_s=soon"]), schema, recipe=recipe)
 
 
 def test_the_grpo_tree_is_built_with_the_schemas_types(compose_config, tmp_path):

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 import recipes.grpo.rewards as rewards_module
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.config import ConfigError
-from recipes.grpo.checks import validate
+from recipes.grpo.checks import validate, validated
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_lora_turns_on_as_users_type_it(compose_config, tmp_path, overrides, exp
     if expected is None:
         assert lora is None
     else:
-        assert {key: lora[key] for key in expected} == expected
+        assert {key: getattr(lora, key) for key in expected} == expected
 
 
 def test_the_config_is_resolved_once(compose_config, tmp_path, monkeypatch):
@@ -130,10 +130,10 @@ def test_the_config_is_resolved_once(compose_config, tmp_path, monkeypatch):
     cfg = compose_config(
         "grpo_torchrl_rm", [*GRPO_SMALL, f"output_dir={tmp_path}", "rollout.system_prompt=${oc.env:GRPO_SYSTEM_PROMPT}"]
     )
-    settled = validate(cfg)
+    settled, record = validated(cfg)
     monkeypatch.setenv("GRPO_SYSTEM_PROMPT", "Ramble on.")
-    assert settled.rollout.system_prompt == "Be brief."
-    assert not OmegaConf.is_interpolation(settled, "output_dir") and settled.output_dir == str(tmp_path)
+    assert settled.rollout.system_prompt == record.rollout.system_prompt == "Be brief."
+    assert not OmegaConf.is_interpolation(record, "output_dir") and settled.output_dir == str(tmp_path)
 
 
 def test_a_resumed_run_keeps_its_own_settings(compose_config, tmp_path):
@@ -319,8 +319,8 @@ def test_every_sampler_setting_has_its_yaml_default_and_the_default_run_samples_
             [f"output_dir={tmp_path}", "rollout.generation.min_p=0.05", "eval.generation.do_sample=false"],
         )
     )
-    assert greedy.rollout.generation.min_p == greedy.eval.generation.min_p == 0.05  # eval follows the rollout's
-    assert greedy.eval.generation.do_sample is False and greedy.rollout.generation.do_sample is True
+    assert greedy.rollout.generation["min_p"] == greedy.eval.generation["min_p"] == 0.05  # eval follows the rollout's
+    assert greedy.eval.generation["do_sample"] is False and greedy.rollout.generation["do_sample"] is True
 
 
 @pytest.mark.parametrize(
@@ -400,15 +400,16 @@ def test_the_trl_defaults_experiment_is_grpo_configs_defaults_read_from_trl(comp
     from recipes.grpo.schema import TRL_NAMES
 
     fields = {field.name: field for field in dataclasses.fields(GRPOConfig)}
-    cfg = validate(compose_config("grpo_torchrl_rm", ["experiment=trl_defaults", f"output_dir={tmp_path}"]))
+    # The preset as the YAML writes it (the run's record: clip_epsilon_high null, trl's None), then as the run reads it.
+    cfg, record = validated(compose_config("grpo_torchrl_rm", ["experiment=trl_defaults", f"output_dir={tmp_path}"]))
     for name in TRL_DEFAULTS:
         default = fields[name].default
-        assert OmegaConf.select(cfg, TRL_NAMES.names[name]) == getattr(default, "value", default), name
+        assert OmegaConf.select(record, TRL_NAMES.names[name]) == getattr(default, "value", default), name
     assert list(cfg.optimizer.betas) == [fields["adam_beta1"].default, fields["adam_beta2"].default]
     assert cfg.eval.group_size == fields["num_generations"].default  # num_generations_eval null
-    assert (cfg.loss.kl_to_ref_coeff, cfg.rollout.generation.top_k, cfg.train.lr_scheduler) == (0.0, 0, "linear")
+    assert (cfg.loss.kl_to_ref_coeff, cfg.rollout.generation["top_k"], cfg.train.lr_scheduler) == (0.0, 0, "linear")
     assert (cfg.loss.type, cfg.loss.clip_epsilon, cfg.rollout.group_size) == ("dapo", 0.2, 8)
-    assert (cfg.advantage.scale_rewards, cfg.train.epochs_per_step, cfg.rollout.generation.temperature) == (
+    assert (cfg.advantage.scale_rewards, cfg.train.epochs_per_step, cfg.rollout.generation["temperature"]) == (
         "group",
         1,
         1.0,

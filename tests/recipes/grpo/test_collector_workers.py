@@ -199,21 +199,16 @@ def test_ray_workers_on_two_nodes_train_through_a_killed_actor_and_a_lost_node(
 
 
 @pytest.mark.parametrize("start_step", [0, 3])
-def test_the_workers_deal_out_the_prompt_stream_one_collector_would_draw(compose_config, tmp_path, start_step):
+def test_the_workers_deal_out_the_prompt_stream_one_collector_would_draw(compose_settings, tmp_path, start_step):
     """Worker ``i`` of ``N`` takes stream positions ``i``, ``i + N``...: no two workers draw the same position, and a
     step's parts together are the prompts one collector would have drawn (from a resumed step too)."""
-    from omegaconf import OmegaConf
-
-    from recipes.common.config import run_config
     from recipes.grpo.collector import collector_factory
 
-    cfg = compose_config("grpo_torchrl_rm", [*TWO_WORKERS, "rollout.responses_per_step=8", f"output_dir={tmp_path}"])
-    config = OmegaConf.to_container(run_config(cfg), resolve=True)
+    overrides = [*TWO_WORKERS, "rollout.responses_per_step=8", f"output_dir={tmp_path}"]
+    cfg = compose_settings("grpo_torchrl_rm", overrides)
 
     def prompt_indices(workers: int, worker: int) -> list[list[int]]:
-        factory = collector_factory(
-            config, num_replicas=1, rank=0, workers=workers, worker=worker, start_step=start_step
-        )
+        factory = collector_factory(cfg, num_replicas=1, rank=0, workers=workers, worker=worker, start_step=start_step)
         collector, _ = factory()
         env = collector.env
         steps = [env.reset()["prompt_index"].tolist() for _ in range(3)]

@@ -3,6 +3,7 @@ they may read, and the batches the collector hands over."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -42,9 +43,13 @@ def other_rm(other_rm_dir):
     )
 
 
-def _rollout_step(compose_config, tiny_policy, reward_model, reward_tokenizer, reward_input, overrides=()):
-    """One step of PromptEnv + make_reward_transform + CausalLMSampler: the responses and their rewards."""
-    cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"reward.input={reward_input}", *overrides])
+def _rollout_step(
+    compose_settings, tiny_policy, reward_model, reward_tokenizer, reward_input, overrides=(), edit=lambda cfg: None
+):
+    """One step of PromptEnv + make_reward_transform + CausalLMSampler: the responses and their rewards (``edit``
+    changes the typed settings first: what a config cannot hold, such as an infinite coefficient the schema refuses)."""
+    cfg = compose_settings("grpo_torchrl_rm", [*SMALL, f"reward.input={reward_input}", *overrides])
+    edit(cfg)
     model, tokenizer = tiny_policy
     table = PromptTable(PROMPTS, tokenizer=tokenizer)
     env = PromptEnv(table, tokenizer=tokenizer, group_size=2, num_prompts=2, shuffle=False)
@@ -67,11 +72,11 @@ def _alone(wrapper, key, value):
 
 
 @pytest.mark.parametrize("reward_input", ["history", "text"])
-def test_text_rewards_equal_each_conversation_scored_alone(compose_config, tiny_policy, other_rm, reward_input):
+def test_text_rewards_equal_each_conversation_scored_alone(compose_settings, tiny_policy, other_rm, reward_input):
     """Batched in the env, a reward model with its own tokenizer scores each response as it would score the
     conversation (``history``: its chat template) or the text (``text``: EOS appended) on its own."""
     reward_model, reward_tokenizer = other_rm
-    step, table = _rollout_step(compose_config, tiny_policy, reward_model, reward_tokenizer, reward_input)
+    step, table = _rollout_step(compose_settings, tiny_policy, reward_model, reward_tokenizer, reward_input)
     _, tokenizer = tiny_policy
     rewards = step["next", "reward"]
     assert rewards.shape == (4, 1, 1)
@@ -95,7 +100,7 @@ def test_text_rewards_equal_each_conversation_scored_alone(compose_config, tiny_
     assert rewards.std() > 0
 
 
-def test_token_rewards_equal_each_sequence_scored_alone(compose_config, tiny_policy):
+def test_token_rewards_equal_each_sequence_scored_alone(compose_settings, tiny_policy):
     """A reward model sharing the policy's tokenizer reads its token ids directly, as each sequence alone."""
     from tensordict import TensorDict
     from transformers import AutoModelForSequenceClassification
@@ -104,7 +109,7 @@ def test_token_rewards_equal_each_sequence_scored_alone(compose_config, tiny_pol
 
     model, tokenizer = tiny_policy
     reward_model = AutoModelForSequenceClassification.from_pretrained(PROJECT_ROOT / "tiny" / "reward_model").eval()
-    step, _ = _rollout_step(compose_config, tiny_policy, reward_model, tokenizer, "tokens")
+    step, _ = _rollout_step(compose_settings, tiny_policy, reward_model, tokenizer, "tokens")
     wrapper = HFRewardModelWrapper(reward_model)
     mask = step["masks", "all_attention_mask"]
     for row in range(4):
@@ -118,7 +123,7 @@ def test_token_rewards_equal_each_sequence_scored_alone(compose_config, tiny_pol
         )
 
 
-def test_reward_terms_read_the_decoded_responses(compose_config, tiny_policy):
+def test_reward_terms_read_the_decoded_responses(compose_settings, tiny_policy):
     """``reward.terms`` that read text (TextScoreReward) get it decoded; LengthPenalty counts the dense rows."""
 
     class ConstantRewardModel(torch.nn.Module):
@@ -131,7 +136,7 @@ def test_reward_terms_read_the_decoded_responses(compose_config, tiny_policy):
         "strip:['<|im_end|>']}",
     ]
     _, tokenizer = tiny_policy
-    step, _ = _rollout_step(compose_config, tiny_policy, ConstantRewardModel(), tokenizer, "tokens", terms)
+    step, _ = _rollout_step(compose_settings, tiny_policy, ConstantRewardModel(), tokenizer, "tokens", terms)
     width = step["tokens", "prompt"].shape[-1]
     lengths = step["masks", "all_attention_mask"][:, width:].sum(-1)
     assert len(set(lengths.tolist())) > 1  # responses of different lengths, padded
@@ -152,11 +157,11 @@ class _ConstantRewardModel(torch.nn.Module):
         return torch.full((input_ids.shape[0], 1), 0.5)
 
 
-def test_the_reward_transform_declares_the_reward_and_each_sources_values(compose_config, tiny_policy):
+def test_the_reward_transform_declares_the_reward_and_each_sources_values(compose_settings, tiny_policy):
     """One interop.RewardModelTransform over every source: the env declares ("next", "reward") ``batch + (1, 1)`` and
     ("next", "source_rewards") ``batch + (K,)``, in reward_sources order, and fills both."""
     length = "+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.5,weight:2.0}"
-    cfg = compose_config("grpo_torchrl_rm", [*SMALL, "reward.input=tokens", length])
+    cfg = compose_settings("grpo_torchrl_rm", [*SMALL, "reward.input=tokens", length])
     model, tokenizer = tiny_policy
     table = PromptTable(PROMPTS, tokenizer=tokenizer)
     env = PromptEnv(table, tokenizer=tokenizer, group_size=2, num_prompts=2, shuffle=False)
@@ -171,23 +176,22 @@ def test_the_reward_transform_declares_the_reward_and_each_sources_values(compos
     torch.testing.assert_close(step["reward"].reshape(-1), values[:, 0] + 2.0 * values[:, 1])
 
 
-def test_a_non_finite_term_stops_the_step_naming_its_setting(compose_config, tiny_policy):
+def test_a_non_finite_term_stops_the_step_naming_its_setting(compose_settings, tiny_policy):
     _, tokenizer = tiny_policy
-    infinite = ["+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:inf}"]
+    length = ["+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:1.0}"]
+
+    def infinite(cfg):  # the schema refuses inf in a config: the term's own values must be caught as they are made
+        cfg.reward.terms["length"]["coefficient"] = math.inf
+
     with pytest.raises(ValueError, match=r"the reward source 'reward.terms.length' returned non-finite rewards for"):
-        _rollout_step(compose_config, tiny_policy, _ConstantRewardModel(), tokenizer, "tokens", infinite)
+        _rollout_step(compose_settings, tiny_policy, _ConstantRewardModel(), tokenizer, "tokens", length, infinite)
 
 
-def test_the_collector_hands_over_dense_batches_of_whole_groups(compose_config, tmp_path):
+def test_the_collector_hands_over_dense_batches_of_whole_groups(compose_settings, tmp_path):
     """``build_prompt_collector`` (what the background process runs): batches of BATCH_KEYS, flat, whole groups,
     from a prompt stream that continues where a resumed run stopped."""
-    from omegaconf import OmegaConf
-
-    from recipes.common.config import run_config
-
-    cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward_model=tiny_base"])
-    config = OmegaConf.to_container(run_config(cfg), resolve=True)
-    collector, _ = build_prompt_collector(config, start_step=0, num_replicas=1, rank=0)
+    cfg = compose_settings("grpo_torchrl_rm", [*SMALL, f"output_dir={tmp_path}", "reward_model=tiny_base"])
+    collector, _ = build_prompt_collector(cfg, start_step=0, num_replicas=1, rank=0)
     batches = iter(collector)
     first, second = next(batches), next(batches)
     assert set(first.keys(True, True)) == {key if isinstance(key, str) else tuple(key) for key in BATCH_KEYS}
@@ -195,7 +199,7 @@ def test_the_collector_hands_over_dense_batches_of_whole_groups(compose_config, 
     for batch in (first, second):
         assert (batch["prompt_index"].reshape(2, 2) == batch["prompt_index"][::2, None]).all()  # groups of 2
     collector.shutdown()
-    resumed, _ = build_prompt_collector(config, start_step=1, num_replicas=1, rank=0)
+    resumed, _ = build_prompt_collector(cfg, start_step=1, num_replicas=1, rank=0)
     assert torch.equal(next(iter(resumed))["prompt_index"], second["prompt_index"])
     resumed.shutdown()
 
@@ -231,14 +235,14 @@ def _entries(tensordict) -> set[tuple]:
     ("env", "overrides"),
     [("prompt", []), ("chat", []), ("chat", ["+rollout.generation.return_log_probs=true"])],
 )
-def test_rollout_step_keys_are_what_a_step_holds(compose_config, tiny_policy, env, overrides):
+def test_rollout_step_keys_are_what_a_step_holds(compose_settings, tiny_policy, env, overrides):
     """What check_reward_keys lists is what a reward transform finds: guards against TorchRL changing its layout."""
     from tensordict import set_list_to_stack
 
     from interop import RewardModelTransform
 
     set_list_to_stack(True).set()
-    cfg = compose_config("grpo_torchrl_rm", [*SMALL, f"rollout.env={env}", *overrides])
+    cfg = compose_settings("grpo_torchrl_rm", [*SMALL, f"rollout.env={env}", *overrides])
     model, tokenizer = tiny_policy
     spy = _SeenKeys()
     if env == "prompt":
@@ -256,8 +260,8 @@ def test_rollout_step_keys_are_what_a_step_holds(compose_config, tiny_policy, en
 
 @pytest.mark.parametrize("env", ["prompt", "chat"])
 @pytest.mark.parametrize("reward_input", ["history", "text", "tokens"])
-def test_the_default_reward_keys_are_held_by_both_rollouts(compose_config, env, reward_input):
-    check_reward_keys(compose_config("grpo_torchrl_rm", [f"rollout.env={env}", f"reward.input={reward_input}"]))
+def test_the_default_reward_keys_are_held_by_both_rollouts(compose_settings, env, reward_input):
+    check_reward_keys(compose_settings("grpo_torchrl_rm", [f"rollout.env={env}", f"reward.input={reward_input}"]))
 
 
 @pytest.mark.parametrize(
@@ -275,14 +279,20 @@ def test_the_default_reward_keys_are_held_by_both_rollouts(compose_config, env, 
             ["+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.1,tokens_key:[reply]}"],
             "reward.terms.length.tokens_key=[reply]",
         ),
-        (["~reward.read_keys.history"], "reward.input=history reads reward.read_keys.history, which is not set"),
     ],
 )
-def test_a_key_the_rollout_does_not_hold_is_refused_listing_those_it_holds(compose_config, overrides, message):
-    cfg = compose_config("grpo_torchrl_rm", overrides)
+def test_a_key_the_rollout_does_not_hold_is_refused_listing_those_it_holds(compose_settings, overrides, message):
+    cfg = compose_settings("grpo_torchrl_rm", overrides)
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
         check_reward_keys(cfg)
     assert "[tokens, full], [masks, all_attention_mask]" in str(error.value)
+
+
+def test_a_read_key_the_config_lacks_is_refused_by_the_schema(compose_settings):
+    """Every read key is a setting the schema requires: a config without one is refused naming it, before the rewards'
+    own checks (which read the typed settings, where every read key is set)."""
+    with pytest.raises(ConfigError, match=re.escape("reward.read_keys.history is missing: grpo_torchrl_rm reads it")):
+        compose_settings("grpo_torchrl_rm", ["~reward.read_keys.history"])
 
 
 @pytest.mark.parametrize(
@@ -294,13 +304,13 @@ def test_a_key_the_rollout_does_not_hold_is_refused_listing_those_it_holds(compo
         ["+reward.terms.length={_target_:recipes.grpo.rewards.LengthPenalty,coefficient:0.1,mask_key:null}"],
     ],
 )
-def test_keys_the_rollout_holds_pass(compose_config, overrides):
-    check_reward_keys(compose_config("grpo_torchrl_rm", overrides))
+def test_keys_the_rollout_holds_pass(compose_settings, overrides):
+    check_reward_keys(compose_settings("grpo_torchrl_rm", overrides))
 
 
-def test_a_top_level_key_given_as_a_name_is_read_as_one(compose_config, tiny_policy):
+def test_a_top_level_key_given_as_a_name_is_read_as_one(compose_settings, tiny_policy):
     """``reward.read_keys.text=query``: the key ``"query"``, not the nested key ``("q", "u", "e", "r", "y")``."""
-    cfg = compose_config("grpo_torchrl_rm", ["reward.input=text", "reward.read_keys.text=query"])
+    cfg = compose_settings("grpo_torchrl_rm", ["reward.input=text", "reward.read_keys.text=query"])
     _, tokenizer = tiny_policy
     transform = make_reward_transform(cfg, torch.nn.Identity(), tokenizer, tokenizer)
     assert transform[0].reward_modules["reward_model"].in_keys == ["query"]

@@ -152,7 +152,7 @@ def test_a_masked_secret_is_refused_on_resume_unless_given_again(compose_config,
     with pytest.raises(ConfigError, match=r"train.hub_token is masked in .*resolved_config.yaml \(<HUB_TOKEN>"):
         validate(compose_config("trl_grpo_torchrl_rollouts", resume))
     cfg = validate(compose_config("trl_grpo_torchrl_rollouts", [*resume, "+train.hub_token=hf_secret"]))
-    assert cfg.train.hub_token == "hf_secret"
+    assert cfg.train["hub_token"] == "hf_secret"  # train: is trl's, a plain mapping in the typed settings
 
 
 def test_a_run_stopped_after_its_checkpoint_resumes_with_the_whole_runs_summary(compose_config, tmp_path):
