@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from recipes.common.schema import OPEN, Variant, setting_type  # noqa: E402
+from recipes.common.schema import ENTRIES, OPEN, Variant, setting_type  # noqa: E402
 
 CONF = ROOT / "conf"
 OUT = ROOT / "docs" / "config_reference.md"
@@ -157,6 +157,12 @@ def _walk(schema: type, values: Any, help_texts: dict[str, str], prefix: str) ->
     hints = typing.get_type_hints(schema, include_extras=True)
     for field in dataclasses.fields(schema):
         key = f"{prefix}.{field.name}" if prefix else field.name
+        if ENTRIES in typing.get_args(hints[field.name]):
+            # The node's other keys are the user's own (tools.<name>): one row for them, the YAML's entries as default.
+            names = [name for name in (values or {}) if name not in {f.name for f in dataclasses.fields(schema)}]
+            default = _shown({name: values[name] for name in names}) if names else "none"
+            yield Setting(f"{prefix}.<name>", "the user's entries, one per key", default, _help(prefix, help_texts))
+            continue
         yield from _walk_field(key, hints[field.name], values.get(field.name) if values else None, help_texts)
 
 

@@ -671,7 +671,10 @@ def _allows_none(expected: Any) -> bool:
 def _describe(expected: Any) -> str:
     origin = typing.get_origin(expected)
     if origin in (Union, types.UnionType):
-        return " or ".join(_describe(option) for option in typing.get_args(expected))
+        options = typing.get_args(expected)
+        if int in options and float in options:  # a number kept as written (10 stays 10): a number all the same
+            options = tuple(option for option in options if option is not int)
+        return " or ".join(_describe(option) for option in options)
     if origin is Literal:
         return f"one of {list(typing.get_args(expected))}"
     if origin in (list, tuple):

@@ -91,7 +91,7 @@ def test_the_tools_node_keeps_its_settings_as_written_and_its_entries_apart(comp
         timeout_s=10, max_result_tokens=256, entries={"multiply": {"function": "recipes.tasks.calculator.multiply"}}
     )
     assert type(settings.tools.timeout_s) is int  # as the YAML writes it: a refusal quotes what the user wrote
-    with pytest.raises(ConfigError, match=r"tools.timeout_s='soon': expected an integer or a number"):
+    with pytest.raises(ConfigError, match=r"tools.timeout_s='soon': expected a number"):
         checked_tree(compose_config(recipe, [*overrides, "tools.timeout_s=soon"]), schema, recipe=recipe)
 
 
