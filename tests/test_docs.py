@@ -20,7 +20,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -432,46 +431,24 @@ def readme_block(marker: str) -> str:
     return found.group(1)
 
 
-EXAMPLE_TEST = "test_the_readme_trl_example_runs_as_a_user_runs_it"
+def test_the_readme_trl_example_runs_as_a_user_runs_it(tmp_path, capfd):
+    """The block a trl user copies, run as they run it: ``python trl_example.py`` in a folder of its own, ``tiny``
+    beside it, the package on the path, offline (its ``__main__`` in this process: tests/_in_process.run_script; a
+    process of its own spent most of its 12 s importing trl, transformers and torchrl again)."""
+    from _in_process import run_script
 
-
-@pytest.fixture(scope="module", autouse=True)
-def trl_example_process(request, tmp_path_factory):
-    """The README's trl example, started with the module's first test when its test is selected: its ~12 s are
-    mostly imports in a process of its own, which run beside the commands' composition instead of after it.
-
-    The block a trl user copies, run as they run it: in a folder of its own, ``tiny`` beside it, the package on the
-    path, offline.
-    """
-    if not any(item.name == EXAMPLE_TEST for item in request.session.items):
-        yield None
-        return
-    folder = tmp_path_factory.mktemp("trl_example")
-    (folder / "tiny").symlink_to(REPO_ROOT / "tiny")
-    script = folder / "trl_example.py"
+    (tmp_path / "tiny").symlink_to(REPO_ROOT / "tiny")
+    script = tmp_path / "trl_example.py"
     script.write_text(readme_block("trl-example"))
     env = {
-        **os.environ,
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TRL_EXPERIMENTAL_SILENCE": "1",
-        "PYTHONPATH": str(REPO_ROOT),
     }
-    process = subprocess.Popen(
-        [sys.executable, str(script)], cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    process.started = time.perf_counter()
-    yield process
-    if process.poll() is None:  # its test did not run to the end: no process is left behind
-        process.kill()
-        process.communicate()
-
-
-def test_the_readme_trl_example_runs_as_a_user_runs_it(trl_example_process):
-    stdout, stderr = trl_example_process.communicate(timeout=180)
-    print(f"the README's trl example ended {time.perf_counter() - trl_example_process.started:.1f} s after its start")
-    assert trl_example_process.returncode == 0, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+    returncode = run_script(script, env=env, cwd=tmp_path)
+    stdout, stderr = capfd.readouterr()
+    assert returncode == 0, f"{stdout[-3000:]}\n{stderr[-5000:]}"
     # Four scored completions, each with trl's advantage and its text.
     printed = re.findall(r"^[+-]\d+\.\d\d  (\S.*)$", stdout, re.M)
     assert len(printed) == 4 and all(len(text.split()) >= 2 for text in printed), stdout[-2000:]

@@ -11,7 +11,6 @@ import copy
 import itertools
 import json
 import multiprocessing
-import subprocess
 import sys
 import warnings
 from functools import partial
@@ -630,18 +629,16 @@ def test_hf_dataset_in_dataloader_workers_draws_each_index_once():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_benchmark_quick_run(repo_root):
-    result = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "bench_interop.py"), "--quick", "--skip-reward"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=repo_root,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_benchmark_quick_run(repo_root, capfd):
+    """Its command line, ``__main__`` included (in this process: tests/_in_process.run_script)."""
+    from _in_process import run_script
+
+    returncode = run_script(repo_root / "scripts" / "bench_interop.py", "--quick", "--skip-reward")
+    output = capfd.readouterr()
+    assert returncode == 0, output.err[-2000:]
     for row in ["LazyTensorStorage", "ListStorage", "LazyStackStorage (ragged)", "ours/reference >= 4x"]:
-        assert row in result.stdout
-    assert "crash (RuntimeError" in result.stdout  # the reference on ragged rollouts
+        assert row in output.out
+    assert "crash (RuntimeError" in output.out  # the reference on ragged rollouts
 
 
 def test_keys_that_would_leave_samples_empty_or_a_hf_view_without_a_column_raise():

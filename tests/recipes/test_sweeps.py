@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _in_process import run_script
 from _small_runs import GRPO_SMALL, REWARD_SMALL
 
 RECIPES = {
@@ -54,23 +55,24 @@ def test_two_job_multirun_writes_one_summary_per_job(recipe, tmp_path, repo_root
     assert "seed=0" in report.stdout and "seed=1" in report.stdout
 
 
-def test_a_failed_job_does_not_stop_the_sweep_and_the_sweep_says_so(tmp_path, repo_root):
+def test_a_failed_job_does_not_stop_the_sweep_and_the_sweep_says_so(tmp_path, repo_root, capfd):
     """Job 0 is refused (an Adam learning rate of 5), job 1 trains: the sweep runs both, records the failure in job
-    0's folder and exits non-zero naming it; the report lists it."""
+    0's folder and exits non-zero naming it; the report lists it. (The sweep's command line in this process, with
+    Hydra's basic launcher; the sweep whose jobs run in other processes below is started as a process.)"""
     sweep_dir = tmp_path / "sweep"
-    command = [
-        sys.executable,
-        str(repo_root / "recipes" / "grpo_torchrl_rm.py"),
+    returncode = run_script(
+        repo_root / "recipes" / "grpo_torchrl_rm.py",
         "-m",
         "optimizer.lr=5,2e-3",
         *GRPO_SMALL,
         "train.steps=1",
         f"hydra.sweep.dir={sweep_dir}",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert result.returncode == 1
-    assert "1 job(s) of the sweep failed" in result.stderr and str(sweep_dir / "0") in result.stderr
+        env={"HF_HUB_OFFLINE": "1"},
+        cwd=tmp_path,
+    )
+    stderr = capfd.readouterr().err
+    assert returncode == 1
+    assert "1 job(s) of the sweep failed" in stderr and str(sweep_dir / "0") in stderr
     assert "optimizer.lr=5" in json.loads((sweep_dir / "0" / "failed.json").read_text())["reason"]
     assert json.loads((sweep_dir / "1" / "summary.json").read_text())["train/steps"] == 1
     report = subprocess.run(

@@ -68,17 +68,15 @@ def test_largest_fitting_batch_grows_with_device_memory():
     )
 
 
-def test_runs_as_a_user_runs_it(repo_root):
-    result = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "estimate_memory.py"), "--device-memory", "80GiB"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=repo_root,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "optimizer state (AdamW, 2 moments)" in result.stdout
-    assert "Fits in 80.00 GiB" in result.stdout
+def test_runs_as_a_user_runs_it(repo_root, capfd):
+    """Its command line, ``__main__`` included (in this process: tests/_in_process.run_script)."""
+    from _in_process import run_script
+
+    returncode = run_script(repo_root / "scripts" / "estimate_memory.py", "--device-memory", "80GiB")
+    output = capfd.readouterr()
+    assert returncode == 0, output.err[-3000:]
+    assert "optimizer state (AdamW, 2 moments)" in output.out
+    assert "Fits in 80.00 GiB" in output.out
 
 
 def test_checkpointed_activations_hold_one_layer_and_less_than_all():

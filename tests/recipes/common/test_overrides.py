@@ -3,11 +3,8 @@ with the recipe's key for it (another tool's name) or its nearest keys, before H
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from _small_runs import REPO_ROOT
+from _in_process import run_script
 
 from recipes.common.schema import refuse_unknown_overrides
 from recipes.grpo.schema import TRL_NAMES, GRPORecipeConfig
@@ -47,13 +44,9 @@ def test_known_keys_added_keys_groups_and_hydras_own_are_left_to_hydra(argument)
     refuse_unknown_overrides([argument], GRPORecipeConfig, recipe="grpo_torchrl_rm", aliases=TRL_NAMES)
 
 
-def test_the_trl_recipe_names_its_key_for_a_grpo_config_field_typed_at_the_top_level():
-    completed = subprocess.run(
-        [sys.executable, "recipes/trl_grpo_torchrl_rollouts.py", "num_generations=4"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 1 and "not in struct" not in completed.stderr
-    assert "trl.GRPOConfig's num_generations is rollout.group_size here: set rollout.group_size=4" in completed.stderr
+def test_the_trl_recipe_names_its_key_for_a_grpo_config_field_typed_at_the_top_level(capfd):
+    """As typed on the trl recipe's command line (its ``__main__``, in this process): its own aliases answer."""
+    returncode = run_script("recipes/trl_grpo_torchrl_rollouts.py", "num_generations=4")
+    stderr = capfd.readouterr().err
+    assert returncode == 1 and "not in struct" not in stderr
+    assert "trl.GRPOConfig's num_generations is rollout.group_size here: set rollout.group_size=4" in stderr

@@ -335,11 +335,13 @@ def test_trls_message_list_helpers_run_in_the_grpo_recipe(compose_config, tmp_pa
 
 
 def test_a_reward_module_in_the_folder_the_run_starts_from_is_found(tmp_path, repo_root):
-    """As trl users keep them: my_rewards.py beside where they run, no PYTHONPATH."""
+    """As trl users keep them: my_rewards.py beside where they run, no PYTHONPATH (a process started there). A
+    misspelt module is refused naming the folder (the same command line in this process)."""
     import os
     import subprocess
     import sys
 
+    from _in_process import run_script
     from _small_runs import GRPO_SMALL
 
     (tmp_path / "my_rewards.py").write_text(
@@ -355,15 +357,15 @@ def test_a_reward_module_in_the_folder_the_run_starts_from_is_found(tmp_path, re
         text=True,
     )
     assert found.returncode == 0, found.stderr[-2000:]
-    missing = subprocess.run(
-        [*command, "+reward.functions.mine.function=my_reward.exact_match", f"hydra.run.dir={tmp_path / 'b'}"],
+    missing = run_script(
+        *command[1:],
+        "+reward.functions.mine.function=my_reward.exact_match",
+        f"hydra.run.dir={tmp_path / 'b'}",
+        env={"HF_HUB_OFFLINE": "1"},
         cwd=tmp_path,
-        env={**env, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
     )
     log = (tmp_path / "b" / "grpo_torchrl_rm.log").read_text()
-    assert missing.returncode == 1 and f"no module my_reward in {tmp_path}" in log and "PYTHONPATH" in log
+    assert missing == 1 and f"no module my_reward in {tmp_path}" in log and "PYTHONPATH" in log
 
 
 def test_log_metric_and_log_extra_are_kept_for_the_batch_and_a_short_column_is_refused(tiny_policy):

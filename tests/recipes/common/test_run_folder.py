@@ -69,12 +69,12 @@ def test_overwrite_clears_the_earlier_runs_resumes_and_failure_too(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["grpo_torchrl_rm", "trl_grpo_torchrl_rollouts"])
-def test_a_run_refused_on_a_folder_in_use_changes_nothing_of_the_run_there(tmp_path, recipe):
+def test_a_run_refused_on_a_folder_in_use_changes_nothing_of_the_run_there(tmp_path, capfd, recipe):
     """Run B with overwrite=true on the folder where run A is training is refused "in use" and leaves every file of
-    A's as it was: Hydra's ``.hydra/`` records (which Hydra wrote before any recipe code ran), its log, its metrics."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    A's as it was: Hydra's ``.hydra/`` records (which Hydra wrote before any recipe code ran), its log, its metrics.
+    (Run B's command line in this process: the lock is an ``flock`` on a file of its own opening, which the test's
+    lock holds against it as another process's would.)"""
+    from _in_process import run_script
 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
@@ -85,37 +85,40 @@ def test_a_run_refused_on_a_folder_in_use_changes_nothing_of_the_run_there(tmp_p
     lock = RunFolderLock(run)  # run A, training
     before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
     try:
-        completed = subprocess.run(
-            [sys.executable, f"recipes/{recipe}.py", f"hydra.run.dir={run}", "overwrite=true", "seed=7"],
-            cwd=Path(__file__).resolve().parents[3],
-            env=dict(os.environ, HF_HUB_OFFLINE="1"),
-            capture_output=True,
-            text=True,
-            timeout=300,
+        returncode = run_script(
+            f"recipes/{recipe}.py", f"hydra.run.dir={run}", "overwrite=true", "seed=7", env={"HF_HUB_OFFLINE": "1"}
         )
     finally:
         lock.release()
-    assert completed.returncode == 1 and f"{run} is in use by another run" in completed.stderr + completed.stdout
+    output = capfd.readouterr()
+    assert returncode == 1 and f"{run} is in use by another run" in output.err + output.out
     after = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
     assert after == before
 
 
 @pytest.mark.parametrize("mode", ["run", "sweep"])
-def test_a_run_folder_that_cannot_be_written_is_refused_naming_it_not_with_hydras_traceback(tmp_path, mode):
-    """A folder below a file stands for any folder this user cannot write (a read-only one: the tests run as root)."""
+def test_a_run_folder_that_cannot_be_written_is_refused_naming_it_not_with_hydras_traceback(tmp_path, capfd, mode):
+    """A folder below a file stands for any folder this user cannot write (a read-only one: the tests run as root).
+    The run as a process of its own, as typed; the sweep's command line in this process (tests/_in_process)."""
     import subprocess
     import sys
     from pathlib import Path
 
+    from _in_process import run_script
+
     (tmp_path / "a_file").write_text("")
     folder = tmp_path / "a_file" / "run"
     key = "hydra.run.dir" if mode == "run" else "hydra.sweep.dir"
-    command = [sys.executable, "recipes/grpo_torchrl_rm.py", f"{key}={folder}", *(["-m"] if mode == "sweep" else [])]
-    completed = subprocess.run(
-        command, cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=300
+    arguments = ["recipes/grpo_torchrl_rm.py", f"{key}={folder}", *(["-m"] if mode == "sweep" else [])]
+    if mode == "run":
+        completed = subprocess.run(
+            [sys.executable, *arguments], cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True
+        )
+        returncode, stderr = completed.returncode, completed.stderr
+    else:
+        returncode, stderr = run_script(*arguments), capfd.readouterr().err
+    assert returncode == 1 and "Traceback" not in stderr
+    assert f"Cannot write the run's output folder {folder} (Not a directory): choose a folder" in stderr or (
+        f"Cannot write the sweep's folder {folder} (Not a directory)" in stderr
     )
-    assert completed.returncode == 1 and "Traceback" not in completed.stderr
-    assert f"Cannot write the run's output folder {folder} (Not a directory): choose a folder" in completed.stderr or (
-        f"Cannot write the sweep's folder {folder} (Not a directory)" in completed.stderr
-    )
-    assert f"({key}=...)" in completed.stderr
+    assert f"({key}=...)" in stderr

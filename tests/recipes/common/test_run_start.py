@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _in_process import run_script
 from _small_runs import GRPO_SMALL, REPO_ROOT
 
 from recipes.common.config import ConfigError
@@ -26,30 +27,25 @@ def test_an_output_folder_the_run_cannot_write_fails_at_the_start(tmp_path):
     assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
 
 
-def _run_grpo(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "recipes/grpo_torchrl_rm.py", *GRPO_SMALL, f"hydra.run.dir={tmp_path}", *overrides],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 # What the GRPO run's log file tells from start to end (formerly test_the_run_log_tells_the_run_from_start_to_end here):
 # tests/recipes/test_grpo_torchrl_rm.py::test_a_run_as_a_user_starts_it, in the recipe's one run as a user starts it.
 
 
-def test_a_failed_run_leaves_its_reason_in_the_log(tmp_path):
-    """A bad setting: its message alone (no traceback to dig through). A failure later on: the traceback too."""
-    bad_setting = _run_grpo(tmp_path / "bad", "rollout.group_size=1", "rollout.responses_per_step=4")
-    assert bad_setting.returncode == 1
+def test_a_failed_run_leaves_its_reason_in_the_log(tmp_path, capfd):
+    """A bad setting: its message alone (no traceback to dig through). A failure later on: the traceback too. (The
+    recipe's command line in this process: the exit status and the log are its main()'s.)"""
+
+    def run_grpo(run_dir, *overrides):
+        return run_script("recipes/grpo_torchrl_rm.py", *GRPO_SMALL, f"hydra.run.dir={run_dir}", *overrides)
+
+    assert run_grpo(tmp_path / "bad", "rollout.group_size=1", "rollout.responses_per_step=4") == 1
     text = (tmp_path / "bad" / "grpo_torchrl_rm.log").read_text()
     assert "[ERROR] - rollout.group_size=1: GRPO normalises" in text and "Traceback" not in text
-    assert "Traceback" not in bad_setting.stderr + bad_setting.stdout
+    output = capfd.readouterr()
+    assert "Traceback" not in output.err + output.out
 
-    failing = _run_grpo(tmp_path / "fail", "train.steps=2", "data.oracle._target_=recipes.tasks.synthetic.no_oracle")
-    assert failing.returncode == 1
+    failing = run_grpo(tmp_path / "fail", "train.steps=2", "data.oracle._target_=recipes.tasks.synthetic.no_oracle")
+    assert failing == 1
     text = (tmp_path / "fail" / "grpo_torchrl_rm.log").read_text()
     assert "[ERROR] - The run failed; the traceback follows." in text
     assert "Traceback (most recent call last)" in text and "no_oracle" in text
@@ -81,7 +77,9 @@ def test_wandb_keeps_one_run_across_resumes_with_the_summary_and_sample_tables(c
 
     assert (tmp_path / WANDB_ID_FILE).read_text() == run_id  # the same wandb run continues
     offline_runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(offline_runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in offline_runs)
+    # Each folder holds the run's log under its id (wandb names a folder offline-run-<second>-<id>, adding -1 when the
+    # resume starts within the same second as the first run, which an in-process run of under a second can).
+    assert len(offline_runs) == 2 and all((run / f"run-{run_id}.wandb").is_file() for run in offline_runs)
     assert [summary["train/steps"] for summary in calls["summary"]] == [2, 3]
     assert calls["summary"][0] == first and calls["summary"][1] == resumed
     assert [step for step, _ in calls["samples"]] == [1, 2, 3]  # first, every 2nd and last steps; no step twice

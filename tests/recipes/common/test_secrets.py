@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from _in_process import run_script
 from _small_runs import GRPO_SMALL, MCP_MULTIPLY, REPO_ROOT, SMALL_CALCULATOR, TRL_SMALL
 from omegaconf import OmegaConf
 
@@ -111,41 +112,35 @@ REWARD_RUN = [
     "run",
     [pytest.param(TRL_ROLLOUTS_RUN, id="trl_rollouts"), pytest.param(REWARD_RUN, id="reward", marks=pytest.mark.slow)],
 )
-def test_a_trl_run_given_a_token_in_clear_and_one_from_the_environment_writes_neither(tmp_path, run):
+def test_a_trl_run_given_a_token_in_clear_and_one_from_the_environment_writes_neither(tmp_path, capfd, run):
     """As a user types it (logger=wandb offline, trl checkpoints saved), in both recipes that hand ``train:`` to a trl
-    trainer: no file of the run folder (``training_args.bin`` included), and not the log, holds either secret."""
+    trainer: no file of the run folder (``training_args.bin`` included), and not the log, holds either secret. (The
+    recipe's command line in this process: what its own process would print is tested by the refused run below.)"""
     run_dir = tmp_path / "run"
     env = dict(
-        os.environ,
         PROBE_REPO="me/probe-repo-4321",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         WANDB_MODE="offline",
         WANDB_SILENT="true",
     )
-    completed = subprocess.run(
-        [
-            sys.executable,
-            *run,
-            f"hydra.run.dir={run_dir}",
-            "logger=wandb",
-            "train.save_strategy=steps",
-            "train.save_steps=1",
-            "+train.hub_token=hf_clear_8765",
-            "+train.hub_model_id=${oc.env:PROBE_REPO}",
-        ],
-        cwd=REPO_ROOT,
+    returncode = run_script(
+        *run,
+        f"hydra.run.dir={run_dir}",
+        "logger=wandb",
+        "train.save_strategy=steps",
+        "train.save_steps=1",
+        "+train.hub_token=hf_clear_8765",
+        "+train.hub_model_id=${oc.env:PROBE_REPO}",
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    output = capfd.readouterr()
+    assert returncode == 0, output.err[-3000:]
     assert any(run_dir.glob("trainer/checkpoint-*/training_args.bin")) and any(run_dir.glob("wandb/*/*.wandb"))
     for secret in (b"hf_clear_8765", b"me/probe-repo-4321"):
         leaks = [str(path) for path in run_dir.rglob("*") if path.is_file() and secret in path.read_bytes()]
         assert not leaks, (secret, leaks)
-        assert secret.decode() not in completed.stdout + completed.stderr
+        assert secret.decode() not in output.out + output.err
     record = (run_dir / "resolved_config.yaml").read_text()
     assert "hub_token: <HUB_TOKEN>" in record and "hub_model_id: ${oc.env:PROBE_REPO}" in record
 
@@ -295,56 +290,53 @@ SWEEPS = {
         "trl_grpo_torchrl_rollouts",
     ],
 )
-def test_a_sweep_that_succeeds_keeps_its_secret_out_of_the_sweep_folder_and_its_output(tmp_path, recipe):
+def test_a_sweep_that_succeeds_keeps_its_secret_out_of_the_sweep_folder_and_its_output(tmp_path, capfd, recipe):
     """Hydra writes the sweep's ``multirun.yaml`` (the composed config, the task overrides, ``override_dirname``)
     before any job runs: the jobs mask it, as they mask their own folders. Nothing under the sweep folder, and nothing
-    the sweep prints, holds the secret; ``multirun.yaml`` still says what was swept."""
+    the sweep prints, holds the secret; ``multirun.yaml`` still says what was swept. (The sweep's command line in this
+    process, Hydra's launcher included; tests/recipes/test_sweeps.py starts sweeps as processes.)"""
     sweep_dir = tmp_path / "sweep"
-    completed = subprocess.run(
-        [sys.executable, f"recipes/{recipe}.py", "-m", "seed=0,1", *SWEEPS[recipe], f"hydra.sweep.dir={sweep_dir}"],
-        cwd=REPO_ROOT,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    returncode = run_script(
+        f"recipes/{recipe}.py",
+        "-m",
+        "seed=0,1",
+        *SWEEPS[recipe],
+        f"hydra.sweep.dir={sweep_dir}",
+        env=dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    output = capfd.readouterr()
+    assert returncode == 0, output.err[-3000:]
     assert all((sweep_dir / job / "summary.json").is_file() for job in ("0", "1"))
     leaks = [str(path) for path in sweep_dir.rglob("*") if path.is_file() and b"hf_sweep_7777" in path.read_bytes()]
     assert not leaks
-    assert "hf_sweep_7777" not in completed.stdout + completed.stderr
+    assert "hf_sweep_7777" not in output.out + output.err
     multirun = OmegaConf.load(sweep_dir / "multirun.yaml")
     assert "seed=0,1" in multirun.hydra.overrides.task and "seed=0,1" in multirun.hydra.job.override_dirname
 
 
 @pytest.mark.parametrize("recipe", ["grpo_torchrl_rm", "trl_grpo_torchrl_rollouts"])
-def test_an_mcp_server_that_prints_its_key_as_it_fails_leaves_the_key_out_of_the_run_s_log(tmp_path, recipe):
+def test_an_mcp_server_that_prints_its_key_as_it_fails_leaves_the_key_out_of_the_run_s_log(tmp_path, capfd, recipe):
     """Both GRPO recipes refuse a server that ends before answering, quoting its stderr (its reason), with the value
-    of each of its env settings shown as its name: the run's log and output keep the reason, not the key."""
+    of each of its env settings shown as its name: the run's log and output keep the reason, not the key. (The
+    recipe's command line in this process; the server is a process of its own, as in a user's run.)"""
     pytest.importorskip("mcp")
     server = tmp_path / "server.py"
     server.write_text("import os, sys\nsys.exit(f\"refusing to start: API_KEY={os.environ['API_KEY']} is invalid\")\n")
     run_dir = tmp_path / "run"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            f"recipes/{recipe}.py",
-            f"hydra.run.dir={run_dir}",
-            f"+tools.c.mcp.servers.c.command={sys.executable}",
-            f"+tools.c.mcp.servers.c.args=[{server}]",
-            "+tools.c.mcp.servers.c.env.API_KEY=sk-live-2468",
-        ],
-        cwd=REPO_ROOT,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    returncode = run_script(
+        f"recipes/{recipe}.py",
+        f"hydra.run.dir={run_dir}",
+        f"+tools.c.mcp.servers.c.command={sys.executable}",
+        f"+tools.c.mcp.servers.c.args=[{server}]",
+        "+tools.c.mcp.servers.c.env.API_KEY=sk-live-2468",
+        env=dict(HF_HUB_OFFLINE="1"),
     )
-    assert completed.returncode == 1
+    output = capfd.readouterr()
+    assert returncode == 1
     log = (run_dir / f"{recipe}.log").read_text()
     assert "tools.c.mcp.servers.c: MCP server 'c'" in log and "API_KEY=<API_KEY> is invalid" in log
     leaks = [str(path) for path in run_dir.rglob("*") if path.is_file() and b"sk-live-2468" in path.read_bytes()]
-    assert not leaks and "sk-live-2468" not in completed.stdout + completed.stderr
+    assert not leaks and "sk-live-2468" not in output.out + output.err
 
 
 def test_a_resume_refuses_a_url_whose_password_the_record_masks(tmp_path):
@@ -356,28 +348,22 @@ def test_a_resume_refuses_a_url_whose_password_the_record_masks(tmp_path):
         resumed_config(cfg, has_checkpoint=True)
 
 
-def test_a_sweep_preset_names_each_wandb_run_by_its_overrides_masked(tmp_path):
+def test_a_sweep_preset_names_each_wandb_run_by_its_overrides_masked(tmp_path, capfd):
     """sweep=reward_lr_seed names each job's wandb run ${hydra:job.override_dirname}, the job's overrides as typed: the
-    name the run records (resolved_config.yaml, wandb) shows a token holding `,` masked whole, the rest readable."""
+    name the run records (resolved_config.yaml, wandb) shows a token holding `,` masked whole, the rest readable.
+    (The sweep's command line in this process.)"""
     sweep_dir = tmp_path / "sweep"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "recipes/reward_trainer_from_buffer.py",
-            "-m",
-            "sweep=reward_lr_seed",
-            "hydra.sweeper.params={seed:0}",  # the preset's two learning rates, one seed
-            *REWARD_RUN[1:],
-            '+train.hub_token="hf_a,TAIL_6666"',
-            f"hydra.sweep.dir={sweep_dir}",
-        ],
-        cwd=REPO_ROOT,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", WANDB_SILENT="true"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    returncode = run_script(
+        "recipes/reward_trainer_from_buffer.py",
+        "-m",
+        "sweep=reward_lr_seed",
+        "hydra.sweeper.params={seed:0}",  # the preset's two learning rates, one seed
+        *REWARD_RUN[1:],
+        '+train.hub_token="hf_a,TAIL_6666"',
+        f"hydra.sweep.dir={sweep_dir}",
+        env=dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", WANDB_SILENT="true"),
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert returncode == 0, capfd.readouterr().err[-3000:]
     leaks = [str(path) for path in sweep_dir.rglob("*") if path.is_file() and b"TAIL_6666" in path.read_bytes()]
     assert not leaks and any(sweep_dir.glob("*/wandb/*/*.wandb"))
     name = OmegaConf.load(sweep_dir / "0" / "resolved_config.yaml").logger.wandb.name

@@ -5,11 +5,10 @@ experiment=arithmetic run resumed without repeating experiment=arithmetic)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
-from _small_runs import GRPO_SMALL, REPO_ROOT
+from _in_process import run_script
+from _small_runs import GRPO_SMALL
 
 
 def _files(folder):
@@ -17,9 +16,8 @@ def _files(folder):
 
 
 def _run(*overrides):
-    return subprocess.run(
-        [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides], cwd=REPO_ROOT, capture_output=True, text=True
-    )
+    """``python recipes/grpo_torchrl_rm.py <overrides>``, its exit status (in this process: run_script)."""
+    return run_script("recipes/grpo_torchrl_rm.py", *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +25,13 @@ def finished_run(tmp_path_factory):
     """A 2-step run folder, checkpointed at each step, made once for this module's tests: each copies or moves it
     only after recording its files, so the tests that share it never change it."""
     folder = tmp_path_factory.mktemp("finished") / "D"
-    first = _run(*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"hydra.run.dir={folder}")
-    assert first.returncode == 0, first.stderr[-2000:]
+    assert _run(*GRPO_SMALL, "train.steps=2", "checkpoint.every_n_steps=1", f"hydra.run.dir={folder}") == 0
     return folder
 
 
-def test_a_copied_then_moved_run_folder_resumes_where_it_is_and_leaves_the_original_alone(finished_run, tmp_path):
+def test_a_copied_then_moved_run_folder_resumes_where_it_is_and_leaves_the_original_alone(
+    finished_run, tmp_path, capfd
+):
     """As a user does it: ``cp -r D D2``, ``mv D2 D3``, then ``resume=true hydra.run.dir=D3``. The run resumes as
     itself where its folder is now (neither in D, where it ran, nor in D2, where it was copied), and D is untouched.
     (Formerly two tests, a copied folder and a moved one, each resuming a copy of the shared run: one resume now.)"""
@@ -43,29 +42,26 @@ def test_a_copied_then_moved_run_folder_resumes_where_it_is_and_leaves_the_origi
 
     resumed = _run(f"hydra.run.dir={moved}", "resume=true", "train.steps=4")
 
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed == 0, capfd.readouterr().err[-2000:]
     assert _files(original) == before, "the folder the copy came from is untouched"
     assert not copy.exists()
     assert sorted(path.name for path in (moved / "checkpoints").iterdir()) == ["step_0000003", "step_0000004"]
     assert f"output_dir: {moved}\n" in (moved / "resolved_config.yaml").read_text()
 
 
-def test_a_resumed_experiment_reports_the_metric_its_own_config_names(compose_config, tmp_path):
+def test_a_resumed_experiment_reports_the_metric_its_own_config_names(compose_config, capfd, tmp_path):
     """The arithmetic experiment's metric is eval/accuracy_last; a resume that does not repeat experiment=arithmetic
     must not look for the YAML default's rollout/oracle_mean_last. The first run in this process (what the resume
-    reads of it is its resolved_config.yaml and checkpoint), the resume as a user types it, through main()."""
+    reads of it is its resolved_config.yaml and checkpoint), the resume as a user types it, through main() (its
+    command line in this process too: tests/_in_process.run_script)."""
     import recipes.grpo_torchrl_rm as recipe
 
     common = [*GRPO_SMALL[1:], "eval.every_n_steps=2", "eval.num_prompts=4", f"output_dir={tmp_path}"]
     recipe.train(compose_config("grpo_torchrl_rm", ["experiment=arithmetic", "train.steps=2", *common]))
-    resumed = subprocess.run(
-        [sys.executable, "recipes/grpo_torchrl_rm.py", "resume=true", "train.steps=3", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "KeyError" not in resumed.stderr
+    returncode = _run("resume=true", "train.steps=3", f"hydra.run.dir={tmp_path}")
+    stderr = capfd.readouterr().err
+    assert returncode == 0, stderr[-2000:]
+    assert "KeyError" not in stderr
 
 
 def test_a_run_folder_saved_before_a_setting_existed_resumes_once_the_command_line_gives_it(
