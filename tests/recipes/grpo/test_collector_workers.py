@@ -275,7 +275,7 @@ def _record_prompts(monkeypatch) -> dict[int, list[int]]:
 
 @pytest.mark.slow
 def test_a_ray_run_killed_after_a_checkpoint_leaves_no_ray_process_and_resumes_on_its_prompts(
-    compose_config, tmp_path, monkeypatch
+    compose_config, tmp_path, monkeypatch, _session_cluster
 ):
     """rollout.backend=ray with no address, two workers: the run starts its own cluster. SIGKILLed after its step-2
     checkpoint, every process it had started is gone; resumed (Ray again), it trains steps 3-5, each once, on the
@@ -283,6 +283,10 @@ def test_a_ray_run_killed_after_a_checkpoint_leaves_no_ray_process_and_resumes_o
     10-20 s on 2 cores): two workers' parts of a step are the prompts one collector draws, from a resumed step too
     (test_the_workers_deal_out_the_prompt_stream_one_collector_would_draw), so Ray's steps 3-5 must be its steps."""
     pytest.importorskip("ray")
+    # The run starts a Ray instance of its own in this process: the test worker's shared two-node cluster, if up,
+    # goes first (a later two_node_cluster test starts a new one). Left up, an actor a later test placed on it was
+    # cancelled before it ran, after this test in the same worker (2026-12-06).
+    _session_cluster.close()
     run = [*GRPO_SMALL, "logger=csv", "train.steps=5", "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
     overrides = [*run, "rollout.workers=2", "rollout.backend=ray", "ray.num_cpus=2"]
     prompts = _record_prompts(monkeypatch)
