@@ -782,6 +782,22 @@ class TestOutputHeadWeightFirst:
         assert torch.equal(weight_first.tokens, linear.tokens)
         torch.testing.assert_close(weight_first.log_probs, linear.log_probs, atol=1e-5, rtol=1e-5)
 
+    @pytest.mark.parametrize("rows", [1, 5])
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_the_weight_first_product_is_the_heads_product_in_row_layout(self, rows, bias):
+        from interop.sampling.sampler import _head_rows_first
+
+        head = torch.nn.Linear(64, 32_771, bias=bias)  # a vocabulary no small block size divides
+        hidden = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(0))
+        with _AtenCalls() as recorded:
+            logits = _head_rows_first(head, hidden)
+        expected = torch.mm(head.weight, hidden[:, 0].t()).t() + (head.bias if bias else 0)
+        assert logits.shape == (rows, 1, 32_771) and logits.is_contiguous()
+        assert torch.equal(logits[:, 0], expected)
+        torch.testing.assert_close(logits, head(hidden), atol=1e-5, rtol=1e-5)
+        # Not the 2D transposed copy, which torch runs on one thread: the [V, rows] product is read in 3D.
+        assert not [shapes for name, shapes in recorded.calls if name in ("clone", "copy_") and len(shapes[-1]) == 2]
+
     def test_the_heads_forward_is_restored_when_sampling_fails(self):
         model = _wide_head_policy(32_768)
         failing = model.model.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory")))
