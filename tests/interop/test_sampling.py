@@ -288,6 +288,99 @@ class TestDraw:
         assert torch.searchsorted(bounds, points, right=True).tolist() == [[1, 3]]
 
 
+class _AtenCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each aten op called inside it with its inputs' shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = [tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor)]
+        self.calls.append((func.overloadpacket.__name__, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+class TestVocabularyPasses:
+    """A decoding step's work over the ``[B, V]`` logits: the log-prob normaliser takes its peak from the top-k
+    candidates where they are the raw logits' (no pass for the maximum), with the log-probs of the full pass bit for
+    bit."""
+
+    VOCAB = 4096
+
+    def _step(self, settings, logits, *, step=2, seen=None, scaled=False):
+        from interop.sampling.sampler import _next_tokens
+
+        return _next_tokens(
+            logits.clone(),
+            step=step,
+            settings=settings,
+            eos=torch.tensor([3]),
+            seen=seen,
+            scaled=scaled,
+            uniform=torch.rand(logits.shape[0], 1, generator=torch.Generator().manual_seed(1)),
+            workspace=torch.empty_like(logits),
+        )
+
+    @staticmethod
+    def _full_pass_log_probs(logits, tokens, temperature):
+        """``logits[token] - logsumexp`` with the normaliser's peak from a maximum over the whole vocabulary."""
+        from interop.sampling.sampler import _log_normaliser
+
+        normaliser = _log_normaliser(logits, temperature, torch.empty_like(logits))
+        chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
+        return (chosen / temperature if temperature else chosen) - normaliser
+
+    def _logits(self):
+        logits = torch.randn(6, self.VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+        logits[:, 3] = 200.0  # EOS far above every other logit: a peak missing it overflows exp
+        logits[1, 7] = float("-inf")
+        return logits
+
+    @pytest.mark.parametrize(
+        ("settings", "scaled", "step"),
+        [
+            (SamplingSettings(max_new_tokens=4, top_k=50), False, 2),
+            (SamplingSettings(max_new_tokens=4, top_k=50, top_p=0.9, temperature=0.7), True, 2),
+            (SamplingSettings(max_new_tokens=4, top_k=50, min_new_tokens=3), False, 2),
+            (SamplingSettings(max_new_tokens=4, top_k=50, min_new_tokens=3, temperature=0.7), True, 2),
+            (SamplingSettings(max_new_tokens=4, top_k=50, min_new_tokens=3), False, 3),
+            (SamplingSettings(max_new_tokens=4, top_k=1), False, 2),
+        ],
+        ids=["top_k", "top_k+top_p+temperature", "eos_held_back", "eos_held_back+temperature", "eos_released", "k1"],
+    )
+    def test_log_probs_equal_the_full_pass_bit_for_bit(self, settings, scaled, step):
+        logits = self._logits()
+        tokens, log_probs = self._step(settings, logits, step=step, scaled=scaled)
+        temperature = settings.temperature if scaled and settings.temperature != 1.0 else None
+        assert torch.isfinite(log_probs).all()
+        assert torch.equal(log_probs, self._full_pass_log_probs(logits, tokens, temperature))
+        if step < settings.min_new_tokens:
+            assert not (tokens == 3).any()
+
+    def test_a_repetition_penalty_draws_from_the_penalised_top_k_and_scores_the_raw_logits(self):
+        from interop.sampling.sampler import _choose, _penalise_repetitions
+
+        logits = self._logits()
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[:, 3] = True  # EOS's 200 divided by 1000: out of the penalised scores' top-k, the raw logits' top
+        settings = SamplingSettings(max_new_tokens=4, top_k=50, repetition_penalty=1000.0)
+        tokens, log_probs = self._step(settings, logits, seen=seen)
+        uniform = torch.rand(logits.shape[0], 1, generator=torch.Generator().manual_seed(1))
+        expected = _choose(_penalise_repetitions(logits, seen, 1000.0), settings, uniform=uniform)
+        assert torch.equal(tokens, expected) and not (tokens == 3).any()
+        assert torch.isfinite(log_probs).all()
+        assert torch.equal(log_probs, self._full_pass_log_probs(logits, tokens, None))
+
+    def test_top_k_takes_no_maximum_over_the_vocabulary(self):
+        logits = self._logits()
+        with _AtenCalls() as recorded:
+            self._step(SamplingSettings(max_new_tokens=4, top_k=50), logits)
+        whole = [name for name, shapes in recorded.calls if shapes and shapes[0] == tuple(logits.shape)]
+        assert "amax" not in whole and "max" not in whole, whole
+        assert whole.count("topk") == 1, whole
+
+
 def _forward_rows(model):
     """A list that fills with the ``input_ids`` shape of every forward pass of ``model``, and the hook's handle."""
     shapes = []
@@ -688,6 +781,22 @@ class TestOutputHeadWeightFirst:
         assert calls and all(call is None for call in calls)
         assert torch.equal(weight_first.tokens, linear.tokens)
         torch.testing.assert_close(weight_first.log_probs, linear.log_probs, atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize("rows", [1, 5])
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_the_weight_first_product_is_the_heads_product_in_row_layout(self, rows, bias):
+        from interop.sampling.sampler import _head_rows_first
+
+        head = torch.nn.Linear(64, 32_771, bias=bias)  # a vocabulary no small block size divides
+        hidden = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(0))
+        with _AtenCalls() as recorded:
+            logits = _head_rows_first(head, hidden)
+        expected = torch.mm(head.weight, hidden[:, 0].t()).t() + (head.bias if bias else 0)
+        assert logits.shape == (rows, 1, 32_771) and logits.is_contiguous()
+        assert torch.equal(logits[:, 0], expected)
+        torch.testing.assert_close(logits, head(hidden), atol=1e-5, rtol=1e-5)
+        # Not the 2D transposed copy, which torch runs on one thread: the [V, rows] product is read in 3D.
+        assert not [shapes for name, shapes in recorded.calls if name in ("clone", "copy_") and len(shapes[-1]) == 2]
 
     def test_the_heads_forward_is_restored_when_sampling_fails(self):
         model = _wide_head_policy(32_768)
