@@ -299,6 +299,7 @@ def _flat_across_zeros(cdf: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
 
 def _top_k(scores: torch.Tensor, settings: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, token ids)`` of each row's ``settings.top_k`` highest scores (in order when top-p needs them)."""
+    assert settings.top_k is not None, "_top_k is called only with a top_k set"
     return scores.topk(min(settings.top_k, scores.shape[-1]), dim=-1, sorted=settings.top_p < 1.0)
 
 
