@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import math
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -156,11 +157,15 @@ class MetricLogger:
                 with open(self._csv_path, newline="") as handle:
                     previous = list(csv.DictReader(handle))
             self._columns = [*(self._columns or []), *new_columns]
-            with open(self._csv_path, "w", newline="") as handle:
+            # Written beside it, then moved over it: a run killed mid-write keeps every row, and a reader (the console,
+            # plot_run.py) sees the old file or the new one, never a half-written one it reads the header of twice.
+            partial = self._csv_path.with_name(f".{self._csv_path.name}.partial")
+            with open(partial, "w", newline="") as handle:
                 writer = csv.DictWriter(handle, fieldnames=self._columns)
                 writer.writeheader()
                 writer.writerows(previous)
                 writer.writerow(row)
+            os.replace(partial, self._csv_path)
             return
         with open(self._csv_path, "a", newline="") as handle:
             csv.DictWriter(handle, fieldnames=self._columns).writerow(row)

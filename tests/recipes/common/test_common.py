@@ -290,6 +290,22 @@ def test_csv_logger_appends_rows(tmp_path):
     assert (tmp_path / "metrics.csv").read_text().splitlines()[-1] == "4,0.125,"
 
 
+def test_a_new_column_rewrites_the_csv_beside_it_and_moves_it_over(tmp_path):
+    """A metric first seen mid-run rewrites metrics.csv under the union of the columns: into a file beside it, then
+    moved over it. Truncated and rewritten in place, a reader with the file open (a test polling a killed run's
+    progress, plot_run.py) read the header again as a row ('step' as a value, CI 2026-12-06), and a run killed
+    mid-write lost its rows."""
+    path = tmp_path / "metrics.csv"
+    with MetricLogger("csv", tmp_path) as logger:
+        logger.log({"train/loss": 1.5}, step=1)
+        logger.log({"train/loss": 0.5}, step=2)
+        with open(path, newline="") as reader:
+            logger.log({"train/loss": 0.25, "eval/accuracy": 0.75}, step=3)
+            assert reader.read().splitlines() == ["step,train/loss", "1,1.5", "2,0.5"]  # the file as it was
+    assert path.read_text().splitlines() == ["step,train/loss,eval/accuracy", "1,1.5,", "2,0.5,", "3,0.25,0.75"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]  # nothing left beside it
+
+
 def test_build_script_writes_loadable_checkpoints(tmp_path, repo_root):
     run_build_script(repo_root, f"--out={tmp_path}", "--num-conversations=200", "--pretrain-steps=5")
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
