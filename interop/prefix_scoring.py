@@ -52,14 +52,16 @@ def can_share_prefixes(model: Any) -> bool:
         return False
     if getattr(text_config, "pad_token_id", None) is None:
         return False
-    return _cache_argument(_forward_function(model)) is not None
+    return _model_cache_argument(model) is not None
 
 
-def _forward_function(model: Any) -> Callable:
-    # The function behind the bound method (a hook accelerate sets on the instance included): a key that stays the
-    # same from call to call and holds no reference to the model.
+def _model_cache_argument(model: Any) -> str | None:
+    """:func:`_cache_argument` of ``model.forward``: cached per class function (the bound method's ``__func__``); a
+    forward set on the instance (an accelerate hook, a closure over the model) is read each time, so that the cache
+    keeps no model alive."""
     forward = model.forward
-    return getattr(forward, "__func__", forward)
+    function = getattr(forward, "__func__", None)
+    return _cache_argument(function) if function is not None else _cache_argument.__wrapped__(forward)
 
 
 @functools.cache
@@ -205,7 +207,7 @@ def run_shared_prefixes(model: Any, inputs: SharedPrefixInputs, device: torch.de
     def on_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device, non_blocking=True) if device is not None else tensor
 
-    cache_key = _cache_argument(_forward_function(model)) or "past_key_values"
+    cache_key = _model_cache_argument(model) or "past_key_values"
     cache = DynamicCache(config=model.config)
     model(
         input_ids=on_device(inputs.prefix_ids),
