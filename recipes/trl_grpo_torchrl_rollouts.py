@@ -93,7 +93,7 @@ def make_grpo_config(cfg: TrlGRPORecipeConfig):
     aggregation, the progress bar). trl reports to nothing itself: its logs go through the recipe's logger
     (:class:`MetricsCallback`)."""
     weights = ([cfg.reward.model_weight] if cfg.reward_model is not None else []) + [
-        float(node.get("weight", 1.0)) for node in cfg.reward.functions.values()
+        float(node.weight) for node in cfg.reward.functions.values()
     ]
     args = hydra.utils.instantiate(
         cfg.train,
@@ -129,7 +129,7 @@ def make_reward_funcs(cfg: TrlGRPORecipeConfig, *, device: str):
     # Without a reward model, a completion every function declines (None) gets no reward: said once, naming them.
     declined = DeclinedByEverySource(list(map(str, cfg.reward.functions))) if cfg.reward_model is None else None
     for name, node in cfg.reward.functions.items():
-        function = resolve_function(f"reward.functions.{name}.function", node["function"])
+        function = resolve_function(f"reward.functions.{name}.function", node.function)
         funcs.append(checked_reward_function(function, name=str(name), declined=declined))
         classes.append(None)
     return funcs, classes
@@ -199,7 +199,7 @@ def make_eval_callback(cfg: TrlGRPORecipeConfig, trainer, run, tokenizer) -> Eva
     rows = PromptRows(rows.prompts[:count], {name: values[:count] for name, values in rows.columns.items()})
     table = make_prompt_table(cfg, rows, tokenizer)
     name = cfg.eval.accuracy_source or next(iter(cfg.reward.functions))
-    function = resolve_function(f"reward.functions.{name}.function", cfg.reward.functions[name]["function"])
+    function = resolve_function(f"reward.functions.{name}.function", cfg.reward.functions[name].function)
     return EvalCallback(
         trainer,
         run.logger,

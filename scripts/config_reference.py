@@ -186,6 +186,16 @@ def _walk_field(key: str, expected: Any, value: Any, help_texts: dict[str, str])
         open_mapping = OPEN in extras or typing.get_origin(base) in (dict, typing.Mapping) or base is dict
         kind = "a mapping of the user's entries" if open_mapping else setting_type(expected)
         yield Setting(key, kind, _shown(value), _help(key, help_texts))
+        entry = typing.get_args(base)[1] if open_mapping and len(typing.get_args(base)) == 2 else None
+        if typing.get_origin(entry) is typing.Annotated:
+            entry = typing.get_args(entry)[0]
+        if dataclasses.is_dataclass(entry) and isinstance(entry, type):
+            # Each entry is a node (reward.functions.<name>): a row per setting of it, its default the schema's.
+            entry_hints = typing.get_type_hints(entry, include_extras=True)
+            for field in dataclasses.fields(entry):
+                default = "required" if field.default is dataclasses.MISSING else _shown(field.default)
+                field_key = f"{key}.<name>.{field.name}"
+                yield Setting(field_key, setting_type(entry_hints[field.name]), default, _help(field_key, help_texts))
 
 
 def _help(key: str, help_texts: dict[str, str]) -> str:

@@ -8,7 +8,8 @@ keyword arguments are every other column of the data row each prompt came from (
 ``trl.rewards.get_soft_overlong_punishment``).
 
 - :func:`check_reward_functions`: every function (resolved by ``recipes.common.dotted_paths``) importable, callable,
-  able to take what trl passes with this data's columns, its weight finite, before any model loads;
+  able to take what trl passes with this data's columns, before any model loads (each entry's form and weight are
+  the schema's: ``recipes.common.schema.RewardFunctionNode``); :func:`check_reward_weights`: not every source 0;
   :func:`checked_rewards`: what a function returned, one finite value (or ``None``) per completion.
 - :class:`RewardLogs`: what the functions hand trl's ``log_metric`` (scalars, averaged per step as trl averages
   them) and ``log_extra`` (a column of values, one per completion, for the completions table), kept per batch until
@@ -31,6 +32,7 @@ import torch
 
 from recipes.common.config import ConfigError, RunStopped
 from recipes.common.dotted_paths import function_name, resolve_function
+from recipes.common.schema import RewardFunctionNode
 
 __all__ = [
     "RewardLogs",
@@ -45,24 +47,15 @@ def _call_arguments(columns: Sequence[str]) -> list[str]:
     return ["prompts", "completions", "completion_ids", *columns, "trainer_state", "log_extra", "log_metric"]
 
 
-def check_reward_functions(cfg, columns: Sequence[str]) -> None:
-    """Refuses, before anything loads, a ``reward.functions`` entry that is not a ``{function, weight}`` node, whose
-    function cannot be loaded, or cannot be called with what trl passes (``prompts``, ``completions``,
-    ``completion_ids``, the data's ``columns``, ``trainer_state``, ``log_extra``, ``log_metric``): a parameter it
-    requires that none of these provides (a column the data lacks, say) is named with the columns there are."""
-    for name, node in cfg.reward.functions.items():
+def check_reward_functions(functions: Mapping[str, RewardFunctionNode], columns: Sequence[str]) -> None:
+    """Refuses, before anything loads, a ``reward.functions`` entry (its form and weight are the schema's:
+    ``recipes.common.schema.RewardFunctionNode``) whose function cannot be loaded, or cannot be called with what trl
+    passes (``prompts``, ``completions``, ``completion_ids``, the data's ``columns``, ``trainer_state``,
+    ``log_extra``, ``log_metric``): a parameter it requires that none of these provides (a column the data lacks,
+    say) is named with the columns there are."""
+    for name, node in functions.items():
         setting = f"reward.functions.{name}"
-        if not isinstance(node, Mapping) or "function" not in node:
-            raise ConfigError(
-                f"{setting}: expected {{function: <dotted path or _target_ node>, weight: <float>}}, got {node!r}."
-            )
-        unknown = sorted(set(node) - {"function", "weight"})
-        if unknown:
-            raise ConfigError(f"{setting}: unknown key(s) {unknown}; a reward function node takes function and weight.")
-        weight = node.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ConfigError(f"{setting}.weight={weight!r}: expected a finite number.")
-        function = resolve_function(f"{setting}.function", node["function"])
+        function = resolve_function(f"{setting}.function", node.function)
         try:
             signature = inspect.signature(function)
         except (TypeError, ValueError):  # a builtin or C callable: nothing to check here
@@ -78,26 +71,27 @@ def check_reward_functions(cfg, columns: Sequence[str]) -> None:
         missing = [parameter for parameter in required if parameter not in arguments]
         if missing:
             raise ConfigError(
-                f"{setting}.function={function_name(node['function'])} requires {missing}, which trl's call does not "
+                f"{setting}.function={function_name(node.function)} requires {missing}, which trl's call does not "
                 f"provide here: it passes prompts, completions, completion_ids, trainer_state, log_extra, "
                 f"log_metric and the data's columns {list(columns)}. Add the column to the data, or give the "
                 "parameter a default."
             )
         if not takes_any:
             raise ConfigError(
-                f"{setting}.function={function_name(node['function'])} takes no **kwargs: trl passes every column and "
+                f"{setting}.function={function_name(node.function)} takes no **kwargs: trl passes every column and "
                 "more to each reward function, so it must accept them (def f(completions, **kwargs))."
             )
-    check_reward_weights(cfg)
 
 
 def check_reward_weights(cfg) -> None:
-    """Every reward source weighted 0 makes every reward 0: every group ties, every advantage is 0, nothing trains."""
-    scored_by_model = getattr(cfg, "reward_model", None) is not None
-    weights = {"reward.model_weight": cfg.reward.model_weight} if scored_by_model else {}
-    for group in ("functions", "terms"):
-        for name, node in (getattr(cfg.reward, group, None) or {}).items():
-            weights[f"reward.{group}.{name}.weight"] = node.get("weight", 1.0) if isinstance(node, Mapping) else 1.0
+    """Every reward source weighted 0 makes every reward 0: every group ties, every advantage is 0, nothing trains.
+    ``cfg``: a GRPO recipe's typed settings (its ``reward_model``, ``reward.model_weight``, ``reward.functions``, and
+    ``reward.terms`` where it has them)."""
+    weights = {"reward.model_weight": cfg.reward.model_weight} if cfg.reward_model is not None else {}
+    for name, node in cfg.reward.functions.items():
+        weights[f"reward.functions.{name}.weight"] = node.weight
+    for name, term in (getattr(cfg.reward, "terms", None) or {}).items():  # the trl recipe has no terms
+        weights[f"reward.terms.{name}.weight"] = term.get("weight", 1.0) if isinstance(term, Mapping) else 1.0
     if weights and all(weight == 0 for weight in weights.values()):
         shown = ", ".join(f"{key}={weight}" for key, weight in weights.items())
         raise ConfigError(

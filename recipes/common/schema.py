@@ -19,7 +19,10 @@ A schema is a dataclass whose fields carry types (``int``, ``float``, ``bool``, 
 message a refusal gives instead of the generic one), an :data:`OPEN` mapping (its keys are the user's:
 ``reward.terms``, trl's ``train:`` node), an :data:`ENTRIES` field (a node's keys beside its settings, the user's:
 ``tools:``, :class:`ToolsNode`) or a :class:`Variant` (a node whose fields depend on one of them, as
-``data.source``). The dataclasses hold no defaults (those are the YAML's): a node is built from a config, and the
+``data.source``); an :data:`OPEN` mapping's values may be nodes themselves (``reward.functions``:
+:class:`RewardFunctionNode`), and a :class:`Hint` on such a node is its refusal when a value is no node of it. The
+dataclasses hold no defaults (those are the YAML's), but for a field of the user's own entries, which no YAML holds
+(``reward.functions.<name>.weight``): such a field may be left out. A node is built from a config, and the
 code that reads it reads typed values (``recipes.grpo.loss`` reads the ``Loss`` node). Modules that still need a list
 of choices take it from the schema's ``Literal`` (``typing.get_args``).
 
@@ -77,6 +80,8 @@ __all__ = [
     "TrainerNode",
     "Variant",
     "RayNode",
+    "RewardFunctionNode",
+    "RewardFunctions",
     "WandbLogger",
     "WorkerResourcesNode",
     "check_config",
@@ -489,7 +494,7 @@ def _check(value: Any, expected: Any, key: str, recipe: str) -> None:
     if variant is not None:
         _check_variant(value, variant, key, recipe)
     elif dataclasses.is_dataclass(base):
-        _check_node(value, base, key, recipe)
+        _check_node(value, base, key, recipe, hint=next((extra for extra in extras if isinstance(extra, Hint)), None))
     elif OPEN in extras or typing.get_origin(base) in (dict, Mapping):
         _check_open(value, base, key, recipe)
     else:
@@ -503,8 +508,12 @@ def _unwrap(expected: Any) -> tuple[Any, tuple]:
     return expected, ()
 
 
-def _check_node(value: Any, schema: type, key: str, recipe: str) -> None:
+def _check_node(value: Any, schema: type, key: str, recipe: str, hint: Hint | None = None) -> None:
+    """``value`` as a node of ``schema``; ``hint``: the refusal of a value that is no such node (not a mapping, or
+    without a key that has no default)."""
     if not isinstance(value, Mapping):
+        if hint is not None:
+            raise ConfigError(hint.message(key, value, schema, None))
         raise ConfigError(f"{key}={value!r}: expected a mapping of settings ({', '.join(_field_names(schema))}).")
     hints = typing.get_type_hints(schema, include_extras=True)
     known = _field_names(schema)
@@ -520,6 +529,10 @@ def _check_node(value: Any, schema: type, key: str, recipe: str) -> None:
                 message, key=full, value=value[name], recipe=recipe, nearest=nearest, known_settings=settings
             )
     for name in known:
+        if name not in value and _has_default(schema, name):
+            continue
+        if name not in value and hint is not None:
+            raise ConfigError(hint.message(key, value, schema, None))
         if name not in value:
             raise ConfigError(
                 f"{_join(key, name)} is missing: {recipe} reads it. Restore it in the YAML (or pass "
@@ -680,6 +693,8 @@ def _describe(expected: Any) -> str:
     if origin in (list, tuple):
         args = typing.get_args(expected)
         return f"a list of {_describe(args[0]) if args else 'values'}"
+    if origin in (dict, Mapping) or expected is dict:
+        return "a mapping"
     if origin is Annotated:
         base, *extras = typing.get_args(expected)
         bounds = next((extra for extra in extras if isinstance(extra, Range)), None)
@@ -692,6 +707,12 @@ def _field_names(schema: type) -> list[str]:
     """The keys a node of ``schema`` has: its fields, less the one holding its :data:`ENTRIES`."""
     entries = _entries_field(schema)
     return [field.name for field in dataclasses.fields(schema) if field.name != entries]
+
+
+def _has_default(schema: type, name: str) -> bool:
+    """Whether the field ``name`` of ``schema`` has a default (a field of the user's entries may be left out)."""
+    field = schema.__dataclass_fields__[name]  # type: ignore[attr-defined]
+    return field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
 
 
 def _entries_field(schema: type) -> str | None:
@@ -736,7 +757,11 @@ def _build(value: Any, expected: Any, key: str) -> Any:
         return _build_node(value, base, key)
     origin = typing.get_origin(base)
     if OPEN in extras or origin in (dict, Mapping) or base is dict:
-        return value
+        if value is None:
+            return None
+        args = typing.get_args(base)
+        item_type = args[1] if len(args) == 2 else Any
+        return {name: _build(item, item_type, _join(key, str(name))) for name, item in value.items()}
     if origin in (Union, types.UnionType):
         option = next(option for option in typing.get_args(base) if _has_type(value, option))
         return _build(value, option, key)
@@ -749,7 +774,7 @@ def _build(value: Any, expected: Any, key: str) -> Any:
 def _build_node(values: Mapping, schema: type, key: str) -> Any:
     hints = typing.get_type_hints(schema, include_extras=True)
     names = _field_names(schema)
-    fields = {name: _build(values[name], hints[name], _join(key, name)) for name in names}
+    fields = {name: _build(values[name], hints[name], _join(key, name)) for name in names if name in values}
     entries = _entries_field(schema)
     if entries is not None:
         item_type = _entry_type(hints[entries])
@@ -921,6 +946,45 @@ class ToolsNode:
     timeout_s: int | float  # a call running longer is stopped, its worker killed
     max_result_tokens: int | None  # a longer result is cut to this many tokens; null: no cut
     entries: Annotated[dict[str, Any], ENTRIES]
+
+
+@dataclass
+class RewardFunctionNode:
+    """``reward.functions.<name>`` of both GRPO recipes: a trl reward function and its weight in the step's reward
+    (trl's ``reward_funcs`` and ``reward_weights``). Whether the function loads and takes what trl passes it is
+    ``recipes.common.reward_functions.check_reward_functions``'s (it needs the data's columns)."""
+
+    # A dotted path (trl.rewards.think_format_reward; my_rewards.exact_match for a my_rewards.py where the run starts),
+    # or a _target_ node whose target returns the function (recipes.common.dotted_paths resolves either).
+    function: Annotated[
+        str | Annotated[dict[str, Any], OPEN],
+        Hint(
+            "{key}={value}: expected a function's dotted path (<module>.<function>, e.g. "
+            "trl.rewards.think_format_reward) or a {{_target_: ...}} node whose target returns the function."
+        ),
+    ]
+    # Kept as written (weight=0 is refused quoting 0). The one default not in the YAML: the entries are the user's,
+    # and trl weighs a reward function 1.0 when reward_weights is unset.
+    weight: Annotated[
+        int | float,
+        Hint("{key}={value}: expected a finite number, the function's weight in the step's reward (e.g. {key}=0.5)."),
+    ] = 1.0
+
+
+# reward.functions: the user's names -> their nodes; a value that is no such node is refused showing the node's form.
+RewardFunctions = Annotated[
+    dict[
+        str,
+        Annotated[
+            RewardFunctionNode,
+            Hint(
+                "{key}: expected {{function: <dotted path or _target_ node>, weight: <number, default 1.0>}}, got "
+                "{value}. Name the function, e.g. {key}.function=trl.rewards.think_format_reward."
+            ),
+        ],
+    ],
+    OPEN,
+]
 
 
 # ------------------------------------------------------------------------------------------------ trl's configs

@@ -335,7 +335,7 @@ def check_prompt_lengths(cfg: GRPORecipeConfig, prompts) -> None:
         max_new_tokens=cfg.rollout.generation["max_new_tokens"],
         max_new_tokens_key="rollout.generation.max_new_tokens",
     )
-    check_reward_functions(cfg, columns=list(table.columns))
+    check_reward_functions(cfg.reward.functions, columns=list(table.columns))
     max_length = cfg.reward.max_length
     if max_length is None or cfg.reward_model is None:
         return

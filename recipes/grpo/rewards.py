@@ -291,10 +291,11 @@ def reward_sources(cfg: GRPORecipeConfig) -> list[RewardSource]:
     sources = []
     if cfg.reward_model is not None:
         sources.append(RewardSource("reward_model", "reward_model", float(cfg.reward.model_weight), "model"))
-    for kind, group in (("function", "functions"), ("term", "terms")):
-        for name, node in getattr(cfg.reward, group).items():
-            weight = float(node.get("weight", 1.0)) if isinstance(node, Mapping) else 1.0
-            sources.append(RewardSource(str(name), f"reward.{group}.{name}", weight, kind))
+    for name, function in cfg.reward.functions.items():
+        sources.append(RewardSource(str(name), f"reward.functions.{name}", float(function.weight), "function"))
+    for name, term in cfg.reward.terms.items():
+        weight = float(term.get("weight", 1.0)) if isinstance(term, Mapping) else 1.0
+        sources.append(RewardSource(str(name), f"reward.terms.{name}", weight, "term"))
     return sources
 
 
@@ -385,7 +386,7 @@ def make_reward_scorer(
         if source.kind == "model":
             module = _reward_model_module(cfg, reward_model, reward_tokenizer, policy_tokenizer)
         elif source.kind == "function":
-            function = resolve_function(f"{source.setting}.function", cfg.reward.functions[source.name]["function"])
+            function = resolve_function(f"{source.setting}.function", cfg.reward.functions[source.name].function)
             module = RewardFunction(
                 function,
                 name=source.name,

@@ -31,6 +31,7 @@ from recipes.common.schema import (
     NumThreads,
     Range,
     RayNode,
+    RewardFunctions,
     ToolsNode,
     WorkerResourcesNode,
 )
@@ -253,8 +254,8 @@ class Reward:
     max_length: Positive | None
     share_prompt: bool
     model_weight: int | float  # as written: reward.model_weight=0 is refused quoting 0 (reward_functions)
-    # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
-    functions: Annotated[dict[str, Any], OPEN]
+    # name -> {function, weight}: the names are the user's, each entry a RewardFunctionNode.
+    functions: RewardFunctions
     # name -> a _target_ node building a TensorDict reward term (and its weight): the names are the user's.
     terms: Annotated[dict[str, Any], OPEN]
     aggregation: RewardAggregation

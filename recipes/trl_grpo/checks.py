@@ -32,7 +32,7 @@ from recipes.common.lora import validate_policy_lora
 from recipes.common.models import load_tokenizer, validate_model_node
 from recipes.common.prompts import PromptTable, check_prompts_fit_policy
 from recipes.common.resume import check_resume_changes, read_metrics_rows
-from recipes.common.reward_functions import check_reward_functions
+from recipes.common.reward_functions import check_reward_functions, check_reward_weights
 from recipes.common.rollout_backend import check_rollout_backend
 from recipes.common.run import SUMMARY_FILE, check_sharded_launch
 from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
@@ -110,7 +110,8 @@ def _validate_settings(cfg: TrlGRPORecipeConfig, *, inputs: dict[str, str | None
     check_sharded_launch(cfg.device)
     _check_resume(cfg, args, changes)
     rows = load_prompt_rows(config_view(cfg.data), "train")
-    check_reward_functions(cfg, columns=list(rows.columns))
+    check_reward_functions(cfg.reward.functions, columns=list(rows.columns))
+    check_reward_weights(cfg)
     longest_prompt = _check_prompt_lengths(cfg, rows, args)
     _check_store_fits_the_disk(cfg, args, prompt_width=longest_prompt)
     _check_eval(cfg)

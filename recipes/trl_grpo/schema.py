@@ -24,6 +24,7 @@ from recipes.common.schema import (
     NumThreads,
     Range,
     RayNode,
+    RewardFunctions,
     ToolsNode,
     TrainerNode,
     WorkerResourcesNode,
@@ -135,8 +136,8 @@ class Rollout:
 @dataclass
 class Reward:
     model_weight: Number  # as written: reward.model_weight=0 is refused quoting 0 (recipes.common.reward_functions)
-    # name -> {function, weight}: the names are the user's (recipes.common.reward_functions checks each node).
-    functions: Annotated[dict[str, Any], OPEN]
+    # name -> {function, weight}: the names are the user's, each entry a RewardFunctionNode.
+    functions: RewardFunctions
     aggregation: Literal["sum_then_normalize", "normalize_then_sum"]  # trl's multi_objective_aggregation
 
 

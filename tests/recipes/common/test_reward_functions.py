@@ -19,6 +19,7 @@ from recipes.common.config import ConfigError
 from recipes.common.data import PromptRows
 from recipes.common.prompts import PromptTable
 from recipes.common.reward_functions import check_reward_functions
+from recipes.common.schema import RewardFunctionNode, RewardFunctions, typed_config
 from recipes.grpo.batch import ATTENTION_MASK, PROMPT_INDEX, RESPONSE_TOKENS
 from recipes.grpo.loss import normalized_sum_advantages
 from recipes.grpo.rewards import RewardFunction, RewardSource, TrainerStepCounter, score_sources
@@ -260,15 +261,17 @@ def test_several_weighted_sources_give_trls_advantages(tiny_policy, tmp_path, ag
     torch.testing.assert_close(got, expected)
 
 
-def _cfg(functions: dict, **reward) -> OmegaConf:
-    return OmegaConf.create({"reward": {"functions": functions, **reward}})
+def _functions(functions: dict) -> dict:
+    """``reward.functions`` as the recipes read it: checked and built by the schema (each entry a
+    ``RewardFunctionNode``), as ``validate`` builds it."""
+    return typed_config(functions, RewardFunctions, key="reward.functions")
 
 
 def test_a_function_needing_a_column_the_data_lacks_is_refused_before_loading():
     node = {"acc": {"function": "recipes.tasks.arithmetic.exact_answer_reward"}}
-    check_reward_functions(_cfg(node), columns=["solution"])
+    check_reward_functions(_functions(node), columns=["solution"])
     with pytest.raises(ConfigError, match=r"requires \['solution'\].*columns \['product'\]"):
-        check_reward_functions(_cfg(node), columns=["product"])
+        check_reward_functions(_functions(node), columns=["product"])
 
 
 @pytest.mark.parametrize(
@@ -276,15 +279,25 @@ def test_a_function_needing_a_column_the_data_lacks_is_refused_before_loading():
     [
         ({"f": {"function": "no.such.module.fn"}}, r"reward.functions.f.function=no.such.module.fn cannot be loaded"),
         ({"f": {"function": "math.pi"}}, "is a float, not a function"),
-        ({"f": {"function": "builtins.len", "wieght": 2}}, r"unknown key\(s\) \['wieght'\]"),
-        ({"f": "trl.rewards.think_format_reward"}, r"expected \{function: "),
+        (
+            {"f": {"function": "builtins.len", "wieght": 2}},
+            r"reward.functions.f.wieght: .* Did you mean reward.functions.f.weight\? .* are \['function', 'weight'\]",
+        ),
+        ({"f": "trl.rewards.think_format_reward"}, r"reward.functions.f: expected \{function: "),
+        (
+            {"f": {"weight": 2}},
+            r"reward.functions.f: expected \{function: .*got \{'weight': 2\}.* e.g. reward.functions.f.function=",
+        ),
         ({"f": {"function": "trl.rewards.think_format_reward", "weight": "high"}}, "weight='high': expected a finite"),
+        ({"f": {"function": "trl.rewards.think_format_reward", "weight": True}}, "weight=True: expected a finite"),
+        ({"f": {"function": "trl.rewards.think_format_reward", "weight": math.inf}}, "weight=inf: not a finite"),
+        ({"f": {"function": 3}}, r"reward.functions.f.function=3: expected a function's dotted path"),
         ({"f": {"function": "recipes.tasks.synthetic.oracle_score"}}, "requires"),
     ],
 )
 def test_bad_function_nodes_are_refused_naming_the_key(node, match):
     with pytest.raises(ConfigError, match=match):
-        check_reward_functions(_cfg(node), columns=[])
+        check_reward_functions(_functions(node), columns=[])
 
 
 def test_trls_reward_helpers_work_unchanged(tiny_policy):
@@ -301,7 +314,7 @@ def test_trls_reward_helpers_work_unchanged(tiny_policy):
     scores = _adapter(think_format_reward, tokenizer, prompts=conversations)(_dense_step(ids, tokenizer.pad_token_id))
     assert scores["score"].tolist() == [1.0, 0.0] * 4
     factory = {"_target_": "trl.rewards.get_soft_overlong_punishment", "max_completion_len": 4, "soft_punish_cache": 2}
-    check_reward_functions(_cfg({"overlong": {"function": factory}}), columns=[])
+    check_reward_functions(_functions({"overlong": {"function": factory}}), columns=[])
     overlong = instantiate(OmegaConf.create(factory))
     scores = _adapter(overlong, tokenizer)(_dense_step(ids, tokenizer.pad_token_id))["score"]
     expected = [overlong(completion_ids=[row])[0] for row in ids]
@@ -314,7 +327,7 @@ def test_accuracy_reward_without_math_verify_names_the_install_command(monkeypat
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs the math-verify package.*pip install -e '.\[math\]'"):
-        check_reward_functions(_cfg({"acc": {"function": "trl.rewards.accuracy_reward"}}), columns=["solution"])
+        check_reward_functions(_functions({"acc": {"function": "trl.rewards.accuracy_reward"}}), columns=["solution"])
 
 
 def test_trls_message_list_helpers_run_in_the_grpo_recipe(compose_config, tmp_path):
@@ -390,3 +403,17 @@ def test_log_metric_and_log_extra_are_kept_for_the_batch_and_a_short_column_is_r
     assert adapter.logs.pop() == ({}, {})
     with pytest.raises(RuntimeError, match=r"reward.functions.recorder logged 1 values of the column 'length'"):
         _adapter(short, tokenizer)(step)
+
+
+def test_entries_are_built_into_typed_nodes_with_their_weights_as_written():
+    """What the recipes read: a RewardFunctionNode per entry, its weight as written (0 stays 0, for the messages that
+    quote it), trl's 1.0 where none is written, a _target_ node kept as a mapping for the resolver."""
+    factory = {"_target_": "trl.rewards.get_soft_overlong_punishment", "max_completion_len": 4, "soft_punish_cache": 2}
+    built = _functions(
+        {"plain": {"function": "trl.rewards.think_format_reward"}, "off": {"function": factory, "weight": 0}}
+    )
+    assert built == {
+        "plain": RewardFunctionNode("trl.rewards.think_format_reward", 1.0),
+        "off": RewardFunctionNode(factory, 0),
+    }
+    assert type(built["off"].weight) is int and type(built["off"].function) is dict

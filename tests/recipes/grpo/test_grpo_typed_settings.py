@@ -16,7 +16,8 @@ from _typed_settings import (
 )
 from omegaconf import DictConfig
 
-from recipes.common.schema import ModelNode, SyntheticData, ToolsNode
+from recipes.common.config import ConfigError
+from recipes.common.schema import ModelNode, RewardFunctionNode, SyntheticData, ToolsNode
 from recipes.grpo.checks import validate, validated
 from recipes.grpo.schema import GRPORecipeConfig, Loss, Optimizer, ReadKeys, Rollout
 
@@ -94,3 +95,15 @@ def test_the_recipe_reads_no_raw_config_outside_the_listed_places(path):
         run_record_uses=RUN_RECORD_USES,
         settings_class="GRPORecipeConfig",
     )
+
+
+def test_reward_functions_are_typed_nodes(compose_config, tmp_path):
+    """Each reward.functions entry is a RewardFunctionNode (the schema's, shared with the trl recipe), its weight as
+    written (0 stays 0); a misspelt key of an entry is the schema's refusal, naming the key it meant."""
+    entry = "+reward.functions.format={function:trl.rewards.think_format_reward,weight:0}"
+    functions = validate(compose_config("grpo_torchrl_rm", [f"output_dir={tmp_path}", entry])).reward.functions
+    assert functions == {"format": RewardFunctionNode("trl.rewards.think_format_reward", 0)}
+    assert type(functions["format"].weight) is int
+    misspelt = [f"output_dir={tmp_path}", entry, "+reward.functions.format.wieght=1"]
+    with pytest.raises(ConfigError, match=r"reward.functions.format.wieght: .* Did you mean reward.functions.format."):
+        validate(compose_config("grpo_torchrl_rm", misspelt))

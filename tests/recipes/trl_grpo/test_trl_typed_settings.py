@@ -15,7 +15,7 @@ from _typed_settings import (
 from omegaconf import DictConfig
 
 import recipes.trl_grpo_torchrl_rollouts as recipe
-from recipes.common.schema import LoraNode, ModelNode, SyntheticData, ToolsNode, checked_tree
+from recipes.common.schema import LoraNode, ModelNode, RewardFunctionNode, SyntheticData, ToolsNode, checked_tree
 from recipes.trl_grpo.checks import validate, validated
 from recipes.trl_grpo.schema import Generation, Reward, Rollout, RolloutStore, TrlGRPORecipeConfig
 
@@ -103,3 +103,11 @@ def test_the_recipe_reads_no_raw_config_outside_the_listed_places(path):
         run_record_uses=RUN_RECORD_USES,
         settings_class="TrlGRPORecipeConfig",
     )
+
+
+def test_reward_functions_are_typed_nodes(compose_config, tmp_path):
+    """Each reward.functions entry is a RewardFunctionNode (the schema's, shared with the GRPO recipe), its weight
+    trl's 1.0 where the entry writes none."""
+    overrides = [f"output_dir={tmp_path}", "+reward.functions.format.function=trl.rewards.think_format_reward"]
+    functions = validate(compose_config("trl_grpo_torchrl_rollouts", overrides)).reward.functions
+    assert functions == {"format": RewardFunctionNode("trl.rewards.think_format_reward", 1.0)}
