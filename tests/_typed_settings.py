@@ -12,21 +12,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Where every recipe hands the resolved DictConfig kept beside its typed settings (``run_record``): the places where a
-# DictConfig is the point.
+# DictConfig is the point. (``recipes.common.validation.validated_run`` builds the record, reads the paths a run reads
+# from it and hands it to train() beside the settings: the recipes' rooms do none of that themselves.)
 EVERY_RECIPES_RECORD_USES = {
     "start_run": "writes resolved_config.yaml and the logger's config, secrets masked (recipes.common.config)",
     "masked_fields": "the train: fields the record masks, so that trl's logs mask them too",
-    "input_paths": "reads every recipe's optional path keys with OmegaConf.select",
-    "ValidatedRun": "validated() hands it to train()",
 }
 
 
 def every_recipes_raw_parameters(recipe: str, *, resumes: bool) -> dict[tuple[str, str, str], tuple[str, set[str]]]:
     """The places every recipe takes the composed DictConfig (in :func:`check_raw_config_reads`'s form): its
     ``train(composed)``, which turns it into the typed settings first thing; its ``main``, Hydra's entry point; its
-    checks' ``validate`` and ``validated``. A recipe that ``resumes`` restores a resumed run's own settings there
-    (``resumed_config`` merges the run's ``resolved_config.yaml`` with the command line's config), and its ``main``
-    returns the metric that run's own config names."""
+    checks' ``validate`` and ``validated`` (which hands it to ``recipes.common.validation.validated_run``, with, in
+    a recipe that ``resumes``, its ``resumed_config``: it merges a resumed run's ``resolved_config.yaml`` with the
+    command line's config). A recipe that resumes returns from ``main`` the metric that run's own config names."""
     resumed = {".resume", "resumed_config"} if resumes else set()
     return {
         (f"{recipe}.py", "train", "composed"): (
@@ -41,7 +40,7 @@ def every_recipes_raw_parameters(recipe: str, *, resumes: bool) -> dict[tuple[st
         ("checks.py", "validate", "cfg"): ("the config being checked", {"validated"}),
         ("checks.py", "validated", "cfg"): (
             "the config being checked (a resumed run's own settings restored first), then built",
-            {"checked_tree", *resumed},
+            {"validated_run"},
         ),
     }
 

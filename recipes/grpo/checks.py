@@ -14,12 +14,10 @@ Dependencies: torch, omegaconf, transformers (``AutoConfig``), and the recipe's 
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from omegaconf import DictConfig
@@ -38,9 +36,10 @@ from recipes.common.prompts import check_prompts_fit_policy
 from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions
 from recipes.common.rollout_backend import backend_of, check_rollout_backend, samples_apart
-from recipes.common.run_folder import check_output_folder, check_writable, input_paths
-from recipes.common.schema import checked_tree, config_view
+from recipes.common.run_folder import check_output_folder, check_writable
+from recipes.common.schema import config_view
 from recipes.common.tools import resolve_tools
+from recipes.common.validation import ValidatedRun, validated_run
 from recipes.grpo.checkpointing import (
     checkpoint_policy_node,
     checkpoint_root,
@@ -54,18 +53,9 @@ from recipes.grpo.rewards import check_reward_keys, check_reward_sources, reward
 from recipes.grpo.rollout_envs import ROLLOUT_ENVS
 from recipes.grpo.schema import RENAMED, TRL_NAMES, GRPORecipeConfig, Rollout
 
-__all__ = ["ValidatedRun", "check_prompt_lengths", "validate", "validated"]
+__all__ = ["check_prompt_lengths", "validate", "validated"]
 
 log = logging.getLogger(__name__)
-
-
-class ValidatedRun(NamedTuple):
-    """A config that passed every check: the typed settings the run reads, and the resolved config they were built
-    from, which stays the run's record only (``resolved_config.yaml`` and the logger's config, secrets masked:
-    ``recipes.common.run.start_run``; what a resume changes: ``record_resume_changes`` in the recipe)."""
-
-    settings: GRPORecipeConfig
-    run_record: DictConfig
 
 
 def validate(cfg: DictConfig) -> GRPORecipeConfig:
@@ -76,21 +66,19 @@ def validate(cfg: DictConfig) -> GRPORecipeConfig:
     return validated(cfg).settings
 
 
-def validated(cfg: DictConfig) -> ValidatedRun:
-    """:func:`validate`'s checks; returns the typed settings and the resolved config beside them (the run's record)."""
-    if cfg.resume:
-        cfg = resumed_config(cfg)
-    run_record, settings = checked_tree(
-        cfg, GRPORecipeConfig, recipe="grpo_torchrl_rm", renamed=RENAMED, aliases=TRL_NAMES
+def validated(cfg: DictConfig) -> ValidatedRun[GRPORecipeConfig]:
+    """:func:`validate`'s checks; returns the typed settings and the resolved config beside them (the run's record:
+    what a resume changes is ``record_resume_changes`` in the recipe)."""
+    return validated_run(
+        cfg,
+        GRPORecipeConfig,
+        recipe="grpo_torchrl_rm",
+        check=_validate_settings,
+        renamed=RENAMED,
+        aliases=TRL_NAMES,
+        resumed_config=resumed_config,
+        resume_changes=resume_changes,
     )
-    _validate_settings(
-        settings,
-        # input_paths reads every recipe's optional path keys with OmegaConf.select: the record holds them all.
-        inputs=input_paths(run_record),
-        # A resume compares the run's records: both sides as resolved_config.yaml holds them (secrets masked).
-        changes=functools.partial(resume_changes, run_record),
-    )
-    return ValidatedRun(settings, run_record)
 
 
 def _validate_settings(cfg: GRPORecipeConfig, *, inputs: dict[str, str | None], changes: Callable[[], dict]) -> None:

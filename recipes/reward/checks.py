@@ -11,7 +11,6 @@ Dependencies: omegaconf, and the recipe's own modules.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 from omegaconf import DictConfig
 
@@ -20,21 +19,13 @@ from recipes.common.config import ConfigError, check_run_settings
 from recipes.common.lora import check_lora_targets
 from recipes.common.models import check_tokenizer_fits_model, meta_model, validate_model_node
 from recipes.common.run import check_sharded_launch
-from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
-from recipes.common.schema import checked_tree, config_view
+from recipes.common.run_folder import check_output_folder, check_trainer_output_dir
+from recipes.common.schema import config_view
+from recipes.common.validation import ValidatedRun, validated_run
 from recipes.reward.pair_store import read_meta
 from recipes.reward.schema import RewardRecipeConfig, checked_reward_trainer_config
 
-__all__ = ["ValidatedRun", "kept_records", "validate", "validated"]
-
-
-class ValidatedRun(NamedTuple):
-    """A config that passed every check: the typed settings the run reads, and the resolved config they were built
-    from, which stays the run's record only (``resolved_config.yaml`` and the logger's config, secrets masked:
-    ``recipes.common.run.start_run``; the masked ``train:`` fields: ``recipes.common.config.masked_fields``)."""
-
-    settings: RewardRecipeConfig
-    run_record: DictConfig
+__all__ = ["kept_records", "validate", "validated"]
 
 
 def validate(cfg: DictConfig) -> RewardRecipeConfig:
@@ -43,17 +34,14 @@ def validate(cfg: DictConfig) -> RewardRecipeConfig:
     return validated(cfg).settings
 
 
-def validated(cfg: DictConfig) -> ValidatedRun:
+def validated(cfg: DictConfig) -> ValidatedRun[RewardRecipeConfig]:
     """:func:`validate`'s checks; returns the typed settings and the resolved config beside them (the run's record)."""
-    run_record, settings = checked_tree(cfg, RewardRecipeConfig, recipe="reward_trainer_from_buffer")
-    args = checked_reward_trainer_config(settings.train)
-    check_trainer_output_dir(settings.output_dir, args.output_dir)
-    # input_paths reads every recipe's optional path keys with OmegaConf.select: the record holds them all.
-    _validate_settings(settings, inputs=input_paths(run_record))
-    return ValidatedRun(settings, run_record)
+    return validated_run(cfg, RewardRecipeConfig, recipe="reward_trainer_from_buffer", check=_validate_settings)
 
 
 def _validate_settings(cfg: RewardRecipeConfig, *, inputs: dict[str, str | None]) -> None:
+    args = checked_reward_trainer_config(cfg.train)
+    check_trainer_output_dir(cfg.output_dir, args.output_dir)
     # recipes.common.models merges a model node with OmegaConf (an adapter's base): it reads a DictConfig view.
     model, reward_model = config_view(cfg.model), config_view(cfg.reward_model)
     if cfg.buffer.load_from is not None:

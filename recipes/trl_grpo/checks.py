@@ -13,13 +13,11 @@ Dependencies: omegaconf, transformers, trl (for ``train:``'s keys), and the reci
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from omegaconf import DictConfig
@@ -35,26 +33,17 @@ from recipes.common.resume import check_resume_changes, read_metrics_rows
 from recipes.common.reward_functions import check_reward_functions, check_reward_weights
 from recipes.common.rollout_backend import check_rollout_backend
 from recipes.common.run import SUMMARY_FILE, check_sharded_launch
-from recipes.common.run_folder import check_output_folder, check_trainer_output_dir, input_paths
+from recipes.common.run_folder import check_output_folder, check_trainer_output_dir
 from recipes.common.sampling import sampler_settings
-from recipes.common.schema import checked_trainer_config, checked_tree, config_view
+from recipes.common.schema import checked_trainer_config, config_view
 from recipes.common.tools import resolve_call_format, resolve_tools
+from recipes.common.validation import ValidatedRun, validated_run
 from recipes.trl_grpo.report import reward_source_names, summary_keys
 from recipes.trl_grpo.resume import checkpoint_step, resume_changes, resumed_config
 from recipes.trl_grpo.rollout_store import ROLLOUTS_DIR, row_bytes, stored_sources
 from recipes.trl_grpo.schema import GRPO_CONFIG_FIELDS, RENAMED, GRPOTrainerNode, TrlGRPORecipeConfig
 
-__all__ = ["ValidatedRun", "grpo_config_fields", "load_replay_source", "validate", "validated"]
-
-
-class ValidatedRun(NamedTuple):
-    """A config that passed every check: the typed settings the run reads, and the resolved config they were built
-    from, which stays the run's record only (``resolved_config.yaml`` and the logger's config, secrets masked:
-    ``recipes.common.run.start_run``; the masked ``train:`` fields: ``recipes.common.config.masked_fields``; what a
-    resume changes: ``recipes.trl_grpo.resume.record_resume_start``)."""
-
-    settings: TrlGRPORecipeConfig
-    run_record: DictConfig
+__all__ = ["grpo_config_fields", "load_replay_source", "validate", "validated"]
 
 
 def validate(cfg: DictConfig) -> TrlGRPORecipeConfig:
@@ -64,19 +53,18 @@ def validate(cfg: DictConfig) -> TrlGRPORecipeConfig:
     return validated(cfg).settings
 
 
-def validated(cfg: DictConfig) -> ValidatedRun:
-    """:func:`validate`'s checks; returns the typed settings and the resolved config beside them (the run's record)."""
-    if cfg.resume:
-        cfg = resumed_config(cfg)
-    run_record, settings = checked_tree(cfg, TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts", renamed=RENAMED)
-    _validate_settings(
-        settings,
-        # input_paths reads every recipe's optional path keys with OmegaConf.select: the record holds them all.
-        inputs=input_paths(run_record),
-        # A resume compares the run's records: both sides as resolved_config.yaml holds them (secrets masked).
-        changes=functools.partial(resume_changes, run_record),
+def validated(cfg: DictConfig) -> ValidatedRun[TrlGRPORecipeConfig]:
+    """:func:`validate`'s checks; returns the typed settings and the resolved config beside them (the run's record:
+    what a resume changes is ``recipes.trl_grpo.resume.record_resume_start``)."""
+    return validated_run(
+        cfg,
+        TrlGRPORecipeConfig,
+        recipe="trl_grpo_torchrl_rollouts",
+        check=_validate_settings,
+        renamed=RENAMED,
+        resumed_config=resumed_config,
+        resume_changes=resume_changes,
     )
-    return ValidatedRun(settings, run_record)
 
 
 def _validate_settings(cfg: TrlGRPORecipeConfig, *, inputs: dict[str, str | None], changes: Callable[[], dict]) -> None:

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from recipes.common.config import ConfigError
 from recipes.common.schema import ModelNode, RewardFunctionNode, SyntheticData, ToolsNode
+from recipes.common.validation import ValidatedRun
 from recipes.grpo.checks import validate, validated
 from recipes.grpo.schema import GRPORecipeConfig, Loss, Optimizer, ReadKeys, Rollout
 
@@ -70,7 +71,8 @@ def test_validate_returns_the_typed_settings_the_run_reads(compose_config, tmp_p
     assert pickle.loads(pickle.dumps(settings)) == settings
 
     # The resolved DictConfig stays beside the settings as the run's record only.
-    checked = validated(cfg)
+    checked = validated(cfg)  # the one ValidatedRun of recipes.common.validation, as every recipe's
+    assert isinstance(checked, ValidatedRun)
     assert checked.settings == settings and isinstance(checked.run_record, DictConfig)
     assert checked.run_record.train.steps == 7 and list(checked.run_record.loss.clip_epsilon) == [0.2, 0.28]
 

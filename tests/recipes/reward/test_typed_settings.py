@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 import recipes.reward_trainer_from_buffer as recipe
 from recipes.common.schema import ModelNode, SyntheticData
+from recipes.common.validation import ValidatedRun
 from recipes.reward.checks import validated
 from recipes.reward.schema import Buffer, Eval, Generation, PairKeys, RewardRecipeConfig
 
@@ -44,7 +45,8 @@ def test_validate_returns_the_typed_settings_the_run_reads(compose_config, tmp_p
     assert type(settings.generation.generate_kwargs) is dict
 
     # The resolved DictConfig stays beside the settings as the run's record only.
-    checked = validated(cfg)
+    checked = validated(cfg)  # the one ValidatedRun of recipes.common.validation, as every recipe's
+    assert isinstance(checked, ValidatedRun)
     assert checked.settings == settings and isinstance(checked.run_record, DictConfig)
     assert checked.run_record.train.max_steps == 7
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 import recipes.trl_grpo_torchrl_rollouts as recipe
 from recipes.common.schema import LoraNode, ModelNode, RewardFunctionNode, SyntheticData, ToolsNode, checked_tree
+from recipes.common.validation import ValidatedRun
 from recipes.trl_grpo.checks import validate, validated
 from recipes.trl_grpo.schema import Generation, Reward, Rollout, RolloutStore, TrlGRPORecipeConfig
 
@@ -69,7 +70,8 @@ def test_validate_returns_the_typed_settings_the_run_reads(compose_config, tmp_p
     assert type(settings.reward.functions) is dict
 
     # The resolved DictConfig stays beside the settings as the run's record only.
-    checked = validated(cfg)
+    checked = validated(cfg)  # the one ValidatedRun of recipes.common.validation, as every recipe's
+    assert isinstance(checked, ValidatedRun)
     assert checked.settings == settings and isinstance(checked.run_record, DictConfig)
     assert checked.run_record.train.max_steps == 7
 
