@@ -20,8 +20,6 @@ import argparse
 import dataclasses
 import re
 import sys
-import types
-import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ if str(ROOT) not in sys.path:
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from recipes.common.schema import ENTRIES, OPEN, Variant, setting_type  # noqa: E402
+from recipes.common.schema import Variant, iter_settings  # noqa: E402
 
 CONF = ROOT / "conf"
 OUT = ROOT / "docs" / "config_reference.md"
@@ -154,48 +152,38 @@ def _shown(value: Any) -> str:
 
 
 def _walk(schema: type, values: Any, help_texts: dict[str, str], prefix: str) -> Iterator[Setting]:
-    hints = typing.get_type_hints(schema, include_extras=True)
-    for field in dataclasses.fields(schema):
-        key = f"{prefix}.{field.name}" if prefix else field.name
-        if ENTRIES in typing.get_args(hints[field.name]):
+    """The rows of ``schema``'s keys under ``prefix`` (``recipes.common.schema.iter_settings``), ``values`` the YAML's
+    node there."""
+    for item in iter_settings(schema, prefix):
+        value = _value_at(values, item.key[len(prefix) :].lstrip("."))
+        if item.kind == "entries":
             # The node's other keys are the user's own (tools.<name>): one row for them, the YAML's entries as default.
-            names = [name for name in (values or {}) if name not in {f.name for f in dataclasses.fields(schema)}]
-            default = _shown({name: values[name] for name in names}) if names else "none"
-            yield Setting(f"{prefix}.<name>", "the user's entries, one per key", default, _help(prefix, help_texts))
-            continue
-        yield from _walk_field(key, hints[field.name], values.get(field.name) if values else None, help_texts)
+            node_key = item.key.rpartition(".")[0]
+            node_values = _value_at(values, node_key[len(prefix) :].lstrip(".")) or {}
+            names = [name for name in node_values if name not in {f.name for f in dataclasses.fields(item.node)}]
+            default = _shown({name: node_values[name] for name in names}) if names else "none"
+            yield Setting(item.key, "the user's entries, one per key", default, _help(node_key, help_texts))
+        elif item.kind == "variant":
+            yield from _walk_variants(item.key, item.variant, value, help_texts)
+        elif item.kind == "optional node":
+            # A node that may be null (reward_model: none, model.lora off): the node's row, then its settings'.
+            kind = f"{item.node.__name__} settings or null"
+            yield Setting(item.key, kind, "null" if value is None else "set", help_texts.get(item.key, ""))
+        elif item.kind == "mapping":
+            yield Setting(item.key, "a mapping of the user's entries", _shown(value), _help(item.key, help_texts))
+        elif item.kind == "setting" and "<name>" in item.key:
+            # A setting of each of the user's entries (reward.functions.<name>.weight): no YAML sets it.
+            default = _shown(item.default) if item.has_default else "required"
+            yield Setting(item.key, item.description, default, _help(item.key, help_texts))
+        elif item.kind == "setting":
+            yield Setting(item.key, item.description, _shown(value), _help(item.key, help_texts))
 
 
-def _walk_field(key: str, expected: Any, value: Any, help_texts: dict[str, str]) -> Iterator[Setting]:
-    base, extras = expected, ()
-    if typing.get_origin(expected) is typing.Annotated:
-        base, *rest = typing.get_args(expected)
-        extras = tuple(rest)
-    variant = next((extra for extra in extras if isinstance(extra, Variant)), None)
-    if variant is not None:
-        yield from _walk_variants(key, variant, value, help_texts)
-    elif dataclasses.is_dataclass(base) and isinstance(base, type):
-        yield from _walk(base, value, help_texts, key)
-    elif (node := _optional_node(base)) is not None:
-        # A node that may be null (reward_model: none, model.lora off): the node's row, then its settings'.
-        yield Setting(
-            key, f"{node.__name__} settings or null", "null" if value is None else "set", help_texts.get(key, "")
-        )
-        yield from _walk(node, value, help_texts, key)
-    else:
-        open_mapping = OPEN in extras or typing.get_origin(base) in (dict, typing.Mapping) or base is dict
-        kind = "a mapping of the user's entries" if open_mapping else setting_type(expected)
-        yield Setting(key, kind, _shown(value), _help(key, help_texts))
-        entry = typing.get_args(base)[1] if open_mapping and len(typing.get_args(base)) == 2 else None
-        if typing.get_origin(entry) is typing.Annotated:
-            entry = typing.get_args(entry)[0]
-        if dataclasses.is_dataclass(entry) and isinstance(entry, type):
-            # Each entry is a node (reward.functions.<name>): a row per setting of it, its default the schema's.
-            entry_hints = typing.get_type_hints(entry, include_extras=True)
-            for field in dataclasses.fields(entry):
-                default = "required" if field.default is dataclasses.MISSING else _shown(field.default)
-                field_key = f"{key}.<name>.{field.name}"
-                yield Setting(field_key, setting_type(entry_hints[field.name]), default, _help(field_key, help_texts))
+def _value_at(values: Any, key: str) -> Any:
+    """The YAML's value at the dotted ``key`` of ``values``; ``None`` where it has none."""
+    for part in key.split(".") if key else []:
+        values = values.get(part) if isinstance(values, dict) else None
+    return values
 
 
 def _help(key: str, help_texts: dict[str, str]) -> str:
@@ -207,14 +195,6 @@ def _help(key: str, help_texts: dict[str, str]) -> str:
     while parent and not help_texts.get(parent):
         parent = parent.rpartition(".")[0]
     return f"see `{parent}`" if parent else ""
-
-
-def _optional_node(expected: Any) -> type | None:
-    options = [option for option in typing.get_args(expected) if option is not type(None)]
-    if typing.get_origin(expected) in (typing.Union, types.UnionType) and len(options) == 1:
-        option = options[0]
-        return option if dataclasses.is_dataclass(option) and isinstance(option, type) else None
-    return None
 
 
 def _walk_variants(key: str, variant: Variant, value: Any, help_texts: dict[str, str]) -> Iterator[Setting]:

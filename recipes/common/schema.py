@@ -31,6 +31,9 @@ of choices take it from the schema's ``Literal`` (``typing.get_args``).
 - :func:`typed_config`: one config (or sub-node) checked and built into its schema's dataclasses.
 - :func:`config_view`: a typed node as a ``DictConfig`` again, for the shared helpers that merge nodes or read them
   by name.
+- :func:`iter_settings`: every key of a schema with its type, choices and range (:class:`SchemaSetting`), as the
+  refusal of an unknown command-line key and ``scripts/config_reference.py`` read them; one dispatch (a node, a
+  :class:`Variant`, a mapping, a value) serves it, the checks and the building.
 - :class:`TrainerNode`, :func:`checked_trainer_config`: trl's ``train:`` node, over trl's own defaults.
 
 Dependencies: omegaconf.
@@ -46,7 +49,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,6 +84,7 @@ __all__ = [
     "Variant",
     "RayNode",
     "RewardFunctionNode",
+    "SchemaSetting",
     "RewardFunctions",
     "WandbLogger",
     "WorkerResourcesNode",
@@ -92,6 +96,8 @@ __all__ = [
     "checked_trainer_config",
     "checked_tree",
     "config_view",
+    "iter_settings",
+    "setting_type",
     "trainer_config_view",
     "typed_config",
 ]
@@ -285,20 +291,20 @@ def _refuse_unfit_presets(value: str, recipe: str) -> None:
 def _unknown_override(key: str, value: str, schema: type, recipe: str) -> _UnknownKey | None:
     """The refusal of ``key`` when the dataclasses of ``schema`` along its path do not have it; ``None`` when they do
     or the path leaves them (an open mapping, a choice of schemas, a value)."""
-    node, parent = schema, ""
-    *path, name = key.split(".")
-    for part in path:
-        hints = typing.get_type_hints(node, include_extras=True)
-        if part not in hints:
-            name = part  # the first unknown part is the unknown key
-            break
-        base, extras = _unwrap(hints[part])
-        if not dataclasses.is_dataclass(base) or any(isinstance(extra, Variant) for extra in extras):
+    settings = {setting.key: setting for setting in iter_settings(schema)}
+    parts = key.split(".")
+    for depth in range(1, len(parts) + 1):
+        setting = settings.get(".".join(parts[:depth]))
+        if setting is None:
+            break  # the first unknown part is the unknown key
+        if depth == len(parts) or setting.kind != "node":
             return None
-        node, parent = base, _join(parent, part)
-    known = _field_names(node)
-    if name in known:
-        return None
+    parent, name = ".".join(parts[: depth - 1]), parts[depth - 1]
+    known = [
+        setting.key.rpartition(".")[2]
+        for setting in settings.values()
+        if setting.key.rpartition(".")[0] == parent and setting.kind != "entries"
+    ]
     full = _join(parent, name)
     nearest = [_join(parent, n) for n in difflib.get_close_matches(name, known, n=3, cutoff=0.5)]
     message, settings = _unknown_key_message(full, nearest, known, parent, recipe)
@@ -485,27 +491,140 @@ def _renamed_message(old: str, new: str, value: Any, recipe: str) -> str:
     )
 
 
+# ------------------------------------------------------------------------------------------------ walking
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How a schema type is read, the one dispatch of checking, building and walking: a ``variant`` node (its
+    :class:`Variant`), a ``node`` (a dataclass), a ``mapping`` (:data:`OPEN`, ``dict[...]``, :data:`ENTRIES`: its
+    values of :attr:`item_type`), or a ``value`` (a type, a union, a choice, a list)."""
+
+    base: Any  # the type without its ``Annotated`` extras
+    extras: tuple
+
+    @property
+    def variant(self) -> Variant | None:
+        return next((extra for extra in self.extras if isinstance(extra, Variant)), None)
+
+    @property
+    def hint(self) -> Hint | None:
+        return next((extra for extra in self.extras if isinstance(extra, Hint)), None)
+
+    @property
+    def kind(self) -> Literal["variant", "node", "mapping", "value"]:
+        if self.variant is not None:
+            return "variant"
+        if dataclasses.is_dataclass(self.base):
+            return "node"
+        mapping = typing.get_origin(self.base) in (dict, Mapping) or self.base is dict
+        return "mapping" if mapping or OPEN in self.extras or ENTRIES in self.extras else "value"
+
+    @property
+    def item_type(self) -> Any:
+        """A mapping's value type (``dict[str, Any]``: ``Any``)."""
+        args = typing.get_args(self.base)
+        return args[1] if len(args) == 2 else Any
+
+
+def _shape(expected: Any) -> _Shape:
+    if typing.get_origin(expected) is Annotated:
+        base, *extras = typing.get_args(expected)
+        return _Shape(base, tuple(extras))
+    return _Shape(expected, ())
+
+
+@dataclass(frozen=True)
+class SchemaSetting:
+    """One key of a schema, as :func:`iter_settings` finds it.
+
+    Attributes:
+        key: dotted; ``<name>`` stands for a key that is the user's (``tools.<name>``,
+            ``reward.functions.<name>.weight``).
+        expected: its type as the schema writes it (``Annotated`` extras included).
+        kind: ``setting`` (a value), ``node`` (a dataclass: its settings follow), ``optional node`` (a node or null:
+            its settings follow), ``variant`` (a :class:`Variant` node: its settings depend on its key's value, walk
+            ``variant.schemas[<value>]`` under this key), ``mapping`` (:data:`OPEN`: the user's names; where its values
+            are nodes, their settings follow under ``<key>.<name>``), ``entries`` (an :data:`ENTRIES` field: the
+            node's keys beside its settings).
+        node: a node's dataclass (``node``, ``optional node``; ``entries``: the node holding them).
+        variant: a ``variant``'s :class:`Variant`.
+        has_default, default: whether the schema gives a default, and that default (a setting of the user's
+            entries: ``reward.functions.<name>.weight``); every other default is the YAML's.
+    """
+
+    key: str
+    expected: Any
+    kind: Literal["setting", "node", "optional node", "variant", "mapping", "entries"]
+    node: type | None = None
+    variant: Variant | None = None
+    has_default: bool = False
+    default: Any = None
+
+    @property
+    def description(self) -> str:
+        """Its type, choices and range, as refusals and ``docs/config_reference.md`` write them (``setting_type``)."""
+        return setting_type(self.expected)
+
+
+def iter_settings(schema: type, prefix: str = "") -> Iterator[SchemaSetting]:
+    """Every key of ``schema``'s nodes, in their fields' order, dotted from ``prefix``: each node's settings after it
+    (an optional node's too), a :class:`Variant` node alone, an :data:`OPEN` mapping's value node's settings under
+    ``<key>.<name>`` (see :class:`SchemaSetting`).
+
+    Examples:
+        >>> [(s.key, s.kind, s.description) for s in iter_settings(ModelNode, "model")][2:6]
+        [('model.trust_remote_code', 'setting', 'true or false'), ('model.lora', 'optional node', 'LoraNode or null'),
+         ('model.lora.enabled', 'setting', 'true or false'), ('model.lora.r', 'setting', 'an integer >= 1')]
+        >>> [(s.key, s.has_default, s.default) for s in iter_settings(RewardFunctionNode, "reward.functions.<name>")]
+        [('reward.functions.<name>.function', False, None), ('reward.functions.<name>.weight', True, 1.0)]
+    """
+    hints = typing.get_type_hints(schema, include_extras=True)
+    entries = _entries_field(schema)
+    for field in dataclasses.fields(schema):
+        expected, key = hints[field.name], _join(prefix, field.name)
+        shape = _shape(expected)
+        optional = _optional_node(shape.base)
+        if field.name == entries:
+            yield SchemaSetting(_join(prefix, "<name>"), expected, "entries", node=schema)
+        elif shape.variant is not None:
+            yield SchemaSetting(key, expected, "variant", variant=shape.variant)
+        elif shape.kind == "node" or optional is not None:
+            node = shape.base if optional is None else optional
+            yield SchemaSetting(key, expected, "node" if optional is None else "optional node", node=node)
+            yield from iter_settings(node, key)
+        elif shape.kind == "mapping":
+            yield SchemaSetting(key, expected, "mapping")
+            item = _shape(shape.item_type)
+            if item.kind == "node":
+                yield from iter_settings(item.base, _join(key, "<name>"))
+        else:
+            has_default = field.default is not dataclasses.MISSING
+            default = field.default if has_default else None
+            yield SchemaSetting(key, expected, "setting", has_default=has_default, default=default)
+
+
+def _optional_node(expected: Any) -> type | None:
+    """The node of a ``Node | None`` type (``model.lora``, ``reward_model``), else ``None``."""
+    options = [option for option in typing.get_args(expected) if option is not type(None)]
+    if typing.get_origin(expected) in (Union, types.UnionType) and len(options) == 1:
+        return options[0] if dataclasses.is_dataclass(options[0]) and isinstance(options[0], type) else None
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ checking
 
 
 def _check(value: Any, expected: Any, key: str, recipe: str) -> None:
-    base, extras = _unwrap(expected)
-    variant = next((extra for extra in extras if isinstance(extra, Variant)), None)
-    if variant is not None:
-        _check_variant(value, variant, key, recipe)
-    elif dataclasses.is_dataclass(base):
-        _check_node(value, base, key, recipe, hint=next((extra for extra in extras if isinstance(extra, Hint)), None))
-    elif OPEN in extras or typing.get_origin(base) in (dict, Mapping):
-        _check_open(value, base, key, recipe)
+    shape = _shape(expected)
+    if shape.variant is not None:
+        _check_variant(value, shape.variant, key, recipe)
+    elif shape.kind == "node":
+        _check_node(value, shape.base, key, recipe, hint=shape.hint)
+    elif shape.kind == "mapping":
+        _check_open(value, shape, key, recipe)
     else:
-        _check_leaf(value, base, extras, key, recipe)
-
-
-def _unwrap(expected: Any) -> tuple[Any, tuple]:
-    if typing.get_origin(expected) is Annotated:
-        base, *extras = typing.get_args(expected)
-        return base, tuple(extras)
-    return expected, ()
+        _check_leaf(value, shape.base, shape.extras, key, recipe)
 
 
 def _check_node(value: Any, schema: type, key: str, recipe: str, hint: Hint | None = None) -> None:
@@ -520,7 +639,7 @@ def _check_node(value: Any, schema: type, key: str, recipe: str, hint: Hint | No
     entries = _entries_field(schema)
     for name in value:
         if name not in known and entries is not None:
-            _check(value[name], _entry_type(hints[entries]), _join(key, str(name)), recipe)
+            _check(value[name], _shape(hints[entries]).item_type, _join(key, str(name)), recipe)
         elif name not in known:
             full = _join(key, str(name))
             nearest = [_join(key, n) for n in difflib.get_close_matches(str(name), known, n=3, cutoff=0.5)]
@@ -552,15 +671,13 @@ def _check_variant(value: Any, variant: Variant, key: str, recipe: str) -> None:
     _check_node(value, variant.schemas[choice], key, recipe)
 
 
-def _check_open(value: Any, base: Any, key: str, recipe: str) -> None:
-    if value is None and _allows_none(base):
+def _check_open(value: Any, shape: _Shape, key: str, recipe: str) -> None:
+    if value is None and _allows_none(shape.base):
         return
     if not isinstance(value, Mapping):
         raise ConfigError(f"{key}={value!r}: expected a mapping (name: setting).")
-    args = typing.get_args(base)
-    item_type = args[1] if len(args) == 2 else Any
     for name, item in value.items():
-        _check(item, item_type, _join(key, str(name)), recipe)
+        _check(item, shape.item_type, _join(key, str(name)), recipe)
 
 
 def _check_leaf(value: Any, base: Any, extras: tuple, key: str, recipe: str) -> None:
@@ -615,8 +732,7 @@ def _fits(value: Any, expected: Any, key: str, recipe: str) -> bool:
         return True
     if expected is str:
         return isinstance(value, str)
-    base, _ = _unwrap(expected)
-    if base is not expected:  # an annotated option of a union
+    if _shape(expected).extras:  # an annotated option of a union
         _check(value, expected, key, recipe)
         return True
     return isinstance(value, expected)
@@ -635,11 +751,9 @@ def _fits_quietly(value: Any, option: Any, key: str, recipe: str) -> bool:
 def _has_type(value: Any, expected: Any) -> bool:
     """Whether ``value`` is of ``expected``'s type, its bounds and its nodes' contents aside: what picks the option
     of a union a value is checked and built as."""
-    base, extras = _unwrap(expected)
-    origin = typing.get_origin(base)
-    if any(isinstance(extra, Variant) for extra in extras) or dataclasses.is_dataclass(base) or OPEN in extras:
-        return isinstance(value, Mapping)
-    if origin in (dict, Mapping) or base is dict:
+    shape = _shape(expected)
+    base, origin = shape.base, typing.get_origin(shape.base)
+    if shape.kind != "value":
         return isinstance(value, Mapping)
     if origin in (Union, types.UnionType):
         return any(_has_type(value, option) for option in typing.get_args(base))
@@ -718,14 +832,8 @@ def _has_default(schema: type, name: str) -> bool:
 def _entries_field(schema: type) -> str | None:
     """The field of ``schema`` marked :data:`ENTRIES`, if it has one."""
     hints = typing.get_type_hints(schema, include_extras=True)
-    marked = [field.name for field in dataclasses.fields(schema) if ENTRIES in _unwrap(hints[field.name])[1]]
+    marked = [field.name for field in dataclasses.fields(schema) if ENTRIES in _shape(hints[field.name]).extras]
     return marked[0] if marked else None
-
-
-def _entry_type(expected: Any) -> Any:
-    """The value type of an :data:`ENTRIES` field's mapping (``dict[str, Any]``: ``Any``)."""
-    args = typing.get_args(_unwrap(expected)[0])
-    return args[1] if len(args) == 2 else Any
 
 
 def _join(prefix: str, name: str) -> str:
@@ -749,19 +857,16 @@ def _unknown_key_message(key: str, nearest: list[str], known: list[str], parent:
 
 def _build(value: Any, expected: Any, key: str) -> Any:
     """``value`` (already checked against ``expected``) as its schema's dataclasses and Python types."""
-    base, extras = _unwrap(expected)
-    variant = next((extra for extra in extras if isinstance(extra, Variant)), None)
-    if variant is not None:
-        return _build_node(value, variant.schemas[value[variant.key]], key)
-    if dataclasses.is_dataclass(base):
+    shape = _shape(expected)
+    base, origin = shape.base, typing.get_origin(shape.base)
+    if shape.variant is not None:
+        return _build_node(value, shape.variant.schemas[value[shape.variant.key]], key)
+    if shape.kind == "node":
         return _build_node(value, base, key)
-    origin = typing.get_origin(base)
-    if OPEN in extras or origin in (dict, Mapping) or base is dict:
+    if shape.kind == "mapping":
         if value is None:
             return None
-        args = typing.get_args(base)
-        item_type = args[1] if len(args) == 2 else Any
-        return {name: _build(item, item_type, _join(key, str(name))) for name, item in value.items()}
+        return {name: _build(item, shape.item_type, _join(key, str(name))) for name, item in value.items()}
     if origin in (Union, types.UnionType):
         option = next(option for option in typing.get_args(base) if _has_type(value, option))
         return _build(value, option, key)
@@ -777,7 +882,7 @@ def _build_node(values: Mapping, schema: type, key: str) -> Any:
     fields = {name: _build(values[name], hints[name], _join(key, name)) for name in names if name in values}
     entries = _entries_field(schema)
     if entries is not None:
-        item_type = _entry_type(hints[entries])
+        item_type = _shape(hints[entries]).item_type
         fields[entries] = {
             name: _build(value, item_type, _join(key, str(name))) for name, value in values.items() if name not in names
         }
