@@ -47,37 +47,58 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("max_policy_lag", "lags"), [(1, [0.0, 1.0, 1.0, 1.0]), (0, [0.0, 0.0, 0.0, 0.0])])
-def test_the_policy_lag_stays_within_its_bound(compose_config, tmp_path, collectors, max_policy_lag, lags):
+def test_the_policy_lag_stays_within_its_bound_and_what_reward_functions_log_travels_with_the_batch(
+    compose_config, tmp_path, collectors, monkeypatch
+):
     """The first batch is sampled by the initial policy; with a lag of 1 allowed, every later one while the learner
-    trained on the batch before (one update behind); with 0, the collector waits for each update."""
-    overrides = [f"output_dir={tmp_path}", "train.steps=4", f"rollout.max_policy_lag={max_policy_lag}"]
+    trained on the batch before (one update behind). With 0, the collector waits for each update: the withhold case
+    of test_past_the_lag_bound_a_batch_is_withheld_or_thrown_away_as_set (past_lag_bound's default).
+
+    The same run (one collector process for both checks): the reward functions run in the collector's process, and
+    their log_metric values and log_extra columns come back with the batch they scored (rollout/<name> per step, a
+    column of the sample rows), as in a sync run."""
+    from recipes.common.metrics import MetricLogger
+
+    tables = {}
+    monkeypatch.setattr(MetricLogger, "log_samples", lambda self, rows, step: tables.setdefault(step, rows))
+    overrides = [
+        f"output_dir={tmp_path}",
+        "train.steps=4",
+        "rollout.max_policy_lag=1",
+        "+reward.functions.words.function=_reward_functions.counts_words",
+    ]
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
     rows = read_metrics(tmp_path)
-    assert [row["train/policy_lag"] for row in rows] == lags
-    # No batch is sampled past the bound: with 0, every batch after the first waited for the update before it.
-    withheld = [row["rollout/withheld"] for row in rows]
-    if max_policy_lag == 0:
-        assert withheld == [0.0, 1.0, 1.0, 1.0]
-        assert all(row["rollout/withheld_s"] > 0 for row in rows[1:])
-    else:
-        assert withheld[:2] == [0.0, 0.0]  # the second batch may be sampled with the initial weights
+    assert [row["train/policy_lag"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert [row["rollout/withheld"] for row in rows][:2] == [0.0, 0.0]  # the second batch may use the initial weights
     assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
     (collector,) = collectors
     (pid,) = collector.pids  # rollout.backend=null in async mode: one worker process
     assert pid != os.getpid() and _gone(pid)  # its own process, stopped with the run
 
+    assert len(rows) == 4 and all(1.0 <= row["rollout/words/mean"] <= 8.0 for row in rows)
+    assert summary["rollout/words/mean_first"] == rows[0]["rollout/words/mean"]
+    assert sorted(tables) == [1, 4]  # samples.every_n_steps=10: the first and the last step's samples
+    for samples in tables.values():
+        assert samples and all(sample["words"] == len(sample["response"].split()) for sample in samples)
+
 
 @pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
-def test_past_the_lag_bound_a_batch_is_withheld_or_thrown_away_as_set(compose_config, tmp_path, past_lag_bound):
-    """rollout.max_policy_lag=0: every batch after the first would train one update old if sampled at once. withhold:
-    the collector waits for the update (rollout/withheld, rollout/withheld_s); resample: it samples at once and the
-    learner throws away what arrives past the bound (rollout/resampled, at least the batch sampled right after the one
-    before). Every batch trains at lag 0 either way."""
+def test_past_the_lag_bound_a_batch_is_withheld_or_thrown_away_as_set(
+    compose_config, tmp_path, collectors, past_lag_bound
+):
+    """rollout.max_policy_lag=0: every batch after the first would train one update old if sampled at once. withhold
+    (the default): the collector waits for each update (rollout/withheld, rollout/withheld_s); resample: it samples at
+    once and the learner throws away what arrives past the bound (rollout/resampled, at least the batch sampled right
+    after the one before). Every batch trains at lag 0 either way, and the collector's process stops with the run."""
     overrides = ["train.steps=4", "rollout.max_policy_lag=0", f"rollout.past_lag_bound={past_lag_bound}"]
-    recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides, f"output_dir={tmp_path}"]))
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides, f"output_dir={tmp_path}"]))
     rows = read_metrics(tmp_path)
     assert [row["train/policy_lag"] for row in rows] == [0.0] * 4
+    assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
+    (collector,) = collectors
+    (pid,) = collector.pids
+    assert pid != os.getpid() and _gone(pid)
     withheld, resampled = ([row[f"rollout/{name}"] for row in rows] for name in ("withheld", "resampled"))
     if past_lag_bound == "withhold":
         assert withheld == [0.0, 1.0, 1.0, 1.0] and resampled == [0.0] * 4
@@ -206,28 +227,6 @@ def test_a_learner_killed_while_its_collector_starts_takes_the_collector_with_it
         assert all(_gone(child.pid, timeout=5.0) for child in children)
     finally:
         learner.kill()
-
-
-def test_what_reward_functions_log_travels_with_the_batch_from_the_collector(compose_config, tmp_path, monkeypatch):
-    """The reward functions run in the collector's process: their log_metric values and log_extra columns come back
-    with the batch they scored (rollout/<name> per step, a column of the sample rows), as in a sync run."""
-    from recipes.common.metrics import MetricLogger
-
-    tables = {}
-    monkeypatch.setattr(MetricLogger, "log_samples", lambda self, rows, step: tables.setdefault(step, rows))
-    overrides = [
-        *ASYNC,
-        "train.steps=2",
-        "+reward.functions.words.function=_reward_functions.counts_words",
-        f"output_dir={tmp_path}",
-    ]
-    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
-    rows = read_metrics(tmp_path)
-    assert len(rows) == 2 and all(1.0 <= row["rollout/words/mean"] <= 8.0 for row in rows)
-    assert summary["rollout/words/mean_first"] == rows[0]["rollout/words/mean"]
-    assert sorted(tables) == [1, 2]
-    for samples in tables.values():
-        assert samples and all(sample["words"] == len(sample["response"].split()) for sample in samples)
 
 
 @pytest.mark.slow  # two runs, about 30 s on 2 busy cores
