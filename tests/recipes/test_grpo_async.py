@@ -54,22 +54,37 @@ def test_the_policy_lag_stays_within_its_bound_and_what_reward_functions_log_tra
     trained on the batch before (one update behind). With 0, the collector waits for each update: the withhold case
     of test_past_the_lag_bound_a_batch_is_withheld_or_thrown_away_as_set (past_lag_bound's default).
 
-    The same run (one collector process for both checks): the reward functions run in the collector's process, and
-    their log_metric values and log_extra columns come back with the batch they scored (rollout/<name> per step, a
-    column of the sample rows), as in a sync run."""
+    The same run (one collector process for all three checks): the reward functions run in the collector's process,
+    and their log_metric values and log_extra columns come back with the batch they scored (rollout/<name> per step, a
+    column of the sample rows), as in a sync run; and wandb gets each step's train/policy_lag_histogram, every batch
+    trained so far at its lag, with nothing dropped (logger=wandb also writes metrics.csv)."""
+    import wandb
+    from _wandb_run import StrictRun
+
     from recipes.common.metrics import MetricLogger
 
-    tables = {}
+    tables, run = {}, StrictRun()
     monkeypatch.setattr(MetricLogger, "log_samples", lambda self, rows, step: tables.setdefault(step, rows))
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
     overrides = [
         f"output_dir={tmp_path}",
         "train.steps=4",
         "rollout.max_policy_lag=1",
         "+reward.functions.words.function=_reward_functions.counts_words",
+        "logger=wandb",
     ]
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
     rows = read_metrics(tmp_path)
     assert [row["train/policy_lag"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert run.dropped == []
+    lags = [run.history[step]["train/policy_lag"] for step in (1, 2, 3, 4)]
+    histograms = [run.history[step]["train/policy_lag_histogram"] for step in (1, 2, 3, 4)]
+    assert all(isinstance(histogram, wandb.Histogram) for histogram in histograms)
+    # Each step's histogram counts every batch trained so far, at its lag: the first at 0, the later ones at 1.
+    assert lags == [0.0, 1.0, 1.0, 1.0]
+    for step, histogram in enumerate(histograms, start=1):
+        assert sum(histogram.histogram) == step
+        assert histogram.bins[0] <= min(lags[:step]) and histogram.bins[-1] >= max(lags[:step])
     assert [row["rollout/withheld"] for row in rows][:2] == [0.0, 0.0]  # the second batch may use the initial weights
     assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
     (collector,) = collectors
