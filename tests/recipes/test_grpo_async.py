@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from _in_process import ForkedScript
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
@@ -161,13 +162,19 @@ def test_a_crash_in_the_collector_reaches_the_learner(compose_config, tmp_path, 
     assert not collectors  # it never finished starting: the recipe never got it, and stopped it itself
 
 
-def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path):
+def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path, tmp_path_factory):
     """Killed between checkpoints, the learner takes its collector process with it; ``resume=true`` then continues
-    the run from the latest checkpoint to the end, every step logged once."""
+    the run from the latest checkpoint to the end, every step logged once. (The learner's process is forked from this
+    one, its imports done: _in_process.ForkedScript.)"""
     overrides = [*ASYNC, "train.steps=7", "checkpoint.every_n_steps=3", "checkpoint.keep_last=null"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides, f"hydra.run.dir={tmp_path}"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr_path = tmp_path_factory.mktemp("stderr") / "stderr.txt"  # beside the run's folder, which must be empty
+    process = ForkedScript(
+        "recipes/grpo_torchrl_rm.py",
+        *overrides,
+        f"hydra.run.dir={tmp_path}",
+        stderr_path=stderr_path,
+        env={"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+    )
     children = []
     try:
         deadline = time.monotonic() + 240
@@ -176,7 +183,7 @@ def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path)
             if metrics.exists() and any(row["step"] == 4.0 for row in read_metrics(tmp_path)):
                 break
             time.sleep(0.02)
-        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        assert process.poll() is None, process.stderr_text()[-3000:]
         children = psutil.Process(process.pid).children(recursive=True)
         commands = [" ".join(child.cmdline()) for child in children]
         process.send_signal(signal.SIGKILL)
