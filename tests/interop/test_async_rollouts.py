@@ -85,13 +85,17 @@ def _encoded(tokenizer, prompt) -> list[int]:
 
 
 def test_async_training_samples_ahead_and_pairs_each_completion_with_the_prompt_trl_passed(tiny_policy, tmp_path):
+    """The default max_policy_lag=1 with one update per generation batch: every batch after the first is sampled while
+    the one before trains, and with past_lag_bound=withhold (the default, named here) nothing is withheld or sampled
+    again."""
     buffer = ReplayBuffer(storage=LazyStackStorage(100))
-    trainer = _trainer(tiny_policy, tmp_path, buffer=buffer)
+    trainer = _trainer(tiny_policy, tmp_path, buffer=buffer, rollout_options={"past_lag_bound": "withhold"})
     trainer.train()
 
     logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
     assert [entry["policy_lag"] for entry in logs] == [0.0, 1.0, 1.0, 1.0], "batch k+1 sampled while k trains"
     assert all(entry["rollout/lookahead_misses"] == 0 and entry["rollout/resampled"] == 0 for entry in logs)
+    assert all(entry["rollout/withheld"] == 0.0 for entry in logs)
     assert trainer.rollout_func._background is None, "the sampling process ends with train()"
     rows = buffer[: len(buffer)]
     assert len(buffer) == 4 * 8 and rows["step"].tolist() == [0] * 8 + [0] * 8 + [1] * 8 + [2] * 8
@@ -128,10 +132,14 @@ def test_past_the_lag_bound_the_next_batch_is_withheld_or_sampled_again_as_chose
 ):
     """max_policy_lag=0: a batch read ahead would train one update old. withhold: it is not sampled ahead but when trl
     asks for it, counted with trl's wait (rollout/withheld, rollout/withheld_s); resample: it is sampled ahead, then
-    again (rollout/resampled). Either way every batch trains at lag 0, sampled by the workers."""
+    again (rollout/resampled). Either way every batch trains at lag 0, sampled by the workers: the log-probs recorded
+    for each batch are the fp32 trainer's at the weights of its step to float noise (the sampler at the model's dtype,
+    sampler_dtype=None; a bf16 sampler's:
+    test_every_async_batch_is_sampled_at_the_sampler_dtype_the_first_and_the_resampled_ones_too)."""
     buffer = ReplayBuffer(storage=LazyStackStorage(100))
-    options = {"max_policy_lag": 0, "past_lag_bound": past_lag_bound}
+    options = {"max_policy_lag": 0, "past_lag_bound": past_lag_bound, "sampler_dtype": None}
     trainer = _trainer(tiny_policy, tmp_path, buffer=buffer, rollout_options=options)
+    weights = _keep_weights(trainer)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
     assert [entry["policy_lag"] for entry in logs] == [0.0] * 4
@@ -140,7 +148,42 @@ def test_past_the_lag_bound_the_next_batch_is_withheld_or_sampled_again_as_chose
     assert all(entry[f"rollout/{other}"] == 0.0 for entry in logs)
     waits = [entry["rollout/withheld_s"] for entry in logs]
     assert all(wait > 0 for wait in waits[1:]) if past_lag_bound == "withhold" else all(wait == 0 for wait in waits)
-    assert buffer[: len(buffer)]["step"].tolist() == [0] * 8 + [1] * 8 + [2] * 8 + [3] * 8
+    rows = buffer[: len(buffer)]
+    assert rows["step"].tolist() == [0] * 8 + [1] * 8 + [2] * 8 + [3] * 8
+    for step in range(4):
+        gap = _largest_log_prob_gap(tiny_policy[0], weights[step], rows[rows["step"] == step])
+        assert gap < 1e-4, f"batch {step}: an fp32 sampler's log-probs are the trainer's (gap {gap:.2e})"
+
+
+def _keep_weights(trainer) -> dict:
+    """The trainer's weights before training (0) and after each optimizer step (its number), as training goes."""
+    from transformers import TrainerCallback
+
+    weights = {0: copy.deepcopy(trainer.model.state_dict())}
+
+    class KeepWeights(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            weights[state.global_step] = copy.deepcopy(trainer.model.state_dict())
+
+    trainer.add_callback(KeepWeights())
+    return weights
+
+
+def _largest_log_prob_gap(model, weights: dict, batch) -> float:
+    """The largest gap between the log-probs recorded for ``batch``'s completions and those a copy of ``model`` at
+    ``weights`` scores (trl's temperature is 1 here: the log-probs of the logits as they are)."""
+    model = copy.deepcopy(model)
+    model.load_state_dict(weights)
+    assert batch.shape[0] == 8
+    gap = 0.0
+    for prompt, completion, recorded in zip(
+        *(batch.get(key, as_list=True) for key in ("prompt_ids", "completion_ids", "logprobs")), strict=True
+    ):
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]
+        scored = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
+        gap = max(gap, (scored - recorded).abs().max().item())
+    return gap
 
 
 def _train_recording_each_call(trainer) -> list[dict]:
@@ -189,61 +232,28 @@ def test_a_withheld_batch_waits_for_a_weight_push_recent_enough_under_weight_syn
     assert [call["withheld"] for call in calls] == [0.0, 1.0, 1.0]
 
 
-def test_within_the_lag_bound_withhold_still_samples_ahead(tiny_policy, tmp_path):
-    """The default max_policy_lag=1 with one update per generation batch: nothing is withheld or sampled again."""
-    trainer = _trainer(tiny_policy, tmp_path, rollout_options={"past_lag_bound": "withhold"}, max_steps=3)
-    trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
-    assert [entry["policy_lag"] for entry in logs] == [0.0, 1.0, 1.0]
-    assert all(entry["rollout/withheld"] == 0.0 and entry["rollout/resampled"] == 0.0 for entry in logs)
-
-
 def test_past_lag_bound_is_refused_unless_one_of_its_choices(tiny_policy):
     with pytest.raises(ValueError, match=r"past_lag_bound must be one of \('withhold', 'resample'\), got 'drop'"):
         TorchRLRolloutFunc(tokenizer=tiny_policy[1], mode="async", past_lag_bound="drop")
 
 
-@pytest.mark.parametrize("sampler_dtype", [torch.bfloat16, None])
-def test_every_async_batch_is_sampled_at_the_sampler_dtype_the_first_and_the_resampled_ones_too(
-    tiny_policy, tmp_path, sampler_dtype
-):
-    """The log-probs recorded for the first batch and for each one sampled again past the bound (resample,
+def test_every_async_batch_is_sampled_at_the_sampler_dtype_the_first_and_the_resampled_ones_too(tiny_policy, tmp_path):
+    """The log-probs recorded for the first batch and for one sampled again past the bound (resample,
     max_policy_lag=0: every batch after the first) against the fp32 trainer's at the weights that sampled them: a bf16
     sampler's differ by far more than float noise (they used to be the trainer's own: these batches were sampled in
-    its process at fp32); an fp32 sampler's (None: the model's dtype) agree to float noise."""
-    from transformers import TrainerCallback
-
+    its process at fp32). An fp32 sampler's (sampler_dtype=None: the model's dtype) agree to float noise, every batch
+    of a resample run: test_past_the_lag_bound_the_next_batch_is_withheld_or_sampled_again_as_chosen."""
     buffer = ReplayBuffer(storage=LazyStackStorage(100))
-    options = {"max_policy_lag": 0, "past_lag_bound": "resample", "sampler_dtype": sampler_dtype}
+    options = {"max_policy_lag": 0, "past_lag_bound": "resample", "sampler_dtype": torch.bfloat16}
     trainer = _trainer(tiny_policy, tmp_path, buffer=buffer, rollout_options=options, max_steps=2)
-    weights = {0: copy.deepcopy(trainer.model.state_dict())}
-
-    class KeepWeights(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            weights[state.global_step] = copy.deepcopy(trainer.model.state_dict())
-
-    trainer.add_callback(KeepWeights())
+    weights = _keep_weights(trainer)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "policy_lag" in entry]
     assert [entry["rollout/resampled"] for entry in logs] == [0.0, 1.0]
     rows = buffer[: len(buffer)]
-    model = copy.deepcopy(tiny_policy[0])
     for step in (0, 1):
-        batch = rows[rows["step"] == step]
-        assert batch.shape[0] == 8
-        model.load_state_dict(weights[step])
-        gap = 0.0
-        for prompt, completion, recorded in zip(
-            *(batch.get(key, as_list=True) for key in ("prompt_ids", "completion_ids", "logprobs")), strict=True
-        ):
-            with torch.no_grad():  # trl's temperature is 1 here: the log-probs of the logits as they are
-                logits = model(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]
-            scored = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
-            gap = max(gap, (scored - recorded).abs().max().item())
-        if sampler_dtype is torch.bfloat16:
-            assert gap > 1e-3, f"batch {step}'s log-probs are the fp32 trainer's (largest gap {gap:.2e})"
-        else:
-            assert gap < 1e-4, f"batch {step}: an fp32 sampler's log-probs are the trainer's (gap {gap:.2e})"
+        gap = _largest_log_prob_gap(tiny_policy[0], weights[step], rows[rows["step"] == step])
+        assert gap > 1e-3, f"batch {step}'s log-probs are the fp32 trainer's (largest gap {gap:.2e})"
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from _in_process import ForkedScript
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
@@ -47,37 +48,73 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("max_policy_lag", "lags"), [(1, [0.0, 1.0, 1.0, 1.0]), (0, [0.0, 0.0, 0.0, 0.0])])
-def test_the_policy_lag_stays_within_its_bound(compose_config, tmp_path, collectors, max_policy_lag, lags):
+def test_the_policy_lag_stays_within_its_bound_and_what_reward_functions_log_travels_with_the_batch(
+    compose_config, tmp_path, collectors, monkeypatch
+):
     """The first batch is sampled by the initial policy; with a lag of 1 allowed, every later one while the learner
-    trained on the batch before (one update behind); with 0, the collector waits for each update."""
-    overrides = [f"output_dir={tmp_path}", "train.steps=4", f"rollout.max_policy_lag={max_policy_lag}"]
+    trained on the batch before (one update behind). With 0, the collector waits for each update: the withhold case
+    of test_past_the_lag_bound_a_batch_is_withheld_or_thrown_away_as_set (past_lag_bound's default).
+
+    The same run (one collector process for all three checks): the reward functions run in the collector's process,
+    and their log_metric values and log_extra columns come back with the batch they scored (rollout/<name> per step, a
+    column of the sample rows), as in a sync run; and wandb gets each step's train/policy_lag_histogram, every batch
+    trained so far at its lag, with nothing dropped (logger=wandb also writes metrics.csv)."""
+    import wandb
+    from _wandb_run import StrictRun
+
+    from recipes.common.metrics import MetricLogger
+
+    tables, run = {}, StrictRun()
+    monkeypatch.setattr(MetricLogger, "log_samples", lambda self, rows, step: tables.setdefault(step, rows))
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    overrides = [
+        f"output_dir={tmp_path}",
+        "train.steps=4",
+        "rollout.max_policy_lag=1",
+        "+reward.functions.words.function=_reward_functions.counts_words",
+        "logger=wandb",
+    ]
     summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides]))
     rows = read_metrics(tmp_path)
-    assert [row["train/policy_lag"] for row in rows] == lags
-    # No batch is sampled past the bound: with 0, every batch after the first waited for the update before it.
-    withheld = [row["rollout/withheld"] for row in rows]
-    if max_policy_lag == 0:
-        assert withheld == [0.0, 1.0, 1.0, 1.0]
-        assert all(row["rollout/withheld_s"] > 0 for row in rows[1:])
-    else:
-        assert withheld[:2] == [0.0, 0.0]  # the second batch may be sampled with the initial weights
+    assert [row["train/policy_lag"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert run.dropped == []
+    lags = [run.history[step]["train/policy_lag"] for step in (1, 2, 3, 4)]
+    histograms = [run.history[step]["train/policy_lag_histogram"] for step in (1, 2, 3, 4)]
+    assert all(isinstance(histogram, wandb.Histogram) for histogram in histograms)
+    # Each step's histogram counts every batch trained so far, at its lag: the first at 0, the later ones at 1.
+    assert lags == [0.0, 1.0, 1.0, 1.0]
+    for step, histogram in enumerate(histograms, start=1):
+        assert sum(histogram.histogram) == step
+        assert histogram.bins[0] <= min(lags[:step]) and histogram.bins[-1] >= max(lags[:step])
+    assert [row["rollout/withheld"] for row in rows][:2] == [0.0, 0.0]  # the second batch may use the initial weights
     assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
     (collector,) = collectors
     (pid,) = collector.pids  # rollout.backend=null in async mode: one worker process
     assert pid != os.getpid() and _gone(pid)  # its own process, stopped with the run
 
+    assert len(rows) == 4 and all(1.0 <= row["rollout/words/mean"] <= 8.0 for row in rows)
+    assert summary["rollout/words/mean_first"] == rows[0]["rollout/words/mean"]
+    assert sorted(tables) == [1, 4]  # samples.every_n_steps=10: the first and the last step's samples
+    for samples in tables.values():
+        assert samples and all(sample["words"] == len(sample["response"].split()) for sample in samples)
+
 
 @pytest.mark.parametrize("past_lag_bound", ["withhold", "resample"])
-def test_past_the_lag_bound_a_batch_is_withheld_or_thrown_away_as_set(compose_config, tmp_path, past_lag_bound):
-    """rollout.max_policy_lag=0: every batch after the first would train one update old if sampled at once. withhold:
-    the collector waits for the update (rollout/withheld, rollout/withheld_s); resample: it samples at once and the
-    learner throws away what arrives past the bound (rollout/resampled, at least the batch sampled right after the one
-    before). Every batch trains at lag 0 either way."""
+def test_past_the_lag_bound_a_batch_is_withheld_or_thrown_away_as_set(
+    compose_config, tmp_path, collectors, past_lag_bound
+):
+    """rollout.max_policy_lag=0: every batch after the first would train one update old if sampled at once. withhold
+    (the default): the collector waits for each update (rollout/withheld, rollout/withheld_s); resample: it samples at
+    once and the learner throws away what arrives past the bound (rollout/resampled, at least the batch sampled right
+    after the one before). Every batch trains at lag 0 either way, and the collector's process stops with the run."""
     overrides = ["train.steps=4", "rollout.max_policy_lag=0", f"rollout.past_lag_bound={past_lag_bound}"]
-    recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides, f"output_dir={tmp_path}"]))
+    summary = recipe.train(compose_config("grpo_torchrl_rm", [*ASYNC, *overrides, f"output_dir={tmp_path}"]))
     rows = read_metrics(tmp_path)
     assert [row["train/policy_lag"] for row in rows] == [0.0] * 4
+    assert summary["train/steps"] == 4 and summary["rollout/generated_tokens"] > 0
+    (collector,) = collectors
+    (pid,) = collector.pids
+    assert pid != os.getpid() and _gone(pid)
     withheld, resampled = ([row[f"rollout/{name}"] for row in rows] for name in ("withheld", "resampled"))
     if past_lag_bound == "withhold":
         assert withheld == [0.0, 1.0, 1.0, 1.0] and resampled == [0.0] * 4
@@ -125,13 +162,19 @@ def test_a_crash_in_the_collector_reaches_the_learner(compose_config, tmp_path, 
     assert not collectors  # it never finished starting: the recipe never got it, and stopped it itself
 
 
-def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path):
+def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path, tmp_path_factory):
     """Killed between checkpoints, the learner takes its collector process with it; ``resume=true`` then continues
-    the run from the latest checkpoint to the end, every step logged once."""
+    the run from the latest checkpoint to the end, every step logged once. (The learner's process is forked from this
+    one, its imports done: _in_process.ForkedScript.)"""
     overrides = [*ASYNC, "train.steps=7", "checkpoint.every_n_steps=3", "checkpoint.keep_last=null"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides, f"hydra.run.dir={tmp_path}"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr_path = tmp_path_factory.mktemp("stderr") / "stderr.txt"  # beside the run's folder, which must be empty
+    process = ForkedScript(
+        "recipes/grpo_torchrl_rm.py",
+        *overrides,
+        f"hydra.run.dir={tmp_path}",
+        stderr_path=stderr_path,
+        env={"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+    )
     children = []
     try:
         deadline = time.monotonic() + 240
@@ -140,7 +183,7 @@ def test_sigkill_leaves_no_process_and_the_run_resumes(compose_config, tmp_path)
             if metrics.exists() and any(row["step"] == 4.0 for row in read_metrics(tmp_path)):
                 break
             time.sleep(0.02)
-        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        assert process.poll() is None, process.stderr_text()[-3000:]
         children = psutil.Process(process.pid).children(recursive=True)
         commands = [" ".join(child.cmdline()) for child in children]
         process.send_signal(signal.SIGKILL)
@@ -206,28 +249,6 @@ def test_a_learner_killed_while_its_collector_starts_takes_the_collector_with_it
         assert all(_gone(child.pid, timeout=5.0) for child in children)
     finally:
         learner.kill()
-
-
-def test_what_reward_functions_log_travels_with_the_batch_from_the_collector(compose_config, tmp_path, monkeypatch):
-    """The reward functions run in the collector's process: their log_metric values and log_extra columns come back
-    with the batch they scored (rollout/<name> per step, a column of the sample rows), as in a sync run."""
-    from recipes.common.metrics import MetricLogger
-
-    tables = {}
-    monkeypatch.setattr(MetricLogger, "log_samples", lambda self, rows, step: tables.setdefault(step, rows))
-    overrides = [
-        *ASYNC,
-        "train.steps=2",
-        "+reward.functions.words.function=_reward_functions.counts_words",
-        f"output_dir={tmp_path}",
-    ]
-    summary = recipe.train(compose_config("grpo_torchrl_rm", overrides))
-    rows = read_metrics(tmp_path)
-    assert len(rows) == 2 and all(1.0 <= row["rollout/words/mean"] <= 8.0 for row in rows)
-    assert summary["rollout/words/mean_first"] == rows[0]["rollout/words/mean"]
-    assert sorted(tables) == [1, 2]
-    for samples in tables.values():
-        assert samples and all(sample["words"] == len(sample["response"].split()) for sample in samples)
 
 
 @pytest.mark.slow  # two runs, about 30 s on 2 busy cores

@@ -346,7 +346,9 @@ def test_resume_after_sigkill_continues_the_same_run(compose_config, tmp_path):
         metrics = run_dir / "metrics.csv"
         return metrics.exists() and any(row["step"] == 4.0 for row in read_metrics(run_dir))
 
-    kill_recipe_run_when("grpo_torchrl_rm.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=step_4_logged)
+    # The run's process is forked from this one (its imports done): SIGKILL ends it wherever it is, as any process.
+    run = [*overrides, f"hydra.run.dir={run_dir}"]
+    kill_recipe_run_when("grpo_torchrl_rm.py", run, ready=step_4_logged, forked=True)
     logged_before_kill = max(row["step"] for row in read_metrics(run_dir))
     assert latest_checkpoint(run_dir / "checkpoints").name == "step_0000003"
     assert 4 <= logged_before_kill < 6  # killed between the checkpoints of steps 3 and 6

@@ -3,9 +3,9 @@
 ``accelerate launch --multi_gpu --num_processes 2`` runs the recipe (accelerate 1.x starts a single process for
 ``--cpu``; ``--multi_gpu`` is its torchrun launcher, and the recipe's ``device=cpu`` makes the group gloo). Started
 through ``_batch_recording.py`` (and, in process, with the ``record_batches`` fixture), each process records what it
-trained on. ``torchrun`` runs ``interop.TorchRLBufferDataset`` over the recipe's buffer, where the dataset deals its
-draws between the ranks itself. ``accelerate launch --use_fsdp --fsdp_version 2`` shards the reward model, started
-through ``_accelerate_fsdp_on_cpu.py`` (accelerate shards on GPUs only; it lifts that limit for CPU processes).
+trained on. ``interop.TorchRLBufferDataset`` over the recipe's buffer deals its draws between the ranks itself: two
+ranks forked with torchrun's environment. ``accelerate launch --use_fsdp --fsdp_version 2`` shards the reward model,
+started through ``_accelerate_fsdp_on_cpu.py`` (accelerate shards on GPUs only; it lifts that limit for CPU processes).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -234,11 +233,12 @@ def test_too_few_pairs_for_one_step_of_all_processes_names_the_fix(compose_confi
         recipe.make_training_stream(cfg, labelled, tokenizer, num_processes=4)
 
 
-_DATASET_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
+def _draw_as_a_torchrun_rank(rank: int, folder: str, port: int) -> None:
+    """One rank of a 2-process group as torchrun starts it: its environment (RANK, WORLD_SIZE, MASTER_ADDR...), from
+    which accelerate's PartialState makes the group (gloo on CPU); then the recipe's buffer drawn through
+    interop.TorchRLBufferDataset and a DataLoader, the rank's batches written to ``folder``."""
+    import os
 
-    import torch
     from accelerate import PartialState
     from omegaconf import OmegaConf
     from tensordict import TensorDict
@@ -247,25 +247,40 @@ _DATASET_SCRIPT = textwrap.dedent(
     import recipes.reward.buffer as recipe
     from interop import TorchRLBufferDataset
 
-    state = PartialState(cpu=True)  # the group torchrun's environment describes (gloo on CPU)
-    torch.manual_seed(0)  # ranks seeded alike, as transformers' Trainer seeds them
-    buffer_cfg = OmegaConf.load("conf/buffer/lazy_tensor.yaml")
-    pairs = TensorDict({"pair": torch.arange(64)}, batch_size=[64])
-    buffer = recipe.make_preference_buffer(buffer_cfg, pairs, batch_size=8, seed=0)
-    dataset = TorchRLBufferDataset(buffer, batch_size=8, num_batches=8, keys=["pair"])
-    drawn = [[int(p) for p in batch["pair"]] for batch in DataLoader(dataset, batch_size=8)]
-    with open(f"{sys.argv[1]}/rank{state.process_index}.json", "w") as handle:
-        json.dump({"world": state.num_processes, "backend": state.backend, "batches": drawn}, handle)
-    """
-)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    PartialState._reset_state()  # forked from a test process, which may hold a single-process state of its own
+    state = PartialState(cpu=True)
+    try:
+        torch.manual_seed(0)  # ranks seeded alike, as transformers' Trainer seeds them
+        buffer_cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "buffer" / "lazy_tensor.yaml")
+        pairs = TensorDict({"pair": torch.arange(64)}, batch_size=[64])
+        buffer = recipe.make_preference_buffer(buffer_cfg, pairs, batch_size=8, seed=0)
+        dataset = TorchRLBufferDataset(buffer, batch_size=8, num_batches=8, keys=["pair"])
+        drawn = [[int(p) for p in batch["pair"]] for batch in DataLoader(dataset, batch_size=8)]
+        with open(f"{folder}/rank{state.process_index}.json", "w") as handle:
+            json.dump({"world": state.num_processes, "backend": state.backend, "batches": drawn}, handle)
+    finally:
+        state.destroy_process_group()
 
 
-def test_buffer_dataset_deals_its_draws_between_torchrun_ranks(repo_root, tmp_path):
-    """interop.TorchRLBufferDataset under a real process group: each rank draws its own batches of one stream."""
-    script = tmp_path / "draw.py"
-    script.write_text(_DATASET_SCRIPT)
-    launcher = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    _launch(repo_root, launcher, str(script), str(tmp_path), timeout=300)
+def test_buffer_dataset_deals_its_draws_between_torchrun_ranks(tmp_path):
+    """interop.TorchRLBufferDataset under a real process group: each rank draws its own batches of one stream. The
+    two ranks are forked from this process with torchrun's environment (a launched process would spend 4-5 s on
+    imports per rank, and the launcher as much again; the launchers themselves run the recipes in the slow tests)."""
+    import multiprocessing
+
+    fork, port = multiprocessing.get_context("fork"), free_port()
+    ranks = [fork.Process(target=_draw_as_a_torchrun_rank, args=(rank, str(tmp_path), port)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    exit_codes = [process.exitcode for process in ranks]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+    assert exit_codes == [0, 0]
 
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [(r["world"], r["backend"]) for r in ranks] == [(2, "gloo"), (2, "gloo")]

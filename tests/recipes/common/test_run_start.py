@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _in_process import run_script
-from _small_runs import GRPO_SMALL, REPO_ROOT
+from _in_process import ForkedScript, run_script
+from _small_runs import GRPO_SMALL
 
 from recipes.common.config import ConfigError
 from recipes.common.run_folder import check_output_folder
@@ -95,7 +93,7 @@ def test_wandb_keeps_one_run_across_resumes_with_the_summary_and_sample_tables(c
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
-def test_an_interrupted_run_says_so_with_its_last_checkpoint(tmp_path, stop):
+def test_an_interrupted_run_says_so_with_its_last_checkpoint(tmp_path, tmp_path_factory, stop):
     import signal
     import time
 
@@ -108,18 +106,14 @@ def test_an_interrupted_run_says_so_with_its_last_checkpoint(tmp_path, stop):
     ]
     # A command started in the background by a shell without job control (`pytest ... &`, nohup, some CI runners)
     # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the run would never see the
-    # signal. A user's Ctrl-C reaches a foreground process; the test gives the run that default back.
-    process = subprocess.Popen(
-        [sys.executable, "recipes/grpo_torchrl_rm.py", *overrides],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # signal. A user's Ctrl-C reaches a foreground process; the run's process (forked from this one with its imports:
+    # ForkedScript) has Python's default handlers back.
+    stderr_path = tmp_path_factory.mktemp("stderr") / "stderr.txt"  # beside the run's folder, which must be empty
+    process = ForkedScript("recipes/grpo_torchrl_rm.py", *overrides, stderr_path=stderr_path)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not list((tmp_path / "checkpoints").glob("step_*/training_state.pt")):
-            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert process.poll() is None, process.stderr_text()[-3000:]
             time.sleep(0.05)
         process.send_signal(getattr(signal, stop))
         code = process.wait(timeout=60)
@@ -160,7 +154,7 @@ def test_wandb_rows_are_committed_before_the_summary_is_written(tmp_path, monkey
     assert events == [("log", 1, True), ("log", 2, True), ("summary", {"perf/tokens_per_s": 150.0}), ("finish",)]
 
 
-def test_an_interrupted_trl_run_names_trls_last_checkpoint(tmp_path):
+def test_an_interrupted_trl_run_names_trls_last_checkpoint(tmp_path, tmp_path_factory):
     """trl keeps its checkpoints in train.output_dir (<run>/trainer/checkpoint-N): the message names the newest."""
     import signal
     import time
@@ -176,16 +170,12 @@ def test_an_interrupted_trl_run_names_trls_last_checkpoint(tmp_path):
         "train.save_steps=1",
         f"hydra.run.dir={tmp_path}",
     ]
-    process = subprocess.Popen(
-        [sys.executable, "recipes/trl_grpo_torchrl_rollouts.py", *overrides],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    stderr_path = tmp_path_factory.mktemp("stderr") / "stderr.txt"
+    process = ForkedScript("recipes/trl_grpo_torchrl_rollouts.py", *overrides, stderr_path=stderr_path)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not list((tmp_path / "trainer").glob("checkpoint-*/trainer_state.json")):
-            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert process.poll() is None, process.stderr_text()[-3000:]
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=60)

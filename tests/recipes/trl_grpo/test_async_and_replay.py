@@ -22,11 +22,27 @@ def _train(compose_config, *overrides):
     return recipe.train(compose_config("trl_grpo_torchrl_rollouts", [*TRL_SMALL, *overrides]))
 
 
-def test_an_async_run_trains_each_batch_one_update_behind_and_logs_it(compose_config, tmp_path):
-    summary = _train(compose_config, "rollout.mode=async", "train.max_steps=4", f"output_dir={tmp_path}")
+def test_an_async_run_trains_each_batch_one_update_behind_and_logs_it(compose_config, tmp_path, monkeypatch):
+    """Each batch after the first trains one update behind; metrics.csv and wandb (logger=wandb writes both) get the
+    lag, wandb each logged step's train/policy_lag_histogram of every batch so far, with nothing dropped."""
+    import wandb
+    from _wandb_run import StrictRun
+
+    run = StrictRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    summary = _train(
+        compose_config, "rollout.mode=async", "train.max_steps=4", "logger=wandb", f"output_dir={tmp_path}"
+    )
     rows = read_metrics(tmp_path)
     assert summary["train/steps"] == 4
     assert [row["train/policy_lag"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert run.dropped == []
+    lags = [run.history[step]["train/policy_lag"] for step in (1, 2, 3, 4)]
+    assert lags == [0.0, 1.0, 1.0, 1.0]
+    for step in (1, 2, 3, 4):
+        histogram = run.history[step]["train/policy_lag_histogram"]
+        assert sum(histogram.histogram) == step
+        assert histogram.bins[0] <= min(lags[:step]) and histogram.bins[-1] >= max(lags[:step])
     assert all(row["rollout/lookahead_misses"] == 0.0 and row["rollout/resampled"] == 0.0 for row in rows)
     stored = load_rollouts(tmp_path / "rollouts")
     assert stored.shape[0] == 4 * 8 and sorted(set(stored["step"].tolist())) == [1, 2, 3, 4]

@@ -142,32 +142,53 @@ def test_a_reader_leaves_out_the_rows_a_batch_is_overwriting(tmp_path):
     assert texts(stored, "completion") == [f"step 2 row {i}" for i in range(4)]
 
 
-def test_a_reader_running_beside_a_writer_never_sees_a_half_written_row(tmp_path, repo_root):
-    """A writer wraps a ring of 8 rows again and again while this process reads it: every row read has the text of
-    its own ids."""
-    import subprocess
-    import sys
-
-    writer = f"""
-import torch
-from tensordict import TensorDict
-from recipes.trl_grpo.rollout_store import RolloutStore
-store = RolloutStore({str(tmp_path)!r}, rank=0, max_rows=8, prompt_width=3, completion_width=2, source_names=["rm"],
-                     max_text_bytes=16, pad_token_id=0)
-for step in range(1, 300):
-    ids = torch.arange(4 * step, 4 * step + 8).reshape(4, 2)
-    rollout = TensorDict({{"prompt_ids": torch.ones(4, 3, dtype=torch.long), "prompt_length": torch.full((4,), 3),
-        "completion_ids": ids, "completion_length": torch.full((4,), 2), "logprobs": -torch.ones(4, 2),
-        "truncated": torch.zeros(4, dtype=torch.bool)}}, batch_size=[4])
-    store.write(rollout, prompt_texts=["p"] * 4, completion_texts=[str(row.tolist()) for row in ids],
-                rewards=torch.zeros(4, 1), reward=torch.zeros(4), advantages=torch.zeros(4), step=step)
-"""
-    process = subprocess.Popen(
-        [sys.executable, "-c", writer], env={**__import__("os").environ, "PYTHONPATH": str(repo_root)}
+def _wrap_the_ring_again_and_again(folder: str) -> None:
+    """The writer: 299 batches of 4 rows into a ring of 8, each completion's text the list of its ids."""
+    store = RolloutStore(
+        folder,
+        rank=0,
+        max_rows=8,
+        prompt_width=3,
+        completion_width=2,
+        source_names=["rm"],
+        max_text_bytes=16,
+        pad_token_id=0,
     )
+    for step in range(1, 300):
+        ids = torch.arange(4 * step, 4 * step + 8).reshape(4, 2)
+        rollout = TensorDict(
+            {
+                "prompt_ids": torch.ones(4, 3, dtype=torch.long),
+                "prompt_length": torch.full((4,), 3),
+                "completion_ids": ids,
+                "completion_length": torch.full((4,), 2),
+                "logprobs": -torch.ones(4, 2),
+                "truncated": torch.zeros(4, dtype=torch.bool),
+            },
+            batch_size=[4],
+        )
+        store.write(
+            rollout,
+            prompt_texts=["p"] * 4,
+            completion_texts=[str(row.tolist()) for row in ids],
+            rewards=torch.zeros(4, 1),
+            reward=torch.zeros(4),
+            advantages=torch.zeros(4),
+            step=step,
+        )
+
+
+def test_a_reader_running_beside_a_writer_never_sees_a_half_written_row(tmp_path):
+    """A writer process wraps a ring of 8 rows again and again while this process reads it: every row read has the
+    text of its own ids. (The writer is forked from this process, its imports done: a new Python spent 3-4 s importing
+    torch and tensordict while this one polled for the store.)"""
+    import multiprocessing
+
+    process = multiprocessing.get_context("fork").Process(target=_wrap_the_ring_again_and_again, args=(str(tmp_path),))
+    process.start()
     try:
         reads = 0
-        while process.poll() is None or reads == 0:
+        while process.is_alive() or reads == 0:
             try:
                 stored = load_rollouts(tmp_path)
             except FileNotFoundError:
@@ -176,8 +197,8 @@ for step in range(1, 300):
                 assert text == str(row), "a row whose text is another completion's: torn"
             reads += 1
     finally:
-        process.wait(timeout=60)
-    assert process.returncode == 0 and reads > 5
+        process.join(timeout=60)
+    assert process.exitcode == 0 and reads > 5
 
 
 def test_a_storage_file_cut_short_is_refused_naming_it_and_left_as_it_is(tmp_path):

@@ -161,9 +161,8 @@ def test_a_tool_using_run_killed_after_its_checkpoint_resumes_with_its_dialogs_c
         metrics = run_dir / "metrics.csv"
         return checkpointed and metrics.exists() and any(row.get("step") == 3.0 for row in read_metrics(run_dir))
 
-    kill_recipe_run_when(
-        "trl_grpo_torchrl_rollouts.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=checkpoint_2_and_step_3_done
-    )
+    run = [*overrides, f"hydra.run.dir={run_dir}"]  # in a process forked from this one (its imports done)
+    kill_recipe_run_when("trl_grpo_torchrl_rollouts.py", run, ready=checkpoint_2_and_step_3_done, forked=True)
     killed = read_metrics(run_dir)
     first_eval = next(row for row in killed if "eval/accuracy" in row)
     first_step = next(row for row in killed if "rollout/tool_calls_per_dialog" in row)
