@@ -137,6 +137,23 @@ CHECKS: dict[str, Check] = {
         0.6,
         "tests/recipes/test_trl_grpo_torchrl_rollouts.py::test_the_default_run_raises_the_oracle",
     ),
+    # experiment=calculator in 20 steps of the preset's 30 (the cosine schedule over 20): the tests' runs, in CI's
+    # budget.
+    "grpo_calculator_20_steps": Check(
+        "grpo_torchrl_rm",
+        ("experiment=calculator", "train.steps=20"),
+        "last:eval/accuracy",
+        0.7,
+        "tests/recipes/grpo/test_tools_calculator.py::test_the_calculator_task_is_learned_on_seed_0",
+    ),
+    "trl_calculator_20_steps": Check(
+        "trl_grpo_torchrl_rollouts",
+        ("experiment=calculator", "train.max_steps=20"),
+        "last:eval/accuracy",
+        0.8,
+        "tests/recipes/trl_grpo/test_trl_recipe_tools.py::"
+        "test_experiment_calculator_learns_to_use_its_tool_on_every_seed_in_the_trl_recipe",
+    ),
 }
 
 

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import re
 import shlex
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -455,17 +452,19 @@ def test_the_readme_trl_example_runs_as_a_user_runs_it(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_the_async_library_example_runs_as_written(tmp_path):
+def test_the_async_library_example_runs_as_written(tmp_path, capfd):
     """docs/trl_grpo_rollouts.md's async example for library users (a datasets.Dataset, trl's default shuffling), run
-    as a user runs it: a script in a folder of its own, ``tiny`` beside it, offline."""
+    as a user runs it: a script in a folder of its own, ``tiny`` beside it, offline (``python async_example.py`` in
+    this process, whose sampling process imports the script again as a spawned child does)."""
+    from _in_process import run_script
+
     text = (REPO_ROOT / "docs" / "trl_grpo_rollouts.md").read_text(encoding="utf-8")
     after = text[text.index("As a library, `TorchRLGRPOTrainer` takes the async") :]
     block = re.search(r"```python\n(.*?)```", after, re.S).group(1)
     (tmp_path / "tiny").symlink_to(REPO_ROOT / "tiny")
     (tmp_path / "async_example.py").write_text(block)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    completed = subprocess.run(
-        [sys.executable, "async_example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert completed.stdout.strip().splitlines()[-1] == "[0.0, 1.0]", completed.stdout[-1000:]
+    env = {"HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    returncode = run_script(tmp_path / "async_example.py", env=env, cwd=tmp_path)
+    stdout, stderr = capfd.readouterr()
+    assert returncode == 0, stderr[-3000:]
+    assert stdout.strip().splitlines()[-1] == "[0.0, 1.0]", stdout[-1000:]

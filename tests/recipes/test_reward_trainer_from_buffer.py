@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _shared_runs import shared_run
 from _small_runs import REWARD_SMALL
 
 import recipes.reward.pairs as preference
@@ -402,22 +403,34 @@ def test_wandb_offline_needs_no_account(compose_config, tmp_path, monkeypatch):
     assert (tmp_path / "metrics.csv").is_file()
 
 
+def _default_run(shared_runs: Path, compose_config) -> Path:
+    """The default run's folder, made once per session by the first test to ask. ``buffer=memmap`` keeps its labelled
+    pairs (the same pairs, the same figures as the in-memory buffer) for a run that changes only the training: pair
+    generation is more than half of the default run (14 of 25 s, 2026-12-06)."""
+
+    def make(folder: Path) -> None:
+        recipe.train(compose_config("reward_trainer_from_buffer", ["buffer=memmap", f"output_dir={folder}"]))
+
+    return shared_run(shared_runs, "reward_default", make)
+
+
 @pytest.mark.slow
-def test_default_run_reaches_the_target_accuracy(compose_config, tmp_path):
+def test_default_run_reaches_the_target_accuracy(compose_config, shared_runs):
     """Held-out accuracy >= 0.9 and Spearman vs the oracle >= 0.8: over seeds 0-4 the accuracy was 0.908-0.968 (seed 0
     the lowest, 178 of 196 pairs: a thin margin) and the Spearman 0.931-0.955, identical at 1 and 2 torch threads
     (`python recipes/reward_trainer_from_buffer.py seed=<s> num_threads=<t>`, 2026-12-06)."""
-    summary = recipe.train(compose_config("reward_trainer_from_buffer", [f"output_dir={tmp_path}"]))
+    summary = json.loads((_default_run(shared_runs, compose_config) / "summary.json").read_text())
     assert summary["eval/accuracy"] >= 0.9
     assert summary["eval/spearman"] >= 0.8
 
 
 @pytest.mark.slow
 def test_bf16_autocast_and_activation_checkpointing_still_reach_the_target_accuracy(
-    compose_config, tmp_path, monkeypatch
+    compose_config, tmp_path, monkeypatch, shared_runs
 ):
     """trl's memory switches (train.bf16, train.activation_checkpointing) reach the trainer and the default task
-    still learns under them (accuracy 1.0 and Spearman 0.986 when measured)."""
+    still learns under them (accuracy 1.0 and Spearman 0.986 when measured), trained on the default run's labelled
+    pairs (``buffer.load_from``: the switches change the training only)."""
     from trl import RewardTrainer
 
     seen = {}
@@ -433,7 +446,9 @@ def test_bf16_autocast_and_activation_checkpointing_still_reach_the_target_accur
         return result
 
     monkeypatch.setattr(RewardTrainer, "train", train_and_record)
-    overrides = ["train.bf16=true", "train.activation_checkpointing=true", f"output_dir={tmp_path}"]
+    pairs = _default_run(shared_runs, compose_config) / "buffer"
+    overrides = ["train.bf16=true", "train.activation_checkpointing=true", f"buffer.load_from={pairs}"]
+    overrides.append(f"output_dir={tmp_path}")
     summary = recipe.train(compose_config("reward_trainer_from_buffer", overrides))
     assert seen == {"mixed_precision": "bf16", "checkpointing": True, "weights": torch.float32}
     assert summary["eval/accuracy"] >= 0.9

@@ -6,26 +6,25 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
+from _in_process import run_script
 
 
 @pytest.mark.slow  # a benchmark run: the slow suite's (the default suite's budget is 8 minutes)
-def test_quick_bench_samples_the_same_dialogs_both_ways_and_reports_the_ratio(repo_root, tmp_path):
+def test_quick_bench_samples_the_same_dialogs_both_ways_and_reports_the_ratio(tmp_path, capfd):
     report_path = tmp_path / "bench.json"
-    command = [sys.executable, str(repo_root / "scripts" / "bench_dialog_cache.py"), "--quick", f"--json={report_path}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=repo_root)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rounds = re.findall(r"round (\d)  (cache kept across turns|prefill per turn)\s.*\((\d+) tokens", result.stdout)
+    status = run_script("scripts/bench_dialog_cache.py", "--quick", f"--json={report_path}")  # in this process
+    stdout, stderr = capfd.readouterr()
+    assert status == 0, stderr[-3000:]
+    rounds = re.findall(r"round (\d)  (cache kept across turns|prefill per turn)\s.*\((\d+) tokens", stdout)
     assert sorted((index, way) for index, way, _ in rounds) == sorted(
         (str(index), way) for index in range(3) for way in ("cache kept across turns", "prefill per turn")
     )
     # Both ways draw with the same random numbers: the same dialogs, so the same number of tokens, every round.
-    assert re.findall(r"the same dialogs both ways: (\d+)/(\d+)", result.stdout) == [("8", "8")] * 3
+    assert re.findall(r"the same dialogs both ways: (\d+)/(\d+)", stdout) == [("8", "8")] * 3
     report = json.loads(report_path.read_text())
     medians = report["medians"]
     expected = medians["cache kept across turns"]["tokens_per_s"] / medians["prefill per turn"]["tokens_per_s"]
     assert report["ratio_tokens_per_s"] == expected
-    assert f"ratio   kept / prefill per turn: {expected:.2f}x generated tokens/s" in result.stdout
+    assert f"ratio   kept / prefill per turn: {expected:.2f}x generated tokens/s" in stdout

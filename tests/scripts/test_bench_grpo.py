@@ -5,33 +5,31 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
+from _in_process import run_script
 
-SYNC = ("ours (sync, 1 thread)", "ours (sync, 2 threads)")
+# Ours (sync) at 1 thread only: a 2-thread side beside the other test worker's runs thrashes (1.5-2.4 s a step against
+# 0.1 at 1 thread, 2026-12-06), and trl's two thread counts already exercise the pick of the faster one (the same code).
+SYNC = ("ours (sync, 1 thread)",)
 TRL = ("trl (1 thread)", "trl (2 threads)")
 SIDES = (*SYNC, "ours (async)", *TRL)
+# Two generation batches a run, not the quick default's 3: the same work on every side is what is checked.
+STEPS = 2
 
 
 @pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
-def test_quick_bench_reports_every_side_its_phases_and_the_ratios(repo_root, tmp_path):
+def test_quick_bench_reports_every_side_its_phases_and_the_ratios(tmp_path, capfd):
     report_path = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "bench_grpo.py"), "--quick", f"--json={report_path}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=repo_root,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    arguments = ["--quick", f"--steps={STEPS}", "--sync-threads=1", f"--json={report_path}"]
+    status = run_script("scripts/bench_grpo.py", *arguments)  # in this process: its command line is not under test
+    out, err = capfd.readouterr()
+    assert status == 0, err[-3000:]
 
     # The quick configuration is the one every side reports running: groups of 4, 8 responses of 8 tokens.
     assert "group 4, 8 responses per generation batch, 1 optimizer step(s) of 8 per batch, max_new_tokens 8" in out
     assert "every response max_new_tokens long" in out
-    # Every side does the same work: 3 batches of 8 responses of 8 tokens, warm-up included.
+    # Every side does the same work: STEPS batches of 8 responses of 8 tokens, warm-up included.
     runs = re.findall(
         r"(warm-up|round 1)\s+(ours \(sync, \d threads?\)|ours \(async\)|trl \(\d threads?\))\s.*"
         r"\((\d+) tokens, (\d+) steps\)",
@@ -40,7 +38,7 @@ def test_quick_bench_reports_every_side_its_phases_and_the_ratios(repo_root, tmp
     assert sorted((label, side) for label, side, _, _ in runs) == sorted(
         (label, side) for label in ("warm-up", "round 1") for side in SIDES
     )
-    assert all(int(tokens) == 3 * 8 * 8 and int(steps) == 3 for _, _, tokens, steps in runs)
+    assert all(int(tokens) == STEPS * 8 * 8 and int(steps) == STEPS for _, _, tokens, steps in runs)
 
     report = json.loads(report_path.read_text())
     medians = report["medians"]

@@ -6,26 +6,19 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
+from _in_process import run_script
 
 SIDES = ("trl", "trl + TorchRL (sync)", "trl + TorchRL (async)")
 
 
 @pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
-def test_quick_bench_runs_every_mode_on_equal_work_and_reports_each_ratio(repo_root, tmp_path):
+def test_quick_bench_runs_every_mode_on_equal_work_and_reports_each_ratio(tmp_path, capfd):
     report_path = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "bench_trl_rollouts.py"), "--quick", f"--json={report_path}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=repo_root,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    status = run_script("scripts/bench_trl_rollouts.py", "--quick", f"--json={report_path}")  # in this process
+    out, err = capfd.readouterr()
+    assert status == 0, err[-3000:]
     assert "group 4, 8 completions x 8 tokens per step (every completion that long)" in out
     runs = re.findall(
         r"(warm-up|round 1)\s+(trl \+ TorchRL \((?:sync|async)\)|trl)\s.*\((\d+) tokens, (\d+) steps\)", out
