@@ -264,5 +264,6 @@ def test_the_chunked_heads_kept_logits_are_counted_within_their_budget():
         )
         return with_head["without_checkpointing"] - without["without_checkpointing"]
 
-    assert head_bytes(16) == 512 * 151936 * 4 + 3 * estimate_memory.CHUNK_ELEMENTS * 4 - 3 * 512 * 4
-    assert head_bytes(256) == 3 * estimate_memory.CHUNK_ELEMENTS * 4 - 3 * 256 * 32 * 4
+    # One cache-sized chunk of the vocabulary at a time: 2**21 logits' columns over the rows.
+    assert head_bytes(16) == 512 * 151936 * 4 + 3 * 512 * (2**21 // 512) * 4 - 3 * 512 * 4
+    assert head_bytes(256) == 3 * 8192 * (2**21 // 8192) * 4 - 3 * 256 * 32 * 4
