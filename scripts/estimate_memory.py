@@ -241,7 +241,7 @@ def _shape(config) -> dict:
 
 def head_chunk_logits(rows: int, vocab: int) -> int:
     """The logits the chunked LM head holds at once over ``rows`` rows: all of them within the scorer's budget
-    (``CHUNK_ELEMENTS``), one cache-sized chunk of the vocabulary beyond it."""
+    (``CHUNK_ELEMENTS``), one chunk of the vocabulary beyond it."""
     return rows * vocab if rows * vocab <= CHUNK_ELEMENTS else rows * min(chunk_columns(rows), vocab)
 
 

@@ -64,13 +64,13 @@ __all__ = [
 # ResponseLogProbs' default budget: at most this many logits (rows x vocabulary, float32) exist at once; within it
 # the head is computed all at once (autograd's own log-softmax).
 CHUNK_ELEMENTS = 2**23
-# Beyond it, each chunk of the vocabulary holds about this many logits (8 MiB of float32): the passes over a chunk
-# (max, exp and sums forward; five backward) then run in the last-level cache (32 MiB here) instead of memory. At 512
-# rows x 151,936, 2 threads, alone, the chunked forward and backward took 1.84 s with 2**23 per chunk (16,384 columns,
-# 32 MiB) against 1.44 s with 2,048-4,096 columns; the no-grad forward is the same either way. Not smaller: each chunk
-# is a dozen parallel ops, and with other jobs on the cores every op waits on its thread barrier (2,048 columns took
-# 2.1x the time of 16,384 under load, 4,096 1.4x).
-CACHE_CHUNK_ELEMENTS = 2**21
+# Beyond it, each chunk of the vocabulary holds about this many logits: 2**23 (32 MiB of float32, 16,384 columns at
+# 512 rows). Smaller chunks keep the passes over a chunk in the last-level cache (32 MiB here), but each chunk is a
+# dozen parallel ops, and with other jobs on the cores every op waits on its thread barrier. Measured at 512 rows x
+# 151,936, 2 threads, forward and backward, alternated in one process (other jobs on the 2 cores): best of 5-6, 1.53 s
+# at 16,384 columns, 1.66 s at 4,096, 1.55 s at 2,048; medians 1.3-2.2x slower at 4,096 and 2,048 than at 16,384 as
+# the load came and went. (An earlier measurement alone gave 1.84 s at 16,384 columns against 1.44 s at 2,048-4,096.)
+CACHE_CHUNK_ELEMENTS = 2**23
 # ... unless the backward may keep a forward's logits instead of recomputing them: up to this many in all (float32,
 # 512 MiB; trl's update holds all of its [B, R, V] logits and their log-softmax), beyond which the chunks are
 # recomputed. Keeping them saves one of the LM head's four matmuls in an update, the largest cost at a real
@@ -95,11 +95,11 @@ def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, with_ent
 
 def chunk_columns(rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
     """The vocabulary columns of one chunk of the head's logits over ``rows`` rows: about
-    :data:`CACHE_CHUNK_ELEMENTS` logits (cache-sized), never more than ``chunk_elements``, at least one column.
+    :data:`CACHE_CHUNK_ELEMENTS` logits, never more than ``chunk_elements``, at least one column.
 
     Examples:
-        >>> chunk_columns(512), chunk_columns(512, chunk_elements=512 * 100), chunk_columns(2**22)
-        (4096, 100, 1)
+        >>> chunk_columns(512), chunk_columns(512, chunk_elements=512 * 100), chunk_columns(2**24)
+        (16384, 100, 1)
     """
     return max(1, min(chunk_elements, CACHE_CHUNK_ELEMENTS) // rows)
 
@@ -309,7 +309,7 @@ class ResponseLogProbs(nn.Module):
     Keyword Args:
         chunk_elements: at most this many logits (rows x vocabulary) exist at once, unless ``keep_elements`` allows
             the backward to keep them: within it the head is computed whole, beyond it in chunks of the vocabulary
-            (:func:`chunk_columns`: cache-sized, at most this many).
+            (:func:`chunk_columns`: at most this many).
         keep_elements: with gradients, a backward keeps the forward's chunks of logits up to this many in all (and
             recomputes them beyond): one matmul of the LM head less for that memory. 0: always recompute.
         share_prompt: run each distinct prompt of a batch once (``train.share_prompt``): its keys and values, recorded

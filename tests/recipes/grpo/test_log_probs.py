@@ -160,12 +160,11 @@ def test_kept_logits_serve_one_backward_and_a_retained_graphs_second_recomputes(
 
 
 @pytest.mark.parametrize("keep_elements", [0, 2**27])
-def test_above_the_budget_the_chunks_are_cache_sized_with_the_full_forwards_values_and_gradients(
+def test_above_the_budget_the_chunk_width_is_its_own_with_the_full_forwards_values_and_gradients(
     tiny_policy, batch, monkeypatch, keep_elements
 ):
-    """The budget (chunk_elements) decides whether the head is chunked; the chunk's width is the cache-sized
-    CACHE_CHUNK_ELEMENTS over the rows (here 2 columns), not the budget's: values and gradients as the full
-    forward's."""
+    """The budget (chunk_elements) decides whether the head is chunked; the chunk's width is CACHE_CHUNK_ELEMENTS
+    over the rows (here 2 columns), not the budget's: values and gradients as the full forward's."""
     from recipes.grpo import log_probs
 
     model, _ = tiny_policy
