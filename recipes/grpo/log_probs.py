@@ -67,9 +67,9 @@ CHUNK_ELEMENTS = 2**23
 # Beyond it, each chunk of the vocabulary holds about this many logits: 2**23 (32 MiB of float32, 16,384 columns at
 # 512 rows). Smaller chunks keep the passes over a chunk in the last-level cache (32 MiB here), but each chunk is a
 # dozen parallel ops, and with other jobs on the cores every op waits on its thread barrier. Measured at 512 rows x
-# 151,936, 2 threads, forward and backward, alternated in one process (other jobs on the 2 cores): best of 5-6, 1.53 s
-# at 16,384 columns, 1.66 s at 4,096, 1.55 s at 2,048; medians 1.3-2.2x slower at 4,096 and 2,048 than at 16,384 as
-# the load came and went. (An earlier measurement alone gave 1.84 s at 16,384 columns against 1.44 s at 2,048-4,096.)
+# 151,936, 2 threads, forward and backward alternated in one process: alone (load average 0.5), medians 1.46 s at
+# 16,384 columns, 1.40 s at 4,096, 1.43 s at 2,048 (-4%); with other jobs on the 2 cores, 1.3-2.2x slower at 4,096 and
+# 2,048 than at 16,384 as the load came and went. A 4% gain alone is not worth that.
 CACHE_CHUNK_ELEMENTS = 2**23
 # ... unless the backward may keep a forward's logits instead of recomputing them: up to this many in all (float32,
 # 512 MiB; trl's update holds all of its [B, R, V] logits and their log-softmax), beyond which the chunks are
