@@ -89,7 +89,7 @@ import torch  # noqa: E402
 
 from recipes.common.config import ConfigError  # noqa: E402
 from recipes.common.schema import refuse_unknown_overrides  # noqa: E402
-from recipes.grpo.log_probs import CHUNK_ELEMENTS, KEEP_ELEMENTS  # noqa: E402  (the logits the scorer holds)
+from recipes.grpo.log_probs import CHUNK_ELEMENTS, KEEP_ELEMENTS, chunk_columns  # noqa: E402  (the logits the scorer holds)
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -239,6 +239,12 @@ def _shape(config) -> dict:
     }
 
 
+def head_chunk_logits(rows: int, vocab: int) -> int:
+    """The logits the chunked LM head holds at once over ``rows`` rows: all of them within the scorer's budget
+    (``CHUNK_ELEMENTS``), one chunk of the vocabulary beyond it."""
+    return rows * vocab if rows * vocab <= CHUNK_ELEMENTS else rows * min(chunk_columns(rows), vocab)
+
+
 def update_activation_bytes(
     shape: dict,
     *,
@@ -272,7 +278,7 @@ def update_activation_bytes(
     rows = sequences * responses  # response positions the head projects
     # Unchunked: logits, their float32 log-softmax and its exp (entropy); chunked: one chunk of each at a time; and
     # the response rows of the last hidden state, the head's input.
-    head = 3 * min(rows * shape["vocab"], CHUNK_ELEMENTS) * 4 + rows * shape["hidden"] * element
+    head = 3 * head_chunk_logits(rows, shape["vocab"]) * 4 + rows * shape["hidden"] * element
     # Chunked within KEEP_ELEMENTS, the forward's float32 logits are all kept for the backward.
     if CHUNK_ELEMENTS < rows * shape["vocab"] <= KEEP_ELEMENTS:
         head += rows * shape["vocab"] * 4
@@ -372,7 +378,7 @@ def estimate(
     )
     scored = cfg.rollout.log_prob_micro_batch_size or responses_per_step
     one_layer = scored * length * (2 * shape["hidden"] + 2 * shape["kv"] + 2 * shape["mlp"]) * weight_element
-    figures["reference_scoring"] = one_layer + min(scored * new_tokens * shape["vocab"], CHUNK_ELEMENTS) * 4 * 2
+    figures["reference_scoring"] = one_layer + head_chunk_logits(scored * new_tokens, shape["vocab"]) * 4 * 2
     figures["optimizer_step_temporaries"] = optimizer_step_temporaries(
         trainable_bytes=figures["gradients"],
         largest_bytes=largest_trainable * trainable_element / shards,

@@ -47,20 +47,30 @@ from recipes.grpo.batch import ATTENTION_MASK, TOKENS, response_start
 from recipes.grpo.distributed import STRATEGIES
 
 __all__ = [
+    "CACHE_CHUNK_ELEMENTS",
     "CHUNK_ELEMENTS",
     "KEEP_ELEMENTS",
     "AdapterDisabledLogProbs",
     "ResponseLogProbs",
     "ScoreLogProbs",
     "ShardedResponseLogProbs",
+    "chunk_columns",
     "distinct_prompts",
     "make_data_parallel_policy",
     "make_policy_scorer",
     "make_reference_scorer",
 ]
 
-# ResponseLogProbs' default budget: at most this many logits (rows x vocabulary, float32) exist at once.
+# ResponseLogProbs' default budget: at most this many logits (rows x vocabulary, float32) exist at once; within it
+# the head is computed all at once (autograd's own log-softmax).
 CHUNK_ELEMENTS = 2**23
+# Beyond it, each chunk of the vocabulary holds about this many logits: 2**23 (32 MiB of float32, 16,384 columns at
+# 512 rows). Smaller chunks keep the passes over a chunk in the last-level cache (32 MiB here), but each chunk is a
+# dozen parallel ops, and with other jobs on the cores every op waits on its thread barrier. Measured at 512 rows x
+# 151,936, 2 threads, forward and backward alternated in one process: alone (load average 0.5), medians 1.46 s at
+# 16,384 columns, 1.40 s at 4,096, 1.43 s at 2,048 (-4%); with other jobs on the 2 cores, 1.3-2.2x slower at 4,096 and
+# 2,048 than at 16,384 as the load came and went. A 4% gain alone is not worth that.
+CACHE_CHUNK_ELEMENTS = 2**23
 # ... unless the backward may keep a forward's logits instead of recomputing them: up to this many in all (float32,
 # 512 MiB; trl's update holds all of its [B, R, V] logits and their log-softmax), beyond which the chunks are
 # recomputed. Keeping them saves one of the LM head's four matmuls in an update, the largest cost at a real
@@ -81,6 +91,17 @@ def _log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, with_ent
     log_softmax = logits.log_softmax(-1)
     log_probs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
     return log_probs, (-(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else None)
+
+
+def chunk_columns(rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """The vocabulary columns of one chunk of the head's logits over ``rows`` rows: about
+    :data:`CACHE_CHUNK_ELEMENTS` logits, never more than ``chunk_elements``, at least one column.
+
+    Examples:
+        >>> chunk_columns(512), chunk_columns(512, chunk_elements=512 * 100), chunk_columns(2**24)
+        (16384, 100, 1)
+    """
+    return max(1, min(chunk_elements, CACHE_CHUNK_ELEMENTS) // rows)
 
 
 class _ChunkedHeadLogProbs(torch.autograd.Function):
@@ -134,6 +155,14 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if want_weight else None
         grad_bias = torch.empty_like(bias) if bias is not None and want_bias else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
+        # d log p[target] / d logits = onehot(target) - p and d H / d logits = -p * (log p + H), so the gradient of the
+        # logits is p * (scale * log p + shift), plus grad_log_probs at the target: three in place passes over a chunk
+        # after its exp, where the two terms apart take five. An unused output (None) adds no term.
+        if grad_entropy is not None:
+            scale = -grad_entropy[:, None]
+            shift = -grad_entropy * entropy - (grad_log_probs if grad_log_probs is not None else 0.0)
+        else:
+            scale, shift = None, -grad_log_probs
         for index, start in enumerate(range(0, weight.shape[0], ctx.chunk)):
             columns = slice(start, start + ctx.chunk)
             chunk_weight = weight[columns]
@@ -147,14 +176,10 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             # as much as its matmuls.
             log_softmax = logits.sub_(normaliser[:, None])
             probs = log_softmax.exp()
-            if grad_entropy is not None:
-                # d H / d logits = -p * (log p + H)
-                grad_logits = log_softmax.add_(entropy[:, None]).mul_(probs).mul_(-grad_entropy[:, None])
-                if grad_log_probs is not None:
-                    grad_logits.sub_(probs.mul_(grad_log_probs[:, None]))
+            if scale is not None:
+                grad_logits = log_softmax.mul_(scale).add_(shift[:, None]).mul_(probs)
             else:
-                # d log p[target] / d logits = onehot(target) - p (the entropy unused: no gradient, none computed)
-                grad_logits = probs.mul_(-grad_log_probs[:, None])
+                grad_logits = probs.mul_(shift[:, None])
             if grad_log_probs is not None:
                 local = targets - start
                 here = (local >= 0) & (local < logits.shape[-1])
@@ -163,7 +188,8 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             if want_hidden:
                 grad_hidden += (grad_logits @ chunk_weight).float()
             if want_weight:
-                grad_weight[columns] = grad_logits.T @ hidden.to(weight.dtype)
+                # Written into its rows of the gradient (contiguous), not into a [chunk, H] product then copied.
+                torch.mm(grad_logits.T, hidden.to(weight.dtype), out=grad_weight[columns])
             if grad_bias is not None:
                 grad_bias[columns] = grad_logits.sum(0)
         grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
@@ -282,7 +308,8 @@ class ResponseLogProbs(nn.Module):
 
     Keyword Args:
         chunk_elements: at most this many logits (rows x vocabulary) exist at once, unless ``keep_elements`` allows
-            the backward to keep them.
+            the backward to keep them: within it the head is computed whole, beyond it in chunks of the vocabulary
+            (:func:`chunk_columns`: at most this many).
         keep_elements: with gradients, a backward keeps the forward's chunks of logits up to this many in all (and
             recomputes them beyond): one matmul of the LM head less for that memory. 0: always recompute.
         share_prompt: run each distinct prompt of a batch once (``train.share_prompt``): its keys and values, recorded
@@ -361,7 +388,7 @@ class ResponseLogProbs(nn.Module):
                 # Every logit fits at once: autograd's own log-softmax is then the faster way.
                 log_probs, entropy = _log_probs_and_entropy(head(states).float(), targets, with_entropy)
             else:
-                chunk = max(1, self.chunk_elements // states.shape[0])  # vocabulary columns per chunk
+                chunk = chunk_columns(states.shape[0], self.chunk_elements)
                 keep = torch.is_grad_enabled() and logits <= self.keep_elements
                 log_probs, entropy = _ChunkedHeadLogProbs.apply(
                     states, head.weight, head.bias, targets, chunk, with_entropy, keep

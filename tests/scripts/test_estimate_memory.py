@@ -250,6 +250,8 @@ def test_shared_prompts_and_token_micro_batches_shrink_the_update_activations(ti
 
 
 def test_the_chunked_heads_kept_logits_are_counted_within_their_budget():
+    from recipes.grpo import log_probs
+
     """At a real vocabulary an update of 16 responses of 32 tokens keeps its 512 x 151,936 float32 logits for the
     backward (within KEEP_ELEMENTS); at 16x the rows they are recomputed, one chunk at a time."""
     shape = {"hidden": 512, "kv": 256, "mlp": 1536, "layers": 6, "vocab": 151936}
@@ -264,5 +266,7 @@ def test_the_chunked_heads_kept_logits_are_counted_within_their_budget():
         )
         return with_head["without_checkpointing"] - without["without_checkpointing"]
 
-    assert head_bytes(16) == 512 * 151936 * 4 + 3 * estimate_memory.CHUNK_ELEMENTS * 4 - 3 * 512 * 4
-    assert head_bytes(256) == 3 * estimate_memory.CHUNK_ELEMENTS * 4 - 3 * 256 * 32 * 4
+    # One chunk of the vocabulary at a time: CACHE_CHUNK_ELEMENTS logits' columns over the rows.
+    per_chunk = log_probs.CACHE_CHUNK_ELEMENTS
+    assert head_bytes(16) == 512 * 151936 * 4 + 3 * 512 * (per_chunk // 512) * 4 - 3 * 512 * 4
+    assert head_bytes(256) == 3 * 8192 * (per_chunk // 8192) * 4 - 3 * 256 * 32 * 4

@@ -157,3 +157,30 @@ def test_kept_logits_serve_one_backward_and_a_retained_graphs_second_recomputes(
     model.zero_grad()
     for first, second in zip(*gradients, strict=True):
         torch.testing.assert_close(first, second, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keep_elements", [0, 2**27])
+def test_above_the_budget_the_chunk_width_is_its_own_with_the_full_forwards_values_and_gradients(
+    tiny_policy, batch, monkeypatch, keep_elements
+):
+    """The budget (chunk_elements) decides whether the head is chunked; the chunk's width is CACHE_CHUNK_ELEMENTS
+    over the rows (here 2 columns), not the budget's: values and gradients as the full forward's."""
+    from recipes.grpo import log_probs
+
+    model, _ = tiny_policy
+    tokens, mask = batch
+    rows = int(mask[:, START:].sum())
+    monkeypatch.setattr(log_probs, "CACHE_CHUNK_ELEMENTS", 2 * rows + 1)
+    chunks = []
+    apply = log_probs._ChunkedHeadLogProbs.apply
+    monkeypatch.setattr(
+        log_probs._ChunkedHeadLogProbs, "apply", lambda *args: chunks.append(args[4]) or apply(*args), raising=True
+    )
+    scorer = ResponseLogProbs(model, chunk_elements=rows * 463 - 1, keep_elements=keep_elements)
+    got = _values_and_gradients(model, lambda: scorer(tokens, mask, response_start=START, with_entropy=True))
+    expected = _values_and_gradients(model, lambda: _full_forward(model, tokens, mask))
+    assert chunks == [2]
+    for got_value, expected_value in zip(got[:2], expected[:2], strict=True):
+        torch.testing.assert_close(got_value, expected_value, atol=1e-5, rtol=1e-5)
+    for got_grad, expected_grad in zip(got[2], expected[2], strict=True):
+        torch.testing.assert_close(got_grad, expected_grad, atol=1e-4, rtol=1e-4)
