@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 
 import pytest
 from _in_process import run_script
@@ -19,7 +20,8 @@ STEPS = 2
 
 
 @pytest.mark.slow  # a multi-process or benchmark run: the slow suite's (the default suite's budget is 8 minutes)
-def test_quick_bench_reports_every_side_its_phases_and_the_ratios(tmp_path, capfd):
+def test_quick_bench_reports_every_side_its_phases_and_the_ratios(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the bench's scratch folder, read below
     report_path = tmp_path / "bench.json"
     arguments = ["--quick", f"--steps={STEPS}", "--sync-threads=1", f"--json={report_path}"]
     status = run_script("scripts/bench_grpo.py", *arguments)  # in this process: its command line is not under test
@@ -64,3 +66,10 @@ def test_quick_bench_reports_every_side_its_phases_and_the_ratios(tmp_path, capf
             parts = sum(phases[p] for p in ("generate", "reward", "reference", "advantage", "update", "other"))
             assert abs(parts - phases["total"]) < 1e-9
         assert phases["generate"] > 0 and phases["update"] > 0
+
+    # Each of ours' run folders keeps its metrics.csv (for scripts/plot_run.py), not the final checkpoint the bench
+    # never reads (1.1 GB a run at the real vocabulary).
+    folders = sorted(tmp_path.glob("bench_grpo.*/*-ours_*"))
+    assert len(folders) == 2 * len((*SYNC, "ours (async)")), folders  # warm-up and round 1 of each of ours
+    for folder in folders:
+        assert (folder / "metrics.csv").exists() and not (folder / "checkpoints").exists(), sorted(folder.iterdir())
