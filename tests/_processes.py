@@ -216,10 +216,11 @@ def left_after_sigkill(script: Path, count: int, *, env: dict) -> list[int]:
         kill_leftovers(pids)
 
 
-def kill_ray_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], bool], forked: bool = False) -> None:
+def kill_ray_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], bool]) -> None:
     """:func:`kill_recipe_run_when` for a run that started its own local Ray cluster (``rollout.backend=ray``, no
     ``ray.address``): fails unless Ray's processes (GCS, raylet) were among its children and every one of its
-    children is gone within 30 s of the SIGKILL. ``forked`` as there."""
+    children is gone within 30 s of the SIGKILL. The run is a new Python, not forked: a process forked from a test
+    process that had already joined a Ray cluster hung starting its own (its GCS up, no raylet; 2026-12-06)."""
     import psutil
 
     started: list[psutil.Process] = []
@@ -227,7 +228,7 @@ def kill_ray_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], 
     def note_its_processes(pid: int) -> None:
         started.extend(psutil.Process(pid).children(recursive=True))
 
-    kill_recipe_run_when(recipe, overrides, ready=ready, before_kill=note_its_processes, forked=forked)
+    kill_recipe_run_when(recipe, overrides, ready=ready, before_kill=note_its_processes)
     names = " ".join(process.name() for process in started)
     assert "raylet" in names and "gcs_server" in names, names
     _, alive = psutil.wait_procs(started, timeout=30)
