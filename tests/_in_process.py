@@ -17,6 +17,7 @@ import random
 import runpy
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -115,14 +116,22 @@ class ForkedScript:
     its own state in the child (the file-descriptor sharer that hands tensors to a spawned collector, whose thread a
     bare fork would leave dead). SIGINT and SIGTERM are Python's defaults in the child (a test worker may ignore
     SIGINT), its standard output goes nowhere and its standard error to ``stderr_path``. ``poll``, ``wait``,
-    ``send_signal``, ``kill`` and ``pid`` as a ``subprocess.Popen``'s."""
+    ``send_signal``, ``kill`` and ``pid`` as a ``subprocess.Popen``'s. ``prepare()``, if given, runs in the child first
+    (to drop state of this process's that a new Python would not have)."""
 
-    def __init__(self, script: str | Path, *arguments: str, stderr_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        script: str | Path,
+        *arguments: str,
+        stderr_path: Path,
+        env: dict[str, str] | None = None,
+        prepare: Callable[[], None] | None = None,
+    ):
         import multiprocessing
 
         self.stderr_path = Path(stderr_path)
         self._process = multiprocessing.get_context("fork").Process(
-            target=_run_forked, args=(str(script), arguments, env, str(stderr_path)), name=f"forked {script}"
+            target=_run_forked, args=(str(script), arguments, env, str(stderr_path), prepare), name=f"forked {script}"
         )
         self._process.start()
         self.pid = self._process.pid
@@ -149,7 +158,13 @@ class ForkedScript:
         return self.stderr_path.read_text() if self.stderr_path.exists() else ""
 
 
-def _run_forked(script: str, arguments: tuple[str, ...], env: dict[str, str] | None, stderr_path: str) -> None:
+def _run_forked(
+    script: str,
+    arguments: tuple[str, ...],
+    env: dict[str, str] | None,
+    stderr_path: str,
+    prepare: Callable[[], None] | None = None,
+) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -160,4 +175,6 @@ def _run_forked(script: str, arguments: tuple[str, ...], env: dict[str, str] | N
     # The test's sys.stdout and sys.stderr write to pytest's capture, not to the descriptors: the child's own.
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's, open until it exits
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if prepare is not None:
+        prepare()
     sys.exit(run_script(script, *arguments, env=env))

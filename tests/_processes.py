@@ -46,6 +46,75 @@ def _in_group(worker: Callable[[int, str], None], rank: int, world_size: int, fo
         dist.destroy_process_group()
 
 
+def run_forked_ranks(script: str, arguments: list[str], *, world_size: int = 2, timeout: float = 600) -> None:
+    """``torchrun --standalone --nproc_per_node <world_size> <script> <arguments>`` without the launcher: each rank
+    forked from this process, its imports already done (``_in_process.ForkedScript``: the script as ``__main__``),
+    with the environment torchrun gives its workers (torch.distributed.elastic's ``LocalElasticAgent``: ranks, sizes,
+    the rendezvous address; rank 0 holds the store, as without an agent) and none of this process's accelerate state.
+    A launched run spent 9-11 CPU-s more here, on three new Pythons importing torch, transformers and torchrl again.
+    Fails, with the ranks' stderr, unless every rank exits 0 within ``timeout`` seconds (the others are killed when
+    one fails: they would wait on its collectives)."""
+    import tempfile
+
+    from _in_process import ForkedScript
+
+    port, folder = free_port(), Path(tempfile.mkdtemp(prefix="forked_ranks_"))
+    shared = {"LOCAL_WORLD_SIZE": str(world_size), "WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1"}
+    shared |= {"ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size), "GROUP_RANK": "0"}
+    shared |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    shared |= {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
+    shared |= {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    ranks = [
+        ForkedScript(
+            script,
+            *arguments,
+            stderr_path=folder / f"rank{rank}.txt",
+            env={**shared, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)},
+            prepare=_without_accelerate_state,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(rank.poll() is None for rank in ranks):
+            if any(rank.poll() not in (None, 0) for rank in ranks):
+                break
+            time.sleep(0.05)
+        exit_codes = [rank.poll() for rank in ranks]
+        errors = "\n".join(f"rank {i}: ...{rank.stderr_text()[-3000:]}" for i, rank in enumerate(ranks))
+        assert exit_codes == [0] * world_size, f"exit codes {exit_codes} (None: still running)\n{errors}"
+    finally:
+        for rank in ranks:
+            rank.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def accelerate_launch_forked(*arguments: str, timeout: float = 600) -> None:
+    """``accelerate launch <arguments>`` through accelerate's own launcher code, in this process (its checks and the
+    environment it makes for the ranks: ``--use_fsdp``'s plugin settings, the process counts), up to where it would
+    start torchrun: there the ranks are forked instead (:func:`run_forked_ranks`), in that environment."""
+    from unittest import mock
+
+    import accelerate.commands.launch as launch
+
+    def forked_torchrun(args) -> None:
+        run_forked_ranks(
+            args.training_script, list(args.training_script_args), world_size=int(args.nproc_per_node), timeout=timeout
+        )
+
+    with mock.patch.object(launch, "_run_torchrun", forked_torchrun):
+        launch.launch_command(launch.launch_command_parser().parse_args(list(arguments)))
+
+
+def _without_accelerate_state() -> None:
+    """A forked rank starts with no accelerate state, as a new process does (this one may hold a single-process
+    ``PartialState`` of an earlier in-process run, which the rank would otherwise take for its own)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def free_port() -> int:
     """A port no process listens on now: other tests (and other runs on this machine) start process groups too, so a
     launcher's default port cannot be relied on."""
@@ -150,7 +219,8 @@ def left_after_sigkill(script: Path, count: int, *, env: dict) -> list[int]:
 def kill_ray_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], bool]) -> None:
     """:func:`kill_recipe_run_when` for a run that started its own local Ray cluster (``rollout.backend=ray``, no
     ``ray.address``): fails unless Ray's processes (GCS, raylet) were among its children and every one of its
-    children is gone within 30 s of the SIGKILL."""
+    children is gone within 30 s of the SIGKILL. The run is a new Python, not forked: a process forked from a test
+    process that had already joined a Ray cluster hung starting its own (its GCS up, no raylet; 2026-12-06)."""
     import psutil
 
     started: list[psutil.Process] = []

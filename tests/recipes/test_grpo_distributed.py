@@ -2,9 +2,13 @@
 and a resumed data-parallel run replays the uninterrupted one (out of CI: ``pytest -m extended``; the resumed FSDP2
 run covers it). The CUDA variant (nccl) is marked ``gpu``.
 
-Each torchrun takes 10-30 s: a run that several tests read (DDP and FSDP2 for 2 steps, DDP for 4) is made once per
-session (``_shared_runs``), and a resume continues a copy of the shared 2-step run (a copied run folder resumes as
-itself, ``recipes.common.resume``); every test here is in the slow suite, or out of CI as marked.
+A launched run takes 8-16 s, a forked one 2-5 s: a run that several tests read (DDP and FSDP2 for 2 steps, DDP for
+4) is made once per session (``_shared_runs``), and a resume continues a copy of the shared 2-step run (a copied run
+folder resumes as itself, ``recipes.common.resume``); every test here is in the slow suite, or out of CI as marked.
+The 4-step DDP run is launched by torchrun as a user types it; the runs compared with it (FSDP2, LoRA, the memory
+switches, resumes) fork their two ranks from the test process with torchrun's environment
+(``_processes.run_forked_ranks``), which spares the launcher's three new Pythons and their imports (9 CPU-s a run
+here), and the comparison with the launched run checks that a forked rank trains as a launched one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import run_forked_ranks
 from _shared_runs import copy_run, shared_run
 from _small_runs import GRPO_SMALL, REPO_ROOT, read_metrics
 
@@ -38,6 +43,8 @@ SHARED_RUNS = {
     "fsdp_lora_2": [*SMALL, *CHECKPOINTS, LORA, FSDP, "checkpoint.save_merged=true", "train.steps=2"],
 }
 
+# The run torchrun launches as a user types it (the others fork their ranks: the module's docstring).
+LAUNCHED_RUN = "ddp_4"
 
 # The recipe, with each rank writing its weights to <run dir>/rank_weights/rank_<rank>.safetensors at every checkpoint.
 RANK_WEIGHTS_LAUNCH = "tests/recipes/_rank_weights_launch.py"
@@ -60,6 +67,11 @@ def _torchrun(num_processes: int, overrides: list[str], run_dir: Path) -> subpro
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result
+
+
+def _run(overrides: list[str], run_dir: Path) -> None:
+    """The run of :func:`_torchrun` with 2 processes, its ranks forked from this one (``run_forked_ranks``)."""
+    run_forked_ranks(RANK_WEIGHTS_LAUNCH, [*overrides, f"hydra.run.dir={run_dir}"])
 
 
 def _load_rank_weights(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -86,7 +98,14 @@ def _assert_same_weights(run_dir: Path, other_dir: Path, rank: int = 0) -> None:
 
 def _shared(shared_runs: Path, name: str) -> Path:
     """The folder of the shared run ``name`` (:data:`SHARED_RUNS`), made by the first test of the session to ask."""
-    return shared_run(shared_runs, name, lambda folder: _torchrun(2, SHARED_RUNS[name], folder))
+
+    def make(folder: Path) -> None:
+        if name == LAUNCHED_RUN:
+            _torchrun(2, SHARED_RUNS[name], folder)
+        else:
+            _run(SHARED_RUNS[name], folder)
+
+    return shared_run(shared_runs, name, make)
 
 
 def _to_4_steps(overrides: list[str]) -> list[str]:
@@ -96,7 +115,7 @@ def _to_4_steps(overrides: list[str]) -> list[str]:
 def _resume_to_4_steps(shared_runs: Path, first_2_steps: str, tmp_path: Path) -> Path:
     """The shared 2-step run ``first_2_steps`` resumed to 4 steps, in a copy of its folder: the copy."""
     run_dir = copy_run(_shared(shared_runs, first_2_steps), tmp_path / "run")
-    _torchrun(2, [*_to_4_steps(SHARED_RUNS[first_2_steps]), "resume=true"], run_dir)
+    _run([*_to_4_steps(SHARED_RUNS[first_2_steps]), "resume=true"], run_dir)
     return run_dir
 
 
@@ -238,8 +257,8 @@ def test_fsdp_trains_as_ddp_does(shared_runs, tmp_path, memory_switches):
     if memory_switches:
         overrides = [*SMALL, *CHECKPOINTS, "train.steps=2", *memory_switches]
         fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
-        _torchrun(2, [*overrides, FSDP], fsdp)
-        _torchrun(2, overrides, ddp)
+        _run([*overrides, FSDP], fsdp)
+        _run(overrides, ddp)
     else:
         fsdp, ddp = _shared(shared_runs, "fsdp_2"), _shared(shared_runs, "ddp_2")
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/kl_to_ref")
@@ -253,7 +272,7 @@ def test_shared_prompts_train_as_the_padded_path_under_ddp_and_fsdp(shared_runs,
     (its scoring a registered forward of the sharded policy, two decoder passes inside): the same figures and weights
     as DDP with every row run whole."""
     padded = tmp_path / "padded"
-    _torchrun(2, [*SHARED_RUNS["ddp_2"], "train.share_prompt=false"], padded)
+    _run([*SHARED_RUNS["ddp_2"], "train.share_prompt=false"], padded)
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/grad_norm", "train/kl_to_ref")
     for shared in ("ddp_2", "fsdp_2"):
         _assert_same_steps(_shared(shared_runs, shared), padded, keys, steps=2)
@@ -282,7 +301,7 @@ def test_fsdp_with_lora_trains_as_ddp_does_and_saves_the_adapter(shared_runs, tm
     from transformers import AutoModelForCausalLM
 
     fsdp, ddp = _shared(shared_runs, "fsdp_lora_2"), tmp_path / "ddp"
-    _torchrun(2, [item for item in SHARED_RUNS["fsdp_lora_2"] if item != FSDP], ddp)
+    _run([item for item in SHARED_RUNS["fsdp_lora_2"] if item != FSDP], ddp)
     keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/kl_to_ref")
     _assert_same_steps(fsdp, ddp, keys, steps=2)
     _assert_same_weights(fsdp, ddp)
@@ -327,7 +346,7 @@ def test_a_resumed_fsdp_lora_run_replays_the_uninterrupted_one(shared_runs, tmp_
     the main process's generator, and the uninterrupted run sampled differently from step 3 on, 2026-12-06.) The
     first 2 steps are the LoRA test's shared run, resumed in a copy of its folder."""
     run_dir, reference_dir = _resume_to_4_steps(shared_runs, "fsdp_lora_2", tmp_path), tmp_path / "uninterrupted"
-    _torchrun(2, _to_4_steps(SHARED_RUNS["fsdp_lora_2"]), reference_dir)
+    _run(_to_4_steps(SHARED_RUNS["fsdp_lora_2"]), reference_dir)
     keys = ("rollout/reward_mean", "rollout/response_length", "train/loss", "train/kl_to_ref")
     _assert_same_steps(run_dir, reference_dir, keys, steps=4)
     _assert_same_weights(run_dir, reference_dir)

@@ -6,6 +6,9 @@ through ``_batch_recording.py`` (and, in process, with the ``record_batches`` fi
 trained on. ``interop.TorchRLBufferDataset`` over the recipe's buffer deals its draws between the ranks itself: two
 ranks forked with torchrun's environment. ``accelerate launch --use_fsdp --fsdp_version 2`` shards the reward model,
 started through ``_accelerate_fsdp_on_cpu.py`` (accelerate shards on GPUs only; it lifts that limit for CPU processes).
+The FSDP2 tests and their DDP references run accelerate's launcher code in the test process and fork the ranks from
+it (``_processes.accelerate_launch_forked``: no new Pythons importing torch, transformers and trl again, 11 CPU-s a
+launch here); the first test launches as a user does.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from _batch_recording import install_batch_recorder
-from _processes import free_port
+from _processes import accelerate_launch_forked, free_port
 from _small_runs import REWARD_SMALL
 
 SMALL = REWARD_SMALL
@@ -47,10 +50,17 @@ def _accelerate_launch(repo_root: Path, *overrides: str, script: str = "recipes/
     return _launch(repo_root, _accelerate("--multi_gpu"), script, *overrides)
 
 
-def _accelerate_fsdp_launch(repo_root: Path, *overrides: str):
-    # A unit per decoder layer, as the README launches it.
-    launcher = _accelerate("--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
-    return _launch(repo_root, launcher, "tests/recipes/_accelerate_fsdp_on_cpu.py", *overrides)
+def _accelerate_forked(*overrides: str, fsdp: bool = False) -> None:
+    """accelerate's launcher in this process, the ranks forked from it (``_processes.accelerate_launch_forked``):
+    ``--use_fsdp`` (a unit per decoder layer, as the README launches it) through ``_accelerate_fsdp_on_cpu.py``, or
+    ``--multi_gpu`` (DDP) the recipe itself."""
+    if fsdp:
+        options = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
+        script = "tests/recipes/_accelerate_fsdp_on_cpu.py"
+    else:
+        options, script = ["--multi_gpu"], "recipes/reward_trainer_from_buffer.py"
+    launcher = _accelerate(*options)[1:]  # the options, without the launcher's module
+    accelerate_launch_forked(*launcher, script, *overrides)
 
 
 @pytest.fixture
@@ -352,8 +362,8 @@ def test_accelerate_fsdp_shards_the_reward_model_and_trains_as_ddp(repo_root, tm
     from transformers import AutoModelForSequenceClassification
 
     sharded, replicated = tmp_path / "fsdp", tmp_path / "ddp"
-    _accelerate_fsdp_launch(repo_root, *FSDP_RUN, f"hydra.run.dir={sharded}")
-    _accelerate_launch(repo_root, *FSDP_RUN, f"hydra.run.dir={replicated}")
+    _accelerate_forked(*FSDP_RUN, f"hydra.run.dir={sharded}", fsdp=True)
+    _accelerate_forked(*FSDP_RUN, f"hydra.run.dir={replicated}")
 
     assert all(0.45 <= share <= 0.55 for share in _held_shares(sharded, repo_root))
     _assert_same_weights("model.safetensors", sharded, replicated)
@@ -376,8 +386,8 @@ def test_accelerate_fsdp_with_lora_trains_the_adapters_as_ddp(repo_root, tmp_pat
     from safetensors.torch import load_file
 
     sharded, replicated = tmp_path / "fsdp", tmp_path / "ddp"
-    _accelerate_fsdp_launch(repo_root, *FSDP_RUN, REWARD_LORA, f"hydra.run.dir={sharded}")
-    _accelerate_launch(repo_root, *FSDP_RUN, REWARD_LORA, f"hydra.run.dir={replicated}")
+    _accelerate_forked(*FSDP_RUN, REWARD_LORA, f"hydra.run.dir={sharded}", fsdp=True)
+    _accelerate_forked(*FSDP_RUN, REWARD_LORA, f"hydra.run.dir={replicated}")
 
     assert all(0.45 <= share <= 0.55 for share in _held_shares(sharded, repo_root))
     _assert_same_weights("adapter_model.safetensors", sharded, replicated)

@@ -403,7 +403,8 @@ def test_resume_after_sigkill_continues_from_trls_checkpoint(compose_config, tmp
         return checkpointed and metrics.exists() and any(row["step"] == 3.0 for row in read_metrics(run_dir))
 
     recipe_run = [*overrides, f"hydra.run.dir={run_dir}"]
-    kill_recipe_run_when("trl_grpo_torchrl_rollouts.py", recipe_run, ready=checkpoint_2_and_step_3_done)
+    # Forked from this process, its imports done (_in_process.ForkedScript): a process of its own for the SIGKILL.
+    kill_recipe_run_when("trl_grpo_torchrl_rollouts.py", recipe_run, ready=checkpoint_2_and_step_3_done, forked=True)
 
     first_part = read_metrics(run_dir)[0]
     summary = recipe.train(

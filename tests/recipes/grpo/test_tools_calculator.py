@@ -4,14 +4,11 @@ with SIGKILL resumes as if never interrupted, and GRPO teaches the policy to cal
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
-from _processes import kill_recipe_run_when
-from _small_runs import REPO_ROOT, SMALL_CALCULATOR, read_metrics
+from _processes import kill_recipe_run_when, run_forked_ranks
+from _small_runs import SMALL_CALCULATOR, read_metrics
 
 import recipes.grpo_torchrl_rm as recipe
 from recipes.common.checkpoint import latest_checkpoint, list_checkpoints
@@ -28,7 +25,10 @@ def test_resume_after_sigkill_of_a_tool_using_run(compose_config, tmp_path):
         metrics = run_dir / "metrics.csv"
         return metrics.exists() and any(row["step"] == 3.0 for row in read_metrics(run_dir))
 
-    kill_recipe_run_when("grpo_torchrl_rm.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=step_3_logged)
+    # Forked from this process, its imports done (_in_process.ForkedScript): a process of its own for the SIGKILL.
+    kill_recipe_run_when(
+        "grpo_torchrl_rm.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=step_3_logged, forked=True
+    )
     assert latest_checkpoint(run_dir / "checkpoints").name == "step_0000002"
     # As a user resumes: the run's own config (its resolved_config.yaml) holds the preset, not repeated here.
     resume = [override for override in overrides if not override.startswith("experiment=")]
@@ -50,21 +50,9 @@ def test_resume_after_sigkill_of_a_tool_using_run(compose_config, tmp_path):
 @pytest.mark.slow
 def test_two_processes_each_run_their_own_tool_worker(tmp_path):
     """Under torchrun every process samples its own dialogs, its calls answered by a tool worker of its own; the
-    figures are pooled over both and rank 0 writes them."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "recipes/grpo_torchrl_rm.py",
-        *SMALL_CALCULATOR,
-        "train.steps=2",
-        f"hydra.run.dir={tmp_path}",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    figures are pooled over both and rank 0 writes them. The two ranks are forked from this process with torchrun's
+    environment (_processes.run_forked_ranks: the launcher itself is tests/recipes/test_grpo_distributed.py's)."""
+    run_forked_ranks("recipes/grpo_torchrl_rm.py", [*SMALL_CALCULATOR, "train.steps=2", f"hydra.run.dir={tmp_path}"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["train/num_processes"] == 2
     rows = read_metrics(tmp_path)

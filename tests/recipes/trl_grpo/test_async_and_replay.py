@@ -251,8 +251,10 @@ def test_an_async_run_killed_after_a_checkpoint_resumes_on_the_prompts_it_would_
     def checkpoint_2_done() -> bool:
         return (run_dir / "trainer" / "checkpoint-2" / "trainer_state.json").is_file()
 
+    # The killed run forked from this process, its imports done (_in_process.ForkedScript): a process of its own that
+    # the SIGKILL ends with its collector, as a launched one.
     kill_recipe_run_when(
-        "trl_grpo_torchrl_rollouts.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=checkpoint_2_done
+        "trl_grpo_torchrl_rollouts.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=checkpoint_2_done, forked=True
     )
     resumed = recipe.train(
         compose_config("trl_grpo_torchrl_rollouts", [*overrides, f"output_dir={run_dir}", "resume=true"])
