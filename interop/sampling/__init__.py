@@ -9,6 +9,8 @@
   :class:`interop.TorchRLRolloutFunc` samples with in the trainer's process, and every sampler apart from it too.
 - :mod:`interop.sampling.background`: :class:`BackgroundSampler`, a copy of the model sampling in a child process on
   weights the caller publishes (its child's entry: ``interop.sampling._child``).
+- :mod:`interop.sampling.child_processes`: how those children start: forked from Python's fork server, which imports
+  their modules once per process (or spawned).
 - :mod:`interop.sampling.workers`: :class:`RolloutWorkers`, several such copies in local processes or Ray actors
   (the watcher of a Ray cluster it starts: ``interop.sampling._ray_janitor``).
 

@@ -9,9 +9,14 @@ Public names:
   (:meth:`BackgroundSampler.submit`); :meth:`BackgroundSampler.result` waits for the rollout. One request at a
   time: weights are only written while the child is idle, so every rollout is sampled by one version of the weights.
 
+The child is forked from Python's fork server by default, which imports torch, tensordict and transformers once per
+process (``interop.sampling.child_processes``: the server is a process multiprocessing starts with the first child and
+stops when the caller's process exits); ``start_method="spawn"`` starts each child as a new Python.
+
 Process hygiene: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, set before it imports anything heavy:
-``interop.sampling._child``), a failure in the child is raised in the caller with the child's traceback, and
-:meth:`BackgroundSampler.close` stops and joins it (also at interpreter exit).
+``interop.sampling._child``; with the fork server its parent is the server, which dies with the caller), a failure in
+the child is raised in the caller with the child's traceback, and :meth:`BackgroundSampler.close` stops and joins it
+(also at interpreter exit).
 
 Dependencies: torch, tensordict, and the ``transformers`` model the caller passes in.
 """
@@ -20,18 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import multiprocessing
-import sys
 import time
 import traceback
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from interop.sampling import _child
+from interop.sampling.child_processes import child_context, start_child
 from interop.sampling.rollouts import RolloutSampler
 from interop.sampling.sampler import SamplingSettings
 
@@ -105,21 +109,6 @@ def sampler_options(
     }
 
 
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """A spawned process re-imports its parent's ``__main__`` (a training script, with all its imports) before it
-    runs its own code; the sampler needs nothing from it, so it is hidden while the process starts."""
-    main = sys.modules["__main__"]
-    spec, path = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__spec__ = spec
-        if path is not None:
-            main.__file__ = path
-
-
 class BackgroundSampler:
     """A causal LM sampling in a child process, on weights the caller publishes.
 
@@ -137,6 +126,9 @@ class BackgroundSampler:
         num_threads: torch threads of the child (1: on a busy CPU the trainer and the sampler each keep a core).
         seed: the child's torch seed.
         timeout_s: how long :meth:`result` waits before it gives up.
+        start_method: ``"forkserver"``: the child is forked from this process's fork server, which imports the
+            sampler's modules once (the first child's start waits for them; later ones start in well under a second);
+            ``"spawn"``: each child a new Python that imports them again (``interop.sampling.child_processes``).
 
     Examples:
         A sketch (the child takes a few seconds to start)::
@@ -161,8 +153,14 @@ class BackgroundSampler:
         seed: int = 0,
         timeout_s: float = 1800.0,
         dialogs: dict | None = None,
+        start_method: str = "forkserver",
     ) -> None:
-        context = multiprocessing.get_context("spawn")
+        # What the child imports: its entry and the sampler, the model's class (and for dialogs, the tokenizer's and
+        # the tool modules).
+        modules = ["interop.sampling.background", type(model).__module__]
+        if dialogs is not None:
+            modules += ["interop.tools.dialogs", "interop.tools.runner", type(tokenizer).__module__]
+        context = child_context(start_method, preload=modules)
         # The shared copy: the child's model aliases these tensors; publish() copies the trained weights into them.
         self._shared = copy.deepcopy(model).to("cpu").eval()
         self._shared.requires_grad_(False)
@@ -173,9 +171,7 @@ class BackgroundSampler:
         self._waiting = False
         self._closed = False
         self._connection, child_connection = context.Pipe()
-        self.process = context.Process(target=_child.start, args=(child_connection,), daemon=True)
-        with _main_module_hidden():
-            self.process.start()
+        self.process = start_child(context, _child.start, (child_connection,))
         child_connection.close()
         self._connection.send(
             (
@@ -191,8 +187,10 @@ class BackgroundSampler:
                 ),
             )
         )
-        # Not waited for here: the child's start (imports, the model) overlaps whatever the caller does next; the
-        # first submit() waits for it.
+        # Not waited for here: the child's start (the model, and a spawned child's imports) overlaps whatever the
+        # caller does next; the first submit() waits for it. (The first child forked from this process's fork server
+        # waited in start_child for the server's imports, about 3 s, that a spawned child makes after its start: its
+        # callers, TorchRLRolloutFunc.prepare and RolloutWorkers, wait for it to be ready at once anyway.)
         self._ready = False
         # Stopped when closed, garbage collected, or at interpreter exit (weakref.finalize runs then too).
         self._finalizer = weakref.finalize(self, BackgroundSampler._stop, self.process, self._connection)

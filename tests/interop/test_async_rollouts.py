@@ -11,7 +11,6 @@ import copy
 import os
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -376,6 +375,11 @@ import test_async_rollouts as t
 tokenizer = AutoTokenizer.from_pretrained({policy!r}, padding_side="left")
 model = AutoModelForCausalLM.from_pretrained({policy!r})
 trainer = t._trainer((model, tokenizer), {out!r}, max_steps=100000)
+prepare = trainer.rollout_func.prepare
+def prepare_and_tell(trl_trainer):  # the sampling process's id, once it is started
+    prepare(trl_trainer)
+    print("sampler", *trainer.rollout_func._background.pids, flush=True)
+trainer.rollout_func.prepare = prepare_and_tell
 trainer.train()
 """
 
@@ -389,15 +393,20 @@ def test_the_sampling_process_dies_with_its_trainer(tmp_path, repo_root, signal_
         tests=str(repo_root / "tests" / "interop"), policy=str(repo_root / "tiny" / "policy"), out=str(tmp_path)
     )
     trainer = subprocess.Popen(
-        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(repo_root)}, stderr=subprocess.PIPE
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
-        deadline, children = time.monotonic() + 180, []
-        while time.monotonic() < deadline and not children:
-            assert trainer.poll() is None, trainer.stderr.read().decode()[-3000:]
-            children = psutil.Process(trainer.pid).children(recursive=True)
-            time.sleep(0.2)
-        assert children, "the sampling process never started"
+        # The sampler's pid, then every process under the trainer: the sampler, and with the fork server (whose child
+        # the sampler is), the server.
+        lines = iter(trainer.stdout.readline, b"")
+        told = next((line.split() for line in lines if line.startswith(b"sampler ")), None)
+        assert told is not None, trainer.stderr.read().decode()[-3000:]
+        sampler = int(told[1])
+        children = psutil.Process(trainer.pid).children(recursive=True)
+        assert sampler in [child.pid for child in children], "the sampling process never started"
         trainer.send_signal(getattr(signal, signal_name))
         trainer.wait(timeout=60)
         gone, alive = psutil.wait_procs(children, timeout=30)

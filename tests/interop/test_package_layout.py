@@ -128,10 +128,13 @@ def test_every_name_of_interop_is_its_module_s_own_object():
 
 
 def test_the_entry_points_of_child_processes_import_no_torch():
-    """A sampler child sets PR_SET_PDEATHSIG before its heavy imports, and a tool worker restarted after a timeout pays
-    its imports again: their modules, and the wing packages Python runs first, must not import torch or trl."""
+    """A sampler child sets PR_SET_PDEATHSIG before its heavy imports (a fork server too, from the first module it
+    imports), and a tool worker restarted after a timeout pays its imports again: their modules, and the wing packages
+    Python runs first, must not import torch or trl."""
     light = [
         "interop.sampling._child",
+        "interop.sampling._fork_server_guard",
+        "interop.sampling.child_processes",
         "interop.sampling._ray_janitor",
         "interop.tools",
         "interop.tools.runner",
