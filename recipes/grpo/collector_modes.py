@@ -19,10 +19,15 @@ whether it was, and ``"withheld_s"``, how long) or ``"resample"`` (sampled at on
 Each batch carries the version it was sampled with (``"policy_version"``, written by the policy module), from which
 the learner measures the lag.
 
+The child is forked from Python's fork server by default (the library's ``interop.sampling.child_processes``, with
+this recipe's modules preloaded: the first collector of a process waits for the server's imports, every later one, as
+in a sweep's next job, starts in well under a second); ``start_method="spawn"`` starts each as a new Python.
+
 Process hygiene: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, set before it imports anything
-heavy: ``recipes.grpo.collector_child``; and a check of the parent at every wait), a failure in the child is raised in
-the learner with the child's traceback, and :meth:`shutdown` (also on a learner crash, from a ``finally``) stops and
-joins it.
+heavy: ``interop.sampling._child``; with the fork server its parent is the server, which dies with the learner; and a
+check of the learner at every wait), a failure in the child is raised in the learner with the child's traceback, and
+:meth:`shutdown` (also on a learner crash, from a ``finally``) stops and joins it. The fork server is a process
+multiprocessing starts with the first child and stops when the learner's process exits.
 
 Several of them feed one learner with ``rollout.backend=processes`` (``recipes.grpo.collector_workers``, which
 replaces one whose process died: :class:`CollectorExited`).
@@ -32,7 +37,6 @@ Dependencies: torch, tensordict.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import queue as queue_module
 import sys
@@ -45,6 +49,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, set_list_to_stack
 
 from interop.sampling.background import pushed_names
+from interop.sampling.child_processes import child_context, start_child
 from interop.trl.rollout_func import PAST_LAG_BOUND
 from recipes.grpo import collector_child
 
@@ -119,23 +124,9 @@ class LocalCollector:
             runner.close()
 
 
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """A spawned process re-imports its parent's ``__main__`` (the recipe script, with all its imports) before it runs
-    any of its own code; the collector needs nothing from it, so it is hidden from multiprocessing while the process
-    starts: the child is ready to die with its parent in milliseconds, not seconds."""
-    main = sys.modules["__main__"]
-    spec, path = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__spec__ = spec
-        if path is not None:
-            main.__file__ = path
-
-
 def _parent_alive() -> bool:
+    """Whether the learner lives (``parent_process()`` is the process that started this one, also when the fork
+    server forked it)."""
     parent = multiprocessing.parent_process()
     return parent is None or parent.is_alive()
 
@@ -156,7 +147,8 @@ def collect(
     seed: int,
 ) -> None:
     """The child: builds the collector, then produces batches under the lag bound until told to stop (its process
-    starts in ``recipes.grpo.collector_child.start``, which set it to die with its parent)."""
+    starts in ``interop.sampling._child.run``, which set it to die with its parent, then
+    ``recipes.grpo.collector_child.start``)."""
     torch.set_num_threads(num_threads)
     set_list_to_stack(True).set()
     try:
@@ -219,6 +211,8 @@ class BackgroundCollector:
             :meth:`wait_until_ready`), so that several children build theirs at the same time.
         dtype: what the factory's model samples in (``None``: ``model``'s): the shared weights are kept in it, cast
             as they are pushed.
+        start_method: ``"forkserver"`` (the child forked from the fork server, which imports this module, the
+            factory's and the model's once per process) or ``"spawn"`` (a new Python).
     """
 
     def __init__(
@@ -234,6 +228,7 @@ class BackgroundCollector:
         timeout_s: float = 1800.0,
         wait_ready: bool = True,
         dtype: torch.dtype | None = None,
+        start_method: str = "forkserver",
     ) -> None:
         if max_policy_lag < 0:
             raise ValueError(f"BackgroundCollector: max_policy_lag must be >= 0, got {max_policy_lag}.")
@@ -241,7 +236,8 @@ class BackgroundCollector:
             raise ValueError(
                 f"BackgroundCollector: past_lag_bound must be one of {PAST_LAG_BOUND}, got {past_lag_bound!r}."
             )
-        context = multiprocessing.get_context("spawn")
+        preload = ["recipes.grpo.collector_modes", getattr(factory, "func", factory).__module__, type(model).__module__]
+        context = child_context(start_method, preload=preload)
         self._weights = {
             name: p.detach().to("cpu", dtype=dtype or p.dtype, copy=True).share_memory_()
             for name, p in model.named_parameters()
@@ -263,14 +259,12 @@ class BackgroundCollector:
         # inherited): it sets its parent-death signal before the factory and the shared weights, whose unpickling
         # imports torch and the recipe's modules, come through the pipe.
         receiving, sending = context.Pipe(duplex=False)
-        self.process = context.Process(
-            target=collector_child.start,
-            args=(receiving, self._version, self._lock, self._wake, self._batches, self._stop),
-            daemon=True,
+        self.process = start_child(
+            context,
+            collector_child.start,
+            (receiving, self._version, self._lock, self._wake, self._batches, self._stop),
             name="grpo-collector",
         )
-        with _main_module_hidden():
-            self.process.start()
         receiving.close()
         options = {
             "start_version": start_version,

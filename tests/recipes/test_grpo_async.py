@@ -231,7 +231,8 @@ if __name__ == "__main__":
 
 def test_a_learner_killed_while_its_collector_starts_takes_the_collector_with_it(tmp_path):
     """The collector process sets its parent-death signal before importing anything heavy, and never re-imports the
-    recipe script: killed while the child starts, the learner leaves no process behind."""
+    recipe script (nor does the fork server it is forked from, which dies with the learner while it still imports):
+    killed while the child starts, the learner leaves no process behind."""
     script = tmp_path / "learner.py"
     script.write_text(_SLOW_MAIN.format(root=str(REPO_ROOT)))
     learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -244,6 +245,9 @@ def test_a_learner_killed_while_its_collector_starts_takes_the_collector_with_it
             time.sleep(0.05)
         assert children, "the collector process never started"
         time.sleep(1.0)  # the child is in its start-up now (the script it must not import would sleep 60 s)
+        # Every process under the learner now: the fork server (importing the collector's modules) and whatever it
+        # forked, or a spawned collector.
+        children += [child for child in psutil.Process(pid).children(recursive=True) if child not in children]
         learner.kill()
         learner.wait(timeout=30)
         assert all(_gone(child.pid, timeout=5.0) for child in children)
