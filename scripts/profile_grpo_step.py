@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--measure-trl", action="store_true", help="time trl's step on the same job (bench_grpo's trl side), unprofiled"
     )
+    parser.add_argument(
+        "--top", type=int, default=0, help="also list each phase's N costliest ops outside the floor (name, shapes)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     parser.add_argument("overrides", nargs="*", help="recipe config overrides, e.g. rollout.responses_per_step=16")
     args = parser.parse_args(argv)
@@ -282,6 +285,19 @@ def breakdown(events, *, vocab: int, hidden: int) -> dict[str, dict[str, float]]
     return {phase: {category: table[phase][category] for category in CATEGORIES} for phase in PHASES}
 
 
+def costliest(events, *, vocab: int, hidden: int, count: int) -> dict[str, list]:
+    """Per phase, the ``count`` (op name, input shapes, category) outside the floor with the most self CPU time."""
+    sums: dict[str, dict[tuple, float]] = {phase: defaultdict(float) for phase in PHASES}
+    for event in events:
+        phase, category = categorize(event, vocab=vocab, hidden=hidden)
+        if phase is not None and category not in FLOOR:
+            sums[phase][(event.name, str(event.input_shapes), category)] += event.self_cpu_time_total / 1e6
+    return {
+        phase: [[*key, seconds] for key, seconds in sorted(ops.items(), key=lambda item: -item[1])[:count]]
+        for phase, ops in sums.items()
+    }
+
+
 def time_exp(rows: int, vocab: int, *, columns: int, repeats: int = 5) -> float:
     """Best-of seconds of one exp over ``[rows, vocab]`` float32 logits, ``columns`` at a time (as the head's chunks
     hold them)."""
@@ -359,6 +375,10 @@ def run(args: argparse.Namespace) -> dict:
         "exp_floor": exps,
         "floor": floor,
         "trl_step_s": args.trl_step_s,
+        "costliest": {
+            p: [[*op[:3], op[3] / args.steps] for op in ops]
+            for p, ops in costliest(events, vocab=vocab, hidden=hidden, count=args.top).items()
+        },
     }
     if args.measure_trl:
         trl = bench_grpo.run_trl(cfg, output_dir=str(scratch / "trl"), threads=args.threads)
@@ -388,6 +408,11 @@ def report(result: dict) -> None:
         + f"{recipe_phases['step']:10.4f}"
     )
     print(f"the step's wall time (this script's clock, profiled): {step:.4f} s")
+    for phase, ops in result["costliest"].items():
+        if ops:
+            print(f"{phase}: the costliest ops outside the floor (s per step)")
+        for name, shapes, category, seconds in ops:
+            print(f"  {seconds:8.4f}  {name:36s} {category:26s} {shapes[:90]}")
     floor = result["floor"]
     exps = result["exp_floor"]
     print(
