@@ -104,6 +104,32 @@ def chunk_columns(rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
     return max(1, min(chunk_elements, CACHE_CHUNK_ELEMENTS) // rows)
 
 
+class _ChunkBuffer:
+    """One ``[rows, chunk]`` buffer for a loop over the vocabulary's chunks, allocated at the first chunk; ``get``
+    hands a contiguous ``[rows, columns]`` view of it (the last chunk may be narrower)."""
+
+    def __init__(self, rows: int, chunk: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        self.rows, self.chunk, self.like, self.dtype = rows, chunk, like, dtype or like.dtype
+        self._flat: torch.Tensor | None = None
+
+    def get(self, columns: int) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = self.like.new_empty(self.rows * self.chunk, dtype=self.dtype)
+        return self._flat[: self.rows * columns].view(self.rows, columns)
+
+
+def _chunk_logits(hidden, weight, bias, columns: slice, buffer: _ChunkBuffer | None) -> torch.Tensor:
+    """``linear(hidden, weight[columns], bias[columns])`` in float32, into ``buffer`` when given (a new tensor
+    otherwise): the same product ``nn.functional.linear`` makes (``mm``, ``addmm`` with a bias)."""
+    chunk_weight = weight[columns]
+    if buffer is None or hidden.dtype != torch.float32 or weight.dtype != torch.float32:
+        return nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None).float()
+    out = buffer.get(chunk_weight.shape[0])
+    if bias is None:
+        return torch.mm(hidden, chunk_weight.t(), out=out)
+    return torch.addmm(bias[columns], hidden, chunk_weight.t(), out=out)
+
+
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     """``log_softmax(hidden @ weight.T + bias)[target]`` (and the entropy) per row, ``chunk`` vocabulary columns at a
     time: the log-normaliser is accumulated online over the chunks (running max and sums), and the backward
@@ -119,14 +145,18 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         sum_exp = hidden.new_zeros(rows, dtype=torch.float32)
         sum_exp_logit = hidden.new_zeros(rows, dtype=torch.float32) if with_entropy else None
         target_logit = hidden.new_zeros(rows, dtype=torch.float32)
+        # Kept logits need a buffer per chunk; otherwise one serves every chunk, as one does the exps: a fresh
+        # [rows, chunk] buffer is a fresh mapping whose first write page-faults (32 MiB: about as slow as the pass).
+        logits_buffer = None if keep else _ChunkBuffer(rows, chunk, hidden)
+        exp_buffer = _ChunkBuffer(rows, chunk, hidden, dtype=torch.float32)
         for start in range(0, weight.shape[0], chunk):
             columns = slice(start, start + chunk)
-            logits = nn.functional.linear(hidden, weight[columns], bias[columns] if bias is not None else None).float()
+            logits = _chunk_logits(hidden, weight, bias, columns, logits_buffer)
             if keep:
                 ctx.kept.append(logits)
             new_max = torch.maximum(running_max, logits.max(-1).values)
             rescale = (running_max - new_max).exp()
-            exp = torch.sub(logits, new_max[:, None]).exp_()
+            exp = torch.sub(logits, new_max[:, None], out=exp_buffer.get(logits.shape[-1])).exp_()
             sum_exp = sum_exp * rescale + exp.sum(-1)
             if with_entropy:
                 # A row-wise dot product: einsum reads the two chunks once, where (exp * logits).sum(-1) writes and
@@ -163,6 +193,10 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             shift = -grad_entropy * entropy - (grad_log_probs if grad_log_probs is not None else 0.0)
         else:
             scale, shift = None, -grad_log_probs
+        logits_buffer = _ChunkBuffer(hidden.shape[0], ctx.chunk, hidden)  # for the chunks recomputed
+        probs_buffer = (
+            _ChunkBuffer(hidden.shape[0], ctx.chunk, hidden, dtype=torch.float32) if scale is not None else None
+        )
         for index, start in enumerate(range(0, weight.shape[0], ctx.chunk)):
             columns = slice(start, start + ctx.chunk)
             chunk_weight = weight[columns]
@@ -170,12 +204,14 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 # Handed over (and changed in place below): a second backward through this graph recomputes.
                 logits, ctx.kept[index] = ctx.kept[index], None
             else:
-                logits = nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None)
-                logits = logits.float()
+                logits = _chunk_logits(hidden, weight, bias, columns, logits_buffer)
             # In place, each [rows, chunk] buffer reused: at a real vocabulary these passes over the chunk cost about
-            # as much as its matmuls.
+            # as much as its matmuls. Without an entropy term the log-softmax is not read again: exp in place.
             log_softmax = logits.sub_(normaliser[:, None])
-            probs = log_softmax.exp()
+            if probs_buffer is not None:
+                probs = torch.exp(log_softmax, out=probs_buffer.get(log_softmax.shape[-1]))
+            else:
+                probs = log_softmax.exp_()
             if scale is not None:
                 grad_logits = log_softmax.mul_(scale).add_(shift[:, None]).mul_(probs)
             else:
