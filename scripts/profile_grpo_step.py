@@ -13,7 +13,8 @@ policy's forward), reward (the rest of the collection: the env, the reward model
 log-probs), update (``optimize``: the loss, its backward, the optimizer), outside (the rest of the step: advantages,
 metrics, batch handling). Each op's self CPU time goes to one category:
 
-- LM-head products: a product (mm, addmm, bmm, ...) with the vocabulary V and the hidden size H among its shapes;
+- LM-head products: a product (mm, addmm, bmm, ...) with the vocabulary V and the hidden size H among its shapes, or
+  inside the recipe's chunked head (``_ChunkedHeadLogProbs``, whose ops see [rows, chunk] slices of [rows, V]);
 - backbone products: the other products (the layers' projections and MLPs, the reward model's);
 - attention: ``scaled_dot_product_attention`` and what it calls;
 - exp / softmax passes over [*, V]: exp, softmax, log-softmax (and their backwards) with V in a shape;
@@ -84,6 +85,7 @@ EXPS = {
     "aten::_log_softmax_backward_data",
 }
 _MARK = "phase::"  # the record_function ranges this script opens
+_CHUNKED_HEAD = "_ChunkedHeadLogProbs"  # recipes.grpo.log_probs' head over vocabulary chunks (and its backward)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -246,7 +248,7 @@ def _ancestors(event):
 
 def categorize(event, *, vocab: int, hidden: int) -> tuple[str | None, str]:
     """``event``'s phase (its innermost phase range; ``None``: outside every profiled step) and category."""
-    phase, in_step, attention, optimizer = None, False, False, False
+    phase, in_step, attention, optimizer, head, einsum = None, False, False, False, False, False
     for ranged in (event, *_ancestors(event)):  # innermost first
         name = ranged.name
         if name.startswith(_MARK):
@@ -256,6 +258,9 @@ def categorize(event, *, vocab: int, hidden: int) -> tuple[str | None, str]:
         elif ranged is not event:
             attention = attention or "scaled_dot_product" in name
             optimizer = optimizer or name.startswith("Optimizer.step")
+            # The chunked head's forward and backward: every op inside works on [rows, chunk] slices of [rows, V].
+            head = head or name.startswith(_CHUNKED_HEAD)
+            einsum = einsum or name == "aten::einsum"  # a row-wise dot product, not a product with the head
     name = event.name
     if not in_step:
         return None, ""
@@ -267,9 +272,10 @@ def categorize(event, *, vocab: int, hidden: int) -> tuple[str | None, str]:
     if optimizer:
         return phase, "optimizer step"
     shapes = event.input_shapes
-    with_vocab = _has(shapes, vocab)
-    if name in PRODUCTS:
-        return phase, "LM-head products" if with_vocab and _has(shapes, hidden) else "backbone products"
+    with_vocab = head or _has(shapes, vocab)
+    if name in PRODUCTS and not einsum:
+        is_head = head or (with_vocab and _has(shapes, hidden))
+        return phase, "LM-head products" if is_head else "backbone products"
     if with_vocab:
         return phase, "exp / softmax over [*, V]" if name in EXPS else "other passes over [*, V]"
     return phase, "other ops"
