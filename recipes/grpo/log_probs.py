@@ -104,6 +104,32 @@ def chunk_columns(rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
     return max(1, min(chunk_elements, CACHE_CHUNK_ELEMENTS) // rows)
 
 
+class _ChunkBuffer:
+    """One ``[rows, chunk]`` buffer for a loop over the vocabulary's chunks, allocated at the first chunk; ``get``
+    hands a contiguous ``[rows, columns]`` view of it (the last chunk may be narrower)."""
+
+    def __init__(self, rows: int, chunk: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        self.rows, self.chunk, self.like, self.dtype = rows, chunk, like, dtype or like.dtype
+        self._flat: torch.Tensor | None = None
+
+    def get(self, columns: int) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = self.like.new_empty(self.rows * self.chunk, dtype=self.dtype)
+        return self._flat[: self.rows * columns].view(self.rows, columns)
+
+
+def _chunk_logits(hidden, weight, bias, columns: slice, buffer: _ChunkBuffer | None) -> torch.Tensor:
+    """``linear(hidden, weight[columns], bias[columns])`` in float32, into ``buffer`` when given (a new tensor
+    otherwise): the same product ``nn.functional.linear`` makes (``mm``, ``addmm`` with a bias)."""
+    chunk_weight = weight[columns]
+    if buffer is None or hidden.dtype != torch.float32 or weight.dtype != torch.float32:
+        return nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None).float()
+    out = buffer.get(chunk_weight.shape[0])
+    if bias is None:
+        return torch.mm(hidden, chunk_weight.t(), out=out)
+    return torch.addmm(bias[columns], hidden, chunk_weight.t(), out=out)
+
+
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     """``log_softmax(hidden @ weight.T + bias)[target]`` (and the entropy) per row, ``chunk`` vocabulary columns at a
     time: the log-normaliser is accumulated online over the chunks (running max and sums), and the backward
@@ -119,14 +145,18 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         sum_exp = hidden.new_zeros(rows, dtype=torch.float32)
         sum_exp_logit = hidden.new_zeros(rows, dtype=torch.float32) if with_entropy else None
         target_logit = hidden.new_zeros(rows, dtype=torch.float32)
+        # Kept logits need a buffer per chunk; otherwise one serves every chunk, as one does the exps: a fresh
+        # [rows, chunk] buffer is a fresh mapping whose first write page-faults (32 MiB: about as slow as the pass).
+        logits_buffer = None if keep else _ChunkBuffer(rows, chunk, hidden)
+        exp_buffer = _ChunkBuffer(rows, chunk, hidden, dtype=torch.float32)
         for start in range(0, weight.shape[0], chunk):
             columns = slice(start, start + chunk)
-            logits = nn.functional.linear(hidden, weight[columns], bias[columns] if bias is not None else None).float()
+            logits = _chunk_logits(hidden, weight, bias, columns, logits_buffer)
             if keep:
                 ctx.kept.append(logits)
             new_max = torch.maximum(running_max, logits.max(-1).values)
             rescale = (running_max - new_max).exp()
-            exp = torch.sub(logits, new_max[:, None]).exp_()
+            exp = torch.sub(logits, new_max[:, None], out=exp_buffer.get(logits.shape[-1])).exp_()
             sum_exp = sum_exp * rescale + exp.sum(-1)
             if with_entropy:
                 # A row-wise dot product: einsum reads the two chunks once, where (exp * logits).sum(-1) writes and
@@ -163,6 +193,10 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             shift = -grad_entropy * entropy - (grad_log_probs if grad_log_probs is not None else 0.0)
         else:
             scale, shift = None, -grad_log_probs
+        logits_buffer = _ChunkBuffer(hidden.shape[0], ctx.chunk, hidden)  # for the chunks recomputed
+        probs_buffer = (
+            _ChunkBuffer(hidden.shape[0], ctx.chunk, hidden, dtype=torch.float32) if scale is not None else None
+        )
         for index, start in enumerate(range(0, weight.shape[0], ctx.chunk)):
             columns = slice(start, start + ctx.chunk)
             chunk_weight = weight[columns]
@@ -170,12 +204,14 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 # Handed over (and changed in place below): a second backward through this graph recomputes.
                 logits, ctx.kept[index] = ctx.kept[index], None
             else:
-                logits = nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None)
-                logits = logits.float()
+                logits = _chunk_logits(hidden, weight, bias, columns, logits_buffer)
             # In place, each [rows, chunk] buffer reused: at a real vocabulary these passes over the chunk cost about
-            # as much as its matmuls.
+            # as much as its matmuls. Without an entropy term the log-softmax is not read again: exp in place.
             log_softmax = logits.sub_(normaliser[:, None])
-            probs = log_softmax.exp()
+            if probs_buffer is not None:
+                probs = torch.exp(log_softmax, out=probs_buffer.get(log_softmax.shape[-1]))
+            else:
+                probs = log_softmax.exp_()
             if scale is not None:
                 grad_logits = log_softmax.mul_(scale).add_(shift[:, None]).mul_(probs)
             else:
@@ -194,6 +230,92 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 grad_bias[columns] = grad_logits.sum(0)
         grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class _EmbeddingRowsGradient(torch.autograd.Function):
+    """``nn.functional.embedding`` whose weight gradient is left to :class:`_TiedEmbeddingRows`: the backward hands
+    it the ids and their rows' gradients and returns none for the weight."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, rows: _TiedEmbeddingRows):
+        ctx.save_for_backward(ids)
+        ctx.rows = rows
+        return nn.functional.embedding(ids, weight, rows.embedding.padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        ctx.rows.pending.append((ids, grad))
+        return None, None, None
+
+
+class _TiedEmbeddingRows:
+    """The input embedding's gradient of a model whose LM head shares its weight, added into the weight's gradient
+    row by row (``index_add_`` of the rows the batch used) once autograd has accumulated the head's into it.
+
+    Autograd's own embedding backward writes a dense ``[V, H]`` gradient, zeros but for the batch's rows, which it
+    then adds to the head's: at a real vocabulary two passes over 311 MB (and the zeros' fresh pages) for a few
+    hundred rows. The same sum, in another order for a token the batch holds several times (float rounding).
+
+    Used by :class:`ResponseLogProbs` with gradients in one process only: under DDP or FSDP2 the gradient is
+    reduced as soon as autograd has accumulated it, before these rows would be added."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        self.embedding = embedding
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        embedding.weight.register_post_accumulate_grad_hook(self._add_rows)
+
+    @classmethod
+    def of(cls, model) -> _TiedEmbeddingRows | None:
+        """The rows' gradient of ``model``'s input embedding, if its head shares the weight and nothing else changes
+        the lookup's gradient (``max_norm``, ``scale_grad_by_freq``, a sparse or replaced embedding); else ``None``."""
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if (
+            type(embedding) is not nn.Embedding
+            or not isinstance(head, nn.Linear)
+            or head.weight is not embedding.weight
+            or embedding.max_norm is not None
+            or embedding.scale_grad_by_freq
+            or embedding.sparse
+            or "forward" in vars(embedding)
+            or not embedding.weight.requires_grad  # frozen (LoRA's base, a reference): no gradient to add to
+            or _distributed()
+        ):
+            return None
+        return cls(embedding)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The embedding's lookups inside leave their weight gradient to the rows (with gradients of a trained
+        weight only); its ``forward`` is restored on leaving."""
+        if not (torch.is_grad_enabled() and self.embedding.weight.requires_grad) or _distributed():
+            yield
+            return
+        self.embedding.forward = self._lookup  # this instance only, undone below
+        try:
+            yield
+        finally:
+            del self.embedding.forward
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return _EmbeddingRowsGradient.apply(ids, self.embedding.weight, self)
+
+    def _add_rows(self, weight: torch.Tensor) -> None:
+        if weight is not self.embedding.weight:  # a copy of the model (deepcopy copies the hook): not its rows
+            return
+        padding = self.embedding.padding_idx
+        for ids, grad in self.pending:
+            ids, grad = ids.reshape(-1), grad.reshape(ids.numel(), -1)
+            if padding is not None:  # the padding row gets no gradient, as in the dense backward
+                used = ids != padding
+                ids, grad = ids[used], grad[used]
+            weight.grad.index_add_(0, ids, grad.to(weight.grad.dtype))
+        self.pending.clear()
 
 
 class _RecordedLayer(DynamicLayer):
@@ -354,6 +476,7 @@ class ResponseLogProbs(nn.Module):
             getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS
         )
         self.share_prompt = share_prompt and _only_full_attention(config)
+        self._tied_rows = _TiedEmbeddingRows.of(model)
         # Under FSDP2 every process must make the same calls of the sharded layers (each gathers its weights from
         # all): a batch of distinct prompts takes the shared path too there, whatever the other processes' batches.
         self._same_path_on_every_process = False
@@ -368,17 +491,8 @@ class ResponseLogProbs(nn.Module):
             )
         scored = attention_mask[:, response_start:].bool()  # [B, R]: the response tokens
         targets = tokens[:, response_start:][scored]
-        prompts, inverse = (None, None)
-        if self.share_prompt:
-            prompts, inverse = distinct_prompts(tokens, attention_mask, response_start)
-        if prompts is not None and (len(prompts) < tokens.shape[0] or self._same_path_on_every_process):
-            # Column t - 1 predicts the token at column t: the prompt's last state, then the response's but its last.
-            states = self._shared_prompt_states(tokens, attention_mask, response_start, prompts, inverse)
-        else:
-            mask = attention_mask.long()
-            states = self._states(tokens, mask, (mask.cumsum(-1) - 1).clamp_min(0), None, tokens.shape[-1])
-            states = states[:, response_start - 1 : -1]
-        states = states[scored]
+        with self._tied_rows.active() if self._tied_rows is not None else contextlib.nullcontext():
+            states = self._response_states(tokens, attention_mask, response_start, scored)
         if not self._chunked:
             log_probs, entropy = _log_probs_and_entropy(states.float(), targets, with_entropy)
         else:
@@ -400,6 +514,20 @@ class ResponseLogProbs(nn.Module):
             return torch.cat([values.new_zeros(tokens.shape[0], response_start), response], dim=-1)
 
         return laid_out(log_probs), (laid_out(entropy) if entropy is not None else None)
+
+    def _response_states(self, tokens, attention_mask, response_start: int, scored) -> torch.Tensor:
+        """The final hidden states (or logits) at the positions that predict the ``scored`` response tokens."""
+        prompts, inverse = (None, None)
+        if self.share_prompt:
+            prompts, inverse = distinct_prompts(tokens, attention_mask, response_start)
+        if prompts is not None and (len(prompts) < tokens.shape[0] or self._same_path_on_every_process):
+            # Column t - 1 predicts the token at column t: the prompt's last state, then the response's but its last.
+            states = self._shared_prompt_states(tokens, attention_mask, response_start, prompts, inverse)
+        else:
+            mask = attention_mask.long()
+            states = self._states(tokens, mask, (mask.cumsum(-1) - 1).clamp_min(0), None, tokens.shape[-1])
+            states = states[:, response_start - 1 : -1]
+        return states[scored]
 
     def _states(self, tokens, mask, positions, cache, keep: int) -> torch.Tensor:
         """The last ``keep`` columns' final hidden states (chunked head) or logits (the model's own forward)."""

@@ -184,3 +184,33 @@ def test_above_the_budget_the_chunk_width_is_its_own_with_the_full_forwards_valu
         torch.testing.assert_close(got_value, expected_value, atol=1e-5, rtol=1e-5)
     for got_grad, expected_grad in zip(got[2], expected[2], strict=True):
         torch.testing.assert_close(got_grad, expected_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_a_tied_embeddings_rows_gradient_equals_the_dense_one_over_accumulated_backwards(tiny_policy, batch):
+    """The tiny policy's head shares its input embedding's weight: the embedding's gradient is added row by row into
+    the head's (no dense [V, H] gradient), over micro-batches accumulated as the update does, equal to autograd's own
+    dense sum to float rounding: repeated tokens summed, the padding row given none of the lookup's gradient."""
+    model, _ = tiny_policy
+    tokens, mask = batch
+    tokens = tokens.clone()
+    tokens[:, START : START + 4] = 7  # a token used many times
+    tokens[~mask] = model.config.pad_token_id
+    weight = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is weight
+    rows = ResponseLogProbs(model, chunk_elements=463 * 3)
+    dense = ResponseLogProbs(model, chunk_elements=463 * 3)
+    dense._tied_rows = None  # autograd's own embedding backward
+    assert rows._tied_rows is not None
+
+    def accumulated(scorer):
+        model.zero_grad()
+        for part in (slice(0, 3), slice(3, 5)):  # two backwards into one gradient
+            log_probs, entropy = scorer(tokens[part], mask[part], response_start=START, with_entropy=True)
+            (log_probs.sum() + 0.5 * entropy.sum()).backward()
+        gradient = weight.grad.clone()
+        model.zero_grad()
+        return gradient
+
+    got, expected = accumulated(rows), accumulated(dense)
+    assert not rows._tied_rows.pending  # every backward's rows were added
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
