@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
-from _in_process import run_script
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from _in_process import import_script, run_script
 
 # Every side at 1 thread: a 2-thread side beside the other test worker's runs thrashes (1.5-2.4 s a step against
 # 0.04-0.1 at 1 thread, 2026-12-06). The pick of each side's faster thread count is checked on made-up runs below,
@@ -83,12 +79,7 @@ def test_quick_bench_reports_every_side_its_phases_and_the_ratios(tmp_path, capf
 
 @pytest.fixture
 def bench_grpo():
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    try:
-        import bench_grpo
-    finally:
-        sys.path.remove(str(REPO_ROOT / "scripts"))
-    return bench_grpo
+    return import_script("bench_grpo")
 
 
 def test_each_side_is_compared_at_its_faster_thread_count_over_the_timed_rounds(
