@@ -128,8 +128,7 @@ class ForkedScript:
     process's imports already, so it starts in milliseconds instead of 4-5 s. Forked by multiprocessing, which resets
     its own state in the child (the file-descriptor sharer that hands tensors to a spawned collector, whose thread a
     bare fork would leave dead). SIGINT and SIGTERM are Python's defaults in the child (a test worker may ignore
-    SIGINT), its standard output goes to ``stdout_path`` (nowhere if None) and its standard error to ``stderr_path``.
-    ``poll``, ``wait``,
+    SIGINT), its standard output goes nowhere and its standard error to ``stderr_path``. ``poll``, ``wait``,
     ``send_signal``, ``kill`` and ``pid`` as a ``subprocess.Popen``'s. ``prepare()``, if given, runs in the child first
     (to drop state of this process's that a new Python would not have)."""
 
@@ -138,7 +137,6 @@ class ForkedScript:
         script: str | Path,
         *arguments: str,
         stderr_path: Path,
-        stdout_path: Path | None = None,
         env: dict[str, str] | None = None,
         prepare: Callable[[], None] | None = None,
     ):
@@ -146,9 +144,7 @@ class ForkedScript:
 
         self.stderr_path = Path(stderr_path)
         self._process = multiprocessing.get_context("fork").Process(
-            target=_run_forked,
-            args=(str(script), arguments, env, str(stderr_path), prepare, stdout_path and str(stdout_path)),
-            name=f"forked {script}",
+            target=_run_forked, args=(str(script), arguments, env, str(stderr_path), prepare), name=f"forked {script}"
         )
         self._process.start()
         self.pid = self._process.pid
@@ -181,14 +177,13 @@ def _run_forked(
     env: dict[str, str] | None,
     stderr_path: str,
     prepare: Callable[[], None] | None = None,
-    stdout_path: str | None = None,
 ) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    with open(stdout_path or os.devnull, "w") as stdout, open(stderr_path, "w") as stderr:
-        os.dup2(stdout.fileno(), 1)
+    with open(os.devnull, "w") as devnull, open(stderr_path, "w") as stderr:
+        os.dup2(devnull.fileno(), 1)
         os.dup2(stderr.fileno(), 2)
     # The test's sys.stdout and sys.stderr write to pytest's capture, not to the descriptors: the child's own.
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's, open until it exits

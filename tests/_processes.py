@@ -46,14 +46,14 @@ def _in_group(worker: Callable[[int, str], None], rank: int, world_size: int, fo
         dist.destroy_process_group()
 
 
-def run_forked_ranks(script: str, arguments: list[str], *, world_size: int = 2, timeout: float = 600) -> list[str]:
+def run_forked_ranks(script: str, arguments: list[str], *, world_size: int = 2, timeout: float = 600) -> None:
     """``torchrun --standalone --nproc_per_node <world_size> <script> <arguments>`` without the launcher: each rank
     forked from this process, its imports already done (``_in_process.ForkedScript``: the script as ``__main__``),
     with the environment torchrun gives its workers (torch.distributed.elastic's ``LocalElasticAgent``: ranks, sizes,
     the rendezvous address; rank 0 holds the store, as without an agent) and none of this process's accelerate state.
     A launched run spent 9-11 CPU-s more here, on three new Pythons importing torch, transformers and torchrl again.
     Fails, with the ranks' stderr, unless every rank exits 0 within ``timeout`` seconds (the others are killed when
-    one fails: they would wait on its collectives). Returns what each rank printed, in rank order."""
+    one fails: they would wait on its collectives)."""
     import tempfile
 
     from _in_process import ForkedScript
@@ -69,7 +69,6 @@ def run_forked_ranks(script: str, arguments: list[str], *, world_size: int = 2, 
             script,
             *arguments,
             stderr_path=folder / f"rank{rank}.txt",
-            stdout_path=folder / f"rank{rank}.out",
             env={**shared, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)},
             prepare=_without_accelerate_state,
         )
@@ -84,7 +83,6 @@ def run_forked_ranks(script: str, arguments: list[str], *, world_size: int = 2, 
         exit_codes = [rank.poll() for rank in ranks]
         errors = "\n".join(f"rank {i}: ...{rank.stderr_text()[-3000:]}" for i, rank in enumerate(ranks))
         assert exit_codes == [0] * world_size, f"exit codes {exit_codes} (None: still running)\n{errors}"
-        return [(folder / f"rank{rank}.out").read_text() for rank in range(world_size)]
     finally:
         for rank in ranks:
             rank.kill()

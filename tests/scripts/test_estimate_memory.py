@@ -5,11 +5,12 @@ kept when checkpointed, linear in the tokens). Meta-device models, except the sl
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 import torch
-from _processes import run_forked_ranks
+from _processes import free_port
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
@@ -127,23 +128,34 @@ def test_bf16_autocast_keeps_the_norms_and_the_residual_stream_in_float32():
 
 
 @pytest.mark.slow
-def test_measure_under_torchrun_with_fsdp_reports_once_and_close_to_the_estimate(tmp_path):
+def test_measure_under_torchrun_with_fsdp_reports_once_and_close_to_the_estimate(repo_root, tmp_path):
     """Each process shards the tiny policy (FSDP2, gloo), runs one update and measures it; the main process reports
-    the largest, beside the estimate for 2 processes. The ranks are forked from this process with torchrun's
-    environment (``_processes.run_forked_ranks``): torchrun's command line is not what is tested here, and its three
-    new Pythons cost 9-11 CPU-s of imports."""
-    printed = run_forked_ranks(
-        "scripts/estimate_memory.py",
+    the largest, beside the estimate for 2 processes. New Pythons on purpose: ranks forked from a test worker that had
+    run other tests measured the update's resident memory growth at 0.15x the estimate (3.3 MB of 21 MB, 2026-12-06:
+    the update reused the parent's freed memory), so the measurement needs fresh processes."""
+    result = subprocess.run(
         [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(repo_root / "scripts" / "estimate_memory.py"),
             "--measure",
             "--json",
             str(tmp_path / "figures.json"),
             "distributed.strategy=fsdp",
             "model.lora={r:8,alpha:16,dropout:0.0,target_modules:[q_proj,v_proj,lm_head]}",
         ],
+        capture_output=True,
+        text=True,
         timeout=300,
+        cwd=repo_root,
     )
-    assert "".join(printed).count("Measured one update") == 1
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("Measured one update") == 1
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert figures["setting"]["processes"] == 2 and figures["setting"]["lora"]
     assert figures["fsdp_gathered_weights"] > 0
