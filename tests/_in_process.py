@@ -26,6 +26,19 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def import_script(name: str):
+    """``scripts/<name>.py`` imported as the module ``name``, for a test that calls its functions: the scripts folder on
+    ``sys.path`` while it imports, as ``python scripts/<name>.py`` puts it first (the scripts import each other)."""
+    import importlib
+
+    folder = str(REPO_ROOT / "scripts")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
+
+
 def run_script(script: str | Path, *arguments: str, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT) -> int:
     """Runs ``script`` (relative to the repository's root, or absolute) as ``__main__`` with ``arguments``, from
     ``cwd``, with ``env`` added to the environment; returns its exit status (0 when it returns)."""

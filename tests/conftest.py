@@ -31,6 +31,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The tests on the shared two-node Ray cluster first, in their order: pytest-xdist's worksteal gives each worker a
+    # contiguous half of the collection and steals from the end of a queue, so they all run on the first worker, which
+    # starts the cluster once (in the slow suite the second worker started another: 3.9 s of setup, 2026-12-06).
+    items.sort(key=lambda item: "two_node_cluster" not in getattr(item, "fixturenames", ()))
     import torch
 
     if torch.cuda.is_available():

@@ -8,12 +8,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from _processes import free_port, kill_recipe_run_when
+from _processes import accelerate_launch_forked, free_port, kill_recipe_run_when
 from _small_runs import REPO_ROOT, TRL_SMALL, read_metrics
 from transformers import AutoTokenizer
 from trl import GRPOConfig
@@ -424,24 +422,15 @@ def test_resume_after_sigkill_continues_from_trls_checkpoint(compose_config, tmp
 
 @pytest.mark.slow
 def test_two_processes_each_generate_and_store_their_own_rollouts(tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` of the recipe, through accelerate's own launcher code in
+    this process, its two ranks forked from it (``_processes.accelerate_launch_forked``: a launched run's three new
+    Pythons cost 9-11 CPU-s of imports; a real ``accelerate launch`` command line is run by the reward recipe's
+    test_two_processes_split_every_step_of_the_single_process_run)."""
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
-        "recipes/trl_grpo_torchrl_rollouts.py",
-        *SMALL,
-        "device=cpu",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch = ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
+    accelerate_launch_forked(
+        *launch, "recipes/trl_grpo_torchrl_rollouts.py", *SMALL, "device=cpu", f"hydra.run.dir={run_dir}"
+    )
     stored = load_rollouts(run_dir / "rollouts")
     assert sorted(set(stored["rank"].tolist())) == [0, 1]
     assert stored.shape[0] == 2 * 3 * 8, "3 steps of 8 completions per process"

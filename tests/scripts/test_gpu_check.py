@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _in_process import import_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PARTS = (
@@ -37,12 +38,7 @@ RECIPE_PARTS = {
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(REPO_ROOT / "scripts"))
-    return gpu_check
+    return import_script("gpu_check")
 
 
 @pytest.fixture
@@ -219,14 +215,25 @@ def test_only_builds_the_models_when_no_earlier_call_left_them(gpu_check, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_ray_part_samples_on_a_cpu_worker_and_reports_its_figures(gpu_check, tmp_path):
-    pytest.importorskip("ray")
+def test_the_ray_part_samples_on_a_cpu_worker_and_reports_its_figures(
+    gpu_check, tmp_path, compose_config, two_node_cluster
+):
+    """The dry run's Ray part, its command's settings run in this process on the test worker's shared two-node cluster
+    (a new Python starting a Ray cluster of its own cost 10-20 s more on 2 cores: the part's command line, its budget
+    and its local cluster are the dry run's, `pytest -m dry_run`; Check.part's subprocess and report are tested
+    above): its one worker samples on a CPU, and the part's figure reader finds every figure in the run's folder."""
+    import recipes.grpo_torchrl_rm as recipe
+
+    cluster, _ = two_node_cluster
     scratch = tmp_path / "scratch"
     assert gpu_check.build_models(scratch / "models", shape="small", device="cpu") == 0
     part = {part.name: part for part in gpu_check.plan(gpu_check.DRY_RUN, scratch)}["grpo_ray"]
-    check = gpu_check.Check(tmp_path, scratch, gpu_check.DRY_RUN)
-    assert check.part(part.name, part.command, figures=part.figures), check.results
-    figures = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["grpo_ray"]["figures"]
+    run_dir = scratch / "runs" / "grpo_ray"
+    overrides = [override for override in _overrides(part, "grpo_torchrl_rm") if not override.startswith("hydra.")]
+    assert f"hydra.run.dir={run_dir}" in part.command and "ray.address" not in " ".join(overrides)
+    overrides += [f"output_dir={run_dir}", f"ray.address={cluster.address}"]
+    recipe.train(compose_config("grpo_torchrl_rm", overrides))
+    figures = part.figures([])
     assert figures["train/steps"] == 2 and figures["device"] == "cpu" and figures["worker_resources"]["num_gpus"] == 0
     assert len(figures["worker_tokens_per_s"]) == 2 and min(figures["worker_tokens_per_s"]) > 0
     assert min(figures["weight_sync_s"]) > 0 and min(figures["step_time_s"]) > 0
@@ -241,9 +248,15 @@ def test_a_part_over_its_budget_is_stopped_and_reported_with_its_last_lines(gpu_
         grpo_steps=1,
         reward_steps=1,
         bench_args=(),
-        budgets={"slow": 1, "broken": 10},
+        budgets={"slow": 1, "broken": 10, "passes": 10, "no_figures": 10},
     )
     check = gpu_check.Check(tmp_path, tmp_path, mode)
+    # A part that passes: its figures, read from its output's tail, go into the report (the dry run's Ray part above
+    # runs in the test's process, so this is where a passing child's path is checked).
+    passes = [sys.executable, "-c", "import json; print(json.dumps({'tokens_per_s': 12.5}))"]
+    assert check.part("passes", passes, figures=gpu_check._json_line)
+    missing = tmp_path / "missing.json"
+    assert not check.part("no_figures", passes, figures=lambda _tail: json.loads(missing.read_text()))
     slow = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"]
     assert not check.part("slow", slow)
     broken = [sys.executable, "-c", "raise SystemExit('the reason it failed')"]
@@ -251,6 +264,8 @@ def test_a_part_over_its_budget_is_stopped_and_reported_with_its_last_lines(gpu_
     report = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
     assert report["slow"]["error"][:2] == ["timed out after 1 s", "started"] and report["slow"]["seconds"] < 10
     assert report["broken"]["error"] == ["exit status 1", "the reason it failed"]
+    assert report["passes"]["passed"] is True and report["passes"]["figures"] == {"tokens_per_s": 12.5}
+    assert report["no_figures"]["passed"] is False and report["no_figures"]["error"][0].startswith("no figures: ")
 
 
 @pytest.mark.dry_run

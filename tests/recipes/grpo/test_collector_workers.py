@@ -275,20 +275,17 @@ def _record_prompts(monkeypatch) -> dict[int, list[int]]:
 
 @pytest.mark.slow
 def test_a_ray_run_killed_after_a_checkpoint_leaves_no_ray_process_and_resumes_on_its_prompts(
-    compose_config, tmp_path, monkeypatch, _session_cluster
+    compose_config, tmp_path, monkeypatch, two_node_cluster
 ):
     """rollout.backend=ray with no address, two workers: the run starts its own cluster. SIGKILLed after its step-2
-    checkpoint, every process it had started is gone; resumed (Ray again), it trains steps 3-5, each once, on the
-    prompts an unkilled run trains them on. The unkilled run samples in the learner (no third Ray cluster to start:
-    10-20 s on 2 cores): two workers' parts of a step are the prompts one collector draws, from a resumed step too
+    checkpoint, every process it had started is gone; resumed (Ray again, two workers on the test worker's shared
+    two-node cluster: a second cluster of its own would cost another 10-20 s on 2 cores), it trains steps 3-5, each
+    once, on the prompts an unkilled run trains them on. The unkilled run samples in the learner (no third Ray cluster
+    to start): two workers' parts of a step are the prompts one collector draws, from a resumed step too
     (test_the_workers_deal_out_the_prompt_stream_one_collector_would_draw), so Ray's steps 3-5 must be its steps."""
-    pytest.importorskip("ray")
-    # The run starts a Ray instance of its own in this process: the test worker's shared two-node cluster, if up,
-    # goes first (a later two_node_cluster test starts a new one). Left up, an actor a later test placed on it was
-    # cancelled before it ran, after this test in the same worker (2026-12-06).
-    _session_cluster.close()
+    cluster, _ = two_node_cluster
     run = [*GRPO_SMALL, "logger=csv", "train.steps=5", "checkpoint.every_n_steps=2", "checkpoint.keep_last=null"]
-    overrides = [*run, "rollout.workers=2", "rollout.backend=ray", "ray.num_cpus=2"]
+    workers = [*run, "rollout.workers=2", "rollout.backend=ray"]
     prompts = _record_prompts(monkeypatch)
     recipe.train(compose_config("grpo_torchrl_rm", [*run, f"output_dir={tmp_path / 'straight'}"]))
     straight = dict(prompts)
@@ -300,9 +297,12 @@ def test_a_ray_run_killed_after_a_checkpoint_leaves_no_ray_process_and_resumes_o
         metrics = run_dir / "metrics.csv"
         return metrics.exists() and any(row["step"] == 3.0 for row in read_metrics(run_dir))
 
-    kill_ray_run_when("grpo_torchrl_rm.py", [*overrides, f"hydra.run.dir={run_dir}"], ready=step_3_logged)
+    kill_ray_run_when(
+        "grpo_torchrl_rm.py", [*workers, "ray.num_cpus=2", f"hydra.run.dir={run_dir}"], ready=step_3_logged
+    )
     prompts.clear()
-    summary = recipe.train(compose_config("grpo_torchrl_rm", [*overrides, f"output_dir={run_dir}", "resume=true"]))
+    resumed = [*workers, f"ray.address={cluster.address}", f"output_dir={run_dir}", "resume=true"]
+    summary = recipe.train(compose_config("grpo_torchrl_rm", resumed))
     assert summary["train/steps"] == 5
     assert sorted(prompts) == [3, 4, 5], "resumed from the step-2 checkpoint"
     assert {step: prompts[step] for step in (3, 4, 5)} == {step: straight[step] for step in (3, 4, 5)}
