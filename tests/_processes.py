@@ -15,19 +15,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# What the library's and the GRPO recipe's children import (BackgroundSampler, BackgroundCollector): what their fork
-# server preloads (tests/conftest.py asks for all of it up front; tests/interop/test_child_processes.py checks that the
-# server still forks with one thread after importing it).
-CHILD_MODULES = [
-    "interop.sampling.background",
-    "transformers.models.qwen2.modeling_qwen2",
-    "transformers.models.qwen2.tokenization_qwen2",
-    "interop.tools.dialogs",
-    "interop.tools.runner",
-    "recipes.grpo.collector_modes",
-    "recipes.grpo.collector",
-]
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -28,15 +28,6 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
-    # The library's children (the trl recipe's sampler, the GRPO recipe's collector) are forked from one fork server
-    # per test process, which imports when it starts (at the process's first child) what that first child asked for;
-    # a later child of the other kind imports the rest itself, seconds each. Both kinds are asked for up front, so that
-    # every child of the process is forked with its modules already imported, whichever test starts first.
-    from _processes import CHILD_MODULES
-
-    from interop.sampling.child_processes import child_context
-
-    child_context("forkserver", preload=CHILD_MODULES)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,10 +9,21 @@ import sys
 import textwrap
 
 import pytest
-from _processes import CHILD_MODULES, left_after_sigkill
+from _processes import left_after_sigkill
 
 from interop.sampling import child_processes
 from interop.sampling.child_processes import child_context, start_child
+
+# What the library's and the GRPO recipe's children preload (BackgroundSampler, BackgroundCollector).
+PRELOADED = [
+    "interop.sampling.background",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.qwen2.tokenization_qwen2",
+    "interop.tools.dialogs",
+    "interop.tools.runner",
+    "recipes.grpo.collector_modes",
+    "recipes.grpo.collector",
+]
 
 
 def _report(connection, name: str) -> None:
@@ -100,7 +111,7 @@ print(len(os.listdir(f"/proc/{{forkserver._forkserver._forkserver_pid}}/task")),
 def test_the_fork_server_forks_with_one_thread_after_importing_what_the_children_need(repo_root):
     """Forking a process that runs other threads leaves their locks held in the child: the server, once it imported
     the library's and the recipe's modules (a new process's server, started with exactly those), holds one thread."""
-    script = _SERVER_THREADS.format(preloaded=CHILD_MODULES)
+    script = _SERVER_THREADS.format(preloaded=PRELOADED)
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
