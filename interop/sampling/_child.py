@@ -13,6 +13,7 @@ Dependencies: the standard library.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FORK_SERVER_STARTER", "die_with_parent", "run", "start"]
+__all__ = ["FORK_SERVER_STARTER", "die_with_parent", "forget_fork_server", "run", "start"]
 
 # The environment variable naming the process that starts the fork server: interop.sampling._fork_server_guard acts
 # only in a process whose parent it names.
@@ -38,16 +39,19 @@ def die_with_parent() -> None:
             pass
 
 
-def _release_fork_server() -> None:
-    """A child forked by the fork server inherits the write end of the pipe whose end tells the server that its
-    starter is gone; closed here, so that the server exits when the starter does, not when the last child does (the
-    children die with the server)."""
-    forkserver = sys.modules.get("multiprocessing.forkserver")
+def forget_fork_server() -> None:
+    """Lets go of a fork server this process holds only as a copy: in a child the server forked, or in a process
+    forked from one that runs a server (a test's forked script, a user's ``fork``). Its copy of the pipe whose end
+    tells the server that its starter is gone is closed, so that the server exits with its starter, not with the last
+    child (the children die with the server); and the server is forgotten (multiprocessing would fail to check on a
+    server that is not this process's child): this process starts one of its own when it needs one."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")  # not imported: no server to let go of
     server = getattr(forkserver, "_forkserver", None)
-    if server is None or server._forkserver_alive_fd is None or server._forkserver_pid is not None:
-        return  # not forked by a fork server, or the descriptor is of a server of this process's own
-    os.close(server._forkserver_alive_fd)
-    server._forkserver_alive_fd = None
+    if server is None or server._forkserver_alive_fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
 
 
 def run(environment: dict[str, str], streams: tuple | None, target: Callable[..., Any], *args: Any) -> None:
@@ -65,7 +69,7 @@ def run(environment: dict[str, str], streams: tuple | None, target: Callable[...
             os.close(received)
     os.environ.clear()
     os.environ.update(environment)
-    _release_fork_server()
+    forget_fork_server()
     target(*args)
 
 

@@ -130,21 +130,9 @@ class _StandardStreams:
         return (tuple, ([sent(1), sent(2)],))
 
 
-def _forget_inherited_fork_server() -> None:
-    """In a process forked from one that runs a fork server (a test's forked script, a user's ``fork``): that server is
-    not this process's child (multiprocessing would fail to check on it) and must not outlive its own starter through
-    this process's copy of its pipe, so this process starts a server of its own when it needs one."""
-    forkserver = sys.modules.get("multiprocessing.forkserver")  # not imported: no server to forget
-    server = getattr(forkserver, "_forkserver", None)
-    if server is None or server._forkserver_pid is None:
-        return
-    with contextlib.suppress(OSError):
-        os.close(server._forkserver_alive_fd)
-    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-
-
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_inherited_fork_server)
+    # A process forked from this one (with a server running) must not hold on to this process's server.
+    os.register_at_fork(after_in_child=_child.forget_fork_server)
 
 
 def _ensure_fork_server() -> None:
