@@ -647,21 +647,21 @@ class _RowsFirstBuffers:
     """The weight-first head's two ``[V, rows]`` / ``[rows, V]`` outputs, reused from one decoding step to the next:
     at a real vocabulary each is megabytes that a fresh allocation maps anew and page-faults on its first write (16
     rows at 152k: 9.7 MB each, every token). The row-layout logits alternate between two buffers, so that a step's
-    logits stay intact while the next step's are computed."""
+    logits stay intact while the next step's are computed. Only the current shape's are held: the rows only shrink
+    within a sampling loop (finished rows are dropped), and a shape once left does not come back."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple, list[torch.Tensor]] = {}
+        self._key: tuple | None = None
+        self._buffers: list[torch.Tensor] = []
         self._turn = 0
 
     def take(self, rows: int, vocabulary: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (rows, vocabulary, like.dtype, like.device)
-        if key not in self._buffers:
-            self._buffers[key] = [
-                like.new_empty(vocabulary, rows),
-                like.new_empty(rows, vocabulary),
-                like.new_empty(rows, vocabulary),
-            ]
-        product, *outs = self._buffers[key]
+        if key != self._key:
+            self._buffers = []  # the old shape's freed before the new one's are allocated
+            self._key, self._buffers = key, [like.new_empty(vocabulary, rows)]
+            self._buffers += [like.new_empty(rows, vocabulary), like.new_empty(rows, vocabulary)]
+        product, *outs = self._buffers
         self._turn ^= 1
         return product, outs[self._turn]
 
