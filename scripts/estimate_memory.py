@@ -36,12 +36,16 @@ What it prints, per device (one process):
   ``eval.group_size`` answers to each of ``rollout.responses_per_step / eval.group_size`` eval prompts (fewer where a
   process has fewer), of (the longest eval prompt + ``eval.generation.max_new_tokens``) tokens: larger than the
   rollout's with a large ``eval.group_size``, longer eval prompts or answers.
+- scorers' buffers kept on CPU (``device=cpu``): where the LM head is chunked, each scorer keeps its two chunk
+  buffers, the policy's its kept logits and the head weight's gradient (one process, no LoRA) from one call to the
+  next, through generation and scoring too (freed, glibc would return them to the system, and every step would
+  page-fault on them anew).
 - optimizer step temporaries: AdamW's foreach step (torch's default on CUDA) allocates one gradient-sized temporary,
   its per-parameter step (the default on CPU, ``device=cpu``) two of the largest parameter.
 - peak: what stays allocated (parameters, optimizer state, reference and reward models) plus the largest phase:
   the update's backward (its activations, or every gradient + the first layer's activations, whichever is larger;
   + autocast copies and fsdp's gathered units), its optimizer step (gradients + temporaries), generation, eval
-  generation or reference scoring (each + fsdp's gathered units).
+  generation or reference scoring (each + fsdp's gathered units; on CPU, + the scorers' kept buffers).
 
 Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients, optimizer state, the reference and the
 reward model are divided by N, and the policy's gathered units added; under ddp (the default when the key is absent)
@@ -245,6 +249,17 @@ def head_chunk_logits(rows: int, vocab: int) -> int:
     return rows * vocab if rows * vocab <= CHUNK_ELEMENTS else rows * min(chunk_columns(rows), vocab)
 
 
+def scorer_buffers_held(rows: int, vocab: int, *, head_gradient: int = 0) -> int:
+    """Bytes a scorer keeps on CPU from one call to the next (``recipes/grpo/log_probs.py``'s workspace; freed, glibc
+    would hand them back to the system and the next step would page-fault on them anew): where the head is chunked
+    over ``rows`` rows, its two chunk buffers (float32), the kept logits within ``KEEP_ELEMENTS`` and ``head_gradient``
+    (the head weight's gradient, taken back after each step in one process); nothing where the head is not chunked."""
+    logits = rows * vocab
+    if logits <= CHUNK_ELEMENTS:
+        return 0
+    return 2 * head_chunk_logits(rows, vocab) * 4 + (logits * 4 if logits <= KEEP_ELEMENTS else 0) + head_gradient
+
+
 def update_activation_bytes(
     shape: dict,
     *,
@@ -384,6 +399,15 @@ def estimate(
         largest_bytes=largest_trainable * trainable_element / shards,
         foreach=torch.device(str(cfg.device)).type in ("cuda", "xpu"),
     )
+    figures["cpu_scorer_buffers"] = 0
+    figures["cpu_reference_scorer_buffers"] = 0
+    if torch.device(str(cfg.device)).type == "cpu":
+        head_gradient = shape["vocab"] * shape["hidden"] * trainable_element if not with_lora and processes == 1 else 0
+        figures["cpu_scorer_buffers"] = scorer_buffers_held(
+            max(sequences * new_tokens, scored * new_tokens), shape["vocab"], head_gradient=head_gradient
+        )
+        if figures["reference_model"] or with_lora and cfg.loss.kl_to_ref_coeff:
+            figures["cpu_reference_scorer_buffers"] = scorer_buffers_held(scored * new_tokens, shape["vocab"])
     # What --measure compares with: the step on CPU, one parameter at a time.
     figures["largest_trainable_bytes"] = largest_trainable * trainable_element / shards
     persistent = sum(figures[key] for key in ("parameters", "optimizer", "reference_model", "reward_model"))
@@ -392,8 +416,12 @@ def estimate(
     # scores; the update's backward counts its own.
     gathered = figures["fsdp_gathered_weights"]
     sampling = max(figures["generation_kv_cache"], figures["eval_generation_kv_cache"])
+    # On CPU the scorers' buffers stay through the phases around their calls (the update's own are in its figure).
+    held, held_reference = figures["cpu_scorer_buffers"], figures["cpu_reference_scorer_buffers"]
     figures["peak"] = persistent + max(
-        figures["update_phase"], gathered + sampling, gathered + figures["reference_scoring"]
+        figures["update_phase"] + held_reference,
+        held + held_reference + gathered + sampling,
+        held + gathered + figures["reference_scoring"],
     )
     figures["setting"] = {
         "strategy": cfg.distributed.strategy,
@@ -599,6 +627,8 @@ def report(figures: dict, fitting: list[dict] | None, device_memory: int | None)
         ("generation_kv_cache", "generation KV cache"),
         ("eval_generation_kv_cache", "eval generation KV cache"),
         ("reference_scoring", "reference scoring (no grad)"),
+        ("cpu_scorer_buffers", "policy scorer's buffers kept on CPU"),
+        ("cpu_reference_scorer_buffers", "reference scorer's buffers kept on CPU"),
         ("optimizer_step_temporaries", "optimizer step temporaries"),
         ("update_phase", "update (backward or optimizer step)"),
         ("peak", f"peak (gradient_checkpointing={str(setting['gradient_checkpointing']).lower()})"),

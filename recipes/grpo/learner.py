@@ -367,6 +367,10 @@ def optimize(cfg: GRPORecipeConfig, learner: Learner, batch: TensorDictBase) -> 
         values["train/lr"] = learner.optimizer.param_groups[0]["lr"]
         learner.optimizer.step()
         learner.scheduler.step()
+        # The LM head's gradient is kept for the next backward to write into (a scorer that keeps none: no-op).
+        recycle = getattr(learner.loss.scorer, "recycle_head_gradient", None)
+        if recycle is not None:
+            recycle()
         learner.optimizer.zero_grad(set_to_none=True)
         learner.optimizer_steps_done += 1
         _sync_reference(cfg, learner)

@@ -104,27 +104,86 @@ def chunk_columns(rows: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
     return max(1, min(chunk_elements, CACHE_CHUNK_ELEMENTS) // rows)
 
 
-class _ChunkBuffer:
-    """One ``[rows, chunk]`` buffer for a loop over the vocabulary's chunks, allocated at the first chunk; ``get``
-    hands a contiguous ``[rows, columns]`` view of it (the last chunk may be narrower)."""
+class _HeadWorkspace:
+    """The chunked head's large buffers (chunks of logits and exps, the kept logits, the weight's gradient), kept by a
+    scorer from one call to the next. At a real vocabulary each is tens to hundreds of MB, which glibc serves (over 32
+    MiB) with a fresh mapping that is returned at free, so every step page-faulted on each of them anew: a GRPO step's
+    update mapped about 700 MB a step that way (512 rows at 151,936, counted with ``getrusage``'s minor faults), and a
+    fresh page costs several times its later writes.
 
-    def __init__(self, rows: int, chunk: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    A buffer is taken (:meth:`take`: the pool's when it is large enough, else a new one) and given back (:meth:`give`)
+    once its holder is done with it; while taken it is not in the pool, so two graphs alive at once (two forwards
+    before their backwards) never share one: the second finds the pool empty and allocates, as without a pool."""
+
+    def __init__(self) -> None:
+        self._pool: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A flat buffer of at least ``numel`` elements of ``dtype`` (``like``'s by default) on ``like``'s device."""
+        dtype = dtype or like.dtype
+        buffer = self._pool.pop(name, None)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != like.device:
+            del buffer  # the old one freed before a larger one is allocated
+            buffer = like.new_empty(numel, dtype=dtype)
+        return buffer
+
+    def take_like(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``like``'s shape, dtype and device (not a view of a larger buffer: what autograd can adopt as
+        a parameter's ``.grad``)."""
+        buffer = self._pool.pop(name, None)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
+            del buffer
+            buffer = torch.empty_like(like)
+        return buffer
+
+    def give(self, name: str, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            self._pool[name] = buffer
+
+
+def _take(workspace: _HeadWorkspace | None, name: str, numel: int, like: torch.Tensor, dtype) -> torch.Tensor:
+    """``workspace.take(...)``, or a new flat buffer without a workspace."""
+    return workspace.take(name, numel, like, dtype) if workspace is not None else like.new_empty(numel, dtype=dtype)
+
+
+class _ChunkBuffer:
+    """One ``[rows, chunk]`` buffer for a loop over the vocabulary's chunks, taken from ``workspace`` (or allocated) at
+    the first chunk; ``get`` hands a contiguous ``[rows, columns]`` view of it (the last chunk may be narrower),
+    ``release`` gives it back to the workspace."""
+
+    def __init__(
+        self,
+        rows: int,
+        chunk: int,
+        like: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        *,
+        workspace: _HeadWorkspace | None = None,
+        name: str = "",
+    ) -> None:
         self.rows, self.chunk, self.like, self.dtype = rows, chunk, like, dtype or like.dtype
+        self.workspace, self.name = workspace, name
         self._flat: torch.Tensor | None = None
 
     def get(self, columns: int) -> torch.Tensor:
         if self._flat is None:
-            self._flat = self.like.new_empty(self.rows * self.chunk, dtype=self.dtype)
+            self._flat = _take(self.workspace, self.name, self.rows * self.chunk, self.like, self.dtype)
         return self._flat[: self.rows * columns].view(self.rows, columns)
 
+    def release(self) -> None:
+        if self.workspace is not None:
+            self.workspace.give(self.name, self._flat)
+        self._flat = None
 
-def _chunk_logits(hidden, weight, bias, columns: slice, buffer: _ChunkBuffer | None) -> torch.Tensor:
-    """``linear(hidden, weight[columns], bias[columns])`` in float32, into ``buffer`` when given (a new tensor
-    otherwise): the same product ``nn.functional.linear`` makes (``mm``, ``addmm`` with a bias)."""
+
+def _chunk_logits(hidden, weight, bias, columns: slice, buffer: _ChunkBuffer | None, *, out=None) -> torch.Tensor:
+    """``linear(hidden, weight[columns], bias[columns])`` in float32, into ``out`` or ``buffer`` when given (a new
+    tensor otherwise): the same product ``nn.functional.linear`` makes (``mm``, ``addmm`` with a bias)."""
     chunk_weight = weight[columns]
-    if buffer is None or hidden.dtype != torch.float32 or weight.dtype != torch.float32:
+    if (buffer is None and out is None) or hidden.dtype != torch.float32 or weight.dtype != torch.float32:
         return nn.functional.linear(hidden, chunk_weight, bias[columns] if bias is not None else None).float()
-    out = buffer.get(chunk_weight.shape[0])
+    if out is None:
+        out = buffer.get(chunk_weight.shape[0])
     if bias is None:
         return torch.mm(hidden, chunk_weight.t(), out=out)
     return torch.addmm(bias[columns], hidden, chunk_weight.t(), out=out)
@@ -135,25 +194,39 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
     time: the log-normaliser is accumulated online over the chunks (running max and sums), and the backward
     recomputes each chunk's logits rather than keeping ``[N, V]`` of them (with ``keep``, it keeps them). Chunking the
     vocabulary (not the rows) lets each chunk's weight gradient be written once, where row chunks would each add a
-    ``[V, H]`` product."""
+    ``[V, H]`` product. The large buffers come from ``workspace`` (a :class:`_HeadWorkspace`, or ``None``: new ones)
+    and go back to it when done: the forward's chunks at its end, the kept logits at the end of the backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, with_entropy: bool, keep: bool):
-        rows = hidden.shape[0]
-        ctx.kept = [] if keep else None
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, with_entropy: bool, keep: bool, workspace):
+        rows, vocabulary = hidden.shape[0], weight.shape[0]
+        ctx.workspace = workspace
+        ctx.kept, ctx.kept_flat = None, None
+        if keep:
+            ctx.kept = []
+            if hidden.dtype == weight.dtype == torch.float32:  # else each chunk's float32 cast is a new tensor
+                # One [rows, V] buffer whose consecutive [rows, chunk] pieces hold the chunks' logits.
+                ctx.kept_flat = _take(workspace, "kept", rows * vocabulary, hidden, torch.float32)
         running_max = hidden.new_full((rows,), float("-inf"), dtype=torch.float32)
         sum_exp = hidden.new_zeros(rows, dtype=torch.float32)
         sum_exp_logit = hidden.new_zeros(rows, dtype=torch.float32) if with_entropy else None
         target_logit = hidden.new_zeros(rows, dtype=torch.float32)
-        # Kept logits need a buffer per chunk; otherwise one serves every chunk, as one does the exps: a fresh
-        # [rows, chunk] buffer is a fresh mapping whose first write page-faults (32 MiB: about as slow as the pass).
-        logits_buffer = None if keep else _ChunkBuffer(rows, chunk, hidden)
-        exp_buffer = _ChunkBuffer(rows, chunk, hidden, dtype=torch.float32)
-        for start in range(0, weight.shape[0], chunk):
+        # Kept logits fill the pieces of one buffer; otherwise one buffer serves every chunk, as one does the exps: a
+        # fresh [rows, chunk] buffer is a fresh mapping whose first write page-faults (32 MiB: about as slow as the
+        # pass).
+        logits_buffer = None if keep else _ChunkBuffer(rows, chunk, hidden, workspace=workspace, name="logits")
+        exp_buffer = _ChunkBuffer(rows, chunk, hidden, dtype=torch.float32, workspace=workspace, name="exp")
+        for start in range(0, vocabulary, chunk):
             columns = slice(start, start + chunk)
-            logits = _chunk_logits(hidden, weight, bias, columns, logits_buffer)
             if keep:
+                width = min(chunk, vocabulary - start)
+                piece = None
+                if ctx.kept_flat is not None:
+                    piece = ctx.kept_flat[rows * start : rows * (start + width)].view(rows, width)
+                logits = _chunk_logits(hidden, weight, bias, columns, None, out=piece)
                 ctx.kept.append(logits)
+            else:
+                logits = _chunk_logits(hidden, weight, bias, columns, logits_buffer)
             new_max = torch.maximum(running_max, logits.max(-1).values)
             rescale = (running_max - new_max).exp()
             exp = torch.sub(logits, new_max[:, None], out=exp_buffer.get(logits.shape[-1])).exp_()
@@ -167,6 +240,9 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             here = (local >= 0) & (local < logits.shape[-1])
             picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(-1)
             target_logit = torch.where(here, picked, target_logit)
+        for buffer in (logits_buffer, exp_buffer):
+            if buffer is not None:
+                buffer.release()
         normaliser = running_max + sum_exp.log()
         # H = log Z - E_p[logit]
         entropy = normaliser - sum_exp_logit / sum_exp if with_entropy else None
@@ -182,7 +258,13 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, normaliser, entropy = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if want_hidden else None
-        grad_weight = torch.empty_like(weight) if want_weight else None
+        grad_weight = None
+        if want_weight:
+            # Where the weight has no gradient yet, autograd adopts this tensor as its .grad (nothing else holds it):
+            # the workspace's, which ResponseLogProbs.recycle_head_gradient takes back after the optimizer's step.
+            # Every row is written below. Into an existing .grad (a later micro-batch) autograd adds a new tensor.
+            recycled = ctx.workspace is not None and weight.grad is None
+            grad_weight = ctx.workspace.take_like("weight_grad", weight) if recycled else torch.empty_like(weight)
         grad_bias = torch.empty_like(bias) if bias is not None and want_bias else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         # d log p[target] / d logits = onehot(target) - p and d H / d logits = -p * (log p + H), so the gradient of the
@@ -193,9 +275,13 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             shift = -grad_entropy * entropy - (grad_log_probs if grad_log_probs is not None else 0.0)
         else:
             scale, shift = None, -grad_log_probs
-        logits_buffer = _ChunkBuffer(hidden.shape[0], ctx.chunk, hidden)  # for the chunks recomputed
+        workspace = ctx.workspace
+        # For the chunks recomputed (none when all were kept), and the probabilities with an entropy term.
+        logits_buffer = _ChunkBuffer(hidden.shape[0], ctx.chunk, hidden, workspace=workspace, name="logits")
         probs_buffer = (
-            _ChunkBuffer(hidden.shape[0], ctx.chunk, hidden, dtype=torch.float32) if scale is not None else None
+            _ChunkBuffer(hidden.shape[0], ctx.chunk, hidden, torch.float32, workspace=workspace, name="exp")
+            if scale is not None
+            else None
         )
         for index, start in enumerate(range(0, weight.shape[0], ctx.chunk)):
             columns = slice(start, start + ctx.chunk)
@@ -222,14 +308,24 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 grad_logits[rows[here], local[here]] += grad_log_probs[here]
             grad_logits = grad_logits.to(weight.dtype)
             if want_hidden:
-                grad_hidden += (grad_logits @ chunk_weight).float()
+                if grad_logits.dtype == torch.float32:
+                    grad_hidden.addmm_(grad_logits, chunk_weight)  # in place: no [rows, H] product to add
+                else:
+                    grad_hidden += (grad_logits @ chunk_weight).float()
             if want_weight:
                 # Written into its rows of the gradient (contiguous), not into a [chunk, H] product then copied.
                 torch.mm(grad_logits.T, hidden.to(weight.dtype), out=grad_weight[columns])
             if grad_bias is not None:
                 grad_bias[columns] = grad_logits.sum(0)
+        for buffer in (logits_buffer, probs_buffer):
+            if buffer is not None:
+                buffer.release()
+        if ctx.kept_flat is not None and workspace is not None and all(logits is None for logits in ctx.kept):
+            # Every kept chunk was used (and written over): the buffer goes back for the next forward.
+            workspace.give("kept", ctx.kept_flat)
+            ctx.kept_flat = None
         grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _distributed() -> bool:
@@ -477,6 +573,8 @@ class ResponseLogProbs(nn.Module):
         )
         self.share_prompt = share_prompt and _only_full_attention(config)
         self._tied_rows = _TiedEmbeddingRows.of(model)
+        # The chunked head's buffers on CPU, kept from one call to the next (scripts/estimate_memory.py counts them).
+        self._workspace = _HeadWorkspace()
         # Under FSDP2 every process must make the same calls of the sharded layers (each gathers its weights from
         # all): a batch of distinct prompts takes the shared path too there, whatever the other processes' batches.
         self._same_path_on_every_process = False
@@ -504,8 +602,10 @@ class ResponseLogProbs(nn.Module):
             else:
                 chunk = chunk_columns(states.shape[0], self.chunk_elements)
                 keep = torch.is_grad_enabled() and logits <= self.keep_elements
+                # On CPU only: a GPU's caching allocator already reuses freed blocks without new pages.
+                workspace = self._workspace if states.device.type == "cpu" else None
                 log_probs, entropy = _ChunkedHeadLogProbs.apply(
-                    states, head.weight, head.bias, targets, chunk, with_entropy, keep
+                    states, head.weight, head.bias, targets, chunk, with_entropy, keep, workspace
                 )
 
         def laid_out(values: torch.Tensor) -> torch.Tensor:
@@ -514,6 +614,20 @@ class ResponseLogProbs(nn.Module):
             return torch.cat([values.new_zeros(tokens.shape[0], response_start), response], dim=-1)
 
         return laid_out(log_probs), (laid_out(entropy) if entropy is not None else None)
+
+    def recycle_head_gradient(self) -> None:
+        """Takes the LM head weight's gradient back (its ``.grad`` set to ``None``) for the next backward to write
+        into instead of a new ``[V, H]`` tensor (at a real vocabulary, 311 MB of fresh pages every step): call it
+        where the gradients would be set to ``None``, after the optimizer's step. Only a gradient nothing else can
+        hold is taken: a plain tensor on CPU (not a view, as DDP's bucket views are) in a single process."""
+        if not self._chunked or _distributed():
+            return
+        weight = self.model.get_output_embeddings().weight
+        grad = weight.grad
+        if grad is None or grad._base is not None or type(grad) is not torch.Tensor or grad.device.type != "cpu":
+            return
+        weight.grad = None
+        self._workspace.give("weight_grad", grad)
 
     def _response_states(self, tokens, attention_mask, response_start: int, scored) -> torch.Tensor:
         """The final hidden states (or logits) at the positions that predict the ``scored`` response tokens."""

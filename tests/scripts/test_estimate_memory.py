@@ -272,3 +272,31 @@ def test_the_chunked_heads_kept_logits_are_counted_within_their_budget():
     per_chunk = log_probs.CACHE_CHUNK_ELEMENTS
     assert head_bytes(16) == 512 * 151936 * 4 + 3 * 512 * (per_chunk // 512) * 4 - 3 * 512 * 4
     assert head_bytes(256) == 3 * 8192 * (per_chunk // 8192) * 4 - 3 * 256 * 32 * 4
+
+
+def test_the_scorers_buffers_kept_on_cpu_are_counted_where_the_head_is_chunked():
+    """On CPU each scorer keeps its chunked head's buffers from one call to the next (recipes/grpo/log_probs.py): two
+    chunks, the policy's kept logits within KEEP_ELEMENTS and the head's gradient; nothing where the head is whole."""
+    from recipes.grpo.log_probs import CACHE_CHUNK_ELEMENTS
+
+    chunk = 512 * (CACHE_CHUNK_ELEMENTS // 512)
+    assert estimate_memory.scorer_buffers_held(512, 151936, head_gradient=7) == 2 * chunk * 4 + 512 * 151936 * 4 + 7
+    assert estimate_memory.scorer_buffers_held(8192, 151936) == 2 * 8192 * (chunk // 8192) * 4  # recomputed, not kept
+    assert estimate_memory.scorer_buffers_held(16, 463, head_gradient=7) == 0  # the tiny head, whole
+
+    def figures(*overrides):
+        batch = ["train.mini_batch_size=1024", "rollout.responses_per_step=1024", "rollout.group_size=8"]
+        return estimate_memory.estimate(
+            estimate_memory.compose_config([*batch, *overrides]), processes=1, prompt_tokens=16
+        )
+
+    cpu, gpu = figures("device=cpu"), figures("device=cuda")
+    assert gpu["cpu_scorer_buffers"] == gpu["cpu_reference_scorer_buffers"] == 0
+    # 1,024 x 32 response rows x 463 > CHUNK_ELEMENTS: chunked, beyond KEEP_ELEMENTS (recomputed), the head trainable.
+    rows, vocab, hidden = 1024 * 32, 463, 64
+    assert cpu["cpu_scorer_buffers"] == estimate_memory.scorer_buffers_held(rows, vocab) + vocab * hidden * 4
+    assert cpu["cpu_reference_scorer_buffers"] == estimate_memory.scorer_buffers_held(rows, vocab)
+    persistent = sum(cpu[key] for key in ("parameters", "optimizer", "reference_model", "reward_model"))
+    held = cpu["cpu_scorer_buffers"] + cpu["cpu_reference_scorer_buffers"]
+    assert cpu["peak"] >= persistent + held + cpu["generation_kv_cache"]
+    assert cpu["peak"] >= persistent + cpu["update_phase"] + cpu["cpu_reference_scorer_buffers"]

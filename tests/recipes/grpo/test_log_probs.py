@@ -145,6 +145,66 @@ def test_the_chunked_backward_of_one_output_alone_equals_the_full_forwards(tiny_
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("keep_elements", [0, 2**27])
+def test_a_scorers_buffers_and_head_gradient_reused_step_after_step_give_a_fresh_scorers_numbers(
+    tiny_policy, batch, keep_elements
+):
+    """The chunked head keeps its buffers from one call to the next, and the head's gradient, taken back after each
+    step (recycle_head_gradient), is the next backward's: over steps of different batch sizes (buffers larger than
+    the step needs, holding the last step's numbers), the values and gradients are a new scorer's, and the head's
+    gradient lives in one buffer throughout."""
+    model, _ = tiny_policy
+    tokens, mask = batch
+    weights = torch.linspace(-1.0, 1.0, 100).reshape(5, 20)
+    head = model.get_output_embeddings().weight
+
+    def step(scorer, rows):
+        log_probs, entropy = scorer(tokens[rows], mask[rows], response_start=START, with_entropy=True)
+        ((log_probs * weights[rows]).sum() + (entropy * weights.flip(0)[rows]).sum()).backward()
+        return [log_probs.detach(), entropy.detach(), *(p.grad.clone() for p in model.parameters())]
+
+    reused = ResponseLogProbs(model, chunk_elements=463 * 3, keep_elements=keep_elements)
+    model.zero_grad()
+    head_gradients = []
+    for rows in (slice(0, 5), slice(1, 5), slice(0, 5)):
+        got = step(reused, rows)
+        head_gradients.append(head.grad.data_ptr())  # autograd adopts the tensor's memory (a detached alias)
+        reused.recycle_head_gradient()
+        assert head.grad is None and reused._workspace._pool["weight_grad"].data_ptr() == head_gradients[-1]
+        model.zero_grad()
+        expected = step(ResponseLogProbs(model, chunk_elements=463 * 3, keep_elements=keep_elements), rows)
+        model.zero_grad()
+        for got_value, expected_value in zip(got, expected, strict=True):
+            torch.testing.assert_close(got_value, expected_value, atol=1e-6, rtol=1e-6)
+    assert head_gradients[0] == head_gradients[1] == head_gradients[2]
+
+
+def test_two_graphs_of_one_scorer_alive_at_once_and_accumulated_backwards_get_their_own_gradients(tiny_policy, batch):
+    """Two forwards before one backward (each holds its kept logits: the second cannot take the first's buffers), then
+    a second backward accumulated into the existing gradients (micro-batches): the sums of separate passes."""
+    model, _ = tiny_policy
+    tokens, mask = batch
+    weights = torch.linspace(-1.0, 1.0, 100).reshape(5, 20)
+    scorer = ResponseLogProbs(model, chunk_elements=463 * 3)
+
+    def loss(rows, scale):
+        log_probs, _ = scorer(tokens[rows], mask[rows], response_start=START)
+        return (log_probs * weights[rows]).sum() * scale
+
+    separate = []
+    for rows, scale in ((slice(0, 3), 1.0), (slice(2, 5), -0.5), (slice(0, 5), 2.0)):
+        model.zero_grad()
+        loss(rows, scale).backward()
+        separate.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    (loss(slice(0, 3), 1.0) + loss(slice(2, 5), -0.5)).backward()  # two graphs alive at once
+    loss(slice(0, 5), 2.0).backward()  # accumulated into the existing gradients
+    together = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for got, *parts in zip(together, *separate, strict=True):
+        torch.testing.assert_close(got, sum(parts), atol=1e-5, rtol=1e-5)
+
+
 def test_kept_logits_serve_one_backward_and_a_retained_graphs_second_recomputes(tiny_policy, batch):
     model, _ = tiny_policy
     tokens, mask = batch
