@@ -227,15 +227,30 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 ctx.kept.append(logits)
             else:
                 logits = _chunk_logits(hidden, weight, bias, columns, logits_buffer)
-            new_max = torch.maximum(running_max, logits.max(-1).values)
-            rescale = (running_max - new_max).exp()
-            exp = torch.sub(logits, new_max[:, None], out=exp_buffer.get(logits.shape[-1])).exp_()
-            sum_exp = sum_exp * rescale + exp.sum(-1)
-            if with_entropy:
-                # A row-wise dot product: einsum reads the two chunks once, where (exp * logits).sum(-1) writes and
-                # reads a third (3.4 against 10.2 ms a [512, 16384] chunk at 2 threads).
-                sum_exp_logit = sum_exp_logit * rescale + torch.einsum("rv,rv->r", exp, logits)
-            running_max = new_max
+            exp_out = exp_buffer.get(logits.shape[-1])
+            # A row-wise dot product: einsum reads the two chunks once, where (exp * logits).sum(-1) writes and reads
+            # a third (3.4 against 10.2 ms a [512, 16384] chunk at 2 threads).
+            shifted = None
+            if start > 0 and hidden.device.type == "cpu":
+                # Shifted by the chunks' max so far, not by this chunk's own: the same sums, and one pass over the
+                # chunk fewer (its max). Unless a logit passes the shift by more than float32's exp range, caught
+                # by the sums (then this chunk's max is taken after all); on CPU, where that check costs no sync.
+                exp = torch.sub(logits, running_max[:, None], out=exp_out).exp_()
+                shifted = [exp.sum(-1), torch.einsum("rv,rv->r", exp, logits) if with_entropy else None]
+                if not all(bool(torch.isfinite(value).all()) for value in shifted if value is not None):
+                    shifted = None
+            if shifted is not None:
+                sum_exp = sum_exp + shifted[0]
+                if with_entropy:
+                    sum_exp_logit = sum_exp_logit + shifted[1]
+            else:
+                new_max = torch.maximum(running_max, logits.max(-1).values)
+                rescale = (running_max - new_max).exp()
+                exp = torch.sub(logits, new_max[:, None], out=exp_out).exp_()
+                sum_exp = sum_exp * rescale + exp.sum(-1)
+                if with_entropy:
+                    sum_exp_logit = sum_exp_logit * rescale + torch.einsum("rv,rv->r", exp, logits)
+                running_max = new_max
             local = targets - start
             here = (local >= 0) & (local < logits.shape[-1])
             picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(-1)

@@ -86,6 +86,29 @@ def test_models_that_rescale_their_logits_are_scored_through_their_own_forward(t
         torch.testing.assert_close(got_value, expected_value, atol=1e-5, rtol=1e-5)
 
 
+def test_a_later_chunks_logits_far_above_the_earlier_ones_give_the_full_forwards_values_and_gradients(
+    tiny_policy, batch
+):
+    """Later chunks are shifted by the max of the chunks before them (no max pass of their own): a chunk whose logits
+    exceed that shift by more than float32's exp range (here tokens 300-462 scaled 20x: logits up to 22-178 above the
+    first chunk's max, row by row) is caught and taken with its own max, finite and exact."""
+    model = copy.deepcopy(tiny_policy[0])
+    with torch.no_grad():
+        model.get_output_embeddings().weight[300:] *= 20.0
+    tokens, mask = batch
+    scorer = ResponseLogProbs(model, chunk_elements=463 * 3)
+    got = _values_and_gradients(model, lambda: scorer(tokens, mask, response_start=START, with_entropy=True))
+    expected = _values_and_gradients(model, lambda: _full_forward(model, tokens, mask))
+    assert all(bool(value.isfinite().all()) for value in got[:2])
+    # Logits in the hundreds: float32's rounding of them alone is ~1e-5.
+    torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-4, rtol=1e-5)
+    for got_grad, expected_grad in zip(got[2], expected[2], strict=True):
+        # The full forward itself rounds gradients this large (scaled 20x) to ~1e-5 of the largest.
+        scale = float(expected_grad.abs().max())
+        torch.testing.assert_close(got_grad, expected_grad, atol=1e-5 * scale, rtol=1e-4)
+
+
 def test_without_entropy_none_is_returned(tiny_policy, batch):
     model, _ = tiny_policy
     tokens, mask = batch
