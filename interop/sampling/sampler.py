@@ -297,32 +297,25 @@ def _flat_across_zeros(cdf: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     return cdf.masked_fill_(empty, float("-inf")).cummax(-1).values
 
 
-def _top_k(scores: torch.Tensor, settings: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, token ids)`` of each row's ``settings.top_k`` highest scores (in order when top-p needs them)."""
-    assert settings.top_k is not None, "_top_k is called only with a top_k set"
-    return scores.topk(min(settings.top_k, scores.shape[-1]), dim=-1, sorted=settings.top_p < 1.0)
-
-
 def _choose(
     scores: torch.Tensor,
     settings: SamplingSettings,
     *,
     uniform: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One token per row from already penalised scores: greedy, or sampled after temperature, top-k, top-p, min-p.
 
     ``uniform`` (``[B, 1]``): the row's uniform number for :func:`_draw` (drawn here when ``None``). ``workspace``: a
     ``[B, V]`` float32 buffer the whole-vocabulary probabilities may be written into (no allocation per token).
-    ``top_k``: :func:`_top_k` of ``scores``, when the caller has taken it already.
     """
     if not settings.do_sample:
         return scores.argmax(-1)
     candidates = None  # column -> token id, when the scores are narrowed or sorted
     nucleus = settings.top_p < 1.0  # the only filter that needs the candidates in order
     if settings.top_k:
-        scores, candidates = top_k if top_k is not None else _top_k(scores, settings)
+        # In order only where top-p reads them so.
+        scores, candidates = scores.topk(min(settings.top_k, scores.shape[-1]), dim=-1, sorted=nucleus)
     elif nucleus:
         scores, candidates = scores.sort(dim=-1, descending=True)
     # Temperature after narrowing, which a positive temperature does not reorder: k divisions instead of V.
@@ -337,22 +330,28 @@ def _choose(
     return column if candidates is None else candidates.gather(-1, column[:, None]).squeeze(-1)
 
 
-def _log_normaliser(
-    logits: torch.Tensor, temperature: float | None, workspace: torch.Tensor, *, peak: torch.Tensor | None = None
-) -> torch.Tensor:
+def _log_normaliser(logits: torch.Tensor, temperature: float | None, workspace: torch.Tensor) -> torch.Tensor:
     """``(logits / temperature).logsumexp(-1)`` with its ``[B, V]`` intermediate, ``exp((logits - max) / temperature)``,
     left in ``workspace``: one buffer for the whole decoding loop, where ``logsumexp`` allocates one at every call (64
     rows at a 152k vocabulary, this buffer and the draw's: 4.19 -> 3.44 s CPU per 32-token batch; alike at 16
-    rows). ``peak``: each row's largest logit (``[B, 1]``), when the caller knows it (no pass over the vocabulary
-    for it)."""
-    if peak is None:
-        peak = logits.amax(-1, keepdim=True)
+    rows)."""
+    peak = logits.amax(-1, keepdim=True)
     peak = peak.masked_fill(~peak.isfinite(), 0.0)
     torch.sub(logits, peak, out=workspace)
     if temperature:
         workspace.div_(temperature)
         peak = peak / temperature
     return workspace.exp_().sum(-1).log_().add_(peak.squeeze(-1))
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float | None, workspace: torch.Tensor) -> torch.Tensor:
+    """``(logits / temperature).log_softmax(-1)``, into ``workspace``. One kernel that reads each row three times while
+    it is in cache, where :func:`_log_normaliser`'s amax, sub, exp and sum each stream the whole ``[B, V]`` through
+    memory: a top-k step (top_k 50, EOS held back) 5.8 -> 4.3 ms at 16 rows of a 152k vocabulary, 1.24 -> 0.92 ms
+    at 4 (2 threads, medians of 61 alternated calls). Equal to ``logits`` less their normaliser up to float
+    rounding."""
+    source = torch.div(logits, temperature, out=workspace) if temperature else logits
+    return torch.log_softmax(source, -1, out=workspace)  # in place when divided: a row-wise kernel, safe aliased
 
 
 def _draws_from_the_normaliser(settings: SamplingSettings, *, penalised: bool, temperature: float) -> bool:
@@ -384,13 +383,14 @@ def _next_tokens(
     step.
     """
     temperature = settings.temperature if scaled and settings.temperature != 1.0 else None
-    top_k, peak = None, None
-    if settings.do_sample and settings.top_k and seen is None and step >= settings.min_new_tokens:
-        # Top-k of the raw logits (no penalty, no EOS held back): the draw's candidates, and their largest value is
-        # the row's largest logit, the normaliser's peak: one pass over the vocabulary fewer (its amax).
-        top_k = _top_k(logits, settings)
-        peak = top_k[0].amax(-1, keepdim=True)
-    normaliser = _log_normaliser(logits, temperature, workspace, peak=peak)
+    # Greedy, top-k or top-p: the draw reads a few candidates and leaves the workspace alone, which can then hold
+    # every token's log-prob. Otherwise the draw's weights need the workspace: the log-probs are the logits less
+    # their normaliser.
+    narrowed = not settings.do_sample or settings.top_k or settings.top_p < 1.0
+    if narrowed:
+        log_probs, normaliser = _log_softmax(logits, temperature, workspace), None
+    else:
+        normaliser = _log_normaliser(logits, temperature, workspace)
     if _draws_from_the_normaliser(settings, penalised=seen is not None, temperature=temperature or 1.0):
         # The normaliser left exp((logits - max) / temperature) in the workspace: the draw's weights already, a
         # held-back EOS given weight 0 (16 rows at a 152k vocabulary: 11% less CPU per batch than recomputing them).
@@ -403,7 +403,9 @@ def _next_tokens(
             scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
         if step < settings.min_new_tokens:
             scores.index_fill_(-1, eos, float("-inf"))
-        token = _choose(scores, settings, uniform=uniform, workspace=workspace, top_k=top_k)
+        token = _choose(scores, settings, uniform=uniform, workspace=None if narrowed else workspace)
+    if normaliser is None:
+        return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
     chosen = logits.gather(-1, token[:, None]).squeeze(-1)
     return token, (chosen / temperature if temperature else chosen) - normaliser
 
@@ -643,45 +645,66 @@ _ROWS_FIRST_MIN_WEIGHTS = 1 << 21
 _ROWS_FIRST_BUFFERS = "_rows_first_buffers"  # the head's attribute holding them while a sampling loop runs
 
 
+# MKL's ``W @ x.T`` at a real vocabulary is far from monotonic in the number of rows of ``x``: 1 row and 12-15 rows
+# take longer than 2 and 16 (2 threads, 151,936 x 512, ms per product alone on the machine: 1: 36.6, 2: 10.9,
+# 9: 28.7, 10: 36.0, 11: 45.9, 12: 55.6, 13: 67.6, 14: 67.7, 15: 77.4, 16: 46.2). Those counts are padded with zero
+# rows up to the faster one; only the real rows are copied out, so the logits are the same products, summed in the
+# order the kernel picks for that width (equal up to float rounding). Side by side in one process
+# (``scripts/bench_sampler_head.py``, a loaded machine, medians of 15-21 rounds), padded / as is: 1 -> 2 rows
+# 0.52-0.83, 12 -> 16 0.75-0.90, 13-15 -> 16 0.65-0.83. Left as they are: 11 (0.90-1.02), 9-10 (1.06-1.34) and 3-8
+# (no larger count is faster there). Splitting the weight into row blocks of 2,048-16,384 was slower at 16 rows
+# (1.4-4.3x). Decoding hits these counts whenever responses end at EOS and their rows leave the batch.
+_HEAD_PADDED_ROWS = {1: 2, 12: 16, 13: 16, 14: 16, 15: 16}
+
+
 class _RowsFirstBuffers:
-    """The weight-first head's two ``[V, rows]`` / ``[rows, V]`` outputs, reused from one decoding step to the next:
-    at a real vocabulary each is megabytes that a fresh allocation maps anew and page-faults on its first write (16
-    rows at 152k: 9.7 MB each, every token). The row-layout logits alternate between two buffers, so that a step's
-    logits stay intact while the next step's are computed. Only the current shape's are held: the rows only shrink
-    within a sampling loop (finished rows are dropped), and a shape once left does not come back."""
+    """The weight-first head's buffers, reused from one decoding step to the next: the ``[padded, H]`` input (its
+    padding rows zero), the ``[V, padded]`` product and two ``[rows, V]`` outputs. At a real vocabulary each output is
+    megabytes that a fresh allocation maps anew and page-faults on its first write (16 rows at 152k: 9.7 MB each,
+    every token). The row-layout logits alternate between two buffers, so that a step's logits stay intact while the
+    next step's are computed. Only the current shape's are held: the rows only shrink within a sampling loop
+    (finished rows are dropped), and a shape once left does not come back."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
 
-    def take(self, rows: int, vocabulary: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (rows, vocabulary, like.dtype, like.device)
+    def take(self, rows: int, vocabulary: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(input, product, out)`` for ``rows`` rows of ``like``'s width: ``input`` has
+        ``_HEAD_PADDED_ROWS.get(rows, rows)`` rows, the extra ones zero."""
+        key = (rows, vocabulary, like.shape[-1], like.dtype, like.device)
         if key != self._key:
             self._buffers = []  # the old shape's freed before the new one's are allocated
-            self._key, self._buffers = key, [like.new_empty(vocabulary, rows)]
+            padded = _HEAD_PADDED_ROWS.get(rows, rows)
+            self._key = key
+            self._buffers = [like.new_zeros(padded, like.shape[-1]), like.new_empty(vocabulary, padded)]
             self._buffers += [like.new_empty(rows, vocabulary), like.new_empty(rows, vocabulary)]
-        product, *outs = self._buffers
+        source, product, *outs = self._buffers
         self._turn ^= 1
-        return product, outs[self._turn]
+        return source, product, outs[self._turn]
 
 
 def _head_rows_first(self, hidden: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` computed as ``(W @ x.T).T``: the same product, summed in another order (equal up to float
-    rounding)."""
+    """``nn.Linear.forward`` computed as ``(W @ x.T).T``, ``x`` padded with zero rows where that count is faster
+    (``_HEAD_PADDED_ROWS``): the same product, summed in another order (equal up to float rounding)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows, vocabulary = flat.shape[0], self.weight.shape[0]
     buffers = getattr(self, _ROWS_FIRST_BUFFERS, None)
-    if buffers is None:
-        product = torch.mm(self.weight, flat.t())  # [V, rows]
+    if buffers is None:  # called outside a sampling loop: fresh tensors (autograd refuses ``out=`` with a gradient)
+        padding = flat.new_zeros(_HEAD_PADDED_ROWS.get(rows, rows) - rows, flat.shape[-1])
+        product = torch.mm(self.weight, torch.cat([flat, padding]).t())
         out = torch.empty(rows, vocabulary, dtype=product.dtype, device=product.device)
     else:
-        product, out = buffers.take(rows, vocabulary, flat)
+        source, product, out = buffers.take(rows, vocabulary, flat)
+        if source.shape[0] > rows:  # padded: the real rows first, the zero rows after them untouched
+            source[:rows] = flat
+            flat = source
         torch.mm(self.weight, flat.t(), out=product)
     # Into [rows, V] through a 3D view: torch copies a 2D transposed tensor (``.t().contiguous()``) on one thread by
     # blocks, a 3D permuted one with its parallel copy kernel (16 rows at a 152k vocabulary, 2 threads: 1.8 -> 0.9 ms
-    # a token). The same values: a copy.
-    out.view(rows, 1, vocabulary).copy_(product[:, None, :].permute(2, 1, 0))
+    # a token). The same values: a copy of the real rows' columns.
+    out.view(rows, 1, vocabulary).copy_(product[:, None, :rows].permute(2, 1, 0))
     if self.bias is not None:
         out += self.bias
     return out.reshape(*hidden.shape[:-1], out.shape[-1])
