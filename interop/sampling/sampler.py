@@ -347,9 +347,9 @@ def _log_normaliser(logits: torch.Tensor, temperature: float | None, workspace: 
 def _log_softmax(logits: torch.Tensor, temperature: float | None, workspace: torch.Tensor) -> torch.Tensor:
     """``(logits / temperature).log_softmax(-1)``, into ``workspace``. One kernel that reads each row three times while
     it is in cache, where :func:`_log_normaliser`'s amax, sub, exp and sum each stream the whole ``[B, V]`` through
-    memory: a top-k step (top_k 50, EOS held back) 5.8 -> 4.3 ms at 16 rows of a 152k vocabulary, 1.24 -> 0.92 ms
-    at 4 (2 threads, medians of 61 alternated calls). Equal to ``logits`` less their normaliser up to float
-    rounding."""
+    memory: :func:`_next_tokens` of a top-k step (top_k 50, EOS held back) 6.2-6.5 -> 4.7-4.8 ms at 16 rows of a 152k
+    vocabulary, 4.7 -> 3.6 ms at 12 (2 threads, medians of 61 calls alternated with the normaliser's form). Equal to
+    ``logits`` less their normaliser up to float rounding (5.7e-6 at most there)."""
     source = torch.div(logits, temperature, out=workspace) if temperature else logits
     return torch.log_softmax(source, -1, out=workspace)  # in place when divided: a row-wise kernel, safe aliased
 
