@@ -297,25 +297,32 @@ def _flat_across_zeros(cdf: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     return cdf.masked_fill_(empty, float("-inf")).cummax(-1).values
 
 
+def _top_k(scores: torch.Tensor, settings: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, token ids)`` of each row's ``settings.top_k`` highest scores (in order when top-p needs them)."""
+    assert settings.top_k is not None, "_top_k is called only with a top_k set"
+    return scores.topk(min(settings.top_k, scores.shape[-1]), dim=-1, sorted=settings.top_p < 1.0)
+
+
 def _choose(
     scores: torch.Tensor,
     settings: SamplingSettings,
     *,
     uniform: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One token per row from already penalised scores: greedy, or sampled after temperature, top-k, top-p, min-p.
 
     ``uniform`` (``[B, 1]``): the row's uniform number for :func:`_draw` (drawn here when ``None``). ``workspace``: a
     ``[B, V]`` float32 buffer the whole-vocabulary probabilities may be written into (no allocation per token).
+    ``top_k``: :func:`_top_k` of ``scores``, when the caller has taken it already.
     """
     if not settings.do_sample:
         return scores.argmax(-1)
     candidates = None  # column -> token id, when the scores are narrowed or sorted
     nucleus = settings.top_p < 1.0  # the only filter that needs the candidates in order
     if settings.top_k:
-        # In order only where top-p reads them so.
-        scores, candidates = scores.topk(min(settings.top_k, scores.shape[-1]), dim=-1, sorted=nucleus)
+        scores, candidates = top_k if top_k is not None else _top_k(scores, settings)
     elif nucleus:
         scores, candidates = scores.sort(dim=-1, descending=True)
     # Temperature after narrowing, which a positive temperature does not reorder: k divisions instead of V.
@@ -330,28 +337,22 @@ def _choose(
     return column if candidates is None else candidates.gather(-1, column[:, None]).squeeze(-1)
 
 
-def _log_normaliser(logits: torch.Tensor, temperature: float | None, workspace: torch.Tensor) -> torch.Tensor:
+def _log_normaliser(
+    logits: torch.Tensor, temperature: float | None, workspace: torch.Tensor, *, peak: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(logits / temperature).logsumexp(-1)`` with its ``[B, V]`` intermediate, ``exp((logits - max) / temperature)``,
     left in ``workspace``: one buffer for the whole decoding loop, where ``logsumexp`` allocates one at every call (64
     rows at a 152k vocabulary, this buffer and the draw's: 4.19 -> 3.44 s CPU per 32-token batch; alike at 16
-    rows)."""
-    peak = logits.amax(-1, keepdim=True)
+    rows). ``peak``: each row's largest logit (``[B, 1]``), when the caller knows it (no pass over the vocabulary
+    for it)."""
+    if peak is None:
+        peak = logits.amax(-1, keepdim=True)
     peak = peak.masked_fill(~peak.isfinite(), 0.0)
     torch.sub(logits, peak, out=workspace)
     if temperature:
         workspace.div_(temperature)
         peak = peak / temperature
     return workspace.exp_().sum(-1).log_().add_(peak.squeeze(-1))
-
-
-def _log_softmax(logits: torch.Tensor, temperature: float | None, workspace: torch.Tensor) -> torch.Tensor:
-    """``(logits / temperature).log_softmax(-1)``, into ``workspace``. One kernel that reads each row three times while
-    it is in cache, where :func:`_log_normaliser`'s amax, sub, exp and sum each stream the whole ``[B, V]`` through
-    memory: :func:`_next_tokens` of a top-k step (top_k 50, EOS held back) 6.2-6.5 -> 4.7-4.8 ms at 16 rows of a 152k
-    vocabulary, 4.7 -> 3.6 ms at 12 (2 threads, medians of 61 calls alternated with the normaliser's form). Equal to
-    ``logits`` less their normaliser up to float rounding (5.7e-6 at most there)."""
-    source = torch.div(logits, temperature, out=workspace) if temperature else logits
-    return torch.log_softmax(source, -1, out=workspace)  # in place when divided: a row-wise kernel, safe aliased
 
 
 def _draws_from_the_normaliser(settings: SamplingSettings, *, penalised: bool, temperature: float) -> bool:
@@ -383,14 +384,21 @@ def _next_tokens(
     step.
     """
     temperature = settings.temperature if scaled and settings.temperature != 1.0 else None
-    # Greedy, top-k or top-p: the draw reads a few candidates and leaves the workspace alone, which can then hold
-    # every token's log-prob. Otherwise the draw's weights need the workspace: the log-probs are the logits less
-    # their normaliser.
-    narrowed = not settings.do_sample or settings.top_k or settings.top_p < 1.0
-    if narrowed:
-        log_probs, normaliser = _log_softmax(logits, temperature, workspace), None
-    else:
-        normaliser = _log_normaliser(logits, temperature, workspace)
+    top_k, peak = None, None
+    if settings.do_sample and settings.top_k and seen is None:
+        # Top-k of the scores the draw reads (no penalty): its candidates, and their largest value is the row's
+        # largest logit, the normaliser's peak, but for the EOS columns held back, whose own logits are the rest of
+        # it: one pass over the vocabulary fewer (its amax).
+        if step < settings.min_new_tokens and eos.numel():
+            held = logits[:, eos]
+            logits.index_fill_(-1, eos, float("-inf"))
+            top_k = _top_k(logits, settings)
+            logits[:, eos] = held  # the normaliser sums every token's probability, EOS's included
+            peak = torch.maximum(top_k[0].amax(-1, keepdim=True), held.amax(-1, keepdim=True))
+        else:
+            top_k = _top_k(logits, settings)
+            peak = top_k[0].amax(-1, keepdim=True)
+    normaliser = _log_normaliser(logits, temperature, workspace, peak=peak)
     if _draws_from_the_normaliser(settings, penalised=seen is not None, temperature=temperature or 1.0):
         # The normaliser left exp((logits - max) / temperature) in the workspace: the draw's weights already, a
         # held-back EOS given weight 0 (16 rows at a 152k vocabulary: 11% less CPU per batch than recomputing them).
@@ -403,9 +411,7 @@ def _next_tokens(
             scores = _penalise_repetitions(scores, seen, settings.repetition_penalty)
         if step < settings.min_new_tokens:
             scores.index_fill_(-1, eos, float("-inf"))
-        token = _choose(scores, settings, uniform=uniform, workspace=None if narrowed else workspace)
-    if normaliser is None:
-        return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+        token = _choose(scores, settings, uniform=uniform, workspace=workspace, top_k=top_k)
     chosen = logits.gather(-1, token[:, None]).squeeze(-1)
     return token, (chosen / temperature if temperature else chosen) - normaliser
 

@@ -302,8 +302,9 @@ class _AtenCalls(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 class TestVocabularyPasses:
-    """A decoding step's work over the ``[B, V]`` logits: a greedy, top-k or top-p step takes its log-probs from one
-    log-softmax kernel (no separate pass for the maximum), here equal to the full pass's bit for bit."""
+    """A decoding step's work over the ``[B, V]`` logits: the log-prob normaliser takes its peak from the top-k
+    candidates where they are the raw logits' (no pass for the maximum), with the log-probs of the full pass bit for
+    bit."""
 
     VOCAB = 4096
 
@@ -370,6 +371,27 @@ class TestVocabularyPasses:
         assert torch.equal(tokens, expected) and not (tokens == 3).any()
         assert torch.isfinite(log_probs).all()
         assert torch.equal(log_probs, self._full_pass_log_probs(logits, tokens, None))
+
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=4, top_k=50, min_new_tokens=3),
+            SamplingSettings(max_new_tokens=4, top_k=50),
+            SamplingSettings(max_new_tokens=4),
+        ],
+        ids=["top_k+eos_held_back", "top_k", "whole_vocabulary"],
+    )
+    def test_log_probs_at_a_real_vocabulary_are_float64s_to_2e_6(self, settings):
+        """151,936 logits, most of them equal (as a vocabulary resized past a checkpoint's trained rows gives): the
+        sum of their probabilities is where a float32 kernel can lose digits. torch's CPU ``log_softmax`` is 7.6e-5
+        off here (1.7e-4 on the real-vocabulary speed policy of docs/benchmarks.md), the max-shifted ``exp``-``sum``
+        form 8e-7: the log-probs the sampler hands the loss must stay as close."""
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.cat([torch.randn(4, 1_000, generator=generator) * 0.5, torch.zeros(4, 150_936)], dim=1)
+        logits[:, 3] = 6.0  # a held-back EOS that is each row's largest logit
+        tokens, log_probs = self._step(settings, logits)
+        expected = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(log_probs.double(), expected, atol=2e-6, rtol=0)
 
     @pytest.mark.parametrize("min_new_tokens", [0, 3], ids=["eos_allowed", "eos_held_back"])
     def test_top_k_takes_no_maximum_over_the_vocabulary(self, min_new_tokens):
