@@ -385,11 +385,19 @@ def _next_tokens(
     """
     temperature = settings.temperature if scaled and settings.temperature != 1.0 else None
     top_k, peak = None, None
-    if settings.do_sample and settings.top_k and seen is None and step >= settings.min_new_tokens:
-        # Top-k of the raw logits (no penalty, no EOS held back): the draw's candidates, and their largest value is
-        # the row's largest logit, the normaliser's peak: one pass over the vocabulary fewer (its amax).
-        top_k = _top_k(logits, settings)
-        peak = top_k[0].amax(-1, keepdim=True)
+    if settings.do_sample and settings.top_k and seen is None:
+        # Top-k of the scores the draw reads (no penalty): its candidates, and their largest value is the row's
+        # largest logit, the normaliser's peak, but for the EOS columns held back, whose own logits are the rest of
+        # it: one pass over the vocabulary fewer (its amax).
+        if step < settings.min_new_tokens and eos.numel():
+            held = logits[:, eos]
+            logits.index_fill_(-1, eos, float("-inf"))
+            top_k = _top_k(logits, settings)
+            logits[:, eos] = held  # the normaliser sums every token's probability, EOS's included
+            peak = torch.maximum(top_k[0].amax(-1, keepdim=True), held.amax(-1, keepdim=True))
+        else:
+            top_k = _top_k(logits, settings)
+            peak = top_k[0].amax(-1, keepdim=True)
     normaliser = _log_normaliser(logits, temperature, workspace, peak=peak)
     if _draws_from_the_normaliser(settings, penalised=seen is not None, temperature=temperature or 1.0):
         # The normaliser left exp((logits - max) / temperature) in the workspace: the draw's weights already, a
@@ -643,45 +651,66 @@ _ROWS_FIRST_MIN_WEIGHTS = 1 << 21
 _ROWS_FIRST_BUFFERS = "_rows_first_buffers"  # the head's attribute holding them while a sampling loop runs
 
 
+# MKL's ``W @ x.T`` at a real vocabulary is far from monotonic in the number of rows of ``x``: 1 row and 12-15 rows
+# take longer than 2 and 16 (2 threads, 151,936 x 512, ms per product alone on the machine: 1: 36.6, 2: 10.9,
+# 9: 28.7, 10: 36.0, 11: 45.9, 12: 55.6, 13: 67.6, 14: 67.7, 15: 77.4, 16: 46.2). Those counts are padded with zero
+# rows up to the faster one; only the real rows are copied out, so the logits are the same products, summed in the
+# order the kernel picks for that width (equal up to float rounding). Side by side in one process
+# (``scripts/bench_sampler_head.py``, a loaded machine, medians of 15-21 rounds), padded / as is: 1 -> 2 rows
+# 0.52-0.83, 12 -> 16 0.75-0.90, 13-15 -> 16 0.65-0.83. Left as they are: 11 (0.90-1.02), 9-10 (1.06-1.34) and 3-8
+# (no larger count is faster there). Splitting the weight into row blocks of 2,048-16,384 was slower at 16 rows
+# (1.4-4.3x). Decoding hits these counts whenever responses end at EOS and their rows leave the batch.
+_HEAD_PADDED_ROWS = {1: 2, 12: 16, 13: 16, 14: 16, 15: 16}
+
+
 class _RowsFirstBuffers:
-    """The weight-first head's two ``[V, rows]`` / ``[rows, V]`` outputs, reused from one decoding step to the next:
-    at a real vocabulary each is megabytes that a fresh allocation maps anew and page-faults on its first write (16
-    rows at 152k: 9.7 MB each, every token). The row-layout logits alternate between two buffers, so that a step's
-    logits stay intact while the next step's are computed. Only the current shape's are held: the rows only shrink
-    within a sampling loop (finished rows are dropped), and a shape once left does not come back."""
+    """The weight-first head's buffers, reused from one decoding step to the next: the ``[padded, H]`` input (its
+    padding rows zero), the ``[V, padded]`` product and two ``[rows, V]`` outputs. At a real vocabulary each output is
+    megabytes that a fresh allocation maps anew and page-faults on its first write (16 rows at 152k: 9.7 MB each,
+    every token). The row-layout logits alternate between two buffers, so that a step's logits stay intact while the
+    next step's are computed. Only the current shape's are held: the rows only shrink within a sampling loop
+    (finished rows are dropped), and a shape once left does not come back."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
 
-    def take(self, rows: int, vocabulary: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (rows, vocabulary, like.dtype, like.device)
+    def take(self, rows: int, vocabulary: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(input, product, out)`` for ``rows`` rows of ``like``'s width: ``input`` has
+        ``_HEAD_PADDED_ROWS.get(rows, rows)`` rows, the extra ones zero."""
+        key = (rows, vocabulary, like.shape[-1], like.dtype, like.device)
         if key != self._key:
             self._buffers = []  # the old shape's freed before the new one's are allocated
-            self._key, self._buffers = key, [like.new_empty(vocabulary, rows)]
+            padded = _HEAD_PADDED_ROWS.get(rows, rows)
+            self._key = key
+            self._buffers = [like.new_zeros(padded, like.shape[-1]), like.new_empty(vocabulary, padded)]
             self._buffers += [like.new_empty(rows, vocabulary), like.new_empty(rows, vocabulary)]
-        product, *outs = self._buffers
+        source, product, *outs = self._buffers
         self._turn ^= 1
-        return product, outs[self._turn]
+        return source, product, outs[self._turn]
 
 
 def _head_rows_first(self, hidden: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` computed as ``(W @ x.T).T``: the same product, summed in another order (equal up to float
-    rounding)."""
+    """``nn.Linear.forward`` computed as ``(W @ x.T).T``, ``x`` padded with zero rows where that count is faster
+    (``_HEAD_PADDED_ROWS``): the same product, summed in another order (equal up to float rounding)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows, vocabulary = flat.shape[0], self.weight.shape[0]
     buffers = getattr(self, _ROWS_FIRST_BUFFERS, None)
-    if buffers is None:
-        product = torch.mm(self.weight, flat.t())  # [V, rows]
+    if buffers is None:  # called outside a sampling loop: fresh tensors (autograd refuses ``out=`` with a gradient)
+        padding = flat.new_zeros(_HEAD_PADDED_ROWS.get(rows, rows) - rows, flat.shape[-1])
+        product = torch.mm(self.weight, torch.cat([flat, padding]).t())
         out = torch.empty(rows, vocabulary, dtype=product.dtype, device=product.device)
     else:
-        product, out = buffers.take(rows, vocabulary, flat)
+        source, product, out = buffers.take(rows, vocabulary, flat)
+        if source.shape[0] > rows:  # padded: the real rows first, the zero rows after them untouched
+            source[:rows] = flat
+            flat = source
         torch.mm(self.weight, flat.t(), out=product)
     # Into [rows, V] through a 3D view: torch copies a 2D transposed tensor (``.t().contiguous()``) on one thread by
     # blocks, a 3D permuted one with its parallel copy kernel (16 rows at a 152k vocabulary, 2 threads: 1.8 -> 0.9 ms
-    # a token). The same values: a copy.
-    out.view(rows, 1, vocabulary).copy_(product[:, None, :].permute(2, 1, 0))
+    # a token). The same values: a copy of the real rows' columns.
+    out.view(rows, 1, vocabulary).copy_(product[:, None, :rows].permute(2, 1, 0))
     if self.bias is not None:
         out += self.bias
     return out.reshape(*hidden.shape[:-1], out.shape[-1])

@@ -372,10 +372,32 @@ class TestVocabularyPasses:
         assert torch.isfinite(log_probs).all()
         assert torch.equal(log_probs, self._full_pass_log_probs(logits, tokens, None))
 
-    def test_top_k_takes_no_maximum_over_the_vocabulary(self):
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            SamplingSettings(max_new_tokens=4, top_k=50, min_new_tokens=3),
+            SamplingSettings(max_new_tokens=4, top_k=50),
+            SamplingSettings(max_new_tokens=4),
+        ],
+        ids=["top_k+eos_held_back", "top_k", "whole_vocabulary"],
+    )
+    def test_log_probs_at_a_real_vocabulary_are_float64s_to_2e_6(self, settings):
+        """151,936 logits, most of them equal (as a vocabulary resized past a checkpoint's trained rows gives): the
+        sum of their probabilities is where a float32 kernel can lose digits. torch's CPU ``log_softmax`` is 7.6e-5
+        off here (1.7e-4 on the real-vocabulary speed policy of docs/benchmarks.md), the max-shifted ``exp``-``sum``
+        form 8e-7: the log-probs the sampler hands the loss must stay as close."""
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.cat([torch.randn(4, 1_000, generator=generator) * 0.5, torch.zeros(4, 150_936)], dim=1)
+        logits[:, 3] = 6.0  # a held-back EOS that is each row's largest logit
+        tokens, log_probs = self._step(settings, logits)
+        expected = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(log_probs.double(), expected, atol=2e-6, rtol=0)
+
+    @pytest.mark.parametrize("min_new_tokens", [0, 3], ids=["eos_allowed", "eos_held_back"])
+    def test_top_k_takes_no_maximum_over_the_vocabulary(self, min_new_tokens):
         logits = self._logits()
         with _AtenCalls() as recorded:
-            self._step(SamplingSettings(max_new_tokens=4, top_k=50), logits)
+            self._step(SamplingSettings(max_new_tokens=4, top_k=50, min_new_tokens=min_new_tokens), logits)
         whole = [name for name, shapes in recorded.calls if shapes and shapes[0] == tuple(logits.shape)]
         assert "amax" not in whole and "max" not in whole, whole
         assert whole.count("topk") == 1, whole
@@ -782,21 +804,80 @@ class TestOutputHeadWeightFirst:
         assert torch.equal(weight_first.tokens, linear.tokens)
         torch.testing.assert_close(weight_first.log_probs, linear.log_probs, atol=1e-5, rtol=1e-5)
 
-    @pytest.mark.parametrize("rows", [1, 5])
+    @staticmethod
+    def _padded_product(head, flat, padded):
+        """The real rows' logits of ``W @ [flat; zeros].T``, the product the weight-first head computes."""
+        zeros = flat.new_zeros(padded - flat.shape[0], flat.shape[1])
+        product = torch.mm(head.weight, torch.cat([flat, zeros]).t())[:, : flat.shape[0]].t()
+        return product + head.bias if head.bias is not None else product
+
+    @pytest.mark.parametrize("rows", [1, 5, 12])  # padded to 2, as it is, padded to 16
     @pytest.mark.parametrize("bias", [False, True])
     def test_the_weight_first_product_is_the_heads_product_in_row_layout(self, rows, bias):
-        from interop.sampling.sampler import _head_rows_first
+        from interop.sampling.sampler import _HEAD_PADDED_ROWS, _head_rows_first
 
         head = torch.nn.Linear(64, 32_771, bias=bias)  # a vocabulary no small block size divides
         hidden = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(0))
         with _AtenCalls() as recorded:
             logits = _head_rows_first(head, hidden)
-        expected = torch.mm(head.weight, hidden[:, 0].t()).t() + (head.bias if bias else 0)
+        padded = _HEAD_PADDED_ROWS.get(rows, rows)
         assert logits.shape == (rows, 1, 32_771) and logits.is_contiguous()
-        assert torch.equal(logits[:, 0], expected)
+        assert torch.equal(logits[:, 0], self._padded_product(head, hidden[:, 0], padded))
+        assert [shapes for name, shapes in recorded.calls if name == "mm"] == [[(32_771, 64), (64, padded)]]
         torch.testing.assert_close(logits, head(hidden), atol=1e-5, rtol=1e-5)
         # Not the 2D transposed copy, which torch runs on one thread: the [V, rows] product is read in 3D.
         assert not [shapes for name, shapes in recorded.calls if name in ("clone", "copy_") and len(shapes[-1]) == 2]
+
+    @pytest.mark.parametrize("top_k", [None, 50])
+    def test_padding_the_rows_draws_the_same_tokens(self, monkeypatch, top_k):
+        """12 rows (padded to 16) and 1 row (padded to 2): the logits differ from the unpadded product's by float
+        rounding only, which moves no draw of this seed; the log-probs agree up to that rounding. (At counts that
+        are not padded the product is the one computed before padding existed, bit for bit.)"""
+        model = _wide_head_policy(32_768)
+        prompts = torch.randint(2, 32_768, (12, 5), generator=torch.Generator().manual_seed(0))
+        runs = []
+        for table in (None, {}):
+            if table is not None:
+                monkeypatch.setattr("interop.sampling.sampler._HEAD_PADDED_ROWS", table)
+            for batch in (prompts, prompts[:1]):
+                torch.manual_seed(0)
+                runs.append(
+                    sample_responses(
+                        model,
+                        batch,
+                        torch.ones_like(batch, dtype=torch.bool),
+                        settings=SamplingSettings(max_new_tokens=6, min_new_tokens=6, top_k=top_k),
+                        eos_token_ids=[1],
+                        pad_token_id=0,
+                    )
+                )
+        for padded, unpadded in zip(runs[:2], runs[2:]):
+            assert torch.equal(padded.tokens, unpadded.tokens)
+            torch.testing.assert_close(padded.log_probs, unpadded.log_probs, atol=1e-5, rtol=1e-5)
+
+    def test_padded_row_counts_give_the_real_rows_logits_step_after_step(self):
+        """As in a sampling loop: the buffers reused while the rows stay, reallocated as they shrink, the padding rows
+        zero throughout; each step's logits those of its own rows (bit for bit the padded product's), and the
+        previous step's left intact."""
+        from interop.sampling.sampler import _HEAD_PADDED_ROWS, _ROWS_FIRST_BUFFERS, _head_rows_first, _RowsFirstBuffers
+
+        assert _HEAD_PADDED_ROWS[12] == 16 and _HEAD_PADDED_ROWS[1] == 2 and 16 not in _HEAD_PADDED_ROWS
+        head = torch.nn.Linear(64, 32_771, bias=True).requires_grad_(False)
+        setattr(head, _ROWS_FIRST_BUFFERS, _RowsFirstBuffers())
+        generator = torch.Generator().manual_seed(0)
+        previous = None
+        for rows in (16, 12, 12, 12, 1, 1):
+            hidden = torch.randn(rows, 1, 64, generator=generator) * 4
+            with _AtenCalls() as recorded:
+                logits = _head_rows_first(head, hidden)
+            padded = _HEAD_PADDED_ROWS.get(rows, rows)
+            assert [shapes for name, shapes in recorded.calls if name == "mm"] == [[(32_771, 64), (64, padded)]]
+            assert logits.shape == (rows, 1, 32_771)
+            assert torch.equal(logits[:, 0], self._padded_product(head, hidden[:, 0], padded))
+            torch.testing.assert_close(logits, head(hidden), atol=1e-5, rtol=1e-5)
+            if previous is not None:
+                assert torch.equal(previous[0], previous[1])  # the step before's logits, not written over
+            previous = (logits, logits.clone())
 
     def test_the_heads_forward_is_restored_when_sampling_fails(self):
         model = _wide_head_policy(32_768)

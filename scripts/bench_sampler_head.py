@@ -1,0 +1,112 @@
+"""The sampler's weight-first LM-head product at a real vocabulary, per row count, its candidate plans side by side.
+
+Each decoding step of :func:`interop.sampling.sample_responses` feeds the head one row per response still decoding,
+and CPU GEMM kernels run ``W @ x.T`` at speeds that jump about with the row count. In one process, alternating within
+every round, this times for each row count: the product as one ``torch.mm`` into ``[V, rows]`` then copied into the
+``[rows, V]`` logits (``mm``); the same after padding the rows with zero rows up to a larger count (``pad->P``: only
+the real rows are copied out); the weight split into row blocks of B (``blocks B``, alone and after padding); and
+:func:`interop.sampling.sampler._head_rows_first` as it stands (``head``). Prints the median ms per product over the
+rounds and each candidate's ratio to ``mm``, after checking that every candidate's logits are ``mm``'s up to float
+rounding. Run alone (timings on 2 busy cores are noisy):
+
+    flock /tmp/locks/bench.lock python scripts/bench_sampler_head.py --rounds 15 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _copy_out(product: torch.Tensor, out: torch.Tensor, rows: int) -> None:
+    """The first ``rows`` columns of the ``[V, padded]`` product into the ``[rows, V]`` logits (3D: torch's parallel
+    copy kernel, as the sampler does)."""
+    out.view(rows, 1, -1).copy_(product[:, None, :rows].permute(2, 1, 0))
+
+
+def _candidates(weight: torch.Tensor, hidden: torch.Tensor, pads: list[int], blocks: list[int]) -> dict:
+    """Name -> a function computing ``hidden``'s ``[rows, V]`` logits one way (buffers allocated once, as the
+    sampler's are)."""
+    from interop.sampling.sampler import _ROWS_FIRST_BUFFERS, _head_rows_first, _RowsFirstBuffers
+
+    rows, width = hidden.shape
+    vocabulary = weight.shape[0]
+    out = torch.empty(rows, vocabulary)
+
+    def plain(padded: int, block: int | None):
+        source = torch.cat([hidden, hidden.new_zeros(padded - rows, width)]) if padded > rows else hidden
+        product = torch.empty(vocabulary, padded)
+        step = block or vocabulary
+
+        def run():
+            for start in range(0, vocabulary, step):
+                torch.mm(weight[start : start + step], source.t(), out=product[start : start + step])
+            _copy_out(product, out, rows)
+            return out
+
+        return run
+
+    head = torch.nn.Linear(width, vocabulary, bias=False).requires_grad_(False)
+    head.weight.data = weight
+    setattr(head, _ROWS_FIRST_BUFFERS, _RowsFirstBuffers())
+    found = {"mm": plain(rows, None), "head": lambda: _head_rows_first(head, hidden)}
+    for padded in pads:
+        if padded > rows:
+            found[f"pad->{padded}"] = plain(padded, None)
+    for block in blocks:
+        found[f"blocks {block}"] = plain(rows, block)
+        above = [padded for padded in pads if padded > rows]
+        if above:  # padded to the next count only
+            found[f"pad->{above[0]} blocks {block}"] = plain(above[0], block)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocabulary", type=int, default=151_936, help="the head's output size (Qwen2's)")
+    parser.add_argument("--hidden", type=int, default=512, help="the head's input size (the speed policy's)")
+    parser.add_argument("--rows", default="1-16,20,24,32,48,64", help="row counts: a comma list, ranges a-b")
+    parser.add_argument("--pads", default="2,4,8,16", help="row counts the rows may be padded up to")
+    parser.add_argument("--blocks", default="4096,16384", help="weight row-block sizes (empty: none)")
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds (each times every candidate once)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    counts = []
+    for part in args.rows.split(","):
+        low, _, high = part.partition("-")
+        counts += list(range(int(low), int(high or low) + 1))
+    pads = [int(p) for p in args.pads.split(",") if p]
+    blocks = [int(b) for b in args.blocks.split(",") if b]
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(args.vocabulary, args.hidden, generator=generator) * 0.02
+    plans = {}
+    for rows in counts:
+        plans[rows] = _candidates(weight, torch.randn(rows, args.hidden, generator=generator), pads, blocks)
+    times = {rows: {name: [] for name in found} for rows, found in plans.items()}
+    for rows, found in plans.items():  # warm-up (first calls page in buffers), and no candidate timed if wrong
+        expected = found["mm"]().clone()
+        for name, run in found.items():
+            logits = run().reshape(rows, -1)
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    for _ in range(args.rounds):
+        for rows, found in plans.items():
+            for name, run in found.items():
+                started = time.perf_counter()
+                run()
+                times[rows][name].append(time.perf_counter() - started)
+
+    print(f"V={args.vocabulary} H={args.hidden} threads={args.threads} rounds={args.rounds}: median ms (ratio to mm)")
+    for rows, found in times.items():
+        base = statistics.median(found["mm"])
+        medians = {name: statistics.median(taken) for name, taken in found.items()}
+        cells = [f"{name} {median * 1e3:6.1f} ({median / base:4.2f})" for name, median in medians.items()]
+        print(f"rows {rows:3d}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
