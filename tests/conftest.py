@@ -28,6 +28,10 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+    # Hydra parses conf/'s YAML again at every compose; most tests compose (tests/_parsed_yaml.py).
+    from _parsed_yaml import parse_each_yaml_text_once
+
+    parse_each_yaml_text_once()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -229,3 +229,33 @@ def test_a_renamed_preset_is_refused_naming_its_new_name(capsys):
     with pytest.raises(SystemExit):
         refuse_unknown_overrides(["experiment=calculator_trl"], TrlGRPORecipeConfig, recipe="trl_grpo_torchrl_rollouts")
     assert "experiment=calculator now" in capsys.readouterr().err
+
+
+def test_the_suites_yaml_loads_parse_each_text_once_and_hand_out_configs_of_their_own(tmp_path):
+    """tests/_parsed_yaml.py (installed for every test process): a text seen before is not parsed again, each load
+    still gets a config of its own, a file rewritten at once with text of the same length is read anew, and a
+    malformed file's error names it as PyYAML names it."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    assert getattr(OmegaConf.load, "_parses_each_text_once", False), "conftest did not install the cache"
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1e-3\n  steps: 4\nname: ???\n")
+    first = OmegaConf.load(path)
+    first.train.steps = 99
+    parsed = []
+    original_load = yaml.load
+    try:
+        yaml.load = lambda *args, **kwargs: parsed.append(1) or original_load(*args, **kwargs)
+        second = OmegaConf.load(str(path))
+        with open(path) as handle:
+            third = OmegaConf.load(handle)
+    finally:
+        yaml.load = original_load
+    assert parsed == [] and second.train.steps == 4 and third.train.steps == 4 and second is not third
+    assert second.train.lr == 1e-3 and OmegaConf.is_missing(second, "name")
+    path.write_text("train:\n  lr: 2e-3\n  steps: 4\nname: ???\n")  # same length, within the same instant
+    assert OmegaConf.load(path).train.lr == 2e-3
+    path.write_text("train: [1\n")
+    with pytest.raises(yaml.YAMLError, match=rf'in "{path}", line 1'):
+        OmegaConf.load(path)

@@ -237,9 +237,10 @@ def resolved(cfg: DictConfig) -> DictConfig:
     later (the logged config, a background process) sees the same values. Struct mode stays on (a key read that the
     config lacks raises). The settings that came from the environment (``${oc.env:...}``) are remembered, so that
     what the run records shows the interpolation, never the value (:func:`config_record`)."""
-    settled = OmegaConf.create(OmegaConf.to_container(run_config(cfg), resolve=True))
+    own = run_config(cfg)  # one masked copy (it copies every node: 0.02-0.05 s), read twice
+    settled = OmegaConf.create(OmegaConf.to_container(own, resolve=True))
     OmegaConf.set_struct(settled, True)
-    from_environment = {**_from_environment(run_config(cfg)), **getattr(cfg, "__dict__", {}).get(_FROM_ENV, {})}
+    from_environment = {**_from_environment(own), **getattr(cfg, "__dict__", {}).get(_FROM_ENV, {})}
     object.__setattr__(settled, _FROM_ENV, from_environment)
     return settled
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -579,7 +580,7 @@ def iter_settings(schema: type, prefix: str = "") -> Iterator[SchemaSetting]:
         >>> [(s.key, s.has_default, s.default) for s in iter_settings(RewardFunctionNode, "reward.functions.<name>")]
         [('reward.functions.<name>.function', False, None), ('reward.functions.<name>.weight', True, 1.0)]
     """
-    hints = typing.get_type_hints(schema, include_extras=True)
+    hints = _type_hints(schema)
     entries = _entries_field(schema)
     for field in dataclasses.fields(schema):
         expected, key = hints[field.name], _join(prefix, field.name)
@@ -634,7 +635,7 @@ def _check_node(value: Any, schema: type, key: str, recipe: str, hint: Hint | No
         if hint is not None:
             raise ConfigError(hint.message(key, value, schema, None))
         raise ConfigError(f"{key}={value!r}: expected a mapping of settings ({', '.join(_field_names(schema))}).")
-    hints = typing.get_type_hints(schema, include_extras=True)
+    hints = _type_hints(schema)
     known = _field_names(schema)
     entries = _entries_field(schema)
     for name in value:
@@ -829,9 +830,16 @@ def _has_default(schema: type, name: str) -> bool:
     return field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
 
 
+@functools.cache
+def _type_hints(schema: type) -> dict[str, Any]:
+    """``schema``'s field types, Annotated extras kept; read-only. Evaluated once per class: under ``from __future__
+    import annotations`` each call compiles every annotation's text again (a third of a config check's time)."""
+    return typing.get_type_hints(schema, include_extras=True)
+
+
 def _entries_field(schema: type) -> str | None:
     """The field of ``schema`` marked :data:`ENTRIES`, if it has one."""
-    hints = typing.get_type_hints(schema, include_extras=True)
+    hints = _type_hints(schema)
     marked = [field.name for field in dataclasses.fields(schema) if ENTRIES in _shape(hints[field.name]).extras]
     return marked[0] if marked else None
 
@@ -877,7 +885,7 @@ def _build(value: Any, expected: Any, key: str) -> Any:
 
 
 def _build_node(values: Mapping, schema: type, key: str) -> Any:
-    hints = typing.get_type_hints(schema, include_extras=True)
+    hints = _type_hints(schema)
     names = _field_names(schema)
     fields = {name: _build(values[name], hints[name], _join(key, name)) for name in names if name in values}
     entries = _entries_field(schema)

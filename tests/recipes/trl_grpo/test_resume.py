@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
+from _shared_runs import shared_run
 from _small_runs import TRL_SMALL, read_metrics
 from omegaconf import OmegaConf
 
@@ -24,6 +26,16 @@ SAVED = [*TRL_SMALL, "train.save_strategy=steps", "train.save_steps=1", "logger=
 
 def _run(compose_config, run_dir, overrides):
     return recipe.train(compose_config("trl_grpo_torchrl_rollouts", [*overrides, f"output_dir={run_dir}"]))
+
+
+def _two_saved_steps(shared_runs, compose_config) -> Path:
+    """The folder of a 2-step run saved at each step (``SAVED``, ``train.max_steps=2``), made once per session: four
+    tests resume such a run (about 1 s of a 2.3 s test here), each its own copy of it. Never written to."""
+
+    def make(folder: Path) -> None:
+        _run(compose_config, folder, [*SAVED, "train.max_steps=2"])
+
+    return shared_run(shared_runs, "trl_two_saved_steps", make)
 
 
 def _capture_trainer_args(monkeypatch) -> list:
@@ -81,11 +93,11 @@ def test_a_run_started_with_overwrite_resumes(compose_config, tmp_path):
     assert OmegaConf.load(tmp_path / "resolved_config.yaml").overwrite is False
 
 
-def test_a_resume_through_a_linked_rollouts_folder_is_refused(compose_config, tmp_path):
+def test_a_resume_through_a_linked_rollouts_folder_is_refused(compose_config, tmp_path, shared_runs):
     """The run's rollouts/ moved elsewhere and linked back: a resume would write its new rows into the linked storage
     (another run's); it is refused, and that storage keeps its rows."""
     run, elsewhere = tmp_path / "run", tmp_path / "other_run" / "rollouts"
-    _run(compose_config, run, [*SAVED, "train.max_steps=2"])
+    shutil.copytree(_two_saved_steps(shared_runs, compose_config), run)
     elsewhere.parent.mkdir()
     shutil.move(run / "rollouts", elsewhere)
     (run / "rollouts").symlink_to(elsewhere, target_is_directory=True)
@@ -95,33 +107,37 @@ def test_a_resume_through_a_linked_rollouts_folder_is_refused(compose_config, tm
     assert load_rollouts(elsewhere).shape[0] == rows and len(list(elsewhere.glob("rank_0/part_*"))) == 1
 
 
-def test_a_changed_setting_is_refused_unless_named_and_then_applied_and_recorded(compose_config, tmp_path, monkeypatch):
-    _run(compose_config, tmp_path, [*SAVED, "train.max_steps=2"])
+def test_a_changed_setting_is_refused_unless_named_and_then_applied_and_recorded(
+    compose_config, tmp_path, monkeypatch, shared_runs
+):
+    run = tmp_path / "run"
+    shutil.copytree(_two_saved_steps(shared_runs, compose_config), run)
     with pytest.raises(
         ConfigError,
         match=r"differ from the run being continued \(train.learning_rate: 0.002 -> 0.0005\).*"
         r"resume_allow_changes=\[train.learning_rate\]",
     ):
-        _run(compose_config, tmp_path, ["resume=true", "train.max_steps=3", "train.learning_rate=5e-4"])
+        _run(compose_config, run, ["resume=true", "train.max_steps=3", "train.learning_rate=5e-4"])
     made = _capture_trainer_args(monkeypatch)
 
     allowed = ["train.learning_rate=5e-4", "resume_allow_changes=[train.learning_rate]"]
-    _run(compose_config, tmp_path, ["resume=true", "train.max_steps=3", *allowed])
+    _run(compose_config, run, ["resume=true", "train.max_steps=3", *allowed])
 
     assert made[0].learning_rate == 5e-4
-    recorded = json.loads((tmp_path / "resumes.jsonl").read_text().splitlines()[-1])
+    recorded = json.loads((run / "resumes.jsonl").read_text().splitlines()[-1])
     assert recorded["step"] == 2 and recorded["changes"] == {"train.learning_rate": [0.002, 0.0005]}
 
 
-def test_a_change_allowed_to_one_resume_is_not_allowed_to_the_next(compose_config, tmp_path):
+def test_a_change_allowed_to_one_resume_is_not_allowed_to_the_next(compose_config, tmp_path, shared_runs):
     """resume_allow_changes is the resume's own: kept in resolved_config.yaml, it let a later resume change the
     learning rate again without naming it."""
-    _run(compose_config, tmp_path, [*SAVED, "train.max_steps=2"])
+    run = tmp_path / "run"
+    shutil.copytree(_two_saved_steps(shared_runs, compose_config), run)
     allowed = ["train.learning_rate=5e-4", "resume_allow_changes=[train.learning_rate]"]
-    _run(compose_config, tmp_path, ["resume=true", "train.max_steps=3", *allowed])
-    assert list(OmegaConf.load(tmp_path / "resolved_config.yaml").resume_allow_changes) == []
+    _run(compose_config, run, ["resume=true", "train.max_steps=3", *allowed])
+    assert list(OmegaConf.load(run / "resolved_config.yaml").resume_allow_changes) == []
     with pytest.raises(ConfigError, match=r"train.learning_rate: 0.0005 -> 0.0001\).*resume_allow_changes="):
-        _run(compose_config, tmp_path, ["resume=true", "train.max_steps=4", "train.learning_rate=1e-4"])
+        _run(compose_config, run, ["resume=true", "train.max_steps=4", "train.learning_rate=1e-4"])
 
 
 def test_a_changed_reward_function_is_refused_and_other_sources_even_when_allowed(compose_config, tmp_path):
@@ -176,9 +192,8 @@ def test_a_run_stopped_after_its_checkpoint_resumes_with_the_whole_runs_summary(
     assert summary["rollout/generated_tokens"] > first["rollout/generated_tokens"]  # step 3 was generated twice
 
 
-def test_a_copied_run_folder_resumes_as_itself_and_leaves_the_original_alone(compose_config, tmp_path):
-    original, copy = tmp_path / "original", tmp_path / "copy"
-    _run(compose_config, original, [*SAVED, "train.max_steps=2"])
+def test_a_copied_run_folder_resumes_as_itself_and_leaves_the_original_alone(compose_config, tmp_path, shared_runs):
+    original, copy = _two_saved_steps(shared_runs, compose_config), tmp_path / "copy"
     shutil.copytree(original, copy)
 
     summary = _run(compose_config, copy, ["resume=true", "train.max_steps=3"])
