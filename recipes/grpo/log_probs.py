@@ -117,6 +117,8 @@ class _HeadWorkspace:
 
     def __init__(self) -> None:
         self._pool: dict[str, torch.Tensor] = {}
+        # The memory of the last weight gradient handed to autograd (0: none), which only it may take back.
+        self.lent_gradient = 0
 
     def take(self, name: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements of ``dtype`` (``like``'s by default) on ``like``'s device."""
@@ -280,6 +282,8 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             # Every row is written below. Into an existing .grad (a later micro-batch) autograd adds a new tensor.
             recycled = ctx.workspace is not None and weight.grad is None
             grad_weight = ctx.workspace.take_like("weight_grad", weight) if recycled else torch.empty_like(weight)
+            if recycled:
+                ctx.workspace.lent_gradient = grad_weight.data_ptr()
         grad_bias = torch.empty_like(bias) if bias is not None and want_bias else None
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         # d log p[target] / d logits = onehot(target) - p and d H / d logits = -p * (log p + H), so the gradient of the
@@ -641,7 +645,12 @@ class ResponseLogProbs(nn.Module):
         grad = weight.grad
         if grad is None or grad._base is not None or type(grad) is not torch.Tensor or grad.device.type != "cpu":
             return
+        # Only the workspace's own: a gradient autograd made (a head scored whole, within chunk_elements) is dropped
+        # as the optimizer would, not kept for a backward that would never take it.
+        if grad.data_ptr() != self._workspace.lent_gradient:
+            return
         weight.grad = None
+        self._workspace.lent_gradient = 0
         self._workspace.give("weight_grad", grad)
 
     def _response_states(self, tokens, attention_mask, response_start: int, scored) -> torch.Tensor:

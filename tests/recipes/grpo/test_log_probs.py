@@ -202,6 +202,21 @@ def test_a_scorers_buffers_and_head_gradient_reused_step_after_step_give_a_fresh
     assert head_gradients[0] == head_gradients[1] == head_gradients[2]
 
 
+def test_a_head_scored_whole_has_its_gradient_left_to_the_optimizer(tiny_policy, batch):
+    """Within chunk_elements the head is scored whole by autograd's own log-softmax: its gradient is autograd's, and
+    recycle_head_gradient leaves it (no [V, H] kept for a backward that would never take it)."""
+    model, _ = tiny_policy
+    tokens, mask = batch
+    scorer = ResponseLogProbs(model)  # the default budget: the tiny head whole
+    model.zero_grad()
+    scorer(tokens, mask, response_start=START)[0].sum().backward()
+    head = model.get_output_embeddings().weight
+    gradient = head.grad
+    scorer.recycle_head_gradient()
+    assert head.grad is gradient and "weight_grad" not in scorer._workspace._pool
+    model.zero_grad()
+
+
 def test_two_graphs_of_one_scorer_alive_at_once_and_accumulated_backwards_get_their_own_gradients(tiny_policy, batch):
     """Two forwards before one backward (each holds its kept logits: the second cannot take the first's buffers), then
     a second backward accumulated into the existing gradients (micro-batches): the sums of separate passes."""
