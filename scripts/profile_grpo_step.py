@@ -66,6 +66,7 @@ FLOOR = ("LM-head products", "backbone products", "attention")
 PRODUCTS = {
     "aten::mm",
     "aten::addmm",
+    "aten::addmm_",
     "aten::bmm",
     "aten::baddbmm",
     "aten::matmul",
