@@ -123,20 +123,19 @@ class _HeadWorkspace:
     def take(self, name: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements of ``dtype`` (``like``'s by default) on ``like``'s device."""
         dtype = dtype or like.dtype
-        buffer = self._pool.pop(name, None)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != like.device:
-            del buffer  # the old one freed before a larger one is allocated
-            buffer = like.new_empty(numel, dtype=dtype)
-        return buffer
+        buffer = self._pop(name, lambda b: b.numel() >= numel and b.dtype == dtype and b.device == like.device)
+        return buffer if buffer is not None else like.new_empty(numel, dtype=dtype)
 
     def take_like(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """A tensor of ``like``'s shape, dtype and device (not a view of a larger buffer: what autograd can adopt as
         a parameter's ``.grad``)."""
+        buffer = self._pop(name, lambda b: b.shape == like.shape and b.dtype == like.dtype and b.device == like.device)
+        return buffer if buffer is not None else torch.empty_like(like)
+
+    def _pop(self, name: str, fits) -> torch.Tensor | None:
+        """The pool's ``name`` buffer if it ``fits``; one that does not is dropped (freed before a new one is made)."""
         buffer = self._pool.pop(name, None)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
-            del buffer
-            buffer = torch.empty_like(like)
-        return buffer
+        return buffer if buffer is not None and fits(buffer) else None
 
     def give(self, name: str, buffer: torch.Tensor | None) -> None:
         if buffer is not None:
@@ -191,6 +190,14 @@ def _chunk_logits(hidden, weight, bias, columns: slice, buffer: _ChunkBuffer | N
     return torch.addmm(bias[columns], hidden, chunk_weight.t(), out=out)
 
 
+def _shifted_exp_sums(logits, shift, out, with_entropy: bool):
+    """Per row, ``sum(exp(logits - shift))`` and (``with_entropy``) ``sum(exp(logits - shift) * logits)``, the exps
+    written into ``out``. The dot product by einsum reads the two chunks once, where (exp * logits).sum(-1) writes and
+    reads a third (3.4 against 10.2 ms a [512, 16384] chunk at 2 threads)."""
+    exp = torch.sub(logits, shift[:, None], out=out).exp_()
+    return exp.sum(-1), (torch.einsum("rv,rv->r", exp, logits) if with_entropy else None)
+
+
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     """``log_softmax(hidden @ weight.T + bias)[target]`` (and the entropy) per row, ``chunk`` vocabulary columns at a
     time: the log-normaliser is accumulated online over the chunks (running max and sums), and the backward
@@ -230,29 +237,24 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             else:
                 logits = _chunk_logits(hidden, weight, bias, columns, logits_buffer)
             exp_out = exp_buffer.get(logits.shape[-1])
-            # A row-wise dot product: einsum reads the two chunks once, where (exp * logits).sum(-1) writes and reads
-            # a third (3.4 against 10.2 ms a [512, 16384] chunk at 2 threads).
-            shifted = None
+            sums = None
             if start > 0 and hidden.device.type == "cpu":
                 # Shifted by the chunks' max so far, not by this chunk's own: the same sums, and one pass over the
                 # chunk fewer (its max). Unless a logit passes the shift by more than float32's exp range, caught
                 # by the sums (then this chunk's max is taken after all); on CPU, where that check costs no sync.
-                exp = torch.sub(logits, running_max[:, None], out=exp_out).exp_()
-                shifted = [exp.sum(-1), torch.einsum("rv,rv->r", exp, logits) if with_entropy else None]
-                if not all(bool(torch.isfinite(value).all()) for value in shifted if value is not None):
-                    shifted = None
-            if shifted is not None:
-                sum_exp = sum_exp + shifted[0]
-                if with_entropy:
-                    sum_exp_logit = sum_exp_logit + shifted[1]
-            else:
+                sums = _shifted_exp_sums(logits, running_max, exp_out, with_entropy)
+                if not all(bool(torch.isfinite(value).all()) for value in sums if value is not None):
+                    sums = None
+            if sums is None:
                 new_max = torch.maximum(running_max, logits.max(-1).values)
                 rescale = (running_max - new_max).exp()
-                exp = torch.sub(logits, new_max[:, None], out=exp_out).exp_()
-                sum_exp = sum_exp * rescale + exp.sum(-1)
-                if with_entropy:
-                    sum_exp_logit = sum_exp_logit * rescale + torch.einsum("rv,rv->r", exp, logits)
+                sum_exp = sum_exp * rescale
+                sum_exp_logit = sum_exp_logit * rescale if with_entropy else None
                 running_max = new_max
+                sums = _shifted_exp_sums(logits, running_max, exp_out, with_entropy)
+            sum_exp = sum_exp + sums[0]
+            if with_entropy:
+                sum_exp_logit = sum_exp_logit + sums[1]
             local = targets - start
             here = (local >= 0) & (local < logits.shape[-1])
             picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(-1)
