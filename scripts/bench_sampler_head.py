@@ -4,8 +4,10 @@ Each decoding step of :func:`interop.sampling.sample_responses` feeds the head o
 and CPU GEMM kernels run ``W @ x.T`` at speeds that jump about with the row count. In one process, alternating within
 every round, this times for each row count: the product as one ``torch.mm`` into ``[V, rows]`` then copied into the
 ``[rows, V]`` logits (``mm``); the same after padding the rows with zero rows up to a larger count (``pad->P``: only
-the real rows are copied out); the weight split into row blocks of B (``blocks B``, alone and after padding); and
-:func:`interop.sampling.sampler._head_rows_first` as it stands (``head``). Prints the median ms per product over the
+the real rows are copied out); the weight split into row blocks of B (``blocks B``, alone and after padding); oneDNN's
+linear over the weight packed once for ``--pack-rows`` rows (``packed``, where this torch has oneDNN; the packing's own
+time printed apart, as a sampling loop pays it once); and :func:`interop.sampling.sampler._head_for_few_rows` as it
+stands in a loop that packed (``head``). Prints the median ms per product over the
 rounds and each candidate's ratio to ``mm``, after checking that every candidate's logits are ``mm``'s up to float
 rounding. Run alone (timings on 2 busy cores are noisy):
 
@@ -27,10 +29,12 @@ def _copy_out(product: torch.Tensor, out: torch.Tensor, rows: int) -> None:
     out.view(rows, 1, -1).copy_(product[:, None, :rows].permute(2, 1, 0))
 
 
-def _candidates(weight: torch.Tensor, hidden: torch.Tensor, pads: list[int], blocks: list[int]) -> dict:
+def _candidates(
+    weight: torch.Tensor, hidden: torch.Tensor, pads: list[int], blocks: list[int], packed: torch.Tensor | None
+) -> dict:
     """Name -> a function computing ``hidden``'s ``[rows, V]`` logits one way (buffers allocated once, as the
-    sampler's are)."""
-    from interop.sampling.sampler import _ROWS_FIRST_BUFFERS, _head_rows_first, _RowsFirstBuffers
+    sampler's are); ``packed``: the weight packed for oneDNN, or ``None`` where this torch cannot."""
+    from interop.sampling.sampler import _FEW_ROWS_HEAD, _FewRowsHead, _head_for_few_rows
 
     rows, width = hidden.shape
     vocabulary = weight.shape[0]
@@ -51,8 +55,12 @@ def _candidates(weight: torch.Tensor, hidden: torch.Tensor, pads: list[int], blo
 
     head = torch.nn.Linear(width, vocabulary, bias=False).requires_grad_(False)
     head.weight.data = weight
-    setattr(head, _ROWS_FIRST_BUFFERS, _RowsFirstBuffers())
-    found = {"mm": plain(rows, None), "head": lambda: _head_rows_first(head, hidden)}
+    state = _FewRowsHead()
+    state._packed = packed  # as after the loop's first call with enough rows
+    setattr(head, _FEW_ROWS_HEAD, state)
+    found = {"mm": plain(rows, None), "head": lambda: _head_for_few_rows(head, hidden)}
+    if packed is not None:
+        found["packed"] = lambda: torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
     for padded in pads:
         if padded > rows:
             found[f"pad->{padded}"] = plain(padded, None)
@@ -71,6 +79,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1-16,20,24,32,48,64", help="row counts: a comma list, ranges a-b")
     parser.add_argument("--pads", default="2,4,8,16", help="row counts the rows may be padded up to")
     parser.add_argument("--blocks", default="4096,16384", help="weight row-block sizes (empty: none)")
+    parser.add_argument("--pack-rows", type=int, default=16, help="the row count the packed weight is packed for")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (each times every candidate once)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args()
@@ -84,9 +93,16 @@ def main() -> None:
     blocks = [int(b) for b in args.blocks.split(",") if b]
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(args.vocabulary, args.hidden, generator=generator) * 0.02
+    from interop.sampling.sampler import _packing_available
+
+    packed, packing_ms = None, []
+    for _ in range(3 if _packing_available() else 0):
+        started = time.perf_counter()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, args.pack_rows)
+        packing_ms.append((time.perf_counter() - started) * 1e3)
     plans = {}
     for rows in counts:
-        plans[rows] = _candidates(weight, torch.randn(rows, args.hidden, generator=generator), pads, blocks)
+        plans[rows] = _candidates(weight, torch.randn(rows, args.hidden, generator=generator), pads, blocks, packed)
     times = {rows: {name: [] for name in found} for rows, found in plans.items()}
     for rows, found in plans.items():  # warm-up (first calls page in buffers), and no candidate timed if wrong
         expected = found["mm"]().clone()
@@ -101,6 +117,10 @@ def main() -> None:
                 times[rows][name].append(time.perf_counter() - started)
 
     print(f"V={args.vocabulary} H={args.hidden} threads={args.threads} rounds={args.rounds}: median ms (ratio to mm)")
+    if packing_ms:
+        print(f"packing the weight for {args.pack_rows} rows (once per sampling loop): {min(packing_ms):.1f} ms")
+    else:
+        print("packed: not timed, this torch has no oneDNN weight packing")
     for rows, found in times.items():
         base = statistics.median(found["mm"])
         medians = {name: statistics.median(taken) for name, taken in found.items()}

@@ -36,6 +36,8 @@ What it prints, per device (one process):
   ``eval.group_size`` answers to each of ``rollout.responses_per_step / eval.group_size`` eval prompts (fewer where a
   process has fewer), of (the longest eval prompt + ``eval.generation.max_new_tokens``) tokens: larger than the
   rollout's with a large ``eval.group_size``, longer eval prompts or answers.
+- the sampler's packed head on CPU (``device=cpu``, a float32 head of at least 2M weights, a decoding loop of 9 rows
+  or more): a copy of the LM head's weight in oneDNN's layout, held while the loop runs.
 - scorers' buffers kept on CPU (``device=cpu``): where the LM head is chunked, each scorer keeps its two chunk
   buffers, the policy's its kept logits and the head weight's gradient (one process, no LoRA) from one call to the
   next, through generation and scoring too (freed, glibc would return them to the system, and every step would
@@ -45,7 +47,8 @@ What it prints, per device (one process):
 - peak: what stays allocated (parameters, optimizer state, reference and reward models) plus the largest phase:
   the update's backward (its activations, or every gradient + the first layer's activations, whichever is larger;
   + autocast copies and fsdp's gathered units), its optimizer step (gradients + temporaries), generation, eval
-  generation or reference scoring (each + fsdp's gathered units; on CPU, + the scorers' kept buffers).
+  generation or reference scoring (each + fsdp's gathered units; on CPU, + the scorers' kept buffers, and generation +
+  the sampler's packed head).
 
 Under ``distributed.strategy=fsdp`` (``--processes N``) parameters, gradients, optimizer state, the reference and the
 reward model are divided by N, and the policy's gathered units added; under ddp (the default when the key is absent)
@@ -243,6 +246,22 @@ def _shape(config) -> dict:
     }
 
 
+def sampler_packed_head_bytes(rows: int, vocab: int, hidden: int, *, element: int, device: str) -> int:
+    """Bytes of the output head's weight the sampler packs for oneDNN while a decoding loop of ``rows`` rows runs
+    (``interop/sampling/sampler.py``): a float32 head of at least ``_ROWS_FIRST_MIN_WEIGHTS`` weights on CPU, a loop
+    starting with ``_PACKED_MIN_ROWS`` rows or more, a torch with oneDNN; 0 otherwise."""
+    from interop.sampling import sampler
+
+    packs = (
+        torch.device(device).type == "cpu"
+        and element == 4
+        and vocab * hidden >= sampler._ROWS_FIRST_MIN_WEIGHTS
+        and rows >= sampler._PACKED_MIN_ROWS
+        and sampler._packing_available()
+    )
+    return vocab * hidden * 4 if packs else 0
+
+
 def head_chunk_logits(rows: int, vocab: int) -> int:
     """The logits the chunked LM head holds at once over ``rows`` rows: all of them within the scorer's budget
     (``CHUNK_ELEMENTS``), one chunk of the vocabulary beyond it."""
@@ -391,6 +410,10 @@ def estimate(
     figures["eval_generation_kv_cache"] = (
         2 * shape["layers"] * shape["kv"] * eval_sequences * eval_length * weight_element
     )
+    packed_rows = max(responses_per_step, eval_sequences)  # the larger decoding loop's rows
+    figures["cpu_sampler_packed_head"] = sampler_packed_head_bytes(
+        packed_rows, shape["vocab"], shape["hidden"], element=weight_element, device=str(cfg.device)
+    )
     scored = cfg.rollout.log_prob_micro_batch_size or responses_per_step
     one_layer = scored * length * (2 * shape["hidden"] + 2 * shape["kv"] + 2 * shape["mlp"]) * weight_element
     figures["reference_scoring"] = one_layer + head_chunk_logits(scored * new_tokens, shape["vocab"]) * 4 * 2
@@ -416,6 +439,7 @@ def estimate(
     # scores; the update's backward counts its own.
     gathered = figures["fsdp_gathered_weights"]
     sampling = max(figures["generation_kv_cache"], figures["eval_generation_kv_cache"])
+    sampling += figures["cpu_sampler_packed_head"]
     # On CPU the scorers' buffers stay through the phases around their calls (the update's own are in its figure).
     held, held_reference = figures["cpu_scorer_buffers"], figures["cpu_reference_scorer_buffers"]
     figures["peak"] = persistent + max(
@@ -627,6 +651,7 @@ def report(figures: dict, fitting: list[dict] | None, device_memory: int | None)
         ("generation_kv_cache", "generation KV cache"),
         ("eval_generation_kv_cache", "eval generation KV cache"),
         ("reference_scoring", "reference scoring (no grad)"),
+        ("cpu_sampler_packed_head", "sampler's packed head weight on CPU"),
         ("cpu_scorer_buffers", "policy scorer's buffers kept on CPU"),
         ("cpu_reference_scorer_buffers", "reference scorer's buffers kept on CPU"),
         ("optimizer_step_temporaries", "optimizer step temporaries"),

@@ -75,6 +75,7 @@ PRODUCTS = {
     "aten::addmv",
     "aten::dot",
     "aten::_addmm_activation",
+    "mkldnn::_linear_pointwise",  # the sampler's head over its oneDNN-packed weight
 }
 EXPS = {
     "aten::exp",
@@ -267,7 +268,7 @@ def categorize(event, *, vocab: int, hidden: int) -> tuple[str | None, str]:
     if not in_step:
         return None, ""
     phase = phase or "outside"
-    if not name.startswith("aten::"):
+    if not name.startswith(("aten::", "mkldnn::")):  # mkldnn: the sampler's packed head and its packing
         return phase, "not in an op"
     if attention or "scaled_dot_product" in name:
         return phase, "attention"

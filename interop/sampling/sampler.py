@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
@@ -648,7 +649,7 @@ _DROP_FINISHED_AT = 0.0
 _ROWS_FIRST_MIN_WEIGHTS = 1 << 21
 
 
-_ROWS_FIRST_BUFFERS = "_rows_first_buffers"  # the head's attribute holding them while a sampling loop runs
+_FEW_ROWS_HEAD = "_few_rows_head"  # the head's attribute holding its _FewRowsHead while a sampling loop runs
 
 
 # MKL's ``W @ x.T`` at a real vocabulary is far from monotonic in the number of rows of ``x``: 1 row and 12-15 rows
@@ -659,22 +660,54 @@ _ROWS_FIRST_BUFFERS = "_rows_first_buffers"  # the head's attribute holding them
 # (``scripts/bench_sampler_head.py``, a loaded machine, medians of 15-21 rounds), padded / as is: 1 -> 2 rows
 # 0.52-0.83, 12 -> 16 0.75-0.90, 13-15 -> 16 0.65-0.83. Left as they are: 11 (0.90-1.02), 9-10 (1.06-1.34) and 3-8
 # (no larger count is faster there). Splitting the weight into row blocks of 2,048-16,384 was slower at 16 rows
-# (1.4-4.3x). Decoding hits these counts whenever responses end at EOS and their rows leave the batch.
+# (1.4-4.3x). Decoding hits these counts whenever responses end at EOS and their rows leave the batch, in a loop that
+# holds no packed weight (below) or, for 1 row, in any.
 _HEAD_PADDED_ROWS = {1: 2, 12: 16, 13: 16, 14: 16, 15: 16}
 
 
-class _RowsFirstBuffers:
-    """The weight-first head's buffers, reused from one decoding step to the next: the ``[padded, H]`` input (its
-    padding rows zero), the ``[V, padded]`` product and two ``[rows, V]`` outputs. At a real vocabulary each output is
-    megabytes that a fresh allocation maps anew and page-faults on its first write (16 rows at 152k: 9.7 MB each,
-    every token). The row-layout logits alternate between two buffers, so that a step's logits stay intact while the
-    next step's are computed. Only the current shape's are held: the rows only shrink within a sampling loop
-    (finished rows are dropped), and a shape once left does not come back."""
+# From this many rows on, oneDNN's linear over a weight packed once into its blocked layout
+# (``torch.ops.mkldnn._reorder_linear_weight``, the packing inductor's CPU freezing uses) runs the head's product far
+# faster than MKL's ``W @ x.T``: the weights stay fixed for a whole sampling loop, so the loop packs them once, at its
+# first head call with at least ``_PACKED_MIN_ROWS`` rows, and drops the copy on leaving (``V x H`` more floats while
+# it runs: 311 MB at 151,936 x 512). 2 threads, 151,936 x 512, ms per product (``scripts/bench_sampler_head.py``):
+#   rows                      1     2     3     4     8    12    16    32
+#   MKL's W @ x.T          33.9   9.6  11.3  17.0  20.2  55.3  48.0  66.3   (1 row padded to 2: 10.2, 12 to 16: 47.8)
+#   oneDNN, packed weight  13.3  14.4  12.6  11.7  13.4  14.5  17.0  27.4
+# 1-3 rows stay on MKL's (padded) product. Packing costs 100-140 ms, which a 16-row loop wins back in 4-5 decoding
+# steps; a loop that starts with fewer than 9 rows gains at most 5-9 ms a token, and packs nothing. The logits are
+# the same products summed in another order: within 2.5e-6 of float64's at logits of about 2 (MKL's: 1.0e-6).
+_PACKED_FROM_ROWS = 4
+_PACKED_MIN_ROWS = 9
+
+
+def _packing_available() -> bool:
+    """Whether the sampler packs the head's weight: this torch's CPU build has oneDNN and its weight packing, on
+    x86-64, where the figures above were measured (Arm builds' oneDNN runs on other kernels, unmeasured here)."""
+    return (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class _FewRowsHead:
+    """A sampling loop's state for its output head, reused from one decoding step to the next.
+
+    The weight-first product's buffers: the ``[padded, H]`` input (its padding rows zero), the ``[V, padded]`` product
+    and two ``[rows, V]`` outputs. At a real vocabulary each output is megabytes that a fresh allocation maps anew and
+    page-faults on its first write (16 rows at 152k: 9.7 MB each, every token). The row-layout logits alternate
+    between two buffers, so that a step's logits stay intact while the next step's are computed. Only the current
+    shape's are held: the rows only shrink within a sampling loop (finished rows are dropped), and a shape once left
+    does not come back.
+
+    And the weight packed for oneDNN (:meth:`packed_weight`), once per loop."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
+        self._packed: torch.Tensor | None = None
+        self._packing = _packing_available()
 
     def take(self, rows: int, vocabulary: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(input, product, out)`` for ``rows`` rows of ``like``'s width: ``input`` has
@@ -690,19 +723,34 @@ class _RowsFirstBuffers:
         self._turn ^= 1
         return source, product, outs[self._turn]
 
+    def packed_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """``weight`` packed for oneDNN's linear when ``rows`` rows are best computed with it: from
+        ``_PACKED_FROM_ROWS`` rows, once the loop has packed it (at its first call with ``_PACKED_MIN_ROWS``);
+        ``None``: the weight-first product."""
+        if rows < _PACKED_FROM_ROWS or not self._packing:
+            return None
+        if self._packed is None and rows >= _PACKED_MIN_ROWS:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        return self._packed
 
-def _head_rows_first(self, hidden: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` computed as ``(W @ x.T).T``, ``x`` padded with zero rows where that count is faster
-    (``_HEAD_PADDED_ROWS``): the same product, summed in another order (equal up to float rounding)."""
+
+def _head_for_few_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` for a sampling loop's few rows: oneDNN's product over the packed weight where the loop
+    holds one (:meth:`_FewRowsHead.packed_weight`), else ``(W @ x.T).T``, ``x`` padded with zero rows where that count
+    is faster (``_HEAD_PADDED_ROWS``). The same products, summed in another order (equal up to float rounding)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows, vocabulary = flat.shape[0], self.weight.shape[0]
-    buffers = getattr(self, _ROWS_FIRST_BUFFERS, None)
-    if buffers is None:  # called outside a sampling loop: fresh tensors (autograd refuses ``out=`` with a gradient)
+    state = getattr(self, _FEW_ROWS_HEAD, None)
+    packed = state.packed_weight(self.weight, rows) if state is not None else None
+    if packed is not None:
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
+        return out.reshape(*hidden.shape[:-1], vocabulary)
+    if state is None:  # called outside a sampling loop: fresh tensors (autograd refuses ``out=`` with a gradient)
         padding = flat.new_zeros(_HEAD_PADDED_ROWS.get(rows, rows) - rows, flat.shape[-1])
         product = torch.mm(self.weight, torch.cat([flat, padding]).t())
         out = torch.empty(rows, vocabulary, dtype=product.dtype, device=product.device)
     else:
-        source, product, out = buffers.take(rows, vocabulary, flat)
+        source, product, out = state.take(rows, vocabulary, flat)
         if source.shape[0] > rows:  # padded: the real rows first, the zero rows after them untouched
             source[:rows] = flat
             flat = source
@@ -719,7 +767,7 @@ def _head_rows_first(self, hidden: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def _output_head_for_few_rows(model, *, skip: bool = False):
     """While sampling, the model's output head (``get_output_embeddings()``) computes its product weight-first
-    (:func:`_head_rows_first`) where that is faster: a plain float32 ``nn.Linear`` on CPU of at least
+    (:func:`_head_for_few_rows`) where that is faster: a plain float32 ``nn.Linear`` on CPU of at least
     ``_ROWS_FIRST_MIN_WEIGHTS`` weights, whose ``forward`` no one else has replaced (accelerate's hooks, an adapter).
     The model's own forward still runs (any scaling or capping after the head included); the head's ``forward`` is
     restored on leaving, whatever happens inside."""
@@ -735,13 +783,13 @@ def _output_head_for_few_rows(model, *, skip: bool = False):
     ):
         yield
         return
-    head.forward = _head_rows_first.__get__(head)  # type: ignore[method-assign]  # this instance only, undone below
-    setattr(head, _ROWS_FIRST_BUFFERS, _RowsFirstBuffers())
+    head.forward = _head_for_few_rows.__get__(head)  # type: ignore[method-assign]  # this instance only, undone below
+    setattr(head, _FEW_ROWS_HEAD, _FewRowsHead())
     try:
         yield
     finally:
         del head.forward
-        delattr(head, _ROWS_FIRST_BUFFERS)
+        delattr(head, _FEW_ROWS_HEAD)
 
 
 def sample_responses(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from interop.sampling import CausalLMSampler, SamplingSettings, sample_responses
+from interop.sampling.sampler import _packing_available
 
 
 def _prompts(tokenizer, texts):
@@ -791,7 +792,8 @@ class TestOutputHeadWeightFirst:
     def test_a_wide_head_samples_weight_first_and_scores_as_a_forward_pass(self):
         model = _wide_head_policy(32_768)
         mask, sampled, calls = self._sample_watching_the_head(model)
-        assert len(calls) >= 2 and all(getattr(call, "__func__", None).__name__ == "_head_rows_first" for call in calls)
+        assert len(calls) >= 2
+        assert all(getattr(call, "__func__", None).__name__ == "_head_for_few_rows" for call in calls)
         assert "forward" not in vars(model.lm_head)  # nn.Linear's own forward again after the loop
         _assert_log_probs_equal_a_forward_pass(model, self.PROMPTS, mask, sampled)
 
@@ -814,12 +816,12 @@ class TestOutputHeadWeightFirst:
     @pytest.mark.parametrize("rows", [1, 5, 12])  # padded to 2, as it is, padded to 16
     @pytest.mark.parametrize("bias", [False, True])
     def test_the_weight_first_product_is_the_heads_product_in_row_layout(self, rows, bias):
-        from interop.sampling.sampler import _HEAD_PADDED_ROWS, _head_rows_first
+        from interop.sampling.sampler import _HEAD_PADDED_ROWS, _head_for_few_rows
 
         head = torch.nn.Linear(64, 32_771, bias=bias)  # a vocabulary no small block size divides
         hidden = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(0))
         with _AtenCalls() as recorded:
-            logits = _head_rows_first(head, hidden)
+            logits = _head_for_few_rows(head, hidden)
         padded = _HEAD_PADDED_ROWS.get(rows, rows)
         assert logits.shape == (rows, 1, 32_771) and logits.is_contiguous()
         assert torch.equal(logits[:, 0], self._padded_product(head, hidden[:, 0], padded))
@@ -832,7 +834,9 @@ class TestOutputHeadWeightFirst:
     def test_padding_the_rows_draws_the_same_tokens(self, monkeypatch, top_k):
         """12 rows (padded to 16) and 1 row (padded to 2): the logits differ from the unpadded product's by float
         rounding only, which moves no draw of this seed; the log-probs agree up to that rounding. (At counts that
-        are not padded the product is the one computed before padding existed, bit for bit.)"""
+        are not padded the product is the one computed before padding existed, bit for bit.) The weight-first product
+        only: no packed weight."""
+        monkeypatch.setattr("interop.sampling.sampler._packing_available", lambda: False)
         model = _wide_head_policy(32_768)
         prompts = torch.randint(2, 32_768, (12, 5), generator=torch.Generator().manual_seed(0))
         runs = []
@@ -855,21 +859,22 @@ class TestOutputHeadWeightFirst:
             assert torch.equal(padded.tokens, unpadded.tokens)
             torch.testing.assert_close(padded.log_probs, unpadded.log_probs, atol=1e-5, rtol=1e-5)
 
-    def test_padded_row_counts_give_the_real_rows_logits_step_after_step(self):
-        """As in a sampling loop: the buffers reused while the rows stay, reallocated as they shrink, the padding rows
-        zero throughout; each step's logits those of its own rows (bit for bit the padded product's), and the
-        previous step's left intact."""
-        from interop.sampling.sampler import _HEAD_PADDED_ROWS, _ROWS_FIRST_BUFFERS, _head_rows_first, _RowsFirstBuffers
+    def test_padded_row_counts_give_the_real_rows_logits_step_after_step(self, monkeypatch):
+        """As in a sampling loop without a packed weight: the buffers reused while the rows stay, reallocated as they
+        shrink, the padding rows zero throughout; each step's logits those of its own rows (bit for bit the padded
+        product's), and the previous step's left intact."""
+        from interop.sampling.sampler import _FEW_ROWS_HEAD, _HEAD_PADDED_ROWS, _FewRowsHead, _head_for_few_rows
 
+        monkeypatch.setattr("interop.sampling.sampler._packing_available", lambda: False)
         assert _HEAD_PADDED_ROWS[12] == 16 and _HEAD_PADDED_ROWS[1] == 2 and 16 not in _HEAD_PADDED_ROWS
         head = torch.nn.Linear(64, 32_771, bias=True).requires_grad_(False)
-        setattr(head, _ROWS_FIRST_BUFFERS, _RowsFirstBuffers())
+        setattr(head, _FEW_ROWS_HEAD, _FewRowsHead())
         generator = torch.Generator().manual_seed(0)
         previous = None
         for rows in (16, 12, 12, 12, 1, 1):
             hidden = torch.randn(rows, 1, 64, generator=generator) * 4
             with _AtenCalls() as recorded:
-                logits = _head_rows_first(head, hidden)
+                logits = _head_for_few_rows(head, hidden)
             padded = _HEAD_PADDED_ROWS.get(rows, rows)
             assert [shapes for name, shapes in recorded.calls if name == "mm"] == [[(32_771, 64), (64, padded)]]
             assert logits.shape == (rows, 1, 32_771)
@@ -878,6 +883,64 @@ class TestOutputHeadWeightFirst:
             if previous is not None:
                 assert torch.equal(previous[0], previous[1])  # the step before's logits, not written over
             previous = (logits, logits.clone())
+
+    @pytest.mark.skipif(not _packing_available(), reason="this torch has no oneDNN weight packing")
+    @pytest.mark.parametrize("packing", [True, False], ids=["onednn", "without_onednn"])
+    def test_a_loop_packs_the_weight_once_and_keeps_few_rows_on_the_weight_first_product(self, monkeypatch, packing):
+        """Rows 12 (packs), 12, 5 (packed), 3 and 1 (weight-first), as a loop whose rows finish: each step's logits
+        are the head's own up to float rounding, the step before's left intact; without oneDNN, weight-first
+        throughout."""
+        from interop.sampling.sampler import _FEW_ROWS_HEAD, _FewRowsHead, _head_for_few_rows
+
+        monkeypatch.setattr("interop.sampling.sampler._packing_available", lambda: packing)
+        head = torch.nn.Linear(64, 32_771, bias=True).requires_grad_(False)
+        setattr(head, _FEW_ROWS_HEAD, _FewRowsHead())
+        generator = torch.Generator().manual_seed(0)
+        watched = {"_reorder_linear_weight", "_linear_pointwise", "mm"}
+        ops, previous = [], None
+        for rows in (12, 12, 5, 3, 1):
+            hidden = torch.randn(rows, 1, 64, generator=generator) * 4
+            with _AtenCalls() as recorded:
+                logits = _head_for_few_rows(head, hidden)
+            ops.append(sorted({name for name, _ in recorded.calls} & watched))
+            assert logits.shape == (rows, 1, 32_771)
+            torch.testing.assert_close(logits, head(hidden), atol=1e-5, rtol=1e-5)
+            if previous is not None:
+                assert torch.equal(previous[0], previous[1])
+            previous = (logits, logits.clone())
+        packed = [["_linear_pointwise", "_reorder_linear_weight"], ["_linear_pointwise"], ["_linear_pointwise"]]
+        assert ops == (packed if packing else [["mm"]] * 3) + [["mm"], ["mm"]]
+
+    @pytest.mark.skipif(not _packing_available(), reason="this torch has no oneDNN weight packing")
+    def test_a_loop_of_many_rows_samples_with_the_packed_weight_as_without(self, monkeypatch):
+        """12 rows: the loop packs the head's weight once, draws the tokens the weight-first product draws with this
+        seed, with log-probs equal to a forward pass; the next loop packs the weights as they are then (a copy
+        packed once is never reused across loops, where the weights may have changed)."""
+        model = _wide_head_policy(32_768)
+        prompts = torch.randint(2, 32_768, (12, 5), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(prompts, dtype=torch.bool)
+        settings = SamplingSettings(max_new_tokens=6, min_new_tokens=6, top_k=50)
+
+        def sample():
+            torch.manual_seed(0)
+            with _AtenCalls() as recorded:
+                sampled = sample_responses(model, prompts, mask, settings=settings, eos_token_ids=[1], pad_token_id=0)
+            return sampled, [name for name, _ in recorded.calls if name == "_reorder_linear_weight"]
+
+        packed, packings = sample()
+        assert packings == ["_reorder_linear_weight"]
+        _assert_log_probs_equal_a_forward_pass(model, prompts, mask, packed)
+        monkeypatch.setattr("interop.sampling.sampler._packing_available", lambda: False)
+        weight_first, packings = sample()
+        assert packings == []
+        assert torch.equal(packed.tokens, weight_first.tokens)
+        torch.testing.assert_close(packed.log_probs, weight_first.log_probs, atol=1e-5, rtol=1e-5)
+        monkeypatch.undo()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(3.0)
+        changed, _ = sample()
+        _assert_log_probs_equal_a_forward_pass(model, prompts, mask, changed)
+        assert not torch.allclose(changed.log_probs, packed.log_probs, atol=1e-3)
 
     def test_the_heads_forward_is_restored_when_sampling_fails(self):
         model = _wide_head_policy(32_768)

@@ -8,6 +8,8 @@ import re
 
 from _in_process import run_script
 
+from interop.sampling.sampler import _packing_available
+
 
 def test_a_small_head_times_every_candidate_per_row_count(capfd):
     arguments = ["--vocabulary", "4099", "--hidden", "32", "--rows", "1-2,12", "--rounds", "2", "--threads", "1"]
@@ -16,9 +18,11 @@ def test_a_small_head_times_every_candidate_per_row_count(capfd):
     assert status == 0, stderr[-3000:]
     lines = {int(rows): cells for rows, cells in re.findall(r"rows\s+(\d+): (.*)", stdout)}
     names = {rows: re.findall(r"(?:^| \| )(.+?)\s+[\d.]+ \(", cells) for rows, cells in lines.items()}
+    packed = ["packed"] if _packing_available() else []
     assert names == {
-        1: ["mm", "head", "pad->2", "pad->16", "blocks 1024", "pad->2 blocks 1024"],
-        2: ["mm", "head", "pad->16", "blocks 1024", "pad->16 blocks 1024"],
-        12: ["mm", "head", "pad->16", "blocks 1024", "pad->16 blocks 1024"],
+        1: ["mm", "head", *packed, "pad->2", "pad->16", "blocks 1024", "pad->2 blocks 1024"],
+        2: ["mm", "head", *packed, "pad->16", "blocks 1024", "pad->16 blocks 1024"],
+        12: ["mm", "head", *packed, "pad->16", "blocks 1024", "pad->16 blocks 1024"],
     }
+    assert re.search(r"packing the weight for 16 rows \(once per sampling loop\): [\d.]+ ms", stdout) or not packed
     assert all(cells.startswith("mm ") and "(1.00)" in cells.split(" | ")[0] for cells in lines.values())

@@ -5,6 +5,7 @@ kept when checkpointed, linear in the tokens). Meta-device models, except the sl
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -300,3 +301,35 @@ def test_the_scorers_buffers_kept_on_cpu_are_counted_where_the_head_is_chunked()
     held = cpu["cpu_scorer_buffers"] + cpu["cpu_reference_scorer_buffers"]
     assert cpu["peak"] >= persistent + held + cpu["generation_kv_cache"]
     assert cpu["peak"] >= persistent + cpu["update_phase"] + cpu["cpu_reference_scorer_buffers"]
+
+
+def test_the_samplers_packed_head_is_counted_in_generation_on_cpu_where_it_packs(tmp_path, tiny_dir):
+    """A decoding loop of 9 rows or more packs a float32 head of at least 2M weights for oneDNN on CPU
+    (interop/sampling/sampler.py): one more copy of the head's weight while it runs; nothing elsewhere."""
+    from interop.sampling.sampler import _packing_available
+
+    packed = estimate_memory.sampler_packed_head_bytes
+    assert packed(16, 151936, 512, element=4, device="cpu") == (151936 * 512 * 4 if _packing_available() else 0)
+    assert packed(8, 151936, 512, element=4, device="cpu") == 0  # a loop too small to pack
+    assert packed(16, 151936, 512, element=2, device="cpu") == 0  # bfloat16: the model's own head
+    assert packed(16, 151936, 512, element=4, device="cuda") == 0
+    assert packed(64, 463, 64, element=4, device="cpu") == 0  # the tiny head
+
+    # The tiny policy with a 32,768-token head (2.1M weights): the estimate reads its config only.
+    wide = tmp_path / "policy"
+    shutil.copytree(tiny_dir / "policy", wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps(config | {"vocab_size": 32_768}))
+
+    def figures(responses, device="cpu"):
+        overrides = [f"model.name_or_path={wide}", f"rollout.responses_per_step={responses}", f"device={device}"]
+        overrides.append("train.mini_batch_size=8")
+        return estimate_memory.estimate(estimate_memory.compose_config(overrides), processes=1, prompt_tokens=16)
+
+    head = 32_768 * 64 * 4
+    packing = figures(64)
+    assert packing["cpu_sampler_packed_head"] == (head if _packing_available() else 0)
+    persistent = sum(packing[key] for key in ("parameters", "optimizer", "reference_model", "reward_model"))
+    held = packing["cpu_scorer_buffers"] + packing["cpu_reference_scorer_buffers"]
+    assert packing["peak"] >= persistent + held + packing["generation_kv_cache"] + packing["cpu_sampler_packed_head"]
+    assert figures(8)["cpu_sampler_packed_head"] == figures(64, "cuda")["cpu_sampler_packed_head"] == 0
