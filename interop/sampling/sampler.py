@@ -741,7 +741,9 @@ def _head_for_few_rows(self, hidden: torch.Tensor) -> torch.Tensor:
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows, vocabulary = flat.shape[0], self.weight.shape[0]
     state = getattr(self, _FEW_ROWS_HEAD, None)
-    packed = state.packed_weight(self.weight, rows) if state is not None else None
+    # oneDNN's op has no autocast rule: under autocast (or with hidden states of another dtype) torch.mm casts.
+    plain_float32 = flat.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+    packed = state.packed_weight(self.weight, rows) if state is not None and plain_float32 else None
     if packed is not None:
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
         return out.reshape(*hidden.shape[:-1], vocabulary)

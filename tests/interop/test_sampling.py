@@ -912,6 +912,23 @@ class TestOutputHeadWeightFirst:
         assert ops == (packed if packing else [["mm"]] * 3) + [["mm"], ["mm"]]
 
     @pytest.mark.skipif(not _packing_available(), reason="this torch has no oneDNN weight packing")
+    def test_under_autocast_the_head_keeps_the_weight_first_product_that_autocast_casts(self):
+        """oneDNN's packed op has no autocast rule: under CPU autocast a loop's head stays on ``torch.mm``, which
+        autocast runs in bfloat16 as it runs ``F.linear``: the same values."""
+        from interop.sampling.sampler import _FEW_ROWS_HEAD, _FewRowsHead, _head_for_few_rows
+
+        head = torch.nn.Linear(64, 32_771, bias=False).requires_grad_(False)
+        setattr(head, _FEW_ROWS_HEAD, _FewRowsHead())
+        hidden = torch.randn(12, 1, 64, generator=torch.Generator().manual_seed(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16), _AtenCalls() as recorded:
+            logits = _head_for_few_rows(head, hidden)
+            expected = head(hidden)
+        names = {name for name, _ in recorded.calls}
+        assert "mm" in names and not names & {"_reorder_linear_weight", "_linear_pointwise"}
+        assert expected.dtype == torch.bfloat16
+        torch.testing.assert_close(logits.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+    @pytest.mark.skipif(not _packing_available(), reason="this torch has no oneDNN weight packing")
     def test_a_loop_of_many_rows_samples_with_the_packed_weight_as_without(self, monkeypatch):
         """12 rows: the loop packs the head's weight once, draws the tokens the weight-first product draws with this
         seed, with log-probs equal to a forward pass; the next loop packs the weights as they are then (a copy
