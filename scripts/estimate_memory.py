@@ -37,7 +37,7 @@ What it prints, per device (one process):
   process has fewer), of (the longest eval prompt + ``eval.generation.max_new_tokens``) tokens: larger than the
   rollout's with a large ``eval.group_size``, longer eval prompts or answers.
 - the sampler's packed head on CPU (``device=cpu``, a float32 head of at least 2M weights, a decoding loop of 9 rows
-  or more): a copy of the LM head's weight in oneDNN's layout, held while the loop runs.
+  or more and 8 tokens or more): a copy of the LM head's weight in oneDNN's layout, held while the loop runs.
 - scorers' buffers kept on CPU (``device=cpu``): where the LM head is chunked, each scorer keeps its two chunk
   buffers, the policy's its kept logits and the head weight's gradient (one process, no LoRA) from one call to the
   next, through generation and scoring too (freed, glibc would return them to the system, and every step would
@@ -246,10 +246,11 @@ def _shape(config) -> dict:
     }
 
 
-def sampler_packed_head_bytes(rows: int, vocab: int, hidden: int, *, element: int, device: str) -> int:
-    """Bytes of the output head's weight the sampler packs for oneDNN while a decoding loop of ``rows`` rows runs
-    (``interop/sampling/sampler.py``): a float32 head of at least ``_ROWS_FIRST_MIN_WEIGHTS`` weights on CPU, a loop
-    starting with ``_PACKED_MIN_ROWS`` rows or more, a torch with oneDNN; 0 otherwise."""
+def sampler_packed_head_bytes(rows: int, vocab: int, hidden: int, *, element: int, device: str, new_tokens: int) -> int:
+    """Bytes of the output head's weight the sampler packs for oneDNN while a decoding loop of ``rows`` rows and up to
+    ``new_tokens`` tokens runs (``interop/sampling/sampler.py``): a float32 head of at least
+    ``_ROWS_FIRST_MIN_WEIGHTS`` weights on CPU, a loop starting with ``_PACKED_MIN_ROWS`` rows or more, of
+    ``_PACKED_MIN_CALLS`` tokens or more, a torch with oneDNN; 0 otherwise."""
     from interop.sampling import sampler
 
     packs = (
@@ -257,6 +258,7 @@ def sampler_packed_head_bytes(rows: int, vocab: int, hidden: int, *, element: in
         and element == 4
         and vocab * hidden >= sampler._ROWS_FIRST_MIN_WEIGHTS
         and rows >= sampler._PACKED_MIN_ROWS
+        and new_tokens >= sampler._PACKED_MIN_CALLS
         and sampler._packing_available()
     )
     return vocab * hidden * 4 if packs else 0
@@ -410,9 +412,14 @@ def estimate(
     figures["eval_generation_kv_cache"] = (
         2 * shape["layers"] * shape["kv"] * eval_sequences * eval_length * weight_element
     )
-    packed_rows = max(responses_per_step, eval_sequences)  # the larger decoding loop's rows
-    figures["cpu_sampler_packed_head"] = sampler_packed_head_bytes(
-        packed_rows, shape["vocab"], shape["hidden"], element=weight_element, device=str(cfg.device)
+    loops = [(responses_per_step, new_tokens)]  # each decoding loop's rows and tokens: the rollout's, the eval's
+    if eval_prompts is not None:
+        loops.append((eval_sequences, int(eval_generation(cfg)["max_new_tokens"])))
+    figures["cpu_sampler_packed_head"] = max(
+        sampler_packed_head_bytes(
+            rows, shape["vocab"], shape["hidden"], element=weight_element, device=str(cfg.device), new_tokens=tokens
+        )
+        for rows, tokens in loops
     )
     scored = cfg.rollout.log_prob_micro_batch_size or responses_per_step
     one_layer = scored * length * (2 * shape["hidden"] + 2 * shape["kv"] + 2 * shape["mlp"]) * weight_element

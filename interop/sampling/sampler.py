@@ -674,10 +674,12 @@ _HEAD_PADDED_ROWS = {1: 2, 12: 16, 13: 16, 14: 16, 15: 16}
 #   MKL's W @ x.T          33.9   9.6  11.3  17.0  20.2  55.3  48.0  66.3   (1 row padded to 2: 10.2, 12 to 16: 47.8)
 #   oneDNN, packed weight  13.3  14.4  12.6  11.7  13.4  14.5  17.0  27.4
 # 1-3 rows stay on MKL's (padded) product. Packing costs 100-140 ms, which a 16-row loop wins back in 4-5 decoding
-# steps; a loop that starts with fewer than 9 rows gains at most 5-9 ms a token, and packs nothing. The logits are
-# the same products summed in another order: within 2.5e-6 of float64's at logits of about 2 (MKL's: 1.0e-6).
+# steps (9-11 rows: 4-9); a loop that starts with fewer than 9 rows gains at most 5-9 ms a token, and one of fewer than
+# 8 tokens (a short dialog turn) cannot win the packing back: neither packs. The logits are the same products summed
+# in another order: within 2.5e-6 of float64's at logits of about 2 (MKL's: 1.0e-6).
 _PACKED_FROM_ROWS = 4
 _PACKED_MIN_ROWS = 9
+_PACKED_MIN_CALLS = 8
 
 
 def _packing_available() -> bool:
@@ -700,14 +702,14 @@ class _FewRowsHead:
     shape's are held: the rows only shrink within a sampling loop (finished rows are dropped), and a shape once left
     does not come back.
 
-    And the weight packed for oneDNN (:meth:`packed_weight`), once per loop."""
+    And the weight packed for oneDNN (:meth:`packed_weight`), once per loop; ``packing=False``: never."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, packing: bool = True) -> None:
         self._key: tuple | None = None
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
         self._packed: torch.Tensor | None = None
-        self._packing = _packing_available()
+        self._packing = packing and _packing_available()
 
     def take(self, rows: int, vocabulary: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(input, product, out)`` for ``rows`` rows of ``like``'s width: ``input`` has
@@ -767,12 +769,13 @@ def _head_for_few_rows(self, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _output_head_for_few_rows(model, *, skip: bool = False):
+def _output_head_for_few_rows(model, *, skip: bool = False, head_calls: int):
     """While sampling, the model's output head (``get_output_embeddings()``) computes its product weight-first
     (:func:`_head_for_few_rows`) where that is faster: a plain float32 ``nn.Linear`` on CPU of at least
     ``_ROWS_FIRST_MIN_WEIGHTS`` weights, whose ``forward`` no one else has replaced (accelerate's hooks, an adapter).
     The model's own forward still runs (any scaling or capping after the head included); the head's ``forward`` is
-    restored on leaving, whatever happens inside."""
+    restored on leaving, whatever happens inside. ``head_calls``: the most the loop makes (its ``max_new_tokens``);
+    under ``_PACKED_MIN_CALLS`` it packs no weight, which it could not win back."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) and not skip else None
     if (
@@ -786,7 +789,7 @@ def _output_head_for_few_rows(model, *, skip: bool = False):
         yield
         return
     head.forward = _head_for_few_rows.__get__(head)  # type: ignore[method-assign]  # this instance only, undone below
-    setattr(head, _FEW_ROWS_HEAD, _FewRowsHead())
+    setattr(head, _FEW_ROWS_HEAD, _FewRowsHead(packing=head_calls >= _PACKED_MIN_CALLS))
     try:
         yield
     finally:
@@ -855,7 +858,10 @@ def sample_responses(
     # -> 117 ms a batch on a loaded machine); not under FSDP2, whose forward writes the gathered weights into the
     # model's parameters. What comes back is copied out as ordinary tensors, that a loss may read and a caller change
     # in place; a kept cache's tensors stay inference tensors, for a later call's ``past``.
-    with torch.no_grad() if synced else torch.inference_mode(), _output_head_for_few_rows(model, skip=synced):
+    with (
+        torch.no_grad() if synced else torch.inference_mode(),
+        _output_head_for_few_rows(model, skip=synced, head_calls=settings.max_new_tokens),
+    ):
         # FSDP2 shards the head: left alone there.
         eos = torch.tensor(sorted(set(eos_token_ids)), device=prompt_tokens.device)
         responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)

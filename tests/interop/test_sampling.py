@@ -912,6 +912,18 @@ class TestOutputHeadWeightFirst:
         assert ops == (packed if packing else [["mm"]] * 3) + [["mm"], ["mm"]]
 
     @pytest.mark.skipif(not _packing_available(), reason="this torch has no oneDNN weight packing")
+    @pytest.mark.parametrize(("rows", "max_new_tokens", "packs"), [(12, 8, True), (12, 7, False), (8, 32, False)])
+    def test_only_a_loop_that_can_win_the_packing_back_packs(self, rows, max_new_tokens, packs):
+        """9 rows or more and up to 8 head calls or more: packed; a shorter loop (a short dialog turn) or fewer rows
+        keep the weight-first product."""
+        model = _wide_head_policy(32_768)
+        prompts = torch.randint(2, 32_768, (rows, 5), generator=torch.Generator().manual_seed(0))
+        settings = SamplingSettings(max_new_tokens=max_new_tokens, top_k=50)
+        with _AtenCalls() as recorded:
+            sample_responses(model, prompts, prompts > 0, settings=settings, eos_token_ids=[1], pad_token_id=0)
+        assert ("_reorder_linear_weight" in {name for name, _ in recorded.calls}) == packs
+
+    @pytest.mark.skipif(not _packing_available(), reason="this torch has no oneDNN weight packing")
     def test_under_autocast_the_head_keeps_the_weight_first_product_that_autocast_casts(self):
         """oneDNN's packed op has no autocast rule: under CPU autocast a loop's head stays on ``torch.mm``, which
         autocast runs in bfloat16 as it runs ``F.linear``: the same values."""
@@ -936,7 +948,7 @@ class TestOutputHeadWeightFirst:
         model = _wide_head_policy(32_768)
         prompts = torch.randint(2, 32_768, (12, 5), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(prompts, dtype=torch.bool)
-        settings = SamplingSettings(max_new_tokens=6, min_new_tokens=6, top_k=50)
+        settings = SamplingSettings(max_new_tokens=8, min_new_tokens=8, top_k=50)
 
         def sample():
             torch.manual_seed(0)

@@ -304,16 +304,18 @@ def test_the_scorers_buffers_kept_on_cpu_are_counted_where_the_head_is_chunked()
 
 
 def test_the_samplers_packed_head_is_counted_in_generation_on_cpu_where_it_packs(tmp_path, tiny_dir):
-    """A decoding loop of 9 rows or more packs a float32 head of at least 2M weights for oneDNN on CPU
-    (interop/sampling/sampler.py): one more copy of the head's weight while it runs; nothing elsewhere."""
+    """A decoding loop of 9 rows or more and 8 tokens or more packs a float32 head of at least 2M weights for oneDNN
+    on CPU (interop/sampling/sampler.py): one more copy of the head's weight while it runs; nothing elsewhere."""
     from interop.sampling.sampler import _packing_available
 
     packed = estimate_memory.sampler_packed_head_bytes
-    assert packed(16, 151936, 512, element=4, device="cpu") == (151936 * 512 * 4 if _packing_available() else 0)
-    assert packed(8, 151936, 512, element=4, device="cpu") == 0  # a loop too small to pack
-    assert packed(16, 151936, 512, element=2, device="cpu") == 0  # bfloat16: the model's own head
-    assert packed(16, 151936, 512, element=4, device="cuda") == 0
-    assert packed(64, 463, 64, element=4, device="cpu") == 0  # the tiny head
+    real = {"element": 4, "device": "cpu", "new_tokens": 32}
+    assert packed(16, 151936, 512, **real) == (151936 * 512 * 4 if _packing_available() else 0)
+    assert packed(8, 151936, 512, **real) == 0  # too few rows to pack
+    assert packed(16, 151936, 512, **real | {"new_tokens": 7}) == 0  # too few tokens
+    assert packed(16, 151936, 512, **real | {"element": 2}) == 0  # bfloat16: the model's own head
+    assert packed(16, 151936, 512, **real | {"device": "cuda"}) == 0
+    assert packed(64, 463, 64, **real) == 0  # the tiny head
 
     # The tiny policy with a 32,768-token head (2.1M weights): the estimate reads its config only.
     wide = tmp_path / "policy"
