@@ -858,11 +858,8 @@ def sample_responses(
     # -> 117 ms a batch on a loaded machine); not under FSDP2, whose forward writes the gathered weights into the
     # model's parameters. What comes back is copied out as ordinary tensors, that a loss may read and a caller change
     # in place; a kept cache's tensors stay inference tensors, for a later call's ``past``.
-    with (
-        torch.no_grad() if synced else torch.inference_mode(),
-        _output_head_for_few_rows(model, skip=synced, head_calls=settings.max_new_tokens),
-    ):
-        # FSDP2 shards the head: left alone there.
+    head = _output_head_for_few_rows(model, skip=synced, head_calls=settings.max_new_tokens)  # FSDP2 shards it: skipped
+    with torch.no_grad() if synced else torch.inference_mode(), head:
         eos = torch.tensor(sorted(set(eos_token_ids)), device=prompt_tokens.device)
         responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
         logits, batch = _prefilled_batch(model, prompt_tokens, prompt_mask, settings, past, pad_token_id, synced=synced)
