@@ -23,18 +23,12 @@ import time
 import torch
 
 
-def _copy_out(product: torch.Tensor, out: torch.Tensor, rows: int) -> None:
-    """The first ``rows`` columns of the ``[V, padded]`` product into the ``[rows, V]`` logits (3D: torch's parallel
-    copy kernel, as the sampler does)."""
-    out.view(rows, 1, -1).copy_(product[:, None, :rows].permute(2, 1, 0))
-
-
 def _candidates(
     weight: torch.Tensor, hidden: torch.Tensor, pads: list[int], blocks: list[int], packed: torch.Tensor | None
 ) -> dict:
     """Name -> a function computing ``hidden``'s ``[rows, V]`` logits one way (buffers allocated once, as the
     sampler's are); ``packed``: the weight packed for oneDNN, or ``None`` where this torch cannot."""
-    from interop.sampling.sampler import _FEW_ROWS_HEAD, _FewRowsHead, _head_for_few_rows
+    from interop.sampling.sampler import _FEW_ROWS_HEAD, _FewRowsHead, _head_for_few_rows, _into_rows
 
     rows, width = hidden.shape
     vocabulary = weight.shape[0]
@@ -48,7 +42,7 @@ def _candidates(
         def run():
             for start in range(0, vocabulary, step):
                 torch.mm(weight[start : start + step], source.t(), out=product[start : start + step])
-            _copy_out(product, out, rows)
+            _into_rows(product, out)
             return out
 
         return run
@@ -56,7 +50,7 @@ def _candidates(
     head = torch.nn.Linear(width, vocabulary, bias=False).requires_grad_(False)
     head.weight.data = weight
     state = _FewRowsHead()
-    state._packed = packed  # as after the loop's first call with enough rows
+    state._packed = packed  # as after the first call of a loop that packs
     setattr(head, _FEW_ROWS_HEAD, state)
     found = {"mm": plain(rows, None), "head": lambda: _head_for_few_rows(head, hidden)}
     if packed is not None:

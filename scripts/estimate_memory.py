@@ -249,16 +249,15 @@ def _shape(config) -> dict:
 def sampler_packed_head_bytes(rows: int, vocab: int, hidden: int, *, element: int, device: str, new_tokens: int) -> int:
     """Bytes of the output head's weight the sampler packs for oneDNN while a decoding loop of ``rows`` rows and up to
     ``new_tokens`` tokens runs (``interop/sampling/sampler.py``): a float32 head of at least
-    ``_ROWS_FIRST_MIN_WEIGHTS`` weights on CPU, a loop starting with ``_PACKED_MIN_ROWS`` rows or more, of
-    ``_PACKED_MIN_CALLS`` tokens or more, a torch with oneDNN; 0 otherwise."""
+    ``_ROWS_FIRST_MIN_WEIGHTS`` weights on CPU, a loop that packs (``_loop_packs_head``), a torch with oneDNN; 0
+    otherwise."""
     from interop.sampling import sampler
 
     packs = (
         torch.device(device).type == "cpu"
         and element == 4
         and vocab * hidden >= sampler._ROWS_FIRST_MIN_WEIGHTS
-        and rows >= sampler._PACKED_MIN_ROWS
-        and new_tokens >= sampler._PACKED_MIN_CALLS
+        and sampler._loop_packs_head(rows, new_tokens)
         and sampler._packing_available()
     )
     return vocab * hidden * 4 if packs else 0

@@ -682,6 +682,12 @@ _PACKED_MIN_ROWS = 9
 _PACKED_MIN_CALLS = 8
 
 
+def _loop_packs_head(rows: int, head_calls: int) -> bool:
+    """Whether a sampling loop that starts with ``rows`` rows and makes at most ``head_calls`` head calls (its
+    ``max_new_tokens``) packs a weight-first head's weight, where this torch can (:func:`_packing_available`)."""
+    return rows >= _PACKED_MIN_ROWS and head_calls >= _PACKED_MIN_CALLS
+
+
 def _packing_available() -> bool:
     """Whether the sampler packs the head's weight: this torch's CPU build has oneDNN and its weight packing, on
     x86-64, where the figures above were measured (Arm builds' oneDNN runs on other kernels, unmeasured here)."""
@@ -702,7 +708,8 @@ class _FewRowsHead:
     shape's are held: the rows only shrink within a sampling loop (finished rows are dropped), and a shape once left
     does not come back.
 
-    And the weight packed for oneDNN (:meth:`packed_weight`), once per loop; ``packing=False``: never."""
+    And the weight packed for oneDNN (:meth:`packed_weight`), once per loop where ``packing``
+    (:func:`_loop_packs_head`)."""
 
     def __init__(self, *, packing: bool = True) -> None:
         self._key: tuple | None = None
@@ -726,12 +733,12 @@ class _FewRowsHead:
         return source, product, outs[self._turn]
 
     def packed_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """``weight`` packed for oneDNN's linear when ``rows`` rows are best computed with it: from
-        ``_PACKED_FROM_ROWS`` rows, once the loop has packed it (at its first call with ``_PACKED_MIN_ROWS``);
-        ``None``: the weight-first product."""
+        """``weight`` packed for oneDNN's linear when ``rows`` rows are best computed with it (from
+        ``_PACKED_FROM_ROWS`` rows, in a loop that packs), packed at the loop's first such call; ``None``: the
+        weight-first product."""
         if rows < _PACKED_FROM_ROWS or not self._packing:
             return None
-        if self._packed is None and rows >= _PACKED_MIN_ROWS:
+        if self._packed is None:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
         return self._packed
 
@@ -759,23 +766,28 @@ def _head_for_few_rows(self, hidden: torch.Tensor) -> torch.Tensor:
             source[:rows] = flat
             flat = source
         torch.mm(self.weight, flat.t(), out=product)
-    # Into [rows, V] through a 3D view: torch copies a 2D transposed tensor (``.t().contiguous()``) on one thread by
-    # blocks, a 3D permuted one with its parallel copy kernel (16 rows at a 152k vocabulary, 2 threads: 1.8 -> 0.9 ms
-    # a token). The same values: a copy of the real rows' columns.
-    out.view(rows, 1, vocabulary).copy_(product[:, None, :rows].permute(2, 1, 0))
+    _into_rows(product, out)
     if self.bias is not None:
         out += self.bias
     return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
 
+def _into_rows(product: torch.Tensor, out: torch.Tensor) -> None:
+    """The first ``out.shape[0]`` columns of the ``[V, padded]`` product into the ``[rows, V]`` ``out``, through a 3D
+    view: torch copies a 2D transposed tensor (``.t().contiguous()``) on one thread by blocks, a 3D permuted one with
+    its parallel copy kernel (16 rows at a 152k vocabulary, 2 threads: 1.8 -> 0.9 ms a token). The same values."""
+    rows = out.shape[0]
+    out.view(rows, 1, -1).copy_(product[:, None, :rows].permute(2, 1, 0))
+
+
 @contextlib.contextmanager
-def _output_head_for_few_rows(model, *, skip: bool = False, head_calls: int):
+def _output_head_for_few_rows(model, *, skip: bool = False, rows: int = 0, head_calls: int = 0):
     """While sampling, the model's output head (``get_output_embeddings()``) computes its product weight-first
     (:func:`_head_for_few_rows`) where that is faster: a plain float32 ``nn.Linear`` on CPU of at least
     ``_ROWS_FIRST_MIN_WEIGHTS`` weights, whose ``forward`` no one else has replaced (accelerate's hooks, an adapter).
     The model's own forward still runs (any scaling or capping after the head included); the head's ``forward`` is
-    restored on leaving, whatever happens inside. ``head_calls``: the most the loop makes (its ``max_new_tokens``);
-    under ``_PACKED_MIN_CALLS`` it packs no weight, which it could not win back."""
+    restored on leaving, whatever happens inside. ``skip``: leave the head alone (FSDP2 shards it); ``rows`` and
+    ``head_calls``: the loop's, which decide whether it packs the weight for oneDNN (:func:`_loop_packs_head`)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) and not skip else None
     if (
@@ -789,7 +801,7 @@ def _output_head_for_few_rows(model, *, skip: bool = False, head_calls: int):
         yield
         return
     head.forward = _head_for_few_rows.__get__(head)  # type: ignore[method-assign]  # this instance only, undone below
-    setattr(head, _FEW_ROWS_HEAD, _FewRowsHead(packing=head_calls >= _PACKED_MIN_CALLS))
+    setattr(head, _FEW_ROWS_HEAD, _FewRowsHead(packing=_loop_packs_head(rows, head_calls)))
     try:
         yield
     finally:
@@ -858,7 +870,7 @@ def sample_responses(
     # -> 117 ms a batch on a loaded machine); not under FSDP2, whose forward writes the gathered weights into the
     # model's parameters. What comes back is copied out as ordinary tensors, that a loss may read and a caller change
     # in place; a kept cache's tensors stay inference tensors, for a later call's ``past``.
-    head = _output_head_for_few_rows(model, skip=synced, head_calls=settings.max_new_tokens)  # FSDP2 shards it: skipped
+    head = _output_head_for_few_rows(model, skip=synced, rows=len(prompt_tokens), head_calls=settings.max_new_tokens)
     with torch.no_grad() if synced else torch.inference_mode(), head:
         eos = torch.tensor(sorted(set(eos_token_ids)), device=prompt_tokens.device)
         responses = _ResponsesSoFar(prompt_tokens, settings.max_new_tokens, pad_token_id=pad_token_id, eos=eos)
