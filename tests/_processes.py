@@ -223,14 +223,19 @@ def kill_ray_run_when(recipe: str, overrides: list[str], *, ready: Callable[[], 
     process that had already joined a Ray cluster hung starting its own (its GCS up, no raylet; 2026-12-06)."""
     import psutil
 
-    started: list[psutil.Process] = []
+    started: dict[psutil.Process, str] = {}
 
     def note_its_processes(pid: int) -> None:
-        started.extend(psutil.Process(pid).children(recursive=True))
+        # Each one's name read now, while it runs: after the kill it may be gone before it is read.
+        for process in psutil.Process(pid).children(recursive=True):
+            try:
+                started[process] = process.name()
+            except psutil.NoSuchProcess:  # a short-lived child, ended before the kill: not one left behind
+                pass
 
     kill_recipe_run_when(recipe, overrides, ready=ready, before_kill=note_its_processes)
-    names = " ".join(process.name() for process in started)
+    names = " ".join(started.values())
     assert "raylet" in names and "gcs_server" in names, names
-    _, alive = psutil.wait_procs(started, timeout=30)
-    left = [(process.pid, process.name()) for process in alive if process.status() != psutil.STATUS_ZOMBIE]
+    _, alive = psutil.wait_procs(list(started), timeout=30)
+    left = [(process.pid, started[process]) for process in alive if running(process.pid)]
     assert left == [], "Ray processes of the killed run still running"
