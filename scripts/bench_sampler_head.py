@@ -9,7 +9,9 @@ linear over the weight packed once for ``--pack-rows`` rows (``packed``, where t
 time printed apart, as a sampling loop pays it once); and :func:`interop.sampling.sampler._head_for_few_rows` as it
 stands in a loop that packed (``head``). Prints the median ms per product over the
 rounds and each candidate's ratio to ``mm``, after checking that every candidate's logits are ``mm``'s up to float
-rounding. Run alone (timings on 2 busy cores are noisy):
+rounding. Then the step after the head, ``--top-k`` of the logits (the recipe's default 50; 0: not timed): ``topk``
+over the whole rows against :func:`interop.sampling.sampler._top_k`, the sampler's, checked to take the same values
+first. Run alone (timings on 2 busy cores are noisy):
 
     flock /tmp/locks/bench.lock python scripts/bench_sampler_head.py --rounds 15 --threads 2
 """
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--pack-rows", type=int, default=16, help="the row count the packed weight is packed for")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (each times every candidate once)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--top-k", type=int, default=50, help="the top-k of the logits timed after the head (0: none)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -97,29 +100,61 @@ def main() -> None:
     plans = {}
     for rows in counts:
         plans[rows] = _candidates(weight, torch.randn(rows, args.hidden, generator=generator), pads, blocks, packed)
-    times = {rows: {name: [] for name in found} for rows, found in plans.items()}
     for rows, found in plans.items():  # warm-up (first calls page in buffers), and no candidate timed if wrong
         expected = found["mm"]().clone()
         for name, run in found.items():
             logits = run().reshape(rows, -1)
             torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-    for _ in range(args.rounds):
-        for rows, found in plans.items():
-            for name, run in found.items():
-                started = time.perf_counter()
-                run()
-                times[rows][name].append(time.perf_counter() - started)
+    times = _median_times(plans, args.rounds)
 
     print(f"V={args.vocabulary} H={args.hidden} threads={args.threads} rounds={args.rounds}: median ms (ratio to mm)")
     if packing_ms:
         print(f"packing the weight for {args.pack_rows} rows (once per sampling loop): {min(packing_ms):.1f} ms")
     else:
         print("packed: not timed, this torch has no oneDNN weight packing")
-    for rows, found in times.items():
-        base = statistics.median(found["mm"])
-        medians = {name: statistics.median(taken) for name, taken in found.items()}
+    for rows, medians in times.items():
+        base = medians["mm"]
         cells = [f"{name} {median * 1e3:6.1f} ({median / base:4.2f})" for name, median in medians.items()]
         print(f"rows {rows:3d}: " + " | ".join(cells), flush=True)
+    if args.top_k:
+        _time_top_k(args, plans)
+
+
+def _median_times(plans: dict, rounds: int) -> dict:
+    """``{rows: {name: median seconds}}`` of ``plans``' ``{rows: {name: run}}``, every run timed once per round in
+    turn (a slower spell of the machine falls on all of them alike)."""
+    times: dict = {rows: {name: [] for name in runs} for rows, runs in plans.items()}
+    for _ in range(rounds):
+        for rows, runs in plans.items():
+            for name, run in runs.items():
+                started = time.perf_counter()
+                run()
+                times[rows][name].append(time.perf_counter() - started)
+    return {rows: {name: statistics.median(taken) for name, taken in runs.items()} for rows, runs in times.items()}
+
+
+def _time_top_k(args, plans: dict) -> None:
+    """Times ``topk`` over the whole rows of each row count's logits against the sampler's ``_top_k``."""
+    from interop.sampling.sampler import SamplingSettings, _top_k
+
+    settings = SamplingSettings(max_new_tokens=1, top_k=args.top_k)
+    found = {}
+    for rows, candidates in plans.items():
+        logits = candidates["mm"]().clone()
+        whole = logits.topk(min(args.top_k, logits.shape[-1]), dim=-1)
+        values, _ = _top_k(logits, settings)
+        assert torch.equal(values.sort(-1, descending=True).values, whole.values), f"_top_k at {rows} rows"
+        found[rows] = {
+            "topk": lambda logits=logits: logits.topk(settings.top_k, dim=-1, sorted=False),
+            "_top_k": lambda logits=logits: _top_k(logits, settings),
+        }
+    print(f"top-{args.top_k} of the logits, median ms (ratio to topk over the whole rows)")
+    for rows, medians in _median_times(found, args.rounds).items():
+        base, ours = medians["topk"], medians["_top_k"]
+        print(
+            f"top-k at {rows:3d} rows: topk {base * 1e3:6.2f} | _top_k {ours * 1e3:6.2f} ({ours / base:4.2f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

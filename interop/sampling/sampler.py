@@ -298,10 +298,36 @@ def _flat_across_zeros(cdf: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     return cdf.masked_fill_(empty, float("-inf")).cummax(-1).values
 
 
+# Top-k over a large vocabulary looks only at the columns of the k blocks of _TOP_K_BLOCK columns with the highest
+# maxima (when they are at most a quarter of the row): torch's CPU topk costs about 1.3 ns a column, a blocked
+# maximum about 0.2 ns (k=50 of 16 rows x 151,936 columns: 3.20 -> 1.24 ms a token at 1 thread, 1.64 -> 0.69 ms at
+# 2; scripts/bench_sampler_head.py).
+_TOP_K_BLOCK = 64
+
+
 def _top_k(scores: torch.Tensor, settings: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, token ids)`` of each row's ``settings.top_k`` highest scores (in order when top-p needs them)."""
+    """``(values, token ids)`` of each row's ``settings.top_k`` highest scores (in order when top-p needs them).
+
+    Over a large vocabulary, the k highest of the columns of the k blocks with the highest maxima: the same values as
+    ``topk`` over the whole row. Each of those k maxima is a column of its own, so the row's k-th highest score is at
+    least the k-th highest maximum, and a block left out holds no score above it. Only which of several equal scores
+    is taken may differ (``topk`` itself leaves that unspecified)."""
     assert settings.top_k is not None, "_top_k is called only with a top_k set"
-    return scores.topk(min(settings.top_k, scores.shape[-1]), dim=-1, sorted=settings.top_p < 1.0)
+    rows, vocabulary = scores.shape
+    k, ordered = min(settings.top_k, vocabulary), settings.top_p < 1.0
+    blocks = vocabulary // _TOP_K_BLOCK
+    if 4 * k > blocks or scores.stride(-1) != 1 or scores.device.type != "cpu":  # CUDA's topk: not measured
+        return scores.topk(k, dim=-1, sorted=ordered)
+    body = blocks * _TOP_K_BLOCK
+    maxima = scores[:, :body].unflatten(-1, (blocks, _TOP_K_BLOCK)).amax(-1)
+    chosen = maxima.topk(k, dim=-1, sorted=False).indices
+    offsets = torch.arange(_TOP_K_BLOCK, device=scores.device)
+    columns = (chosen[:, :, None] * _TOP_K_BLOCK + offsets).flatten(1)
+    if body < vocabulary:  # the last, partial block: always a candidate
+        tail = torch.arange(body, vocabulary, device=scores.device).expand(rows, -1)
+        columns = torch.cat([columns, tail], dim=1)
+    values, where = scores.gather(-1, columns).topk(k, dim=-1, sorted=ordered)
+    return values, columns.gather(-1, where)
 
 
 def _choose(

@@ -404,6 +404,68 @@ class TestVocabularyPasses:
         assert whole.count("topk") == 1, whole
 
 
+class TestTopKOverALargeVocabulary:
+    """Over a large vocabulary, top-k reads only the candidate blocks' columns and takes the same values as ``topk``
+    over the whole row (the sampler's default top_k=50 at a 152k vocabulary: every decoding step)."""
+
+    VOCAB = 20_003  # 312 blocks of 64 columns and a partial block of 35
+
+    def _logits(self):
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randint(-40, 8, (6, self.VOCAB), generator=generator).float()  # many ties at the k-th value
+        logits[0, -3:] = 50.0  # the best scores in the partial last block
+        logits[1, :64] = 9.0  # a whole block of equal, best scores
+        logits[2, ::2] = float("-inf")
+        return logits
+
+    @pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["unordered", "ordered_for_top_p"])
+    def test_the_same_values_as_topk_over_the_whole_row(self, top_p):
+        from interop.sampling.sampler import _top_k
+
+        logits = self._logits()
+        values, token_ids = _top_k(logits, SamplingSettings(max_new_tokens=4, top_k=50, top_p=top_p))
+        expected = logits.topk(50, dim=-1).values  # descending
+        assert torch.equal(values.sort(-1, descending=True).values, expected)
+        assert torch.equal(logits.gather(-1, token_ids), values)
+        assert (token_ids.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct tokens per row
+        assert {self.VOCAB - 3, self.VOCAB - 2, self.VOCAB - 1} <= set(token_ids[0].tolist())  # the partial block's
+        assert (token_ids[1] < 64).all()  # 50 of the block of 64 equal best scores
+        if top_p < 1.0:  # top-p reads the candidates in order
+            assert torch.equal(values, expected)
+
+    def test_only_the_candidate_blocks_columns_are_ranked(self):
+        from interop.sampling.sampler import _top_k
+
+        logits = self._logits()
+        with _AtenCalls() as recorded:
+            _top_k(logits, SamplingSettings(max_new_tokens=4, top_k=50))
+        ranked = [shapes[0] for name, shapes in recorded.calls if name == "topk"]
+        assert ranked == [(6, 312), (6, 50 * 64 + 35)], ranked
+
+    def test_a_small_vocabulary_takes_topk_over_the_whole_row(self):
+        from interop.sampling.sampler import _top_k
+
+        logits = torch.randn(3, 4096)  # 64 blocks, fewer than 4 x 50: pruning would rank a whole row anyway
+        with _AtenCalls() as recorded:
+            _top_k(logits, SamplingSettings(max_new_tokens=4, top_k=50))
+        assert [shapes[0] for name, shapes in recorded.calls if name == "topk"] == [(3, 4096)]
+
+    def test_draws_as_generates_top_k_warper(self):
+        from interop.sampling.sampler import _choose
+
+        settings = SamplingSettings(max_new_tokens=1, top_k=4, temperature=0.8)
+        logits = torch.randn(1, 1024, generator=torch.Generator().manual_seed(0))
+        logits[0, [5, 300, 301, 1000]] = torch.tensor([3.0, 2.5, 2.8, 3.2])  # the top 4, in three blocks
+        expected = _generate_distribution(logits, settings)[0]
+        draws = 20_000
+        torch.manual_seed(1)
+        tokens = _choose(logits.expand(draws, -1).clone(), settings)
+        frequencies = torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
+        assert (frequencies[expected == 0] == 0).all()
+        tolerance = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-3
+        assert ((frequencies - expected.double()).abs() <= tolerance).all()
+
+
 def _forward_rows(model):
     """A list that fills with the ``input_ids`` shape of every forward pass of ``model``, and the hook's handle."""
     shapes = []

@@ -26,3 +26,5 @@ def test_a_small_head_times_every_candidate_per_row_count(capfd):
     }
     assert re.search(r"packing the weight for 16 rows \(once per sampling loop\): [\d.]+ ms", stdout) or not packed
     assert all(cells.startswith("mm ") and "(1.00)" in cells.split(" | ")[0] for cells in lines.values())
+    top_k = re.findall(r"top-k at\s+(\d+) rows: topk\s+[\d.]+ \| _top_k\s+[\d.]+ \([\d.]+\)", stdout)
+    assert "top-50 of the logits" in stdout and [int(rows) for rows in top_k] == [1, 2, 12]
