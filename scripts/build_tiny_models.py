@@ -250,6 +250,12 @@ def pretrained_policy(conversations: list, args: argparse.Namespace) -> tuple[Qw
     tokenizer = build_tokenizer(
         [f"{m['role']}\n{m['content']}" for c in conversations for m in c], vocab_size=args.vocab_size
     )
+    resize = getattr(args, "resize_vocab", None)
+    if resize is not None and resize < len(tokenizer):  # refused before the pretraining, the build's long part
+        raise SystemExit(
+            f"build_tiny_models: --resize-vocab {resize} is smaller than the trained tokenizer's {len(tokenizer)} "
+            "tokens; pass at least that many (or leave --resize-vocab out)."
+        )
     policy = build_policy(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers)
     tokenizer = as_loaded(tokenizer, policy)
     corpus = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
@@ -419,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         help="replace checkpoint folders that already exist in --out (the committed tiny/ kit included)",
     )
     args = parser.parse_args(argv)
+    if args.resize_vocab is not None and args.task != "reviews":
+        parser.error(f"--resize-vocab resizes the review task's policy (a speed model); --task {args.task} has none")
     refuse_to_overwrite(args)
     for name, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, name) is None:
@@ -434,9 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     conversations = make_sft_conversations(args.num_conversations, seed=args.seed)
     policy, tokenizer, description = pretrained_policy(conversations, args)
-    if args.resize_vocab is not None:
-        if args.resize_vocab < len(tokenizer):
-            parser.error(f"--resize-vocab {args.resize_vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    if args.resize_vocab is not None:  # at least the tokenizer's size: pretrained_policy checked it
         policy.resize_token_embeddings(args.resize_vocab, mean_resizing=True)
     print(f"policy: {parameter_count(policy)}, {description}")  # after any resize: the size a run pays for
     save_policy(policy, tokenizer, args.out / "policy", max_new_tokens=48)

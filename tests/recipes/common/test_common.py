@@ -328,6 +328,22 @@ def test_build_script_writes_the_arithmetic_policy(tmp_path, repo_root):
     assert policy.config.vocab_size == len(tokenizer) and policy.generation_config.max_new_tokens == 16
 
 
+def test_the_build_script_refuses_a_resize_below_the_tokenizer_before_pretraining(
+    tmp_path, repo_root, monkeypatch, capsys
+):
+    """A --resize-vocab too small for the trained tokenizer, or given to a task it does nothing for, stops the build
+    before the pretraining (its long part) and writes nothing."""
+    build = load_build_script(repo_root)
+    monkeypatch.setattr(build, "pretrain", lambda *a, **k: pytest.fail("pretrained before refusing"))
+    arguments = [f"--out={tmp_path}", "--num-conversations=200", "--vocab-size=300"]
+    with pytest.raises(SystemExit, match=r"--resize-vocab 50 is smaller than the trained tokenizer's \d+ tokens"):
+        build.main([*arguments, "--resize-vocab=50"])
+    with pytest.raises(SystemExit):
+        build.main([*arguments, "--task=arithmetic", "--resize-vocab=4096"])
+    assert "--task arithmetic has none" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_build_script_pretrains_on_the_tokens_the_loaded_tokenizer_makes(repo_root):
     """The BPE the script trains merges " 1" into one token; the tokenizer from_pretrained loads beside a Qwen2 policy
     splits every digit. The corpus is tokenized by the latter (as_loaded), or "17" in a prompt would be tokens the
