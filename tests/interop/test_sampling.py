@@ -454,9 +454,10 @@ class TestTopKOverALargeVocabulary:
         from interop.sampling.sampler import _choose
 
         settings = SamplingSettings(max_new_tokens=1, top_k=4, temperature=0.8)
-        logits = torch.randn(1, 1024, generator=torch.Generator().manual_seed(0))
+        logits = torch.randn(1, 1024, generator=torch.Generator().manual_seed(0)) * 0.5
         logits[0, [5, 300, 301, 1000]] = torch.tensor([3.0, 2.5, 2.8, 3.2])  # the top 4, in three blocks
         expected = _generate_distribution(logits, settings)[0]
+        assert expected.nonzero().flatten().tolist() == [5, 300, 301, 1000]
         draws = 20_000
         torch.manual_seed(1)
         tokens = _choose(logits.expand(draws, -1).clone(), settings)
