@@ -141,11 +141,12 @@ def _time_top_k(args, plans: dict) -> None:
     found = {}
     for rows, candidates in plans.items():
         logits = candidates["mm"]().clone()
-        whole = logits.topk(min(args.top_k, logits.shape[-1]), dim=-1)
+        k = min(args.top_k, logits.shape[-1])
         values, _ = _top_k(logits, settings)
-        assert torch.equal(values.sort(-1, descending=True).values, whole.values), f"_top_k at {rows} rows"
+        whole = logits.topk(k, dim=-1).values
+        assert torch.equal(values.sort(-1, descending=True).values, whole), f"_top_k at {rows} rows"
         found[rows] = {
-            "topk": lambda logits=logits: logits.topk(settings.top_k, dim=-1, sorted=False),
+            "topk": lambda logits=logits, k=k: logits.topk(k, dim=-1, sorted=False),
             "_top_k": lambda logits=logits: _top_k(logits, settings),
         }
     print(f"top-{args.top_k} of the logits, median ms (ratio to topk over the whole rows)")
