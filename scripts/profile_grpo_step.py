@@ -19,7 +19,8 @@ metrics, batch handling). Each op's self CPU time goes to one category:
 - attention: ``scaled_dot_product_attention`` and what it calls;
 - exp / softmax passes over [*, V]: exp, softmax, log-softmax (and their backwards) with V in a shape;
 - other passes over [*, V]: every other op with V in a shape (max, sums, gathers, in-place updates, the tied
-  embedding's [V, H] gradient, copies, casts);
+  embedding's [V, H] gradient, copies, casts), or a shape that ends in V cut into blocks (the sampler's top-k reads
+  each row's block maxima over [rows, V / 64, 64]);
 - optimizer step: what ``Optimizer.step`` runs (AdamW);
 - other ops: the remaining ops (norms, activations, rotary embeddings, the sampler's small ops...);
 - not in an op: Python, dispatch and autograd's bookkeeping (the self time of the profiler's non-op ranges).
@@ -242,6 +243,16 @@ def _has(shapes, size: int) -> bool:
     return shapes == size
 
 
+def _over(shapes, size: int) -> bool:
+    """Whether an op's input shapes span ``size``: a dimension of ``size``, or last two dimensions whose product is
+    ``size`` (a ``[*, size]`` tensor viewed as blocks)."""
+    if _has(shapes, size):
+        return True
+    if isinstance(shapes, (list, tuple)) and shapes and all(isinstance(item, int) for item in shapes):
+        return len(shapes) >= 2 and shapes[-2] * shapes[-1] == size
+    return isinstance(shapes, (list, tuple)) and any(_over(item, size) for item in shapes)
+
+
 def _ancestors(event):
     parent = event.cpu_parent
     while parent is not None:
@@ -275,7 +286,7 @@ def categorize(event, *, vocab: int, hidden: int) -> tuple[str | None, str]:
     if optimizer:
         return phase, "optimizer step"
     shapes = event.input_shapes
-    with_vocab = head or _has(shapes, vocab)
+    with_vocab = head or _over(shapes, vocab)
     if name in PRODUCTS and not einsum:
         is_head = head or (with_vocab and _has(shapes, hidden))
         return phase, "LM-head products" if is_head else "backbone products"

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 from _in_process import run_script
 
-from scripts.profile_grpo_step import CATEGORIES, FLOOR, PHASES
+from scripts.profile_grpo_step import CATEGORIES, FLOOR, PHASES, categorize
 
 # The bench's quick job: groups of 4, 8 responses of 8 tokens; one warm-up step, two profiled.
 QUICK = ["rollout.group_size=4", "rollout.responses_per_step=8", "rollout.generation.max_new_tokens=8"]
@@ -48,3 +48,25 @@ def test_profile_splits_the_whole_step_by_phase_and_category(tmp_path, capfd, mo
     floor = sum(result["floor"].values())
     assert 0 < floor < step
     assert f"trl / floor = {1.0 / floor:.2f}x" in out
+
+
+class _Event:
+    """The fields of a profiler event that ``categorize`` reads."""
+
+    def __init__(self, name, input_shapes, parent=None):
+        self.name, self.input_shapes, self.cpu_parent = name, input_shapes, parent
+
+
+def test_the_sampler_top_k_block_maxima_count_as_a_pass_over_the_vocabulary():
+    """The sampler's top-k takes each row's block maxima over the logits viewed as [rows, V / 64, 64]: a pass over
+    [*, V] though no dimension is V; the ranking of the maxima that follows is not."""
+    step = _Event("phase::step", [])
+    generate = _Event("phase::generate", [], parent=step)
+    sizes = {"vocab": 151_936, "hidden": 512}
+    assert categorize(_Event("aten::amax", [[16, 2374, 64], [], []], generate), **sizes) == (
+        "generate",
+        "other passes over [*, V]",
+    )
+    assert categorize(_Event("aten::amax", [[16, 151_936], [], []], generate), **sizes)[1] == "other passes over [*, V]"
+    assert categorize(_Event("aten::topk", [[16, 2374], [], [], [], []], generate), **sizes)[1] == "other ops"
+    assert categorize(_Event("aten::mul", [[16, 32, 512], [16, 32, 512]], generate), **sizes)[1] == "other ops"
