@@ -250,11 +250,10 @@ def pretrained_policy(conversations: list, args: argparse.Namespace) -> tuple[Qw
     tokenizer = build_tokenizer(
         [f"{m['role']}\n{m['content']}" for c in conversations for m in c], vocab_size=args.vocab_size
     )
-    resize = getattr(args, "resize_vocab", None)
-    if resize is not None and resize < len(tokenizer):  # refused before the pretraining, the build's long part
+    if args.resize_vocab is not None and args.resize_vocab < len(tokenizer):  # before the pretraining, the long part
         raise SystemExit(
-            f"build_tiny_models: --resize-vocab {resize} is smaller than the trained tokenizer's {len(tokenizer)} "
-            "tokens; pass at least that many (or leave --resize-vocab out)."
+            f"build_tiny_models: --resize-vocab {args.resize_vocab} is smaller than the trained tokenizer's "
+            f"{len(tokenizer)} tokens; pass at least that many (or leave --resize-vocab out)."
         )
     policy = build_policy(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers)
     tokenizer = as_loaded(tokenizer, policy)

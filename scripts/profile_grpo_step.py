@@ -246,11 +246,10 @@ def _has(shapes, size: int) -> bool:
 def _over(shapes, size: int) -> bool:
     """Whether an op's input shapes span ``size``: a dimension of ``size``, or last two dimensions whose product is
     ``size`` (a ``[*, size]`` tensor viewed as blocks)."""
-    if _has(shapes, size):
-        return True
-    if isinstance(shapes, (list, tuple)) and shapes and all(isinstance(item, int) for item in shapes):
-        return len(shapes) >= 2 and shapes[-2] * shapes[-1] == size
-    return isinstance(shapes, (list, tuple)) and any(_over(item, size) for item in shapes)
+    if not isinstance(shapes, (list, tuple)):
+        return shapes == size
+    blocked = len(shapes) >= 2 and all(isinstance(item, int) for item in shapes) and shapes[-2] * shapes[-1] == size
+    return blocked or any(_over(item, size) for item in shapes)
 
 
 def _ancestors(event):

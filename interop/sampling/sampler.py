@@ -807,7 +807,7 @@ def _into_rows(product: torch.Tensor, out: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _output_head_for_few_rows(model, *, skip: bool = False, rows: int = 0, head_calls: int = 0):
+def _output_head_for_few_rows(model, *, skip: bool = False, rows: int, head_calls: int):
     """While sampling, the model's output head (``get_output_embeddings()``) computes its product weight-first
     (:func:`_head_for_few_rows`) where that is faster: a plain float32 ``nn.Linear`` on CPU of at least
     ``_ROWS_FIRST_MIN_WEIGHTS`` weights, whose ``forward`` no one else has replaced (accelerate's hooks, an adapter).
