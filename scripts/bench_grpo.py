@@ -20,10 +20,10 @@ the learning-rate schedule and float32.
 
 - ours (sync) and ours (async): the recipe's own ``train(cfg)`` with ``rollout.mode=sync|async`` (composed with Hydra,
   no intermediate checkpoints), timed by the recipe itself: ``summary.json``'s ``perf/wall_time_s`` (the training steps,
-  setup apart) and ``generated_tokens``; its ``metrics.csv`` gives the phases. Ours (sync) runs with 1 and with 2 torch
-  threads (the recipe's ``num_threads``; ``--sync-threads``), and the faster is "ours (sync)" in the ratios, as for
-  trl; ours (async) with ``num_threads`` (1) in the learner and ``rollout.collector_threads`` (1) in the collector
-  process, one core each.
+  setup apart) and ``generated_tokens``; its ``metrics.csv`` gives the phases. Ours (sync) runs with 1 torch thread,
+  and with 2 sampling on 1 (the recipe's ``num_threads`` and ``rollout.learner_sampling_threads``; ``--sync-threads``),
+  and the faster is "ours (sync)" in the ratios, as for trl; ours (async) with ``num_threads`` (1) in the learner and
+  ``rollout.collector_threads`` (1) in the collector process, one core each.
 - trl: ``GRPOTrainer`` with ``per_device_train_batch_size`` = responses per optimizer step, ``num_generations`` =
   group size, ``steps_per_generation`` = optimizer steps per generation batch, ``num_iterations`` = the recipe's
   ``train.epochs_per_step``, ``gradient_accumulation_steps=1``, timed from ``on_train_begin`` to the last
@@ -423,8 +423,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sync-threads",
-        default="1,2",
-        help="torch threads ours (sync) runs with (the recipe's num_threads); the fastest is compared (default 1,2)",
+        default="1,2/1",
+        help="torch threads ours (sync) runs with (the recipe's num_threads), N/M: N, sampling on M "
+        "(rollout.learner_sampling_threads); the fastest is compared (default 1,2/1: the tiny models decode fastest on "
+        "one thread and train fastest on two)",
     )
     parser.add_argument(
         "--loss-type", default=None, help="loss.type for every side (trl's loss_type; default: the recipe's, dapo)"
@@ -451,8 +453,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
     args.steps = args.steps if args.steps is not None else (3 if args.quick else 10)
     args.trl_threads = [int(n) for n in args.trl_threads.split(",")]
-    args.sync_threads = [int(n) for n in args.sync_threads.split(",")]
-    if args.rounds < 1 or args.steps < 1 or args.updates_per_step < 1 or min(args.trl_threads + args.sync_threads) < 1:
+    args.sync_threads = [tuple(int(n) for n in entry.split("/")) for entry in args.sync_threads.split(",")]
+    counts = args.trl_threads + [n for entry in args.sync_threads for n in entry]
+    if any(len(entry) > 2 for entry in args.sync_threads):
+        parser.error("--sync-threads: each entry is N (threads) or N/M (N threads, sampling on M)")
+    if args.rounds < 1 or args.steps < 1 or args.updates_per_step < 1 or min(counts) < 1:
         parser.error("--rounds, --steps, --updates-per-step, --sync-threads and --trl-threads must be >= 1")
     return args
 
@@ -492,6 +497,9 @@ def _config_for(args, side: str, run_index: int, scratch: Path):
     ]
     if side.startswith("ours (sync"):
         overrides.append(f"num_threads={_thread_count(side)}")
+        sampling = re.search(r"sampling on (\d+)\)", side)
+        if sampling:
+            overrides.append(f"rollout.learner_sampling_threads={sampling.group(1)}")
     # After the user's overrides, so that the mini-batch follows a group size or batch given there.
     cfg = compose_config(overrides)
     per_step = cfg.rollout.responses_per_step
@@ -508,8 +516,9 @@ def _config_for(args, side: str, run_index: int, scratch: Path):
 
 
 def _thread_count(side: str) -> int:
-    """The thread count in a side's name: ``"trl (2 threads)"`` -> 2."""
-    return int(re.search(r"(\d+) threads?\)", side).group(1))
+    """The thread count in a side's name: ``"trl (2 threads)"`` -> 2, ``"ours (sync, 2 threads, sampling on 1)"``
+    -> 2."""
+    return int(re.search(r"(\d+) threads?[,)]", side).group(1))
 
 
 def _run_side(args, side: str, run_index: int, scratch: Path, on_phase=None) -> Run:
@@ -566,7 +575,8 @@ def _measure_memory(args, side: str, scratch: Path) -> dict[str, float]:
 
 def _memory_report(args, sides: list[str]) -> dict[str, dict[str, float]]:
     print("\npeak resident memory (MB), each side in a fresh process for", args.steps, "steps:")
-    print(f"{'side':18s} {'update':>10s} {'whole run':>10s}")
+    names = max(18, *map(len, sides))
+    print(f"{'side':{names}s} {'update':>10s} {'whole run':>10s}")
     peaks = {}
     for side in sides:
         command = [sys.executable, __file__, "--memory-side", side, f"--steps={args.steps}"]
@@ -577,7 +587,7 @@ def _memory_report(args, sides: list[str]) -> dict[str, dict[str, float]]:
         if result.returncode != 0:
             raise RuntimeError(f"bench_grpo: the memory run of {side} failed:\n{result.stderr[-3000:]}")
         peaks[side] = json.loads(result.stdout.strip().splitlines()[-1])
-        print(f"{side:18s} {peaks[side]['update']:10.0f} {peaks[side]['all']:10.0f}", flush=True)
+        print(f"{side:{names}s} {peaks[side]['update']:10.0f} {peaks[side]['all']:10.0f}", flush=True)
     print("  (ours (async): the learner's process; its collector process holds the sampling copy and reward model)")
     return peaks
 
@@ -591,7 +601,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
         print(json.dumps(_measure_memory(args, args.memory_side, scratch)))
         return {}
 
-    sync_sides = [f"ours (sync, {_threads(n)})" for n in args.sync_threads]
+    sync_sides = [
+        f"ours (sync, {_threads(entry[0])}{f', sampling on {entry[1]}' if len(entry) > 1 else ''})"
+        for entry in args.sync_threads
+    ]
     trl_sides = [f"trl ({_threads(n)})" for n in args.trl_threads]
     sides = [*sync_sides, ASYNC, *([ASYNC_BF16] if args.sampler_dtype else []), *trl_sides]
     cfg = _config_for(args, sync_sides[0], 0, scratch)
@@ -614,12 +627,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
         f"  loss_type {cfg.loss.type}, KL coefficient (trl beta) {cfg.loss.kl_to_ref_coeff}, clip "
         f"{cfg.loss.clip_epsilon}/{cfg.loss.clip_epsilon_high}, lr "
         f"{cfg.optimizer.lr}, {cfg.device} {cfg.dtype}; torch threads: ours (sync) "
-        f"{' and '.join(map(str, args.sync_threads))}, ours (async) {async_cfg.num_threads} + a collector process of "
+        f"{' and '.join('/'.join(map(str, entry)) for entry in args.sync_threads)} (N/M: sampling on M), ours (async) "
+        f"{async_cfg.num_threads} + a collector process of "
         f"{async_cfg.rollout.collector_threads}, trl {' and '.join(map(str, args.trl_threads))}",
         flush=True,
     )
 
     results: dict[str, list[Run]] = {side: [] for side in sides}
+    names = max(22, *map(len, sides))
     for round_index in range(args.rounds + 1):
         # Rotate who goes first, so that a drift in the machine's load does not favour one side.
         shift = round_index % len(sides)
@@ -627,7 +642,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
             run = _run_side(args, side, round_index, scratch)
             label = "warm-up" if round_index == 0 else f"round {round_index}"
             print(
-                f"  {label:8s} {side:22s} {run.tokens_per_s:9.1f} tokens/s {run.s_per_step:8.3f} s/step "
+                f"  {label:8s} {side:{names}s} {run.tokens_per_s:9.1f} tokens/s {run.s_per_step:8.3f} s/step "
                 f"{run.rollout_tokens_per_s:9.1f} rollout tokens/s ({run.tokens} tokens, {run.optimizer_steps} steps)",
                 flush=True,
             )
@@ -650,13 +665,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
         "tokens_per_response": ("tokens/response", "{:16.1f}"),
     }
     widths = [len(fmt.format(0)) for _, fmt in columns.values()]
-    print(f"\n{'median over rounds':24s} " + " ".join(f"{t:>{w}s}" for (t, _), w in zip(columns.values(), widths)))
+    names = max(24, *map(len, sides))
+    print(f"\n{'median over rounds':{names}s} " + " ".join(f"{t:>{w}s}" for (t, _), w in zip(columns.values(), widths)))
     for side in sides:
-        print(f"{side:24s} " + " ".join(fmt.format(median(side, name)) for name, (_, fmt) in columns.items()))
+        print(f"{side:{names}s} " + " ".join(fmt.format(median(side, name)) for name, (_, fmt) in columns.items()))
     print(f"ours (sync) = {best_sync}, the faster ours (sync); trl = {best_trl}, the faster trl")
     for name, side in compared.items():
         ratios = [median(side, column) / median(best_trl, column) for column in columns]
-        print(f"{'ratio ' + name + '/trl':24s} " + " ".join(f"{r:{w}.2f}" for r, w in zip(ratios, widths)))
+        print(f"{'ratio ' + name + '/trl':{names}s} " + " ".join(f"{r:{w}.2f}" for r, w in zip(ratios, widths)))
 
     print(
         f"\nseconds per generation batch by phase (medians){'':4s}" + " ".join(f"{p:>9s}" for p in (*PHASES, "total"))

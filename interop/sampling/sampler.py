@@ -227,6 +227,34 @@ class SampledResponses:
     kept: KeptCache | None = None  # with keep_cache=True, where the model's cache allows it: every row's KV cache
 
 
+def check_thread_count(num_threads, *, owner: str) -> None:
+    """Refuses a ``num_threads`` that is neither ``None`` nor a positive int, naming ``owner``."""
+    if num_threads is None:
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(
+            f"{owner}: num_threads must be a positive int, or None for the process's, got {num_threads!r}."
+        )
+
+
+@contextlib.contextmanager
+def intra_op_threads(num_threads: int | None):
+    """torch's intra-op thread count is ``num_threads`` inside the block and what it was after (``None``: unchanged).
+
+    A decoding step of a small model is many small ops between Python calls, which more threads slow down while the
+    same model's training passes gain from them (docs/benchmarks.md): a sampler can run on fewer threads than its
+    process trains on."""
+    previous = torch.get_num_threads()
+    if num_threads is None or num_threads == previous:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _forward_options(model) -> tuple[dict, str]:
     """``logits_to_keep=1`` where the model takes it (no prefill logits over the whole prompt), and the name of its
     KV-cache argument (``cache`` in recent transformers 5 releases, ``past_key_values`` before)."""
@@ -1160,6 +1188,8 @@ class CausalLMSampler(TensorDictModuleBase):
             ``model.generation_config.eos_token_id``.
         log_probs_at_temperature: record each token's log-prob under ``logits / settings.temperature``, as trl's
             ``GRPOTrainer`` scores completions (``TorchRLRolloutFunc`` sets it); ``False``: under the raw logits.
+        num_threads: torch's intra-op threads while it samples, restored after (:func:`intra_op_threads`); ``None``:
+            the process's. A small model on CPU decodes faster on fewer threads than it trains on.
 
     Examples:
         >>> import torch
@@ -1201,8 +1231,10 @@ class CausalLMSampler(TensorDictModuleBase):
         settings: SamplingSettings,
         eos_token_ids: Sequence[int] | None = None,
         log_probs_at_temperature: bool = False,
+        num_threads: int | None = None,
     ) -> None:
         super().__init__()
+        check_thread_count(num_threads, owner="CausalLMSampler")
         if not isinstance(settings, SamplingSettings):
             raise TypeError(
                 f"CausalLMSampler: settings must be a SamplingSettings, got {type(settings).__name__} (build one with "
@@ -1213,6 +1245,7 @@ class CausalLMSampler(TensorDictModuleBase):
         self.tokenizer = tokenizer
         self.settings = settings
         self.log_probs_at_temperature = log_probs_at_temperature
+        self.num_threads = num_threads
         self.eos_token_ids = (
             sorted(set(eos_token_ids)) if eos_token_ids is not None else end_of_response_ids(model, tokenizer)
         )
@@ -1224,15 +1257,16 @@ class CausalLMSampler(TensorDictModuleBase):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         prompt = tensordict.get(PROMPT_TOKENS)
         prompt_mask = tensordict.get(PROMPT_MASK).bool()
-        sampled = sample_responses(
-            self.model,
-            prompt,
-            prompt_mask,
-            settings=self.settings,
-            eos_token_ids=self.eos_token_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
-            log_probs_at_temperature=self.log_probs_at_temperature,
-        )
+        with intra_op_threads(self.num_threads):
+            sampled = sample_responses(
+                self.model,
+                prompt,
+                prompt_mask,
+                settings=self.settings,
+                eos_token_ids=self.eos_token_ids,
+                pad_token_id=self.tokenizer.pad_token_id,
+                log_probs_at_temperature=self.log_probs_at_temperature,
+            )
         batch = prompt.shape[0]
         tensordict.set(RESPONSE_TOKENS, sampled.tokens)
         tensordict.set(TOKENS, torch.cat([prompt, sampled.tokens], dim=-1))

@@ -36,6 +36,8 @@ from interop.sampling.sampler import (
     TOKENS,
     TRUNCATED,
     SamplingSettings,
+    check_thread_count,
+    intra_op_threads,
 )
 from interop.tools.dialogs import Dialogs, DialogSampler
 from interop.tools.runner import ToolCallFormat, ToolRunner
@@ -83,6 +85,7 @@ class DialogPolicy(TensorDictModuleBase):
             and the chat template writes it in a tool-calling turn (else turns end at EOS only, as trl's do).
         eos_token_ids, log_probs_at_temperature, chat_template_kwargs: as
             :class:`interop.tools.dialogs.DialogSampler`'s.
+        num_threads: torch's intra-op threads while it samples, as :class:`interop.sampling.CausalLMSampler`'s.
 
     Examples:
         With the calculator task's policy and tool (``scripts/build_tiny_models.py --task calculator``)::
@@ -122,8 +125,10 @@ class DialogPolicy(TensorDictModuleBase):
         eos_token_ids: Sequence[int] | None = None,
         log_probs_at_temperature: bool = False,
         chat_template_kwargs: dict | None = None,
+        num_threads: int | None = None,
     ) -> None:
         super().__init__()
+        check_thread_count(num_threads, owner="DialogPolicy")
         call_format = call_format or ToolCallFormat()
         make_sampler = functools.partial(
             DialogSampler,
@@ -153,6 +158,7 @@ class DialogPolicy(TensorDictModuleBase):
         self.model = model
         self.tokenizer = tokenizer
         self.last_dialogs: Dialogs | None = None
+        self.num_threads = num_threads
         # Bumped by whoever updates the weights; written into every batch, so that the batch says its age.
         self.register_buffer("version", torch.zeros((), dtype=torch.long))
         self.in_keys = [PROMPT_TOKENS, PROMPT_MASK]
@@ -165,7 +171,8 @@ class DialogPolicy(TensorDictModuleBase):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         prompt = tensordict.get(PROMPT_TOKENS)
         prompt_mask = tensordict.get(PROMPT_MASK).bool()
-        dialogs = self.sampler.sample(prompt, prompt_mask)
+        with intra_op_threads(self.num_threads):
+            dialogs = self.sampler.sample(prompt, prompt_mask)
         self.last_dialogs = dialogs
         batch, device = prompt.shape[0], prompt.device
         # At least one column, so that a batch whose dialogs all ended before a turn keeps the dense layout.

@@ -99,6 +99,7 @@ RESUME_FREE_KEYS = (
     "summary",
     "metric",
     "rollout.collector_threads",
+    "rollout.learner_sampling_threads",
     "rollout.worker_resources",  # where the workers run, not what they sample
     "ray",
     "rollout.log_prob_micro_batch_size",

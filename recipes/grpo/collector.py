@@ -156,16 +156,18 @@ def check_tool_template(cfg: GRPORecipeConfig, tokenizer) -> None:
         ) from None
 
 
-def make_sampling_policy(cfg: GRPORecipeConfig, model, tokenizer, *, generation: Mapping, key: str):
+def make_sampling_policy(
+    cfg: GRPORecipeConfig, model, tokenizer, *, generation: Mapping, key: str, num_threads: int | None = None
+):
     """The policy module that answers a ``PromptEnv``'s prompts: ``interop.CausalLMSampler`` (one response each), or,
     when ``tools:`` names tools, ``interop.tools.dialog_policy.DialogPolicy`` (multi-turn dialogs, up to
     ``rollout.max_turns`` turns, calls answered by a ToolRunner of its own, in a worker process). ``generation``'s
     ``max_new_tokens`` bounds each turn and the whole completion, tool messages included (trl's
-    ``max_completion_length``)."""
+    ``max_completion_length``). ``num_threads``: torch's threads while it samples (``None``: the process's)."""
     settings = sampler_settings(generation, key=key)
     tools = resolve_tools(cfg.tools)
     if tools is None:
-        return CausalLMSampler(model, tokenizer, settings=settings)
+        return CausalLMSampler(model, tokenizer, settings=settings, num_threads=num_threads)
     runner = make_tool_runner(cfg.tools, tools, tokenizer=tokenizer)
     return DialogPolicy(
         model,
@@ -175,6 +177,7 @@ def make_sampling_policy(cfg: GRPORecipeConfig, model, tokenizer, *, generation:
         max_turns=cfg.rollout.max_turns,
         max_completion_tokens=settings.max_new_tokens,
         call_format=resolve_call_format(cfg.tools),  # None: Qwen2.5's <tool_call>; TorchRL pieces may bring theirs
+        num_threads=num_threads,
     )
 
 
@@ -205,10 +208,11 @@ def _prompt_collector(
     num_replicas: int,
     rank: int,
     responses: int,
+    sampling_threads: int | None = None,
 ) -> tuple[Collector, CausalLMSampler | DialogPolicy]:
     """``PromptEnv`` + reward transforms, stepped by a ``CausalLMSampler`` (a ``DialogPolicy`` with tools), driven by
     a TorchRL ``Collector`` that yields ``responses`` responses per batch (replica ``rank`` of ``num_replicas``
-    sharing the prompt stream)."""
+    sharing the prompt stream), sampling on ``sampling_threads`` torch threads (``None``: the process's)."""
     group = cfg.rollout.group_size
     prompts = make_prompt_table(cfg, prompts, tokenizer)
     env = PromptEnv(
@@ -226,7 +230,12 @@ def _prompt_collector(
         make_reward_transform(cfg, reward_model, reward_tokenizer, tokenizer, prompts=prompts, start_step=start_step)
     )
     policy = make_sampling_policy(
-        cfg, policy_model, tokenizer, generation=cfg.rollout.generation, key="rollout.generation"
+        cfg,
+        policy_model,
+        tokenizer,
+        generation=cfg.rollout.generation,
+        key="rollout.generation",
+        num_threads=sampling_threads,
     )
     # One env step per batch: B dialogs of one turn each. Endless: the learner decides when to stop.
     collector = Collector(
@@ -407,6 +416,7 @@ def make_collector(
         num_replicas=num_replicas,
         rank=rank,
         responses=cfg.rollout.responses_per_step,
+        sampling_threads=cfg.rollout.learner_sampling_threads,
     )
     policy.version.fill_(start_step)
     return LocalCollector(collector, policy, policy.version)

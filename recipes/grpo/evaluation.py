@@ -149,7 +149,12 @@ class Evaluator:
         self.indices = list(range(start, start + per_process))
         # With tools, multi-turn dialogs as in training, their calls answered by a tool worker of the evaluation's own.
         self.policy = make_sampling_policy(
-            cfg, policy, tokenizer, generation=eval_generation(cfg), key="eval.generation"
+            cfg,
+            policy,
+            tokenizer,
+            generation=eval_generation(cfg),
+            key="eval.generation",
+            num_threads=cfg.rollout.learner_sampling_threads,
         )
         self.tokenizer = tokenizer
         self.oracle = oracle

@@ -184,6 +184,7 @@ class Rollout:
     workers: Positive
     worker_resources: WorkerResourcesNode
     collector_threads: Positive
+    learner_sampling_threads: Positive | None  # null: num_threads
     # Apart from the learner: push the weights every this many updates; the samplers' dtype.
     weight_sync_every: Positive
     sampler_dtype: DType  # the same choices as dtype (float16: CUDA only, as dtype)

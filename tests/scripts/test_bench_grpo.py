@@ -90,7 +90,7 @@ def test_each_side_is_compared_at_its_faster_thread_count_over_the_timed_rounds(
     side from the unrounded medians and the paired per-round ratios."""
     tokens_per_s = {
         "ours (sync, 1 thread)": (1000.0, 1200.0),
-        "ours (sync, 2 threads)": (800.0, 900.0),
+        "ours (sync, 2 threads, sampling on 1)": (800.0, 900.0),
         "ours (async)": (1500.0, 1700.0),
         "trl (1 thread)": (600.0, 700.0),
         "trl (2 threads)": (700.0, 900.0),
@@ -129,3 +129,17 @@ def test_each_side_is_compared_at_its_faster_thread_count_over_the_timed_rounds(
         paired = [ours / trl for ours, trl in zip(tokens_per_s[side], tokens_per_s["trl (2 threads)"], strict=True)]
         assert ratio["paired"] == pytest.approx(sum(paired) / 2)
         assert f"{name} runs at {ratio['tokens_per_s']:.2f}x trl's generated tokens per second" in out
+
+
+def test_a_sync_side_of_n_threads_sampling_on_m_runs_the_recipe_at_those_counts(bench_grpo, tmp_path):
+    """``--sync-threads 1,2/1`` (the default): the 2/1 side trains at num_threads=2 and samples on one thread."""
+    args = bench_grpo.parse_args(["--quick"])
+    assert args.sync_threads == [(1,), (2, 1)]
+    for side, threads, sampling in (
+        ("ours (sync, 1 thread)", 1, None),
+        ("ours (sync, 2 threads, sampling on 1)", 2, 1),
+    ):
+        cfg = bench_grpo._config_for(args, side, 0, tmp_path)
+        assert (cfg.num_threads, cfg.rollout.learner_sampling_threads) == (threads, sampling)
+    with pytest.raises(SystemExit):
+        bench_grpo.parse_args(["--sync-threads", "2/1/1"])

@@ -116,3 +116,45 @@ class TestPaddedBatches:
         torch.testing.assert_close(padded_out["loss"], ragged_out.loss_objective, atol=1e-5, rtol=1e-4)
         for got, expected in zip(padded_grads, ragged_grads, strict=True):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_the_learner_samples_and_evaluates_on_learner_sampling_threads_and_trains_on_num_threads(
+    compose_config, tmp_path, monkeypatch
+):
+    """``num_threads=2 rollout.learner_sampling_threads=1``: every forward pass of the policy that samples (training
+    batches and evaluation, in inference mode) runs on 1 thread, every pass of the update on 2."""
+    from _small_runs import GRPO_SMALL
+
+    import recipes.grpo_torchrl_rm as recipe
+
+    seen: list[tuple[str, bool, int]] = []  # (where, inference mode, threads)
+    where = ["training"]
+    load_models, evaluate = recipe.load_models, recipe.evaluate
+
+    def recording_models(*args, **kwargs):
+        models = load_models(*args, **kwargs)
+        models.policy.get_input_embeddings().register_forward_pre_hook(
+            lambda module, inputs: seen.append((where[0], torch.is_inference_mode_enabled(), torch.get_num_threads()))
+        )
+        return models
+
+    def recording_evaluation(*args, **kwargs):
+        where[0] = "eval"
+        try:
+            return evaluate(*args, **kwargs)
+        finally:
+            where[0] = "training"
+
+    monkeypatch.setattr(recipe, "load_models", recording_models)
+    monkeypatch.setattr(recipe, "evaluate", recording_evaluation)
+    before = torch.get_num_threads()
+    overrides = ["num_threads=2", "rollout.learner_sampling_threads=1", "train.steps=1", "eval.every_n_steps=1"]
+    overrides += ["eval.group_size=2", "data.num_eval_prompts=2", f"output_dir={tmp_path}"]
+    try:
+        recipe.train(compose_config("grpo_torchrl_rm", [*GRPO_SMALL, *overrides]))
+    finally:
+        torch.set_num_threads(before)
+
+    sampling = {(place, threads) for place, inference, threads in seen if inference}
+    assert sampling == {("training", 1), ("eval", 1)}
+    assert {threads for _, inference, threads in seen if not inference} == {2}  # the learner's own passes
