@@ -1189,7 +1189,8 @@ class CausalLMSampler(TensorDictModuleBase):
         log_probs_at_temperature: record each token's log-prob under ``logits / settings.temperature``, as trl's
             ``GRPOTrainer`` scores completions (``TorchRLRolloutFunc`` sets it); ``False``: under the raw logits.
         num_threads: torch's intra-op threads while it samples, restored after (:func:`intra_op_threads`); ``None``:
-            the process's. A small model on CPU decodes faster on fewer threads than it trains on.
+            the process's. A small model on CPU decodes faster on fewer threads than it trains on. The count is the
+            process's (``torch.set_num_threads``): a training pass in another thread meanwhile runs on it too.
 
     Examples:
         >>> import torch
