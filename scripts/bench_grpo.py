@@ -453,10 +453,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
     args.steps = args.steps if args.steps is not None else (3 if args.quick else 10)
     args.trl_threads = [int(n) for n in args.trl_threads.split(",")]
-    args.sync_threads = [tuple(int(n) for n in entry.split("/")) for entry in args.sync_threads.split(",")]
+    try:
+        args.sync_threads = [tuple(int(n) for n in entry.split("/")) for entry in args.sync_threads.split(",")]
+    except ValueError:
+        args.sync_threads = [()]
+    if any(len(entry) not in (1, 2) for entry in args.sync_threads):
+        parser.error("--sync-threads: each entry is N (threads) or N/M (N threads, sampling on M), e.g. 1,2/1")
     counts = args.trl_threads + [n for entry in args.sync_threads for n in entry]
-    if any(len(entry) > 2 for entry in args.sync_threads):
-        parser.error("--sync-threads: each entry is N (threads) or N/M (N threads, sampling on M)")
     if args.rounds < 1 or args.steps < 1 or args.updates_per_step < 1 or min(counts) < 1:
         parser.error("--rounds, --steps, --updates-per-step, --sync-threads and --trl-threads must be >= 1")
     return args
@@ -634,7 +637,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
     )
 
     results: dict[str, list[Run]] = {side: [] for side in sides}
-    names = max(22, *map(len, sides))
+    names = max(24, *map(len, sides))  # the width of the side names' column
     for round_index in range(args.rounds + 1):
         # Rotate who goes first, so that a drift in the machine's load does not favour one side.
         shift = round_index % len(sides)
@@ -665,7 +668,6 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
         "tokens_per_response": ("tokens/response", "{:16.1f}"),
     }
     widths = [len(fmt.format(0)) for _, fmt in columns.values()]
-    names = max(24, *map(len, sides))
     print(f"\n{'median over rounds':{names}s} " + " ".join(f"{t:>{w}s}" for (t, _), w in zip(columns.values(), widths)))
     for side in sides:
         print(f"{side:{names}s} " + " ".join(fmt.format(median(side, name)) for name, (_, fmt) in columns.items()))

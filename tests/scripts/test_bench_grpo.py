@@ -141,5 +141,6 @@ def test_a_sync_side_of_n_threads_sampling_on_m_runs_the_recipe_at_those_counts(
     ):
         cfg = bench_grpo._config_for(args, side, 0, tmp_path)
         assert (cfg.num_threads, cfg.rollout.learner_sampling_threads) == (threads, sampling)
-    with pytest.raises(SystemExit):
-        bench_grpo.parse_args(["--sync-threads", "2/1/1"])
+    for wrong in ("2/1/1", "2/", "two"):
+        with pytest.raises(SystemExit):
+            bench_grpo.parse_args(["--sync-threads", wrong])
