@@ -83,22 +83,15 @@ def test_one_turn_without_calls_is_causal_lm_sampler(tiny_policy, runner):
 
 def test_num_threads_holds_while_the_dialogs_are_sampled(tiny_policy, runner):
     """``num_threads=1`` in a 2-thread process: the model runs on 1 thread, and the process is back at 2 after."""
+    from _thread_counts import threads_seen_by
+
     model, tokenizer = tiny_policy
     settings = SamplingSettings(max_new_tokens=4, top_k=50)
     policy = DialogPolicy(model, tokenizer, runner, settings=settings, max_turns=1, num_threads=1)
-    seen: list[int] = []
-    hook = model.get_input_embeddings().register_forward_pre_hook(
-        lambda module, args: seen.append(torch.get_num_threads())
-    )
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with threads_seen_by(model, process_threads=2) as seen:
         policy(_prompt_batch(tokenizer))
         assert seen and set(seen) == {1}
         assert torch.get_num_threads() == 2
-    finally:
-        hook.remove()
-        torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -1102,18 +1102,14 @@ class TestCausalLMSampler:
     def test_num_threads_holds_while_it_samples_and_the_process_count_comes_back(self, tiny_policy):
         """``num_threads=1`` in a 2-thread process: every forward pass of the loop runs on 1 thread, and the process is
         back at 2 after the call, and after a call that fails."""
+        from _thread_counts import threads_seen_by
         from tensordict import TensorDict
 
         model, tokenizer = tiny_policy
         tokens, mask = _prompts(tokenizer, PROMPTS)
         td = TensorDict({"tokens": {"prompt": tokens}, "masks": {"prompt": mask}}, batch_size=[3])
         policy = CausalLMSampler(model, tokenizer, settings=SamplingSettings(max_new_tokens=4), num_threads=1)
-        seen: list[int] = []
-        embeddings = model.get_input_embeddings()
-        hook = embeddings.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
-        before = torch.get_num_threads()
-        try:
-            torch.set_num_threads(2)
+        with threads_seen_by(model, process_threads=2) as seen:
             policy(td.clone())
             assert len(seen) >= 2 and set(seen) == {1}  # the prefill and every decoding step
             assert torch.get_num_threads() == 2
@@ -1121,14 +1117,13 @@ class TestCausalLMSampler:
             def fail(module, args):
                 raise RuntimeError("a forward pass failed")
 
-            failing = embeddings.register_forward_pre_hook(fail)
-            with pytest.raises(RuntimeError, match="a forward pass failed"):
-                policy(td.clone())
-            failing.remove()
+            failing = model.get_input_embeddings().register_forward_pre_hook(fail)
+            try:
+                with pytest.raises(RuntimeError, match="a forward pass failed"):
+                    policy(td.clone())
+            finally:
+                failing.remove()
             assert torch.get_num_threads() == 2
-        finally:
-            hook.remove()
-            torch.set_num_threads(before)
 
     @pytest.mark.parametrize("num_threads", [0, -1, 1.5, True])
     def test_a_thread_count_that_is_not_a_positive_int_is_refused(self, tiny_policy, num_threads):
