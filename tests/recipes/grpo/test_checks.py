@@ -48,6 +48,7 @@ def test_a_key_the_recipe_does_not_read_is_refused_with_the_nearest(
         ("seed=-1", r"seed=-1 must be >= 0"),
         ("reward.micro_batch_size=0", r"reward.micro_batch_size=0 must be >= 1"),
         ("rollout.log_prob_micro_batch_size=0", r"rollout.log_prob_micro_batch_size=0 must be >= 1"),
+        ("rollout.learner_sampling_threads=0", r"rollout.learner_sampling_threads=0 must be >= 1"),
         ("loss.clip_epsilon=-0.2", r"loss.clip_epsilon=-0.2 must be > 0"),
         ("loss.clip_epsilon=wide", r"loss.clip_epsilon='wide': expected a number"),
     ],
