@@ -4,6 +4,9 @@
   prompt batch sampled with a KV cache, each sampled token's log-prob recorded), :class:`SamplingSettings` (its
   ``GenerationConfig`` fields), :func:`sample_responses` (the decoding loop), and the TensorDict keys it reads and
   writes (TorchRL's LLM layout: :data:`PROMPT_TOKENS`, :data:`LOG_PROBS`...).
+- :mod:`interop.sampling.decode_step`: :class:`~interop.sampling.decode_step.DecodeStep`, the decoding loop's step
+  for Llama, Qwen2 and Qwen3 models: the model's own modules and functions without the Python of its wrappers (the
+  same logits, bit for bit).
 - :mod:`interop.sampling.rollouts`: :class:`RolloutSampler`, the sync rollout core: prompt token ids in, one
   completion (or tool dialog) per prompt out, in the columns of trl's ``rollout_func``; what
   :class:`interop.TorchRLRolloutFunc` samples with in the trainer's process, and every sampler apart from it too.

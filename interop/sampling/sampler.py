@@ -41,6 +41,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from interop.errors import SettingError
+from interop.sampling.decode_step import DecodeStep
 
 __all__ = [
     "CausalLMSampler",
@@ -969,6 +970,7 @@ def _prefilled_batch(
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         logits, cache = _prefill(model, prompt_tokens, mask, positions, prefill, share=not synced)
     seen = None  # [B, V]: the tokens of each sequence so far, for the repetition penalty
+    prepared = _takes_prepared_decoding_masks(model)
     if settings.repetition_penalty != 1.0:
         seen = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, prompt_tokens, prompt_mask.float()) > 0
     return logits, _DecodingBatch(
@@ -977,7 +979,9 @@ def _prefilled_batch(
         positions[:, -1:] + 1,
         seen,
         cache_argument=cache_argument,
-        prepared_masks=_takes_prepared_decoding_masks(model),
+        prepared_masks=prepared,
+        # The step reads the prepared masks (a 2D mask would need the model's own mask building).
+        step=DecodeStep.of(model, cache) if prepared and not synced else None,
     )
 
 
@@ -1007,7 +1011,11 @@ class _DecodingBatch:
     ``prepared_masks``: each step hands the model the mask its SDPA attention reads (``[rows, 1, 1, columns]``, bool:
     a single new query attends to every real column of its row), which transformers otherwise rebuilds from the 2D
     mask at every step (its ``create_causal_mask``: about 0.1 ms of a tiny model's 1.3 ms step). The same mask, so the
-    same logits; left to the model where no row has padding (it then passes no mask at all to the attention)."""
+    same logits; left to the model where no row has padding (it then passes no mask at all to the attention).
+
+    ``step``: the model's :class:`~interop.sampling.decode_step.DecodeStep` where it has one (the same logits without
+    the wrappers' Python: 64 rows of the tiny policy, 1.4 -> 1.0 ms a step), else ``None``: each step calls the
+    model."""
 
     def __init__(
         self,
@@ -1018,8 +1026,10 @@ class _DecodingBatch:
         *,
         cache_argument: str,
         prepared_masks: bool = False,
+        step: DecodeStep | None = None,
     ):
         self.cache, self.mask, self.next_position, self.seen = cache, mask, next_position, seen
+        self.step = step
         self.rows = torch.arange(mask.shape[0], device=mask.device)
         # How the rows' entries of the whole batch's tensors are read: every row a plain slice (a view), until rows
         # leave (then an index, a copy).
@@ -1044,6 +1054,12 @@ class _DecodingBatch:
         """Feeds each row's last token (``[rows, 1]``); returns the next logits (``[rows, V]``)."""
         # Finished rows still in the batch decode pads (their outputs are discarded).
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=-1)
+        if self.step is not None:
+            logits = self.step(
+                tokens, self.mask.bool()[:, None, None, :] if self.padded else None, self.next_position, self.cache
+            )
+            self.next_position = self.next_position + 1
+            return logits
         out = model(
             input_ids=tokens,
             attention_mask=self.mask.bool()[:, None, None, :] if self.padded else self.mask,
