@@ -55,15 +55,35 @@ _GLOBAL_HOOKS = (
 
 def _is_plain(module: nn.Module) -> bool:
     """Whether calling ``module`` runs its class's ``forward`` and nothing else: no hook on it, no ``forward`` of its
-    own instance, and no gradient checkpointing in training (a checkpointing decoder layer drops the cache)."""
+    own instance (but trl's pass-through, :func:`_is_trl_fused_forward`), and no gradient checkpointing in training (a
+    checkpointing decoder layer drops the cache)."""
     return (
         not module._forward_hooks
         and not module._forward_pre_hooks
         and not module._backward_hooks
         and not module._backward_pre_hooks
-        and "forward" not in vars(module)
+        and ("forward" not in vars(module) or _is_trl_fused_forward(module))
         and not (getattr(module, "gradient_checkpointing", False) and module.training)
     )
+
+
+def _is_trl_fused_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s own ``forward`` is the one ``trl``'s ``GRPOTrainer`` sets on its model
+    (``trl.trainer.utils.add_fused_lm_head``) directly over the class's forward: without ``fused_lm_head=True``, which
+    sampling never passes, it calls that forward with the same arguments."""
+    forward = vars(module)["forward"]
+    function: Any = getattr(forward, "__func__", None)
+    code = getattr(function, "__code__", None)
+    if (
+        getattr(forward, "__self__", None) is not module
+        or code is None
+        or code.co_name != "_fused_forward"
+        or function.__globals__.get("__name__") != "trl.trainer.utils"
+        or "original_forward" not in code.co_freevars
+    ):
+        return False
+    wrapped = function.__closure__[code.co_freevars.index("original_forward")].cell_contents
+    return getattr(wrapped, "__func__", None) is type(module).forward and getattr(wrapped, "__self__", None) is module
 
 
 def _is_plain_instance(module: nn.Module, cls: type) -> bool:

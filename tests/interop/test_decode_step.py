@@ -267,3 +267,25 @@ def test_a_patched_modeling_class_runs_its_own_forward(monkeypatch):
     monkeypatch.setattr(modeling_qwen2, "Qwen2Attention", OwnAttention)
     model = _model("qwen2")
     assert DecodeStep.of(model, DynamicCache(config=model.config)) is None
+
+
+def test_trl_s_fused_head_forward_is_served_and_another_wrapper_is_not():
+    """``trl.GRPOTrainer`` sets ``add_fused_lm_head``'s forward on its model, which passes a plain call through to the
+    class's forward: the step serves it, with the model's logits. A wrapper of another kind, or trl's over another
+    wrapper, is refused."""
+    import functools
+
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = _model("qwen2")
+    add_fused_lm_head(model)
+    assert "forward" in vars(model)
+    for expected, got, *_ in _decode_both_ways(model, padded=True, steps=2):
+        assert torch.equal(got, expected)
+
+    wrapped = _model("qwen2")
+    plain = wrapped.forward
+    wrapped.forward = functools.wraps(plain)(lambda *args, **kwargs: plain(*args, **kwargs))
+    assert DecodeStep.of(wrapped, DynamicCache(config=wrapped.config)) is None
+    add_fused_lm_head(wrapped)  # trl's forward over the wrapper
+    assert DecodeStep.of(wrapped, DynamicCache(config=wrapped.config)) is None
