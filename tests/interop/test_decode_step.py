@@ -193,11 +193,10 @@ def test_the_step_is_refused_for_another_cache_and_under_a_global_hook():
         handle.remove()
 
 
-@pytest.mark.parametrize("keep_cache", [False, True], ids=["plain", "keep_cache"])
-def test_the_sampler_draws_the_same_with_the_step_as_with_the_model(tiny_policy, monkeypatch, keep_cache):
-    """The shipped tiny policy (Qwen2), a GRPO-like batch whose rows end at different lengths (and leave the batch):
-    the same tokens, log-probs and lengths whether each step runs through the step or the model's forward; the step
-    served every decoding step of the first run."""
+def test_the_sampler_draws_the_same_with_the_step_as_with_the_model(tiny_policy, monkeypatch):
+    """The shipped tiny policy (Qwen2), a GRPO-like batch whose rows end at different lengths (and leave the batch),
+    then a dialog's next turn from the kept caches: the same tokens, log-probs and kept caches whether each step runs
+    through the step or the model's forward; the step served every decoding step of both calls."""
     model, tokenizer = tiny_policy
     conversations = [[{"role": "user", "content": text}] for text in ("Review the chair.", "What of the lamp's color?")]
     prompts = tokenizer.apply_chat_template(
@@ -211,7 +210,7 @@ def test_the_sampler_draws_the_same_with_the_step_as_with_the_model(tiny_policy,
     )
     # Two tokens that row 0 and row 5 drew early also end a response: rows end at different steps.
     eos = sorted({tokenizer.eos_token_id, int(first.tokens[0, 2]), int(first.tokens[5, 6])})
-    options = {"eos_token_ids": eos, "pad_token_id": tokenizer.pad_token_id}
+    options = {"eos_token_ids": eos, "pad_token_id": tokenizer.pad_token_id, "keep_cache": True}
     steps = []
     original = DecodeStep.__call__
 
@@ -220,18 +219,20 @@ def test_the_sampler_draws_the_same_with_the_step_as_with_the_model(tiny_policy,
         return original(self, *args)
 
     monkeypatch.setattr(DecodeStep, "__call__", counted)
-    torch.manual_seed(3)
-    with_step = sample_responses(model, tokens, mask, settings=settings, keep_cache=keep_cache, **options)
-    monkeypatch.setattr(sampler_module.DecodeStep, "of", classmethod(lambda cls, model, cache: None))
-    torch.manual_seed(3)
-    with_model = sample_responses(model, tokens, mask, settings=settings, keep_cache=keep_cache, **options)
-    assert len(steps) == with_step.tokens.shape[1] - 1  # every decoding step after the prefill's
-    assert torch.equal(with_step.tokens, with_model.tokens)
-    assert torch.equal(with_step.mask, with_model.mask)
-    assert torch.equal(with_step.log_probs, with_model.log_probs)
-    lengths = with_step.mask.sum(-1)
-    assert lengths.min() < lengths.max()  # rows ended at different steps: some left the decoding batch early
-    if keep_cache:
+
+    def both_ways(tokens, mask, **extra):
+        """The draws through the step, and through the model's forward (``DecodeStep.of`` refusing every model)."""
+        steps.clear()
+        torch.manual_seed(3)
+        with_step = sample_responses(model, tokens, mask, settings=settings, **options, **extra.get("step", {}))
+        assert len(steps) == with_step.tokens.shape[1] - 1  # every decoding step after the prefill's
+        with monkeypatch.context() as patch:
+            patch.setattr(sampler_module.DecodeStep, "of", classmethod(lambda cls, model, cache: None))
+            torch.manual_seed(3)
+            with_model = sample_responses(model, tokens, mask, settings=settings, **options, **extra.get("model", {}))
+        assert torch.equal(with_step.tokens, with_model.tokens)
+        assert torch.equal(with_step.mask, with_model.mask)
+        assert torch.equal(with_step.log_probs, with_model.log_probs)
         (step_layers, step_mask, _), (model_layers, model_mask, _) = (
             with_step.kept._assemble(),
             with_model.kept._assemble(),
@@ -239,6 +240,22 @@ def test_the_sampler_draws_the_same_with_the_step_as_with_the_model(tiny_policy,
         assert torch.equal(step_mask, model_mask)
         for step_layer, model_layer in zip(step_layers, model_layers, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(step_layer, model_layer, strict=True))
+        return with_step, with_model
+
+    with_step, with_model = both_ways(tokens, mask)
+    lengths = with_step.mask.sum(-1)
+    assert lengths.min() < lengths.max()  # rows ended at different steps: some left the decoding batch early
+    # The next turn: each row's context, its prompt and response and three more tokens, from its kept cache.
+    contexts = [
+        torch.cat([row[keep.bool()], response[taken], torch.tensor([5, 6, 7])])
+        for row, keep, response, taken in zip(tokens, mask, with_step.tokens, with_step.mask, strict=True)
+    ]
+    width = max(len(context) for context in contexts)
+    grown = torch.zeros(len(contexts), width, dtype=torch.long)
+    grown_mask = torch.zeros_like(grown)
+    for index, context in enumerate(contexts):
+        grown[index, width - len(context) :], grown_mask[index, width - len(context) :] = context, 1
+    both_ways(grown, grown_mask, step={"past": with_step.kept}, model={"past": with_model.kept})
 
 
 def test_a_patched_modeling_class_runs_its_own_forward(monkeypatch):
