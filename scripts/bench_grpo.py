@@ -453,12 +453,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
     args.steps = args.steps if args.steps is not None else (3 if args.quick else 10)
     args.trl_threads = [int(n) for n in args.trl_threads.split(",")]
+    malformed = "--sync-threads: each entry is N (threads) or N/M (N threads, sampling on M), e.g. 1,2/1"
     try:
         args.sync_threads = [tuple(int(n) for n in entry.split("/")) for entry in args.sync_threads.split(",")]
     except ValueError:
-        args.sync_threads = [()]
+        parser.error(malformed)
     if any(len(entry) not in (1, 2) for entry in args.sync_threads):
-        parser.error("--sync-threads: each entry is N (threads) or N/M (N threads, sampling on M), e.g. 1,2/1")
+        parser.error(malformed)
     counts = args.trl_threads + [n for entry in args.sync_threads for n in entry]
     if args.rounds < 1 or args.steps < 1 or args.updates_per_step < 1 or min(counts) < 1:
         parser.error("--rounds, --steps, --updates-per-step, --sync-threads and --trl-threads must be >= 1")

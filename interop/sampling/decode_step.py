@@ -119,14 +119,13 @@ class DecodeStep:
     use_cache=True).logits[:, -1]`` would.
     """
 
-    def __init__(self, model: Any, modeling, mlp_class: type | None, normalizes_queries: bool) -> None:
+    def __init__(self, model: Any, layers: list, modeling, mlp_class: type | None, normalizes_queries: bool) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.model = model
         self.attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
         self.apply_rotary_pos_emb = modeling.apply_rotary_pos_emb  # the one the attention's forward calls
         self.normalizes_queries = normalizes_queries
-        base = model.model
         self.layers = [
             (
                 layer,
@@ -136,7 +135,7 @@ class DecodeStep:
                 _linear(layer.self_attn.o_proj),
                 _mlp(layer.mlp, mlp_class),
             )
-            for layer in base.layers[: base.config.num_hidden_layers]  # the layers the base model's forward runs
+            for layer in layers
         ]
 
     @classmethod
@@ -168,7 +167,7 @@ class DecodeStep:
             or any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
         ):
             return None
-        layers = list(base.layers[: base.config.num_hidden_layers])
+        layers = list(base.layers[: base.config.num_hidden_layers])  # the layers the base model's forward runs
         if (
             any(type(layer) is not layer_class or type(layer.self_attn) is not attention_class for layer in layers)
             or not all(_is_plain(module) for module in (model, base, *layers, *(layer.self_attn for layer in layers)))
@@ -177,7 +176,8 @@ class DecodeStep:
             or any(inspect.getmodule(c) is not modeling for c in (lm_class, base_class, layer_class, attention_class))
         ):
             return None
-        return cls(model, modeling, mlp_class if inspect.getmodule(mlp_class) is modeling else None, normalizes_queries)
+        own_mlp = mlp_class if inspect.getmodule(mlp_class) is modeling else None
+        return cls(model, layers, modeling, own_mlp, normalizes_queries)
 
     def __call__(
         self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor, cache

@@ -1054,22 +1054,21 @@ class _DecodingBatch:
         """Feeds each row's last token (``[rows, 1]``); returns the next logits (``[rows, V]``)."""
         # Finished rows still in the batch decode pads (their outputs are discarded).
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=-1)
+        prepared = self.mask.bool()[:, None, None, :] if self.padded else None
         if self.step is not None:
-            logits = self.step(
-                tokens, self.mask.bool()[:, None, None, :] if self.padded else None, self.next_position, self.cache
+            logits = self.step(tokens, prepared, self.next_position, self.cache)
+        else:
+            out = model(
+                input_ids=tokens,
+                attention_mask=prepared if prepared is not None else self.mask,
+                position_ids=self.next_position,
+                use_cache=True,
+                **{self.cache_argument: self.cache},
             )
-            self.next_position = self.next_position + 1
-            return logits
-        out = model(
-            input_ids=tokens,
-            attention_mask=self.mask.bool()[:, None, None, :] if self.padded else self.mask,
-            position_ids=self.next_position,
-            use_cache=True,
-            **{self.cache_argument: self.cache},
-        )
-        self.cache = _cache_of(out)
+            self.cache = _cache_of(out)
+            logits = out.logits[:, -1]
         self.next_position = self.next_position + 1
-        return out.logits[:, -1]
+        return logits
 
 
 def _decode(
